@@ -1,0 +1,67 @@
+"""The ``dflash`` command line: parse, dispatch, print.
+
+    dflash generate transformers "How many divisors does 196 have?"
+    dflash benchmark transformers --dataset gsm8k --max-samples 8
+    dflash init-draft --target M --out DIR
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import typer
+
+from dflash.errors import DflashError
+
+app = typer.Typer(
+    pretty_exceptions_enable=False,
+    no_args_is_help=True,
+    add_completion=False,
+    help="Lossless speculative decoding with block-diffusion (DFlash) drafts.",
+)
+
+# Commands live beside the code they drive; each module imports heavy libraries lazily.
+from dflash.commands import generate, init_draft  # noqa: E402
+
+app.command("generate")(generate)
+app.command("init-draft")(init_draft)
+
+try:  # the benchmark and training commands are optional modules of the package
+    from dflash.bench.command import benchmark  # noqa: E402
+
+    app.command("benchmark")(benchmark)
+except ImportError:  # pragma: no cover - only while a module is missing
+    pass
+try:
+    from dflash.train.command import data_app, train  # noqa: E402
+
+    app.command("train")(train)
+    app.add_typer(data_app, name="data")
+except ImportError:  # pragma: no cover
+    pass
+
+
+def report_error(err: DflashError) -> None:
+    """Print a :class:`DflashError` as one red ``error:`` line (+ dim ``hint:``) on stderr."""
+    from rich.console import Console
+
+    from rich.text import Text
+
+    console = Console(stderr=True, highlight=False, soft_wrap=True)
+    console.print(Text.assemble(("error: ", "bold red"), err.message))
+    if err.hint:
+        console.print(Text("hint: " + err.hint, style="dim"))
+
+
+def main() -> None:
+    """Entry point of the ``dflash`` console script; turns DflashError into exit code 1."""
+    try:
+        app(standalone_mode=True)
+    except DflashError as err:
+        if os.environ.get("DFLASH_DEBUG"):
+            raise
+        report_error(err)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        sys.exit(130)
