@@ -1,0 +1,418 @@
+"""Prompt datasets shared by ``dflash benchmark`` and draft training.
+
+    load_prompts("gsm8k")                       # benchmark split, prompts built as in brief §7.1
+    load_prompts("mbpp:train", data_dir="../shared/datasets")
+    load_prompts("my_prompts.jsonl")            # lines with "prompt", "turns" or "messages"
+
+Where rows come from: the ``data_dir`` argument, else ``$DFLASH_DATA_DIR``, else the Hugging Face
+hub through ``datasets.load_dataset``, cached as JSONL under ``$DFLASH_CACHE/datasets`` (default
+``~/.cache/dflash/datasets``). Local folders use the layout of ``shared/datasets``.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import random
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dflash.errors import DatasetError, InputError
+
+MATH_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
+HUMANEVAL_TEMPLATE = (
+    "Write a solution to the following problem and make sure that it passes the tests:\n"
+    "```python\n{prompt}\n```"
+)
+MBPP_TEST_IDS = range(11, 511)  # the MBPP test split is task ids 11..510
+SELECT_SEED = 42
+
+
+@dataclass
+class PromptItem:
+    """One prompt of a dataset.
+
+    Attributes:
+        id: stable identifier, unique within its dataset (used to resume benchmark runs).
+        turns: user turns in order; one for single-turn prompts, two for MT-Bench.
+    """
+
+    id: str
+    turns: list[str] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------------------------
+# prompt construction, one function per source; each takes (row index, row in the local format)
+
+
+def _gsm8k(split: str) -> Callable[[int, dict], PromptItem]:
+    prefix = "gsm8k" if split == "test" else f"gsm8k-{split}"
+    return lambda i, row: PromptItem(f"{prefix}/{i}", [_text(row, "question") + MATH_SUFFIX])
+
+
+def _math500(i: int, row: dict) -> PromptItem:
+    return PromptItem(f"math500/{i}", [_text(row, "problem") + MATH_SUFFIX])
+
+
+def _humaneval(i: int, row: dict) -> PromptItem:
+    rid = str(row.get("task_id", f"HumanEval/{i}"))
+    return PromptItem(rid, [HUMANEVAL_TEMPLATE.format(prompt=_text(row, "prompt"))])
+
+
+def _mbpp(i: int, row: dict) -> PromptItem:
+    return PromptItem(f"mbpp/{row['task_id']}", [_text(row, "prompt")])
+
+
+def _mt_bench(i: int, row: dict) -> PromptItem:
+    turns = row.get("turns")
+    if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
+        raise DatasetError(f"MT-Bench row {i} has no list of string 'turns'.")
+    return PromptItem(f"mt-bench/{row.get('question_id', i)}", list(turns))
+
+
+def format_mmlu(row: dict) -> str:
+    """Turn an MMLU row (``question``, 4 ``choices``, ``subject``) into a natural prompt."""
+    subject = str(row.get("subject", "")).replace("_", " ").strip()
+    about = f" about {subject}" if subject else ""
+    options = "\n".join(f"{letter}. {c}" for letter, c in zip("ABCD", row["choices"], strict=False))
+    return (
+        f"Answer the following multiple-choice question{about}.\n\n"
+        f"{_text(row, 'question')}\n\n{options}\n\n"
+        "Explain your reasoning briefly, then give the letter of the correct answer."
+    )
+
+
+def _mmlu(i: int, row: dict) -> PromptItem:
+    return PromptItem(f"mmlu-{row.get('split', 'all')}/{i}", [format_mmlu(row)])
+
+
+def _text(row: dict, key: str) -> str:
+    value = row.get(key)
+    if not isinstance(value, str):
+        raise DatasetError(f"A dataset row has no string field '{key}': {str(row)[:80]}.")
+    return value
+
+
+# ---------------------------------------------------------------------------------------------
+# hub rows -> the local (shared/datasets) row format
+
+
+def _mt_bench_from_hub(row: dict) -> dict:
+    return {
+        "question_id": row["prompt_id"],
+        "category": row["category"],
+        "turns": row["prompt"],
+    }
+
+
+def _mmlu_from_hub(split: str) -> Callable[[dict], dict]:
+    def convert(row: dict) -> dict:
+        answer = row["answer"]
+        letter = "ABCD"[answer] if isinstance(answer, int) else str(answer)
+        return {
+            "subject": row["subject"],
+            "split": split,
+            "question": row["question"],
+            "choices": list(row["choices"]),
+            "answer": letter,
+        }
+
+    return convert
+
+
+@dataclass(frozen=True)
+class _Source:
+    """Where one named source lives locally, on the hub and in the cache, and how to build items.
+
+    Attributes:
+        local: file under the data dir, in the shared/datasets layout.
+        cache: JSONL file under the cache dir holding the hub rows in the local row format.
+        hub: (repo, config, [(split, row converter or None), ...]) for ``datasets.load_dataset``.
+        build: (row index among kept rows, row) -> PromptItem.
+        keep: row filter (MBPP test ids, MMLU split); None keeps every row.
+    """
+
+    local: str
+    cache: str
+    hub: tuple[str, str | None, tuple[tuple[str, Callable[[dict], dict] | None], ...]]
+    build: Callable[[int, dict], PromptItem]
+    keep: Callable[[dict], bool] | None = None
+
+
+_MBPP_HUB = (
+    "google-research-datasets/mbpp",
+    "sanitized",
+    (("prompt", None), ("train", None), ("validation", None), ("test", None)),
+)
+_MMLU_HUB = (
+    "cais/mmlu",
+    "all",
+    (("test", _mmlu_from_hub("test")), ("validation", _mmlu_from_hub("validation"))),
+)
+
+SOURCES: dict[str, _Source] = {
+    "gsm8k": _Source(
+        "gsm8k/test.jsonl",
+        "gsm8k/test.jsonl",
+        ("openai/gsm8k", "main", (("test", None),)),
+        _gsm8k("test"),
+    ),
+    "math500": _Source(
+        "math500/test.jsonl",
+        "math500/test.jsonl",
+        ("HuggingFaceH4/MATH-500", None, (("test", None),)),
+        _math500,
+    ),
+    "humaneval": _Source(
+        "humaneval/HumanEval.jsonl.gz",
+        "humaneval/HumanEval.jsonl",
+        ("openai/openai_humaneval", None, (("test", None),)),
+        _humaneval,
+    ),
+    "mbpp": _Source(
+        "mbpp/sanitized-mbpp.json",
+        "mbpp/sanitized-mbpp.jsonl",
+        _MBPP_HUB,
+        _mbpp,
+        keep=lambda row: row["task_id"] in MBPP_TEST_IDS,
+    ),
+    "mt-bench": _Source(
+        "mt-bench/question.jsonl",
+        "mt-bench/question.jsonl",
+        ("HuggingFaceH4/mt_bench_prompts", None, (("train", _mt_bench_from_hub),)),
+        _mt_bench,
+    ),
+    "gsm8k:train": _Source(
+        "gsm8k/train.jsonl",
+        "gsm8k/train.jsonl",
+        ("openai/gsm8k", "main", (("train", None),)),
+        _gsm8k("train"),
+    ),
+    "mbpp:train": _Source(
+        "mbpp/sanitized-mbpp.json",
+        "mbpp/sanitized-mbpp.jsonl",
+        _MBPP_HUB,
+        _mbpp,
+        keep=lambda row: row["task_id"] not in MBPP_TEST_IDS,
+    ),
+    "mmlu": _Source("mmlu/mmlu.jsonl", "mmlu/mmlu.jsonl", _MMLU_HUB, _mmlu),
+}
+BENCHMARK_NAMES = ("gsm8k", "math500", "humaneval", "mbpp", "mt-bench")
+ALIASES = {
+    "gsm8k:test": "gsm8k",
+    "math500:test": "math500",
+    "humaneval:test": "humaneval",
+    "mbpp:test": "mbpp",
+    "mt-bench:test": "mt-bench",
+    "mt_bench": "mt-bench",
+    "mtbench": "mt-bench",
+    "mmlu:all": "mmlu",
+}
+
+
+def available_datasets() -> list[str]:
+    """Names accepted by :func:`load_prompts` (besides a path to a ``.jsonl`` file)."""
+    return list(SOURCES)
+
+
+# ---------------------------------------------------------------------------------------------
+# public entry points
+
+
+def load_prompts(spec: str, data_dir: str | Path | None = None) -> list[PromptItem]:
+    """Load the prompts of one dataset.
+
+    Args:
+        spec: a name from :func:`available_datasets` (``name`` or ``name:split``, e.g. ``gsm8k``,
+            ``gsm8k:train``, ``mbpp:train``, ``mmlu``), or a path to a ``.jsonl`` file whose lines
+            hold ``prompt`` (string), ``turns`` (list of strings) or ``messages`` (chat list; the
+            user turns are kept), plus an optional ``id``.
+        data_dir: folder laid out like ``shared/datasets``; None falls back to
+            ``$DFLASH_DATA_DIR``, then to the hub (cached as JSONL, see module docstring).
+
+    Returns:
+        The items in file order; ids are unique within the dataset.
+
+    Raises:
+        DatasetError: unknown name, missing or malformed file, or the hub cannot be reached.
+    """
+    spec = spec.strip()
+    key = ALIASES.get(spec.lower(), spec.lower())
+    source = SOURCES.get(key)
+    if source is None and _looks_like_path(spec):
+        return load_jsonl_prompts(spec)
+    if source is None:
+        raise DatasetError(
+            f"Unknown dataset '{spec}'. Available: {', '.join(available_datasets())}.",
+            hint="or pass a path to a .jsonl file with a 'prompt', 'turns' or 'messages' field",
+        )
+    rows = _load_rows(key, source, data_dir)
+    if source.keep is not None:
+        rows = [row for row in rows if source.keep(row)]
+    items = [source.build(i, row) for i, row in enumerate(rows)]
+    if not items:
+        raise DatasetError(f"Dataset '{spec}' has no rows.")
+    return items
+
+
+def select(items: list[PromptItem], max_samples: int | None) -> list[PromptItem]:
+    """Pick the benchmark subset: shuffle indices with a dedicated ``random.Random(42)``, take N.
+
+    The order is shuffled even when every item is kept, so a run with ``max_samples=N`` is a
+    prefix of the full run. The global ``random`` state is left untouched.
+
+    Args:
+        items: all items of a dataset.
+        max_samples: how many to keep; None keeps all.
+
+    Raises:
+        InputError: ``max_samples`` < 1.
+    """
+    if max_samples is not None and max_samples < 1:
+        raise InputError(f"--max-samples must be >= 1, got {max_samples}.")
+    order = list(range(len(items)))
+    random.Random(SELECT_SEED).shuffle(order)
+    if max_samples is not None:
+        order = order[:max_samples]
+    return [items[i] for i in order]
+
+
+def load_jsonl_prompts(path: str | Path) -> list[PromptItem]:
+    """Read a user prompt file; one JSON object per line (see :func:`load_prompts`).
+
+    Raises:
+        DatasetError: the file is missing, a line is not JSON or has none of the prompt fields,
+            or two lines share an ``id``.
+    """
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise DatasetError(f"Prompt file {path} does not exist.")
+    items: list[PromptItem] = []
+    seen: set[str] = set()
+    for lineno, line in enumerate(_open_text(path), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise DatasetError(f"{path}:{lineno} is not valid JSON ({err.msg}).") from None
+        turns = _turns_of(row)
+        if turns is None:
+            raise DatasetError(
+                f"{path}:{lineno} has no 'prompt' string, 'turns' list or 'messages' list.",
+                hint='write one object per line, e.g. {"prompt": "Hello"}',
+            )
+        rid = str(row["id"]) if isinstance(row.get("id"), (str, int)) else f"{path.stem}/{lineno}"
+        if rid in seen:
+            raise DatasetError(f"{path}:{lineno} repeats the id '{rid}'.")
+        seen.add(rid)
+        items.append(PromptItem(rid, turns))
+    if not items:
+        raise DatasetError(f"Prompt file {path} holds no prompts.")
+    return items
+
+
+def _turns_of(row: object) -> list[str] | None:
+    if not isinstance(row, dict):
+        return None
+    if isinstance(row.get("prompt"), str):
+        return [row["prompt"]]
+    turns = row.get("turns")
+    if isinstance(turns, list) and turns and all(isinstance(t, str) for t in turns):
+        return list(turns)
+    messages = row.get("messages")
+    if isinstance(messages, list):
+        user = [
+            m["content"]
+            for m in messages
+            if isinstance(m, dict) and m.get("role") == "user" and isinstance(m.get("content"), str)
+        ]
+        return user or None
+    return None
+
+
+def _looks_like_path(spec: str) -> bool:
+    lower = spec.lower()
+    return lower.endswith((".jsonl", ".jsonl.gz")) or os.sep in spec or Path(spec).is_file()
+
+
+# ---------------------------------------------------------------------------------------------
+# row loading: data dir > $DFLASH_DATA_DIR > cache > hub
+
+
+def cache_dir() -> Path:
+    """Folder of the JSONL copies of hub datasets: ``$DFLASH_CACHE/datasets`` or the default."""
+    root = os.environ.get("DFLASH_CACHE")
+    if root:
+        return Path(root).expanduser() / "datasets"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "dflash" / "datasets"
+
+
+def _load_rows(name: str, source: _Source, data_dir: str | Path | None) -> list[dict]:
+    if data_dir is None and os.environ.get("DFLASH_DATA_DIR"):
+        data_dir = os.environ["DFLASH_DATA_DIR"]
+    if data_dir is not None:
+        path = Path(data_dir).expanduser() / source.local
+        if not path.is_file():
+            raise DatasetError(
+                f"Dataset '{name}' is not in {data_dir}: {path} does not exist.",
+                hint="point --data-dir (or DFLASH_DATA_DIR) at a folder laid out like "
+                "shared/datasets",
+            )
+        return _read_rows(path)
+    cached = cache_dir() / source.cache
+    if cached.is_file():
+        return _read_rows(cached)
+    rows = _download(name, source)
+    _write_jsonl_atomic(cached, rows)
+    return rows
+
+
+def _download(name: str, source: _Source) -> list[dict]:
+    repo, config, splits = source.hub
+    try:
+        import datasets  # heavy import; only needed on a cache miss
+
+        rows: list[dict] = []
+        for split, convert in splits:
+            for row in datasets.load_dataset(repo, config, split=split):
+                rows.append(convert(dict(row)) if convert else dict(row))
+    except DatasetError:
+        raise
+    except Exception as err:  # noqa: BLE001 - network, auth, offline: all one error to users
+        reason = str(err).splitlines()[0][:120] if str(err) else type(err).__name__
+        raise DatasetError(
+            f"Could not load dataset '{name}' from the hub ({repo}): {reason}",
+            hint="pass --data-dir DIR (or set DFLASH_DATA_DIR) to read a local copy",
+        ) from None
+    return rows
+
+
+def _read_rows(path: Path) -> list[dict]:
+    try:
+        if path.name.endswith(".json"):
+            data = json.loads(path.read_text(encoding="utf-8"))
+            if not isinstance(data, list):
+                raise DatasetError(f"{path} should hold a JSON list of rows.")
+            return data
+        return [json.loads(line) for line in _open_text(path) if line.strip()]
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError, EOFError) as err:
+        raise DatasetError(f"Could not read {path}: {err}.") from None
+
+
+def _open_text(path: Path) -> Iterable[str]:
+    opener = gzip.open if path.name.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        yield from f
+
+
+def _write_jsonl_atomic(path: Path, rows: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+    os.replace(tmp, path)

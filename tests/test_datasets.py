@@ -1,0 +1,208 @@
+"""Prompt datasets: local copies in the shared/datasets layout, prompt construction, selection,
+JSONL prompt files, and the hub path (with ``datasets.load_dataset`` replaced; no network)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+
+import pytest
+
+from dflash.data import datasets as ds
+from dflash.data import load_prompts, select
+from dflash.errors import DatasetError, InputError
+
+DATA_DIR = Path(
+    os.environ.get("DFLASH_DATA_DIR") or Path(__file__).resolve().parents[2] / "shared" / "datasets"
+)
+pytestmark = pytest.mark.skipif(not DATA_DIR.is_dir(), reason=f"no dataset folder {DATA_DIR}")
+
+
+@pytest.mark.parametrize(
+    ("name", "count", "first_id"),
+    [
+        ("gsm8k", 1319, "gsm8k/0"),
+        ("math500", 500, "math500/0"),
+        ("humaneval", 164, "HumanEval/0"),
+        ("mbpp", 257, "mbpp/11"),
+        ("mt-bench", 80, "mt-bench/81"),
+        ("gsm8k:train", 7473, "gsm8k-train/0"),
+    ],
+)
+def test_benchmark_sets_load_with_unique_ids(name, count, first_id):
+    items = load_prompts(name, DATA_DIR)
+    assert len(items) == count
+    assert items[0].id == first_id
+    assert len({i.id for i in items}) == count
+
+
+def test_prompt_construction_follows_the_brief():
+    gsm = load_prompts("gsm8k", DATA_DIR)[0].turns
+    assert gsm[0].startswith("Janet")
+    assert gsm[0].endswith(
+        "\nPlease reason step by step, and put your final answer within \\boxed{}."
+    )
+    math = load_prompts("math500", DATA_DIR)[0].turns[0]
+    assert math.startswith("Convert the point") and math.endswith("within \\boxed{}.")
+    he = load_prompts("humaneval", DATA_DIR)[0].turns[0]
+    assert he.startswith(
+        "Write a solution to the following problem and make sure that it passes the tests:\n"
+        "```python\nfrom typing import List"
+    )
+    assert he.endswith("\n```")
+    rows = json.loads((DATA_DIR / "mbpp" / "sanitized-mbpp.json").read_text())
+    first_test = min((r for r in rows if 11 <= r["task_id"] <= 510), key=lambda r: r["task_id"])
+    assert load_prompts("mbpp", DATA_DIR)[0].turns == [first_test["prompt"]]  # verbatim
+    mt = load_prompts("mt-bench", DATA_DIR)
+    assert all(len(item.turns) == 2 for item in mt)
+    assert mt[0].turns[1].startswith("Rewrite your previous response")
+
+
+def test_mbpp_train_is_the_sanitized_rows_outside_the_test_ids():
+    test_ids = {i.id for i in load_prompts("mbpp", DATA_DIR)}
+    train = load_prompts("mbpp:train", DATA_DIR)
+    assert len(train) == 427 - 257
+    assert not test_ids & {i.id for i in train}
+    assert all(not 11 <= int(i.id.split("/")[1]) <= 510 for i in train)
+
+
+def test_mmlu_is_formatted_with_its_four_choices():
+    items = load_prompts("mmlu", DATA_DIR)
+    assert len(items) == 15573
+    text = items[0].turns[0]
+    assert "abstract algebra" in text
+    assert "Find the degree for the given field extension" in text
+    assert "\nA. 0\nB. 4\nC. 2\nD. 6\n" in text
+    assert sum(i.id.startswith("mmlu-validation/") for i in items) == 1531
+
+
+def test_unknown_name_is_one_line_listing_the_names():
+    with pytest.raises(DatasetError) as err:
+        load_prompts("gsm9k", DATA_DIR)
+    message = err.value.message
+    assert "\n" not in message
+    for name in ("gsm8k", "math500", "humaneval", "mbpp", "mt-bench", "mmlu", "mbpp:train"):
+        assert name in message
+
+
+def test_data_dir_argument_beats_env_and_env_beats_hub(monkeypatch, tmp_path):
+    monkeypatch.setenv("DFLASH_DATA_DIR", str(tmp_path / "nowhere"))
+    assert len(load_prompts("mt-bench", DATA_DIR)) == 80  # the argument wins
+    with pytest.raises(DatasetError, match="does not exist"):
+        load_prompts("mt-bench")  # the env folder is used, and it lacks the file
+    monkeypatch.setenv("DFLASH_DATA_DIR", str(DATA_DIR))
+    assert len(load_prompts("mt-bench")) == 80
+
+
+def test_select_is_a_dedicated_seeded_shuffle():
+    items = load_prompts("humaneval", DATA_DIR)
+    state = random.getstate()
+    everything = select(items, None)
+    assert random.getstate() == state  # the global RNG is not touched
+    assert sorted(i.id for i in everything) == sorted(i.id for i in items)
+    assert [i.id for i in everything] != [i.id for i in items]
+    assert select(items, 5) == everything[:5]
+    assert select(items, 5) == select(items, 5)
+    assert select(items, 10_000) == everything
+    order = list(range(len(items)))
+    random.Random(42).shuffle(order)
+    assert [i.id for i in select(items, 3)] == [items[k].id for k in order[:3]]
+    with pytest.raises(InputError):
+        select(items, 0)
+
+
+def test_jsonl_prompt_files(tmp_path):
+    path = tmp_path / "mine.jsonl"
+    lines = [
+        {"prompt": "Hello"},
+        {"id": "two", "turns": ["a", "b"]},
+        {
+            "messages": [
+                {"role": "system", "content": "be brief"},
+                {"role": "user", "content": "q1"},
+                {"role": "assistant", "content": "x"},
+                {"role": "user", "content": "q2"},
+            ]
+        },
+    ]
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n\n")
+    items = load_prompts(str(path))
+    assert [(i.id, i.turns) for i in items] == [
+        ("mine/1", ["Hello"]),
+        ("two", ["a", "b"]),
+        ("mine/3", ["q1", "q2"]),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("content", "match"),
+    [
+        ('{"prompt": "a"}\nnot json\n', "mine.jsonl:2 is not valid JSON"),
+        ('{"text": "a"}\n', "no 'prompt' string"),
+        ('{"id": 1, "prompt": "a"}\n{"id": 1, "prompt": "b"}\n', "repeats the id"),
+        ("\n", "holds no prompts"),
+    ],
+)
+def test_bad_jsonl_files_raise_dataset_errors(tmp_path, content, match):
+    path = tmp_path / "mine.jsonl"
+    path.write_text(content)
+    with pytest.raises(DatasetError, match=match):
+        load_prompts(str(path))
+    with pytest.raises(DatasetError, match="does not exist"):
+        load_prompts(str(tmp_path / "missing.jsonl"))
+
+
+class FakeHub:
+    """Stands in for ``datasets.load_dataset``; records calls, serves canned hub-format rows."""
+
+    ROWS = {
+        ("HuggingFaceH4/mt_bench_prompts", "train"): [
+            {"prompt": ["t1", "t2"], "prompt_id": 81, "category": "writing"}
+        ],
+        ("cais/mmlu", "test"): [
+            {"question": "2+2?", "subject": "math", "choices": ["1", "2", "3", "4"], "answer": 3}
+        ],
+        ("cais/mmlu", "validation"): [],
+    }
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, repo, config=None, *, split):
+        self.calls.append((repo, config, split))
+        if (repo, split) not in self.ROWS:
+            raise ConnectionError("offline")
+        return list(self.ROWS[(repo, split)])
+
+
+@pytest.fixture
+def hub(monkeypatch, tmp_path):
+    datasets = pytest.importorskip("datasets")
+    fake = FakeHub()
+    monkeypatch.setattr(datasets, "load_dataset", fake)
+    monkeypatch.delenv("DFLASH_DATA_DIR", raising=False)
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "cache"))
+    return fake
+
+
+def test_hub_rows_are_cached_as_jsonl_in_the_local_format(hub, tmp_path):
+    items = load_prompts("mt-bench")
+    assert [(i.id, i.turns) for i in items] == [("mt-bench/81", ["t1", "t2"])]
+    cached = tmp_path / "cache" / "datasets" / "mt-bench" / "question.jsonl"
+    assert json.loads(cached.read_text().splitlines()[0])["turns"] == ["t1", "t2"]
+    assert load_prompts("mt-bench") == items
+    assert len(hub.calls) == 1  # the second load read the cache
+
+    mmlu = load_prompts("mmlu")
+    assert "\nD. 4\n" in mmlu[0].turns[0]
+    row = json.loads((tmp_path / "cache" / "datasets" / "mmlu" / "mmlu.jsonl").read_text())
+    assert row["answer"] == "D" and row["split"] == "test"
+    assert ds.cache_dir() == tmp_path / "cache" / "datasets"
+
+
+def test_hub_failure_is_a_dataset_error_with_a_hint(hub):
+    with pytest.raises(DatasetError, match="Could not load dataset 'gsm8k'") as err:
+        load_prompts("gsm8k")
+    assert "--data-dir" in err.value.hint
