@@ -1,0 +1,177 @@
+"""``dflash benchmark``: baseline vs DFlash speed, τ and parity over prompt datasets.
+
+    dflash benchmark transformers --dataset gsm8k --max-samples 8
+    dflash benchmark transformers --dataset gsm8k,mt-bench --data-dir ../shared/datasets \\
+        --max-new-tokens 256 --check-parity --output results.jsonl --plot hist.png
+    torchrun --nproc_per_node=8 -m dflash benchmark transformers --dataset math500
+
+No torch import here: cheap checks (options, datasets, output file) run before any weights load.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+
+from dflash.bench import harness, report
+from dflash.bench.metrics import summarize
+from dflash.data.datasets import load_prompts, select
+from dflash.errors import BackendError, InputError
+from dflash.types import SamplingParams
+
+BACKENDS = ("transformers", "mlx", "openai")
+LOCAL_BACKENDS = ("transformers", "mlx")
+
+
+def _load_pipeline(backend: str, model: str | None, draft: str | None, device: str, dtype: str):
+    """Load target + draft through the public API (a seam the tests replace with a fake)."""
+    try:
+        from dflash import api
+    except ImportError as err:
+        raise BackendError(f"dflash.api cannot be imported ({err}).") from None
+    return api.load(model, draft, backend=backend, device=device, dtype=dtype)
+
+
+def _check_options(
+    backend: str,
+    max_new_tokens: int,
+    block_size: int | None,
+    sampling: SamplingParams,
+    check_parity: bool,
+    output: Path | None,
+    resume: bool,
+    plot: Path | None,
+) -> None:
+    """Reject bad flag values and combinations before anything is loaded."""
+    if backend not in BACKENDS:
+        raise BackendError(
+            f"Unknown backend '{backend}'. Available: {', '.join(BACKENDS)}.",
+        )
+    if backend not in LOCAL_BACKENDS:
+        raise BackendError(
+            f"dflash benchmark cannot drive the '{backend}' backend yet: it measures local "
+            "backends only.",
+            hint="run it with the transformers backend",
+        )
+    if max_new_tokens < 1:
+        raise InputError(f"--max-new-tokens must be >= 1, got {max_new_tokens}.")
+    if block_size is not None and block_size < 1:
+        raise InputError(f"--block-size must be >= 1, got {block_size}.")
+    if check_parity and not sampling.greedy:
+        raise InputError(
+            "--check-parity compares token ids, which only match under greedy decoding.",
+            hint="drop --check-parity or use --temperature 0",
+        )
+    if resume and output is None:
+        raise InputError("--resume needs --output FILE to resume from.")
+    if plot is not None:
+        report.check_plot_available()
+
+
+def benchmark(
+    backend: Annotated[str, typer.Argument(help="Backend: transformers | mlx | openai.")],
+    dataset: Annotated[
+        str,
+        typer.Option(
+            "--dataset",
+            "-d",
+            help="gsm8k, math500, humaneval, mbpp, mt-bench, a name:split such as gsm8k:train, "
+            "or a .jsonl file; comma-separate several for one table each.",
+        ),
+    ],
+    model: Annotated[
+        str | None, typer.Option(help="Target model id or path (default: the demo target).")
+    ] = None,
+    draft: Annotated[
+        str | None, typer.Option(help="Draft id or path (default: the demo draft).")
+    ] = None,
+    max_samples: Annotated[
+        int | None, typer.Option(help="Prompts per dataset after the Random(42) shuffle.")
+    ] = None,
+    block_size: Annotated[
+        int | None, typer.Option(help="DFlash block size L (default: the draft's).")
+    ] = None,
+    max_new_tokens: Annotated[int, typer.Option(help="Token budget per response.")] = 2048,
+    temperature: Annotated[float, typer.Option(help="0 for greedy decoding.")] = 0.0,
+    top_p: Annotated[float, typer.Option(help="Nucleus mass; 1.0 disables.")] = 1.0,
+    top_k: Annotated[int, typer.Option(help="0 disables top-k.")] = 0,
+    reasoning: Annotated[
+        str | None, typer.Option(help="off/on or a model-supported reasoning level.")
+    ] = None,
+    device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N.")] = "auto",
+    dtype: Annotated[str, typer.Option(help="auto, bfloat16, float16, float32.")] = "auto",
+    data_dir: Annotated[
+        Path | None,
+        typer.Option(
+            envvar="DFLASH_DATA_DIR", help="Read datasets from this folder instead of the hub."
+        ),
+    ] = None,
+    output: Annotated[
+        Path | None, typer.Option(help="Append one JSON record per response to this file.")
+    ] = None,
+    resume: Annotated[
+        bool, typer.Option(help="Continue --output, skipping finished responses.")
+    ] = False,
+    check_parity: Annotated[
+        bool, typer.Option(help="Compare baseline and DFlash token ids per response.")
+    ] = False,
+    plot: Annotated[
+        Path | None, typer.Option(help="Save histogram + per-position plot (needs matplotlib).")
+    ] = None,
+    seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
+    base_url: Annotated[
+        str, typer.Option(help="openai backend: server URL.")
+    ] = "http://127.0.0.1:30000",
+    num_prompts: Annotated[int, typer.Option(help="openai backend: prompts to send.")] = 1024,
+    concurrency: Annotated[int, typer.Option(help="openai backend: parallel requests.")] = 1,
+    timeout_s: Annotated[float, typer.Option(help="openai backend: HTTP timeout, s.")] = 3600.0,
+) -> None:
+    """Benchmark DFlash against plain decoding (block size 1) on prompt datasets."""
+    sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    _check_options(
+        backend, max_new_tokens, block_size, sampling, check_parity, output, resume, plot
+    )
+    names = harness.check_dataset_names(dataset.split(","))
+    selected = {name: select(load_prompts(name, data_dir), max_samples) for name in names}
+
+    dist = harness.init_distributed()
+    if dist.world > 1:
+        device = f"cuda:{dist.local_rank}"
+    log = harness.ResultsLog(output, resume=resume, rank=dist.rank, world=dist.world)
+    pipeline = _load_pipeline(backend, model, draft, device, dtype)
+    config = harness.BenchConfig(
+        block_size=block_size,
+        max_new_tokens=max_new_tokens,
+        sampling=sampling,
+        reasoning=reasoning,
+        check_parity=check_parity,
+        run_info={"backend": backend, "model": model, "draft": draft},
+    )
+    shards = {name: harness.shard(items, dist) for name, items in selected.items()}
+    with report.BenchProgress(enabled=dist.rank == 0) as progress:
+        results = harness.run_benchmark(
+            pipeline, shards, config, log=log, on_record=progress.update, on_dataset=progress.start
+        )
+    gathered = harness.gather_records(results, dist)
+    if gathered is None:  # non-zero ranks: rank 0 reports
+        return
+    log.write_merged([r for recs in gathered.values() for r in recs])
+    summaries = {name: summarize(recs) for name, recs in gathered.items()}
+    console = Console(highlight=False)
+    for name, summary in summaries.items():
+        report.print_summary(console, name, summary)
+    if plot is not None:
+        console.print(f"plot written to {report.save_plot(plot, summaries)}")
+    resolved_block = config.block_size or pipeline.block_size
+    print(json.dumps(_final_json(config, resolved_block, summaries), ensure_ascii=False))
+
+
+def _final_json(
+    config: harness.BenchConfig, block_size: int, summaries: dict[str, dict[str, Any]]
+) -> dict[str, Any]:
+    """The last stdout line: run settings plus every dataset's summary."""
+    return {"config": config.record_config(block_size), "datasets": summaries}

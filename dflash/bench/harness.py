@@ -1,0 +1,412 @@
+"""Run a benchmark through any pipeline that has ``chat_prompt``/``generate``/``block_size``.
+
+For every response (a prompt turn) the baseline (block size 1, same backend code) runs first,
+then DFlash; both are timed inside ``Pipeline.generate`` (TTFT apart from decode, CUDA-synced).
+Each finished response is appended to the results JSONL at once, so a killed run loses nothing
+and ``resume`` skips what is done. Under torchrun, rank r takes samples r::world and rank 0
+gathers the records.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from dflash.bench.metrics import ResponseRecord, RunStats, first_mismatch
+from dflash.data.datasets import PromptItem
+from dflash.errors import DatasetError, InputError
+from dflash.types import GenerationResult, SamplingParams
+
+WARMUP_TOKENS = 64
+Key = tuple[str, str, int]
+
+
+class BenchPipeline(Protocol):
+    """What the harness needs from ``dflash.api.Pipeline`` (any backend, or a test fake)."""
+
+    block_size: int
+
+    def chat_prompt(
+        self, messages: list[dict], *, system: str | None = None, reasoning: str | None = None
+    ) -> list[int]: ...
+
+    def generate(
+        self,
+        prompt_ids: list[int],
+        *,
+        block_size: int | None = None,
+        max_new_tokens: int = 2048,
+        sampling: SamplingParams = ...,
+        stop_ids: list[int] | None = None,
+    ) -> GenerationResult: ...
+
+
+@dataclass
+class BenchConfig:
+    """Settings of one benchmark run.
+
+    Attributes:
+        block_size: DFlash block size L; None uses the draft's trained block size.
+        max_new_tokens: generation budget per response, tokens.
+        sampling: sampling settings used by both the baseline and DFlash.
+        reasoning: ``--reasoning`` value passed to the chat template (None: template default).
+        check_parity: compare baseline and DFlash token ids per response.
+        warmup: run one untimed warm-up generation (both block sizes) before measuring.
+        run_info: extra settings stored in every record and checked on resume (model, draft...).
+    """
+
+    block_size: int | None = None
+    max_new_tokens: int = 2048
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    reasoning: str | None = None
+    check_parity: bool = False
+    warmup: bool = True
+    run_info: dict[str, Any] = field(default_factory=dict)
+
+    def record_config(self, block_size: int) -> dict[str, Any]:
+        """Settings that must match for records of two runs to be pooled."""
+        s = self.sampling
+        return {
+            **self.run_info,
+            "block_size": block_size,
+            "max_new_tokens": self.max_new_tokens,
+            "temperature": s.temperature,
+            "top_p": s.top_p,
+            "top_k": s.top_k,
+            "seed": s.seed,
+            "reasoning": self.reasoning,
+        }
+
+
+# ---------------------------------------------------------------------------------------------
+# results JSONL
+
+
+class ResultsLog:
+    """Append-only JSONL of :class:`ResponseRecord` lines, one flushed line per response.
+
+    Under a multi-process run each rank appends to ``<stem>.rank<r><suffix>`` next to ``path``;
+    rank 0 writes the merged file at the end. Resuming reads the main file and all rank files.
+
+    Args:
+        path: the ``--output`` file; None keeps records in memory only.
+        resume: continue an existing file; without it an existing non-empty file is an error.
+        rank, world: this process's rank and the number of processes.
+
+    Raises:
+        InputError: the file exists and ``resume`` is off.
+        DatasetError: a line in the middle of a file is not a valid record.
+    """
+
+    def __init__(
+        self, path: str | Path | None, *, resume: bool = False, rank: int = 0, world: int = 1
+    ):
+        self.path = Path(path) if path is not None else None
+        self.world = world
+        self.done: dict[Key, ResponseRecord] = {}
+        if self.path is None:
+            self.write_path = None
+            return
+        self.write_path = (
+            self.path
+            if world == 1
+            else self.path.with_name(f"{self.path.stem}.rank{rank}{self.path.suffix}")
+        )
+        existing = [p for p in self._all_files() if p.is_file() and p.stat().st_size > 0]
+        if existing and not resume:
+            raise InputError(
+                f"{existing[0]} already holds results.",
+                hint="pass --resume to continue that run, or choose another --output",
+            )
+        for p in existing:
+            for record in read_records(p, repair=(p == self.write_path)):
+                self.done.setdefault(record.key, record)
+        self.write_path.parent.mkdir(parents=True, exist_ok=True)
+
+    def _all_files(self) -> list[Path]:
+        assert self.path is not None
+        ranks = sorted(self.path.parent.glob(f"{self.path.stem}.rank*{self.path.suffix}"))
+        return [self.path, *ranks]
+
+    def append(self, record: ResponseRecord) -> None:
+        """Write one record as a line and flush it, so a killed process keeps it."""
+        self.done[record.key] = record
+        if self.write_path is None:
+            return
+        with open(self.write_path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record.to_dict(), ensure_ascii=False) + "\n")
+            f.flush()
+
+    def write_merged(self, records: list[ResponseRecord]) -> None:
+        """Rank 0 after gathering: write every record, sorted, to the main file (atomic)."""
+        if self.path is None or self.world == 1:
+            return
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(
+                json.dumps(record.to_dict(), ensure_ascii=False) + "\n"
+                for record in sorted(records, key=lambda r: r.key)
+            )
+        os.replace(tmp, self.path)
+
+
+def read_records(path: str | Path, *, repair: bool = False) -> list[ResponseRecord]:
+    """Read a results JSONL file; a torn last line (process killed mid-write) is dropped.
+
+    Args:
+        path: the JSONL file.
+        repair: also fix the file's tail so appends start on a fresh line: a torn last line is
+            cut, a complete last record without its newline gets one.
+
+    Raises:
+        DatasetError: a complete line (one ending in a newline) is not a valid record.
+    """
+    path = Path(path)
+    raw = path.read_bytes()
+    *body, tail = raw.split(b"\n")  # tail is b"" when the file ends with a newline
+    records: list[ResponseRecord] = []
+    for i, line in enumerate(body):
+        if line.strip():
+            record = _parse_record(line)
+            if record is None:
+                raise DatasetError(f"{path}:{i + 1} is not a valid results record.")
+            records.append(record)
+    last = _parse_record(tail) if tail.strip() else None
+    if last is not None:
+        records.append(last)
+    if repair and tail:
+        with open(path, "r+b") as f:
+            if last is not None:
+                f.seek(0, os.SEEK_END)
+                f.write(b"\n")
+            else:
+                f.truncate(len(raw) - len(tail))
+    return records
+
+
+def _parse_record(line: bytes) -> ResponseRecord | None:
+    try:
+        return ResponseRecord.from_dict(json.loads(line))
+    except (json.JSONDecodeError, UnicodeDecodeError, DatasetError):
+        return None
+    except (TypeError, AttributeError):  # valid JSON that is not an object
+        return None
+
+
+# ---------------------------------------------------------------------------------------------
+# measuring
+
+
+def measure(
+    pipeline: BenchPipeline, prompt_ids: list[int], block_size: int, config: BenchConfig
+) -> tuple[GenerationResult | None, GenerationResult]:
+    """Generate one response with the baseline (block size 1) and then with DFlash."""
+    kwargs = {"max_new_tokens": config.max_new_tokens, "sampling": config.sampling}
+    base = pipeline.generate(prompt_ids, block_size=1, **kwargs)
+    fast = pipeline.generate(prompt_ids, block_size=block_size, **kwargs)
+    return base, fast
+
+
+def make_record(
+    dataset: str,
+    item_id: str,
+    turn: int,
+    prompt_ids: list[int],
+    base: GenerationResult | None,
+    fast: GenerationResult,
+    config: BenchConfig,
+    block_size: int,
+) -> ResponseRecord:
+    """Turn two generation results into the record written to JSONL."""
+
+    def stats(g: GenerationResult) -> RunStats:
+        return RunStats(len(g.token_ids), float(g.ttft_s), float(g.decode_s), g.finish_reason)
+
+    parity = mismatch = None
+    if config.check_parity and base is not None:
+        mismatch = first_mismatch(list(base.token_ids), list(fast.token_ids))
+        parity = mismatch is None
+    return ResponseRecord(
+        dataset=dataset,
+        id=item_id,
+        turn=turn,
+        prompt_tokens=len(prompt_ids),
+        block_size=block_size,
+        dflash=stats(fast),
+        baseline=stats(base) if base is not None else None,
+        acceptance_lengths=[int(a) for a in fast.acceptance_lengths],
+        proposed=[int(p) for p in fast.proposed],
+        parity=parity,
+        first_mismatch=mismatch,
+        text=fast.text,
+        config=config.record_config(block_size),
+    )
+
+
+def run_item(
+    pipeline: BenchPipeline,
+    dataset: str,
+    item: PromptItem,
+    config: BenchConfig,
+    block_size: int,
+    done: dict[Key, ResponseRecord],
+) -> Iterator[tuple[ResponseRecord, bool]]:
+    """Run every turn of one prompt; yields (record, measured_now).
+
+    Turns are fed cumulatively: the DFlash answer of turn t is appended as the assistant message
+    before turn t+1. A turn already in ``done`` is not measured again; its stored text is reused.
+    """
+    messages: list[dict] = []
+    for turn, text in enumerate(item.turns):
+        messages.append({"role": "user", "content": text})
+        record = done.get((dataset, item.id, turn))
+        fresh = record is None
+        if record is None:
+            prompt_ids = pipeline.chat_prompt(messages, reasoning=config.reasoning)
+            base, fast = measure(pipeline, prompt_ids, block_size, config)
+            record = make_record(dataset, item.id, turn, prompt_ids, base, fast, config, block_size)
+        elif record.config != config.record_config(block_size):
+            raise InputError(
+                f"The results file holds {item.id} turn {turn} made with other settings "
+                f"({_config_diff(record.config, config.record_config(block_size))}).",
+                hint="resume with the same options, or choose another --output",
+            )
+        yield record, fresh
+        messages.append({"role": "assistant", "content": record.text})
+
+
+def _config_diff(old: dict, new: dict) -> str:
+    keys = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
+    return ", ".join(f"{k}: {old.get(k)!r} then {new.get(k)!r}" for k in keys)
+
+
+def warm_up(pipeline: BenchPipeline, item: PromptItem, config: BenchConfig, block_size: int):
+    """Untimed warm-up on the first prompt: min(64, budget) tokens at block 1 and at L, no stops."""
+    ids = pipeline.chat_prompt(
+        [{"role": "user", "content": item.turns[0]}], reasoning=config.reasoning
+    )
+    n = min(WARMUP_TOKENS, config.max_new_tokens)
+    for bs in (1, block_size):
+        pipeline.generate(
+            ids, block_size=bs, max_new_tokens=n, sampling=config.sampling, stop_ids=[]
+        )
+
+
+def run_benchmark(
+    pipeline: BenchPipeline,
+    datasets: dict[str, list[PromptItem]],
+    config: BenchConfig,
+    *,
+    log: ResultsLog | None = None,
+    on_record: Callable[[ResponseRecord], None] | None = None,
+    on_dataset: Callable[[str, int], None] | None = None,
+) -> dict[str, list[ResponseRecord]]:
+    """Benchmark every item of every dataset; returns the records per dataset.
+
+    Args:
+        pipeline: a loaded pipeline (``dflash.api.Pipeline`` or anything alike).
+        datasets: dataset name -> the items this process runs (already selected and sharded).
+        config: run settings.
+        log: results file; its ``done`` records are reused instead of measured again.
+        on_record: called with each record as it is ready (resumed ones included), for progress.
+        on_dataset: called with (name, number of responses) when a dataset starts.
+
+    Returns:
+        name -> records of that dataset's items, in run order.
+    """
+    log = log or ResultsLog(None)
+    block_size = config.block_size or pipeline.block_size
+    todo = [
+        (name, item)
+        for name, items in datasets.items()
+        for item in items
+        if any((name, item.id, t) not in log.done for t in range(len(item.turns)))
+    ]
+    if config.warmup and todo:
+        warm_up(pipeline, todo[0][1], config, block_size)
+    results: dict[str, list[ResponseRecord]] = {}
+    for name, items in datasets.items():
+        if on_dataset:
+            on_dataset(name, sum(len(item.turns) for item in items))
+        results[name] = []
+        for item in items:
+            for record, fresh in run_item(pipeline, name, item, config, block_size, log.done):
+                if fresh:
+                    log.append(record)
+                results[name].append(record)
+                if on_record:
+                    on_record(record)
+    return results
+
+
+# ---------------------------------------------------------------------------------------------
+# torchrun: rank r takes r::world; rank 0 gathers
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Process placement read from torchrun's environment (rank 0 of 1 without torchrun)."""
+
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+
+
+def init_distributed() -> DistInfo:
+    """Read ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``; init the NCCL group only when RANK is set."""
+    if "RANK" not in os.environ:
+        return DistInfo()
+    info = DistInfo(
+        int(os.environ["RANK"]),
+        int(os.environ.get("WORLD_SIZE", "1")),
+        int(os.environ.get("LOCAL_RANK", "0")),
+    )
+    if info.world > 1:
+        import torch
+        import torch.distributed as dist
+
+        torch.cuda.set_device(info.local_rank)
+        if not dist.is_initialized():
+            dist.init_process_group("nccl", init_method="env://")
+    return info
+
+
+def shard(items: list[PromptItem], info: DistInfo) -> list[PromptItem]:
+    """The items of this rank: ``items[rank::world]``."""
+    return items[info.rank :: info.world]
+
+
+def gather_records(
+    results: dict[str, list[ResponseRecord]], info: DistInfo
+) -> dict[str, list[ResponseRecord]] | None:
+    """Gather every rank's records on rank 0 (None on other ranks); a no-op for one process."""
+    if info.world == 1:
+        return results
+    import torch.distributed as dist
+
+    payload = {name: [r.to_dict() for r in recs] for name, recs in results.items()}
+    gathered: list[Any] | None = [None] * info.world if info.rank == 0 else None
+    dist.gather_object(payload, gathered, dst=0)
+    if info.rank != 0:
+        return None
+    merged: dict[str, list[ResponseRecord]] = {name: [] for name in results}
+    for part in gathered or []:
+        for name, recs in part.items():
+            merged.setdefault(name, []).extend(ResponseRecord.from_dict(r) for r in recs)
+    return merged
+
+
+def check_dataset_names(names: list[str]) -> list[str]:
+    """Split and de-duplicate a ``--dataset a,b`` value.
+
+    Raises:
+        DatasetError: nothing left after splitting.
+    """
+    out = list(dict.fromkeys(n.strip() for n in names if n.strip()))
+    if not out:
+        raise DatasetError("--dataset is empty.", hint="e.g. --dataset gsm8k or --dataset a.jsonl")
+    return out

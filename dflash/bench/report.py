@@ -1,0 +1,219 @@
+"""Presenting benchmark summaries: rich tables, a terminal histogram, a live progress bar, and an
+optional matplotlib figure (``--plot hist.png``; matplotlib is an optional dependency).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+)
+from rich.table import Table
+from rich.text import Text
+
+from dflash.bench.metrics import ResponseRecord, mean_acceptance_length, throughput
+from dflash.errors import InputError
+
+BAR_WIDTH = 40
+
+
+def _fmt(value: float | None, spec: str = ".2f", unit: str = "") -> str:
+    return "n/a" if value is None else f"{value:{spec}}{unit}"
+
+
+def summary_table(name: str, summary: dict[str, Any]) -> Table:
+    """One rich table of a dataset's summary (see :func:`dflash.bench.metrics.summarize`)."""
+    table = Table(title=f"dflash benchmark: {name}", title_justify="left", show_header=True)
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    ms = 1000.0
+    parity = summary["parity"]
+    rows = [
+        ("responses (prompts)", f"{summary['responses']} ({summary['prompts']})"),
+        ("block size", str(summary["block_size"])),
+        ("baseline decode tok/s", _fmt(summary["baseline_tok_s"])),
+        ("DFlash decode tok/s", _fmt(summary["dflash_tok_s"])),
+        ("decoding speedup", _fmt(summary["speedup"], ".2f", "x")),
+        ("τ mean of responses", _fmt(summary["tau_mean_of_responses"], ".3f")),
+        ("τ step-weighted", _fmt(summary["tau_step_weighted"], ".3f")),
+        ("baseline TTFT", _fmt(_scale(summary["baseline_ttft_s"], ms), ".1f", " ms")),
+        ("DFlash TTFT", _fmt(_scale(summary["dflash_ttft_s"], ms), ".1f", " ms")),
+        ("tokens baseline / DFlash", f"{summary['baseline_tokens']} / {summary['dflash_tokens']}"),
+        ("verify steps", str(summary["verify_steps"])),
+    ]
+    if parity["checked"]:
+        rows.append(("greedy parity", f"{parity['matched']}/{parity['checked']}"))
+    for metric, value in rows:
+        table.add_row(metric, value)
+    return table
+
+
+def _scale(value: float | None, factor: float) -> float | None:
+    return None if value is None else value * factor
+
+
+def histogram_lines(summary: dict[str, Any]) -> list[Text]:
+    """Terminal bars: fraction of verify steps per acceptance length 1..B, plus per-position rates.
+
+    Bars are scaled to the largest bin so small blocks stay readable; the percentage is exact.
+    """
+    fractions = summary["histogram_fractions"]
+    counts = summary["histogram"]
+    top = max(fractions, default=0.0) or 1.0
+    lines = [Text("acceptance length histogram (verify steps, τ incl. bonus)", style="bold")]
+    for b, (frac, count) in enumerate(zip(fractions, counts, strict=True), start=1):
+        bar = "█" * round(BAR_WIDTH * frac / top)
+        lines.append(
+            Text.assemble(f"{b:>3} ", (bar.ljust(BAR_WIDTH), "cyan"), f" {frac:6.1%} ({count})")
+        )
+    rates = summary["per_position_acceptance"]
+    if rates:
+        cells = " ".join(_fmt(None if r is None else 100 * r, ".0f") for r in rates)
+        lines.append(Text(f"per-position acceptance % (draft pos 1..{len(rates)}): {cells}"))
+    return lines
+
+
+def upstream_lines(summary: dict[str, Any]) -> list[str]:
+    """The five summary lines in the exact format upstream DFlash prints (brief §7.3).
+
+    The histogram there has buckets 0..B (bucket 0 is always 0.0%).
+    """
+    buckets = ["0.0%"] + [f"{100 * f:.1f}%" for f in summary["histogram_fractions"]]
+    tau = summary["tau_mean_of_responses"]
+    return [
+        f"Baseline throughput: {_fmt(summary['baseline_tok_s'])} tok/s",
+        f"DFlash throughput:  {_fmt(summary['dflash_tok_s'])} tok/s",
+        f"Decoding speedup: {_fmt(summary['speedup'])}",
+        f"Average Acceptance length: {'n/a' if tau is None else f'{tau:.2f}'}",
+        f"Acceptance length histogram: {buckets}",
+    ]
+
+
+def print_summary(console: Console, name: str, summary: dict[str, Any]) -> None:
+    """Table, terminal histogram, parity mismatches and upstream-format lines of one dataset."""
+    console.print(summary_table(name, summary))
+    for line in histogram_lines(summary):
+        console.print(line)
+    for m in summary["parity"]["mismatches"]:
+        console.print(
+            Text(
+                f"parity mismatch: {m['dataset']} {m['id']} turn {m['turn']} "
+                f"first differs at new token {m['first_mismatch']}",
+                style="bold red",
+            )
+        )
+    for line in upstream_lines(summary):
+        console.print(line, highlight=False)
+    console.print()
+
+
+class BenchProgress:
+    """Live progress bar (stderr) with running τ and DFlash tok/s; silent when disabled.
+
+    Use as a context manager; call :meth:`start` per dataset and :meth:`update` per record.
+    """
+
+    def __init__(self, enabled: bool = True, console: Console | None = None):
+        self.enabled = enabled
+        self._records: list[ResponseRecord] = []
+        self._task: TaskID | None = None
+        self._progress = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("τ {task.fields[tau]}"),
+            TextColumn("{task.fields[tps]} tok/s"),
+            TimeElapsedColumn(),
+            console=console or Console(stderr=True),
+            disable=not enabled,
+            transient=False,
+        )
+
+    def __enter__(self) -> BenchProgress:
+        self._progress.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._progress.stop()
+
+    def start(self, name: str, total: int) -> None:
+        """Begin a dataset of ``total`` responses."""
+        self._records = []
+        self._task = self._progress.add_task(name, total=total, tau="-", tps="-")
+
+    def update(self, record: ResponseRecord) -> None:
+        """Advance by one response and refresh the running τ and tok/s."""
+        self._records.append(record)
+        if self._task is None:
+            return
+        tau = mean_acceptance_length(self._records)
+        tps = throughput(self._records, "dflash")
+        self._progress.update(self._task, advance=1, tau=_fmt(tau, ".2f"), tps=_fmt(tps, ".1f"))
+
+
+def check_plot_available() -> None:
+    """Raise before any work when ``--plot`` is asked for but matplotlib is missing.
+
+    Raises:
+        InputError: matplotlib cannot be imported.
+    """
+    if importlib.util.find_spec("matplotlib") is None:
+        raise InputError(
+            "--plot needs matplotlib, which is not installed.", hint="pip install matplotlib"
+        )
+
+
+def save_plot(path: str | Path, summaries: dict[str, dict[str, Any]]) -> Path:
+    """Draw the acceptance histogram and per-position acceptance of each dataset to an image.
+
+    Args:
+        path: output image (format from the suffix, e.g. ``.png``, ``.svg``).
+        summaries: dataset name -> summary dict.
+
+    Returns:
+        The path written.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    fig, (ax_hist, ax_pos) = plt.subplots(1, 2, figsize=(12, 4.5))
+    n = max(len(summaries), 1)
+    width = 0.8 / n
+    for i, (name, s) in enumerate(summaries.items()):
+        bins = range(1, len(s["histogram_fractions"]) + 1)
+        heights = [100 * f for f in s["histogram_fractions"]]
+        ax_hist.bar([b + (i - (n - 1) / 2) * width for b in bins], heights, width, label=name)
+        rates = s["per_position_acceptance"]
+        pos = [k for k, r in enumerate(rates, start=1) if r is not None]
+        ax_pos.plot(pos, [100 * r for r in rates if r is not None], marker="o", label=name)
+    ax_hist.set(
+        xlabel="acceptance length τ (tokens per verify step, bonus incl.)",
+        ylabel="% of verify steps",
+        title="Acceptance length histogram",
+    )
+    ax_pos.set(
+        xlabel="draft position k",
+        ylabel="% accepted | positions < k accepted",
+        title="Per-position acceptance",
+        ylim=(0, 105),
+    )
+    for ax in (ax_hist, ax_pos):
+        ax.legend()
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

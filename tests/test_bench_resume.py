@@ -1,0 +1,292 @@
+"""The benchmark harness on a scripted fake pipeline: JSONL records, resume after a killed run,
+multi-turn feeding, parity reporting and the CLI's one-line errors. No model, no network."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from dflash.bench import command, harness
+from dflash.bench.harness import BenchConfig, ResultsLog, read_records, run_benchmark
+from dflash.bench.metrics import summarize
+from dflash.data import PromptItem
+from dflash.errors import BackendError, DatasetError, InputError
+from dflash.types import GenerationResult, SamplingParams
+
+DATA_DIR = Path(
+    os.environ.get("DFLASH_DATA_DIR") or Path(__file__).resolve().parents[2] / "shared" / "datasets"
+)
+REPO = Path(__file__).resolve().parents[1]
+
+
+class FakePipeline:
+    """Deterministic stand-in for ``dflash.api.Pipeline`` with scripted acceptance lengths.
+
+    Output tokens and τ schedule depend only on the prompt ids, and times are scripted (so
+    summaries are reproducible). ``delay`` seconds of sleep per generate call make a run slow
+    enough to kill; ``diverge`` makes DFlash differ from the baseline at new token 2 for prompts
+    whose first message contains that string.
+    """
+
+    block_size = 4
+    stop_ids = [0]
+
+    def __init__(self, delay: float = 0.0, diverge: str | None = None):
+        self.delay = delay
+        self.diverge = diverge
+        self.calls: list[tuple[int, int]] = []  # (prompt length, block size)
+        self.prompts: list[list[dict]] = []
+
+    def chat_prompt(self, messages, *, system=None, reasoning=None):
+        self.prompts.append([dict(m) for m in messages])
+        text = "|".join(f"{m['role']}:{m['content']}" for m in messages)
+        return [ord(c) % 50 + 1 for c in text]
+
+    def generate(self, prompt_ids, *, block_size=None, max_new_tokens=2048,
+                 sampling=SamplingParams(), stop_ids=None):  # fmt: skip
+        time.sleep(self.delay)
+        bs = block_size or self.block_size
+        self.calls.append((len(prompt_ids), bs))
+        seed = sum(prompt_ids)
+        n = min(max_new_tokens, 6 + seed % 9)
+        tokens = [(seed + 7 * i) % 90 + 5 for i in range(n)]
+        if self.diverge and bs > 1 and n > 2 and self.diverge in self.prompts[-1][0]["content"]:
+            tokens[2] += 1
+        taus, proposed, left = [], [], n - 1
+        pattern = [bs, 1 + seed % bs, 2 if bs > 1 else 1, 1]
+        while left > 0:
+            width = min(bs, left + 1)  # the last block shrinks to the budget
+            tau = min(pattern[len(taus) % 4], width, left)
+            taus.append(tau)
+            proposed.append(width - 1)
+            left -= tau
+        finish = "length" if n == max_new_tokens else "stop"
+        return GenerationResult(
+            token_ids=tokens, text=f"answer {seed} {bs}", prompt_tokens=len(prompt_ids),
+            acceptance_lengths=taus, proposed=proposed, ttft_s=0.001 * (1 + seed % 5),
+            decode_s=0.01 * (n - 1) / (1 if bs == 1 else 2.5), finish_reason=finish,
+            block_size=bs,
+        )  # fmt: skip
+
+    def decode(self, ids):
+        return " ".join(map(str, ids))
+
+
+def make_app(pipeline_factory) -> typer.Typer:
+    """A one-command Typer app running ``benchmark`` with the pipeline loader replaced."""
+    command._load_pipeline = lambda *args, **kwargs: pipeline_factory()
+    app = typer.Typer(pretty_exceptions_enable=False)
+    app.command()(command.benchmark)
+    return app
+
+
+@pytest.fixture
+def cli(monkeypatch):
+    monkeypatch.setattr(command, "_load_pipeline", command._load_pipeline)  # restored afterwards
+
+    def invoke(args, factory=FakePipeline):
+        result = CliRunner().invoke(make_app(factory), args)
+        return result
+
+    return invoke
+
+
+BENCH_ARGS = ["transformers", "--dataset", "gsm8k,mt-bench", "--max-samples", "4",
+              "--data-dir", str(DATA_DIR), "--max-new-tokens", "16", "--check-parity"]  # fmt: skip
+
+
+def last_json(output: str) -> dict:
+    return json.loads(output.strip().splitlines()[-1])
+
+
+def test_records_summary_and_multi_turn_feeding(tmp_path):
+    fake = FakePipeline()
+    items = {
+        "toy": [PromptItem("a", ["first question"]), PromptItem("b", ["turn one", "turn two"])]
+    }
+    log = ResultsLog(tmp_path / "r.jsonl")
+    config = BenchConfig(max_new_tokens=12, check_parity=True)
+    results = run_benchmark(fake, items, config, log=log)
+    records = results["toy"]
+    assert [(r.id, r.turn) for r in records] == [("a", 0), ("b", 0), ("b", 1)]
+    # warm-up (block 1 then 4, 12 tokens at most) comes first, then baseline before DFlash
+    assert [bs for _, bs in fake.calls] == [1, 4] + [1, 4] * 3
+    # turn two sees turn one and the DFlash answer to it
+    assert fake.prompts[-1] == [
+        {"role": "user", "content": "turn one"},
+        {"role": "assistant", "content": records[1].text},
+        {"role": "user", "content": "turn two"},
+    ]
+    assert records[1].text.endswith(" 4")  # the DFlash (block 4) answer, not the baseline's
+    on_disk = read_records(tmp_path / "r.jsonl")
+    assert [r.to_dict() for r in on_disk] == [r.to_dict() for r in records]
+    for r in records:
+        assert sum(r.acceptance_lengths) + 1 == r.dflash.new_tokens
+        assert r.parity is True and r.config["block_size"] == 4
+    assert summarize(records)["parity"] == {"checked": 3, "matched": 3, "mismatches": []}
+
+
+def test_parity_mismatch_is_reported_with_id_and_position(cli, tmp_path):
+    prompts = tmp_path / "mine.jsonl"
+    prompts.write_text('{"prompt": "fine"}\n{"id": "bad", "prompt": "Janet"}\n{"prompt": "ok"}\n')
+
+    def factory():
+        return FakePipeline(diverge="Janet")
+
+    out = cli(["transformers", "--dataset", str(prompts), "--max-new-tokens", "8",
+               "--check-parity"], factory)  # fmt: skip
+    assert out.exit_code == 0, out.output
+    parity = last_json(out.stdout)["datasets"][str(prompts)]["parity"]
+    assert parity["checked"] == 3 and parity["matched"] == 2
+    assert parity["mismatches"] == [
+        {"dataset": str(prompts), "id": "bad", "turn": 0, "first_mismatch": 2}
+    ]
+    assert "parity mismatch:" in out.stdout and "bad turn 0 first differs at new token 2" in (
+        " ".join(out.stdout.split())
+    )
+
+
+def test_cli_prints_tables_upstream_lines_and_a_final_json_line(cli, tmp_path):
+    plot = tmp_path / "hist.png"
+    out = cli([*BENCH_ARGS, "--plot", str(plot)])
+    assert out.exit_code == 0, out.output
+    assert "dflash benchmark: gsm8k" in out.stdout and "dflash benchmark: mt-bench" in out.stdout
+    assert "Decoding speedup: 2.50" in out.stdout  # the fake decodes 2.5x faster per token
+    assert "Acceptance length histogram: ['0.0%'," in out.stdout
+    summary = last_json(out.stdout)
+    assert summary["config"]["block_size"] == 4
+    mt = summary["datasets"]["mt-bench"]
+    assert mt["responses"] == 8 and mt["prompts"] == 4
+    assert mt["speedup"] == pytest.approx(2.5)
+    assert len(mt["histogram"]) == 4 and len(mt["per_position_acceptance"]) == 3
+    assert plot.stat().st_size > 0
+
+
+@pytest.mark.parametrize(
+    ("args", "error"),
+    [
+        (["openai", "--dataset", "gsm8k"], BackendError),
+        (["tpu", "--dataset", "gsm8k"], BackendError),
+        (["transformers", "--dataset", "nope"], DatasetError),
+        (
+            ["transformers", "--dataset", "gsm8k", "--temperature", "0.7", "--check-parity"],
+            InputError,
+        ),  # fmt: skip
+        (["transformers", "--dataset", "gsm8k", "--resume"], InputError),
+        (["transformers", "--dataset", "gsm8k", "--max-new-tokens", "0"], InputError),
+        (["transformers", "--dataset", "gsm8k", "--max-samples", "0"], InputError),
+        (["transformers", "--dataset", "gsm8k", "--top-p", "0"], InputError),
+    ],
+)
+def test_bad_input_raises_one_line_dflash_errors(cli, args, error):
+    loaded = []
+
+    def factory():
+        loaded.append(1)
+        return FakePipeline()
+
+    out = cli([*args, "--data-dir", str(DATA_DIR)], factory)
+    assert isinstance(out.exception, error), out.output
+    assert "\n" not in out.exception.message
+    assert not loaded  # rejected before any weights would load
+
+
+def test_existing_output_needs_resume_and_same_settings(cli, tmp_path):
+    out_file = tmp_path / "r.jsonl"
+    args = ["transformers", "--dataset", "humaneval", "--max-samples", "2",
+            "--data-dir", str(DATA_DIR), "--output", str(out_file)]  # fmt: skip
+    assert cli(args).exit_code == 0
+    again = cli(args)
+    assert isinstance(again.exception, InputError) and "--resume" in again.exception.hint
+    changed = cli([*args, "--resume", "--max-new-tokens", "7"])
+    assert isinstance(changed.exception, InputError)
+    assert "max_new_tokens: 2048 then 7" in changed.exception.message
+
+
+def test_torn_last_line_is_dropped_and_repaired(cli, tmp_path):
+    out_file = tmp_path / "r.jsonl"
+    args = ["transformers", "--dataset", "humaneval", "--max-samples", "3",
+            "--data-dir", str(DATA_DIR), "--output", str(out_file)]  # fmt: skip
+    full = cli(args)
+    lines = out_file.read_text().splitlines(keepends=True)
+    out_file.write_text(lines[0] + lines[1][: len(lines[1]) // 2])  # killed while writing line 2
+    resumed = cli([*args, "--resume"])
+    assert resumed.exit_code == 0, resumed.output
+    assert out_file.read_text().splitlines(keepends=True) == lines
+    assert last_json(resumed.stdout) == last_json(full.stdout)
+    out_file.write_text(lines[0] + "garbage\n" + lines[2])
+    with pytest.raises(DatasetError, match=":2 is not a valid results record"):
+        read_records(out_file)
+
+
+SCRIPT = textwrap.dedent(
+    """
+    import sys
+    sys.path[:0] = [{tests!r}, {repo!r}]
+    from test_bench_resume import FakePipeline, make_app
+
+    make_app(lambda: FakePipeline(delay=float(sys.argv[1])))(sys.argv[2:], prog_name="dflash")
+    """
+)
+
+
+def test_killed_run_resumes_without_loss_or_duplicates(cli, tmp_path):
+    """Kill a real benchmark process mid-run (inside MT-Bench), resume, compare with a full run."""
+    full = cli([*BENCH_ARGS, "--output", str(tmp_path / "full.jsonl")])
+    assert full.exit_code == 0, full.output
+
+    script = tmp_path / "run_bench.py"
+    script.write_text(SCRIPT.format(tests=str(REPO / "tests"), repo=str(REPO)))
+    out_file = tmp_path / "killed.jsonl"
+    proc = subprocess.Popen(
+        [sys.executable, str(script), "0.05", *BENCH_ARGS, "--output", str(out_file)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        # 4 gsm8k records, then the first MT-Bench turn: the kill lands between two turns
+        while (
+            not out_file.exists() or out_file.read_text().count("\n") < 5
+        ) and proc.poll() is None:
+            assert time.monotonic() < deadline, "the benchmark subprocess made no progress"
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.read().decode()
+    written = read_records(out_file)
+    assert 5 <= len(written) < 12  # killed mid-run
+
+    fakes: list[FakePipeline] = []
+    resumed = cli([*BENCH_ARGS, "--output", str(out_file), "--resume"],
+                  lambda: fakes.append(FakePipeline()) or fakes[-1])  # fmt: skip
+    assert resumed.exit_code == 0, resumed.output
+    # only the missing responses ran (2 warm-up calls, then baseline + DFlash per response)
+    assert len(fakes[0].calls) == 2 + 2 * (12 - len(written))
+    got = read_records(out_file)
+    want = read_records(tmp_path / "full.jsonl")
+    assert len({r.key for r in got}) == len(got) == len(want) == 12
+    by_key = {r.key: r.to_dict() for r in want}
+    assert {r.key: r.to_dict() for r in got} == by_key
+    assert last_json(resumed.stdout) == last_json(full.stdout)
+
+
+def test_rank_sharding_and_rank_files(tmp_path):
+    items = [PromptItem(str(i), ["q"]) for i in range(7)]
+    info = harness.DistInfo(rank=1, world=3)
+    assert [i.id for i in harness.shard(items, info)] == ["1", "4"]
+    log = ResultsLog(tmp_path / "r.jsonl", rank=1, world=3)
+    assert log.write_path == tmp_path / "r.rank1.jsonl"
+    assert harness.gather_records({"x": []}, harness.DistInfo()) == {"x": []}
