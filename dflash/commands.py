@@ -1,0 +1,109 @@
+"""The ``generate`` and ``init-draft`` commands (registered on the Typer app in cli.py)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from dflash.errors import InputError
+
+Backend = Annotated[str, typer.Argument(help="transformers (CUDA or CPU); mlx and openai later.")]
+ModelOpt = Annotated[str | None, typer.Option("--model", "-m",
+                     help="Target: hub id, local folder or .gguf file [default: demo SmolLM2-135M-Instruct].")]  # fmt: skip
+DraftOpt = Annotated[str | None, typer.Option("--draft", "-d",
+                     help="DFlash draft: hub id or folder [default: the shipped demo draft, only without --model].")]  # fmt: skip
+
+
+def generate(
+    backend: Backend,
+    prompt: Annotated[str, typer.Argument(help="The user message.")],
+    model: ModelOpt = None,
+    draft: DraftOpt = None,
+    block_size: Annotated[int | None, typer.Option(help="Verify width incl. the anchor [default: the draft's]; 1 = no drafting.")] = None,
+    max_new_tokens: Annotated[int, typer.Option(help="Token budget (tokens).")] = 2048,
+    temperature: Annotated[float, typer.Option(help="0 = greedy; > 0 = lossless rejection sampling.")] = 0.0,
+    top_p: Annotated[float, typer.Option(help="Nucleus mass in (0, 1]; 1 disables.")] = 1.0,
+    top_k: Annotated[int, typer.Option(help="Keep the k most likely tokens; 0 disables.")] = 0,
+    reasoning: Annotated[str | None, typer.Option(help="on, off or a template-supported level.")] = None,
+    system: Annotated[str | None, typer.Option(help="System message prepended to the chat.")] = None,
+    device: Annotated[str, typer.Option(help="auto, cuda, cuda:N or cpu.")] = "auto",
+    dtype: Annotated[str, typer.Option(help="auto (bf16 on CUDA, fp32 on CPU), bfloat16, float16, float32.")] = "auto",
+    seed: Annotated[int, typer.Option(help="Seed for sampling.")] = 0,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object (text, token ids, stats) instead of streaming.")] = False,
+) -> None:  # fmt: skip
+    """Generate a reply with DFlash speculative decoding; text streams to stdout, stats to stderr."""
+    import time
+
+    import dflash
+    from dflash.api import TextStream
+    from dflash.types import SamplingParams
+
+    sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    if max_new_tokens < 1:
+        raise InputError(f"--max-new-tokens must be >= 1, got {max_new_tokens}.")
+    if block_size is not None and block_size < 1:
+        raise InputError(f"--block-size must be >= 1, got {block_size}.")
+    pipe = dflash.load(model, draft, backend=backend, device=device, dtype=dtype)
+    try:
+        import torch
+
+        torch.manual_seed(seed)
+    except ImportError:  # pragma: no cover
+        pass
+    ids = pipe.chat_prompt([{"role": "user", "content": prompt}], system=system, reasoning=reasoning)
+    kwargs = dict(block_size=block_size, max_new_tokens=max_new_tokens, sampling=sampling)
+    if json_out:
+        r = pipe.generate(ids, **kwargs)
+        print(json.dumps({
+            "text": r.text, "token_ids": r.token_ids, "prompt_tokens": r.prompt_tokens,
+            "new_tokens": r.num_new_tokens, "finish_reason": r.finish_reason,
+            "block_size": r.block_size, "verify_steps": r.verify_steps,
+            "acceptance_lengths": r.acceptance_lengths,
+            "mean_acceptance_length": r.mean_acceptance_length,
+            "ttft_s": r.ttft_s, "decode_s": r.decode_s, "decode_tok_per_s": r.decode_tok_per_s,
+        }))  # fmt: skip
+        return
+    stream = TextStream(pipe.tokenizer)
+    steps: list[int] = []
+    n = 0
+    t0 = time.perf_counter()
+    t1 = None
+    for r in pipe.stream(ids, **kwargs):
+        n += len(r.tokens)
+        if r.accepted is None:
+            t1 = time.perf_counter()
+        else:
+            steps.append(r.accepted)
+        sys.stdout.write(stream.feed(r.tokens, final=r.finish_reason is not None))
+        sys.stdout.flush()
+    t2 = time.perf_counter()
+    sys.stdout.write("\n")
+    decode = t2 - (t1 or t0)
+    tps = (n - 1) / decode if n > 1 and decode > 0 else 0.0
+    tau = sum(steps) / len(steps) if steps else float("nan")
+    print(f"[{n} new tokens | decode {tps:.1f} tok/s | mean acceptance length τ {tau:.2f} | "
+          f"{len(steps)} verify steps | TTFT {((t1 or t0) - t0) * 1000:.0f} ms]", file=sys.stderr)  # fmt: skip
+
+
+def init_draft(
+    target: Annotated[str | None, typer.Option("--target", help="Target hub id, folder or .gguf [default: demo target].")] = None,
+    out: Annotated[Path, typer.Option("--out", help="Output folder.")] = Path("draft"),
+    layers: Annotated[int, typer.Option(help="Draft decoder layers (= target feature layers).")] = 5,
+    block_size: Annotated[int, typer.Option(help="Block size L the draft is made for.")] = 16,
+    mask_token_id: Annotated[int | None, typer.Option(help="Mask token id [default: an unused/special token].")] = None,
+    seed: Annotated[int, typer.Option(help="Weight-initialisation seed.")] = 0,
+    dtype: Annotated[str, typer.Option(help="Storage dtype: bfloat16 or float32.")] = "bfloat16",
+) -> None:  # fmt: skip
+    """Write an untrained DFlash draft shaped for a target (config.json + model.safetensors)."""
+    from dflash.models.config import DraftConfig
+    from dflash.models.init_draft import init_draft as make
+
+    folder = make(target, out, layers=layers, block_size=block_size,
+                  mask_token_id=mask_token_id, seed=seed, dtype=dtype)  # fmt: skip
+    cfg = DraftConfig.load(folder)
+    print(f"wrote {folder}: {cfg.num_hidden_layers} layers, block size {cfg.block_size}, "
+          f"mask token {cfg.mask_token_id}, target layers {cfg.target_layer_ids}")  # fmt: skip

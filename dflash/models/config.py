@@ -1,0 +1,251 @@
+"""Draft checkpoint configuration: read, validate and write the published DFlash v1 layout.
+
+A draft folder holds ``config.json`` (a Qwen3-style config plus a ``dflash_config`` object) and
+``model.safetensors`` (or ``model-0000x-of-0000n.safetensors`` shards with an index). Brief §1.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dflash.errors import CheckpointError, ConfigError
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+DEFAULT_BLOCK_SIZE = 16
+
+
+def default_target_layer_ids(num_target_layers: int, num_features: int) -> list[int]:
+    """Target layers to read features from, spread from layer 1 to layer N-3 (brief §1.3).
+
+    Args:
+        num_target_layers: depth of the target model (its decoder layer count).
+        num_features: how many layers to pick.
+
+    Returns:
+        Zero-based decoder-layer indices, ascending; e.g. 36 layers, 5 features ->
+        [1, 9, 17, 25, 33].
+    """
+    if num_features == 1:
+        return [num_target_layers // 2]
+    lo, hi = 1, num_target_layers - 3
+    if hi < lo:
+        return [min(i, num_target_layers - 1) for i in range(num_features)]
+    step = (hi - lo) / (num_features - 1)
+    return [int(round(lo + i * step)) for i in range(num_features)]
+
+
+@dataclass
+class DraftConfig:
+    """Shape and DFlash settings of a v1 draft (paper §4.2, brief §1.1-§2.5).
+
+    Attributes:
+        hidden_size, intermediate_size, num_hidden_layers, num_attention_heads,
+        num_key_value_heads, head_dim, rms_norm_eps, vocab_size: Qwen3-style shape fields.
+        block_size: trained block size L (anchor + L-1 masked positions).
+        mask_token_id: token id fed at every masked block position.
+        target_layer_ids: zero-based target decoder layers whose outputs are concatenated.
+        layer_types: per draft layer, "full_attention" or "sliding_attention".
+        sliding_window: window W for sliding layers (tokens), None when no layer slides.
+        is_causal: optional override of the per-layer causality inside the block.
+        num_target_layers: depth of the target (informational).
+        rope: the rope settings as found in the config (``rope_parameters`` or flat keys).
+        extra: every other key of config.json, written back unchanged.
+    """
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    mask_token_id: int
+    target_layer_ids: list[int]
+    block_size: int = DEFAULT_BLOCK_SIZE
+    rms_norm_eps: float = 1e-6
+    layer_types: list[str] = field(default_factory=list)
+    sliding_window: int | None = None
+    is_causal: bool | None = None
+    num_target_layers: int | None = None
+    max_position_embeddings: int = 32768
+    rope: dict[str, Any] = field(default_factory=lambda: {"rope_theta": 1000000.0})
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.layer_types:
+            self.layer_types = ["full_attention"] * self.num_hidden_layers
+        self.validate()
+
+    @property
+    def num_features(self) -> int:
+        """Number of target layers read (n in F = n x target hidden size)."""
+        return len(self.target_layer_ids)
+
+    def layer_is_causal(self, i: int) -> bool:
+        """Whether draft layer i is causal within the block (brief §2.5)."""
+        if self.is_causal is not None:
+            return self.is_causal
+        return self.layer_types[i] == "sliding_attention"
+
+    def layer_window(self, i: int) -> int | None:
+        """Sliding window of draft layer i in tokens, None for full attention."""
+        return self.sliding_window if self.layer_types[i] == "sliding_attention" else None
+
+    def validate(self) -> None:
+        """Check internal consistency.
+
+        Raises:
+            ConfigError: on any inconsistency, with a one-sentence message.
+        """
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ConfigError(
+                f"Draft config has {len(self.layer_types)} layer_types for "
+                f"{self.num_hidden_layers} layers; they must be equal."
+            )
+        bad = sorted(set(self.layer_types) - set(LAYER_TYPES))
+        if bad:
+            raise ConfigError(f"Draft config has unknown layer_types {bad}; use {list(LAYER_TYPES)}.")
+        if "sliding_attention" in self.layer_types and not (self.sliding_window or 0) > 0:
+            raise ConfigError("Draft config has sliding layers but no positive sliding_window.")
+        if not isinstance(self.block_size, int) or self.block_size < 1:
+            raise ConfigError(f"Draft block_size must be an integer >= 1, got {self.block_size!r}.")
+        if not self.target_layer_ids or any(i < 0 for i in self.target_layer_ids):
+            raise ConfigError("Draft target_layer_ids must be a non-empty list of layer indices >= 0.")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ConfigError(
+                f"Draft mask_token_id {self.mask_token_id} is outside the vocabulary "
+                f"(size {self.vocab_size})."
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError("Draft num_attention_heads must be a multiple of num_key_value_heads.")
+
+    # ------------------------------------------------------------------ (de)serialisation
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> DraftConfig:
+        """Build from a config.json dict; accepts flat and nested ``block_size`` (brief §1.1).
+
+        Raises:
+            ConfigError: DFlash2 drafts, a missing ``mask_token_id``/``target_layer_ids``,
+                or any inconsistency.
+        """
+        archs = d.get("architectures") or []
+        if any("DFlash2" in a for a in archs):
+            raise ConfigError(
+                "DFlash2 drafts are not supported yet; use a DFlash v1 draft (DFlashDraftModel)."
+            )
+        dc = d.get("dflash_config") or {}
+
+        def pick(name: str, default: Any = None) -> Any:
+            return dc[name] if name in dc else d.get(name, default)
+
+        missing = [k for k in ("mask_token_id", "target_layer_ids") if pick(k) is None]
+        if missing:
+            raise ConfigError(
+                f"Draft config lacks {', '.join(missing)} (expected in dflash_config).",
+                hint="add them to config.json or recreate the draft with 'dflash init-draft'",
+            )
+        try:
+            hidden = int(d["hidden_size"])
+            heads = int(d["num_attention_heads"])
+            rope = dict(d.get("rope_parameters") or {})
+            if not rope:
+                rope = {"rope_theta": float(d.get("rope_theta", 10000.0))}
+                if d.get("rope_scaling"):
+                    rope.update(d["rope_scaling"])
+            known = {
+                "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "vocab_size", "rms_norm_eps", "layer_types",
+                "sliding_window", "is_causal", "num_target_layers", "max_position_embeddings",
+                "rope_parameters", "rope_theta", "rope_scaling", "block_size", "dflash_config",
+            }  # fmt: skip
+            return cls(
+                hidden_size=hidden,
+                intermediate_size=int(d["intermediate_size"]),
+                num_hidden_layers=int(d["num_hidden_layers"]),
+                num_attention_heads=heads,
+                num_key_value_heads=int(d.get("num_key_value_heads", heads)),
+                head_dim=int(d.get("head_dim") or hidden // heads),
+                vocab_size=int(d["vocab_size"]),
+                mask_token_id=int(pick("mask_token_id")),
+                target_layer_ids=[int(i) for i in pick("target_layer_ids")],
+                block_size=pick("block_size", DEFAULT_BLOCK_SIZE),
+                rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+                layer_types=list(d.get("layer_types") or []),
+                sliding_window=d.get("sliding_window"),
+                is_causal=d.get("is_causal"),
+                num_target_layers=d.get("num_target_layers"),
+                max_position_embeddings=int(d.get("max_position_embeddings", 32768)),
+                rope=rope,
+                extra={k: v for k, v in d.items() if k not in known},
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise ConfigError(f"Draft config is malformed: {type(e).__name__} {e}.") from e
+
+    def to_dict(self) -> dict[str, Any]:
+        """The config.json dict in the published layout (nested ``dflash_config``)."""
+        d = {
+            "architectures": ["DFlashDraftModel"],
+            "model_type": "qwen3",
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "hidden_act": "silu",
+            "tie_word_embeddings": False,
+            **self.extra,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "vocab_size": self.vocab_size,
+            "rms_norm_eps": self.rms_norm_eps,
+            "layer_types": self.layer_types,
+            "sliding_window": self.sliding_window,
+            "num_target_layers": self.num_target_layers,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rope_parameters": {"rope_type": "default", **self.rope},
+            "block_size": self.block_size,
+            "dflash_config": {
+                "block_size": self.block_size,
+                "mask_token_id": self.mask_token_id,
+                "target_layer_ids": self.target_layer_ids,
+            },
+        }
+        if self.is_causal is not None:
+            d["is_causal"] = self.is_causal
+        for k in ("rope_theta", "rope_scaling", "auto_map"):
+            d.pop(k, None)  # rope lives in rope_parameters; we never ship remote code
+        return d
+
+    @classmethod
+    def load(cls, folder: str | Path) -> DraftConfig:
+        """Read ``folder/config.json``.
+
+        Raises:
+            CheckpointError: the file is missing or not valid JSON.
+            ConfigError: its content is invalid.
+        """
+        path = Path(folder) / "config.json"
+        if not path.is_file():
+            raise CheckpointError(
+                f"No config.json in draft folder {folder}.",
+                hint="pass a DFlash draft folder or hub id, or create one with 'dflash init-draft'",
+            )
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"Draft config {path} is not valid JSON ({e}).") from e
+        if not isinstance(data, dict):
+            raise CheckpointError(f"Draft config {path} is not a JSON object.")
+        return cls.from_dict(data)
+
+    def save(self, folder: str | Path) -> Path:
+        """Write ``folder/config.json`` (creating the folder); returns its path."""
+        out = Path(folder)
+        out.mkdir(parents=True, exist_ok=True)
+        path = out / "config.json"
+        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        return path

@@ -1,0 +1,356 @@
+"""The DFlash v1 draft model in PyTorch (paper §4.2 and appendix A.3; brief §2).
+
+A stack of pre-norm Qwen3 decoder layers whose queries come only from the block
+``[anchor, mask x (L-1)]`` while keys/values are the projected target context features
+followed by the block. The draft owns no embedding and no LM head: it borrows the target's.
+The same ``forward`` serves inference (with a :class:`DraftCache`) and training (explicit masks).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dflash.errors import CheckpointError
+from dflash.models.config import DraftConfig
+
+SHARD_BYTES = 15_000_000
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm with a learned scale, computed in float32."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(cfg: DraftConfig) -> tuple[torch.Tensor, float]:
+    """Inverse RoPE frequencies [D/2] float32 and the attention scaling for the draft's rope.
+
+    Default rope is computed here; scaled variants (linear, yarn, llama3, ...) use transformers'
+    rope initialisers so they match the target family exactly.
+    """
+    rope_type = cfg.rope.get("rope_type") or cfg.rope.get("type") or "default"
+    theta = float(cfg.rope.get("rope_theta", 10000.0))
+    if rope_type == "default":
+        exps = torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim
+        return 1.0 / (theta**exps), 1.0
+    from transformers import Qwen3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf = Qwen3Config(
+        hidden_size=cfg.hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        head_dim=cfg.head_dim,
+        max_position_embeddings=cfg.max_position_embeddings,
+        rope_parameters={**cfg.rope, "rope_type": rope_type, "rope_theta": theta},
+    )
+    inv, scale = ROPE_INIT_FUNCTIONS[rope_type](hf, None)
+    return inv.float(), float(scale)
+
+
+def apply_rope(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, scale: float):
+    """Rotate x [B, H, T, D] by absolute positions pos [B, T] (half-split convention)."""
+    freqs = pos[..., None].float() * inv_freq  # [B, T, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, T, D]
+    cos, sin = (emb.cos() * scale).to(x.dtype), (emb.sin() * scale).to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class DraftCache:
+    """Per-layer K/V of the context rows the draft has seen (never block rows).
+
+    Context K/V are already k-normed and rotated, so they are appended once and reused in
+    every later round (brief §2.3 step 5). ``length`` is the number of cached context rows;
+    ``positions`` [1, length] int64 holds their absolute positions (used by window masks).
+    """
+
+    def __init__(self, num_layers: int):
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+        self.positions: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.positions is None else int(self.positions.shape[-1])
+
+    def append(self, i: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append k, v [B, Hkv, T, D] to layer i; returns the layer's whole cached K/V."""
+        if self.keys[i] is not None:
+            k = torch.cat((self.keys[i], k), dim=2)
+            v = torch.cat((self.values[i], v), dim=2)
+        self.keys[i], self.values[i] = k, v
+        return k, v
+
+    def reset(self) -> None:
+        """Forget every context row (start of a new request)."""
+        self.keys = [None] * len(self.keys)
+        self.values = [None] * len(self.values)
+        self.positions = None
+
+
+class DraftAttention(nn.Module):
+    """GQA attention: Q from the block only, K/V from [context; block], per-head q/k RMSNorm."""
+
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
+        self.q_proj = nn.Linear(h, self.heads * d, bias=False)
+        self.k_proj = nn.Linear(h, self.kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, self.kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(self.heads * d, h, bias=False)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+
+    def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        b, t, _ = x.shape
+        return x.view(b, t, n, self.head_dim).transpose(1, 2)  # [B, n, T, D]
+
+    def forward(self, x, ctx, q_pos, ctx_pos, rope, mask, cache: DraftCache | None, idx: int):
+        """x [B, Lq, H] normed block states; ctx [B, Tc, H] projected context (Tc may be 0).
+
+        q_pos [B, Lq] and ctx_pos [B, Tc] are absolute positions; mask is a bool
+        [B or 1, 1, Lq, Tk] (True = may attend) or None for full visibility.
+        Returns [B, Lq, H].
+        """
+        b, lq, _ = x.shape
+        q = apply_rope(self.q_norm(self._heads(self.q_proj(x), self.heads)), q_pos, *rope)
+        kb = apply_rope(self.k_norm(self._heads(self.k_proj(x), self.kv_heads)), q_pos, *rope)
+        vb = self._heads(self.v_proj(x), self.kv_heads)
+        kc = apply_rope(self.k_norm(self._heads(self.k_proj(ctx), self.kv_heads)), ctx_pos, *rope)
+        vc = self._heads(self.v_proj(ctx), self.kv_heads)
+        if cache is not None:
+            kc, vc = cache.append(idx, kc, vc)
+        k = torch.cat((kc, kb), dim=2)  # [B, Hkv, Tk, D]
+        v = torch.cat((vc, vb), dim=2)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, enable_gqa=self.heads != self.kv_heads
+        )  # [B, H, Lq, D]
+        return self.o_proj(out.transpose(1, 2).reshape(b, lq, self.heads * self.head_dim))
+
+
+class DraftMLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DraftLayer(nn.Module):
+    """Pre-norm decoder layer with context K/V injection (brief §2.3)."""
+
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = DraftAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = DraftMLP(cfg)
+
+    def forward(self, h, ctx, q_pos, ctx_pos, rope, mask, cache, idx):
+        h = h + self.self_attn(self.input_layernorm(h), ctx, q_pos, ctx_pos, rope, mask, cache, idx)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DFlashDraft(nn.Module):
+    """DFlash v1 draft: ``fc`` + ``hidden_norm`` context projection, decoder layers, final norm.
+
+    Parameter names match the published safetensors layout (brief §1.2).
+
+    Args:
+        cfg: the draft configuration.
+    """
+
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.config = cfg
+        self.fc = nn.Linear(cfg.num_features * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        inv_freq, self.rope_scale = rope_inv_freq(cfg)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    @property
+    def feature_width(self) -> int:
+        """F: the width of the concatenated target features the draft expects."""
+        return self.fc.in_features
+
+    def new_cache(self) -> DraftCache:
+        """An empty context cache for one request."""
+        return DraftCache(len(self.layers))
+
+    def forward(
+        self,
+        block_embeds: torch.Tensor,
+        target_hidden: torch.Tensor,
+        q_pos: torch.Tensor,
+        ctx_pos: torch.Tensor,
+        cache: DraftCache | None = None,
+        masks: dict[str, torch.Tensor | None] | None = None,
+    ) -> torch.Tensor:
+        """Run the draft over one or more blocks.
+
+        Args:
+            block_embeds: [B, Lq, H] target embeddings of the block tokens (anchor, masks...).
+            target_hidden: [B, Tc, F] concatenated target features of new context rows.
+            q_pos: [B, Lq] int64 absolute positions of the block tokens.
+            ctx_pos: [B, Tc] int64 absolute positions of the context rows.
+            cache: inference cache; new context K/V are appended to it. None in training.
+            masks: per layer type ("full_attention", "sliding_attention") a bool mask
+                [B or 1, 1, Lq, Tk] (True = attend), Tk = cached + new context + Lq. When None,
+                masks are derived from positions (inference; brief §2.5).
+
+        Returns:
+            [B, Lq, H] final-normed hidden states; project with the target LM head.
+        """
+        ctx = self.hidden_norm(self.fc(target_hidden))  # [B, Tc, H]
+        if cache is not None:
+            new_pos = ctx_pos if cache.positions is None else torch.cat((cache.positions, ctx_pos), 1)
+        if masks is None:
+            k_ctx = new_pos if cache is not None else ctx_pos
+            masks = self.inference_masks(q_pos, torch.cat((k_ctx, q_pos), dim=1))
+        rope = (self.inv_freq, self.rope_scale)
+        h = block_embeds
+        for i, layer in enumerate(self.layers):
+            h = layer(h, ctx, q_pos, ctx_pos, rope, masks[self.config.layer_types[i]], cache, i)
+        if cache is not None:
+            cache.positions = new_pos
+        return self.norm(h)
+
+    def inference_masks(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> dict:
+        """Masks from absolute positions: causal and/or windowed per layer type (brief §2.5).
+
+        Args:
+            q_pos: [B, Lq] query positions; k_pos: [B, Tk] key positions.
+
+        Returns:
+            dict layer type -> bool [B, 1, Lq, Tk] mask or None (everything visible).
+        """
+        out: dict[str, torch.Tensor | None] = {}
+        for i, kind in enumerate(self.config.layer_types):
+            causal, window = self.config.layer_is_causal(i), self.config.layer_window(i)
+            key = kind if self.config.is_causal is None else f"{kind}"
+            if key in out:
+                continue
+            if not causal and window is None:
+                out[key] = None
+                continue
+            diff = q_pos[:, :, None] - k_pos[:, None, :]  # [B, Lq, Tk] q - k
+            ok = torch.ones_like(diff, dtype=torch.bool)
+            if causal:
+                ok &= diff >= 0
+            if window is not None:
+                ok &= diff < window
+                if not causal:
+                    ok &= -diff < window
+            out[key] = ok[:, None]
+        return out
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, folder: str | Path, max_shard_bytes: int = SHARD_BYTES) -> Path:
+        """Write config.json and safetensors shards of at most ``max_shard_bytes`` each.
+
+        One shard is named ``model.safetensors``; several are ``model-0000i-of-0000n``
+        with a ``model.safetensors.index.json`` (the HF layout).
+        """
+        from safetensors.torch import save_file
+
+        out = Path(folder)
+        out.mkdir(parents=True, exist_ok=True)
+        self.config.save(out)
+        tensors = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        shards: list[dict[str, torch.Tensor]] = [{}]
+        size = 0
+        for name, t in tensors.items():
+            nbytes = t.numel() * t.element_size()
+            if shards[-1] and size + nbytes > max_shard_bytes:
+                shards.append({})
+                size = 0
+            shards[-1][name] = t
+            size += nbytes
+        for old in out.glob("model*.safetensors*"):
+            old.unlink()
+        meta = {"format": "pt"}
+        if len(shards) == 1:
+            save_file(shards[0], str(out / "model.safetensors"), metadata=meta)
+            return out
+        n = len(shards)
+        weight_map = {}
+        for i, shard in enumerate(shards, 1):
+            fname = f"model-{i:05d}-of-{n:05d}.safetensors"
+            save_file(shard, str(out / fname), metadata=meta)
+            weight_map.update({k: fname for k in shard})
+        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+                 "weight_map": weight_map}  # fmt: skip
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        return out
+
+    @classmethod
+    def load(cls, folder: str | Path, dtype: torch.dtype | None = None, device="cpu") -> DFlashDraft:
+        """Load a draft folder (config.json + safetensors, sharded or not).
+
+        Raises:
+            CheckpointError: no weights, an unreadable shard, or missing/unexpected tensors.
+            ConfigError: an invalid config.
+        """
+        folder = Path(folder)
+        cfg = DraftConfig.load(folder)
+        state = read_safetensors(folder)
+        with torch.device("meta"):
+            model = cls(cfg)
+        expected = set(model.state_dict().keys())
+        missing, unexpected = expected - set(state), set(state) - expected
+        if missing or unexpected:
+            raise CheckpointError(
+                f"Draft weights in {folder} do not match its config: "
+                f"{len(missing)} missing (e.g. {sorted(missing)[:2]}), "
+                f"{len(unexpected)} unexpected (e.g. {sorted(unexpected)[:2]})."
+            )
+        model.load_state_dict(state, assign=True)
+        inv_freq, model.rope_scale = rope_inv_freq(cfg)
+        model.inv_freq = inv_freq
+        return model.to(device=device, dtype=dtype)
+
+
+def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
+    """Read every ``*.safetensors`` file of a folder into one dict of CPU tensors.
+
+    Raises:
+        CheckpointError: no file, or a file that safetensors cannot parse.
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(
+            f"No .safetensors weights in draft folder {folder}.",
+            hint="a draft folder needs config.json and model.safetensors",
+        )
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            state.update(load_file(str(f)))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise CheckpointError(f"Cannot read draft weights {f.name}: {e}.") from e
+    return state

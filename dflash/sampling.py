@@ -1,0 +1,54 @@
+"""Logits -> probabilities with temperature, top-k and top-p (brief §3.6), backend-free.
+
+Works on numpy arrays (the backends hand over float32 logits when temperature > 0); the same
+transform is applied to the target's and the draft's logits so rejection sampling stays exact.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dflash.types import SamplingParams
+
+
+def sampling_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """Turn logits into the sampling distribution the target (or draft) draws from.
+
+    Order: logits / T -> keep the top_k largest (0 = off) -> softmax -> keep the smallest
+    prefix of tokens sorted by probability whose mass BEFORE each kept token is < top_p
+    (the most likely token is always kept) -> renormalise.
+
+    Args:
+        logits: [..., V] float logits.
+        params: temperature must be > 0 here (greedy never calls this).
+
+    Returns:
+        [..., V] float64 probabilities summing to 1 along the last axis.
+    """
+    assert params.temperature > 0, "sampling_probs is only for temperature > 0"
+    x = np.asarray(logits, dtype=np.float64) / params.temperature
+    vocab = x.shape[-1]
+    if 0 < params.top_k < vocab:
+        kth = np.partition(x, vocab - params.top_k, axis=-1)[..., vocab - params.top_k, None]
+        x = np.where(x >= kth, x, -np.inf)
+    x = x - x.max(axis=-1, keepdims=True)
+    p = np.exp(x)
+    p /= p.sum(axis=-1, keepdims=True)
+    if params.top_p < 1.0:
+        order = np.argsort(-p, axis=-1, kind="stable")
+        sorted_p = np.take_along_axis(p, order, axis=-1)
+        mass_before = np.cumsum(sorted_p, axis=-1) - sorted_p
+        keep_sorted = mass_before < params.top_p
+        keep_sorted[..., 0] = True
+        keep = np.zeros_like(keep_sorted)
+        np.put_along_axis(keep, order, keep_sorted, axis=-1)
+        p = np.where(keep, p, 0.0)
+        p /= p.sum(axis=-1, keepdims=True)
+    return p
+
+
+def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
+    """Draw one token id from probs [V] (float, sums to 1)."""
+    cdf = np.cumsum(probs)
+    u = rng.random() * cdf[-1]
+    return int(min(np.searchsorted(cdf, u, side="right"), len(probs) - 1))
