@@ -290,3 +290,26 @@ def test_rank_sharding_and_rank_files(tmp_path):
     log = ResultsLog(tmp_path / "r.jsonl", rank=1, world=3)
     assert log.write_path == tmp_path / "r.rank1.jsonl"
     assert harness.gather_records({"x": []}, harness.DistInfo()) == {"x": []}
+
+
+def test_torchrun_ranks_share_the_work_and_rank_0_gathers(cli, tmp_path):
+    """Two CPU processes under torchrun (gloo): same records and summary as one process."""
+    pytest.importorskip("torch.distributed")
+    single = cli([*BENCH_ARGS, "--output", str(tmp_path / "single.jsonl")])
+    assert single.exit_code == 0, single.output
+    script = tmp_path / "run_bench.py"
+    script.write_text(SCRIPT.format(tests=str(REPO / "tests"), repo=str(REPO)))
+    out_file = tmp_path / "multi.jsonl"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         str(script), "0", *BENCH_ARGS, "--output", str(out_file)],
+        capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert last_json(proc.stdout) == last_json(single.stdout)
+    rank_files = [tmp_path / f"multi.rank{r}.jsonl" for r in range(2)]
+    ranks = [{rec.key for rec in read_records(p)} for p in rank_files]
+    assert ranks[0] and ranks[1] and not ranks[0] & ranks[1]  # every response ran once
+    merged = {r.key: r.to_dict() for r in read_records(out_file)}
+    assert merged == {r.key: r.to_dict() for r in read_records(tmp_path / "single.jsonl")}

@@ -18,8 +18,8 @@ import typer
 from rich.console import Console
 
 from dflash.bench import harness, report
-from dflash.bench.metrics import summarize
-from dflash.data.datasets import load_prompts, select
+from dflash.bench.metrics import ResponseRecord, summarize
+from dflash.data.datasets import PromptItem, load_prompts, select
 from dflash.errors import BackendError, InputError
 from dflash.types import SamplingParams
 
@@ -78,16 +78,17 @@ def benchmark(
         str,
         typer.Option(
             "--dataset",
-            "-d",
             help="gsm8k, math500, humaneval, mbpp, mt-bench, a name:split such as gsm8k:train, "
             "or a .jsonl file; comma-separate several for one table each.",
         ),
     ],
     model: Annotated[
-        str | None, typer.Option(help="Target model id or path (default: the demo target).")
+        str | None,
+        typer.Option("--model", "-m", help="Target id, folder or .gguf [default: demo target]."),
     ] = None,
     draft: Annotated[
-        str | None, typer.Option(help="Draft id or path (default: the demo draft).")
+        str | None,
+        typer.Option("--draft", "-d", help="Draft id or folder [default: the demo draft]."),
     ] = None,
     max_samples: Annotated[
         int | None, typer.Option(help="Prompts per dataset after the Random(42) shuffle.")
@@ -138,11 +139,6 @@ def benchmark(
     names = harness.check_dataset_names(dataset.split(","))
     selected = {name: select(load_prompts(name, data_dir), max_samples) for name in names}
 
-    dist = harness.init_distributed()
-    if dist.world > 1:
-        device = f"cuda:{dist.local_rank}"
-    log = harness.ResultsLog(output, resume=resume, rank=dist.rank, world=dist.world)
-    pipeline = _load_pipeline(backend, model, draft, device, dtype)
     config = harness.BenchConfig(
         block_size=block_size,
         max_new_tokens=max_new_tokens,
@@ -151,23 +147,55 @@ def benchmark(
         check_parity=check_parity,
         run_info={"backend": backend, "model": model, "draft": draft},
     )
-    shards = {name: harness.shard(items, dist) for name, items in selected.items()}
-    with report.BenchProgress(enabled=dist.rank == 0) as progress:
-        results = harness.run_benchmark(
-            pipeline, shards, config, log=log, on_record=progress.update, on_dataset=progress.start
+    dist = harness.init_distributed()
+    try:
+        gathered = _run(
+            dist, (backend, model, draft, device, dtype), selected, config, output, resume
         )
-    gathered = harness.gather_records(results, dist)
+    finally:
+        harness.finish_distributed(dist)
     if gathered is None:  # non-zero ranks: rank 0 reports
         return
-    log.write_merged([r for recs in gathered.values() for r in recs])
     summaries = {name: summarize(recs) for name, recs in gathered.items()}
     console = Console(highlight=False)
     for name, summary in summaries.items():
         report.print_summary(console, name, summary)
     if plot is not None:
         console.print(f"plot written to {report.save_plot(plot, summaries)}")
-    resolved_block = config.block_size or pipeline.block_size
-    print(json.dumps(_final_json(config, resolved_block, summaries), ensure_ascii=False))
+    block = max((s["block_size"] for s in summaries.values()), default=1)
+    print(json.dumps(_final_json(config, block, summaries), ensure_ascii=False))
+
+
+def _run(
+    dist: harness.DistInfo,
+    load_args: tuple[str, str | None, str | None, str, str],
+    selected: dict[str, list[PromptItem]],
+    config: harness.BenchConfig,
+    output: Path | None,
+    resume: bool,
+) -> dict[str, list[ResponseRecord]] | None:
+    """Load, run this rank's shard with a progress bar, gather on rank 0 and merge its files.
+
+    Args:
+        load_args: (backend, model, draft, device, dtype) for :func:`_load_pipeline`.
+
+    Returns:
+        Records per dataset on rank 0, None on other ranks.
+    """
+    backend, model, draft, device, dtype = load_args
+    if dist.world > 1 and device in ("auto", "cuda"):
+        device = f"cuda:{dist.local_rank}"
+    log = harness.ResultsLog(output, resume=resume, rank=dist.rank, world=dist.world)
+    pipeline = _load_pipeline(backend, model, draft, device, dtype)
+    shards = {name: harness.shard(items, dist) for name, items in selected.items()}
+    with report.BenchProgress(enabled=dist.rank == 0) as progress:
+        results = harness.run_benchmark(
+            pipeline, shards, config, log=log, on_record=progress.update, on_dataset=progress.start
+        )
+    gathered = harness.gather_records(results, dist)
+    if gathered is not None:
+        log.write_merged([r for recs in gathered.values() for r in recs])
+    return gathered
 
 
 def _final_json(

@@ -357,7 +357,10 @@ class DistInfo:
 
 
 def init_distributed() -> DistInfo:
-    """Read ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``; init the NCCL group only when RANK is set."""
+    """Read ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``; init a process group only when RANK is set.
+
+    The group is NCCL on CUDA machines (each rank on ``cuda:LOCAL_RANK``) and gloo without CUDA.
+    """
     if "RANK" not in os.environ:
         return DistInfo()
     info = DistInfo(
@@ -369,10 +372,21 @@ def init_distributed() -> DistInfo:
         import torch
         import torch.distributed as dist
 
-        torch.cuda.set_device(info.local_rank)
+        cuda = torch.cuda.is_available()
+        if cuda:
+            torch.cuda.set_device(info.local_rank)
         if not dist.is_initialized():
-            dist.init_process_group("nccl", init_method="env://")
+            dist.init_process_group("nccl" if cuda else "gloo", init_method="env://")
     return info
+
+
+def finish_distributed(info: DistInfo) -> None:
+    """Tear down the process group made by :func:`init_distributed` (no-op for one process)."""
+    if info.world > 1:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def shard(items: list[PromptItem], info: DistInfo) -> list[PromptItem]:
