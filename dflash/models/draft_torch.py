@@ -15,10 +15,26 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash.errors import CheckpointError
+from dflash.errors import CheckpointError, ConfigError
 from dflash.models.config import DraftConfig
 
 SHARD_BYTES = 15_000_000
+
+try:  # FlexAttention (torch >= 2.5) serves training with a sparse block mask
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+except ImportError:  # pragma: no cover
+    BlockMask = flex_attention = None
+_FLEX_COMPILED = None
+
+
+def flex_attention_fn(device: torch.device):
+    """flex_attention, compiled once on CUDA (eager flex is a slow reference), eager on CPU."""
+    global _FLEX_COMPILED
+    if device.type != "cuda":
+        return flex_attention
+    if _FLEX_COMPILED is None:
+        _FLEX_COMPILED = torch.compile(flex_attention)
+    return _FLEX_COMPILED
 
 
 class RMSNorm(nn.Module):
@@ -124,7 +140,8 @@ class DraftAttention(nn.Module):
         """x [B, Lq, H] normed block states; ctx [B, Tc, H] projected context (Tc may be 0).
 
         q_pos [B, Lq] and ctx_pos [B, Tc] are absolute positions; mask is a bool
-        [B or 1, 1, Lq, Tk] (True = may attend) or None for full visibility.
+        [B or 1, 1, Lq, Tk] (True = may attend), a FlexAttention BlockMask of the same
+        shape (training), or None for full visibility.
         Returns [B, Lq, H].
         """
         b, lq, _ = x.shape
@@ -137,9 +154,14 @@ class DraftAttention(nn.Module):
             kc, vc = cache.append(idx, kc, vc)
         k = torch.cat((kc, kb), dim=2)  # [B, Hkv, Tk, D]
         v = torch.cat((vc, vb), dim=2)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, enable_gqa=self.heads != self.kv_heads
-        )  # [B, H, Lq, D]
+        if BlockMask is not None and isinstance(mask, BlockMask):  # training on CUDA
+            dt = v.dtype  # autocast leaves the normed q/k in float32; flex wants one dtype
+            out = flex_attention_fn(q.device)(q.to(dt), k.to(dt), v, block_mask=mask,
+                                              enable_gqa=self.heads != self.kv_heads)  # fmt: skip
+        else:
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, enable_gqa=self.heads != self.kv_heads
+            )  # [B, H, Lq, D]
         return self.o_proj(out.transpose(1, 2).reshape(b, lq, self.heads * self.head_dim))
 
 
@@ -217,7 +239,8 @@ class DFlashDraft(nn.Module):
             ctx_pos: [B, Tc] int64 absolute positions of the context rows.
             cache: inference cache; new context K/V are appended to it. None in training.
             masks: per layer type ("full_attention", "sliding_attention") a bool mask
-                [B or 1, 1, Lq, Tk] (True = attend), Tk = cached + new context + Lq. When None,
+                [B or 1, 1, Lq, Tk] (True = attend) or a FlexAttention BlockMask of that
+                shape, Tk = cached + new context + Lq. When None,
                 masks are derived from positions (inference; brief §2.5).
 
         Returns:
@@ -249,11 +272,10 @@ class DFlashDraft(nn.Module):
         out: dict[str, torch.Tensor | None] = {}
         for i, kind in enumerate(self.config.layer_types):
             causal, window = self.config.layer_is_causal(i), self.config.layer_window(i)
-            key = kind if self.config.is_causal is None else f"{kind}"
-            if key in out:
+            if kind in out:
                 continue
             if not causal and window is None:
-                out[key] = None
+                out[kind] = None
                 continue
             diff = q_pos[:, :, None] - k_pos[:, None, :]  # [B, Lq, Tk] q - k
             ok = torch.ones_like(diff, dtype=torch.bool)
@@ -263,7 +285,7 @@ class DFlashDraft(nn.Module):
                 ok &= diff < window
                 if not causal:
                     ok &= -diff < window
-            out[key] = ok[:, None]
+            out[kind] = ok[:, None]
         return out
 
     # ------------------------------------------------------------------ checkpoints
@@ -316,6 +338,14 @@ class DFlashDraft(nn.Module):
         folder = Path(folder)
         cfg = DraftConfig.load(folder)
         state = read_safetensors(folder)
+        fc = state.get("fc.weight")
+        width = cfg.num_features * cfg.hidden_size
+        if fc is not None and tuple(fc.shape) != (cfg.hidden_size, width):
+            raise ConfigError(
+                f"Draft fc.weight has shape {tuple(fc.shape)} but len(target_layer_ids) x "
+                f"hidden_size needs ({cfg.hidden_size}, {width}).",
+                hint="the weights and config.json belong to different drafts",
+            )
         with torch.device("meta"):
             model = cls(cfg)
         expected = set(model.state_dict().keys())
