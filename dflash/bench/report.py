@@ -209,6 +209,10 @@ def save_plot(path: str | Path, summaries: dict[str, dict[str, Any]]) -> Path:
         title="Per-position acceptance",
         ylim=(0, 105),
     )
+    size = max((len(s["histogram"]) for s in summaries.values()), default=1)
+    ax_hist.set_xticks(range(1, size + 1))
+    ax_pos.set_xticks(range(1, max(size, 2)))
+    ax_pos.set_xlim(0.5, max(size, 2) - 0.5)
     for ax in (ax_hist, ax_pos):
         ax.legend()
         ax.grid(alpha=0.3)
