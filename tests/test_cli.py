@@ -1,0 +1,117 @@
+"""The CLI as a user runs it: subprocesses, one-line errors with exit code 1, JSON output."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "DFLASH_DEBUG": ""}
+
+
+def run(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dflash", *args], capture_output=True, text=True,
+                          env=ENV, timeout=timeout)  # fmt: skip
+
+
+def assert_one_line_error(p: subprocess.CompletedProcess, fragment: str) -> None:
+    assert p.returncode == 1, (p.returncode, p.stderr)
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert "Traceback" not in p.stderr
+    assert lines and lines[0].startswith("error: "), p.stderr
+    assert len(lines) <= 2 and all(ln.startswith("hint: ") for ln in lines[1:]), p.stderr
+    assert fragment in lines[0], p.stderr
+
+
+def test_help_without_loading_torch():
+    p = subprocess.run([sys.executable, "-c", "import sys; from dflash.cli import app; "
+                        "assert 'torch' not in sys.modules, 'torch imported by the CLI module'"],
+                       capture_output=True, text=True, env=ENV)  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    p = run("--help")
+    assert p.returncode == 0 and "generate" in p.stdout and "init-draft" in p.stdout
+
+
+@pytest.mark.parametrize(
+    "args,fragment",
+    [(["--model", "some/model"], "--draft is required"),
+     (["--temperature", "-1"], "--temperature must be >= 0"),
+     (["--top-p", "0"], "--top-p must be in (0, 1]"),
+     (["--block-size", "0"], "--block-size must be >= 1"),
+     (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+     (["--draft", "/nonexistent/draft"], "does not exist"),
+     (["--dtype", "float8"], "Unknown --dtype")],
+)  # fmt: skip
+def test_cheap_errors(args, fragment):
+    assert_one_line_error(run("generate", "transformers", "hi", *args), fragment)
+
+
+def test_unknown_backend():
+    assert_one_line_error(run("generate", "tensorrt", "hi"), "Unknown backend")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_absent():
+    assert_one_line_error(run("generate", "transformers", "hi", "--device", "cuda"), "no CUDA device")
+
+
+def test_corrupt_draft_config(tmp_path):
+    (tmp_path / "config.json").write_text("{oops")
+    assert_one_line_error(run("generate", "transformers", "hi", "--model", "x", "--draft", str(tmp_path)),
+                          "not valid JSON")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def pair(demo_gguf, untrained_draft):
+    return ["--model", str(demo_gguf), "--draft", str(untrained_draft)]
+
+
+def test_block_size_above_trained(pair):
+    assert_one_line_error(run("generate", "transformers", "hi", *pair, "--block-size", "17"),
+                          "exceeds the draft's trained block size 16")  # fmt: skip
+
+
+def test_reasoning_without_switch(pair):
+    assert_one_line_error(run("generate", "transformers", "hi", *pair, "--reasoning", "on"),
+                          "no reasoning switch")  # fmt: skip
+
+
+def test_prompt_longer_than_context(pair):
+    assert_one_line_error(run("generate", "transformers", "word " * 9000, *pair), "context is 8192")
+
+
+def test_draft_for_another_target(pair, tmp_path, tiny_target):
+    from tests.conftest import make_draft
+
+    make_draft(tiny_target).save(tmp_path / "other")
+    assert_one_line_error(run("generate", "transformers", "hi", pair[0], pair[1], "--draft",
+                              str(tmp_path / "other")), "hidden_size")  # fmt: skip
+
+
+def test_generate_json_and_stream(pair):
+    p = run("generate", "transformers", "Name three primary colors.", *pair, "--max-new-tokens", "12", "--json")
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert out["new_tokens"] == len(out["token_ids"]) <= 12
+    assert out["finish_reason"] == "stop" or out["new_tokens"] == 12
+    assert sum(out["acceptance_lengths"]) == out["new_tokens"] - 1
+    p2 = run("generate", "transformers", "Name three primary colors.", *pair, "--max-new-tokens", "12")
+    assert p2.returncode == 0, p2.stderr
+    assert p2.stdout.strip() == out["text"].strip()
+    assert "new tokens" in p2.stderr and "tok/s" in p2.stderr and "acceptance length" in p2.stderr
+
+
+def test_init_draft_cli(tmp_path, demo_gguf):
+    p = run("init-draft", "--target", str(demo_gguf), "--out", str(tmp_path / "d"), "--layers", "3",
+            "--block-size", "8")  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    cfg = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert cfg["dflash_config"]["block_size"] == 8 and cfg["num_hidden_layers"] == 3
+    assert len(cfg["dflash_config"]["target_layer_ids"]) == 3
+    assert cfg["dflash_config"]["mask_token_id"] not in (2,)  # not the stop token
+    bad = run("init-draft", "--target", str(demo_gguf), "--out", str(tmp_path / "e"), "--mask-token-id", "2")
+    assert_one_line_error(bad, "stop token")
