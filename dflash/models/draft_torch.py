@@ -77,11 +77,15 @@ def rope_inv_freq(cfg: DraftConfig) -> tuple[torch.Tensor, float]:
     return inv.float(), float(scale)
 
 
-def apply_rope(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, scale: float):
-    """Rotate x [B, H, T, D] by absolute positions pos [B, T] (half-split convention)."""
+def rope_cos_sin(pos: torch.Tensor, inv_freq: torch.Tensor, scale: float, dtype: torch.dtype):
+    """cos, sin tables [B, 1, T, D] for absolute positions pos [B, T] (computed in float32)."""
     freqs = pos[..., None].float() * inv_freq  # [B, T, D/2]
     emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, T, D]
-    cos, sin = (emb.cos() * scale).to(x.dtype), (emb.sin() * scale).to(x.dtype)
+    return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [B, H, T, D] with cos/sin [B, 1, T, D] (half-split convention)."""
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
@@ -136,19 +140,20 @@ class DraftAttention(nn.Module):
         b, t, _ = x.shape
         return x.view(b, t, n, self.head_dim).transpose(1, 2)  # [B, n, T, D]
 
-    def forward(self, x, ctx, q_pos, ctx_pos, rope, mask, cache: DraftCache | None, idx: int):
+    def forward(self, x, ctx, q_rope, ctx_rope, mask, cache: DraftCache | None, idx: int):
         """x [B, Lq, H] normed block states; ctx [B, Tc, H] projected context (Tc may be 0).
 
-        q_pos [B, Lq] and ctx_pos [B, Tc] are absolute positions; mask is a bool
+        q_rope and ctx_rope are (cos, sin) tables of the block and context positions
+        (see :func:`rope_cos_sin`); mask is a bool
         [B or 1, 1, Lq, Tk] (True = may attend), a FlexAttention BlockMask of the same
         shape (training), or None for full visibility.
         Returns [B, Lq, H].
         """
         b, lq, _ = x.shape
-        q = apply_rope(self.q_norm(self._heads(self.q_proj(x), self.heads)), q_pos, *rope)
-        kb = apply_rope(self.k_norm(self._heads(self.k_proj(x), self.kv_heads)), q_pos, *rope)
+        q = apply_rope(self.q_norm(self._heads(self.q_proj(x), self.heads)), *q_rope)
+        kb = apply_rope(self.k_norm(self._heads(self.k_proj(x), self.kv_heads)), *q_rope)
         vb = self._heads(self.v_proj(x), self.kv_heads)
-        kc = apply_rope(self.k_norm(self._heads(self.k_proj(ctx), self.kv_heads)), ctx_pos, *rope)
+        kc = apply_rope(self.k_norm(self._heads(self.k_proj(ctx), self.kv_heads)), *ctx_rope)
         vc = self._heads(self.v_proj(ctx), self.kv_heads)
         if cache is not None:
             kc, vc = cache.append(idx, kc, vc)
@@ -188,8 +193,8 @@ class DraftLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = DraftMLP(cfg)
 
-    def forward(self, h, ctx, q_pos, ctx_pos, rope, mask, cache, idx):
-        h = h + self.self_attn(self.input_layernorm(h), ctx, q_pos, ctx_pos, rope, mask, cache, idx)
+    def forward(self, h, ctx, q_rope, ctx_rope, mask, cache, idx):
+        h = h + self.self_attn(self.input_layernorm(h), ctx, q_rope, ctx_rope, mask, cache, idx)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -252,10 +257,12 @@ class DFlashDraft(nn.Module):
         if masks is None:
             k_ctx = new_pos if cache is not None else ctx_pos
             masks = self.inference_masks(q_pos, torch.cat((k_ctx, q_pos), dim=1))
-        rope = (self.inv_freq, self.rope_scale)
+        dt = block_embeds.dtype
+        q_rope = rope_cos_sin(q_pos, self.inv_freq, self.rope_scale, dt)  # once, shared by layers
+        ctx_rope = rope_cos_sin(ctx_pos, self.inv_freq, self.rope_scale, dt)
         h = block_embeds
         for i, layer in enumerate(self.layers):
-            h = layer(h, ctx, q_pos, ctx_pos, rope, masks[self.config.layer_types[i]], cache, i)
+            h = layer(h, ctx, q_rope, ctx_rope, masks[self.config.layer_types[i]], cache, i)
         if cache is not None:
             cache.positions = new_pos
         return self.norm(h)
