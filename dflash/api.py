@@ -188,7 +188,7 @@ def stop_token_ids(generation_config: Any, tokenizer: Any) -> list[int]:
 
 
 def load(model: str | None = None, draft: str | None = None, *, backend: str = "transformers",
-         device: str = "auto", dtype: str = "auto") -> Pipeline:  # fmt: skip
+         device: str = "auto", dtype: str = "auto", cuda_graphs: bool | None = None) -> Pipeline:  # fmt: skip
     """Load a target and a DFlash draft.
 
     Args:
@@ -198,6 +198,8 @@ def load(model: str | None = None, draft: str | None = None, *, backend: str = "
         backend: "transformers" (others are not implemented in this version).
         device: auto | cuda | cuda:N | cpu.
         dtype: auto (bfloat16 on CUDA, float32 on CPU) | bfloat16 | float16 | float32.
+        cuda_graphs: use the static-cache path with CUDA graphs (Llama/Qwen2/Qwen3 targets on
+            CUDA); None = automatically when possible, False = the plain HF forward.
 
     Raises:
         BackendError, CheckpointError, ConfigError, InputError: one-sentence reasons.
@@ -236,5 +238,12 @@ def load(model: str | None = None, draft: str | None = None, *, backend: str = "
     rows = target_model.get_input_embeddings().weight.shape[0]
     check_pair(draft_cfg, target_model.config, rows, stops)
     draft_model = load_draft(draft_dir, dev, dt)
-    return Pipeline(TransformersBackend(target_model, draft_model, dev), tokenizer, stops,
-                    name=str(model or "demo"))  # fmt: skip
+    from dflash.backends.static_torch import StaticBackend, supports_static
+
+    fast = dev.type == "cuda" and supports_static(target_model) and cuda_graphs is not False
+    if cuda_graphs and not fast:
+        raise BackendError("CUDA graphs need a CUDA device and a Llama/Qwen2/Qwen3-style target.",
+                           hint="drop --cuda-graphs")  # fmt: skip
+    impl = StaticBackend(target_model, draft_model, dev) if fast else TransformersBackend(
+        target_model, draft_model, dev)  # fmt: skip
+    return Pipeline(impl, tokenizer, stops, name=str(model or "demo"))

@@ -44,7 +44,7 @@ def speculative_generate(
     stops = set(stop_ids)
     rng = np.random.default_rng(sampling.seed)
     want_features = block_size > 1
-    backend.reset()
+    backend.reset(len(prompt_ids) + max_new_tokens + block_size)
     logits, context = backend.prefill(list(prompt_ids), want_features)
     if sampling.greedy:
         first = backend.to_list(backend.argmax(logits[None]))[0][0]  # sync: first token

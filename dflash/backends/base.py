@@ -27,8 +27,13 @@ class LocalBackend(Protocol):
     draft_block_size: int
     max_context: int
 
-    def reset(self) -> None:
-        """Drop all cached state so the next request starts clean."""
+    def reset(self, max_positions: int | None = None) -> None:
+        """Drop all cached state so the next request starts clean.
+
+        Args:
+            max_positions: upper bound on prompt + new tokens + block size of the request
+                (lets static caches size their buffers once).
+        """
 
     def prefill(self, prompt_ids: list[int], with_features: bool) -> tuple[Any, Any]:
         """Run the target over the prompt.

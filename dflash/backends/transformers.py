@@ -116,7 +116,7 @@ class TransformersBackend:
         self.draft_cache = draft.new_cache() if draft is not None else None
 
     # -- protocol ---------------------------------------------------------------------------
-    def reset(self) -> None:
+    def reset(self, max_positions: int | None = None) -> None:
         from transformers import DynamicCache
 
         self.cache = DynamicCache(config=self.target.config)

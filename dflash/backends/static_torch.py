@@ -1,0 +1,227 @@
+"""Static-cache fast path of the transformers backend, with CUDA graphs (gpt-fast style).
+
+For Llama/Qwen2/Qwen3-style targets the target forward is re-expressed over the HF model's own
+modules with preallocated K/V buffers written by position, so rollback is free (stale rows
+sit at positions >= the committed length and are overwritten before any query can see them)
+and every step has fixed shapes. On CUDA the verify forward (per width) and the draft forward
+are captured as CUDA graphs and replayed; prefill and a few edge steps run eagerly through the
+same code. Target features of every position go to a position-indexed buffer, and the draft
+re-reads the last L committed rows each step (re-writing identical context K/V), which keeps
+its input shape fixed. ``../shared/gpu/FACTS.md`` explains why HF's own static cache is avoided.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from dflash.backends.transformers import TransformersBackend
+from dflash.models.draft_torch import DFlashDraft, rope_cos_sin
+
+SUPPORTED_TYPES = ("llama", "qwen2", "qwen3")
+
+
+def supports_static(target: Any) -> bool:
+    """Whether the static path can run this target (dense full-attention Llama-family)."""
+    cfg = target.config
+    if getattr(cfg, "model_type", None) not in SUPPORTED_TYPES:
+        return False
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    if getattr(cfg, "use_sliding_window", False) or rope.get("rope_type", "default") not in (
+        "default", "linear", "llama3", "yarn"):  # fmt: skip
+        return False
+    inner = getattr(target, "model", None)
+    return inner is not None and hasattr(inner, "layers") and hasattr(inner, "rotary_emb")
+
+
+class StaticDraftCache:
+    """Draft context K/V in position-indexed buffers [1, Hkv, S, D] per layer.
+
+    Only context rows are written (at ``write_pos``); block K/V stay transient. Validity of a
+    row is decided by the caller's mask (key position < start).
+    """
+
+    def __init__(self, layers: int, kv_heads: int, capacity: int, head_dim: int, dtype, device):
+        shape = (1, kv_heads, capacity, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.write_pos: torch.Tensor | None = None  # [Tc] positions of this call's context rows
+        self.positions = None  # attribute the draft's forward sets; unused here
+
+    def append(self, i: int, k: torch.Tensor, v: torch.Tensor):
+        self.keys[i].index_copy_(2, self.write_pos, k)
+        self.values[i].index_copy_(2, self.write_pos, v)
+        return self.keys[i], self.values[i]
+
+
+class StaticBackend(TransformersBackend):
+    """TransformersBackend with static caches and (on CUDA) CUDA-graph replay.
+
+    Args:
+        target: HF Llama/Qwen2/Qwen3 causal LM (see :func:`supports_static`).
+        draft: DFlashDraft (full-attention layers) or None.
+        device: torch device.
+        use_graphs: capture and replay CUDA graphs (CUDA only).
+    """
+
+    def __init__(self, target: Any, draft: DFlashDraft | None, device: torch.device,
+                 use_graphs: bool = True):  # fmt: skip
+        super().__init__(target, draft, device)
+        self.use_graphs = use_graphs and device.type == "cuda"
+        cfg = target.config
+        self.n_layers, self.kv_heads = cfg.num_hidden_layers, cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.heads = cfg.num_attention_heads
+        rot = target.model.rotary_emb
+        self.inv_freq, self.rope_scale = rot.inv_freq.float(), float(rot.attention_scaling)
+        self.dtype = self.embed_weight.dtype
+        self.feature_layers = {i - 1: n for n, i in enumerate(self.layer_ids)}  # layer -> slot
+        self.capacity = 0
+        self.graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, Any]] = {}
+        self.pool = None
+
+    # -- buffers --------------------------------------------------------------------------
+    def reset(self, max_positions: int | None = None) -> None:
+        need = (max_positions or 2048) + 16
+        if need > self.capacity:
+            self._allocate(-(-need // 1024) * 1024)
+
+    def _allocate(self, capacity: int) -> None:
+        dev, dt = self.device, self.dtype
+        shape = (1, self.kv_heads, capacity, self.head_dim)
+        self.k = [torch.zeros(shape, dtype=dt, device=dev) for _ in range(self.n_layers)]
+        self.v = [torch.zeros(shape, dtype=dt, device=dev) for _ in range(self.n_layers)]
+        self.key_pos = torch.arange(capacity, device=dev)
+        width = len(self.layer_ids) * self.target.config.hidden_size
+        self.feats = torch.zeros(capacity, max(width, 1), dtype=dt, device=dev)  # [S, F]
+        if self.draft_model is not None:
+            c = self.draft_model.config
+            self.dcache = StaticDraftCache(c.num_hidden_layers, c.num_key_value_heads, capacity,
+                                           c.head_dim, dt, dev)  # fmt: skip
+        self.capacity = capacity
+        self.graphs.clear()
+
+    # -- target forward -------------------------------------------------------------------
+    def _target_forward(self, ids: torch.Tensor, pos: torch.Tensor):
+        """ids, pos [1, T] -> (logits [T, V], features [T, F]); writes K/V and features at pos."""
+        t = ids.shape[-1]
+        x = F.embedding(ids, self.embed_weight)  # [1, T, H]
+        cos, sin = rope_cos_sin(pos, self.inv_freq, self.rope_scale, self.dtype)  # [1, 1, T, D]
+        mask = (self.key_pos[None, :] <= pos[0, :, None])[None, None]  # [1, 1, T, S]
+        slots: list[torch.Tensor] = [None] * len(self.layer_ids)  # type: ignore[list-item]
+        for i, layer in enumerate(self.target.model.layers):
+            a = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = a.q_proj(h).view(1, t, self.heads, self.head_dim)
+            k = a.k_proj(h).view(1, t, self.kv_heads, self.head_dim)
+            if hasattr(a, "q_norm"):  # Qwen3
+                q, k = a.q_norm(q), a.k_norm(k)
+            q, k = q.transpose(1, 2), k.transpose(1, 2)  # [1, H, T, D]
+            v = a.v_proj(h).view(1, t, self.kv_heads, self.head_dim).transpose(1, 2)
+            q = q * cos + torch.cat((-q[..., self.head_dim // 2 :], q[..., : self.head_dim // 2]), -1) * sin
+            k = k * cos + torch.cat((-k[..., self.head_dim // 2 :], k[..., : self.head_dim // 2]), -1) * sin
+            self.k[i].index_copy_(2, pos[0], k)
+            self.v[i].index_copy_(2, pos[0], v)
+            o = F.scaled_dot_product_attention(q, self.k[i], self.v[i], attn_mask=mask,
+                                               scale=a.scaling, enable_gqa=self.heads != self.kv_heads)  # fmt: skip
+            x = x + a.o_proj(o.transpose(1, 2).reshape(1, t, self.heads * self.head_dim))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            if i in self.feature_layers:
+                slots[self.feature_layers[i]] = x[0]
+        logits = self.lm_head(self.target.model.norm(x))[0]  # [T, V]
+        if self.layer_ids:
+            self.feats.index_copy_(0, pos[0], torch.cat(slots, dim=-1))
+        return logits
+
+    # -- draft forward --------------------------------------------------------------------
+    def _draft_forward(self, block: torch.Tensor, start: torch.Tensor, ctx_pos: torch.Tensor):
+        """block [1, L] ids, start [1] position of the anchor, ctx_pos [Tc] context rows.
+
+        Returns (proposals [L-1] int64, logits [L-1, V])."""
+        length = block.shape[-1]
+        q_pos = (start + torch.arange(length, device=self.device))[None]  # [1, L]
+        self.dcache.write_pos = ctx_pos
+        valid = (self.key_pos < start)[None, None, None, :].expand(1, 1, length, -1)  # [1,1,L,S]
+        mask = torch.cat((valid, torch.ones(1, 1, length, length, dtype=torch.bool,
+                                            device=self.device)), dim=-1)  # fmt: skip
+        masks = {"full_attention": mask, "sliding_attention": mask}
+        h = self.draft_model(F.embedding(block, self.embed_weight), self.feats[ctx_pos][None],
+                             q_pos, ctx_pos[None], cache=self.dcache, masks=masks)  # fmt: skip
+        logits = self.lm_head(h[0, 1:])  # [L-1, V]
+        return logits.argmax(-1), logits
+
+    # -- graphs ---------------------------------------------------------------------------
+    def _graph(self, kind: str, width: int, fn, *static_inputs):
+        """Capture ``fn(*static_inputs)`` once per (kind, width); returns (graph, outputs)."""
+        key = (kind, width)
+        if key not in self.graphs:
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream), torch.inference_mode():
+                for _ in range(2):  # warm-up outside the graph (allocator, lazy inits)
+                    fn(*static_inputs)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            if self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle()
+            with torch.inference_mode(), torch.cuda.graph(graph, pool=self.pool):
+                out = fn(*static_inputs)
+            self.graphs[key] = (graph, out, static_inputs)
+        return self.graphs[key]
+
+    # -- protocol -------------------------------------------------------------------------
+    def prefill(self, prompt_ids: list[int], with_features: bool):
+        ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)
+        pos = torch.arange(len(prompt_ids), device=self.device)[None]
+        with torch.inference_mode():
+            logits = self._target_forward(ids, pos)
+        self._prompt_len = len(prompt_ids)
+        return logits[-1], (self.feats[: len(prompt_ids)] if with_features else None)
+
+    def verify(self, anchor: int, proposals, start: int, with_features: bool):
+        width = 1 + (0 if proposals is None else proposals.shape[0])
+        if not self.use_graphs:
+            ids = torch.tensor([anchor], dtype=torch.long, device=self.device)
+            ids = ids if proposals is None else torch.cat((ids, proposals))
+            pos = torch.arange(start, start + width, device=self.device)[None]
+            with torch.inference_mode():
+                logits = self._target_forward(ids[None], pos)
+            return logits, self.feats[start : start + width]
+        ids_buf = torch.zeros(1, width, dtype=torch.long, device=self.device)
+        pos_buf = self.key_pos[-width:][None].clone()  # harmless rows during capture
+        graph, out, (ids_in, pos_in) = self._graph("verify", width, self._target_forward, ids_buf, pos_buf)
+        ids_in[0, 0].fill_(anchor)
+        if proposals is not None:
+            ids_in[0, 1:].copy_(proposals)
+        pos_in[0].copy_(self.key_pos[start : start + width])
+        graph.replay()
+        return out, self.feats[start : start + width]
+
+    def draft(self, anchor: int, context, start: int, length: int):
+        """Propose a block; reads context features by position (``context`` is not needed).
+
+        The first call after prefill reads every prompt row; later calls re-read the last
+        ``draft_block_size`` committed rows, which covers all rows committed since.
+        """
+        dev, window = self.device, self.draft_block_size
+        if start == self._prompt_len or start < window or not self.use_graphs:
+            lo = 0 if start == self._prompt_len else max(0, start - window)
+            block = torch.full((1, length), self.mask_token_id, dtype=torch.long, device=dev)
+            block[0, 0] = anchor
+            with torch.inference_mode():
+                return self._draft_forward(block, self.key_pos[start : start + 1], self.key_pos[lo:start])
+        block_buf = torch.full((1, length), self.mask_token_id, dtype=torch.long, device=dev)
+        start_buf = self.key_pos[-length:-length + 1].clone()  # harmless rows during capture
+        ctx_buf = self.key_pos[-length - window : -length].clone()
+        graph, out, (blk, st, cp) = self._graph("draft", length, self._draft_forward,
+                                                block_buf, start_buf, ctx_buf)  # fmt: skip
+        blk[0, 0].fill_(anchor)
+        st.fill_(start)
+        cp.copy_(self.key_pos[start - window : start])
+        graph.replay()
+        return out
+
+    def rollback(self, length: int) -> None:
+        """Nothing to do: rows >= length are masked by position and overwritten later."""
