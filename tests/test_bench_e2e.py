@@ -32,6 +32,18 @@ DATA_DIR = Path(
 DATASETS = ("gsm8k", "math500", "humaneval", "mbpp", "mt-bench")
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One torch thread: OpenMP's spinning threads slow down 5x when other processes share the
+    two CPU cores (CI runs beside nothing, but developers' machines do)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def draft_dir(tmp_path_factory):
     from dflash.models.init_draft import init_draft

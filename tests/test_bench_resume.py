@@ -249,7 +249,7 @@ def test_killed_run_resumes_without_loss_or_duplicates(cli, tmp_path):
     script.write_text(SCRIPT.format(tests=str(REPO / "tests"), repo=str(REPO)))
     out_file = tmp_path / "killed.jsonl"
     proc = subprocess.Popen(
-        [sys.executable, str(script), "0.05", *BENCH_ARGS, "--output", str(out_file)],
+        [sys.executable, str(script), "0.1", *BENCH_ARGS, "--output", str(out_file)],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
     )  # fmt: skip
     try:
