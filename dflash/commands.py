@@ -13,9 +13,9 @@ from dflash.errors import InputError
 
 Backend = Annotated[str, typer.Argument(help="transformers (CUDA or CPU); mlx and openai later.")]
 ModelOpt = Annotated[str | None, typer.Option("--model", "-m",
-                     help="Target: hub id, local folder or .gguf file [default: demo SmolLM2-135M-Instruct].")]  # fmt: skip
+                     help="Target: hub id, local folder or .gguf file (default: demo SmolLM2-135M-Instruct).")]  # fmt: skip
 DraftOpt = Annotated[str | None, typer.Option("--draft", "-d",
-                     help="DFlash draft: hub id or folder [default: the shipped demo draft, only without --model].")]  # fmt: skip
+                     help="DFlash draft: hub id or folder (default: the shipped demo draft, only without --model).")]  # fmt: skip
 
 
 def generate(
@@ -23,7 +23,7 @@ def generate(
     prompt: Annotated[str, typer.Argument(help="The user message.")],
     model: ModelOpt = None,
     draft: DraftOpt = None,
-    block_size: Annotated[int | None, typer.Option(help="Verify width incl. the anchor [default: the draft's]; 1 = no drafting.")] = None,
+    block_size: Annotated[int | None, typer.Option(help="Verify width incl. the anchor (default: the draft's); 1 = no drafting.")] = None,
     max_new_tokens: Annotated[int, typer.Option(help="Token budget (tokens).")] = 2048,
     temperature: Annotated[float, typer.Option(help="0 = greedy; > 0 = lossless rejection sampling.")] = 0.0,
     top_p: Annotated[float, typer.Option(help="Nucleus mass in (0, 1]; 1 disables.")] = 1.0,
@@ -33,7 +33,7 @@ def generate(
     device: Annotated[str, typer.Option(help="auto, cuda, cuda:N or cpu.")] = "auto",
     dtype: Annotated[str, typer.Option(help="auto (bf16 on CUDA, fp32 on CPU), bfloat16, float16, float32.")] = "auto",
     seed: Annotated[int, typer.Option(help="Seed for sampling.")] = 0,
-    cuda_graphs: Annotated[bool | None, typer.Option("--cuda-graphs/--no-cuda-graphs", help="Static caches + CUDA graphs [default: on for CUDA with Llama/Qwen-style targets].")] = None,
+    cuda_graphs: Annotated[bool | None, typer.Option("--cuda-graphs/--no-cuda-graphs", help="Static caches + CUDA graphs (default: on for CUDA with Llama/Qwen-style targets).")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object (text, token ids, stats) instead of streaming.")] = False,
 ) -> None:  # fmt: skip
     """Generate a reply with DFlash speculative decoding; text streams to stdout, stats to stderr."""
@@ -91,11 +91,11 @@ def generate(
 
 
 def init_draft(
-    target: Annotated[str | None, typer.Option("--target", help="Target hub id, folder or .gguf [default: demo target].")] = None,
+    target: Annotated[str | None, typer.Option("--target", help="Target hub id, folder or .gguf (default: demo target).")] = None,
     out: Annotated[Path, typer.Option("--out", help="Output folder.")] = Path("draft"),
     layers: Annotated[int, typer.Option(help="Draft decoder layers (= target feature layers).")] = 5,
     block_size: Annotated[int, typer.Option(help="Block size L the draft is made for.")] = 16,
-    mask_token_id: Annotated[int | None, typer.Option(help="Mask token id [default: an unused/special token].")] = None,
+    mask_token_id: Annotated[int | None, typer.Option(help="Mask token id (default: an unused/special token).")] = None,
     seed: Annotated[int, typer.Option(help="Weight-initialisation seed.")] = 0,
     dtype: Annotated[str, typer.Option(help="Storage dtype: bfloat16 or float32.")] = "bfloat16",
 ) -> None:  # fmt: skip

@@ -27,13 +27,16 @@ BACKENDS = ("transformers", "mlx", "openai")
 LOCAL_BACKENDS = ("transformers", "mlx")
 
 
-def _load_pipeline(backend: str, model: str | None, draft: str | None, device: str, dtype: str):
+def _load_pipeline(backend: str, model: str | None, draft: str | None, device: str, dtype: str,
+                   cuda_graphs: bool | None = None):  # fmt: skip
     """Load target + draft through the public API (a seam the tests replace with a fake)."""
     try:
         from dflash import api
     except ImportError as err:
         raise BackendError(f"dflash.api cannot be imported ({err}).") from None
-    return api.load(model, draft, backend=backend, device=device, dtype=dtype)
+    return api.load(
+        model, draft, backend=backend, device=device, dtype=dtype, cuda_graphs=cuda_graphs
+    )
 
 
 def _check_options(
@@ -84,11 +87,11 @@ def benchmark(
     ],
     model: Annotated[
         str | None,
-        typer.Option("--model", "-m", help="Target id, folder or .gguf [default: demo target]."),
+        typer.Option("--model", "-m", help="Target id, folder or .gguf (default: demo target)."),
     ] = None,
     draft: Annotated[
         str | None,
-        typer.Option("--draft", "-d", help="Draft id or folder [default: the demo draft]."),
+        typer.Option("--draft", "-d", help="Draft id or folder (default: the demo draft)."),
     ] = None,
     max_samples: Annotated[
         int | None, typer.Option(help="Prompts per dataset after the Random(42) shuffle.")
@@ -124,6 +127,13 @@ def benchmark(
         Path | None, typer.Option(help="Save histogram + per-position plot (needs matplotlib).")
     ] = None,
     seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
+    cuda_graphs: Annotated[
+        bool | None,
+        typer.Option(
+            "--cuda-graphs/--no-cuda-graphs",
+            help="Static caches + CUDA graphs (default: on for CUDA with Llama/Qwen-style targets).",
+        ),
+    ] = None,
     base_url: Annotated[
         str, typer.Option(help="openai backend: server URL.")
     ] = "http://127.0.0.1:30000",
@@ -145,12 +155,17 @@ def benchmark(
         sampling=sampling,
         reasoning=reasoning,
         check_parity=check_parity,
-        run_info={"backend": backend, "model": model, "draft": draft},
+        run_info={"backend": backend, "model": model, "draft": draft, "cuda_graphs": cuda_graphs},
     )
     dist = harness.init_distributed()
     try:
         gathered = _run(
-            dist, (backend, model, draft, device, dtype), selected, config, output, resume
+            dist,
+            (backend, model, draft, device, dtype, cuda_graphs),
+            selected,
+            config,
+            output,
+            resume,
         )
     finally:
         harness.finish_distributed(dist)
@@ -168,7 +183,7 @@ def benchmark(
 
 def _run(
     dist: harness.DistInfo,
-    load_args: tuple[str, str | None, str | None, str, str],
+    load_args: tuple[str, str | None, str | None, str, str, bool | None],
     selected: dict[str, list[PromptItem]],
     config: harness.BenchConfig,
     output: Path | None,
@@ -177,16 +192,16 @@ def _run(
     """Load, run this rank's shard with a progress bar, gather on rank 0 and merge its files.
 
     Args:
-        load_args: (backend, model, draft, device, dtype) for :func:`_load_pipeline`.
+        load_args: (backend, model, draft, device, dtype, cuda_graphs) for :func:`_load_pipeline`.
 
     Returns:
         Records per dataset on rank 0, None on other ranks.
     """
-    backend, model, draft, device, dtype = load_args
+    backend, model, draft, device, dtype, cuda_graphs = load_args
     if dist.world > 1 and device in ("auto", "cuda"):
         device = f"cuda:{dist.local_rank}"
     log = harness.ResultsLog(output, resume=resume, rank=dist.rank, world=dist.world)
-    pipeline = _load_pipeline(backend, model, draft, device, dtype)
+    pipeline = _load_pipeline(backend, model, draft, device, dtype, cuda_graphs)
     shards = {name: harness.shard(items, dist) for name, items in selected.items()}
     with report.BenchProgress(enabled=dist.rank == 0) as progress:
         results = harness.run_benchmark(
