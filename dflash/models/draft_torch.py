@@ -159,9 +159,10 @@ class DraftAttention(nn.Module):
             kc, vc = cache.append(idx, kc, vc)
         k = torch.cat((kc, kb), dim=2)  # [B, Hkv, Tk, D]
         v = torch.cat((vc, vb), dim=2)
+        if q.dtype != v.dtype:  # under autocast the normed q/k are float32, v is not
+            q, k = q.to(v.dtype), k.to(v.dtype)
         if BlockMask is not None and isinstance(mask, BlockMask):  # training on CUDA
-            dt = v.dtype  # autocast leaves the normed q/k in float32; flex wants one dtype
-            out = flex_attention_fn(q.device)(q.to(dt), k.to(dt), v, block_mask=mask,
+            out = flex_attention_fn(q.device)(q, k, v, block_mask=mask,
                                               enable_gqa=self.heads != self.kv_heads)  # fmt: skip
         else:
             out = F.scaled_dot_product_attention(

@@ -1,0 +1,135 @@
+"""The ``dflash train`` and ``dflash data regenerate`` commands (registered in cli.py).
+
+dflash data regenerate --prompts gsm8k:train --prompts mbpp:train --out data/ --max-new-tokens 512
+dflash train --data data/ --out my-draft/ --epochs 6
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from dflash.errors import InputError
+
+TargetOpt = Annotated[str | None, typer.Option("--target", "-m",
+                      help="Target: hub id, folder or .gguf (default: demo SmolLM2-135M-Instruct).")]  # fmt: skip
+
+data_app = typer.Typer(no_args_is_help=True, help="Training data for DFlash drafts.")
+
+
+@data_app.command("regenerate")
+def regenerate(
+    prompts: Annotated[list[str], typer.Option("--prompts", "-p",
+                       help="Prompt source, repeatable: gsm8k:train, mbpp:train, mmlu, a benchmark name or a .jsonl file with 'prompt' or 'messages'; SPEC@N keeps the first N in Random(42) order.")],  # fmt: skip
+    out: Annotated[Path, typer.Option("--out", help="Data folder (resumed if it exists).")],
+    target: TargetOpt = None,
+    max_new_tokens: Annotated[int, typer.Option(help="Response budget per prompt (tokens).")] = 1024,
+    batch_size: Annotated[int, typer.Option(help="Prompts per batched generate call.")] = 64,
+    temperature: Annotated[float, typer.Option(help="0 = greedy; > 0 samples.")] = 0.0,
+    data_dir: Annotated[Path | None, typer.Option(help="Local datasets folder (shared/datasets layout).")] = None,
+    time_limit: Annotated[float | None, typer.Option(help="Stop cleanly after about this many seconds (resume later).")] = None,
+    device: Annotated[str, typer.Option(help="auto, cuda, cuda:N or cpu.")] = "auto",
+    dtype: Annotated[str, typer.Option(help="auto (bf16 on CUDA, fp32 on CPU), bfloat16, float16, float32.")] = "auto",
+    seed: Annotated[int, typer.Option(help="Sampling seed (temperature > 0).")] = 0,
+) -> None:  # fmt: skip
+    """Let the target answer prompts through its chat template; write JSONL shards to train on."""
+    from dflash.train.data import regenerate as run
+
+    specs = [s.strip() for p in prompts for s in p.split(",") if s.strip()]
+    if not specs:
+        raise InputError("--prompts is empty.", hint="e.g. --prompts gsm8k:train")
+    console = Console(stderr=True)
+    with Progress(TextColumn("regenerating"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), console=console) as bar:  # fmt: skip
+        task = bar.add_task("gen", total=None, rate="")
+
+        def on_batch(done: int, total: int, new_tokens: int, seconds: float) -> None:
+            bar.update(
+                task,
+                completed=done,
+                total=total,
+                rate=f"{new_tokens / max(seconds, 1e-9):,.0f} tok/s",
+            )
+
+        res = run(target, specs, out, max_new_tokens=max_new_tokens, batch_size=batch_size,
+                  temperature=temperature, data_dir=data_dir, device=device, dtype=dtype,
+                  time_limit=time_limit, seed=seed, on_batch=on_batch)  # fmt: skip
+    state = "complete" if res["finished"] else "stopped early (run again to resume)"
+    rate = res["tokens"] / max(res["seconds"], 1e-9)
+    console.print(f"{out}: {res['done']}/{res['total']} prompts, {res['tokens']:,} new tokens this run "
+                  f"({rate:,.0f} tok/s), {state}")  # fmt: skip
+
+
+def train(
+    data: Annotated[Path, typer.Option("--data", help="Folder of regenerated JSONL shards.")],
+    out: Annotated[Path, typer.Option("--out", help="Output draft folder (resumed if it holds a run).")],
+    target: TargetOpt = None,
+    init: Annotated[Path | None, typer.Option(help="Start from this draft folder (default: a fresh one).")] = None,
+    layers: Annotated[int, typer.Option(help="Draft decoder layers (fresh drafts).")] = 5,
+    block_size: Annotated[int, typer.Option(help="Block size L (anchor + L-1 masked slots).")] = 16,
+    anchors: Annotated[int, typer.Option(help="Random blocks per sequence (cap), re-drawn each epoch.")] = 512,
+    epochs: Annotated[int, typer.Option(help="Passes over the data.")] = 6,
+    max_steps: Annotated[int | None, typer.Option(help="Cap on optimizer steps.")] = None,
+    lr: Annotated[float, typer.Option(help="Peak AdamW learning rate (cosine, 4% warmup).")] = 6e-4,
+    max_len: Annotated[int, typer.Option(help="Cut sequences to this many tokens.")] = 2048,
+    batch_tokens: Annotated[int, typer.Option(help="Padded sequence tokens per batch.")] = 16384,
+    gamma: Annotated[float | None, typer.Option(help="Loss decay gamma (default: 7/5/4 for L=16/10/8, else L/2).")] = None,
+    eval_data: Annotated[Path | None, typer.Option(help="Responses for the held-out τ (default: 2% of --data).")] = None,
+    eval_every: Annotated[int, typer.Option(help="Held-out τ every N steps.")] = 200,
+    save_every: Annotated[int, typer.Option(help="Checkpoint every N steps.")] = 500,
+    time_limit: Annotated[float | None, typer.Option(help="Seconds of training; the schedule anneals to fit.")] = None,
+    pause_after: Annotated[float | None, typer.Option(help="Stop this invocation after N seconds; run again to resume.")] = None,
+    seed: Annotated[int, typer.Option(help="Seed for initialisation, order and anchors.")] = 0,
+    attention: Annotated[str, typer.Option(help="auto (flex on CUDA, dense on CPU), flex or dense.")] = "auto",
+    device: Annotated[str, typer.Option(help="auto, cuda, cuda:N or cpu.")] = "auto",
+    save_dtype: Annotated[str, typer.Option(help="Exported weights: bfloat16 or float32.")] = "bfloat16",
+    state_dir: Annotated[Path | None, typer.Option(help="Resume state folder (default: OUT/state).")] = None,
+    mask_token_id: Annotated[int | None, typer.Option(help="Mask id of a fresh draft (default: as init-draft).")] = None,
+) -> None:  # fmt: skip
+    """Train a DFlash draft on target-regenerated data (brief §8 recipe); resumable."""
+    from dflash.train.train import TrainConfig, Trainer, load_training_target
+
+    cfg = TrainConfig(target=target, data=str(data), out=str(out), init=str(init) if init else None,
+                      layers=layers, block_size=block_size, anchors=anchors, epochs=epochs,
+                      max_steps=max_steps, lr=lr, max_len=max_len, batch_tokens=batch_tokens,
+                      gamma=gamma, seed=seed, time_limit=time_limit,
+                      eval_data=str(eval_data) if eval_data else None, eval_every=eval_every,
+                      save_every=save_every, attention=attention, device=device,
+                      save_dtype=save_dtype, state_dir=str(state_dir) if state_dir else None,
+                      mask_token_id=mask_token_id)  # fmt: skip
+    cfg.check()
+    import torch
+
+    torch.manual_seed(seed)
+    model, _tok = load_training_target(target, device)
+    console = Console(stderr=True)
+    bar = Progress(TextColumn("training"), BarColumn(), MofNCompleteColumn(),
+                   TextColumn("{task.fields[stats]}"), TimeElapsedColumn(), console=console)  # fmt: skip
+    task = bar.add_task("train", total=None, stats="")
+    heldout = {"tau": math.nan}
+
+    def on_log(rec: dict) -> None:
+        if "warning" in rec:
+            console.print(f"[yellow]warning:[/] {rec['warning']}")
+            return
+        if rec.get("heldout"):
+            heldout.update(rec["heldout"])
+            console.print(f"step {rec['step']}: held-out τ {heldout['tau']:.3f}"
+                          + (f", loss {rec['loss']:.3f}" if "loss" in rec else ""))  # fmt: skip
+        if "loss" in rec:
+            bar.update(task, completed=rec["step"], stats=(
+                f"loss {rec['loss']:.3f} acc {rec['accuracy']:.2f} train τ {rec['accept']:.2f} "
+                f"held-out τ {heldout['tau']:.2f} lr {rec['lr']:.1e}"))  # fmt: skip
+
+    trainer = Trainer(cfg, model, on_log=on_log)
+    bar.update(task, total=trainer.total_steps, completed=trainer.cursor["step"])
+    with bar:
+        last = trainer.run(pause_after=pause_after)
+    state = "finished" if trainer.finished() else "paused (run again to resume)"
+    console.print(f"wrote {out}: step {trainer.cursor['step']}/{trainer.total_steps} {state}, "
+                  f"held-out τ {heldout['tau']:.3f}, loss {last.get('loss', math.nan):.3f}")  # fmt: skip

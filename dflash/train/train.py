@@ -1,0 +1,407 @@
+"""The ``dflash train`` loop: data, schedule, optimisation, held-out τ, checkpoints and resume.
+
+    dflash train --target M --data data/ --out my-draft/ --epochs 6
+
+Recipe (paper §4.2/§5, brief §8): AdamW lr 6e-4, cosine schedule with 4% warmup, gradient clip
+1.0, bf16 autocast on CUDA, random anchors re-sampled every epoch. ``out/`` always holds the
+latest draft in the loader's format; ``out/state/`` (or ``--state-dir``) holds the float32
+weights, the optimizer moments and the cursor for an exact resume.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from dflash.errors import CheckpointError, DatasetError, InputError
+from dflash.train.data import collate, make_batches, prepare, read_shards
+from dflash.train.masks import round_up, sample_anchors
+from dflash.train.objective import FrozenTarget, batch_loss, estimate_acceptance
+
+# settings that must match for a resume to continue the same run
+RESUME_KEYS = ("block_size", "layers", "anchors", "epochs", "lr", "max_len", "batch_tokens",
+               "seed", "gamma", "max_steps", "warmup")  # fmt: skip
+
+
+@dataclass
+class TrainConfig:
+    """Settings of one training run (the ``dflash train`` options).
+
+    Attributes:
+        target: target hub id, folder or .gguf (None: the demo target).
+        data: folder of regenerated JSONL shards.
+        out: output draft folder.
+        init: draft folder to start from (None: a fresh draft as ``dflash init-draft`` makes).
+        layers, block_size: draft shape for a fresh draft.
+        anchors: blocks per sequence (cap).
+        epochs: passes over the data; max_steps caps the optimizer steps (None: no cap).
+        lr, warmup, clip, weight_decay: AdamW and schedule (warmup = fraction of steps).
+        max_len: sequences are cut to this many tokens.
+        batch_tokens: padded sequence tokens per batch.
+        gamma: loss decay (None: 7/5/4 for L = 16/10/8).
+        time_limit: seconds; the schedule then anneals by max(step, time) progress (not
+            deterministic) and the run ends at the limit.
+        eval_data: folder of responses for the held-out τ (None: a holdout of ``data``).
+        eval_every, save_every, log_every: in optimizer steps.
+        attention: auto (flex on CUDA, dense on CPU), flex or dense.
+        save_dtype: dtype of the exported draft (bfloat16 or float32).
+    """
+
+    target: str | None
+    data: str
+    out: str
+    init: str | None = None
+    layers: int = 5
+    block_size: int = 16
+    anchors: int = 512
+    epochs: int = 6
+    max_steps: int | None = None
+    lr: float = 6e-4
+    warmup: float = 0.04
+    clip: float = 1.0
+    weight_decay: float = 0.0
+    max_len: int = 2048
+    batch_tokens: int = 16384
+    gamma: float | None = None
+    seed: int = 0
+    time_limit: float | None = None
+    eval_data: str | None = None
+    eval_every: int = 200
+    eval_max: int = 64
+    save_every: int = 500
+    log_every: int = 10
+    attention: str = "auto"
+    device: str = "auto"
+    save_dtype: str = "bfloat16"
+    state_dir: str | None = None
+    mask_token_id: int | None = None
+    extra: dict = field(default_factory=dict)
+
+    def check(self) -> None:
+        """Raise InputError for out-of-range numbers (cheap, before loading anything)."""
+        rules = [(self.layers >= 1, "--layers must be >= 1"), (self.block_size >= 2, "--block-size must be >= 2"),
+                 (self.anchors >= 1, "--anchors must be >= 1"), (self.epochs >= 1, "--epochs must be >= 1"),
+                 (self.lr > 0, "--lr must be > 0"), (self.max_len >= 4, "--max-len must be >= 4"),
+                 (self.batch_tokens >= self.max_len or self.batch_tokens >= 4, "--batch-tokens must be >= 4"),
+                 (0 <= self.warmup < 1, "warmup must be in [0, 1)"),
+                 (self.max_steps is None or self.max_steps >= 1, "--max-steps must be >= 1"),
+                 (self.attention in ("auto", "flex", "dense"), "--attention must be auto, flex or dense"),
+                 (self.save_dtype in ("bfloat16", "float32"), "--save-dtype must be bfloat16 or float32")]  # fmt: skip
+        for ok, msg in rules:
+            if not ok:
+                raise InputError(msg + ".")
+
+
+def lr_at(progress: float, base: float, warmup: float) -> float:
+    """Learning rate at run progress in [0, 1]: linear warmup, then cosine down to 0."""
+    if warmup > 0 and progress < warmup:
+        return base * progress / warmup
+    rest = (progress - warmup) / max(1e-12, 1.0 - warmup)
+    return base * 0.5 * (1.0 + math.cos(math.pi * min(1.0, rest)))
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def save_state(state_dir: Path, draft, opt, cursor: dict) -> None:
+    """Write float32 weights, AdamW moments (safetensors) and the cursor (JSON), atomically."""
+    from safetensors.torch import save_file
+
+    tmp = state_dir.with_name(state_dir.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    draft.save(tmp / "draft")
+    names = {id(p): n for n, p in draft.named_parameters()}
+    moments, steps = {}, {}
+    for group in opt.param_groups:
+        for p in group["params"]:
+            st = opt.state.get(p)
+            if st:
+                moments[f"exp_avg.{names[id(p)]}"] = st["exp_avg"].detach().cpu().contiguous()
+                moments[f"exp_avg_sq.{names[id(p)]}"] = st["exp_avg_sq"].detach().cpu().contiguous()
+                steps[names[id(p)]] = float(st["step"])
+    save_file(moments, str(tmp / "optimizer.safetensors"))
+    (tmp / "trainer_state.json").write_text(json.dumps({**cursor, "adam_steps": steps}, indent=1))
+    if state_dir.exists():
+        import shutil
+
+        shutil.rmtree(state_dir)
+    tmp.rename(state_dir)
+
+
+def load_state(state_dir: Path, draft, opt) -> dict:
+    """Restore AdamW moments into ``opt`` (the weights are loaded by the caller); returns the cursor.
+
+    Raises:
+        CheckpointError: missing or unreadable files.
+    """
+    from safetensors.torch import load_file
+
+    try:
+        cursor = json.loads((state_dir / "trainer_state.json").read_text())
+        moments = load_file(str(state_dir / "optimizer.safetensors"))
+    except (OSError, json.JSONDecodeError, ValueError) as e:
+        raise CheckpointError(f"Cannot read the training state in {state_dir}: {e}.",
+                              hint="delete the state folder to start over") from e  # fmt: skip
+    on_device = bool(opt.defaults.get("fused") or opt.defaults.get("capturable"))
+    for name, p in draft.named_parameters():
+        if name in cursor["adam_steps"]:
+            opt.state[p] = {  # fused/capturable AdamW keeps its step counters on the device
+                "step": torch.tensor(
+                    cursor["adam_steps"][name],
+                    dtype=torch.float32,
+                    device=p.device if on_device else "cpu",
+                ),
+                "exp_avg": moments[f"exp_avg.{name}"].to(p.device, p.dtype),
+                "exp_avg_sq": moments[f"exp_avg_sq.{name}"].to(p.device, p.dtype),
+            }
+    return cursor
+
+
+def _fresh_draft(cfg: TrainConfig, state_dir: Path):
+    """A new draft from --init, or shaped for the target like ``dflash init-draft``."""
+    from dflash.models.draft_torch import DFlashDraft
+    from dflash.models.init_draft import init_draft
+
+    if cfg.init is not None:
+        draft = DFlashDraft.load(cfg.init, dtype=torch.float32)
+    else:
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            folder = init_draft(cfg.target, tmp, layers=cfg.layers, block_size=cfg.block_size,
+                                seed=cfg.seed, mask_token_id=cfg.mask_token_id, dtype="float32")  # fmt: skip
+            draft = DFlashDraft.load(folder, dtype=torch.float32)
+    if draft.config.block_size != cfg.block_size:
+        draft.config.block_size = cfg.block_size  # a draft may be re-trained for another L
+    return draft
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+class Trainer:
+    """Holds the models, data and optimizer of one run; :meth:`run` trains to the end.
+
+    Args:
+        cfg: the run settings.
+        target_model: a loaded HF causal LM on the training device (frozen here).
+        on_log: callback(record dict) for every log/eval record (progress bar, files).
+    """
+
+    def __init__(
+        self, cfg: TrainConfig, target_model, on_log: Callable[[dict], None] | None = None
+    ):
+        cfg.check()
+        self.cfg, self.on_log = cfg, on_log or (lambda r: None)
+        self.device = next(target_model.parameters()).device
+        self.out = Path(cfg.out)
+        self.state_dir = Path(cfg.state_dir) if cfg.state_dir else self.out / "state"
+        self.seqs, self.eval_seqs = self._load_data()
+        resume = (self.state_dir / "trainer_state.json").is_file()
+        from dflash.models.draft_torch import DFlashDraft
+
+        draft = DFlashDraft.load(self.state_dir / "draft", dtype=torch.float32) if resume \
+            else _fresh_draft(cfg, self.state_dir)  # fmt: skip
+        self._check_pair(draft, target_model)
+        self.draft = draft.to(self.device).train()
+        self.target = FrozenTarget(target_model, draft.config.target_layer_ids)
+        self.pad_id = int(draft.config.mask_token_id)  # never attended, never a label
+        fused = self.device.type == "cuda"
+        self.opt = torch.optim.AdamW(self.draft.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
+                                     weight_decay=cfg.weight_decay, fused=fused)  # fmt: skip
+        self.epoch_batches = [make_batches(self.lengths, cfg.batch_tokens, cfg.seed, e)
+                              for e in range(cfg.epochs)]  # fmt: skip
+        total = sum(len(b) for b in self.epoch_batches)
+        self.total_steps = min(total, cfg.max_steps) if cfg.max_steps else total
+        self.cursor = {"step": 0, "epoch": 0, "batch": 0, "elapsed": 0.0, "log": [],
+                       "settings": {k: getattr(cfg, k) for k in RESUME_KEYS}}  # fmt: skip
+        if resume:
+            cur = load_state(self.state_dir, self.draft, self.opt)
+            if cur["settings"] != self.cursor["settings"]:
+                raise InputError(f"{self.state_dir} holds a run with other settings.",
+                                 hint="use the same options, another --out, or delete the state folder")  # fmt: skip
+            cur.pop("adam_steps", None)
+            self.cursor = cur
+        if cfg.attention == "flex" and self.device.type != "cuda":
+            raise InputError("--attention flex trains on CUDA only (no FlexAttention backward on CPU).",
+                             hint="use --attention auto or dense")  # fmt: skip
+        self.flex = cfg.attention == "flex" or (
+            cfg.attention == "auto" and self.device.type == "cuda"
+        )
+        self.autocast = torch.bfloat16 if self.device.type == "cuda" else None
+
+    def _load_data(self):
+        cfg = self.cfg
+        seqs = prepare(read_shards(cfg.data), cfg.max_len)
+        if not seqs:
+            raise DatasetError(f"No record in {cfg.data} has two response tokens within --max-len.")
+        if cfg.eval_data:
+            eval_seqs = prepare(read_shards(cfg.eval_data), cfg.max_len)[: cfg.eval_max]
+        else:  # hold out a few sequences (never trained on) for the τ estimate
+            k = min(cfg.eval_max, len(seqs) // 50)
+            idx = list(range(len(seqs)))
+            random.Random(cfg.seed).shuffle(idx)
+            held = set(idx[:k])
+            eval_seqs = [seqs[i] for i in sorted(held)]
+            seqs = [s for i, s in enumerate(seqs) if i not in held]
+        self.lengths = [len(ids) for ids, _ in seqs]
+        return seqs, eval_seqs
+
+    def _check_pair(self, draft, target_model) -> None:
+        from dflash.backends.transformers import check_pair
+
+        rows = target_model.get_input_embeddings().weight.shape[0]
+        check_pair(draft.config, target_model.config, rows, [])
+
+    def _batch(self, idx: list[int], epoch: int, bi: int) -> dict:
+        """Tensors of one batch; anchors drawn from a generator seeded by (seed, epoch, batch)."""
+        mult = 128 if self.flex else 1
+        ids, att, loss_mask = collate([self.seqs[i] for i in idx], self.pad_id, multiple=mult)
+        gen = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + epoch * 100_003 + bi)
+        anchors, keep = sample_anchors(loss_mask, self.cfg.anchors, gen)
+        if self.flex:  # fewer distinct shapes for the compiled kernel
+            n = round_up(max(1, anchors.shape[1]), 8)
+            pad = n - anchors.shape[1]
+            anchors = torch.cat((anchors, anchors.new_zeros(anchors.shape[0], pad)), 1)
+            keep = torch.cat((keep, keep.new_zeros(keep.shape[0], pad)), 1)
+        t = {"input_ids": ids, "attention_mask": att, "loss_mask": loss_mask,
+             "anchors": anchors, "keep": keep}  # fmt: skip
+        return {k: v.to(self.device, non_blocking=True) for k, v in t.items()}
+
+    def step(self, batch: dict, lr: float):
+        """One optimizer step; returns StepOutput (device tensors, no sync)."""
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+        with torch.autocast(self.device.type, dtype=self.autocast or torch.float32,
+                            enabled=self.autocast is not None):  # fmt: skip
+            out = batch_loss(self.draft, self.target, batch, flex=self.flex, gamma=self.cfg.gamma,
+                             chunk=8192 if self.device.type == "cuda" else 1024)  # fmt: skip
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.draft.parameters(), self.cfg.clip)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return out
+
+    def evaluate(self) -> dict | None:
+        """Held-out acceptance estimate (see ``estimate_acceptance``); None without eval data."""
+        if not self.eval_seqs:
+            return None
+        return estimate_acceptance(self.draft, self.target, self.eval_seqs, pad_id=self.pad_id,
+                                   autocast_dtype=self.autocast)  # fmt: skip
+
+    def save(self) -> None:
+        """Write the resume state and export the draft (loader format) into ``out``."""
+        save_state(self.state_dir, self.draft, self.opt, self.cursor)
+        export = self.draft.config
+        dtype = getattr(torch, self.cfg.save_dtype)
+        export.extra["dtype"] = self.cfg.save_dtype
+        from dflash.models.draft_torch import DFlashDraft
+
+        with torch.device("meta"):
+            copy = DFlashDraft(export)
+        state = {k: v.detach().to("cpu", dtype) for k, v in self.draft.state_dict().items()}
+        copy.load_state_dict(state, assign=True)
+        copy.save(self.out)
+        (self.out / "train_log.jsonl").write_text(
+            "".join(json.dumps(r) + "\n" for r in self.cursor["log"])
+        )
+
+    def _progress(self) -> float:
+        p = self.cursor["step"] / self.total_steps
+        if self.cfg.time_limit:
+            p = max(p, self.cursor["elapsed"] / self.cfg.time_limit)
+        return p
+
+    def _record(self, rec: dict) -> None:
+        self.cursor["log"].append(rec)
+        self.on_log(rec)
+
+    def finished(self) -> bool:
+        """True once the epochs, ``max_steps`` or ``time_limit`` are used up."""
+        cur = self.cursor
+        return cur["epoch"] >= self.cfg.epochs or cur["step"] >= self.total_steps or \
+            self._progress() >= 1.0  # fmt: skip
+
+    def run(self, until_step: int | None = None, pause_after: float | None = None) -> dict:
+        """Train until :meth:`finished`; saves, and returns the last log record.
+
+        Args:
+            until_step: pause (save and return) at this optimizer step; a later run resumes.
+            pause_after: pause after this many seconds of this call (the schedule is unchanged).
+
+        Wall time between steps (evals and saves included) counts towards ``time_limit``.
+        """
+        cfg, cur = self.cfg, self.cursor
+        if cur["step"] == 0 and self.eval_seqs:
+            self._record({"step": 0, "heldout": self.evaluate(), "elapsed": 0.0})
+        t_mark, pending, t_call = time.perf_counter(), [], time.perf_counter()
+
+        def paused() -> bool:
+            if until_step is not None and cur["step"] >= until_step:
+                return True
+            return pause_after is not None and time.perf_counter() - t_call >= pause_after
+
+        while not self.finished() and not paused():
+            batches = self.epoch_batches[cur["epoch"]]
+            p = max((cur["step"] + 1) / self.total_steps, self._progress())
+            lr = lr_at(min(1.0, p), cfg.lr, cfg.warmup)
+            out = self._guarded_step(
+                self._batch(batches[cur["batch"]], cur["epoch"], cur["batch"]), lr
+            )
+            pending.append((out.loss.detach(), out.accuracy, out.accept))
+            cur["step"], cur["batch"] = cur["step"] + 1, cur["batch"] + 1
+            if cur["batch"] >= len(batches):
+                cur["epoch"], cur["batch"] = cur["epoch"] + 1, 0
+            now = time.perf_counter()
+            cur["elapsed"], t_mark = cur["elapsed"] + now - t_mark, now
+            last, step = self.finished(), cur["step"]
+            if step % cfg.log_every == 0 or last or paused():
+                stats = (
+                    torch.stack([torch.stack(x).float() for x in pending]).mean(0).tolist()
+                )  # sync
+                pending = []
+                rec = {"step": step, "epoch": cur["epoch"], "lr": lr, "loss": stats[0],
+                       "accuracy": stats[1], "accept": stats[2], "elapsed": round(cur["elapsed"], 2)}  # fmt: skip
+                if step % cfg.eval_every == 0 or last:
+                    rec["heldout"] = self.evaluate()
+                self._record(rec)
+            if step % cfg.save_every == 0 and not last:
+                self.save()
+        self.save()
+        return cur["log"][-1] if cur["log"] else {}
+
+    def _guarded_step(self, batch: dict, lr: float):
+        """With ``--attention auto``, a flex step that fails (a compile error on an odd setup)
+        is redone with dense masks, which are then used for the rest of the run."""
+        if not self.flex or self.cfg.attention == "flex":
+            return self.step(batch, lr)
+        try:
+            return self.step(batch, lr)
+        except Exception as e:  # noqa: BLE001 - any compile/runtime failure of the flex path
+            self.on_log({"warning": f"flex attention failed ({type(e).__name__}: {str(e)[:300]}); "
+                                    "using dense masks"})  # fmt: skip
+            self.opt.zero_grad(set_to_none=True)
+            self.flex = False
+            return self.step(batch, lr)  # dense masks take the flex-padded batch as it is
+
+
+def load_training_target(target: str | None, device: str = "auto"):
+    """Load the target for training: bfloat16 on CUDA, float32 on CPU. Returns (model, tokenizer)."""
+    from dflash.backends.transformers import load_target, pick_device
+    from dflash.models.target_torch import resolve_target
+
+    dev = pick_device(device)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    return load_target(resolve_target(target), dev, dtype)
+
+
+def config_dict(cfg: TrainConfig) -> dict:
+    """The run settings as JSON-able dict (for logs and model cards)."""
+    return asdict(cfg)

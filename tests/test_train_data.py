@@ -1,0 +1,214 @@
+"""Training data: regeneration through the chat template, shards and resume, batching, the CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash.errors import DatasetError, InputError
+from dflash.train.data import (
+    ShardWriter,
+    collate,
+    encode_chat,
+    generation_order,
+    make_batches,
+    prepare,
+    read_shards,
+    regenerate,
+)
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+PROMPTS = [
+    "What is 2 + 2?",
+    "Name a colour.",
+    "Say hello in French.",
+    "Count to three.",
+    "Why is the sky blue?",
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_chat_target(tmp_path_factory) -> Path:
+    """A 2-layer random Llama (hidden 32) with the demo target's tokenizer and chat template."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from dflash.models.target_torch import resolve_target
+
+    tok = AutoTokenizer.from_pretrained(resolve_target(None))
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                      pad_token_id=tok.pad_token_id)  # fmt: skip
+    folder = tmp_path_factory.mktemp("tiny-chat")
+    LlamaForCausalLM(cfg).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture()
+def prompt_file(tmp_path) -> Path:
+    path = tmp_path / "prompts.jsonl"
+    lines = [{"prompt": p} for p in PROMPTS[:3]]
+    lines += [{"messages": [{"role": "user", "content": p}]} for p in PROMPTS[3:]]
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return path
+
+
+def test_encode_chat_matches_the_pipeline(tiny_chat_target):
+    from transformers import AutoTokenizer
+
+    from dflash.api import Pipeline
+
+    tok = AutoTokenizer.from_pretrained(tiny_chat_target)
+
+    class _Backend:
+        draft_block_size, max_context = 16, 1 << 20
+
+    pipe = Pipeline(_Backend(), tok, [2])
+    for p in PROMPTS:
+        assert encode_chat(tok, p) == pipe.chat_prompt([{"role": "user", "content": p}])
+
+
+def test_regenerate_writes_responses_and_resumes_after_a_crash(
+    tiny_chat_target, prompt_file, tmp_path
+):
+    out = tmp_path / "data"
+    calls = []
+
+    def crash_after_first(done, total, new_tokens, seconds):
+        calls.append(done)
+        if len(calls) == 1:
+            raise KeyboardInterrupt  # an interrupted run: one batch is on disk
+
+    with pytest.raises(KeyboardInterrupt):
+        regenerate(str(tiny_chat_target), [str(prompt_file)], out, max_new_tokens=6, batch_size=2,
+                   device="cpu", on_batch=crash_after_first)  # fmt: skip
+    assert json.loads((out / "progress.json").read_text())["done"] == 2
+    with (out / "shard-00000.jsonl").open("a") as f:
+        f.write('{"id": "half-writ')  # a line cut off after the cursor was saved
+    res = regenerate(str(tiny_chat_target), [str(prompt_file)], out, max_new_tokens=6, batch_size=2,
+                     device="cpu")  # fmt: skip
+    assert res["finished"] and res["done"] == res["total"] == 5
+    samples = read_shards(out)
+    assert sorted(s.id for s in samples) == sorted(f"prompts/{i}" for i in range(1, 6))
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_chat_target)
+    by_id = {s.id: s for s in samples}
+    for i, p in enumerate(PROMPTS, 1):
+        s = by_id[f"prompts/{i}"]
+        assert s.prompt_ids == encode_chat(tok, p)
+        assert 1 <= len(s.response_ids) <= 6
+    # greedy responses equal single-prompt greedy decoding of the target (left padding is inert)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_chat_target).eval()
+    s = by_id["prompts/1"]
+    with torch.no_grad():
+        ref = model.generate(torch.tensor([s.prompt_ids]), max_new_tokens=6, do_sample=False,
+                             eos_token_id=2, pad_token_id=2)[0, len(s.prompt_ids) :].tolist()  # fmt: skip
+    assert s.response_ids == ref[: len(s.response_ids)]
+    # a finished folder is not redone, and other settings are refused
+    again = regenerate(str(tiny_chat_target), [str(prompt_file)], out, max_new_tokens=6, batch_size=3,
+                       device="cpu")  # fmt: skip
+    assert again["tokens"] == 0 and len(read_shards(out)) == 5
+    with pytest.raises(InputError, match="other settings"):
+        regenerate(str(tiny_chat_target), [str(prompt_file)], out, max_new_tokens=7, device="cpu")
+
+
+def test_read_shards_errors_and_gzip(tmp_path):
+    import gzip
+
+    with pytest.raises(DatasetError, match="does not exist"):
+        read_shards(tmp_path / "missing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DatasetError, match="no .jsonl"):
+        read_shards(tmp_path / "empty")
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "shard-00000.jsonl").write_text(
+        '{"id": 1}\n{"id": "x", "prompt_ids": [1], "response_ids": [2]}\n'
+    )
+    with pytest.raises(DatasetError, match="not a training record"):
+        read_shards(bad)
+    gz = tmp_path / "gz"
+    gz.mkdir()
+    with gzip.open(gz / "shard-00000.jsonl.gz", "wt") as f:
+        f.write('{"id": "a", "prompt_ids": [1, 2], "response_ids": [3, 4, 5]}\n')
+    assert read_shards(gz)[0].response_ids == [3, 4, 5]
+
+
+def test_shard_writer_rotates_and_keeps_order(tmp_path, monkeypatch):
+    import dflash.train.data as data
+
+    monkeypatch.setattr(data, "RECORDS_PER_SHARD", 2)
+    w = ShardWriter(tmp_path, {"k": 1})
+    for i in range(5):
+        w.append([{"id": str(i), "prompt_ids": [1], "response_ids": [2, 3]}], i + 1)
+    assert sorted(p.name for p in tmp_path.glob("shard-*")) == [
+        f"shard-0000{i}.jsonl" for i in range(3)
+    ]
+    assert [s.id for s in read_shards(tmp_path)] == ["0", "1", "2", "3", "4"]
+
+
+def test_generation_order_does_not_depend_on_batch_size():
+    lengths = [5, 9, 1, 7, 7, 3]
+    order = generation_order(lengths)
+    assert sorted(order) == list(range(6))
+    assert [lengths[i] for i in order] == sorted(lengths, reverse=True)
+
+
+def test_prepare_batches_and_collate():
+    from dflash.train.data import Sample
+
+    samples = [
+        Sample("a", [1, 2, 3], [4, 5, 6, 7]),
+        Sample("b", [1] * 9, [2]),
+        Sample("c", [1], [2, 3]),
+    ]
+    seqs = prepare(samples, max_len=6)
+    assert seqs == [([1, 2, 3, 4, 5, 6], 3), ([1, 2, 3], 1)]  # b has one response token: dropped
+    lengths = [10, 30, 20, 40, 15, 25, 35, 5]
+    b1 = make_batches(lengths, batch_tokens=60, seed=3, epoch=0)
+    assert b1 == make_batches(lengths, batch_tokens=60, seed=3, epoch=0)
+    assert b1 != make_batches(lengths, batch_tokens=60, seed=3, epoch=1)
+    assert sorted(i for b in b1 for i in b) == list(range(8))
+    for b in b1:
+        assert len(b) == 1 or len(b) * max(lengths[i] for i in b) <= 60
+    ids, att, loss_mask = collate(seqs, pad_id=0, multiple=4)
+    assert ids.shape == (2, 8)
+    assert ids[1].tolist() == [1, 2, 3, 0, 0, 0, 0, 0]
+    assert att[1].tolist() == [1, 1, 1, 0, 0, 0, 0, 0]
+    assert loss_mask[0].tolist() == [False] * 3 + [True] * 3 + [False] * 2
+    assert loss_mask[1].tolist() == [False, True, True] + [False] * 5
+
+
+def test_cli_train_and_regenerate(tiny_chat_target, prompt_file, tmp_path):
+    from typer.testing import CliRunner
+
+    from dflash.cli import app
+    from dflash.models.draft_torch import DFlashDraft
+
+    runner = CliRunner()
+    data = tmp_path / "data"
+    r = runner.invoke(app, ["data", "regenerate", "--target", str(tiny_chat_target), "--prompts",
+                            str(prompt_file), "--out", str(data), "--max-new-tokens", "8",
+                            "--device", "cpu"])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    out = tmp_path / "draft"
+    r = runner.invoke(app, ["train", "--target", str(tiny_chat_target), "--data", str(data), "--out",
+                            str(out), "--layers", "1", "--block-size", "4", "--max-steps", "2",
+                            "--device", "cpu"])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    draft = DFlashDraft.load(out)
+    assert draft.config.block_size == 4 and draft.config.num_hidden_layers == 1
+    assert (out / "train_log.jsonl").is_file() and (out / "state" / "trainer_state.json").is_file()
+    r = runner.invoke(
+        app, ["train", "--data", str(data), "--out", str(tmp_path / "x"), "--block-size", "1"]
+    )
+    assert isinstance(r.exception, InputError)
