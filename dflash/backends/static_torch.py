@@ -48,7 +48,16 @@ class StaticDraftCache:
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.write_pos: torch.Tensor | None = None  # [Tc] positions of this call's context rows
-        self.positions = None  # attribute the draft's forward sets; unused here
+
+    @property
+    def positions(self) -> None:
+        """Always None: row validity comes from the caller's mask, so the draft's forward never
+        concatenates position history (which would bake a stale tensor into a CUDA graph)."""
+        return None
+
+    @positions.setter
+    def positions(self, _value) -> None:
+        pass
 
     def append(self, i: int, k: torch.Tensor, v: torch.Tensor):
         self.keys[i].index_copy_(2, self.write_pos, k)
@@ -79,8 +88,7 @@ class StaticBackend(TransformersBackend):
         self.dtype = self.embed_weight.dtype
         self.feature_layers = {i - 1: n for n, i in enumerate(self.layer_ids)}  # layer -> slot
         self.capacity = 0
-        self.graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, Any]] = {}
-        self.pool = None
+        self.graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, Any, tuple]] = {}
 
     # -- buffers --------------------------------------------------------------------------
     def reset(self, max_positions: int | None = None) -> None:
@@ -154,7 +162,11 @@ class StaticBackend(TransformersBackend):
 
     # -- graphs ---------------------------------------------------------------------------
     def _graph(self, kind: str, width: int, fn, *static_inputs):
-        """Capture ``fn(*static_inputs)`` once per (kind, width); returns (graph, outputs)."""
+        """Capture ``fn(*static_inputs)`` once per (kind, width); returns (graph, outputs, inputs).
+
+        Each graph gets its own memory pool: with a shared pool, one graph's intermediates may
+        overwrite another's outputs (the draft's proposals are read after the verify replay).
+        """
         key = (kind, width)
         if key not in self.graphs:
             stream = torch.cuda.Stream(self.device)
@@ -164,9 +176,7 @@ class StaticBackend(TransformersBackend):
                     fn(*static_inputs)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            if self.pool is None:
-                self.pool = torch.cuda.graph_pool_handle()
-            with torch.inference_mode(), torch.cuda.graph(graph, pool=self.pool):
+            with torch.inference_mode(), torch.cuda.graph(graph):
                 out = fn(*static_inputs)
             self.graphs[key] = (graph, out, static_inputs)
         return self.graphs[key]
