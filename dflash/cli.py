@@ -27,19 +27,12 @@ from dflash.commands import generate, init_draft  # noqa: E402
 app.command("generate")(generate)
 app.command("init-draft")(init_draft)
 
-try:  # the benchmark and training commands are optional modules of the package
-    from dflash.bench.command import benchmark  # noqa: E402
+from dflash.bench.command import benchmark  # noqa: E402
+from dflash.train.command import data_app, train  # noqa: E402
 
-    app.command("benchmark")(benchmark)
-except ImportError:  # pragma: no cover - only while a module is missing
-    pass
-try:
-    from dflash.train.command import data_app, train  # noqa: E402
-
-    app.command("train")(train)
-    app.add_typer(data_app, name="data")
-except ImportError:  # pragma: no cover
-    pass
+app.command("benchmark")(benchmark)
+app.command("train")(train)
+app.add_typer(data_app, name="data")
 
 
 def report_error(err: DflashError) -> None:
