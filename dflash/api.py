@@ -104,9 +104,16 @@ class Pipeline:
         return list(ids)
 
     def check_prompt(self, ids: list[int]) -> None:
-        """Raise InputError if the prompt is empty or does not fit the target's context."""
+        """Raise InputError unless ids is a non-empty list of in-vocabulary token ids that fits
+        the target's context."""
+        if isinstance(ids, str) or not all(isinstance(i, int) for i in ids):
+            raise InputError("prompt_ids must be a list of token ids.",
+                             hint="build them with pipe.chat_prompt(messages)")  # fmt: skip
         if not ids:
             raise InputError("The prompt is empty.")
+        vocab = self.backend.vocab_size
+        if not all(0 <= i < vocab for i in ids):
+            raise InputError(f"prompt_ids hold ids outside the vocabulary (size {vocab}).")
         limit = self.backend.max_context
         if len(ids) >= limit:
             raise InputError(f"The prompt has {len(ids)} tokens but the target's context is {limit}.",

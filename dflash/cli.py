@@ -55,5 +55,11 @@ def main() -> None:
             raise
         report_error(err)
         sys.exit(1)
+    except OSError as err:  # a path that is a file where a folder is needed, and the like
+        if os.environ.get("DFLASH_DEBUG"):
+            raise
+        where = f": {err.filename}" if getattr(err, "filename", None) else ""
+        report_error(DflashError(f"{err.strerror or err}{where}.", hint="check the path"))
+        sys.exit(1)
     except KeyboardInterrupt:
         sys.exit(130)

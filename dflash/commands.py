@@ -11,7 +11,7 @@ import typer
 
 from dflash.errors import InputError
 
-Backend = Annotated[str, typer.Argument(help="transformers (CUDA or CPU); mlx and openai later.")]
+Backend = Annotated[str, typer.Argument(help="transformers (CUDA or CPU); mlx and openai are not available yet.")]
 ModelOpt = Annotated[str | None, typer.Option("--model", "-m",
                      help="Target: hub id, local folder or .gguf file (default: demo SmolLM2-135M-Instruct).")]  # fmt: skip
 DraftOpt = Annotated[str | None, typer.Option("--draft", "-d",
@@ -98,13 +98,14 @@ def init_draft(
     mask_token_id: Annotated[int | None, typer.Option(help="Mask token id (default: an unused/special token).")] = None,
     seed: Annotated[int, typer.Option(help="Weight-initialisation seed.")] = 0,
     dtype: Annotated[str, typer.Option(help="Storage dtype: bfloat16 or float32.")] = "bfloat16",
+    force: Annotated[bool, typer.Option("--force", help="Overwrite a folder that already holds a draft.")] = False,
 ) -> None:  # fmt: skip
-    """Write an untrained DFlash draft shaped for a target (config.json + model.safetensors)."""
+    """Write an untrained DFlash draft shaped for a target (config.json + safetensors shards)."""
     from dflash.models.config import DraftConfig
     from dflash.models.init_draft import init_draft as make
 
     folder = make(target, out, layers=layers, block_size=block_size,
-                  mask_token_id=mask_token_id, seed=seed, dtype=dtype)  # fmt: skip
+                  mask_token_id=mask_token_id, seed=seed, dtype=dtype, force=force)  # fmt: skip
     cfg = DraftConfig.load(folder)
     print(f"wrote {folder}: {cfg.num_hidden_layers} layers, block size {cfg.block_size}, "
           f"mask token {cfg.mask_token_id}, target layers {cfg.target_layer_ids}")  # fmt: skip

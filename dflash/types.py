@@ -22,7 +22,8 @@ class SamplingParams:
         seed: seed of the sampling RNG (None: nondeterministic).
 
     Raises:
-        InputError: temperature < 0, top_k < 0 or top_p outside (0, 1].
+        InputError: temperature negative or not finite, top_k < 0, top_p outside (0, 1],
+            or a seed outside [0, 2^63).
     """
 
     temperature: float = 0.0
@@ -31,12 +32,14 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if not (self.temperature >= 0):
-            raise InputError(f"--temperature must be >= 0, got {self.temperature}.")
+        if not (0 <= self.temperature < float("inf")):
+            raise InputError(f"--temperature must be a finite number >= 0, got {self.temperature}.")
         if self.top_k < 0:
             raise InputError(f"--top-k must be >= 0 (0 disables it), got {self.top_k}.")
         if not (0.0 < self.top_p <= 1.0):
             raise InputError(f"--top-p must be in (0, 1], got {self.top_p}.")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise InputError(f"--seed must be an integer in [0, 2^63), got {self.seed}.")
 
     @property
     def greedy(self) -> bool:

@@ -115,3 +115,27 @@ def test_init_draft_cli(tmp_path, demo_gguf):
     assert cfg["dflash_config"]["mask_token_id"] not in (2,)  # not the stop token
     bad = run("init-draft", "--target", str(demo_gguf), "--out", str(tmp_path / "e"), "--mask-token-id", "2")
     assert_one_line_error(bad, "stop token")
+
+
+@pytest.mark.parametrize(
+    "args,fragment",
+    [(["--seed", "-1"], "--seed must be an integer"),
+     (["--temperature", "inf"], "finite number"),
+     (["--temperature", "nan"], "finite number")],
+)  # fmt: skip
+def test_sampling_values_rejected_before_loading(args, fragment):
+    assert_one_line_error(run("generate", "transformers", "hi", *args), fragment)
+
+
+def test_paths_that_are_files_or_folders(tmp_path):
+    f = tmp_path / "file.txt"
+    f.write_text("x")
+    assert_one_line_error(run("init-draft", "--out", str(f)), "is a file")
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "config.json").write_text("{}")
+    assert_one_line_error(run("init-draft", "--out", str(tmp_path / "d")), "already holds a draft")
+    assert_one_line_error(run("benchmark", "transformers", "--dataset", "gsm8k", "--output", str(tmp_path)),
+                          "is a folder")  # fmt: skip
+    p = subprocess.run([sys.executable, "-m", "dflash", "generate", "transformers", "hi"], capture_output=True,
+                       text=True, env={**ENV, "DFLASH_CACHE": str(f)}, timeout=300)  # fmt: skip
+    assert_one_line_error(p, "Cannot create the cache folder")

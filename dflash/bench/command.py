@@ -71,6 +71,10 @@ def _check_options(
         )
     if resume and output is None:
         raise InputError("--resume needs --output FILE to resume from.")
+    if output is not None and output.is_dir():
+        raise InputError(f"--output {output} is a folder; pass a .jsonl file path.")
+    if plot is not None and (plot.is_dir() or str(plot).endswith(("/", "\\"))):
+        raise InputError(f"--plot {plot} is a folder; pass a .png file path.")
     if plot is not None:
         report.check_plot_available()
 
@@ -172,7 +176,7 @@ def benchmark(
     if gathered is None:  # non-zero ranks: rank 0 reports
         return
     summaries = {name: summarize(recs) for name, recs in gathered.items()}
-    console = Console(highlight=False)
+    console = Console(highlight=False, soft_wrap=True)  # no 80-column wrapping when piped
     for name, summary in summaries.items():
         report.print_summary(console, name, summary)
     if plot is not None:

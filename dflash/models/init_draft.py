@@ -65,7 +65,8 @@ def draft_config_for(target_cfg: Any, *, layers: int, block_size: int, mask_toke
 
 
 def init_draft(target: str | None, out: str | Path, *, layers: int = 5, block_size: int = 16,
-               mask_token_id: int | None = None, seed: int = 0, dtype: str = "bfloat16") -> Path:  # fmt: skip
+               mask_token_id: int | None = None, seed: int = 0, dtype: str = "bfloat16",
+               force: bool = False) -> Path:  # fmt: skip
     """Write an untrained draft (config.json + model.safetensors) for ``target`` into ``out``.
 
     Args:
@@ -76,9 +77,11 @@ def init_draft(target: str | None, out: str | Path, *, layers: int = 5, block_si
         mask_token_id: explicit mask id, else chosen by :func:`choose_mask_token_id`.
         seed: weight-initialisation seed (weights ~ N(0, 0.02), norms 1).
         dtype: storage dtype, bfloat16 or float32.
+        force: overwrite a folder that already holds a draft.
 
     Raises:
-        InputError: bad numbers; ConfigError: mask id invalid for the target.
+        InputError: bad numbers, ``out`` is a file, or ``out`` holds a draft and not force;
+            ConfigError: mask id invalid for the target.
     """
     import torch
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
@@ -93,6 +96,12 @@ def init_draft(target: str | None, out: str | Path, *, layers: int = 5, block_si
         raise InputError(f"--block-size of a draft must be >= 2, got {block_size}.")
     if dtype not in ("bfloat16", "float32"):
         raise InputError(f"--dtype must be bfloat16 or float32, got {dtype!r}.")
+    out_path = Path(out)
+    if out_path.exists() and not out_path.is_dir():
+        raise InputError(f"--out {out} is a file; pass a folder.")
+    if (out_path / "config.json").exists() and not force:
+        raise InputError(f"--out {out} already holds a draft.",
+                         hint="pass --force to overwrite it, or choose another folder")  # fmt: skip
     path = resolve_target(target)
     cfg_t = AutoConfig.from_pretrained(path)
     tok = AutoTokenizer.from_pretrained(path)
@@ -103,6 +112,13 @@ def init_draft(target: str | None, out: str | Path, *, layers: int = 5, block_si
     stops = set(stop_token_ids(gen, tok))
     text = cfg_t.get_text_config()
     rows = int(text.vocab_size)
+    ids = default_target_layer_ids(text.num_hidden_layers, layers)
+    if len(set(ids)) < len(ids):
+        raise InputError(f"--layers {layers} is too many for a {text.num_hidden_layers}-layer target "
+                         "(feature layers would repeat).", hint="use fewer draft layers")  # fmt: skip
+    context = int(getattr(text, "max_position_embeddings", 1 << 30))
+    if block_size > context:
+        raise InputError(f"--block-size {block_size} exceeds the target's context ({context}).")
     avoid = stops | {i for i in (tok.bos_token_id, tok.pad_token_id) if i is not None}
     if mask_token_id is None:
         mask_token_id = choose_mask_token_id(tok, rows, avoid)

@@ -72,6 +72,12 @@ def gguf_to_cached_folder(gguf: Path) -> Path:
     folder = cache_root() / "targets" / key
     if (folder / "config.json").is_file() and any(folder.glob("*.safetensors")):
         return folder
+    tmp = folder.with_name(folder.name + ".tmp")
+    try:
+        tmp.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CheckpointError(f"Cannot create the cache folder {tmp}: {e.strerror}.",
+                              hint="set DFLASH_CACHE to a writable folder") from e  # fmt: skip
     try:
         tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(
@@ -86,8 +92,6 @@ def gguf_to_cached_folder(gguf: Path) -> Path:
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    tmp = folder.with_name(folder.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(tmp), safe_serialization=True)
     tok.save_pretrained(str(tmp))
     (tmp / "dflash_source.json").write_text(json.dumps({"gguf": str(gguf), "sha256_16": key}))

@@ -43,6 +43,10 @@ def regenerate(
     specs = [s.strip() for p in prompts for s in p.split(",") if s.strip()]
     if not specs:
         raise InputError("--prompts is empty.", hint="e.g. --prompts gsm8k:train")
+    if out.exists() and not out.is_dir():
+        raise InputError(f"--out {out} is a file; pass a folder for the JSONL shards.")
+    if time_limit is not None and time_limit <= 0:
+        raise InputError(f"--time-limit must be > 0 seconds, got {time_limit}.")
     console = Console(stderr=True)
     with Progress(TextColumn("regenerating"), BarColumn(), MofNCompleteColumn(),
                   TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), console=console) as bar:  # fmt: skip
@@ -91,8 +95,13 @@ def train(
     state_dir: Annotated[Path | None, typer.Option(help="Resume state folder (default: OUT/state).")] = None,
     mask_token_id: Annotated[int | None, typer.Option(help="Mask id of a fresh draft (default: as init-draft).")] = None,
 ) -> None:  # fmt: skip
-    """Train a DFlash draft on target-regenerated data (brief §8 recipe); resumable."""
+    """Train a DFlash draft on target-regenerated data (paper recipe); resumable."""
     from dflash.train.train import TrainConfig, Trainer, load_training_target
+
+    if gamma is not None and gamma <= 0:
+        raise InputError(f"--gamma must be > 0, got {gamma}.")
+    if time_limit is not None and time_limit <= 0:
+        raise InputError(f"--time-limit must be > 0 seconds, got {time_limit}.")
 
     cfg = TrainConfig(target=target, data=str(data), out=str(out), init=str(init) if init else None,
                       layers=layers, block_size=block_size, anchors=anchors, epochs=epochs,
