@@ -31,7 +31,7 @@ def references(demo_pipe):
 def test_greedy_parity_with_hf_generate(demo_pipe, references, block_size):
     for ids, ref in references:
         got = demo_pipe.generate(ids, block_size=block_size, max_new_tokens=64).token_ids
-        first_diff = next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), None)
+        first_diff = next((i for i, (a, b) in enumerate(zip(got, ref, strict=False)) if a != b), None)
         assert got == ref, f"block {block_size}: first mismatch at {first_diff}: {got[first_diff:first_diff+3] if first_diff is not None else got[len(ref):]} vs {ref[first_diff:first_diff+3] if first_diff is not None else ref[len(got):]}"
 
 
@@ -53,7 +53,7 @@ def test_context_features_match_hf_hidden_states(demo_pipe):
 
 def test_stream_equals_generate_and_reset_between_requests(demo_pipe, references):
     """Two requests in a row give the same ids as fresh ones: nothing leaks between them."""
-    (ids_a, ref_a), (ids_b, ref_b) = references[0], references[1]
+    (ids_a, _), (ids_b, ref_b) = references[0], references[1]
     demo_pipe.generate(ids_a, max_new_tokens=16)
     toks = [t for r in demo_pipe.stream(ids_b, max_new_tokens=64) for t in r.tokens]
     assert toks == ref_b

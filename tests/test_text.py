@@ -10,8 +10,9 @@ from dflash.errors import InputError
 
 @pytest.fixture(scope="module")
 def tokenizer(demo_gguf):
-    from dflash.models.target_torch import gguf_to_cached_folder
     from transformers import AutoTokenizer
+
+    from dflash.models.target_torch import gguf_to_cached_folder
 
     return AutoTokenizer.from_pretrained(str(gguf_to_cached_folder(demo_gguf)))
 
