@@ -111,8 +111,8 @@ class Pipeline:
                              hint="build them with pipe.chat_prompt(messages)")  # fmt: skip
         if not ids:
             raise InputError("The prompt is empty.")
-        vocab = self.backend.vocab_size
-        if not all(0 <= i < vocab for i in ids):
+        vocab = getattr(self.backend, "vocab_size", None)
+        if vocab is not None and not all(0 <= i < vocab for i in ids):
             raise InputError(f"prompt_ids hold ids outside the vocabulary (size {vocab}).")
         limit = self.backend.max_context
         if len(ids) >= limit:

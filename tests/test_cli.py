@@ -39,7 +39,7 @@ def test_help_without_loading_torch():
 @pytest.mark.parametrize(
     "args,fragment",
     [(["--model", "some/model"], "--draft is required"),
-     (["--temperature", "-1"], "--temperature must be >= 0"),
+     (["--temperature", "-1"], "--temperature must be a finite number >= 0"),
      (["--top-p", "0"], "--top-p must be in (0, 1]"),
      (["--block-size", "0"], "--block-size must be >= 1"),
      (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
