@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -233,9 +232,6 @@ def load(model: str | None = None, draft: str | None = None, *, backend: str = "
     from dflash.models.config import DraftConfig
     from dflash.models.target_torch import resolve_draft, resolve_target
 
-    if not os.environ.get("DFLASH_DEBUG"):  # keep the CLI's stderr to our own summary line
-        transformers.logging.set_verbosity_error()
-        transformers.logging.disable_progress_bar()
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
     draft_dir = resolve_draft(draft, model)

@@ -189,6 +189,9 @@ def load_target(path: str, device: torch.device, dtype: torch.dtype):
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from dflash.models.target_torch import quiet_transformers
+
+    quiet_transformers()
     try:
         tok = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)

