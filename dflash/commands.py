@@ -83,6 +83,7 @@ def generate(
         sys.stdout.flush()
     t2 = time.perf_counter()
     sys.stdout.write("\n")
+    sys.stdout.flush()  # the summary on stderr must come after the text
     decode = t2 - (t1 or t0)
     tps = (n - 1) / decode if n > 1 and decode > 0 else 0.0
     tau = sum(steps) / len(steps) if steps else float("nan")
