@@ -161,14 +161,15 @@ class StaticBackend(TransformersBackend):
         return logits.argmax(-1), logits
 
     # -- graphs ---------------------------------------------------------------------------
-    def _graph(self, kind: str, width: int, fn, *static_inputs):
-        """Capture ``fn(*static_inputs)`` once per (kind, width); returns (graph, outputs, inputs).
+    def _graph(self, kind: str, width: int, fn, make_inputs):
+        """Capture ``fn(*make_inputs())`` once per (kind, width); returns (graph, outputs, inputs).
 
         Each graph gets its own memory pool: with a shared pool, one graph's intermediates may
         overwrite another's outputs (the draft's proposals are read after the verify replay).
         """
         key = (kind, width)
         if key not in self.graphs:
+            static_inputs = make_inputs()  # allocated once per graph, not per step
             stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream), torch.inference_mode():
@@ -199,9 +200,11 @@ class StaticBackend(TransformersBackend):
             with torch.inference_mode():
                 logits = self._target_forward(ids[None], pos)
             return logits, self.feats[start : start + width]
-        ids_buf = torch.zeros(1, width, dtype=torch.long, device=self.device)
-        pos_buf = self.key_pos[-width:][None].clone()  # harmless rows during capture
-        graph, out, (ids_in, pos_in) = self._graph("verify", width, self._target_forward, ids_buf, pos_buf)
+        def make_inputs():  # ids [1, W] and positions [1, W]; capture writes harmless rows
+            return (torch.zeros(1, width, dtype=torch.long, device=self.device),
+                    self.key_pos[-width:][None].clone())  # fmt: skip
+
+        graph, out, (ids_in, pos_in) = self._graph("verify", width, self._target_forward, make_inputs)
         ids_in[0, 0].fill_(anchor)
         if proposals is not None:
             ids_in[0, 1:].copy_(proposals)
@@ -222,11 +225,12 @@ class StaticBackend(TransformersBackend):
             block[0, 0] = anchor
             with torch.inference_mode():
                 return self._draft_forward(block, self.key_pos[start : start + 1], self.key_pos[lo:start])
-        block_buf = torch.full((1, length), self.mask_token_id, dtype=torch.long, device=dev)
-        start_buf = self.key_pos[-length:-length + 1].clone()  # harmless rows during capture
-        ctx_buf = self.key_pos[-length - window : -length].clone()
-        graph, out, (blk, st, cp) = self._graph("draft", length, self._draft_forward,
-                                                block_buf, start_buf, ctx_buf)  # fmt: skip
+        def make_inputs():  # block ids, anchor position, context rows; harmless during capture
+            return (torch.full((1, length), self.mask_token_id, dtype=torch.long, device=dev),
+                    self.key_pos[-length:-length + 1].clone(),
+                    self.key_pos[-length - window : -length].clone())  # fmt: skip
+
+        graph, out, (blk, st, cp) = self._graph("draft", length, self._draft_forward, make_inputs)
         blk[0, 0].fill_(anchor)
         st.fill_(start)
         cp.copy_(self.key_pos[start - window : start])
