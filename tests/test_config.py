@@ -76,7 +76,8 @@ def test_sliding_layers_are_causal_and_windowed():
      ({"dflash_config": {"target_layer_ids": [1, 2]}}, "mask_token_id"),
      ({"dflash_config": {"mask_token_id": 5}}, "target_layer_ids"),
      ({"dflash_config": {"mask_token_id": 100, "target_layer_ids": [1]}}, "outside the vocabulary"),
-     ({"architectures": ["DFlash2DraftModel"]}, "DFlash2"),
+     ({"architectures": ["DFlash2DraftModel"], "dflash_config": {"mask_token_id": 5, "target_layer_ids": [1, 2],
+                                                                "conv_group_size": 6}}, "conv_group_size"),
      ({"block_size": 0}, "block_size")],
 )  # fmt: skip
 def test_bad_configs(patch, msg):

@@ -7,6 +7,7 @@ A draft folder holds ``config.json`` (a Qwen3-style config plus a ``dflash_confi
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,52 @@ from dflash.errors import CheckpointError, ConfigError
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 DEFAULT_BLOCK_SIZE = 16
+DFLASH2_ARCH = "DFlash2DraftModel"
+
+
+@dataclass
+class DFlash2Settings:
+    """The DFlash2-only fields of ``dflash_config`` (brief §1.1, §4; defaults as published).
+
+    Attributes:
+        conv_kernel_size: K, taps of the in-block dynamic convolution (2).
+        conv_group_size: G, channels sharing one dynamic tap weight (16); divides hidden_size.
+        selector_rank: r, rank of the candidate selector's trilinear edge score (256).
+        selector_top_k: k, candidates per draft position (16).
+        output_multiplier: draft logits are multiplied by this (1.0 = off).
+        final_logit_softcapping: then ``cap * tanh(logits / cap)`` when > 0 (0 = off).
+        input_embedding_scale: block embeddings (raw target lookup) are multiplied by this.
+    """
+
+    conv_kernel_size: int = 2
+    conv_group_size: int = 16
+    selector_rank: int = 256
+    selector_top_k: int = 16
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float = 0.0
+    input_embedding_scale: float = 1.0
+
+    FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k",
+              "output_multiplier", "final_logit_softcapping", "input_embedding_scale")  # fmt: skip
+
+    def validate(self, hidden_size: int, vocab_size: int) -> None:
+        """Raises ConfigError (one sentence) on a value the DFlash2 modules cannot use."""
+        for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"DFlash2 {name} must be an integer >= 1, got {value!r}.")
+        if hidden_size % self.conv_group_size:
+            raise ConfigError(f"DFlash2 conv_group_size {self.conv_group_size} does not divide "
+                              f"hidden_size {hidden_size}.")  # fmt: skip
+        if self.selector_top_k > vocab_size:
+            raise ConfigError(f"DFlash2 selector_top_k {self.selector_top_k} exceeds the "
+                              f"vocabulary (size {vocab_size}).")  # fmt: skip
+        for name in ("output_multiplier", "final_logit_softcapping", "input_embedding_scale"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ConfigError(f"DFlash2 {name} must be a finite number, got {value!r}.")
+        if self.final_logit_softcapping < 0:
+            raise ConfigError("DFlash2 final_logit_softcapping must be >= 0 (0 disables it).")
 
 
 def default_target_layer_ids(num_target_layers: int, num_features: int) -> list[int]:
@@ -52,6 +99,7 @@ class DraftConfig:
         is_causal: optional override of the per-layer causality inside the block.
         num_target_layers: depth of the target (informational).
         rope: the rope settings as found in the config (``rope_parameters`` or flat keys).
+        dflash2: the DFlash2 settings for a ``DFlash2DraftModel``, None for a v1 draft.
         extra: every other key of config.json, written back unchanged.
     """
 
@@ -72,12 +120,18 @@ class DraftConfig:
     num_target_layers: int | None = None
     max_position_embeddings: int = 32768
     rope: dict[str, Any] = field(default_factory=lambda: {"rope_theta": 1000000.0})
+    dflash2: DFlash2Settings | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.layer_types:
             self.layer_types = ["full_attention"] * self.num_hidden_layers
         self.validate()
+
+    @property
+    def is_dflash2(self) -> bool:
+        """True for a DFlash2 draft (dynamic in-block convolutions + candidate selector)."""
+        return self.dflash2 is not None
 
     @property
     def num_features(self) -> int:
@@ -121,22 +175,25 @@ class DraftConfig:
             )
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError("Draft num_attention_heads must be a multiple of num_key_value_heads.")
+        if self.dflash2 is not None:
+            self.dflash2.validate(self.hidden_size, self.vocab_size)
 
     # ------------------------------------------------------------------ (de)serialisation
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> DraftConfig:
         """Build from a config.json dict; accepts flat and nested ``block_size`` (brief §1.1).
 
+        ``"DFlash2DraftModel"`` in ``architectures`` makes a DFlash2 config; its extra fields
+        are read from ``dflash_config`` first, then the top level, else the defaults of
+        :class:`DFlash2Settings`.
+
         Raises:
-            ConfigError: DFlash2 drafts, a missing ``mask_token_id``/``target_layer_ids``,
-                or any inconsistency.
+            ConfigError: a missing ``mask_token_id``/``target_layer_ids``, or any inconsistency.
         """
         archs = d.get("architectures") or []
-        if any("DFlash2" in a for a in archs):
-            raise ConfigError(
-                "DFlash2 drafts are not supported yet; use a DFlash v1 draft (DFlashDraftModel)."
-            )
         dc = d.get("dflash_config") or {}
+        if not isinstance(dc, dict):
+            raise ConfigError("Draft config's dflash_config must be a JSON object.")
 
         def pick(name: str, default: Any = None) -> Any:
             return dc[name] if name in dc else d.get(name, default)
@@ -147,6 +204,10 @@ class DraftConfig:
                 f"Draft config lacks {', '.join(missing)} (expected in dflash_config).",
                 hint="add them to config.json or recreate the draft with 'dflash init-draft'",
             )
+        v2 = None
+        if DFLASH2_ARCH in archs:
+            found = {k: pick(k) for k in DFlash2Settings.FIELDS if pick(k) is not None}
+            v2 = DFlash2Settings(**found)
         try:
             hidden = int(d["hidden_size"])
             heads = int(d["num_attention_heads"])
@@ -160,6 +221,7 @@ class DraftConfig:
                 "num_key_value_heads", "head_dim", "vocab_size", "rms_norm_eps", "layer_types",
                 "sliding_window", "is_causal", "num_target_layers", "max_position_embeddings",
                 "rope_parameters", "rope_theta", "rope_scaling", "block_size", "dflash_config",
+                "architectures", *DFlash2Settings.FIELDS,
             }  # fmt: skip
             return cls(
                 hidden_size=hidden,
@@ -179,6 +241,7 @@ class DraftConfig:
                 num_target_layers=d.get("num_target_layers"),
                 max_position_embeddings=int(d.get("max_position_embeddings", 32768)),
                 rope=rope,
+                dflash2=v2,
                 extra={k: v for k, v in d.items() if k not in known},
             )
         except (KeyError, TypeError, ValueError) as e:
@@ -187,13 +250,13 @@ class DraftConfig:
     def to_dict(self) -> dict[str, Any]:
         """The config.json dict in the published layout (nested ``dflash_config``)."""
         d = {
-            "architectures": ["DFlashDraftModel"],
             "model_type": "qwen3",
             "attention_bias": False,
             "attention_dropout": 0.0,
             "hidden_act": "silu",
             "tie_word_embeddings": False,
             **self.extra,
+            "architectures": [DFLASH2_ARCH if self.dflash2 else "DFlashDraftModel"],
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
             "num_hidden_layers": self.num_hidden_layers,
@@ -214,6 +277,8 @@ class DraftConfig:
                 "target_layer_ids": self.target_layer_ids,
             },
         }
+        if self.dflash2 is not None:
+            d["dflash_config"].update({k: getattr(self.dflash2, k) for k in DFlash2Settings.FIELDS})
         if self.is_causal is not None:
             d["is_causal"] = self.is_causal
         for k in ("rope_theta", "rope_scaling", "auto_map"):
