@@ -208,12 +208,15 @@ class DFlashDraft(nn.Module):
         cfg: the draft configuration.
     """
 
+    layer_class: type[nn.Module] = DraftLayer
+    is_dflash2 = False
+
     def __init__(self, cfg: DraftConfig):
         super().__init__()
         self.config = cfg
         self.fc = nn.Linear(cfg.num_features * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(self.layer_class(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         inv_freq, self.rope_scale = rope_inv_freq(cfg)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
@@ -308,7 +311,8 @@ class DFlashDraft(nn.Module):
         out = Path(folder)
         out.mkdir(parents=True, exist_ok=True)
         self.config.save(out)
-        tensors = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        state = self.checkpoint_names(self.state_dict())
+        tensors = {k: v.detach().contiguous().cpu() for k, v in state.items()}
         shards: list[dict[str, torch.Tensor]] = [{}]
         size = 0
         for name, t in tensors.items():
@@ -335,17 +339,37 @@ class DFlashDraft(nn.Module):
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
         return out
 
+    @staticmethod
+    def checkpoint_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Module state dict -> tensor names as published (identity for v1)."""
+        return state
+
+    @staticmethod
+    def module_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Published tensor names -> module state dict names (identity for v1)."""
+        return state
+
     @classmethod
     def load(cls, folder: str | Path, dtype: torch.dtype | None = None, device="cpu") -> DFlashDraft:
         """Load a draft folder (config.json + safetensors, sharded or not).
 
+        ``DFlashDraft.load`` of a DFlash2 folder returns a
+        :class:`dflash.models.draft2_torch.DFlash2Draft` (brief §4.3: the class follows
+        ``architectures``).
+
         Raises:
             CheckpointError: no weights, an unreadable shard, or missing/unexpected tensors.
-            ConfigError: an invalid config.
+            ConfigError: an invalid config, or a v1 config given to a DFlash2 class.
         """
         folder = Path(folder)
         cfg = DraftConfig.load(folder)
-        state = read_safetensors(folder)
+        if cfg.is_dflash2 and cls is DFlashDraft:
+            from dflash.models.draft2_torch import DFlash2Draft
+
+            cls = DFlash2Draft
+        elif cfg.is_dflash2 != getattr(cls, "is_dflash2", False):
+            raise ConfigError(f"Draft {folder} is a DFlash v1 draft, not a DFlash2 draft.")
+        state = cls.module_names(read_safetensors(folder))
         fc = state.get("fc.weight")
         width = cfg.num_features * cfg.hidden_size
         if fc is not None and tuple(fc.shape) != (cfg.hidden_size, width):

@@ -1,0 +1,278 @@
+"""The DFlash2 draft in PyTorch (brief §4): v1 layers wrapped in dynamic in-block convolutions,
+plus a candidate selector that walks one coherent path through per-position top-k candidates.
+
+Everything else (context projection, attention with context K/V injection, RoPE, masks, cache,
+shared embedding and LM head) is the v1 draft of :mod:`dflash.models.draft_torch`, reused here.
+Tensor names follow the published checkpoints (brief §1.2), except that the two selector
+codebooks are stored without a ``.weight`` suffix; :meth:`DFlash2Draft.module_names` and
+:meth:`DFlash2Draft.checkpoint_names` map between the two (brief §4.3).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dflash.errors import CheckpointError, ConfigError
+from dflash.models.config import DraftConfig
+from dflash.models.draft_torch import DFlashDraft, DraftLayer
+
+CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
+
+
+class GroupedDynamicCausalConv(nn.Module):
+    """Two grouped causal convolutions over the block, with per-position dynamic taps (§4.1).
+
+    ``y[t] = sum_{o<K} (base[o] * x[t-o] + dyn[t, o, g] * x[t-o])`` with ``x[t-o] = 0`` for
+    ``t < o``; ``base[o]`` is per channel, ``dyn[t, o, g]`` one scalar per position, tap and
+    group of G consecutive channels. The sequence given is the block only (context rows never
+    pass through it). ``prepare`` convolves the sublayer input with kernel 0 and also returns the
+    dynamic taps of kernel 1, computed from that same input, which ``finish`` applies to the
+    sublayer output.
+
+    Args:
+        hidden: H channels; group_size G must divide it.
+        kernel_size: K taps.
+        group_size: G channels per dynamic tap weight.
+    """
+
+    def __init__(self, hidden: int, kernel_size: int, group_size: int):
+        super().__init__()
+        self.kernel_size, self.group_size, self.groups = (
+            kernel_size,
+            group_size,
+            hidden // group_size,
+        )
+        self.base_kernel = nn.Parameter(torch.zeros(2, kernel_size, hidden))
+        with torch.no_grad():
+            self.base_kernel[:, 0] = 1.0  # identity until trained: prepare/finish pass x through
+        self.kernel_projection = nn.Linear(hidden, 2 * kernel_size * self.groups, bias=False)
+
+    def conv(self, x: torch.Tensor, dyn: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+        """x [B, T, H], dyn [B, T, K, H/G] (taps per output position), base [K, H] -> [B, T, H]."""
+        b, t, h = x.shape
+        y = torch.zeros_like(x)
+        for o in range(min(self.kernel_size, t)):
+            xs = x if o == 0 else F.pad(x, (0, 0, o, 0))[:, :t]  # xs[:, s] = x[:, s - o]
+            grouped = xs.view(b, t, self.groups, self.group_size) * dyn[:, :, o, :, None]
+            y = y + xs * base[o] + grouped.view(b, t, h)
+        return y
+
+    def prepare(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, T, H] sublayer input -> (conv with kernel 0 [B, T, H], kernel-1 taps [B, T, K, H/G])."""
+        b, t, _ = x.shape
+        dyn = self.kernel_projection(x).view(b, t, 2, self.kernel_size, self.groups)
+        return self.conv(x, dyn[:, :, 0], self.base_kernel[0]), dyn[:, :, 1]
+
+    def finish(self, y: torch.Tensor, dyn: torch.Tensor) -> torch.Tensor:
+        """y [B, T, H] sublayer output, dyn from :meth:`prepare` -> [B, T, H]."""
+        return self.conv(y, dyn, self.base_kernel[1])
+
+
+class DFlash2Layer(DraftLayer):
+    """v1 decoder layer with a dynamic convolution around attention and around the MLP (§4.1)."""
+
+    def __init__(self, cfg: DraftConfig):
+        super().__init__(cfg)
+        s = cfg.dflash2
+        self.attention_conv = GroupedDynamicCausalConv(
+            cfg.hidden_size, s.conv_kernel_size, s.conv_group_size
+        )
+        self.mlp_conv = GroupedDynamicCausalConv(
+            cfg.hidden_size, s.conv_kernel_size, s.conv_group_size
+        )
+
+    def forward(self, h, ctx, q_rope, ctx_rope, mask, cache, idx):
+        a, k1 = self.attention_conv.prepare(self.input_layernorm(h))
+        h = h + self.attention_conv.finish(
+            self.self_attn(a, ctx, q_rope, ctx_rope, mask, cache, idx), k1
+        )
+        m, k2 = self.mlp_conv.prepare(self.post_attention_layernorm(h))
+        return h + self.mlp_conv.finish(self.mlp(m), k2)
+
+
+class CandidateSelector(nn.Module):
+    """Pairwise path selector over per-position top-k candidates (brief §4.2).
+
+    Score of candidate j at draft position i given the previous pick ``prev`` (the anchor at
+    i = 0): ``u[i, j] + sum_r pred[prev, r] * h'[i, r] * succ[c[i, j], r]`` with ``u`` the draft
+    logits of the candidates and ``h' = hidden_projection(hidden)``. Computed in float32.
+
+    Args:
+        hidden: H; vocab: V (codebook rows); rank: r; top_k: k candidates per position.
+    """
+
+    def __init__(self, hidden: int, vocab: int, rank: int, top_k: int):
+        super().__init__()
+        self.top_k = top_k
+        self.hidden_projection = nn.Linear(hidden, rank, bias=False)
+        self.predecessor_codebook = nn.Embedding(vocab, rank)
+        self.successor_codebook = nn.Embedding(vocab, rank)
+
+    def candidates(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits [B, T, V] -> (candidate ids [B, T, k] int64, unary scores [B, T, k] float32)."""
+        unary, ids = torch.topk(logits.float(), min(self.top_k, logits.shape[-1]), dim=-1)
+        return ids, unary
+
+    def edges(self, hidden: torch.Tensor, cand: torch.Tensor, anchor: torch.Tensor):
+        """Edge scores of every candidate pair of neighbouring positions.
+
+        Args:
+            hidden: [B, T, H] draft hidden states of the draft positions.
+            cand: [B, T, k] candidate ids; anchor: [B] token ids before position 0.
+
+        Returns:
+            (first [B, k]: anchor -> candidates of position 0,
+             trans [B, T-1, k, k]: trans[:, i, a, b] = candidate a at i -> candidate b at i+1).
+        """
+        hp = self.hidden_projection(hidden).float()  # [B, T, r]
+        pred = self.predecessor_codebook(cand).float()  # [B, T, k, r]
+        succ = self.successor_codebook(cand).float()
+        first = torch.einsum(
+            "br,bkr->bk", self.predecessor_codebook(anchor).float() * hp[:, 0], succ[:, 0]
+        )
+        trans = torch.einsum("blar,blcr->blac", pred[:, :-1] * hp[:, 1:, None], succ[:, 1:])
+        return first, trans
+
+    @staticmethod
+    def walk(unary: torch.Tensor, first: torch.Tensor, trans: torch.Tensor,
+             temperature: float = 0.0, generator: torch.Generator | None = None):  # fmt: skip
+        """Left-to-right walk over the candidates: argmax at T = 0, ancestral sampling at T > 0.
+
+        Args:
+            unary: [B, T, k]; first: [B, k]; trans: [B, T-1, k, k] (see :meth:`edges`).
+            temperature: 0 = greedy; > 0 = sample from softmax(score / temperature).
+            generator: torch RNG for the draws (None = the global one).
+
+        Returns:
+            (picks [B, T] int64 candidate slots, q [B, T, k] float32 or None at T = 0): q[:, i]
+            is the distribution pick i was drawn from, given picks 0..i-1.
+        """
+        b, t, k = unary.shape
+        picks, qs = [], []
+        score = unary[:, 0] + first
+        for i in range(t):
+            if i:
+                prev = picks[-1][:, None, None].expand(b, 1, k)
+                score = unary[:, i] + trans[:, i - 1].gather(1, prev)[:, 0]
+            if temperature > 0:
+                q = torch.softmax(score / temperature, dim=-1)
+                picks.append(torch.multinomial(q, 1, generator=generator)[:, 0])
+                qs.append(q)
+            else:
+                picks.append(score.argmax(-1))
+        return torch.stack(picks, 1), (torch.stack(qs, 1) if qs else None)
+
+    def forward(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: torch.Tensor,
+                temperature: float = 0.0, generator: torch.Generator | None = None):  # fmt: skip
+        """Select one path.
+
+        Args:
+            hidden: [B, T, H] draft hidden states of the T = L-1 draft positions.
+            logits: [B, T, V] processed draft logits of those positions.
+            anchor: [B] the anchor token ids.
+
+        Returns:
+            (path tokens [B, T] int64, candidate ids [B, T, k], q [B, T, k] or None at T = 0).
+        """
+        cand, unary = self.candidates(logits)
+        first, trans = self.edges(hidden, cand, anchor)
+        picks, q = self.walk(unary, first, trans, temperature, generator)
+        return cand.gather(-1, picks[..., None])[..., 0], cand, q
+
+
+class DFlash2Draft(DFlashDraft):
+    """DFlash2 draft: v1 context projection and attention, :class:`DFlash2Layer` layers and a
+    :class:`CandidateSelector` (brief §4). One block per forward (the convolutions run over the
+    given block), so the packed-block training layout of ``dflash train`` is not supported.
+
+    Args:
+        cfg: a DFlash2 draft configuration (``cfg.dflash2`` set).
+
+    Raises:
+        ConfigError: a v1 configuration.
+    """
+
+    layer_class = DFlash2Layer
+    is_dflash2 = True
+
+    def __init__(self, cfg: DraftConfig):
+        if cfg.dflash2 is None:
+            raise ConfigError(
+                "DFlash2Draft needs a DFlash2 config (architectures DFlash2DraftModel)."
+            )
+        super().__init__(cfg)
+        s = cfg.dflash2
+        self.candidate_selector = CandidateSelector(cfg.hidden_size, cfg.vocab_size, s.selector_rank,
+                                                    s.selector_top_k)  # fmt: skip
+
+    @property
+    def embed_scale(self) -> float:
+        """Factor applied to the raw target embeddings of the block (brief §1.4)."""
+        return float(self.config.dflash2.input_embedding_scale)
+
+    def forward(self, block_embeds, target_hidden, q_pos, ctx_pos, cache=None, masks=None):
+        """As :meth:`DFlashDraft.forward` for one block per row; explicit masks are refused.
+
+        Raises:
+            ConfigError: ``masks`` given (the training layout packs several blocks per row,
+                which the in-block convolutions would mix).
+        """
+        if masks is not None:
+            raise ConfigError("DFlash2 drafts run one block per forward; training them and "
+                              "explicit masks are not supported yet.",
+                              hint="train a DFlash v1 draft (dflash init-draft --arch dflash)")  # fmt: skip
+        return super().forward(block_embeds, target_hidden, q_pos, ctx_pos, cache=cache)
+
+    def process_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Output multiplier, then ``cap * tanh(logits / cap)`` when a soft cap is set (§1.4)."""
+        s = self.config.dflash2
+        logits = logits.float()
+        if s.output_multiplier != 1.0:
+            logits = logits * s.output_multiplier
+        if s.final_logit_softcapping > 0:
+            cap = s.final_logit_softcapping
+            logits = cap * torch.tanh(logits / cap)
+        return logits
+
+    def propose(self, hidden: torch.Tensor, anchor: torch.Tensor, head: nn.Module,
+                temperature: float = 0.0, generator: torch.Generator | None = None):  # fmt: skip
+        """Proposals from the draft's hidden states of the draft positions (brief §4.3).
+
+        Args:
+            hidden: [B, L-1, H] final-normed hidden states of block positions 1..L-1.
+            anchor: [B] anchor token ids; head: the target's LM head (H -> V).
+            temperature: 0 = greedy walk; > 0 = ancestral sampling (temperature only, no
+                top-k/top-p, brief §3.6).
+
+        Returns:
+            (tokens [B, L-1], candidate ids [B, L-1, k], q [B, L-1, k] float32 or None).
+        """
+        logits = self.process_logits(head(hidden))
+        return self.candidate_selector(hidden, logits, anchor, temperature, generator)
+
+    @staticmethod
+    def checkpoint_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Module names -> published names: the codebooks lose their ``.weight`` suffix."""
+        state = dict(state)
+        for name in CODEBOOKS:
+            if name + ".weight" in state:
+                state[name] = state.pop(name + ".weight")
+        return state
+
+    @staticmethod
+    def module_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Published names -> module names (codebooks gain ``.weight``; both forms accepted).
+
+        Raises:
+            CheckpointError: a codebook stored under both names.
+        """
+        state = dict(state)
+        for name in CODEBOOKS:
+            if name in state:
+                if name + ".weight" in state:
+                    raise CheckpointError(f"Draft weights hold both {name} and {name}.weight; "
+                                          "keep one of them.")  # fmt: skip
+                state[name + ".weight"] = state.pop(name)
+        return state
