@@ -63,8 +63,48 @@ def accept_sampling(
             residual[d] = 0.0
         else:
             residual = np.maximum(p - q_draft[i], 0.0)
-        total = residual.sum()
-        residual = residual / total if total > 0 else p
-        return i, sample(residual, rng)
+        return i, _sample_residual(residual, p, rng)
     a = len(proposals)
     return a, sample(p_target[a], rng)
+
+
+def accept_sampling_candidates(
+    proposals: list[int],
+    p_target: np.ndarray,
+    candidates: np.ndarray,
+    q: np.ndarray,
+    rng: np.random.Generator,
+) -> tuple[int, int]:
+    """Lossless rejection sampling for a draft that samples among k candidates (DFlash2, §3.5).
+
+    The draft distribution of position i is q[i] over the ids candidates[i] (zero elsewhere);
+    a repeated id counts with the sum of its slots. Same rule as :func:`accept_sampling` with
+    that sparse q: accept d_i with probability min(1, p(d_i) / q_i(d_i)); on rejection draw the
+    bonus from norm(max(p - q, 0)), q subtracted at the candidate ids only.
+
+    Args:
+        proposals: the L-1 draft tokens (each one of its position's candidates).
+        p_target: [L, V] processed target probabilities.
+        candidates: [L-1, k] candidate ids per position.
+        q: [L-1, k] the draft's probabilities of those candidates (rows sum to 1).
+        rng: numpy generator for the uniform draws and the bonus sample.
+
+    Returns:
+        (a, bonus) as :func:`accept_sampling`.
+    """
+    for i, d in enumerate(proposals):
+        p = p_target[i]
+        q_d = float(q[i][candidates[i] == d].sum())
+        if rng.random() * q_d < p[d]:
+            continue
+        residual = p.copy()
+        np.subtract.at(residual, candidates[i], q[i])  # scatter: repeated ids subtract twice
+        return i, _sample_residual(np.maximum(residual, 0.0), p, rng)
+    a = len(proposals)
+    return a, sample(p_target[a], rng)
+
+
+def _sample_residual(residual: np.ndarray, p: np.ndarray, rng: np.random.Generator) -> int:
+    """Draw from the normalised residual; fall back to p when it has no mass (brief §3.5)."""
+    total = residual.sum()
+    return sample(residual / total if total > 0 else p, rng)

@@ -244,6 +244,11 @@ def load(model: str | None = None, draft: str | None = None, *, backend: str = "
     from dflash.backends.static_torch import StaticBackend, supports_static
 
     fast = dev.type == "cuda" and supports_static(target_model) and cuda_graphs is not False
+    if cuda_graphs and draft_cfg.is_dflash2:  # auto mode falls back to the plain path
+        raise BackendError(
+            "CUDA graphs do not support DFlash2 drafts yet.", hint="drop --cuda-graphs"
+        )
+    fast = fast and not draft_cfg.is_dflash2
     if cuda_graphs and not fast:
         raise BackendError("CUDA graphs need a CUDA device and a Llama/Qwen2/Qwen3-style target.",
                            hint="drop --cuda-graphs")  # fmt: skip

@@ -11,8 +11,8 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from dflash.accept import accept_greedy, accept_sampling
-from dflash.backends.base import LocalBackend
+from dflash.accept import accept_greedy, accept_sampling, accept_sampling_candidates
+from dflash.backends.base import LocalBackend, SelectorProposal
 from dflash.sampling import sample, sampling_probs
 from dflash.types import RoundResult, SamplingParams
 
@@ -44,6 +44,8 @@ def speculative_generate(
     stops = set(stop_ids)
     rng = np.random.default_rng(sampling.seed)
     want_features = block_size > 1
+    sampled_draft = not sampling.greedy and getattr(backend, "draft_uses_sampling", False)
+    draft_kwargs = {"sampling": sampling} if sampled_draft else {}  # DFlash2 samples its path
     backend.reset(len(prompt_ids) + max_new_tokens + block_size)
     logits, context = backend.prefill(list(prompt_ids), want_features)
     if sampling.greedy:
@@ -56,15 +58,21 @@ def speculative_generate(
     anchor, start = first, len(prompt_ids)  # anchor sits at position `start`, not yet in cache
     while finish is None:
         length = min(block_size, max_new_tokens - n)  # the last block shrinks to the budget
-        proposals_arr = None
-        if length > 1:  # draft logits are unused: proposals are argmax, q one-hot
-            proposals_arr, _draft_logits = backend.draft(anchor, context, start, length)
+        proposals_arr = drafted = None
+        if length > 1:  # v1 draft logits are unused: proposals are argmax, q one-hot
+            proposals_arr, drafted = backend.draft(anchor, context, start, length, **draft_kwargs)
         logits, feats = backend.verify(anchor, proposals_arr, start, want_features)
         if sampling.greedy:
             arrays = [backend.argmax(logits)] + ([proposals_arr] if length > 1 else [])
             lists = backend.to_list(*arrays)  # sync: the one host copy of this step
             target_ids, proposals = lists[0], (lists[1] if length > 1 else [])
             a, bonus = accept_greedy(proposals, target_ids)
+        elif isinstance(drafted, SelectorProposal) and drafted.q is not None:
+            proposals, cand = backend.to_list(proposals_arr, drafted.candidates)
+            p_target = sampling_probs(backend.to_numpy(logits), sampling)
+            cand = np.asarray(cand).reshape(len(proposals), -1)
+            q = backend.to_numpy(drafted.q).reshape(cand.shape)
+            a, bonus = accept_sampling_candidates(proposals, p_target, cand, q, rng)
         else:
             proposals = backend.to_list(proposals_arr)[0] if length > 1 else []
             p_target = sampling_probs(backend.to_numpy(logits), sampling)

@@ -7,9 +7,24 @@ Shapes: L block size, V vocabulary, F target-feature width, T tokens in a call.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
+
+
+@dataclass
+class SelectorProposal:
+    """What a DFlash2 draft returns in place of draft logits (brief §4.2, §3.5).
+
+    Attributes:
+        candidates: [L-1, k] integer array, the top-k candidate ids of each draft position.
+        q: [L-1, k] float array, row i = the distribution over candidates that proposal i was
+            sampled from (given proposals 0..i-1); None for greedy proposals.
+    """
+
+    candidates: Any
+    q: Any | None = None
 
 
 class LocalBackend(Protocol):
@@ -20,6 +35,8 @@ class LocalBackend(Protocol):
         mask_token_id: id fed at masked block positions.
         draft_block_size: the block size the draft was trained with (the default L).
         max_context: the target's context length in tokens (prompt + new tokens must fit).
+        draft_uses_sampling: optional; True when ``draft`` takes a ``sampling`` keyword and
+            samples its proposals itself (DFlash2). Absent or False: the loop never passes it.
     """
 
     vocab_size: int
@@ -51,9 +68,13 @@ class LocalBackend(Protocol):
             context: features [Tc, F] of the committed positions the draft has not seen yet
                 (positions start - Tc .. start - 1).
             length: block size L of this step (>= 2).
+            sampling: keyword, passed only at temperature > 0 to backends that set
+                ``draft_uses_sampling`` (their drafts draw proposals at that temperature).
 
         Returns:
-            (proposal ids [L-1] as the backend's integer array, draft logits [L-1, V]).
+            (proposal ids [L-1] as the backend's integer array, draft logits [L-1, V] (v1,
+            unused by the loop) or a :class:`SelectorProposal` (DFlash2; its ``q`` is set
+            when the proposals were sampled)).
         """
 
     def verify(self, anchor: int, proposals: Any, start: int, with_features: bool) -> tuple[Any, Any]:

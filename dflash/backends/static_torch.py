@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash.backends.transformers import TransformersBackend
+from dflash.errors import BackendError
 from dflash.models.draft_torch import DFlashDraft, rope_cos_sin
 
 SUPPORTED_TYPES = ("llama", "qwen2", "qwen3")
@@ -77,6 +78,9 @@ class StaticBackend(TransformersBackend):
 
     def __init__(self, target: Any, draft: DFlashDraft | None, device: torch.device,
                  use_graphs: bool = True):  # fmt: skip
+        if getattr(draft, "is_dflash2", False):
+            raise BackendError("The static/CUDA-graph path does not run DFlash2 drafts yet.",
+                               hint="drop --cuda-graphs; DFlash2 drafts run on the plain path")  # fmt: skip
         super().__init__(target, draft, device)
         self.use_graphs = use_graphs and device.type == "cuda"
         cfg = target.config

@@ -2,8 +2,9 @@
 
 Target: HF model with a ``DynamicCache`` (rollback = crop). Context features are the outputs
 of the target layers in ``target_layer_ids`` (``hidden_states[L + 1]`` in HF numbering,
-brief §1.3), concatenated. Draft: :class:`dflash.models.draft_torch.DFlashDraft` with the
-target's embedding table (raw lookup) and LM head.
+brief §1.3), concatenated. Draft: :class:`dflash.models.draft_torch.DFlashDraft` (or the
+DFlash2 subclass, whose candidate selector picks the proposals) with the target's embedding
+table (raw lookup) and LM head.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from dflash.backends.base import SelectorProposal
 from dflash.errors import BackendError, CheckpointError, ConfigError, InputError
 from dflash.models.config import DraftConfig
 from dflash.models.draft_torch import DFlashDraft
@@ -114,6 +116,9 @@ class TransformersBackend:
         self.max_context = int(getattr(text_cfg, "max_position_embeddings", 1 << 30))
         self.cache = None
         self.draft_cache = draft.new_cache() if draft is not None else None
+        self.draft_uses_sampling = bool(getattr(draft, "is_dflash2", False))  # DFlash2 selector
+        self.embed_scale = float(getattr(draft, "embed_scale", 1.0))
+        self._draft_rng: torch.Generator | None = None
 
     # -- protocol ---------------------------------------------------------------------------
     def reset(self, max_positions: int | None = None) -> None:
@@ -122,6 +127,7 @@ class TransformersBackend:
         self.cache = DynamicCache(config=self.target.config)
         if self.draft_cache is not None:
             self.draft_cache.reset()
+        self._draft_rng = None  # re-seeded from the request's sampling seed at its first draft
 
     def _forward(self, ids: torch.Tensor, start: int, with_features: bool, last_only: bool):
         pos = torch.arange(start, start + ids.shape[-1], device=self.device)[None]
@@ -139,17 +145,36 @@ class TransformersBackend:
         logits, feats = self._forward(ids, 0, with_features, last_only=True)
         return logits[-1], feats
 
-    def draft(self, anchor: int, context: torch.Tensor, start: int, length: int):
+    def draft(self, anchor: int, context: torch.Tensor, start: int, length: int, sampling=None):
         dev = self.device
         with torch.inference_mode():
             block = torch.full((1, length), self.mask_token_id, dtype=torch.long, device=dev)
             block[0, 0] = anchor
             emb = self.embed_weight[block]  # [1, L, H] raw lookup (brief §1.4)
+            if self.embed_scale != 1.0:
+                emb = emb * self.embed_scale
             ctx_pos = torch.arange(start - context.shape[0], start, device=dev)[None]
             q_pos = torch.arange(start, start + length, device=dev)[None]
             h = self.draft_model(emb, context[None], q_pos, ctx_pos, cache=self.draft_cache)
+            if self.draft_uses_sampling:  # DFlash2: the selector walks the candidates (§4.2)
+                temp = 0.0 if sampling is None else float(sampling.temperature)
+                rng = self._selector_rng(sampling) if temp > 0 else None
+                tokens, cand, q = self.draft_model.propose(
+                    h[:, 1:], block[:, 0], self.lm_head, temp, rng
+                )
+                return tokens[0], SelectorProposal(cand[0], None if q is None else q[0])
             logits = self.lm_head(h[0, 1:])  # [L-1, V]
         return logits.argmax(-1), logits
+
+    def _selector_rng(self, sampling) -> torch.Generator:
+        """The torch generator of the DFlash2 selector's draws, seeded once per request."""
+        if self._draft_rng is None:
+            self._draft_rng = torch.Generator(device=self.device)
+            if sampling.seed is None:
+                self._draft_rng.seed()
+            else:
+                self._draft_rng.manual_seed(sampling.seed)
+        return self._draft_rng
 
     def verify(self, anchor: int, proposals, start: int, with_features: bool):
         head = torch.tensor([anchor], dtype=torch.long, device=self.device)
@@ -208,7 +233,7 @@ def load_target(path: str, device: torch.device, dtype: torch.dtype):
 
 
 def load_draft(folder, device: torch.device, dtype: torch.dtype) -> DFlashDraft:
-    """Load a draft folder onto a device in a dtype (see DFlashDraft.load)."""
+    """Load a v1 or DFlash2 draft folder onto a device in a dtype (see DFlashDraft.load)."""
     try:
         return DFlashDraft.load(folder, dtype=dtype, device=device).eval()
     except (ConfigError, CheckpointError):
