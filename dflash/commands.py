@@ -100,13 +100,15 @@ def init_draft(
     seed: Annotated[int, typer.Option(help="Weight-initialisation seed.")] = 0,
     dtype: Annotated[str, typer.Option(help="Storage dtype: bfloat16 or float32.")] = "bfloat16",
     force: Annotated[bool, typer.Option("--force", help="Overwrite a folder that already holds a draft.")] = False,
+    arch: Annotated[str, typer.Option(help="dflash (v1) or dflash2 (dynamic convolutions + candidate selector).")] = "dflash",
 ) -> None:  # fmt: skip
-    """Write an untrained DFlash draft shaped for a target (config.json + safetensors shards)."""
+    """Write an untrained DFlash (or DFlash2) draft shaped for a target (config.json + safetensors)."""
     from dflash.models.config import DraftConfig
     from dflash.models.init_draft import init_draft as make
 
     folder = make(target, out, layers=layers, block_size=block_size,
-                  mask_token_id=mask_token_id, seed=seed, dtype=dtype, force=force)  # fmt: skip
+                  mask_token_id=mask_token_id, seed=seed, dtype=dtype, force=force, arch=arch)  # fmt: skip
     cfg = DraftConfig.load(folder)
-    print(f"wrote {folder}: {cfg.num_hidden_layers} layers, block size {cfg.block_size}, "
+    kind = "DFlash2 draft" if cfg.is_dflash2 else "DFlash draft"
+    print(f"wrote {folder}: {kind}, {cfg.num_hidden_layers} layers, block size {cfg.block_size}, "
           f"mask token {cfg.mask_token_id}, target layers {cfg.target_layer_ids}")  # fmt: skip

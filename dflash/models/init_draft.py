@@ -6,11 +6,14 @@ layers, and reads ``layers`` target layers spread from layer 1 to N-3 (brief §1
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
 from dflash.errors import ConfigError, InputError
-from dflash.models.config import DraftConfig, default_target_layer_ids
+from dflash.models.config import DFlash2Settings, DraftConfig, default_target_layer_ids
+
+ARCHS = ("dflash", "dflash2")
 
 
 def choose_mask_token_id(tokenizer: Any, vocab_rows: int, avoid: set[int]) -> int:
@@ -37,9 +40,17 @@ def choose_mask_token_id(tokenizer: Any, vocab_rows: int, avoid: set[int]) -> in
 
 
 def draft_config_for(target_cfg: Any, *, layers: int, block_size: int, mask_token_id: int,
-                     vocab_rows: int) -> DraftConfig:  # fmt: skip
-    """A DraftConfig matching a transformers target config (text part for multimodal ones)."""
+                     vocab_rows: int, arch: str = "dflash") -> DraftConfig:  # fmt: skip
+    """A DraftConfig matching a transformers target config (text part for multimodal ones).
+
+    ``arch="dflash2"`` adds the published DFlash2 defaults (conv kernel 2, group 16 or the
+    largest power of two dividing the width, selector rank 256, top-k 16; brief §1.1).
+    """
     t = target_cfg.get_text_config() if hasattr(target_cfg, "get_text_config") else target_cfg
+    v2 = None
+    if arch == "dflash2":
+        v2 = DFlash2Settings(conv_group_size=math.gcd(t.hidden_size, 16),
+                             selector_top_k=min(16, vocab_rows))  # fmt: skip
     heads = t.num_attention_heads
     rope = dict(getattr(t, "rope_parameters", None) or {})
     if not rope:
@@ -60,13 +71,14 @@ def draft_config_for(target_cfg: Any, *, layers: int, block_size: int, mask_toke
         num_target_layers=depth,
         max_position_embeddings=int(getattr(t, "max_position_embeddings", 32768)),
         rope=rope,
+        dflash2=v2,
         extra={"dtype": "bfloat16", "initializer_range": 0.02},
     )
 
 
 def init_draft(target: str | None, out: str | Path, *, layers: int = 5, block_size: int = 16,
                mask_token_id: int | None = None, seed: int = 0, dtype: str = "bfloat16",
-               force: bool = False) -> Path:  # fmt: skip
+               force: bool = False, arch: str = "dflash") -> Path:  # fmt: skip
     """Write an untrained draft (config.json + model.safetensors) for ``target`` into ``out``.
 
     Args:
@@ -78,6 +90,8 @@ def init_draft(target: str | None, out: str | Path, *, layers: int = 5, block_si
         seed: weight-initialisation seed (weights ~ N(0, 0.02), norms 1).
         dtype: storage dtype, bfloat16 or float32.
         force: overwrite a folder that already holds a draft.
+        arch: "dflash" (v1) or "dflash2" (dynamic convolutions + candidate selector, brief §4;
+            untrained: the convolutions start as identities and the selector near argmax).
 
     Raises:
         InputError: bad numbers, ``out`` is a file, or ``out`` holds a draft and not force;
@@ -87,6 +101,7 @@ def init_draft(target: str | None, out: str | Path, *, layers: int = 5, block_si
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     from dflash.api import stop_token_ids
+    from dflash.models.draft2_torch import DFlash2Draft
     from dflash.models.draft_torch import DFlashDraft
     from dflash.models.target_torch import resolve_target
 
@@ -94,6 +109,8 @@ def init_draft(target: str | None, out: str | Path, *, layers: int = 5, block_si
         raise InputError(f"--layers must be >= 1, got {layers}.")
     if block_size < 2:
         raise InputError(f"--block-size of a draft must be >= 2, got {block_size}.")
+    if arch not in ARCHS:
+        raise InputError(f"--arch must be dflash or dflash2, got {arch!r}.")
     if dtype not in ("bfloat16", "float32"):
         raise InputError(f"--dtype must be bfloat16 or float32, got {dtype!r}.")
     out_path = Path(out)
@@ -127,13 +144,16 @@ def init_draft(target: str | None, out: str | Path, *, layers: int = 5, block_si
     elif mask_token_id in stops:
         raise ConfigError(f"--mask-token-id {mask_token_id} is a stop token of the target.")
     cfg = draft_config_for(cfg_t, layers=layers, block_size=block_size,
-                           mask_token_id=mask_token_id, vocab_rows=rows)  # fmt: skip
+                           mask_token_id=mask_token_id, vocab_rows=rows, arch=arch)  # fmt: skip
     torch.manual_seed(seed)
-    model = DFlashDraft(cfg)
+    model = (DFlash2Draft if arch == "dflash2" else DFlashDraft)(cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
+            elif name.endswith("base_kernel"):  # DFlash2 convolutions: identity (tap 0 = 1)
+                p.zero_()
+                p[:, 0] = 1.0
             else:
                 p.normal_(0.0, 0.02)
     cfg.extra["dtype"] = dtype
