@@ -1,0 +1,549 @@
+"""DFlash2 drafts (brief §4): config, checkpoint names/shapes against the published fixture,
+the dynamic convolution, the candidate selector, greedy parity and lossless sampling."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dflash.accept import accept_sampling, accept_sampling_candidates
+from dflash.errors import CheckpointError, ConfigError
+from dflash.loop import speculative_generate
+from dflash.models.config import DFlash2Settings, DraftConfig
+from dflash.models.draft2_torch import (
+    CandidateSelector,
+    DFlash2Draft,
+    DFlash2Layer,
+    GroupedDynamicCausalConv,
+)
+from dflash.models.draft_torch import DFlashDraft, read_safetensors
+from dflash.sampling import sample, sampling_probs
+from dflash.types import SamplingParams
+
+FIXTURES = Path(__file__).parent / "fixtures"
+PROMPT = [5, 17, 42, 7, 99, 3, 64, 128]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """Tiny models run 10-20x faster on one thread on a loaded 2-core machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def fixture(name: str) -> dict:
+    return json.loads((FIXTURES / name).read_text())
+
+
+def tv(counts: np.ndarray, p: np.ndarray) -> float:
+    return 0.5 * float(np.abs(counts / counts.sum() - p).sum())
+
+
+def make_draft2(target, layers=2, block_size=16, seed=0, **settings) -> DFlash2Draft:
+    """A random DFlash2 draft for ``target`` with non-trivial convolutions and selector."""
+    from dflash.models.init_draft import draft_config_for
+
+    cfg = draft_config_for(target.config, layers=layers, block_size=block_size, mask_token_id=255,
+                           vocab_rows=target.config.vocab_size, arch="dflash2")  # fmt: skip
+    for k, v in {"selector_rank": 8, "selector_top_k": 4, **settings}.items():
+        setattr(cfg.dflash2, k, v)
+    cfg.validate()
+    torch.manual_seed(seed)
+    draft = DFlash2Draft(cfg).eval()
+    with torch.no_grad():
+        for layer in draft.layers:
+            for conv in (layer.attention_conv, layer.mlp_conv):
+                conv.base_kernel.normal_(0.0, 0.7)
+    return draft
+
+
+def expected_shapes(cfg: DraftConfig) -> dict[str, list[int]]:
+    """Tensor names and shapes a DFlash2 checkpoint must hold, from its config (brief §1.2)."""
+    h, s = cfg.hidden_size, cfg.dflash2
+    qd, kvd = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    out = {"fc.weight": [h, cfg.num_features * h], "hidden_norm.weight": [h], "norm.weight": [h],
+           "candidate_selector.hidden_projection.weight": [s.selector_rank, h],
+           "candidate_selector.predecessor_codebook": [cfg.vocab_size, s.selector_rank],
+           "candidate_selector.successor_codebook": [cfg.vocab_size, s.selector_rank]}  # fmt: skip
+    for i in range(cfg.num_hidden_layers):
+        p = f"layers.{i}."
+        out.update({
+            p + "input_layernorm.weight": [h], p + "post_attention_layernorm.weight": [h],
+            p + "self_attn.q_proj.weight": [qd, h], p + "self_attn.k_proj.weight": [kvd, h],
+            p + "self_attn.v_proj.weight": [kvd, h], p + "self_attn.o_proj.weight": [h, qd],
+            p + "self_attn.q_norm.weight": [cfg.head_dim], p + "self_attn.k_norm.weight": [cfg.head_dim],
+            p + "mlp.gate_proj.weight": [cfg.intermediate_size, h],
+            p + "mlp.up_proj.weight": [cfg.intermediate_size, h],
+            p + "mlp.down_proj.weight": [h, cfg.intermediate_size],
+        })  # fmt: skip
+        for conv in ("attention_conv", "mlp_conv"):
+            out[f"{p}{conv}.base_kernel"] = [2, s.conv_kernel_size, h]
+            groups = h // s.conv_group_size
+            out[f"{p}{conv}.kernel_projection.weight"] = [2 * s.conv_kernel_size * groups, h]
+    return out
+
+
+# ----------------------------------------------------------------------------- config
+
+
+def test_fixture_config_loads_and_round_trips():
+    d = fixture("dflash2-config.json")
+    cfg = DraftConfig.from_dict(d)
+    assert cfg.is_dflash2
+    s = cfg.dflash2
+    assert (s.conv_kernel_size, s.conv_group_size, s.selector_rank, s.selector_top_k) == (
+        2,
+        16,
+        256,
+        16,
+    )
+    assert s.output_multiplier == d["dflash_config"]["output_multiplier"]
+    assert s.final_logit_softcapping == 20.0 and s.input_embedding_scale == 1.0
+    assert cfg.block_size == 16 and cfg.target_layer_ids == [1, 13, 25, 37, 49]
+    assert cfg.sliding_window == 2048 and not any(cfg.layer_is_causal(i) for i in range(5))
+    out = cfg.to_dict()
+    assert out["architectures"] == ["DFlash2DraftModel"]
+    assert (
+        out["dflash_config"]["selector_top_k"] == 16
+        and out["dflash_config"]["conv_group_size"] == 16
+    )
+    assert DraftConfig.from_dict(out).to_dict() == out
+    v1 = DraftConfig.from_dict({**d, "architectures": ["DFlashDraftModel"]})
+    assert not v1.is_dflash2 and v1.to_dict()["architectures"] == ["DFlashDraftModel"]
+    assert "selector_rank" not in v1.to_dict()["dflash_config"]
+
+
+@pytest.mark.parametrize(
+    "patch,msg",
+    [({"conv_group_size": 6}, "conv_group_size 6 does not divide hidden_size 64"),
+     ({"conv_kernel_size": 0}, "conv_kernel_size must be an integer >= 1"),
+     ({"conv_kernel_size": "2"}, "conv_kernel_size must be an integer"),
+     ({"selector_top_k": 101}, "selector_top_k 101 exceeds the vocabulary"),
+     ({"selector_rank": -1}, "selector_rank must be an integer >= 1"),
+     ({"final_logit_softcapping": -1.0}, "final_logit_softcapping must be >= 0"),
+     ({"output_multiplier": "x"}, "output_multiplier must be a finite number")],
+)  # fmt: skip
+def test_bad_dflash2_values(patch, msg):
+    d = {"architectures": ["DFlash2DraftModel"], "hidden_size": 64, "intermediate_size": 128,
+         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100,
+         "dflash_config": {"mask_token_id": 5, "target_layer_ids": [1, 2], **patch}}  # fmt: skip
+    with pytest.raises(ConfigError, match=msg) as e:
+        DraftConfig.from_dict(d)
+    assert "\n" not in str(e.value)
+
+
+# ----------------------------------------------------------------------------- checkpoint
+
+
+def test_full_size_names_and_shapes_match_fixture():
+    """The published Muse-Glimmer DFlash2 drafter, built on the meta device: same tensor set."""
+    cfg = DraftConfig.from_dict(fixture("dflash2-config.json"))
+    published = fixture("dflash2-tensor-shapes.json")["tensors"]
+    assert expected_shapes(cfg) == published
+    with torch.device("meta"):
+        model = DFlash2Draft(cfg)
+    names = {k: list(v.shape) for k, v in model.checkpoint_names(model.state_dict()).items()}
+    assert names == published
+
+
+def test_scaled_down_checkpoint_round_trip(tmp_path):
+    """The fixture's structure at 1/52 of the width: save writes the published names, load reads
+    them back (bare codebook keys remapped), and both codebook forms at once are refused."""
+    d = fixture("dflash2-config.json")
+    d.update(hidden_size=128, intermediate_size=384, num_attention_heads=4, num_key_value_heads=1,
+             head_dim=32, vocab_size=500, sliding_window=6,
+             dflash_config={**d["dflash_config"], "mask_token_id": 499, "selector_rank": 8,
+                            "selector_top_k": 5})  # fmt: skip
+    cfg = DraftConfig.from_dict(d)
+    torch.manual_seed(0)
+    model = DFlash2Draft(cfg).eval()
+    model.save(tmp_path / "d")
+    stored = read_safetensors(tmp_path / "d")
+    assert {k: list(v.shape) for k, v in stored.items()} == expected_shapes(cfg)
+    again = DFlashDraft.load(tmp_path / "d")  # the class follows `architectures`
+    assert isinstance(again, DFlash2Draft)
+    emb, ctx = torch.randn(1, 16, 128), torch.randn(1, 7, 5 * 128)
+    q, c = torch.arange(7, 23)[None], torch.arange(0, 7)[None]
+    with torch.no_grad():
+        h1, h2 = model(emb, ctx, q, c), again.eval()(emb, ctx, q, c)
+        assert torch.equal(h1, h2)
+        head = torch.nn.Linear(128, 500, bias=False)
+        p1, p2 = (
+            model.propose(h1[:, 1:], torch.tensor([3]), head),
+            again.propose(h2[:, 1:], torch.tensor([3]), head),
+        )
+        assert all(torch.equal(a, b) for a, b in zip(p1[:2], p2[:2], strict=True))
+    # the `.weight` form (as some converters write it) loads too; both forms at once do not
+    from safetensors.torch import save_file
+
+    name = "candidate_selector.successor_codebook"
+    save_file({name + ".weight": stored[name]}, str(tmp_path / "d" / "extra.safetensors"))
+    with pytest.raises(CheckpointError, match="both"):
+        DFlashDraft.load(tmp_path / "d")
+    stored[name + ".weight"] = stored.pop(name)
+    (tmp_path / "d" / "extra.safetensors").unlink()
+    save_file(stored, str(tmp_path / "d" / "model.safetensors"))
+    assert isinstance(DFlash2Draft.load(tmp_path / "d"), DFlash2Draft)
+
+
+def test_v1_folder_is_not_a_dflash2_draft(tmp_path, tiny_target):
+    from tests.conftest import make_draft
+
+    make_draft(tiny_target).save(tmp_path / "v1")
+    with pytest.raises(ConfigError, match="not a DFlash2 draft"):
+        DFlash2Draft.load(tmp_path / "v1")
+
+
+def test_explicit_masks_refused(tiny_target):
+    draft = make_draft2(tiny_target)
+    with pytest.raises(ConfigError, match="one block per forward"):
+        draft(torch.randn(1, 4, 64), torch.randn(1, 2, draft.feature_width), torch.arange(2, 6)[None],
+              torch.arange(2)[None], masks={"full_attention": None})  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- convolution
+
+
+def gconv_reference(x, dyn, base, group):
+    """Element by element: y[t, c] = sum_o (base[o, c] + dyn[t, o, c // G]) * x[t - o, c]."""
+    t_len, h = x.shape
+    y = torch.zeros_like(x)
+    for t in range(t_len):
+        for o in range(base.shape[0]):
+            if t - o < 0:
+                continue
+            for c in range(h):
+                y[t, c] += (base[o, c] + dyn[t, o, c // group]) * x[t - o, c]
+    return y
+
+
+def test_grouped_dynamic_conv_matches_reference_and_is_causal():
+    torch.manual_seed(1)
+    conv = GroupedDynamicCausalConv(hidden=12, kernel_size=3, group_size=4)
+    with torch.no_grad():
+        conv.base_kernel.normal_()
+    x = torch.randn(1, 5, 12)
+    y, dyn1 = conv.prepare(x)
+    dyn = conv.kernel_projection(x).view(1, 5, 2, 3, 3)
+    torch.testing.assert_close(y[0], gconv_reference(x[0], dyn[0, :, 0], conv.base_kernel[0], 4))
+    z = torch.randn(1, 5, 12)
+    out = conv.finish(z, dyn1)
+    torch.testing.assert_close(out[0], gconv_reference(z[0], dyn[0, :, 1], conv.base_kernel[1], 4))
+    x2 = x.clone()
+    x2[:, 3:] += 1.0  # a change at positions >= 3 leaves outputs < 3 untouched
+    y2, _ = conv.prepare(x2)
+    assert torch.equal(y2[:, :3], y[:, :3]) and not torch.allclose(y2[:, 3:], y[:, 3:])
+    fresh = GroupedDynamicCausalConv(hidden=12, kernel_size=3, group_size=4)
+    with torch.no_grad():
+        fresh.kernel_projection.weight.zero_()
+    a, k = fresh.prepare(x)
+    assert torch.equal(a, x) and torch.equal(fresh.finish(z, k), z)  # untrained = identity
+
+
+def test_layer_wiring_takes_finish_kernels_from_the_sublayer_input(tiny_target):
+    """h += finish(attn(prepare(norm(h))), taps from norm(h)), then the same around the MLP."""
+    draft = make_draft2(tiny_target)
+    layer: DFlash2Layer = draft.layers[0]
+    torch.manual_seed(2)
+    h, ctx = torch.randn(1, 4, 64), torch.randn(1, 3, 64)
+    from dflash.models.draft_torch import rope_cos_sin
+
+    q_rope = rope_cos_sin(torch.arange(3, 7)[None], draft.inv_freq, 1.0, torch.float32)
+    c_rope = rope_cos_sin(torch.arange(0, 3)[None], draft.inv_freq, 1.0, torch.float32)
+    with torch.no_grad():
+        got = layer(h, ctx, q_rope, c_rope, None, None, 0)
+        g = layer.attention_conv.groups
+        x = layer.input_layernorm(h)
+        dyn = layer.attention_conv.kernel_projection(x).view(4, 2, 2, g)
+        base = layer.attention_conv.base_kernel
+        a = gconv_reference(x[0], dyn[:, 0], base[0], 16)[None]
+        attn = layer.self_attn(a, ctx, q_rope, c_rope, None, None, 0)
+        h1 = h + gconv_reference(attn[0], dyn[:, 1], base[1], 16)[None]
+        x = layer.post_attention_layernorm(h1)
+        dyn = layer.mlp_conv.kernel_projection(x).view(4, 2, 2, g)
+        base = layer.mlp_conv.base_kernel
+        m = layer.mlp(gconv_reference(x[0], dyn[:, 0], base[0], 16)[None])
+        want = h1 + gconv_reference(m[0], dyn[:, 1], base[1], 16)[None]
+    torch.testing.assert_close(got, want)
+
+
+# ----------------------------------------------------------------------------- selector
+
+
+def hand_built_selector() -> CandidateSelector:
+    """Vocab 5, rank 2, top-2; hidden projection = identity. Edges (see the test):
+    anchor 0 -> token 2 scores +3; token 2 -> token 4 scores +2 at position 1."""
+    sel = CandidateSelector(hidden=2, vocab=5, rank=2, top_k=2)
+    with torch.no_grad():
+        sel.hidden_projection.weight.copy_(torch.eye(2))
+        sel.predecessor_codebook.weight.zero_()
+        sel.successor_codebook.weight.zero_()
+        sel.predecessor_codebook.weight[0] = torch.tensor([1.0, 0.0])
+        sel.predecessor_codebook.weight[2] = torch.tensor([0.0, 2.0])
+        sel.successor_codebook.weight[2] = torch.tensor([3.0, 0.0])
+        sel.successor_codebook.weight[4] = torch.tensor([0.0, 1.0])
+    return sel
+
+
+SEL_HIDDEN = torch.tensor([[[1.0, 0.0], [0.0, 1.0]]])  # h'[0] = e0, h'[1] = e1
+SEL_LOGITS = torch.tensor([[[-9.0, 2.0, 1.0, -9.0, -9.0], [-9.0, -9.0, -9.0, 1.0, 0.5]]])
+
+
+def test_selector_greedy_walk_picks_the_analytic_argmax():
+    """Position 0: candidates {1: 2.0, 2: 1.0}; edge(anchor 0 -> c) = pred[0]·h'0·succ[c] =
+    0 for token 1, 1·1·3 = 3 for token 2 -> scores 2 vs 4 -> token 2 (the logits alone say 1).
+    Position 1: candidates {3: 1.0, 4: 0.5}; edge(2 -> c) = pred[2]·h'1·succ[c] = 0 for token 3,
+    2·1·1 = 2 for token 4 -> scores 1 vs 2.5 -> token 4 (the logits alone say 3)."""
+    sel = hand_built_selector()
+    tokens, cand, q = sel(SEL_HIDDEN, SEL_LOGITS, torch.tensor([0]))
+    assert tokens.tolist() == [[2, 4]] and q is None
+    assert cand.tolist() == [[[1, 2], [3, 4]]]
+    # from anchor 1 (no edge weight) the walk follows the logits: [1, 3]
+    assert sel(SEL_HIDDEN, SEL_LOGITS, torch.tensor([1]))[0].tolist() == [[1, 3]]
+
+
+def test_selector_sampling_q_rows_are_conditional_softmaxes():
+    sel = hand_built_selector()
+    gen = torch.Generator().manual_seed(0)
+    temp = 1.5
+    firsts = np.zeros(2)
+    n = 2000
+    for _ in range(n):
+        tokens, cand, q = sel(SEL_HIDDEN, SEL_LOGITS, torch.tensor([0]), temp, gen)
+        q = q[0].double()
+        torch.testing.assert_close(
+            q[0], torch.softmax(torch.tensor([2.0, 4.0]) / temp, -1).double()
+        )
+        prev_is_2 = tokens[0, 0].item() == 2
+        row1 = torch.tensor([1.0, 2.5] if prev_is_2 else [1.0, 0.5]) / temp
+        torch.testing.assert_close(q[1], torch.softmax(row1, -1).double())
+        firsts[int(prev_is_2)] += 1
+    assert tv(firsts, torch.softmax(torch.tensor([2.0, 4.0]) / temp, -1).numpy()) < 0.03
+
+
+def test_selector_matches_brute_force_trilinear_walk():
+    torch.manual_seed(3)
+    sel = CandidateSelector(hidden=6, vocab=30, rank=4, top_k=5)
+    hidden, logits = torch.randn(1, 6, 6), torch.randn(1, 6, 30) * 2
+    with torch.no_grad():
+        tokens = sel(hidden, logits, torch.tensor([7]))[0][0].tolist()
+        pred, succ = sel.predecessor_codebook.weight.clone(), sel.successor_codebook.weight.clone()
+        hp = sel.hidden_projection(hidden)[0]
+    prev, want = 7, []
+    for i in range(6):
+        best, best_tok = -math.inf, None
+        for tok in torch.topk(logits[0, i], 5).indices.tolist():
+            score = float(logits[0, i, tok]) + sum(
+                float(pred[prev, r] * hp[i, r] * succ[tok, r]) for r in range(4)
+            )
+            if score > best:
+                best, best_tok = score, tok
+        want.append(best_tok)
+        prev = best_tok
+    assert tokens == want
+
+
+# ----------------------------------------------------------------------------- acceptance
+
+
+def test_candidate_rejection_equals_dense_rule_with_repeated_ids():
+    """Sparse q with a repeated id (slots summed, subtracted twice) == the dense rule exactly."""
+    rng = np.random.default_rng(0)
+    for trial in range(300):
+        p = sampling_probs(
+            rng.normal(0, 1.5, size=(3, 7)), SamplingParams(temperature=0.9, top_k=5)
+        )
+        cand = np.array([rng.choice(7, 3, replace=False) for _ in range(2)])
+        cand[1, 2] = cand[1, 0]  # a repeated id
+        q = rng.dirichlet(np.ones(3), size=2)
+        dense = np.zeros((2, 7))
+        for i in range(2):
+            np.add.at(dense[i], cand[i], q[i])
+        props = [int(cand[i, rng.integers(3)]) for i in range(2)]
+        r1, r2 = np.random.default_rng(trial), np.random.default_rng(trial)
+        assert accept_sampling_candidates(props, p, cand, q, r1) == accept_sampling(
+            props, p, dense, r2
+        )
+
+
+def test_candidate_rejection_sampling_matches_target():
+    """Proposals sampled from non-one-hot q over k=3 candidates, position 1's q depending on the
+    position-0 pick: the emitted tokens follow the target exactly (TV, 50k draws, V=8; a correct
+    sampler's expected TV is about 0.005)."""
+    rng = np.random.default_rng(1)
+    params = SamplingParams(temperature=0.7, top_k=6, top_p=0.95)
+    p = sampling_probs(rng.normal(0, 1.5, size=(3, 8)), params)
+    cand = np.array([[0, 2, 5], [1, 2, 7]])
+    q0 = np.array([0.5, 0.3, 0.2])
+    q1_given = {
+        0: np.array([0.6, 0.2, 0.2]),
+        1: np.array([0.1, 0.1, 0.8]),
+        2: np.array([0.3, 0.4, 0.3]),
+    }
+    n = 50_000
+    first, second = np.zeros(8), np.zeros(8)
+    accepted0 = 0
+    for _ in range(n):
+        j0 = sample(q0, rng)
+        q1 = q1_given[j0]
+        props = [int(cand[0, j0]), int(cand[1, sample(q1, rng)])]
+        a, bonus = accept_sampling_candidates(props, p, cand, np.stack([q0, q1]), rng)
+        emitted = props[:a] + [bonus]
+        first[emitted[0]] += 1
+        if a >= 1:
+            accepted0 += 1
+            second[emitted[1]] += 1
+    assert tv(first, p[0]) < 0.015
+    assert tv(second, p[1]) < 0.015
+    dense_q0 = np.zeros(8)
+    dense_q0[cand[0]] = q0
+    assert abs(accepted0 / n - np.minimum(p[0], dense_q0).sum()) < 0.015
+
+
+class MarkovBackend:
+    """A bigram target over a 3-token vocabulary and a real CandidateSelector draft (k = 2)."""
+
+    vocab_size, mask_token_id, draft_block_size, max_context = 3, 2, 4, 1000
+    draft_uses_sampling = True
+
+    def __init__(self):
+        rng = np.random.default_rng(5)
+        self.table = torch.tensor(rng.normal(0, 1.2, size=(3, 3)), dtype=torch.float32)
+        torch.manual_seed(5)
+        self.sel = CandidateSelector(hidden=6, vocab=3, rank=3, top_k=2)
+        with torch.no_grad():  # small edge scores: q rows far from one-hot
+            self.sel.predecessor_codebook.weight.mul_(0.3)
+            self.sel.successor_codebook.weight.mul_(0.3)
+        self.hidden, self.logits = torch.randn(1, 3, 6), torch.randn(1, 3, 3) * 0.5
+        self.gen = torch.Generator().manual_seed(5)
+        self.seen: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # anchor, candidates, q
+
+    def reset(self, max_positions=None):
+        pass
+
+    def prefill(self, prompt_ids, with_features):
+        return self.table[prompt_ids[-1]], torch.zeros(len(prompt_ids), 1)
+
+    def draft(self, anchor, context, start, length, sampling=None):
+        with torch.no_grad():
+            tokens, cand, q = self.sel(self.hidden[:, : length - 1], self.logits[:, : length - 1],
+                                       torch.tensor([anchor]), sampling.temperature, self.gen)  # fmt: skip
+        self.seen.append((anchor, cand[0], q[0]))
+        from dflash.backends.base import SelectorProposal
+
+        return tokens[0], SelectorProposal(cand[0], q[0])
+
+    def verify(self, anchor, proposals, start, with_features):
+        ids = [anchor] + ([] if proposals is None else proposals.tolist())
+        return self.table[ids], torch.zeros(len(ids), 1)
+
+    def rollback(self, length):
+        pass
+
+    def argmax(self, logits):
+        return logits.argmax(-1)
+
+    def to_list(self, *arrays):
+        return [a.reshape(-1).tolist() for a in arrays]
+
+    def to_numpy(self, logits):
+        return logits.float().numpy()
+
+    def synchronize(self):
+        pass
+
+
+def test_loop_with_selector_draft_is_lossless():
+    """Through the loop: tokens 2-3 (a verify step of 2 sampled proposals) follow the target's
+    bigram chain exactly; the first proposal is accepted at the rate sum_d min(p(d), q(d)) that
+    only the draft's real q gives (about 0.73 here; a one-hot-q rule would give about 0.44); q is
+    far from one-hot; accept and reject paths both occur."""
+    be = MarkovBackend()
+    params = SamplingParams(temperature=1.0, seed=11)
+    p = sampling_probs(be.table.numpy(), params)  # [3, 3] next-token distribution per token
+    n, counts = 4000, np.zeros((3, 3))
+    accepted, expected_rate = [], []
+    rng_seed = np.random.default_rng(11)
+    for _ in range(n):
+        sp = SamplingParams(temperature=1.0, seed=int(rng_seed.integers(2**62)))
+        first_draft = len(be.seen)
+        rounds = list(speculative_generate(be, [0], block_size=4, max_new_tokens=4, sampling=sp))
+        toks = [t for r in rounds for t in r.tokens]
+        counts[toks[1], toks[2]] += 1
+        accepted.append(rounds[1].accepted)
+        anchor, cand, q = be.seen[first_draft]
+        expected_rate.append(
+            sum(min(p[anchor][c], float(qq)) for c, qq in zip(cand[0].tolist(), q[0], strict=True))
+        )
+    # P(t1, t2) = sum_t0 p(t0 | 0) p(t1 | t0) p(t2 | t1)
+    want = np.einsum("a,ab,bc->bc", p[0], p, p)
+    assert tv(counts.ravel(), want.ravel()) < 0.04  # a correct sampler: about 0.015
+    assert set(accepted) == {1, 2, 3}  # 2 proposals: both rejected, one or both accepted
+    rate = np.mean([a >= 2 for a in accepted])
+    assert abs(rate - np.mean(expected_rate)) < 0.03, (rate, np.mean(expected_rate))
+    assert max(float(q.max()) for _, _, q in be.seen) < 0.9
+
+
+# ----------------------------------------------------------------------------- end to end
+
+
+@pytest.fixture(scope="module")
+def truth(tiny_target):
+    from tests.test_loop_scripted import greedy_reference
+
+    return greedy_reference(tiny_target, PROMPT, 40)
+
+
+@pytest.mark.parametrize("settings", [{}, {"output_multiplier": 0.2, "final_logit_softcapping": 3.0,
+                                           "input_embedding_scale": 2.0}])  # fmt: skip
+def test_greedy_parity_with_dflash2_draft(tiny_target, truth, settings):
+    from dflash.backends.transformers import TransformersBackend
+
+    be = TransformersBackend(tiny_target, make_draft2(tiny_target, **settings), torch.device("cpu"))
+    assert be.draft_uses_sampling
+    for block_size in (2, 3, 8, 16):
+        rounds = list(speculative_generate(be, PROMPT, block_size=block_size, max_new_tokens=40))
+        assert [t for r in rounds for t in r.tokens] == truth, block_size
+
+
+def test_greedy_parity_sliding_noncausal_dflash2(tiny_target, truth):
+    """The published layout: sliding layers (window 5) with is_causal false."""
+    from dflash.backends.transformers import TransformersBackend
+
+    draft = make_draft2(tiny_target)
+    draft.config.layer_types = ["sliding_attention"] * 2
+    draft.config.sliding_window, draft.config.is_causal = 5, False
+    be = TransformersBackend(tiny_target, draft, torch.device("cpu"))
+    rounds = list(speculative_generate(be, PROMPT, block_size=6, max_new_tokens=40))
+    assert [t for r in rounds for t in r.tokens] == truth
+
+
+def test_sampling_through_the_backend_is_seeded(tiny_target):
+    from dflash.backends.transformers import TransformersBackend
+
+    be = TransformersBackend(tiny_target, make_draft2(tiny_target), torch.device("cpu"))
+    sp = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=3)
+    runs = [[t for r in speculative_generate(be, PROMPT, block_size=8, max_new_tokens=30, sampling=sp)
+             for t in r.tokens] for _ in range(2)]  # fmt: skip
+    assert runs[0] == runs[1] and len(runs[0]) == 30
+    tokens, drafted = be.draft(PROMPT[-1], torch.zeros(0, be.draft_model.feature_width), 100, 5,
+                               sampling=sp)  # fmt: skip
+    assert drafted.q.shape == (4, 4) and torch.allclose(drafted.q.sum(-1), torch.ones(4))
+    assert all(t in drafted.candidates[i].tolist() for i, t in enumerate(tokens.tolist()))
+
+
+def test_settings_defaults_are_published_values():
+    s = DFlash2Settings()
+    assert (s.conv_kernel_size, s.conv_group_size, s.selector_rank, s.selector_top_k) == (
+        2,
+        16,
+        256,
+        16,
+    )
