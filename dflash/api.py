@@ -236,6 +236,10 @@ def load(model: str | None = None, draft: str | None = None, *, backend: str = "
     dt = pick_dtype(dtype, dev)
     draft_dir = resolve_draft(draft, model)
     draft_cfg = DraftConfig.load(draft_dir)  # cheap checks before loading any weights
+    if cuda_graphs and draft_cfg.is_dflash2:  # auto mode falls back to the plain path
+        raise BackendError(
+            "CUDA graphs do not support DFlash2 drafts yet.", hint="drop --cuda-graphs"
+        )
     target_model, tokenizer = load_target(resolve_target(model), dev, dt)
     stops = stop_token_ids(getattr(target_model, "generation_config", None), tokenizer)
     rows = target_model.get_input_embeddings().weight.shape[0]
@@ -244,11 +248,7 @@ def load(model: str | None = None, draft: str | None = None, *, backend: str = "
     from dflash.backends.static_torch import StaticBackend, supports_static
 
     fast = dev.type == "cuda" and supports_static(target_model) and cuda_graphs is not False
-    if cuda_graphs and draft_cfg.is_dflash2:  # auto mode falls back to the plain path
-        raise BackendError(
-            "CUDA graphs do not support DFlash2 drafts yet.", hint="drop --cuda-graphs"
-        )
-    fast = fast and not draft_cfg.is_dflash2
+    fast = fast and not draft_cfg.is_dflash2  # DFlash2 runs on the plain path
     if cuda_graphs and not fast:
         raise BackendError("CUDA graphs need a CUDA device and a Llama/Qwen2/Qwen3-style target.",
                            hint="drop --cuda-graphs")  # fmt: skip

@@ -547,3 +547,35 @@ def test_settings_defaults_are_published_values():
         256,
         16,
     )
+
+
+def test_cli_init_draft_dflash2_and_generate(tmp_path, demo_gguf):
+    """`dflash init-draft --arch dflash2` then `dflash generate transformers --draft` on the demo
+    target: greedy output equals plain decoding (--block-size 1)."""
+    import subprocess
+    import sys
+
+    from tests.test_cli import ENV, assert_one_line_error
+
+    def run(*args: str) -> subprocess.CompletedProcess:  # one thread: fast on a busy CPU
+        return subprocess.run([sys.executable, "-m", "dflash", *args], capture_output=True,
+                              text=True, env={**ENV, "OMP_NUM_THREADS": "1"}, timeout=300)  # fmt: skip
+
+    out = tmp_path / "d2"
+    p = run("init-draft", "--target", str(demo_gguf), "--out", str(out), "--arch", "dflash2",
+            "--layers", "2", "--block-size", "6", "--dtype", "float32")  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlash2DraftModel"]
+    assert cfg["dflash_config"]["selector_top_k"] == 16 and cfg["dflash_config"]["block_size"] == 6
+    assert "candidate_selector.predecessor_codebook" in read_safetensors(out)
+    args = ["generate", "transformers", "Name three primary colors.", "--model", str(demo_gguf),
+            "--draft", str(out), "--max-new-tokens", "16", "--device", "cpu", "--json"]  # fmt: skip
+    spec, plain = run(*args), run(*args, "--block-size", "1")
+    assert spec.returncode == 0 and plain.returncode == 0, spec.stderr + plain.stderr
+    a, b = json.loads(spec.stdout), json.loads(plain.stdout)
+    assert a["token_ids"] == b["token_ids"] and a["block_size"] == 6
+    assert_one_line_error(run(*args, "--cuda-graphs"), "DFlash2")
+    assert_one_line_error(
+        run("init-draft", "--out", str(tmp_path / "x"), "--arch", "eagle"), "--arch"
+    )
