@@ -229,13 +229,18 @@ def test_grouped_dynamic_conv_matches_reference_and_is_causal():
     conv = GroupedDynamicCausalConv(hidden=12, kernel_size=3, group_size=4)
     with torch.no_grad():
         conv.base_kernel.normal_()
-    x = torch.randn(1, 5, 12)
+    x = torch.randn(2, 5, 12)  # two rows: each is convolved on its own
     y, dyn1 = conv.prepare(x)
-    dyn = conv.kernel_projection(x).view(1, 5, 2, 3, 3)
-    torch.testing.assert_close(y[0], gconv_reference(x[0], dyn[0, :, 0], conv.base_kernel[0], 4))
-    z = torch.randn(1, 5, 12)
+    dyn = conv.kernel_projection(x).view(2, 5, 2, 3, 3)
+    z = torch.randn(2, 5, 12)
     out = conv.finish(z, dyn1)
-    torch.testing.assert_close(out[0], gconv_reference(z[0], dyn[0, :, 1], conv.base_kernel[1], 4))
+    for b in range(2):
+        torch.testing.assert_close(
+            y[b], gconv_reference(x[b], dyn[b, :, 0], conv.base_kernel[0], 4)
+        )
+        torch.testing.assert_close(
+            out[b], gconv_reference(z[b], dyn[b, :, 1], conv.base_kernel[1], 4)
+        )
     x2 = x.clone()
     x2[:, 3:] += 1.0  # a change at positions >= 3 leaves outputs < 3 untouched
     y2, _ = conv.prepare(x2)

@@ -55,14 +55,14 @@ class GroupedDynamicCausalConv(nn.Module):
         y = torch.zeros_like(x)
         for o in range(min(self.kernel_size, t)):
             xs = x if o == 0 else F.pad(x, (0, 0, o, 0))[:, :t]  # xs[:, s] = x[:, s - o]
-            grouped = xs.view(b, t, self.groups, self.group_size) * dyn[:, :, o, :, None]
-            y = y + xs * base[o] + grouped.view(b, t, h)
+            grouped = xs.reshape(b, t, self.groups, self.group_size) * dyn[:, :, o, :, None]
+            y = y + xs * base[o] + grouped.reshape(b, t, h)
         return y
 
     def prepare(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, T, H] sublayer input -> (conv with kernel 0 [B, T, H], kernel-1 taps [B, T, K, H/G])."""
         b, t, _ = x.shape
-        dyn = self.kernel_projection(x).view(b, t, 2, self.kernel_size, self.groups)
+        dyn = self.kernel_projection(x).reshape(b, t, 2, self.kernel_size, self.groups)
         return self.conv(x, dyn[:, :, 0], self.base_kernel[0]), dyn[:, :, 1]
 
     def finish(self, y: torch.Tensor, dyn: torch.Tensor) -> torch.Tensor:
