@@ -72,12 +72,12 @@ def accept_sampling_candidates(
     proposals: list[int],
     p_target: np.ndarray,
     candidates: np.ndarray,
-    q: np.ndarray,
+    q_draft: np.ndarray,
     rng: np.random.Generator,
 ) -> tuple[int, int]:
     """Lossless rejection sampling for a draft that samples among k candidates (DFlash2, §3.5).
 
-    The draft distribution of position i is q[i] over the ids candidates[i] (zero elsewhere);
+    The draft distribution of position i is q_draft[i] over the ids candidates[i] (zero elsewhere);
     a repeated id counts with the sum of its slots. Same rule as :func:`accept_sampling` with
     that sparse q: accept d_i with probability min(1, p(d_i) / q_i(d_i)); on rejection draw the
     bonus from norm(max(p - q, 0)), q subtracted at the candidate ids only.
@@ -86,7 +86,7 @@ def accept_sampling_candidates(
         proposals: the L-1 draft tokens (each one of its position's candidates).
         p_target: [L, V] processed target probabilities.
         candidates: [L-1, k] candidate ids per position.
-        q: [L-1, k] the draft's probabilities of those candidates (rows sum to 1).
+        q_draft: [L-1, k] the draft's probabilities of those candidates (rows sum to 1).
         rng: numpy generator for the uniform draws and the bonus sample.
 
     Returns:
@@ -94,11 +94,11 @@ def accept_sampling_candidates(
     """
     for i, d in enumerate(proposals):
         p = p_target[i]
-        q_d = float(q[i][candidates[i] == d].sum())
+        q_d = float(q_draft[i][candidates[i] == d].sum())
         if rng.random() * q_d < p[d]:
             continue
         residual = p.copy()
-        np.subtract.at(residual, candidates[i], q[i])  # scatter: repeated ids subtract twice
+        np.subtract.at(residual, candidates[i], q_draft[i])  # scatter: repeated ids subtract twice
         return i, _sample_residual(np.maximum(residual, 0.0), p, rng)
     a = len(proposals)
     return a, sample(p_target[a], rng)

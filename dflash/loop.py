@@ -71,8 +71,8 @@ def speculative_generate(
             proposals, cand = backend.to_list(proposals_arr, drafted.candidates)
             p_target = sampling_probs(backend.to_numpy(logits), sampling)
             cand = np.asarray(cand).reshape(len(proposals), -1)
-            q = backend.to_numpy(drafted.q).reshape(cand.shape)
-            a, bonus = accept_sampling_candidates(proposals, p_target, cand, q, rng)
+            q_draft = backend.to_numpy(drafted.q).reshape(cand.shape)
+            a, bonus = accept_sampling_candidates(proposals, p_target, cand, q_draft, rng)
         else:
             proposals = backend.to_list(proposals_arr)[0] if length > 1 else []
             p_target = sampling_probs(backend.to_numpy(logits), sampling)
