@@ -192,8 +192,8 @@ def print_report(console: Console, name: str, summary: dict[str, Any], endpoints
     console.print(summary_table(name, summary, endpoints))
     speed = summary["speedup"]
     if speed is None:
-        console.print("speedup: none can be computed without a baseline server "
-                      "(pass --baseline-url URL of the same model served without speculation)")  # fmt: skip
+        console.print("no speedup can be computed: no baseline server was measured (pass "
+                      "--baseline-url URL of the same model served without speculation)")  # fmt: skip
     else:
         console.print(f"speedup vs baseline: decode (mean TPOT) {_fmt(speed['decode'])}x, "
                       f"output tok/s {_fmt(speed['output_tok_s'])}x, "
