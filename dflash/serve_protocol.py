@@ -318,7 +318,8 @@ class ServerMetrics:
 
     def render(self) -> str:
         """Prometheus text exposition format 0.0.4."""
-        label = f'model_name="{self.model}"'
+        escaped = self.model.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+        label = f'model_name="{escaped}"'
         out: list[str] = []
 
         def metric(name: str, kind: str, doc: str, rows: list[tuple[str, float]]) -> None:

@@ -307,7 +307,8 @@ async def chat_completion(
                     if resp.status_code in RETRY_STATUSES and attempt > 0:
                         result.error += f" (gave up after {attempt + 1} attempts)"
                     return result
-                if body.get("stream"):
+                streamed = "json" not in resp.headers.get("content-type", "")
+                if body.get("stream") and streamed:
                     await _read_stream(resp, result, t0, on_delta)
                 else:
                     _read_whole(json.loads(await resp.aread()), result, on_delta)
