@@ -15,14 +15,13 @@ from typer.testing import CliRunner
 
 from dflash.backends.openai import (
     RetryPolicy,
-    SpecCounters,
     SSEDecoder,
     api_root,
     chat_body,
     chat_completion,
-    meta_stats,
     reasoning_template_kwargs,
 )
+from dflash.backends.openai_stats import SpecCounters, meta_stats
 from dflash.errors import InputError
 from dflash.types import SamplingParams
 from tests.openai_replay import ReplayServer, Reply, fixture, json_reply, sse_reply
@@ -109,7 +108,7 @@ def test_vllm_metrics_counters_give_tau_and_per_position():
 def test_meta_stats_shapes():
     chat = json.loads(fixture("sglang_chat.json"))
     top = json.loads(fixture("sglang_generate_toplevel.json"))
-    from dflash.backends.openai import extract_meta
+    from dflash.backends.openai_stats import extract_meta
 
     s = meta_stats(extract_meta(chat))
     assert s == {"tau": 3.0, "verify_ct": 3, "histogram": [1, 0, 1, 0, 1] + [0] * 11}

@@ -18,7 +18,8 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
-from dflash.backends.openai import SpecCounters, SSEDecoder
+from dflash.backends.openai import SSEDecoder
+from dflash.backends.openai_stats import SpecCounters
 
 pytest.importorskip("torch")
 pytest.importorskip("fastapi")
@@ -259,7 +260,7 @@ def test_32_concurrent_streams_and_malformed_requests(server, local):
 
 
 def _success(url: str, reason: str) -> float:
-    from dflash.backends.openai import parse_prometheus
+    from dflash.backends.openai_stats import parse_prometheus
 
     rows = parse_prometheus(httpx.get(url + "/metrics").text).get("vllm:request_success_total", [])
     return sum(v for labels, v in rows if labels.get("finished_reason") == reason)
@@ -286,7 +287,7 @@ def test_client_disconnect_cancels_the_generation(server):
 
 
 def _generated(url: str) -> float:
-    from dflash.backends.openai import parse_prometheus
+    from dflash.backends.openai_stats import parse_prometheus
 
     rows = parse_prometheus(httpx.get(url + "/metrics").text)["vllm:generation_tokens_total"]
     return sum(v for _, v in rows)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from dflash.backends.openai import SpecCounters, meta_stats, parse_prometheus
+from dflash.backends.openai_stats import SpecCounters, meta_stats, parse_prometheus
 from dflash.serve_protocol import ApiError, ServerMetrics, StopMatcher, meta_info, parse_request
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}

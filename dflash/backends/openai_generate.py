@@ -21,8 +21,8 @@ from dflash.backends.openai import (
     chat_body,
     chat_completion,
     first_model,
-    meta_stats,
 )
+from dflash.backends.openai_stats import meta_stats
 from dflash.errors import InputError, ServerError
 from dflash.types import SamplingParams
 

@@ -27,14 +27,13 @@ import httpx
 from dflash.backends.openai import (
     ChatResult,
     RetryPolicy,
-    SpecCounters,
     api_root,
     chat_body,
     chat_completion,
     first_model,
-    meta_stats,
     scrape_metrics,
 )
+from dflash.backends.openai_stats import SpecCounters, meta_stats
 from dflash.bench.metrics import (
     ResponseRecord,
     RunStats,
