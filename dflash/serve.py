@@ -25,6 +25,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import aclosing
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -281,10 +282,11 @@ def build_app(engine: Engine, api_key: str | None = None, max_body: int = MAX_BO
             "abort",
         )
         try:
-            async for step in engine.steps(ids, req, request):
-                text += out.add(step)
-                if out.finish:
-                    break
+            async with aclosing(engine.steps(ids, req, request)) as steps:
+                async for step in steps:
+                    text += out.add(step)
+                    if out.finish:
+                        break
             finish = out.finish or ("abort" if await request.is_disconnected() else "length")
         finally:
             engine.metrics.request_done(len(ids), out.tokens, finish)
@@ -334,12 +336,13 @@ async def _stream(engine: Engine, ids: list[int], req: GenRequest, rid: str, cre
     try:
         yield sse(chunk(rid, req.chat, name, created, "", None, role=True))
         try:
-            async for step in engine.steps(ids, req):
-                text = out.add(step)
-                if text:
-                    yield sse(chunk(rid, req.chat, name, created, text, None))
-                if out.finish:
-                    break
+            async with aclosing(engine.steps(ids, req)) as steps:  # leaving cancels at once
+                async for step in steps:
+                    text = out.add(step)
+                    if text:
+                        yield sse(chunk(rid, req.chat, name, created, text, None))
+                    if out.finish:
+                        break
         except Exception as err:  # noqa: BLE001 - headers are sent: report in the stream
             yield sse(ApiError(500, f"Generation failed: {type(err).__name__}: {err}").body())
             yield "data: [DONE]\n\n"
