@@ -82,8 +82,12 @@ class Pipeline:
         self.name = name
 
     def chat_prompt(self, messages: list[dict], *, system: str | None = None,
-                    reasoning: str | None = None) -> list[int]:  # fmt: skip
+                    reasoning: str | None = None,
+                    template_kwargs: dict | None = None) -> list[int]:  # fmt: skip
         """Apply the chat template (generation prompt added) and return prompt token ids.
+
+        ``template_kwargs`` are passed to the template as they are (a server's
+        ``chat_template_kwargs``); a template ignores the ones it does not use.
 
         Raises:
             InputError: a bad ``reasoning`` value, or a prompt longer than the context.
@@ -91,6 +95,7 @@ class Pipeline:
         msgs = ([{"role": "system", "content": system}] if system else []) + list(messages)
         template = getattr(self.tokenizer, "chat_template", None)
         kwargs = reasoning_kwargs(template if isinstance(template, str) else None, reasoning)
+        kwargs.update(template_kwargs or {})
         if template:
             text = self.tokenizer.apply_chat_template(msgs, tokenize=False,
                                                       add_generation_prompt=True, **kwargs)  # fmt: skip

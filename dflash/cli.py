@@ -3,6 +3,7 @@
     dflash generate transformers "How many divisors does 196 have?"
     dflash benchmark transformers --dataset gsm8k --max-samples 8
     dflash init-draft --target M --out DIR
+    dflash serve --port 8000    # then: dflash generate openai --base-url http://127.0.0.1:8000 "Hi"
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ from dflash.bench.command import benchmark  # noqa: E402
 from dflash.train.command import data_app, train  # noqa: E402
 
 app.command("benchmark")(benchmark)
+
+from dflash.serve import serve  # noqa: E402  (fastapi/uvicorn are imported when it runs)
+
+app.command("serve")(serve)
 app.command("train")(train)
 app.add_typer(data_app, name="data")
 

@@ -10,10 +10,14 @@ from typing import Annotated
 import typer
 
 from dflash.errors import InputError
+from dflash.types import SamplingParams
 
-Backend = Annotated[str, typer.Argument(help="transformers (CUDA or CPU); mlx and openai are not available yet.")]
+Backend = Annotated[str, typer.Argument(help="transformers (CUDA or CPU) or openai (an OpenAI-compatible server); mlx is not available yet.")]  # fmt: skip
 ModelOpt = Annotated[str | None, typer.Option("--model", "-m",
-                     help="Target: hub id, local folder or .gguf file (default: demo SmolLM2-135M-Instruct).")]  # fmt: skip
+                     help="Target: hub id, local folder or .gguf file (default: demo SmolLM2-135M-Instruct); openai: the served model name (default: the first of /v1/models).")]  # fmt: skip
+BaseUrlOpt = Annotated[str, typer.Option(help="openai: server URL, with or without /v1.")]
+ApiKeyOpt = Annotated[str | None, typer.Option(help="openai: API key (default: $OPENAI_API_KEY); never printed.", show_default=False)]  # fmt: skip
+TimeoutOpt = Annotated[float, typer.Option(help="openai: HTTP timeout per connect/read, seconds.")]
 DraftOpt = Annotated[str | None, typer.Option("--draft", "-d",
                      help="DFlash draft: hub id or folder (default: the shipped demo draft, only without --model).")]  # fmt: skip
 
@@ -35,13 +39,25 @@ def generate(
     seed: Annotated[int, typer.Option(help="Seed for sampling.")] = 0,
     cuda_graphs: Annotated[bool | None, typer.Option("--cuda-graphs/--no-cuda-graphs", help="Static caches + CUDA graphs (default: on for CUDA with Llama/Qwen-style targets).")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object (text, token ids, stats) instead of streaming.")] = False,
+    base_url: BaseUrlOpt = "http://127.0.0.1:30000",
+    api_key: ApiKeyOpt = None,
+    timeout_s: TimeoutOpt = 3600.0,
 ) -> None:  # fmt: skip
     """Generate a reply with DFlash speculative decoding; text streams to stdout, stats to stderr."""
+    import os
     import time
+
+    if backend == "openai":  # torch-free path: the server does the speculative decoding
+        from dflash.backends.openai_generate import generate_openai
+
+        generate_openai(prompt, base_url=base_url, model=model, api_key=api_key or os.environ.get("OPENAI_API_KEY"),
+                        timeout_s=timeout_s, max_new_tokens=max_new_tokens, reasoning=reasoning, system=system,
+                        sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed),
+                        json_out=json_out)  # fmt: skip
+        return
 
     import dflash
     from dflash.api import TextStream
-    from dflash.types import SamplingParams
 
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     if max_new_tokens < 1:

@@ -20,7 +20,7 @@ from dflash.bench import command, harness
 from dflash.bench.harness import BenchConfig, ResultsLog, read_records, run_benchmark
 from dflash.bench.metrics import summarize
 from dflash.data import PromptItem
-from dflash.errors import BackendError, DatasetError, InputError
+from dflash.errors import BackendError, DatasetError, InputError, ServerError
 from dflash.types import GenerationResult, SamplingParams
 
 DATA_DIR = Path(
@@ -175,7 +175,7 @@ def test_cli_prints_tables_upstream_lines_and_a_final_json_line(cli, tmp_path):
 @pytest.mark.parametrize(
     ("args", "error"),
     [
-        (["openai", "--dataset", "gsm8k"], BackendError),
+        (["openai", "--dataset", "gsm8k", "--base-url", "http://127.0.0.1:9"], ServerError),
         (["tpu", "--dataset", "gsm8k"], BackendError),
         (["transformers", "--dataset", "nope"], DatasetError),
         (

@@ -55,11 +55,7 @@ def _check_options(
             f"Unknown backend '{backend}'. Available: {', '.join(BACKENDS)}.",
         )
     if backend not in LOCAL_BACKENDS:
-        raise BackendError(
-            f"dflash benchmark cannot drive the '{backend}' backend yet: it measures local "
-            "backends only.",
-            hint="run it with the transformers backend",
-        )
+        raise BackendError(f"dflash benchmark cannot drive the '{backend}' backend yet.")
     if max_new_tokens < 1:
         raise InputError(f"--max-new-tokens must be >= 1, got {max_new_tokens}.")
     if block_size is not None and block_size < 1:
@@ -139,14 +135,55 @@ def benchmark(
         ),
     ] = None,
     base_url: Annotated[
-        str, typer.Option(help="openai backend: server URL.")
+        str, typer.Option(help="openai backend: server URL, with or without /v1.")
     ] = "http://127.0.0.1:30000",
-    num_prompts: Annotated[int, typer.Option(help="openai backend: prompts to send.")] = 1024,
+    num_prompts: Annotated[
+        int | None,
+        typer.Option(
+            help="openai backend: prompts per dataset (default: --max-samples, else all; "
+            "repeats when larger than the dataset)."
+        ),
+    ] = None,
     concurrency: Annotated[int, typer.Option(help="openai backend: parallel requests.")] = 1,
-    timeout_s: Annotated[float, typer.Option(help="openai backend: HTTP timeout, s.")] = 3600.0,
+    timeout_s: Annotated[
+        float, typer.Option(help="openai backend: HTTP timeout per connect/read, s.")
+    ] = 3600.0,
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            help="openai backend: API key (default: $OPENAI_API_KEY); never printed.",
+            show_default=False,
+        ),
+    ] = None,
+    baseline_url: Annotated[
+        str | None,
+        typer.Option(help="openai backend: a second server without speculation, for a speedup."),
+    ] = None,
+    baseline_model: Annotated[
+        str | None, typer.Option(help="openai backend: model name on --baseline-url.")
+    ] = None,
+    max_retries: Annotated[
+        int, typer.Option(help="openai backend: retries on 429/502/503/504 (with backoff).")
+    ] = 3,
 ) -> None:
     """Benchmark DFlash against plain decoding (block size 1) on prompt datasets."""
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    if backend == "openai":  # torch-free path: the server does the speculative decoding
+        import os
+
+        from dflash.bench.remote_command import benchmark_openai
+
+        if resume:
+            raise InputError("--resume is not supported by the openai backend.")
+        benchmark_openai(
+            dataset=dataset, base_url=base_url, model=model,
+            api_key=api_key or os.environ.get("OPENAI_API_KEY"), baseline_url=baseline_url,
+            baseline_model=baseline_model, num_prompts=num_prompts or max_samples,
+            concurrency=concurrency, max_new_tokens=max_new_tokens, sampling=sampling,
+            reasoning=reasoning, timeout_s=timeout_s, max_retries=max_retries,
+            data_dir=data_dir, output=output, plot=plot,
+        )  # fmt: skip
+        return
     _check_options(
         backend, max_new_tokens, block_size, sampling, check_parity, output, resume, plot
     )

