@@ -29,8 +29,13 @@ def regenerate(
     out: Annotated[Path, typer.Option("--out", help="Data folder (resumed if it exists).")],
     target: TargetOpt = None,
     max_new_tokens: Annotated[int, typer.Option(help="Response budget per prompt (tokens).")] = 1024,
-    batch_size: Annotated[int, typer.Option(help="Prompts per batched generate call.")] = 64,
-    temperature: Annotated[float, typer.Option(help="0 = greedy; > 0 samples.")] = 0.0,
+    batch_size: Annotated[int, typer.Option(help="Rows decoded together (batched engine) or prompts per generate call (hf).")] = 256,
+    temperature: Annotated[float, typer.Option(help="First response of each prompt: 0 = greedy; > 0 samples.")] = 0.0,
+    samples: Annotated[int, typer.Option(help="Responses per prompt; the 2nd.. are sampled at --sample-temperature.")] = 1,
+    sample_temperature: Annotated[float, typer.Option(help="Temperature of the extra responses.")] = 0.8,
+    eval_only: Annotated[bool, typer.Option("--eval-only", help="Allow benchmark test prompts, for held-out evaluation only (train refuses the folder).")] = False,
+    engine: Annotated[str, typer.Option(help="auto (batched static decoder for Llama/Qwen targets), batched or hf.")] = "auto",
+    max_prompt_tokens: Annotated[int, typer.Option(help="Skip prompts longer than this (tokens).")] = 1024,
     data_dir: Annotated[Path | None, typer.Option(help="Local datasets folder (shared/datasets layout).")] = None,
     time_limit: Annotated[float | None, typer.Option(help="Stop cleanly after about this many seconds (resume later).")] = None,
     device: Annotated[str, typer.Option(help="auto, cuda, cuda:N or cpu.")] = "auto",
@@ -61,12 +66,15 @@ def regenerate(
             )
 
         res = run(target, specs, out, max_new_tokens=max_new_tokens, batch_size=batch_size,
-                  temperature=temperature, data_dir=data_dir, device=device, dtype=dtype,
-                  time_limit=time_limit, seed=seed, on_batch=on_batch)  # fmt: skip
+                  temperature=temperature, samples=samples, sample_temperature=sample_temperature,
+                  eval_only=eval_only, engine=engine, max_prompt_tokens=max_prompt_tokens,
+                  data_dir=data_dir, device=device, dtype=dtype, time_limit=time_limit, seed=seed,
+                  on_batch=on_batch)  # fmt: skip
     state = "complete" if res["finished"] else "stopped early (run again to resume)"
     rate = res["tokens"] / max(res["seconds"], 1e-9)
-    console.print(f"{out}: {res['done']}/{res['total']} prompts, {res['tokens']:,} new tokens this run "
-                  f"({rate:,.0f} tok/s), {state}")  # fmt: skip
+    skipped = f", {res['skipped']} long prompts skipped" if res["skipped"] else ""
+    console.print(f"{out}: {res['done']}/{res['total']} responses, {res['tokens']:,} new tokens this run "
+                  f"({rate:,.0f} tok/s, {res['engine']} engine){skipped}, {state}")  # fmt: skip
 
 
 def train(
