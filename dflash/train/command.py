@@ -102,6 +102,7 @@ def train(
     save_dtype: Annotated[str, typer.Option(help="Exported weights: bfloat16 or float32.")] = "bfloat16",
     state_dir: Annotated[Path | None, typer.Option(help="Resume state folder (default: OUT/state).")] = None,
     mask_token_id: Annotated[int | None, typer.Option(help="Mask id of a fresh draft (default: as init-draft).")] = None,
+    resume_from: Annotated[Path | None, typer.Option(help="Continue from a draft folder written by train (weights only): fresh optimizer and schedule, step count kept; --max-steps counts all steps.")] = None,
 ) -> None:  # fmt: skip
     """Train a DFlash draft on target-regenerated data (paper recipe); resumable."""
     from dflash.train.train import TrainConfig, Trainer, load_training_target
@@ -118,7 +119,8 @@ def train(
                       eval_data=str(eval_data) if eval_data else None, eval_every=eval_every,
                       save_every=save_every, attention=attention, device=device,
                       save_dtype=save_dtype, state_dir=str(state_dir) if state_dir else None,
-                      mask_token_id=mask_token_id)  # fmt: skip
+                      mask_token_id=mask_token_id,
+                      resume_from=str(resume_from) if resume_from else None)  # fmt: skip
     cfg.check()
     import torch
 
@@ -139,7 +141,10 @@ def train(
             return
         if rec.get("heldout"):
             heldout.update(rec["heldout"])
+            per = rec["heldout"].get("per_dataset") or {}
+            parts = ", ".join(f"{n} {tau_text(t, 2)}" for n, t in per.items())
             console.print(f"step {rec['step']}: held-out τ {tau_text(heldout['tau'], 3)}"
+                          + (f" ({parts})" if parts else "")
                           + (f", loss {rec['loss']:.3f}" if "loss" in rec else ""))  # fmt: skip
         if "loss" in rec:
             bar.update(task, completed=rec["step"], stats=(
@@ -147,9 +152,10 @@ def train(
                 f"held-out τ {tau_text(heldout['tau'], 2)} lr {rec['lr']:.1e}"))  # fmt: skip
 
     trainer = Trainer(cfg, model, on_log=on_log)
-    bar.update(task, total=trainer.total_steps, completed=trainer.cursor["step"])
+    base = trainer.base_step  # steps of earlier segments (--resume-from)
+    bar.update(task, total=base + trainer.total_steps, completed=base + trainer.cursor["step"])
     with bar:
         last = trainer.run(pause_after=pause_after)
     state = "finished" if trainer.finished() else "paused (run again to resume)"
-    console.print(f"wrote {out}: step {trainer.cursor['step']}/{trainer.total_steps} {state}, "
+    console.print(f"wrote {out}: step {base + trainer.cursor['step']}/{base + trainer.total_steps} {state}, "
                   f"held-out τ {tau_text(heldout['tau'], 3)}, loss {last.get('loss', math.nan):.3f}")  # fmt: skip

@@ -344,7 +344,7 @@ def regenerate(
         from dflash.backends.batched_torch import BatchedGenerator, Job
 
         longest = max(len(prompts[jobs[order[k]][0]]) for k in todo)
-        gen = BatchedGenerator(model, max_batch=batch_size,
+        gen = BatchedGenerator(model, max_batch=min(batch_size, len(todo)),
                                capacity=-(-(longest + max_new_tokens + 1) // 64) * 64)  # fmt: skip
         job_list = []
         for k in todo:
