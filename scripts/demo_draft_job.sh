@@ -42,7 +42,7 @@ GGUF=${GGUF:-$W/smollm2.gguf}
 REGEN_S=${REGEN_S:-200} GEN_BS=${GEN_BS:-512} SAMPLES=${SAMPLES:-3} MAX_NEW=${MAX_NEW:-1024}
 TRAIN_TOTAL_S=${TRAIN_TOTAL_S:-600} PAUSE_S=${PAUSE_S:-100000} BATCH_TOKENS=${BATCH_TOKENS:-16384}
 ANCHORS=${ANCHORS:-512} EVAL_N=${EVAL_N:-16} EVAL_EVERY=${EVAL_EVERY:-100} DEVICE=${DEVICE:-auto}
-MAX_LEN=${MAX_LEN:-1024} LAYERS=${LAYERS:-5}
+MAX_LEN=${MAX_LEN:-1024} LAYERS=${LAYERS:-5} LR=${LR:-6e-4} PROMPTS=${PROMPTS:-$W/train-prompts.jsonl.gz}
 if [ -n "${TINY:-}" ]; then  # CPU dry run: a tiny random target with the demo tokenizer
   GGUF=$W/tiny-target DEVICE=cpu LAYERS=1
   [ -d "$GGUF" ] || python3 - "$GGUF" <<'EOF'
@@ -71,7 +71,7 @@ train() {  # same settings in every call, so a later call resumes the run exactl
   [ -n "${RESUME_FROM:-}" ] && from=(--resume-from "$RESUME_FROM")
   python3 -m dflash train --target "$GGUF" --data "$W/data" --eval-data "$W/eval" --out "$W/draft" \
     --state-dir "$W/state" --layers "$LAYERS" --block-size 16 --anchors "$ANCHORS" --epochs 40 \
-    --lr 6e-4 --max-len "$MAX_LEN" --batch-tokens "$BATCH_TOKENS" --time-limit "$TRAIN_TOTAL_S" \
+    --lr "$LR" --max-len "$MAX_LEN" --batch-tokens "$BATCH_TOKENS" --time-limit "$TRAIN_TOTAL_S" \
     --eval-every "$EVAL_EVERY" --save-every 200 --device "$DEVICE" --pause-after "$1" "${from[@]}"
 }
 
@@ -81,9 +81,9 @@ stage)
   part=${2:?stage PART (aa..ad)}
   mkdir -p "$W/stage" && cp "$STAGE/t5/$part/part" "$W/stage/$part.part"
   [ -d "$STAGE/data" ] && rm -rf "$W/datasets" && cp -r "$STAGE/data" "$W/datasets"
-  [ -d "$STAGE/prompts" ] && cp "$STAGE"/prompts/*.jsonl.gz "$W/"
+  for d in "$STAGE"/prompts*; do [ -d "$d" ] && cp "$d"/*.jsonl.gz "$W/"; done
   ls -la "$W" "$W/stage"
-  if [ "$part" = aa ]; then
+  if [ "$part" = aa ] && [ -z "${NO_SMOKE:-}" ]; then
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true
     timeout 240 python3 scripts/gpu_gen_bench.py ${TINY:+--tiny --batches 8 --new 16} ${GEN_BENCH_ARGS:-} \
       --out "$OUT/gen_bench.json" || echo "gen bench failed"
@@ -98,7 +98,7 @@ regen)
   EV="gsm8k@$EVAL_N,math500@$EVAL_N,humaneval@$EVAL_N,mbpp@$EVAL_N,mt-bench@$EVAL_N"
   python3 -m dflash data regenerate --target "$GGUF" --eval-only --prompts "$EV" --out "$W/eval" \
     --data-dir "$W/datasets" --max-new-tokens 256 --batch-size 128 --device "$DEVICE" 2>&1 | tee "$W/logs/regen-eval.txt"
-  python3 -m dflash data regenerate --target "$GGUF" --prompts "$W/train-prompts.jsonl.gz" \
+  python3 -m dflash data regenerate --target "$GGUF" --prompts "$PROMPTS" \
     --out "$W/data" --samples "$SAMPLES" --sample-temperature 0.8 --max-new-tokens "$MAX_NEW" \
     --batch-size "$GEN_BS" --time-limit "$REGEN_S" --device "$DEVICE" 2>&1 | tee "$W/logs/regen-train.txt"
   python3 - "$W/data" > "$W/logs/data-stats.json" <<'EOF'
@@ -122,10 +122,10 @@ bench)
      --max-new-tokens 256 --data-dir "$W/datasets")
   timeout "${BENCH1_S:-200}" "${B[@]}" --dataset gsm8k --max-samples 64 \
     --output "$W/logs/bench-gsm8k.jsonl" > "$W/logs/bench-gsm8k.txt" 2>&1 || echo "gsm8k bench failed"
-  timeout "${BENCH2_S:-280}" "${B[@]}" --dataset math500,humaneval,mbpp,mt-bench --max-samples 32 \
+  [ "${BENCH2_S:-280}" = 0 ] || timeout "${BENCH2_S:-280}" "${B[@]}" --dataset math500,humaneval,mbpp,mt-bench --max-samples 32 \
     --output "$W/logs/bench-other.jsonl" > "$W/logs/bench-other.txt" 2>&1 || echo "other bench failed"
   tar czf "$OUT/bench.tgz" -C "$W" logs
-  tail -30 "$W/logs/bench-gsm8k.txt" "$W/logs/bench-other.txt"
+  tail -n 30 "$W"/logs/bench-*.txt
   ;;
 *) echo "unknown phase $phase"; exit 2 ;;
 esac
