@@ -109,7 +109,7 @@ STDLIB_MODULES = (
     "codecs", "unicodedata", "pprint", "reprlib", "enum", "numbers", "cmath", "secrets", "uuid",
     "email.utils", "mimetypes", "locale", "gettext", "keyword", "tokenize", "ast", "dis", "inspect",
     "textwrap", "shutil", "tempfile", "pathlib", "configparser", "argparse", "logging", "queue",
-    "sched", "graphlib", "zipfile", "tarfile", "quopri", "uu", "netrc", "plistlib", "wave", "filecmp",
+    "sched", "graphlib", "zipfile", "tarfile", "quopri", "netrc", "plistlib", "wave", "filecmp",
 )  # fmt: skip
 
 
