@@ -10,7 +10,8 @@
 #   mkdir -p .stage/t5 && split -b 20000000 SmolLM2-135M-Instruct.Q4_1.gguf .stage/t5/x &&
 #       for p in aa ab ac ad ae; do mkdir -p .stage/t5/$p && mv .stage/t5/x$p .stage/t5/$p/part; done
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 -d .stage/whl gguf==0.19.0
-#   rsync -a --delete dflash scripts .stage/code/
+#   rm -rf .stage/code && mkdir .stage/code && cp -r dflash scripts .stage/code/ &&
+#       rm .stage/code/dflash/assets/*/*.safetensors     # the tracked tree carries them already
 # GPU steps (run from .stage/code; the 64 MiB carry limit allows one 20 MB target chunk a call):
 #   call 1: bash scripts/demo_draft_job.sh stage aa   carry .stage/code .stage/t5/aa .stage/whl .stage/data
 #           (also checks and times the batched generator on a random SmolLM2-shaped model)
@@ -22,14 +23,19 @@
 #   call 6: bash scripts/demo_draft_job.sh train      carry .stage/code   (training to the end)
 #   call 7: bash scripts/demo_draft_job.sh bench      carry .stage/code
 #           (`dflash benchmark`: gsm8k 64 prompts, math500/humaneval/mbpp/mt-bench 32 each)
-# If the machine was replaced before call 6, stage again and continue from the draft brought
-# back: RESUME_FROM=.stage/resume bash scripts/demo_draft_job.sh train (weights only, fresh
-# optimizer and schedule). Knobs (env): REGEN_S, GEN_BS, SAMPLES, MAX_NEW, TRAIN_TOTAL_S,
-# PAUSE_S, BATCH_TOKENS, ANCHORS, LAYERS, MAX_LEN, EVAL_N, EVAL_EVERY, CALL_BUDGET_S (train until this many
-# seconds after the call began, then export), TINY=1 (a CPU dry run with a tiny
+# Issue each call within 30 s of the last one: an idle machine is given back, /tmp with it.
+# If it was replaced, stage again and continue from a draft folder with RESUME_FROM=DIR
+# (weights only, fresh optimizer and schedule). Shipped v2 = v1 fine-tuned this way after the
+# first machine was lost: calls 1-4 (stage, NO_SMOKE=1, call 1 also carrying .stage/prompts2),
+# then one call: PROMPTS=/tmp/demo/ft-prompts.jsonl.gz REGEN_S=60 GEN_BS=1024 SAMPLES=1 \
+#   TRAIN_TOTAL_S=180 CALL_BUDGET_S=330 LR=3e-4 RESUME_FROM=<repo>/dflash/assets/<v1 draft> \
+#   bash scripts/demo_draft_job.sh regen && BENCH1_S=110 BENCH2_S=0 bash scripts/demo_draft_job.sh bench Knobs (env): REGEN_S, GEN_BS, SAMPLES, MAX_NEW, TRAIN_TOTAL_S,
+# PAUSE_S, BATCH_TOKENS, ANCHORS, LAYERS, MAX_LEN, LR, PROMPTS, EVAL_N, EVAL_EVERY,
+# CALL_BUDGET_S (train until this many seconds after the call began, then export), BENCH1_S,
+# BENCH2_S (0 skips the four other datasets), NO_SMOKE=1, TINY=1 (a CPU dry run with a tiny
 # random target and miniature settings).
 set -euo pipefail
-phase=${1:?usage: demo_draft_job.sh stage PART|regen|train}
+phase=${1:?usage: demo_draft_job.sh stage PART|regen|train|bench}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 DFLASH_CACHE=${DFLASH_CACHE:-/tmp/dflash-cache}
 STAGE=${STAGE:-$(cd .. && pwd)}  # the .stage folder (this script runs from .stage/code)
 OUT=${OUT:-/tmp/job-out}; mkdir -p "$OUT"
