@@ -87,12 +87,12 @@ def test_regenerate_writes_responses_and_resumes_after_a_crash(
 
     with pytest.raises(KeyboardInterrupt):
         regenerate(str(tiny_chat_target), [str(prompt_file)], out, max_new_tokens=6, batch_size=2,
-                   device="cpu", on_batch=crash_after_first)  # fmt: skip
+                   device="cpu", on_batch=crash_after_first, engine="hf")  # fmt: skip
     assert json.loads((out / "progress.json").read_text())["done"] == 2
     with (out / "shard-00000.jsonl").open("a") as f:
         f.write('{"id": "half-writ')  # a line cut off after the cursor was saved
     res = regenerate(str(tiny_chat_target), [str(prompt_file)], out, max_new_tokens=6, batch_size=2,
-                     device="cpu")  # fmt: skip
+                     device="cpu", engine="hf")  # fmt: skip
     assert res["finished"] and res["done"] == res["total"] == 5
     samples = read_shards(out)
     assert sorted(s.id for s in samples) == sorted(f"prompts/{i}" for i in range(1, 6))
@@ -212,3 +212,47 @@ def test_cli_train_and_regenerate(tiny_chat_target, prompt_file, tmp_path):
         app, ["train", "--data", str(data), "--out", str(tmp_path / "x"), "--block-size", "1"]
     )
     assert isinstance(r.exception, InputError)
+
+
+def test_batched_regenerate_resumes_without_loss_or_duplicates(
+    tiny_chat_target, prompt_file, tmp_path
+):
+    """Continuous batching finishes jobs out of order; an interruption after any write, plus a
+    half-written line, must leave every (prompt, sample) exactly once after the resume."""
+    out, ref = tmp_path / "data", tmp_path / "ref"
+    kw = dict(max_new_tokens=5, batch_size=2, device="cpu", samples=2, sample_temperature=0.9,
+              engine="batched", flush_seconds=0.0)  # fmt: skip
+    writes = []
+
+    def crash_on_third(done, total, new_tokens, seconds):
+        writes.append(done)
+        if len(writes) == 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        regenerate(str(tiny_chat_target), [str(prompt_file)], out, on_batch=crash_on_third, **kw)
+    assert len(read_shards(out)) == 3
+    with (out / "shard-00000.jsonl").open("a") as f:
+        f.write('{"id": "prompts/1", "prompt_ids": [1, 2')  # cut off after the cursor was saved
+    res = regenerate(str(tiny_chat_target), [str(prompt_file)], out, **kw)
+    assert res["finished"] and res["done"] == res["total"] == 10 and res["engine"] == "batched"
+    got = read_shards(out)
+    ids = [s.id for s in got]
+    want = [f"prompts/{i}" for i in range(1, 6)] + [f"prompts/{i}#1" for i in range(1, 6)]
+    assert sorted(ids) == sorted(want)  # nothing lost, nothing twice
+    regenerate(str(tiny_chat_target), [str(prompt_file)], ref, **kw)
+    greedy = {s.id: s.response_ids for s in read_shards(ref) if "#" not in s.id}
+    assert {s.id: s.response_ids for s in got if "#" not in s.id} == greedy
+    rows = [
+        json.loads(x)
+        for p in sorted(out.glob("shard-*.jsonl"))
+        for x in p.read_text().split("\n")
+        if x
+    ]
+    assert {r["sample"] for r in rows} == {0, 1} and {r["temperature"] for r in rows} == {0.0, 0.9}
+
+
+def test_regenerate_refuses_benchmark_test_splits_without_eval_only(tiny_chat_target, tmp_path):
+    for spec in ("gsm8k@4", "humaneval", "mbpp:test", "mt-bench@2", "math500"):
+        with pytest.raises(InputError, match="benchmark test split"):
+            regenerate(str(tiny_chat_target), [spec], tmp_path / "x", device="cpu")

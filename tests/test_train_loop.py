@@ -4,12 +4,14 @@ and an overfit run that proves the training signal reaches the acceptance length
 from __future__ import annotations
 
 import copy
+import json
 import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from dflash.errors import InputError
 from dflash.train.data import ShardWriter
 from dflash.train.objective import FrozenTarget, head_cross_entropy
 from dflash.train.train import TrainConfig, Trainer
@@ -164,3 +166,81 @@ def test_overfit_one_response_reaches_tau_3(setup, tmp_path):
     assert tokens == response, "speculative output equals the target's greedy response"
     taus = [r.accepted for r in steps if r.accepted is not None]
     assert sum(taus) / len(taus) >= 3.0, taus
+
+
+def test_weights_only_resume_continues_steps_with_fresh_optimizer(setup, tmp_path):
+    """A draft folder brought back from another machine (no optimizer state) continues the run:
+    same weights, step count kept, fresh optimizer and schedule logged, --max-steps extendable."""
+    from dflash.models.draft_torch import DFlashDraft
+
+    target, root, _ = setup
+    first = tmp_path / "first"
+    Trainer(config(root, first, max_steps=4, save_dtype="bfloat16"), target).run()
+    (first / "state").rename(tmp_path / "elsewhere")  # only the exported weights travel
+    second = tmp_path / "second"
+    tr = Trainer(config(root, second, init=None, resume_from=str(first), max_steps=7), target)
+    assert tr.base_step == 4 and tr.total_steps == 3
+    assert all(not st for st in tr.opt.state.values())  # fresh AdamW moments
+    start = {k: v.clone() for k, v in tr.draft.state_dict().items()}
+    exported = DFlashDraft.load(first, dtype=torch.float32).state_dict()
+    assert all(torch.equal(start[k], exported[k]) for k in exported)
+    tr.run()
+    log = tr.cursor["log"]
+    event = [r for r in log if r.get("event") == "resumed from weights only"]
+    assert len(event) == 1 and event[0]["step"] == 4 and event[0]["optimizer"] == "fresh"
+    steps = [r["step"] for r in log if "loss" in r]
+    assert steps[:1] == [4] or steps[-1] == 7  # first segment's records are kept
+    assert max(steps) == 7 and [r for r in log if "loss" in r and r["step"] > 4]
+    lrs = [r["lr"] for r in log if "loss" in r and r["step"] > 4]
+    assert lrs == sorted(lrs, reverse=True)  # a new cosine decay over this segment
+    with pytest.raises(InputError, match="larger --max-steps"):
+        Trainer(config(root, tmp_path / "third", init=None, resume_from=str(second), max_steps=7),
+                target)  # fmt: skip
+
+
+def test_exact_resume_accepts_a_larger_max_steps(setup, tmp_path):
+    target, root, _ = setup
+    out = tmp_path / "run"
+    Trainer(config(root, out, max_steps=3), target).run()
+    tr = Trainer(config(root, out, max_steps=5), target)
+    assert tr.cursor["step"] == 3 and tr.total_steps == 5
+    tr.run()
+    assert tr.cursor["step"] == 5
+    assert any(r.get("event") == "max_steps changed" for r in tr.cursor["log"])
+
+
+def test_eval_every_is_not_skipped_between_log_steps(setup, tmp_path):
+    target, root, _ = setup
+    tr = Trainer(config(root, tmp_path / "o", max_steps=6, eval_every=2, log_every=5), target)
+    tr.run()
+    evals = [r["step"] for r in tr.cursor["log"] if r.get("heldout")]
+    assert evals == [0, 2, 4, 6]
+
+
+def test_small_data_still_holds_out_one_sequence(setup, tmp_path):
+    target, root, _ = setup
+    data = tmp_path / "data"
+    recs = [{"id": f"r{i}", "prompt_ids": PROMPT, "response_ids": [3 + i, 4, 5, 6, 7, 8]}
+            for i in range(3)]  # fmt: skip
+    ShardWriter(data, {"t": 1}).append(recs, 3)
+    tr = Trainer(config(root, tmp_path / "o", data=str(data), eval_data=None, max_steps=1), target)
+    assert len(tr.eval_seqs) == 1 and len(tr.seqs) == 2
+
+
+def test_per_dataset_heldout_tau_and_acceptance_file(setup, tmp_path):
+    """Eval records named like benchmark prompts give one τ per dataset; the final held-out
+    per-position rates are written to acceptance.json for a block-size prior."""
+    target, root, response = setup
+    ev = tmp_path / "eval"
+    recs = [{"id": f"{name}/{i}", "prompt_ids": PROMPT, "response_ids": response[: 20 + i]}
+            for name in ("gsm8k", "HumanEval") for i in range(2)]  # fmt: skip
+    ShardWriter(ev, {"eval_only": True}).append(recs, 4)
+    out = tmp_path / "o"
+    tr = Trainer(config(root, out, eval_data=str(ev), max_steps=2, eval_every=2), target)
+    tr.run()
+    held = tr.cursor["log"][-1]["heldout"]
+    assert set(held["per_dataset"]) == {"gsm8k", "humaneval"} and held["responses"] == 4
+    doc = json.loads((out / "acceptance.json").read_text())
+    assert doc["block_size"] == 8 and len(doc["per_position"]) == 7
+    assert doc["per_position"] == held["per_position"] and doc["step"] == 2
+    assert set(doc["per_dataset"]) == {"gsm8k", "humaneval"}

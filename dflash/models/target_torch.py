@@ -7,6 +7,7 @@ A GGUF target is dequantized by transformers on every load (about 20 s on CPU fo
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -65,6 +66,26 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+@contextlib.contextmanager
+def _quiet_gguf_bar():
+    """transformers' GGUF reader draws its own tqdm bar (not covered by its logging switches):
+    replace it by a plain iterator while converting, unless ``DFLASH_DEBUG`` is set."""
+    try:
+        import transformers.modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError:
+        yield
+        return
+    saved = getattr(gguf_utils, "tqdm", None)
+    if saved is None or os.environ.get("DFLASH_DEBUG"):
+        yield
+        return
+    gguf_utils.tqdm = lambda it, *a, **k: it
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = saved
+
+
 def gguf_to_cached_folder(gguf: Path) -> Path:
     """Convert a GGUF file once into a transformers folder (float32 safetensors + tokenizer).
 
@@ -90,10 +111,11 @@ def gguf_to_cached_folder(gguf: Path) -> Path:
         raise CheckpointError(f"Cannot create the cache folder {tmp}: {e.strerror}.",
                               hint="set DFLASH_CACHE to a writable folder") from e  # fmt: skip
     try:
-        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(
-            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
-        )
+        with _quiet_gguf_bar():
+            tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+            model = AutoModelForCausalLM.from_pretrained(
+                str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+            )
     except ImportError as e:
         raise BackendError(f"Loading GGUF needs an extra package: {e}.",
                            hint="pip install gguf accelerate") from e  # fmt: skip

@@ -29,8 +29,13 @@ def regenerate(
     out: Annotated[Path, typer.Option("--out", help="Data folder (resumed if it exists).")],
     target: TargetOpt = None,
     max_new_tokens: Annotated[int, typer.Option(help="Response budget per prompt (tokens).")] = 1024,
-    batch_size: Annotated[int, typer.Option(help="Prompts per batched generate call.")] = 64,
-    temperature: Annotated[float, typer.Option(help="0 = greedy; > 0 samples.")] = 0.0,
+    batch_size: Annotated[int, typer.Option(help="Rows decoded together (batched engine) or prompts per generate call (hf).")] = 256,
+    temperature: Annotated[float, typer.Option(help="First response of each prompt: 0 = greedy; > 0 samples.")] = 0.0,
+    samples: Annotated[int, typer.Option(help="Responses per prompt; the 2nd.. are sampled at --sample-temperature.")] = 1,
+    sample_temperature: Annotated[float, typer.Option(help="Temperature of the extra responses.")] = 0.8,
+    eval_only: Annotated[bool, typer.Option("--eval-only", help="Allow benchmark test prompts, for held-out evaluation only (train refuses the folder).")] = False,
+    engine: Annotated[str, typer.Option(help="auto (batched static decoder for Llama/Qwen targets), batched or hf.")] = "auto",
+    max_prompt_tokens: Annotated[int, typer.Option(help="Skip prompts longer than this (tokens).")] = 1024,
     data_dir: Annotated[Path | None, typer.Option(help="Local datasets folder (shared/datasets layout).")] = None,
     time_limit: Annotated[float | None, typer.Option(help="Stop cleanly after about this many seconds (resume later).")] = None,
     device: Annotated[str, typer.Option(help="auto, cuda, cuda:N or cpu.")] = "auto",
@@ -61,12 +66,15 @@ def regenerate(
             )
 
         res = run(target, specs, out, max_new_tokens=max_new_tokens, batch_size=batch_size,
-                  temperature=temperature, data_dir=data_dir, device=device, dtype=dtype,
-                  time_limit=time_limit, seed=seed, on_batch=on_batch)  # fmt: skip
+                  temperature=temperature, samples=samples, sample_temperature=sample_temperature,
+                  eval_only=eval_only, engine=engine, max_prompt_tokens=max_prompt_tokens,
+                  data_dir=data_dir, device=device, dtype=dtype, time_limit=time_limit, seed=seed,
+                  on_batch=on_batch)  # fmt: skip
     state = "complete" if res["finished"] else "stopped early (run again to resume)"
     rate = res["tokens"] / max(res["seconds"], 1e-9)
-    console.print(f"{out}: {res['done']}/{res['total']} prompts, {res['tokens']:,} new tokens this run "
-                  f"({rate:,.0f} tok/s), {state}")  # fmt: skip
+    skipped = f", {res['skipped']} long prompts skipped" if res["skipped"] else ""
+    console.print(f"{out}: {res['done']}/{res['total']} responses, {res['tokens']:,} new tokens this run "
+                  f"({rate:,.0f} tok/s, {res['engine']} engine){skipped}, {state}")  # fmt: skip
 
 
 def train(
@@ -94,6 +102,7 @@ def train(
     save_dtype: Annotated[str, typer.Option(help="Exported weights: bfloat16 or float32.")] = "bfloat16",
     state_dir: Annotated[Path | None, typer.Option(help="Resume state folder (default: OUT/state).")] = None,
     mask_token_id: Annotated[int | None, typer.Option(help="Mask id of a fresh draft (default: as init-draft).")] = None,
+    resume_from: Annotated[Path | None, typer.Option(help="Continue from a draft folder written by train (weights only): fresh optimizer and schedule, step count kept; --max-steps counts all steps.")] = None,
 ) -> None:  # fmt: skip
     """Train a DFlash draft on target-regenerated data (paper recipe); resumable."""
     from dflash.train.train import TrainConfig, Trainer, load_training_target
@@ -110,7 +119,8 @@ def train(
                       eval_data=str(eval_data) if eval_data else None, eval_every=eval_every,
                       save_every=save_every, attention=attention, device=device,
                       save_dtype=save_dtype, state_dir=str(state_dir) if state_dir else None,
-                      mask_token_id=mask_token_id)  # fmt: skip
+                      mask_token_id=mask_token_id,
+                      resume_from=str(resume_from) if resume_from else None)  # fmt: skip
     cfg.check()
     import torch
 
@@ -131,7 +141,10 @@ def train(
             return
         if rec.get("heldout"):
             heldout.update(rec["heldout"])
+            per = rec["heldout"].get("per_dataset") or {}
+            parts = ", ".join(f"{n} {tau_text(t, 2)}" for n, t in per.items())
             console.print(f"step {rec['step']}: held-out τ {tau_text(heldout['tau'], 3)}"
+                          + (f" ({parts})" if parts else "")
                           + (f", loss {rec['loss']:.3f}" if "loss" in rec else ""))  # fmt: skip
         if "loss" in rec:
             bar.update(task, completed=rec["step"], stats=(
@@ -139,9 +152,10 @@ def train(
                 f"held-out τ {tau_text(heldout['tau'], 2)} lr {rec['lr']:.1e}"))  # fmt: skip
 
     trainer = Trainer(cfg, model, on_log=on_log)
-    bar.update(task, total=trainer.total_steps, completed=trainer.cursor["step"])
+    base = trainer.base_step  # steps of earlier segments (--resume-from)
+    bar.update(task, total=base + trainer.total_steps, completed=base + trainer.cursor["step"])
     with bar:
         last = trainer.run(pause_after=pause_after)
     state = "finished" if trainer.finished() else "paused (run again to resume)"
-    console.print(f"wrote {out}: step {trainer.cursor['step']}/{trainer.total_steps} {state}, "
+    console.print(f"wrote {out}: step {base + trainer.cursor['step']}/{base + trainer.total_steps} {state}, "
                   f"held-out τ {tau_text(heldout['tau'], 3)}, loss {last.get('loss', math.nan):.3f}")  # fmt: skip

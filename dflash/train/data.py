@@ -91,6 +91,12 @@ def generation_order(lengths: list[int]) -> list[int]:
 class ShardWriter:
     """Appends records to JSONL shards and keeps an atomic resume cursor (``progress.json``).
 
+    The cursor names the finished jobs by their place in generation order: ``done`` (every
+    place below it is finished) plus ``extra`` (finished places above it; continuous batching
+    finishes jobs out of order). Records are fsynced before the cursor moves, and a resume cuts
+    the current shard back to the cursor's byte offset, so an interruption at any point loses
+    and duplicates nothing.
+
     Args:
         folder: the data folder (created).
         meta: settings written to ``meta.json``; a resume must find the same settings.
@@ -114,6 +120,7 @@ class ShardWriter:
         prog = self.folder / "progress.json"
         self.state = json.loads(prog.read_text()) if prog.is_file() else {
             "done": 0, "shard": 0, "offset": 0, "records": 0, "finished": False}  # fmt: skip
+        self.state.setdefault("extra", [])
         path = self.shard_path
         if path.exists() and path.stat().st_size > self.state["offset"]:
             with path.open("r+b") as f:  # drop anything written after the last cursor update
@@ -125,11 +132,21 @@ class ShardWriter:
 
     @property
     def done(self) -> int:
-        """Number of prompts (in generation order) already answered."""
-        return int(self.state["done"])
+        """Number of jobs finished (in generation order: a prefix plus out-of-order ones)."""
+        return int(self.state["done"]) + len(self.state["extra"])
 
-    def append(self, records: list[dict], prompts_done: int) -> None:
-        """Write records, flush them to disk, then move the cursor to ``prompts_done``."""
+    def completed(self) -> set[int]:
+        """Places (in generation order) of every finished job."""
+        return set(range(int(self.state["done"]))) | set(self.state["extra"])
+
+    def append(self, records: list[dict], finished: int | list[int]) -> None:
+        """Write records, flush them to disk, then move the cursor.
+
+        Args:
+            records: the records to append.
+            finished: the new prefix count (int), or the generation-order places these records
+                complete (list).
+        """
         if self.state["records"] >= RECORDS_PER_SHARD:
             self.state.update(shard=self.state["shard"] + 1, offset=0, records=0)
         with self.shard_path.open("ab") as f:
@@ -138,7 +155,14 @@ class ShardWriter:
             f.flush()
             os.fsync(f.fileno())
             offset = f.tell()
-        self.state.update(done=prompts_done, offset=offset,
+        if isinstance(finished, int):
+            prefix, extra = finished, {x for x in self.state["extra"] if x >= finished}
+        else:
+            prefix, extra = int(self.state["done"]), set(self.state["extra"]) | set(finished)
+        while prefix in extra:  # fold the out-of-order places into the prefix
+            extra.discard(prefix)
+            prefix += 1
+        self.state.update(done=prefix, extra=sorted(extra), offset=offset,
                           records=self.state["records"] + len(records))  # fmt: skip
         self._save()
 
@@ -203,78 +227,159 @@ def regenerate(
     max_new_tokens: int = 1024,
     batch_size: int = 64,
     temperature: float = 0.0,
+    samples: int = 1,
+    sample_temperature: float = 0.8,
+    eval_only: bool = False,
+    engine: str = "auto",
+    max_prompt_tokens: int = 1024,
     data_dir: str | Path | None = None,
     device: str = "auto",
     dtype: str = "auto",
     time_limit: float | None = None,
     seed: int = 0,
+    flush_seconds: float = 10.0,
     on_batch: Callable[[int, int, int, float], None] | None = None,
 ) -> dict:
-    """Let the target answer every prompt (batched, left padded) and append the results as shards.
+    """Let the target answer every prompt and append the results as shards (resumable).
 
     Args:
         target: target hub id, folder or .gguf (None: the demo target).
         specs: prompt specs (see :func:`parse_prompt_spec`), answered in this order.
         out: data folder; an existing one made with the same settings is resumed.
         max_new_tokens: response budget per prompt (tokens).
-        batch_size: prompts per ``generate`` call.
-        temperature: 0 = greedy; > 0 = sampling from the plain distribution (seeded per batch).
+        batch_size: rows decoded together (``batched`` engine) or prompts per ``generate`` call.
+        temperature: of the first response of each prompt: 0 = greedy, > 0 samples.
+        samples: responses per prompt; responses 2.. sample at ``sample_temperature``, each row
+            drawing its own noise (record field ``sample`` = 0, 1, ...; ids get ``#k``).
+        eval_only: allow benchmark test prompts (held-out evaluation); the folder is marked so
+            and ``dflash train`` refuses it as training data.
+        engine: ``batched`` (continuous batching, static caches, CUDA graphs:
+            ``dflash.backends.batched_torch``), ``hf`` (``generate``), or ``auto`` (batched when
+            the target is Llama/Qwen2/Qwen3, else hf).
+        max_prompt_tokens: longer prompts are skipped (counted in ``skipped``).
         data_dir: folder laid out like ``shared/datasets`` for the named datasets.
         device, dtype: as for ``dflash.load``.
-        time_limit: stop cleanly before a batch that would end after this many seconds.
+        time_limit: stop cleanly after about this many seconds; unfinished jobs are redone later.
         seed: sampling seed.
-        on_batch: callback(prompts done, total, new tokens in this batch, batch seconds).
+        flush_seconds: write finished responses at least this often.
+        on_batch: callback(jobs done, total, new tokens since the last call, seconds since it),
+            called after each write.
 
     Returns:
-        dict with ``done``, ``total``, ``tokens`` (generated this run), ``seconds``, ``finished``.
+        dict with ``done``, ``total`` (jobs = prompts x samples), ``tokens`` (generated and
+        written this run), ``seconds``, ``finished``, ``skipped``, ``engine``.
 
     Raises:
-        InputError: bad numbers or a folder made with other settings; DatasetError, ...
+        InputError: bad numbers, a folder made with other settings, or a benchmark test split
+            without ``eval_only``; DatasetError, ...
     """
     import torch
 
     from dflash.api import stop_token_ids
     from dflash.backends.transformers import load_target, pick_device, pick_dtype
+    from dflash.data.datasets import ALIASES, BENCHMARK_NAMES
     from dflash.models.target_torch import resolve_target
 
-    if max_new_tokens < 1 or batch_size < 1:
-        raise InputError("--max-new-tokens and --batch-size must be >= 1.")
-    if temperature < 0:
-        raise InputError(f"--temperature must be >= 0, got {temperature}.")
+    if max_new_tokens < 1 or batch_size < 1 or samples < 1:
+        raise InputError("--max-new-tokens, --batch-size and --samples must be >= 1.")
+    if temperature < 0 or sample_temperature <= 0:
+        raise InputError("--temperature must be >= 0 and --sample-temperature > 0.")
+    if engine not in ("auto", "batched", "hf"):
+        raise InputError(f"--engine must be auto, batched or hf, got {engine!r}.")
+    bench = [s for s in specs if ALIASES.get(s.partition("@")[0].lower(), s.partition("@")[0].lower())
+             in BENCHMARK_NAMES]  # fmt: skip
+    if bench and not eval_only:
+        raise InputError(f"{', '.join(bench)} is a benchmark test split: never train on it.",
+                         hint="pass --eval-only to regenerate held-out evaluation data")  # fmt: skip
     items = [it for spec in specs for it in parse_prompt_spec(spec, data_dir)]
     dev = pick_device(device)
     model, tok = load_target(resolve_target(target), dev, pick_dtype(dtype, dev))
     stops = stop_token_ids(getattr(model, "generation_config", None), tok)
     pad = tok.pad_token_id if tok.pad_token_id is not None else (stops[0] if stops else 0)
     prompts = [encode_chat(tok, it.turns[0]) for it in items]
-    order = generation_order([len(p) for p in prompts])
+    jobs = [(i, s) for s in range(samples) for i in range(len(items))
+            if len(prompts[i]) <= max_prompt_tokens]  # fmt: skip
+    skipped = len(items) - len({i for i, _ in jobs})
+    order = generation_order([len(prompts[i]) for i, _ in jobs])
     meta = {"target": str(target or "demo"), "prompts": list(specs), "count": len(items),
             "max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed}  # fmt: skip
+    if samples > 1:
+        meta.update(samples=samples, sample_temperature=sample_temperature)
+    if eval_only:
+        meta["eval_only"] = True
     writer = ShardWriter(out, meta)
-    t_start, tokens, last = time.perf_counter(), 0, 0.0
-    while writer.done < len(order):
-        elapsed = time.perf_counter() - t_start
-        if time_limit is not None and elapsed + last > time_limit:
-            break
-        idx = order[writer.done : writer.done + batch_size]
-        t0 = time.perf_counter()
-        if temperature > 0:
-            torch.manual_seed(seed * 1_000_003 + writer.done)
-        responses = _generate_batch(model, [prompts[i] for i in idx], max_new_tokens, temperature,
-                                    stops, pad, dev)  # fmt: skip
-        records = [{"id": items[i].id, "prompt_ids": prompts[i], "response_ids": r,
-                    "finish": "stop" if r and r[-1] in stops else "length"}
-                   for i, r in zip(idx, responses, strict=True)]  # fmt: skip
-        writer.append(records, writer.done + len(idx))
-        last = time.perf_counter() - t0
-        n_new = sum(len(r) for r in responses)
-        tokens += n_new
+    from dflash.backends.static_torch import supports_static
+
+    use_batched = engine == "batched" or (engine == "auto" and supports_static(model))
+    t_start = time.perf_counter()
+    stats = {"tokens": 0, "t_flush": t_start, "new": 0}
+    pending: list[dict] = []
+    places: list[int] = []
+
+    def record(place: int, response: list[int]) -> dict:
+        i, s = jobs[order[place]]
+        temp = temperature if s == 0 else sample_temperature
+        return {"id": items[i].id + (f"#{s}" if s else ""), "prompt_ids": prompts[i],
+                "response_ids": response, "finish": "stop" if response and response[-1] in stops
+                else "length", "sample": s, "temperature": temp}  # fmt: skip
+
+    def flush(force: bool = False) -> None:
+        now = time.perf_counter()
+        if not pending or (not force and now - stats["t_flush"] < flush_seconds):
+            return
+        writer.append(list(pending), list(places))
+        n_new = sum(len(r["response_ids"]) for r in pending)
+        stats["tokens"] += n_new
+        pending.clear()
+        places.clear()
+        seconds, stats["t_flush"] = now - stats["t_flush"], now
         if on_batch is not None:
-            on_batch(writer.done, len(order), n_new, last)
+            on_batch(writer.done, len(order), n_new, seconds)
+
+    def over_time() -> bool:
+        return time_limit is not None and time.perf_counter() - t_start > time_limit
+
+    todo = [k for k in range(len(order)) if k not in writer.completed()]
+    if use_batched and todo:
+        from dflash.backends.batched_torch import BatchedGenerator, Job
+
+        longest = max(len(prompts[jobs[order[k]][0]]) for k in todo)
+        gen = BatchedGenerator(model, max_batch=min(batch_size, len(todo)),
+                               capacity=-(-(longest + max_new_tokens + 1) // 64) * 64)  # fmt: skip
+        job_list = []
+        for k in todo:
+            i, s = jobs[order[k]]
+            temp = temperature if s == 0 else sample_temperature
+            job_list.append(Job(prompts[i], max_new_tokens, temp))
+        for n, response in gen.run(job_list, stops, seed=seed * 1_000_003 + writer.done):
+            pending.append(record(todo[n], response))
+            places.append(todo[n])
+            flush()
+            if over_time():
+                break
+        flush(force=True)
+    else:
+        for lo in range(0, len(todo), batch_size):
+            if over_time():
+                break
+            part = todo[lo : lo + batch_size]
+            torch.manual_seed(seed * 1_000_003 + part[0])
+            by_temp: dict[float, list[int]] = {}
+            for k in part:
+                i, s = jobs[order[k]]
+                by_temp.setdefault(temperature if s == 0 else sample_temperature, []).append(k)
+            for temp, ks in by_temp.items():
+                outs = _generate_batch(model, [prompts[jobs[order[k]][0]] for k in ks], max_new_tokens,
+                                       temp, stops, pad, dev)  # fmt: skip
+                for k, r in zip(ks, outs, strict=True):
+                    pending.append(record(k, r))
+                    places.append(k)
+            flush(force=True)
     if writer.done >= len(order):
         writer.finish()
-    return {"done": writer.done, "total": len(order), "tokens": tokens,
-            "seconds": time.perf_counter() - t_start, "finished": writer.done >= len(order)}  # fmt: skip
+    return {"done": writer.done, "total": len(order), "tokens": stats["tokens"],
+            "seconds": time.perf_counter() - t_start, "finished": writer.done >= len(order),
+            "skipped": skipped, "engine": "batched" if use_batched else "hf"}  # fmt: skip
 
 
 def _generate_batch(model, prompts: list[list[int]], max_new: int, temperature: float,

@@ -255,4 +255,27 @@ def estimate_acceptance(draft, target: FrozenTarget, seqs: list[tuple[list[int],
         "tau_pooled": sum(pooled) / len(pooled),
         "per_position": [hits[k] / attempts[k] if attempts[k] else None for k in range(1, lsz)],
         "responses": len(means),
+        "steps": len(pooled),
+        "attempts": attempts[1:],
+        "hits": hits[1:],
+    }
+
+
+def merge_acceptance(parts: list[dict]) -> dict:
+    """Pool several :func:`estimate_acceptance` results (per dataset) into one overall result."""
+    parts = [p for p in parts if p.get("responses")]
+    if not parts:
+        return {"tau": float("nan"), "tau_pooled": float("nan"), "per_position": [], "responses": 0}
+    n = sum(p["responses"] for p in parts)
+    steps = sum(p["steps"] for p in parts)
+    att = [sum(x) for x in zip(*(p["attempts"] for p in parts), strict=True)]
+    hit = [sum(x) for x in zip(*(p["hits"] for p in parts), strict=True)]
+    return {
+        "tau": sum(p["tau"] * p["responses"] for p in parts) / n,
+        "tau_pooled": sum(p["tau_pooled"] * p["steps"] for p in parts) / steps,
+        "per_position": [h / a if a else None for h, a in zip(hit, att, strict=True)],
+        "responses": n,
+        "steps": steps,
+        "attempts": att,
+        "hits": hit,
     }

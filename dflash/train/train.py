@@ -25,9 +25,9 @@ from dflash.train.data import collate, make_batches, prepare, read_shards
 from dflash.train.masks import round_up, sample_anchors
 from dflash.train.objective import FrozenTarget, batch_loss, estimate_acceptance
 
-# settings that must match for a resume to continue the same run
+# settings that must match for a resume to continue the same run (max_steps may grow)
 RESUME_KEYS = ("block_size", "layers", "anchors", "epochs", "lr", "max_len", "batch_tokens",
-               "seed", "gamma", "max_steps", "warmup")  # fmt: skip
+               "seed", "gamma", "warmup", "resume_from")  # fmt: skip
 
 
 @dataclass
@@ -48,8 +48,13 @@ class TrainConfig:
         gamma: loss decay (None: 7/5/4 for L = 16/10/8).
         time_limit: seconds; the schedule then anneals by max(step, time) progress (not
             deterministic) and the run ends at the limit.
-        eval_data: folder of responses for the held-out τ (None: a holdout of ``data``).
+        eval_data: folder of responses for the held-out τ (None: a holdout of ``data``); with
+            benchmark ids (``gsm8k/..``, ``math500/..``, ...) τ is also reported per dataset,
+            ``eval_per_dataset`` responses each.
         eval_every, save_every, log_every: in optimizer steps.
+        resume_from: a draft folder written by ``dflash train`` (weights only, e.g. brought back
+            from another machine): training continues from its weights and step count with a
+            fresh optimizer and schedule; ``max_steps`` then counts all steps, old ones included.
         attention: auto (flex on CUDA, dense on CPU), flex or dense.
         save_dtype: dtype of the exported draft (bfloat16 or float32).
     """
@@ -82,6 +87,8 @@ class TrainConfig:
     save_dtype: str = "bfloat16"
     state_dir: str | None = None
     mask_token_id: int | None = None
+    resume_from: str | None = None
+    eval_per_dataset: int = 16
     extra: dict = field(default_factory=dict)
 
     def check(self) -> None:
@@ -203,12 +210,18 @@ class Trainer:
         self.device = next(target_model.parameters()).device
         self.out = Path(cfg.out)
         self.state_dir = Path(cfg.state_dir) if cfg.state_dir else self.out / "state"
-        self.seqs, self.eval_seqs = self._load_data()
+        self.seqs, self.eval_sets = self._load_data()
+        self.eval_seqs = [sq for _, group in self.eval_sets for sq in group]
         resume = (self.state_dir / "trainer_state.json").is_file()
         from dflash.models.draft_torch import DFlashDraft
 
-        draft = DFlashDraft.load(self.state_dir / "draft", dtype=torch.float32) if resume \
-            else _fresh_draft(cfg, self.state_dir)  # fmt: skip
+        self.base_step, prior_log = 0, []
+        if cfg.resume_from and not resume:
+            draft, self.base_step, prior_log = _weights_only(cfg)
+        elif resume:
+            draft = DFlashDraft.load(self.state_dir / "draft", dtype=torch.float32)
+        else:
+            draft = _fresh_draft(cfg, self.state_dir)
         self._check_pair(draft, target_model)
         self.draft = draft.to(self.device).train()
         self.target = FrozenTarget(target_model, draft.config.target_layer_ids)
@@ -216,19 +229,38 @@ class Trainer:
         fused = self.device.type == "cuda"
         self.opt = torch.optim.AdamW(self.draft.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
                                      weight_decay=cfg.weight_decay, fused=fused)  # fmt: skip
-        self.epoch_batches = [make_batches(self.lengths, cfg.batch_tokens, cfg.seed, e)
+        order_seed = cfg.seed + self.base_step  # a resumed segment draws a new order and anchors
+        self.epoch_batches = [make_batches(self.lengths, cfg.batch_tokens, order_seed, e)
                               for e in range(cfg.epochs)]  # fmt: skip
         total = sum(len(b) for b in self.epoch_batches)
-        self.total_steps = min(total, cfg.max_steps) if cfg.max_steps else total
-        self.cursor = {"step": 0, "epoch": 0, "batch": 0, "elapsed": 0.0, "log": [],
+        self.cursor = {"step": 0, "epoch": 0, "batch": 0, "elapsed": 0.0, "log": prior_log,
+                       "base_step": self.base_step, "max_steps": cfg.max_steps,
                        "settings": {k: getattr(cfg, k) for k in RESUME_KEYS}}  # fmt: skip
         if resume:
             cur = load_state(self.state_dir, self.draft, self.opt)
+            cur["settings"].pop("max_steps", None)  # states of older versions kept it
+            cur["settings"].setdefault("resume_from", None)
             if cur["settings"] != self.cursor["settings"]:
                 raise InputError(f"{self.state_dir} holds a run with other settings.",
                                  hint="use the same options, another --out, or delete the state folder")  # fmt: skip
             cur.pop("adam_steps", None)
+            self.base_step = cur.setdefault("base_step", 0)
+            if cur.get("max_steps") != cfg.max_steps:
+                cur["log"].append({"step": self.base_step + cur["step"], "event": "max_steps changed",
+                                   "from": cur.get("max_steps"), "to": cfg.max_steps})  # fmt: skip
+                cur["max_steps"] = cfg.max_steps
             self.cursor = cur
+        elif cfg.resume_from:
+            self.cursor["log"].append({"step": self.base_step, "event": "resumed from weights only",
+                                       "from": cfg.resume_from, "optimizer": "fresh",
+                                       "schedule": "fresh (warmup + cosine over this segment)"})  # fmt: skip
+        self.total_steps = total
+        if cfg.max_steps:
+            if cfg.max_steps <= self.base_step:
+                raise InputError(f"--max-steps {cfg.max_steps} is not above the {self.base_step} steps "
+                                 f"already trained in {cfg.resume_from}.",
+                                 hint="pass a larger --max-steps to train further")  # fmt: skip
+            self.total_steps = min(total, cfg.max_steps - self.base_step)
         if cfg.attention == "flex" and self.device.type != "cuda":
             raise InputError("--attention flex trains on CUDA only (no FlexAttention backward on CPU).",
                              hint="use --attention auto or dense")  # fmt: skip
@@ -239,20 +271,27 @@ class Trainer:
 
     def _load_data(self):
         cfg = self.cfg
-        seqs = prepare(read_shards(cfg.data), cfg.max_len)
+        samples = read_shards(cfg.data)
+        _refuse_benchmark_data(cfg.data, samples)
+        seqs = prepare(samples, cfg.max_len)
         if not seqs:
             raise DatasetError(f"No record in {cfg.data} has two response tokens within --max-len.")
         if cfg.eval_data:
-            eval_seqs = prepare(read_shards(cfg.eval_data), cfg.max_len)[: cfg.eval_max]
+            groups: dict[str, list] = {}
+            for smp in read_shards(cfg.eval_data):
+                group = groups.setdefault(dataset_of(smp.id), [])
+                if len(group) < cfg.eval_per_dataset:
+                    group.extend(prepare([smp], cfg.max_len))
+            eval_sets = sorted(groups.items())
         else:  # hold out a few sequences (never trained on) for the τ estimate
-            k = min(cfg.eval_max, len(seqs) // 50)
+            k = min(cfg.eval_max, max(1, len(seqs) // 50)) if len(seqs) >= 2 else 0
             idx = list(range(len(seqs)))
             random.Random(cfg.seed).shuffle(idx)
             held = set(idx[:k])
-            eval_seqs = [seqs[i] for i in sorted(held)]
+            eval_sets = [("heldout", [seqs[i] for i in sorted(held)])] if held else []
             seqs = [s for i, s in enumerate(seqs) if i not in held]
         self.lengths = [len(ids) for ids, _ in seqs]
-        return seqs, eval_seqs
+        return seqs, eval_sets
 
     def _check_pair(self, draft, target_model) -> None:
         from dflash.backends.transformers import check_pair
@@ -290,11 +329,22 @@ class Trainer:
         return out
 
     def evaluate(self) -> dict | None:
-        """Held-out acceptance estimate (see ``estimate_acceptance``); None without eval data."""
+        """Held-out acceptance estimate (see ``estimate_acceptance``), overall and per dataset
+        (``per_dataset``: name -> τ); None without eval data."""
         if not self.eval_seqs:
             return None
-        return estimate_acceptance(self.draft, self.target, self.eval_seqs, pad_id=self.pad_id,
-                                   autocast_dtype=self.autocast)  # fmt: skip
+        from dflash.train.objective import merge_acceptance
+
+        parts = {name: estimate_acceptance(self.draft, self.target, group, pad_id=self.pad_id,
+                                           autocast_dtype=self.autocast)
+                 for name, group in self.eval_sets}  # fmt: skip
+        res = merge_acceptance(list(parts.values()))
+        if len(parts) > 1:
+            res["per_dataset"] = {n: p["tau"] for n, p in parts.items()}
+            res["per_dataset_position"] = {n: p["per_position"] for n, p in parts.items()}
+        for key in ("attempts", "hits"):
+            res.pop(key, None)
+        return res
 
     def save(self) -> None:
         """Write the resume state and export the draft (loader format) into ``out``."""
@@ -309,6 +359,10 @@ class Trainer:
         state = {k: v.detach().to("cpu", dtype) for k, v in self.draft.state_dict().items()}
         copy.load_state_dict(state, assign=True)
         copy.save(self.out)
+        last = next((r["heldout"] for r in reversed(self.cursor["log"]) if r.get("heldout")), None)
+        if last and last.get("per_position"):
+            write_acceptance(self.out, last, self.draft.config.block_size,
+                             self.base_step + self.cursor["step"])  # fmt: skip
         (self.out / "train_log.jsonl").write_text(
             "".join(json.dumps(r) + "\n" for r in self.cursor["log"])
         )
@@ -340,7 +394,7 @@ class Trainer:
         """
         cfg, cur = self.cfg, self.cursor
         if cur["step"] == 0 and self.eval_seqs:
-            self._record({"step": 0, "heldout": self.evaluate(), "elapsed": 0.0})
+            self._record({"step": self.base_step, "heldout": self.evaluate(), "elapsed": 0.0})
         t_mark, pending, t_call = time.perf_counter(), [], time.perf_counter()
 
         def paused() -> bool:
@@ -362,17 +416,19 @@ class Trainer:
             now = time.perf_counter()
             cur["elapsed"], t_mark = cur["elapsed"] + now - t_mark, now
             last, step = self.finished(), cur["step"]
-            if step % cfg.log_every == 0 or last or paused():
+            gstep = self.base_step + step  # the step count across resumed segments
+            do_eval = gstep % cfg.eval_every == 0 or last
+            if gstep % cfg.log_every == 0 or last or paused() or do_eval:
                 stats = (
                     torch.stack([torch.stack(x).float() for x in pending]).mean(0).tolist()
                 )  # sync
                 pending = []
-                rec = {"step": step, "epoch": cur["epoch"], "lr": lr, "loss": stats[0],
+                rec = {"step": gstep, "epoch": cur["epoch"], "lr": lr, "loss": stats[0],
                        "accuracy": stats[1], "accept": stats[2], "elapsed": round(cur["elapsed"], 2)}  # fmt: skip
-                if step % cfg.eval_every == 0 or last:
+                if do_eval:
                     rec["heldout"] = self.evaluate()
                 self._record(rec)
-            if step % cfg.save_every == 0 and not last:
+            if gstep % cfg.save_every == 0 and not last:
                 self.save()
         self.save()
         return cur["log"][-1] if cur["log"] else {}
@@ -390,6 +446,66 @@ class Trainer:
             self.opt.zero_grad(set_to_none=True)
             self.flex = False
             return self.step(batch, lr)  # dense masks take the flex-padded batch as it is
+
+
+def dataset_of(record_id: str) -> str:
+    """Dataset name of a record id: the benchmark (``gsm8k``, ``humaneval``, ...) or the part
+    before the first ``/`` (``gsm8k-train``, ``mmlu-test``, ...)."""
+    from dflash.data.guard import benchmark_of
+
+    return benchmark_of(record_id) or record_id.split("/", 1)[0].split("#", 1)[0]
+
+
+def _refuse_benchmark_data(folder: str, samples) -> None:
+    """Training data must not hold benchmark test prompts (``dflash.data.guard``)."""
+    from dflash.data.guard import check_training_ids
+
+    meta = Path(folder) / "meta.json"
+    if meta.is_file() and json.loads(meta.read_text()).get("eval_only"):
+        raise DatasetError(f"{folder} was regenerated with --eval-only (benchmark test prompts); "
+                           "never train on it.", hint="pass it as --eval-data instead")  # fmt: skip
+    check_training_ids((s.id for s in samples), folder)
+
+
+def _weights_only(cfg: TrainConfig):
+    """Load a weights-only checkpoint (a draft folder) and its step count from its log.
+
+    Returns:
+        (draft float32, steps already trained, the folder's log records).
+
+    Raises:
+        CheckpointError: the folder holds no draft.
+    """
+    from dflash.models.draft_torch import DFlashDraft
+
+    folder = Path(cfg.resume_from)
+    if not (folder / "config.json").is_file():
+        raise CheckpointError(f"--resume-from {folder} holds no draft (config.json).",
+                              hint="pass a folder written by 'dflash train'")  # fmt: skip
+    draft = DFlashDraft.load(folder, dtype=torch.float32)
+    log_path = folder / "train_log.jsonl"
+    log = [json.loads(x) for x in log_path.read_text().splitlines() if x.strip()] \
+        if log_path.is_file() else []  # fmt: skip
+    steps = max((int(r.get("step", 0)) for r in log), default=0)
+    if draft.config.block_size != cfg.block_size:
+        draft.config.block_size = cfg.block_size
+    return draft, steps, log
+
+
+def write_acceptance(folder: Path, heldout: dict, block_size: int, step: int) -> None:
+    """Write ``acceptance.json``: the draft's held-out per-position acceptance rates.
+
+    ``per_position[k-1]`` = P(slot k accepted | slots 1..k-1 accepted), k = 1..L-1, estimated by
+    replaying greedy decoding over target responses (``estimate_acceptance``); ``per_dataset``
+    holds the same per evaluation dataset. A prior for choosing the block size at run time.
+    """
+    doc = {"block_size": block_size, "step": step, "tau": heldout.get("tau"),
+           "per_position": heldout.get("per_position"), "responses": heldout.get("responses"),
+           "source": "held-out estimate (teacher-forced greedy replay), dflash train"}  # fmt: skip
+    if heldout.get("per_dataset"):
+        doc["per_dataset"] = {n: {"tau": t, "per_position": heldout["per_dataset_position"][n]}
+                              for n, t in heldout["per_dataset"].items()}  # fmt: skip
+    (Path(folder) / "acceptance.json").write_text(json.dumps(doc, indent=1) + "\n")
 
 
 def load_training_target(target: str | None, device: str = "auto"):
