@@ -194,7 +194,8 @@ def stop_token_ids(generation_config: Any, tokenizer: Any) -> list[int]:
 
 
 def load(model: str | None = None, draft: str | None = None, *, backend: str = "transformers",
-         device: str = "auto", dtype: str = "auto", cuda_graphs: bool | None = None) -> Pipeline:  # fmt: skip
+         device: str = "auto", dtype: str = "auto", cuda_graphs: bool | None = None,
+         compile: bool | None = None) -> Pipeline:  # fmt: skip
     """Load a target and a DFlash draft.
 
     Args:
@@ -206,6 +207,8 @@ def load(model: str | None = None, draft: str | None = None, *, backend: str = "
         dtype: auto (bfloat16 on CUDA, float32 on CPU) | bfloat16 | float16 | float32.
         cuda_graphs: use the static-cache path with CUDA graphs (Llama/Qwen2/Qwen3 targets on
             CUDA); None = automatically when possible, False = the plain HF forward.
+        compile: wrap the CUDA-graph forwards in ``torch.compile`` (kernels cached on disk under
+            the dflash cache); None = on whenever CUDA graphs are used.
 
     Raises:
         BackendError, CheckpointError, ConfigError, InputError: one-sentence reasons.
@@ -247,6 +250,11 @@ def load(model: str | None = None, draft: str | None = None, *, backend: str = "
     if cuda_graphs and not fast:
         raise BackendError("CUDA graphs need a CUDA device and a Llama/Qwen2/Qwen3-style target.",
                            hint="drop --cuda-graphs")  # fmt: skip
-    impl = StaticBackend(target_model, draft_model, dev) if fast else TransformersBackend(
-        target_model, draft_model, dev)  # fmt: skip
+    if compile and not fast:
+        raise BackendError("--compile needs the CUDA-graph path (a CUDA device and a "
+                           "Llama/Qwen2/Qwen3-style target).", hint="drop --compile")  # fmt: skip
+    from dflash.backends.graph_plan import resolve_compile
+
+    impl = StaticBackend(target_model, draft_model, dev, compile=resolve_compile(compile, fast)
+                         ) if fast else TransformersBackend(target_model, draft_model, dev)  # fmt: skip
     return Pipeline(impl, tokenizer, stops, name=str(model or "demo"))

@@ -55,10 +55,15 @@ def speculative_generate(
     yield RoundResult(tokens=[first], accepted=None, finish_reason=finish)
     anchor, start = first, len(prompt_ids)  # anchor sits at position `start`, not yet in cache
     while finish is None:
-        length = min(block_size, max_new_tokens - n)  # the last block shrinks to the budget
+        length = min(block_size, max_new_tokens - n)  # verify width: trimmed to the budget
         proposals_arr = None
         if length > 1:  # draft logits are unused: proposals are argmax, q one-hot
-            proposals_arr, _draft_logits = backend.draft(anchor, context, start, length)
+            # The draft always runs at its trained width (its in-block attention is
+            # bidirectional: a narrower block proposes other tokens); only the first
+            # length-1 proposals are verified.
+            width = max(block_size, backend.draft_block_size)
+            proposals_arr, _draft_logits = backend.draft(anchor, context, start, width)
+            proposals_arr = proposals_arr[: length - 1]
         logits, feats = backend.verify(anchor, proposals_arr, start, want_features)
         if sampling.greedy:
             arrays = [backend.argmax(logits)] + ([proposals_arr] if length > 1 else [])

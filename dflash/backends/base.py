@@ -50,10 +50,11 @@ class LocalBackend(Protocol):
             anchor: last committed token, at absolute position ``start``.
             context: features [Tc, F] of the committed positions the draft has not seen yet
                 (positions start - Tc .. start - 1).
-            length: block size L of this step (>= 2).
+            length: width of the draft block (>= 2); the loop always passes the draft's
+                trained block size and verifies only the first proposals it needs.
 
         Returns:
-            (proposal ids [L-1] as the backend's integer array, draft logits [L-1, V]).
+            (proposal ids [length-1] as the backend's integer array, logits [length-1, V]).
         """
 
     def verify(self, anchor: int, proposals: Any, start: int, with_features: bool) -> tuple[Any, Any]:

@@ -180,6 +180,14 @@ class TransformersBackend:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def describe(self) -> dict[str, Any]:
+        """What runs the forwards: impl, device (with the GPU name), dtype, graphs, compile."""
+        dev = str(self.device)
+        if self.device.type == "cuda":
+            dev += f" ({torch.cuda.get_device_name(self.device)})"
+        return {"impl": "dynamic", "device": dev, "dtype": str(self.embed_weight.dtype).split(".")[-1],
+                "cuda_graphs": False, "compile": False}  # fmt: skip
+
 
 def load_target(path: str, device: torch.device, dtype: torch.dtype):
     """Load an HF causal LM and its tokenizer from a folder or hub id (no remote code).
