@@ -16,9 +16,8 @@ in ``torch.compile`` (Inductor, kernels cached on disk), which fuses the small k
 
 from __future__ import annotations
 
-from typing import Any
-
 import sys
+from typing import Any
 
 import torch
 import torch.nn.functional as F
