@@ -9,11 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import numpy as np
-
-from dflash.accept import accept_greedy, accept_sampling
+from dflash.accept import accept_greedy
 from dflash.backends.base import LocalBackend
-from dflash.sampling import sample, sampling_probs
+from dflash.sampling import NumpySampler
 from dflash.types import RoundResult, SamplingParams
 
 
@@ -42,14 +40,17 @@ def speculative_generate(
         finish_reason "stop" or "length".
     """
     stops = set(stop_ids)
-    rng = np.random.default_rng(sampling.seed)
+    sampler = None  # T > 0: on the backend's device when it offers a sampler, else numpy
+    if not sampling.greedy:
+        make = getattr(backend, "sampler", None)
+        sampler = make(sampling) if make is not None else NumpySampler(backend, sampling)
     want_features = block_size > 1
     backend.reset(len(prompt_ids) + max_new_tokens + block_size)
     logits, context = backend.prefill(list(prompt_ids), want_features)
     if sampling.greedy:
         first = backend.to_list(backend.argmax(logits[None]))[0][0]  # sync: first token
     else:
-        first = sample(sampling_probs(backend.to_numpy(logits), sampling), rng)
+        first = sampler.first(logits)
     n = 1
     finish = "stop" if first in stops else ("length" if n >= max_new_tokens else None)
     yield RoundResult(tokens=[first], accepted=None, finish_reason=finish)
@@ -71,9 +72,7 @@ def speculative_generate(
             target_ids, proposals = lists[0], (lists[1] if length > 1 else [])
             a, bonus = accept_greedy(proposals, target_ids)
         else:
-            proposals = backend.to_list(proposals_arr)[0] if length > 1 else []
-            p_target = sampling_probs(backend.to_numpy(logits), sampling)
-            a, bonus = accept_sampling(proposals, p_target, None, rng)
+            a, bonus, proposals = sampler.accept(proposals_arr, logits)  # sync: one host copy
         new = proposals[:a] + [bonus]
         for i, tok in enumerate(new):  # stop tokens are looked for among new tokens only
             if tok in stops:

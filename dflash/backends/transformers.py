@@ -180,6 +180,12 @@ class TransformersBackend:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def sampler(self, params):
+        """Device sampler for temperature > 0 (see :class:`dflash.sampling_torch.TorchSampler`)."""
+        from dflash.sampling_torch import TorchSampler
+
+        return TorchSampler(params, self.device)
+
     def describe(self) -> dict[str, Any]:
         """What runs the forwards: impl, device (with the GPU name), dtype, graphs, compile."""
         dev = str(self.device)
