@@ -178,9 +178,31 @@ class Pipeline:
             finish_reason=finish, block_size=bs,
         )  # fmt: skip
 
+    def describe(self) -> dict[str, Any]:
+        """What produces this pipeline's tokens: the backend's own description (impl, device,
+        dtype, CUDA graphs, compile) plus package versions; stored with benchmark records."""
+        info = dict(getattr(self.backend, "describe", dict)())
+        info["versions"] = package_versions()
+        return info
+
     def decode(self, ids: list[int]) -> str:
         """Token ids -> text, special tokens skipped."""
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def package_versions() -> dict[str, str | None]:
+    """Versions of dflash and the packages that shape its numerics (None when absent)."""
+    from importlib import metadata
+
+    import dflash
+
+    out: dict[str, str | None] = {"dflash": dflash.__version__}
+    for name in ("torch", "transformers", "mlx"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
 
 
 def stop_token_ids(generation_config: Any, tokenizer: Any) -> list[int]:

@@ -28,15 +28,14 @@ LOCAL_BACKENDS = ("transformers", "mlx")
 
 
 def _load_pipeline(backend: str, model: str | None, draft: str | None, device: str, dtype: str,
-                   cuda_graphs: bool | None = None):  # fmt: skip
+                   cuda_graphs: bool | None = None, compile: bool | None = None):  # fmt: skip
     """Load target + draft through the public API (a seam the tests replace with a fake)."""
     try:
         from dflash import api
     except ImportError as err:
         raise BackendError(f"dflash.api cannot be imported ({err}).") from None
-    return api.load(
-        model, draft, backend=backend, device=device, dtype=dtype, cuda_graphs=cuda_graphs
-    )
+    kwargs = {"cuda_graphs": cuda_graphs} | ({"compile": compile} if compile is not None else {})
+    return api.load(model, draft, backend=backend, device=device, dtype=dtype, **kwargs)
 
 
 def _check_options(
@@ -138,6 +137,14 @@ def benchmark(
             help="Static caches + CUDA graphs (default: on for CUDA with Llama/Qwen-style targets).",
         ),
     ] = None,
+    compile: Annotated[
+        bool | None,
+        typer.Option(
+            "--compile/--no-compile",
+            help="torch.compile the CUDA-graph forwards (default: on with CUDA graphs; about "
+            "30 s per graph the first time, kernels cached under the dflash cache).",
+        ),
+    ] = None,
     base_url: Annotated[
         str, typer.Option(help="openai backend: server URL.")
     ] = "http://127.0.0.1:30000",
@@ -159,13 +166,14 @@ def benchmark(
         sampling=sampling,
         reasoning=reasoning,
         check_parity=check_parity,
-        run_info={"backend": backend, "model": model, "draft": draft, "cuda_graphs": cuda_graphs},
+        run_info={"backend": backend, "model": model, "draft": draft, "cuda_graphs": cuda_graphs,
+                  "compile": compile},  # resolved values replace these once loaded  # fmt: skip
     )
     dist = harness.init_distributed()
     try:
         gathered = _run(
             dist,
-            (backend, model, draft, device, dtype, cuda_graphs),
+            (backend, model, draft, device, dtype, cuda_graphs, compile),
             selected,
             config,
             output,
@@ -187,7 +195,7 @@ def benchmark(
 
 def _run(
     dist: harness.DistInfo,
-    load_args: tuple[str, str | None, str | None, str, str, bool | None],
+    load_args: tuple[str, str | None, str | None, str, str, bool | None, bool | None],
     selected: dict[str, list[PromptItem]],
     config: harness.BenchConfig,
     output: Path | None,
@@ -196,16 +204,17 @@ def _run(
     """Load, run this rank's shard with a progress bar, gather on rank 0 and merge its files.
 
     Args:
-        load_args: (backend, model, draft, device, dtype, cuda_graphs) for :func:`_load_pipeline`.
+        load_args: (backend, model, draft, device, dtype, cuda_graphs, compile) for
+            :func:`_load_pipeline`.
 
     Returns:
         Records per dataset on rank 0, None on other ranks.
     """
-    backend, model, draft, device, dtype, cuda_graphs = load_args
+    backend, model, draft, device, dtype, cuda_graphs, compile = load_args
     if dist.world > 1 and device in ("auto", "cuda"):
         device = f"cuda:{dist.local_rank}"
     log = harness.ResultsLog(output, resume=resume, rank=dist.rank, world=dist.world)
-    pipeline = _load_pipeline(backend, model, draft, device, dtype, cuda_graphs)
+    pipeline = _load_pipeline(backend, model, draft, device, dtype, cuda_graphs, compile)
     shards = {name: harness.shard(items, dist) for name, items in selected.items()}
     with report.BenchProgress(enabled=dist.rank == 0) as progress:
         results = harness.run_benchmark(
