@@ -269,6 +269,11 @@ def run_item(
             prompt_ids = pipeline.chat_prompt(messages, reasoning=config.reasoning)
             base, fast = measure(pipeline, prompt_ids, block_size, config)
             record = make_record(dataset, item.id, turn, prompt_ids, base, fast, config, block_size)
+            if record.parity is False and base is not None:
+                from dflash.bench.parity import classify_mismatch
+
+                classify_mismatch(pipeline, record, prompt_ids, base, fast, config.sampling,
+                                  config.run_info.get("dtype"))  # fmt: skip
         elif record.config != config.record_config(block_size):
             raise InputError(
                 f"The results file holds {item.id} turn {turn} made with other settings "
