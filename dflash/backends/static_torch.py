@@ -98,7 +98,9 @@ class StaticBackend(TransformersBackend):
         rot = target.model.rotary_emb
         self.inv_freq, self.rope_scale = rot.inv_freq.float(), float(rot.attention_scaling)
         self.dtype = self.embed_weight.dtype
-        self.feature_layers = {i - 1: n for n, i in enumerate(self.layer_ids)}  # layer -> slot
+        self.feature_layers: dict[int, list[int]] = {}  # layer -> feature slots (ids may repeat)
+        for n, i in enumerate(self.layer_ids):
+            self.feature_layers.setdefault(i - 1, []).append(n)
         self.capacity = 0
         self.graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, Any, tuple]] = {}
 
@@ -159,11 +161,12 @@ class StaticBackend(TransformersBackend):
                                                scale=a.scaling, enable_gqa=self.heads != self.kv_heads)  # fmt: skip
             x = x + a.o_proj(o.transpose(1, 2).reshape(1, t, self.heads * self.head_dim))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-            if i in self.feature_layers and i < self.n_layers - 1:
-                slots[self.feature_layers[i]] = x[0]
+            if i < self.n_layers - 1:
+                for n in self.feature_layers.get(i, ()):
+                    slots[n] = x[0]
         x = self.target.model.norm(x)
-        if self.n_layers - 1 in self.feature_layers:  # HF's hidden_states[N] is final-normed
-            slots[self.feature_layers[self.n_layers - 1]] = x[0]
+        for n in self.feature_layers.get(self.n_layers - 1, ()):  # HF's hidden_states[N] is
+            slots[n] = x[0]  # final-normed
         logits = self.lm_head(x)[0]  # [T, V]
         if self.layer_ids:
             self.feats.index_copy_(0, pos[0], torch.cat(slots, dim=-1))
