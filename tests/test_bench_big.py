@@ -25,6 +25,6 @@ def test_bench_big_tiny_exact_steps(tmp_path):
     assert json.loads((tmp_path / "bench_big.json").read_text()) == report
     got = {(r["block_size"], r["k"]): r for r in report["results"]}
     assert set(got) == {(1, 0), (4, 0), (4, 3), (16, 0), (16, 15)}
-    for (block, k), r in got.items():
+    for (_block, k), r in got.items():
         assert r["steps"] == 2 and r["tau"] == k + 1, r  # exactly k of L-1 proposals right
         assert r["floor_ms"] > 0 and r["ms_per_step"] > 0
