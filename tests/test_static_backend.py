@@ -111,3 +111,56 @@ def test_last_layer_features_are_final_normed_like_hf(tiny_target):
     finally:
         with torch.no_grad():
             tiny_target.model.norm.weight.fill_(1.0)
+
+
+class _FakeGraph:
+    """CPU stand-in for a CUDA graph: replay re-runs the function on the static inputs and
+    copies the results into the outputs captured once (as a graph replay updates them)."""
+
+    def __init__(self, fn, inputs, out):
+        self.fn, self.inputs, self.out = fn, inputs, out
+
+    def replay(self):
+        with torch.inference_mode():
+            new = self.fn(*self.inputs)
+        for dst, src in zip(self.out if isinstance(self.out, tuple) else (self.out,),
+                            new if isinstance(new, tuple) else (new,), strict=True):  # fmt: skip
+            dst.copy_(src)
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 16])
+def test_graph_path_plan_padding_and_no_capture_while_decoding(tiny_target, block_size):
+    """The graph code path (static inputs, padding to captured widths, replays) on CPU with a
+    fake graph: greedy parity, exactly the planned graphs, none captured after prefill."""
+    be = StaticBackend(tiny_target, make_draft(tiny_target), torch.device("cpu"), use_graphs=False)
+    be.use_graphs = True
+    events: list[str] = []
+
+    def fake_graph(kind, width, make_inputs):
+        key = (kind, width)
+        if key not in be.graphs:
+            events.append(f"capture {kind} {width}")
+            inputs = make_inputs()
+            fn = be._target_forward if kind == "verify" else be._draft_forward
+            with torch.inference_mode():
+                out = fn(*inputs)
+            out = tuple(o.clone() for o in out) if isinstance(out, tuple) else out.clone()
+            be.graphs[key] = (_FakeGraph(fn, inputs, out), out, inputs)
+        return be.graphs[key]
+
+    be._graph = fake_graph
+    prefill = be.prefill
+
+    def marked_prefill(*args):
+        events.append("prefill")
+        return prefill(*args)
+
+    be.prefill = marked_prefill
+    truth = greedy_reference(tiny_target, PROMPT, 45)
+    for budget in (45, 30):  # the last block is cut short by the budget
+        toks = [t for r in speculative_generate(be, PROMPT, block_size=block_size,
+                                                max_new_tokens=budget) for t in r.tokens]  # fmt: skip
+        assert toks == truth[:budget]
+    assert set(be.graphs) == {("verify", 1), ("verify", 16), ("draft", 16)}
+    first_prefill = events.index("prefill")
+    assert all(not e.startswith("capture") for e in events[first_prefill:]), events
