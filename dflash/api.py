@@ -217,7 +217,7 @@ def stop_token_ids(generation_config: Any, tokenizer: Any) -> list[int]:
 
 def load(model: str | None = None, draft: str | None = None, *, backend: str = "transformers",
          device: str = "auto", dtype: str = "auto", cuda_graphs: bool | None = None,
-         compile: bool | None = None) -> Pipeline:  # fmt: skip
+         compile: bool | None = None, uniform_width: bool = False) -> Pipeline:  # fmt: skip
     """Load a target and a DFlash draft.
 
     Args:
@@ -231,6 +231,8 @@ def load(model: str | None = None, draft: str | None = None, *, backend: str = "
             CUDA); None = automatically when possible, False = the plain HF forward.
         compile: wrap the CUDA-graph forwards in ``torch.compile`` (kernels cached on disk under
             the dflash cache); None = on whenever CUDA graphs are used.
+        uniform_width: CUDA-graph path only: verify every step at the draft's block size, block-1
+            decoding included (same kernels for baseline and DFlash: bitwise bf16 parity checks).
 
     Raises:
         BackendError, CheckpointError, ConfigError, InputError: one-sentence reasons.
@@ -277,6 +279,9 @@ def load(model: str | None = None, draft: str | None = None, *, backend: str = "
                            "Llama/Qwen2/Qwen3-style target).", hint="drop --compile")  # fmt: skip
     from dflash.backends.graph_plan import resolve_compile
 
-    impl = StaticBackend(target_model, draft_model, dev, compile=resolve_compile(compile, fast)
+    if uniform_width and not fast:
+        raise BackendError("--uniform-width needs the CUDA-graph path.", hint="drop --uniform-width")
+    impl = StaticBackend(target_model, draft_model, dev, compile=resolve_compile(compile, fast),
+                         uniform_width=uniform_width,
                          ) if fast else TransformersBackend(target_model, draft_model, dev)  # fmt: skip
     return Pipeline(impl, tokenizer, stops, name=str(model or "demo"))

@@ -33,3 +33,10 @@ def test_width_past_the_plan_is_kept_and_bad_width_raises():
                                               (False, True, False), (True, True, True)])  # fmt: skip
 def test_compile_default_follows_graphs(flag, graphs, want):
     assert resolve_compile(flag, graphs) is want
+
+
+def test_uniform_plan_pads_block_1_decoding_to_the_block():
+    plan = plan_graphs(16, has_draft=True, uniform=True)
+    assert plan.verify_widths == (16,) and plan.keys() == [("verify", 16), ("draft", 16)]
+    assert {plan.verify_width(w) for w in range(1, 17)} == {16}
+    assert plan_graphs(16, has_draft=False, uniform=True).verify_widths == (1,)

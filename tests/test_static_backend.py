@@ -128,11 +128,12 @@ class _FakeGraph:
             dst.copy_(src)
 
 
-@pytest.mark.parametrize("block_size", [1, 3, 16])
-def test_graph_path_plan_padding_and_no_capture_while_decoding(tiny_target, block_size):
+@pytest.mark.parametrize("block_size,uniform", [(1, False), (3, False), (16, False), (1, True)])
+def test_graph_path_plan_padding_and_no_capture_while_decoding(tiny_target, block_size, uniform):
     """The graph code path (static inputs, padding to captured widths, replays) on CPU with a
     fake graph: greedy parity, exactly the planned graphs, none captured after prefill."""
-    be = StaticBackend(tiny_target, make_draft(tiny_target), torch.device("cpu"), use_graphs=False)
+    be = StaticBackend(tiny_target, make_draft(tiny_target), torch.device("cpu"), use_graphs=False,
+                       uniform_width=uniform)  # fmt: skip
     be.use_graphs = True
     events: list[str] = []
 
@@ -161,6 +162,7 @@ def test_graph_path_plan_padding_and_no_capture_while_decoding(tiny_target, bloc
         toks = [t for r in speculative_generate(be, PROMPT, block_size=block_size,
                                                 max_new_tokens=budget) for t in r.tokens]  # fmt: skip
         assert toks == truth[:budget]
-    assert set(be.graphs) == {("verify", 1), ("verify", 16), ("draft", 16)}
+    want = {("verify", 16), ("draft", 16)} | (set() if uniform else {("verify", 1)})
+    assert set(be.graphs) == want
     first_prefill = events.index("prefill")
     assert all(not e.startswith("capture") for e in events[first_prefill:]), events

@@ -53,13 +53,20 @@ class GraphPlan:
         return keys + ([("draft", self.draft_width)] if self.draft_width > 1 else [])
 
 
-def plan_graphs(draft_block_size: int, has_draft: bool) -> GraphPlan:
+def plan_graphs(draft_block_size: int, has_draft: bool, uniform: bool = False) -> GraphPlan:
     """The capture plan for a target with (or without) a draft of trained block size L.
 
+    Args:
+        uniform: one verify width L for everything, block-1 decoding included (padded), so the
+            baseline and DFlash run the same kernels and round alike in bf16 (an option for
+            bitwise parity checks; a block-1 step then costs a width-L forward).
+
     Returns:
-        GraphPlan with verify widths (1, L) (only (1,) without a draft or for L = 1) and the
-        draft width L.
+        GraphPlan with verify widths (1, L) ((L,) when uniform; (1,) without a draft or for
+        L = 1) and the draft width L.
     """
+    if uniform and has_draft and draft_block_size > 1:
+        return GraphPlan(verify_widths=(draft_block_size,), draft_width=draft_block_size)
     if not has_draft or draft_block_size <= 1:
         return GraphPlan(verify_widths=(1,), draft_width=0)
     return GraphPlan(verify_widths=(1, draft_block_size), draft_width=draft_block_size)

@@ -82,14 +82,16 @@ class StaticBackend(TransformersBackend):
         use_graphs: capture and replay CUDA graphs (CUDA only).
         compile: wrap the captured forwards in ``torch.compile`` (graphs only); a compile
             failure falls back to eager with a warning on stderr.
+        uniform_width: verify everything at the draft's block size, block-1 decoding included
+            (see :func:`dflash.backends.graph_plan.plan_graphs`).
     """
 
     def __init__(self, target: Any, draft: DFlashDraft | None, device: torch.device,
-                 use_graphs: bool = True, compile: bool = False):  # fmt: skip
+                 use_graphs: bool = True, compile: bool = False, uniform_width: bool = False):  # fmt: skip
         super().__init__(target, draft, device)
         self.use_graphs = use_graphs and device.type == "cuda"
         self.compile = compile and self.use_graphs
-        self.plan = plan_graphs(self.draft_block_size, draft is not None)
+        self.plan = plan_graphs(self.draft_block_size, draft is not None, uniform_width)
         self._compiled: dict[str, Any] = {}
         cfg = target.config
         self.n_layers, self.kv_heads = cfg.num_hidden_layers, cfg.num_key_value_heads
@@ -310,4 +312,4 @@ class StaticBackend(TransformersBackend):
     def describe(self) -> dict[str, Any]:
         """What runs the forwards (stored with benchmark records)."""
         return {**super().describe(), "impl": "static", "cuda_graphs": self.use_graphs,
-                "compile": self.compile}  # fmt: skip
+                "compile": self.compile, "verify_widths": list(self.plan.verify_widths)}  # fmt: skip
