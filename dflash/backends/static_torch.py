@@ -214,22 +214,25 @@ class StaticBackend(TransformersBackend):
         if key in self.graphs:
             return self.graphs[key]
         static_inputs = make_inputs()  # allocated once per graph, not per step
-        fn = self._fn(kind)
         try:
-            self._warm_up(fn, static_inputs)
+            self.graphs[key] = self._capture(self._fn(kind), static_inputs)
         except Exception as e:  # noqa: BLE001 - Inductor/Triton raise many types
             if not self.compile:
                 raise
             print(f"dflash: torch.compile failed ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
                   "continuing without it (--no-compile silences this).", file=sys.stderr)  # fmt: skip
             self.compile = False
-            fn = self._fn(kind)
-            self._warm_up(fn, static_inputs)
+            torch.cuda.synchronize(self.device)
+            self.graphs[key] = self._capture(self._fn(kind), static_inputs)
+        return self.graphs[key]
+
+    def _capture(self, fn, static_inputs):
+        """Warm ``fn`` up, then capture it into a new graph with its own memory pool."""
+        self._warm_up(fn, static_inputs)
         graph = torch.cuda.CUDAGraph()
         with torch.inference_mode(), torch.cuda.graph(graph):
             out = fn(*static_inputs)
-        self.graphs[key] = (graph, out, static_inputs)
-        return self.graphs[key]
+        return graph, out, static_inputs
 
     def _warm_up(self, fn, static_inputs) -> None:
         """Run ``fn`` twice on a side stream (allocator, lazy inits, compilation) before capture."""
