@@ -183,9 +183,31 @@ class Pipeline:
             finish_reason=finish, block_size=bs,
         )  # fmt: skip
 
+    def describe(self) -> dict[str, Any]:
+        """What produces this pipeline's tokens: the backend's own description (impl, device,
+        dtype, CUDA graphs, compile) plus package versions; stored with benchmark records."""
+        info = dict(getattr(self.backend, "describe", dict)())
+        info["versions"] = package_versions()
+        return info
+
     def decode(self, ids: list[int]) -> str:
         """Token ids -> text, special tokens skipped."""
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def package_versions() -> dict[str, str | None]:
+    """Versions of dflash and the packages that shape its numerics (None when absent)."""
+    from importlib import metadata
+
+    import dflash
+
+    out: dict[str, str | None] = {"dflash": dflash.__version__}
+    for name in ("torch", "transformers", "mlx"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
 
 
 def stop_token_ids(generation_config: Any, tokenizer: Any) -> list[int]:
@@ -199,7 +221,8 @@ def stop_token_ids(generation_config: Any, tokenizer: Any) -> list[int]:
 
 
 def load(model: str | None = None, draft: str | None = None, *, backend: str = "transformers",
-         device: str = "auto", dtype: str = "auto", cuda_graphs: bool | None = None) -> Pipeline:  # fmt: skip
+         device: str = "auto", dtype: str = "auto", cuda_graphs: bool | None = None,
+         compile: bool | None = None, uniform_width: bool = False) -> Pipeline:  # fmt: skip
     """Load a target and a DFlash draft.
 
     Args:
@@ -211,6 +234,10 @@ def load(model: str | None = None, draft: str | None = None, *, backend: str = "
         dtype: auto (bfloat16 on CUDA, float32 on CPU) | bfloat16 | float16 | float32.
         cuda_graphs: use the static-cache path with CUDA graphs (Llama/Qwen2/Qwen3 targets on
             CUDA); None = automatically when possible, False = the plain HF forward.
+        compile: wrap the CUDA-graph forwards in ``torch.compile`` (kernels cached on disk under
+            the dflash cache); None = on whenever CUDA graphs are used.
+        uniform_width: CUDA-graph path only: verify every step at the draft's block size, block-1
+            decoding included (same kernels for baseline and DFlash: bitwise bf16 parity checks).
 
     Raises:
         BackendError, CheckpointError, ConfigError, InputError: one-sentence reasons.
@@ -257,6 +284,14 @@ def load(model: str | None = None, draft: str | None = None, *, backend: str = "
     if cuda_graphs and not fast:
         raise BackendError("CUDA graphs need a CUDA device and a Llama/Qwen2/Qwen3-style target.",
                            hint="drop --cuda-graphs")  # fmt: skip
-    impl = StaticBackend(target_model, draft_model, dev) if fast else TransformersBackend(
-        target_model, draft_model, dev)  # fmt: skip
+    if compile and not fast:
+        raise BackendError("--compile needs the CUDA-graph path (a CUDA device and a "
+                           "Llama/Qwen2/Qwen3-style target).", hint="drop --compile")  # fmt: skip
+    from dflash.backends.graph_plan import resolve_compile
+
+    if uniform_width and not fast:
+        raise BackendError("--uniform-width needs the CUDA-graph path.", hint="drop --uniform-width")
+    impl = StaticBackend(target_model, draft_model, dev, compile=resolve_compile(compile, fast),
+                         uniform_width=uniform_width,
+                         ) if fast else TransformersBackend(target_model, draft_model, dev)  # fmt: skip
     return Pipeline(impl, tokenizer, stops, name=str(model or "demo"))

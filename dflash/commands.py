@@ -38,6 +38,7 @@ def generate(
     dtype: Annotated[str, typer.Option(help="auto (bf16 on CUDA, fp32 on CPU), bfloat16, float16, float32.")] = "auto",
     seed: Annotated[int, typer.Option(help="Seed for sampling.")] = 0,
     cuda_graphs: Annotated[bool | None, typer.Option("--cuda-graphs/--no-cuda-graphs", help="Static caches + CUDA graphs (default: on for CUDA with Llama/Qwen-style targets).")] = None,
+    compile: Annotated[bool | None, typer.Option("--compile/--no-compile", help="torch.compile the CUDA-graph forwards (default: on with CUDA graphs; ~30 s per graph the first time, then cached on disk).")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object (text, token ids, stats) instead of streaming.")] = False,
     base_url: BaseUrlOpt = "http://127.0.0.1:30000",
     api_key: ApiKeyOpt = None,
@@ -64,7 +65,8 @@ def generate(
         raise InputError(f"--max-new-tokens must be >= 1, got {max_new_tokens}.")
     if block_size is not None and block_size < 1:
         raise InputError(f"--block-size must be >= 1, got {block_size}.")
-    pipe = dflash.load(model, draft, backend=backend, device=device, dtype=dtype, cuda_graphs=cuda_graphs)
+    pipe = dflash.load(model, draft, backend=backend, device=device, dtype=dtype, cuda_graphs=cuda_graphs,
+                       compile=compile)  # fmt: skip
     try:
         import torch
 

@@ -11,9 +11,9 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from dflash.accept import accept_greedy, accept_sampling, accept_sampling_candidates
+from dflash.accept import accept_greedy, accept_sampling_candidates
 from dflash.backends.base import LocalBackend, SelectorProposal
-from dflash.sampling import sample, sampling_probs
+from dflash.sampling import NumpySampler, sampling_probs
 from dflash.types import RoundResult, SamplingParams
 
 
@@ -42,25 +42,34 @@ def speculative_generate(
         finish_reason "stop" or "length".
     """
     stops = set(stop_ids)
-    rng = np.random.default_rng(sampling.seed)
+    sampler = None  # T > 0: on the backend's device when it offers a sampler, else numpy
+    if not sampling.greedy:
+        make = getattr(backend, "sampler", None)
+        sampler = make(sampling) if make is not None else NumpySampler(backend, sampling)
     want_features = block_size > 1
     sampled_draft = not sampling.greedy and getattr(backend, "draft_uses_sampling", False)
     draft_kwargs = {"sampling": sampling} if sampled_draft else {}  # DFlash2 samples its path
+    cand_rng = np.random.default_rng(sampling.seed) if sampled_draft else None
     backend.reset(len(prompt_ids) + max_new_tokens + block_size)
     logits, context = backend.prefill(list(prompt_ids), want_features)
     if sampling.greedy:
         first = backend.to_list(backend.argmax(logits[None]))[0][0]  # sync: first token
     else:
-        first = sample(sampling_probs(backend.to_numpy(logits), sampling), rng)
+        first = sampler.first(logits)
     n = 1
     finish = "stop" if first in stops else ("length" if n >= max_new_tokens else None)
     yield RoundResult(tokens=[first], accepted=None, finish_reason=finish)
     anchor, start = first, len(prompt_ids)  # anchor sits at position `start`, not yet in cache
     while finish is None:
-        length = min(block_size, max_new_tokens - n)  # the last block shrinks to the budget
+        length = min(block_size, max_new_tokens - n)  # verify width: trimmed to the budget
         proposals_arr = drafted = None
         if length > 1:  # v1 draft logits are unused: proposals are argmax, q one-hot
-            proposals_arr, drafted = backend.draft(anchor, context, start, length, **draft_kwargs)
+            # The draft always runs at its trained width (its in-block attention is
+            # bidirectional: a narrower block proposes other tokens); only the first
+            # length-1 proposals are verified.
+            width = max(block_size, backend.draft_block_size)
+            proposals_arr, drafted = backend.draft(anchor, context, start, width, **draft_kwargs)
+            proposals_arr = proposals_arr[: length - 1]
         logits, feats = backend.verify(anchor, proposals_arr, start, want_features)
         if sampling.greedy:
             arrays = [backend.argmax(logits)] + ([proposals_arr] if length > 1 else [])
@@ -70,13 +79,12 @@ def speculative_generate(
         elif isinstance(drafted, SelectorProposal) and drafted.q is not None:
             proposals, cand = backend.to_list(proposals_arr, drafted.candidates)
             p_target = sampling_probs(backend.to_numpy(logits), sampling)
-            cand = np.asarray(cand).reshape(len(proposals), -1)
-            q_draft = backend.to_numpy(drafted.q).reshape(cand.shape)
-            a, bonus = accept_sampling_candidates(proposals, p_target, cand, q_draft, rng)
+            top_k = drafted.candidates.shape[-1]  # the path was drawn at the trained width
+            cand = np.asarray(cand).reshape(-1, top_k)[: len(proposals)]
+            q_draft = backend.to_numpy(drafted.q).reshape(-1, top_k)[: len(proposals)]
+            a, bonus = accept_sampling_candidates(proposals, p_target, cand, q_draft, cand_rng)
         else:
-            proposals = backend.to_list(proposals_arr)[0] if length > 1 else []
-            p_target = sampling_probs(backend.to_numpy(logits), sampling)
-            a, bonus = accept_sampling(proposals, p_target, None, rng)
+            a, bonus, proposals = sampler.accept(proposals_arr, logits)  # sync: one host copy
         new = proposals[:a] + [bonus]
         for i, tok in enumerate(new):  # stop tokens are looked for among new tokens only
             if tok in stops:

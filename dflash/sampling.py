@@ -52,3 +52,29 @@ def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
     cdf = np.cumsum(probs)
     u = rng.random() * cdf[-1]
     return int(min(np.searchsorted(cdf, u, side="right"), len(probs) - 1))
+
+
+class NumpySampler:
+    """Sampling + acceptance on the host (numpy, float64), for backends without a device
+    sampler (see ``dflash.sampling_torch.TorchSampler`` for the torch one); same interface.
+
+    Args:
+        backend: the loop's backend (``to_list``/``to_numpy`` copy arrays to the host).
+        params: sampling settings (temperature > 0).
+    """
+
+    def __init__(self, backend, params: SamplingParams):
+        self.backend, self.params = backend, params
+        self.rng = np.random.default_rng(params.seed)
+
+    def first(self, logits) -> int:
+        """Sample the token after prefill from logits [V]."""
+        return sample(sampling_probs(self.backend.to_numpy(logits), self.params), self.rng)
+
+    def accept(self, proposals, logits) -> tuple[int, int, list[int]]:
+        """(a, bonus, proposals as a list) for proposals [n] (None: n = 0), logits [n + 1, V]."""
+        from dflash.accept import accept_sampling
+
+        props = self.backend.to_list(proposals)[0] if proposals is not None else []
+        p_target = sampling_probs(self.backend.to_numpy(logits), self.params)
+        return (*accept_sampling(props, p_target, None, self.rng), props)

@@ -104,8 +104,10 @@ def test_parity_summary_and_first_mismatch():
     summary = parity_summary([ok, bad, unchecked])
     assert summary["checked"] == 2 and summary["matched"] == 1
     assert summary["mismatches"] == [
-        {"dataset": "synthetic", "id": "b", "turn": 1, "first_mismatch": 1}
-    ]
+        {"dataset": "synthetic", "id": "b", "turn": 1, "first_mismatch": 1,
+         "near_tie": None, "tie_gap": None}
+    ]  # fmt: skip
+    assert summary["near_tie"] == 0 and summary["unexplained"] == 1
     assert first_mismatch([1, 2, 3], [1, 2, 3]) is None
     assert first_mismatch([1, 2, 3], [1, 5, 3]) == 1
     assert first_mismatch([1, 2], [1, 2, 3]) == 2

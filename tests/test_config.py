@@ -152,3 +152,21 @@ def test_check_pair(tiny_target):
         check_pair(cfg, tiny_target.config, 300, [2])
     with pytest.raises(ConfigError, match="stop token"):
         check_pair(cfg, tiny_target.config, 256, [255])
+
+
+@pytest.mark.parametrize("scaling", [{"type": "linear", "factor": 4.0},
+                                     {"rope_type": "linear", "factor": 4.0}])  # fmt: skip
+def test_legacy_rope_scaling_survives_a_resave(tmp_path, scaling):
+    """``rope_scaling: {"type": ...}`` (legacy form) keeps its scaling through save + reload."""
+    d = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 64,
+         "rope_theta": 10000.0, "rope_scaling": scaling,
+         "dflash_config": {"mask_token_id": 63, "target_layer_ids": [0], "block_size": 8}}  # fmt: skip
+    cfg = DraftConfig.from_dict(d)
+    assert cfg.rope["rope_type"] == "linear" and "type" not in cfg.rope
+    cfg.save(tmp_path)
+    again = DraftConfig.load(tmp_path)
+    assert again.rope["rope_type"] == "linear" and again.rope["factor"] == 4.0
+    base = DraftConfig.from_dict({**d, "rope_scaling": None})
+    ref = DFlashDraft(base).inv_freq
+    torch.testing.assert_close(DFlashDraft(again).inv_freq, ref / 4.0)  # linear: positions / 4

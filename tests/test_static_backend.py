@@ -42,3 +42,127 @@ def test_static_parity_real_target(demo_pipe):
     toks = [t for r in speculative_generate(be, ids, block_size=8, max_new_tokens=48,
                                             stop_ids=demo_pipe.stop_ids) for t in r.tokens]  # fmt: skip
     assert toks == ref.token_ids
+
+
+def _custom_draft(target, seed=0, **changes):
+    """A random draft for ``target`` with config fields replaced (layer types, layer ids...)."""
+    import dataclasses
+
+    from dflash.models.draft_torch import DFlashDraft
+
+    cfg = dataclasses.replace(make_draft(target).config, **changes)
+    torch.manual_seed(seed)
+    return DFlashDraft(cfg).eval()
+
+
+def _draft_twice(be, prompt):
+    """prefill -> draft -> verify -> keep 2 rows -> draft again; returns both draft logits."""
+    from dflash.backends.transformers import TransformersBackend
+
+    be.reset(len(prompt) + 64)
+    with torch.inference_mode():
+        _, ctx = be.prefill(prompt, True)
+        start = len(prompt)
+        props, first = be.draft(7, ctx, start, 16)
+        _, feats = be.verify(7, props, start, True)
+        be.rollback(start + 2)
+        ctx2 = feats[:2] if isinstance(be, TransformersBackend) else None
+        _, second = be.draft(int(props[1]), ctx2, start + 2, 16)
+    return first.clone(), second.clone()
+
+
+def test_static_honours_sliding_and_causal_draft_layers(tiny_target):
+    """A draft with a sliding-window layer and causal blocks: static == plain path, and the
+    result differs from the same weights run all-visible (so the check can fail)."""
+    from dflash.backends.transformers import TransformersBackend
+
+    prompt = PROMPT * 3  # 24 rows: longer than the window
+    kw = dict(layer_types=["sliding_attention", "full_attention"], sliding_window=5, is_causal=True)
+    draft = _custom_draft(tiny_target, **kw)
+    static = StaticBackend(tiny_target, draft, torch.device("cpu"), use_graphs=False)
+    plain = TransformersBackend(tiny_target, draft, torch.device("cpu"))
+    for a, b in zip(_draft_twice(static, prompt), _draft_twice(plain, prompt), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    full = _custom_draft(tiny_target)  # same seed -> same weights, all-visible layers
+    full.load_state_dict(draft.state_dict())
+    unwindowed = _draft_twice(StaticBackend(tiny_target, full, torch.device("cpu"), use_graphs=False), prompt)
+    assert (unwindowed[0] - _draft_twice(plain, prompt)[0]).abs().max() > 1e-2
+
+
+def test_last_layer_features_are_final_normed_like_hf(tiny_target):
+    """target_layer_ids holding the last layer: static features == HF hidden_states[N]."""
+    from dflash.backends.transformers import TransformersBackend
+
+    n = tiny_target.config.num_hidden_layers
+    with torch.no_grad():  # a non-trivial final norm, so raw and normed outputs differ
+        tiny_target.model.norm.weight.copy_(torch.linspace(0.5, 2.0, tiny_target.config.hidden_size))
+    try:
+        draft = _custom_draft(tiny_target, target_layer_ids=[1, n - 1])
+        static = StaticBackend(tiny_target, draft, torch.device("cpu"), use_graphs=False)
+        plain = TransformersBackend(tiny_target, draft, torch.device("cpu"))
+        for be in (static, plain):
+            be.reset(64)
+        with torch.inference_mode():
+            logits, fs = static.prefill(PROMPT, True)
+            _, fp = plain.prefill(PROMPT, True)
+            torch.testing.assert_close(fs, fp, rtol=1e-4, atol=1e-4)
+            h = tiny_target.config.hidden_size  # the last slot is what the LM head reads
+            torch.testing.assert_close(tiny_target.lm_head(fs[-1, h:]), logits, rtol=1e-4, atol=1e-4)
+    finally:
+        with torch.no_grad():
+            tiny_target.model.norm.weight.fill_(1.0)
+
+
+class _FakeGraph:
+    """CPU stand-in for a CUDA graph: replay re-runs the function on the static inputs and
+    copies the results into the outputs captured once (as a graph replay updates them)."""
+
+    def __init__(self, fn, inputs, out):
+        self.fn, self.inputs, self.out = fn, inputs, out
+
+    def replay(self):
+        with torch.inference_mode():
+            new = self.fn(*self.inputs)
+        for dst, src in zip(self.out if isinstance(self.out, tuple) else (self.out,),
+                            new if isinstance(new, tuple) else (new,), strict=True):  # fmt: skip
+            dst.copy_(src)
+
+
+@pytest.mark.parametrize("block_size,uniform", [(1, False), (3, False), (16, False), (1, True)])
+def test_graph_path_plan_padding_and_no_capture_while_decoding(tiny_target, block_size, uniform):
+    """The graph code path (static inputs, padding to captured widths, replays) on CPU with a
+    fake graph: greedy parity, exactly the planned graphs, none captured after prefill."""
+    be = StaticBackend(tiny_target, make_draft(tiny_target), torch.device("cpu"), use_graphs=False,
+                       uniform_width=uniform)  # fmt: skip
+    be.use_graphs = True
+    events: list[str] = []
+
+    def fake_graph(kind, width, make_inputs):
+        key = (kind, width)
+        if key not in be.graphs:
+            events.append(f"capture {kind} {width}")
+            inputs = make_inputs()
+            fn = be._target_forward if kind == "verify" else be._draft_forward
+            with torch.inference_mode():
+                out = fn(*inputs)
+            out = tuple(o.clone() for o in out) if isinstance(out, tuple) else out.clone()
+            be.graphs[key] = (_FakeGraph(fn, inputs, out), out, inputs)
+        return be.graphs[key]
+
+    be._graph = fake_graph
+    prefill = be.prefill
+
+    def marked_prefill(*args):
+        events.append("prefill")
+        return prefill(*args)
+
+    be.prefill = marked_prefill
+    truth = greedy_reference(tiny_target, PROMPT, 45)
+    for budget in (45, 30):  # the last block is cut short by the budget
+        toks = [t for r in speculative_generate(be, PROMPT, block_size=block_size,
+                                                max_new_tokens=budget) for t in r.tokens]  # fmt: skip
+        assert toks == truth[:budget]
+    want = {("verify", 16), ("draft", 16)} | (set() if uniform else {("verify", 1)})
+    assert set(be.graphs) == want
+    first_prefill = events.index("prefill")
+    assert all(not e.startswith("capture") for e in events[first_prefill:]), events

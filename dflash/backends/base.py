@@ -3,6 +3,11 @@
 ``dflash/loop.py`` calls only these methods. Arrays are the backend's own type (torch tensors,
 mlx arrays); the loop never looks inside them except through ``to_list``/``to_numpy``.
 Shapes: L block size, V vocabulary, F target-feature width, T tokens in a call.
+
+Optional: ``sampler(params)`` returning an object with ``first(logits [V]) -> int`` and
+``accept(proposals [n] | None, logits [n+1, V]) -> (a, bonus, proposals list)`` that samples at
+temperature > 0 on the device (see ``dflash.sampling_torch``); without it the loop samples on the
+host with ``dflash.sampling.NumpySampler``.
 """
 
 from __future__ import annotations
@@ -67,7 +72,8 @@ class LocalBackend(Protocol):
             anchor: last committed token, at absolute position ``start``.
             context: features [Tc, F] of the committed positions the draft has not seen yet
                 (positions start - Tc .. start - 1).
-            length: block size L of this step (>= 2).
+            length: width of the draft block (>= 2); the loop always passes the draft's
+                trained block size and verifies only the first proposals it needs.
             sampling: keyword, passed only at temperature > 0 to backends that set
                 ``draft_uses_sampling`` (their drafts draw proposals at that temperature).
 

@@ -8,15 +8,21 @@ are captured as CUDA graphs and replayed; prefill and a few edge steps run eager
 same code. Target features of every position go to a position-indexed buffer, and the draft
 re-reads the last L committed rows each step (re-writing identical context K/V), which keeps
 its input shape fixed. ``../shared/gpu/FACTS.md`` explains why HF's own static cache is avoided.
+
+Every graph a request can need is captured in :meth:`StaticBackend.reset`, before the first token
+(see :mod:`dflash.backends.graph_plan`); with ``compile`` the captured forwards are first wrapped
+in ``torch.compile`` (Inductor, kernels cached on disk), which fuses the small kernels.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from dflash.backends.graph_plan import inductor_cache_dir, plan_graphs
 from dflash.backends.transformers import TransformersBackend
 from dflash.errors import BackendError
 from dflash.models.draft_torch import DFlashDraft, rope_cos_sin
@@ -71,18 +77,26 @@ class StaticBackend(TransformersBackend):
 
     Args:
         target: HF Llama/Qwen2/Qwen3 causal LM (see :func:`supports_static`).
-        draft: DFlashDraft (full-attention layers) or None.
+        draft: DFlashDraft or None; its per-layer types (sliding windows, causal overrides)
+            are honoured through the same position masks as the plain path.
         device: torch device.
         use_graphs: capture and replay CUDA graphs (CUDA only).
+        compile: wrap the captured forwards in ``torch.compile`` (graphs only); a compile
+            failure falls back to eager with a warning on stderr.
+        uniform_width: verify everything at the draft's block size, block-1 decoding included
+            (see :func:`dflash.backends.graph_plan.plan_graphs`).
     """
 
     def __init__(self, target: Any, draft: DFlashDraft | None, device: torch.device,
-                 use_graphs: bool = True):  # fmt: skip
+                 use_graphs: bool = True, compile: bool = False, uniform_width: bool = False):  # fmt: skip
         if getattr(draft, "is_dflash2", False):
             raise BackendError("The static/CUDA-graph path does not run DFlash2 drafts yet.",
                                hint="drop --cuda-graphs; DFlash2 drafts run on the plain path")  # fmt: skip
         super().__init__(target, draft, device)
         self.use_graphs = use_graphs and device.type == "cuda"
+        self.compile = compile and self.use_graphs
+        self.plan = plan_graphs(self.draft_block_size, draft is not None, uniform_width)
+        self._compiled: dict[str, Any] = {}
         cfg = target.config
         self.n_layers, self.kv_heads = cfg.num_hidden_layers, cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -90,15 +104,28 @@ class StaticBackend(TransformersBackend):
         rot = target.model.rotary_emb
         self.inv_freq, self.rope_scale = rot.inv_freq.float(), float(rot.attention_scaling)
         self.dtype = self.embed_weight.dtype
-        self.feature_layers = {i - 1: n for n, i in enumerate(self.layer_ids)}  # layer -> slot
+        self.feature_layers: dict[int, list[int]] = {}  # layer -> feature slots (ids may repeat)
+        for n, i in enumerate(self.layer_ids):
+            self.feature_layers.setdefault(i - 1, []).append(n)
         self.capacity = 0
         self.graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, Any, tuple]] = {}
 
     # -- buffers --------------------------------------------------------------------------
     def reset(self, max_positions: int | None = None) -> None:
-        need = (max_positions or 2048) + 16
+        """Size the caches for the request and capture every planned graph (before prefill)."""
+        need = (max_positions or 2048) + self.draft_block_size + 16  # padded verify rows
         if need > self.capacity:
             self._allocate(-(-need // 1024) * 1024)
+        if self.use_graphs:
+            self.capture_all()
+
+    def capture_all(self) -> None:
+        """Capture the plan's graphs that are not captured yet (verify 1 and L, draft L)."""
+        for kind, width in self.plan.keys():
+            if kind == "verify":
+                self._verify_graph(width)
+            else:
+                self._draft_graph(width)
 
     def _allocate(self, capacity: int) -> None:
         dev, dt = self.device, self.dtype
@@ -140,9 +167,13 @@ class StaticBackend(TransformersBackend):
                                                scale=a.scaling, enable_gqa=self.heads != self.kv_heads)  # fmt: skip
             x = x + a.o_proj(o.transpose(1, 2).reshape(1, t, self.heads * self.head_dim))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-            if i in self.feature_layers:
-                slots[self.feature_layers[i]] = x[0]
-        logits = self.lm_head(self.target.model.norm(x))[0]  # [T, V]
+            if i < self.n_layers - 1:
+                for n in self.feature_layers.get(i, ()):
+                    slots[n] = x[0]
+        x = self.target.model.norm(x)
+        for n in self.feature_layers.get(self.n_layers - 1, ()):  # HF's hidden_states[N] is
+            slots[n] = x[0]  # final-normed
+        logits = self.lm_head(x)[0]  # [T, V]
         if self.layer_ids:
             self.feats.index_copy_(0, pos[0], torch.cat(slots, dim=-1))
         return logits
@@ -155,36 +186,83 @@ class StaticBackend(TransformersBackend):
         length = block.shape[-1]
         q_pos = (start + torch.arange(length, device=self.device))[None]  # [1, L]
         self.dcache.write_pos = ctx_pos
-        valid = (self.key_pos < start)[None, None, None, :].expand(1, 1, length, -1)  # [1,1,L,S]
-        mask = torch.cat((valid, torch.ones(1, 1, length, length, dtype=torch.bool,
-                                            device=self.device)), dim=-1)  # fmt: skip
-        masks = {"full_attention": mask, "sliding_attention": mask}
+        ones = torch.ones(length, dtype=torch.bool, device=self.device)
+        valid = torch.cat((self.key_pos < start, ones))[None, None, None, :]  # [1, 1, 1, S+L]
+        k_pos = torch.cat((self.key_pos, q_pos[0]))[None]  # [1, S+L] key positions
+        rules = self.draft_model.inference_masks(q_pos, k_pos)  # causal / window per layer type
+        masks = {kind: valid.expand(1, 1, length, -1) if rule is None else rule & valid
+                 for kind, rule in rules.items()}  # fmt: skip
         h = self.draft_model(F.embedding(block, self.embed_weight), self.feats[ctx_pos][None],
                              q_pos, ctx_pos[None], cache=self.dcache, masks=masks)  # fmt: skip
         logits = self.lm_head(h[0, 1:])  # [L-1, V]
         return logits.argmax(-1), logits
 
     # -- graphs ---------------------------------------------------------------------------
-    def _graph(self, kind: str, width: int, fn, make_inputs):
-        """Capture ``fn(*make_inputs())`` once per (kind, width); returns (graph, outputs, inputs).
+    def _fn(self, kind: str):
+        """The forward a graph captures: eager, or once wrapped in ``torch.compile``."""
+        eager = self._target_forward if kind == "verify" else self._draft_forward
+        if not self.compile:
+            return eager
+        if kind not in self._compiled:
+            inductor_cache_dir()
+            self._compiled[kind] = torch.compile(eager, dynamic=False)
+        return self._compiled[kind]
+
+    def _graph(self, kind: str, width: int, make_inputs):
+        """Capture the ``kind`` forward once per (kind, width); returns (graph, outputs, inputs).
 
         Each graph gets its own memory pool: with a shared pool, one graph's intermediates may
         overwrite another's outputs (the draft's proposals are read after the verify replay).
         """
         key = (kind, width)
-        if key not in self.graphs:
-            static_inputs = make_inputs()  # allocated once per graph, not per step
-            stream = torch.cuda.Stream(self.device)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream), torch.inference_mode():
-                for _ in range(2):  # warm-up outside the graph (allocator, lazy inits)
-                    fn(*static_inputs)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.inference_mode(), torch.cuda.graph(graph):
-                out = fn(*static_inputs)
-            self.graphs[key] = (graph, out, static_inputs)
+        if key in self.graphs:
+            return self.graphs[key]
+        static_inputs = make_inputs()  # allocated once per graph, not per step
+        try:
+            self.graphs[key] = self._capture(self._fn(kind), static_inputs)
+        except Exception as e:  # noqa: BLE001 - Inductor/Triton raise many types
+            if not self.compile:
+                raise
+            print(f"dflash: torch.compile failed ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
+                  "continuing without it (--no-compile silences this).", file=sys.stderr)  # fmt: skip
+            self.compile = False
+            torch.cuda.synchronize(self.device)
+            self.graphs[key] = self._capture(self._fn(kind), static_inputs)
         return self.graphs[key]
+
+    def _capture(self, fn, static_inputs):
+        """Warm ``fn`` up, then capture it into a new graph with its own memory pool."""
+        self._warm_up(fn, static_inputs)
+        graph = torch.cuda.CUDAGraph()
+        with torch.inference_mode(), torch.cuda.graph(graph):
+            out = fn(*static_inputs)
+        return graph, out, static_inputs
+
+    def _warm_up(self, fn, static_inputs) -> None:
+        """Run ``fn`` twice on a side stream (allocator, lazy inits, compilation) before capture."""
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream), torch.inference_mode():
+            for _ in range(2):
+                fn(*static_inputs)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+
+    def _verify_graph(self, width: int):
+        def make_inputs():  # ids [1, W] and positions [1, W]; capture writes harmless rows
+            return (torch.zeros(1, width, dtype=torch.long, device=self.device),
+                    self.key_pos[-width:][None].clone())  # fmt: skip
+
+        return self._graph("verify", width, make_inputs)
+
+    def _draft_graph(self, length: int):
+        dev, window = self.device, self.draft_block_size
+
+        def make_inputs():  # block ids, anchor position, context rows; harmless during capture
+            return (torch.full((1, length), self.mask_token_id, dtype=torch.long, device=dev),
+                    self.key_pos[-length:-length + 1].clone(),
+                    self.key_pos[-length - window : -length].clone())  # fmt: skip
+
+        return self._graph("draft", length, make_inputs)
 
     # -- protocol -------------------------------------------------------------------------
     def prefill(self, prompt_ids: list[int], with_features: bool):
@@ -196,6 +274,8 @@ class StaticBackend(TransformersBackend):
         return logits[-1], (self.feats[: len(prompt_ids)] if with_features else None)
 
     def verify(self, anchor: int, proposals, start: int, with_features: bool):
+        """Verify [anchor, proposals]; with graphs the width is padded to a captured one and
+        the logits of the padding rows are dropped (returned logits [W, V], W = 1 + proposals)."""
         width = 1 + (0 if proposals is None else proposals.shape[0])
         if not self.use_graphs:
             ids = torch.tensor([anchor], dtype=torch.long, device=self.device)
@@ -204,17 +284,14 @@ class StaticBackend(TransformersBackend):
             with torch.inference_mode():
                 logits = self._target_forward(ids[None], pos)
             return logits, self.feats[start : start + width]
-        def make_inputs():  # ids [1, W] and positions [1, W]; capture writes harmless rows
-            return (torch.zeros(1, width, dtype=torch.long, device=self.device),
-                    self.key_pos[-width:][None].clone())  # fmt: skip
-
-        graph, out, (ids_in, pos_in) = self._graph("verify", width, self._target_forward, make_inputs)
+        padded = self.plan.verify_width(width)
+        graph, out, (ids_in, pos_in) = self._verify_graph(padded)
         ids_in[0, 0].fill_(anchor)
         if proposals is not None:
-            ids_in[0, 1:].copy_(proposals)
-        pos_in[0].copy_(self.key_pos[start : start + width])
+            ids_in[0, 1:width].copy_(proposals)
+        pos_in[0].copy_(self.key_pos[start : start + padded])
         graph.replay()
-        return out, self.feats[start : start + width]
+        return out[:width], self.feats[start : start + width]
 
     def draft(self, anchor: int, context, start: int, length: int):
         """Propose a block; reads context features by position (``context`` is not needed).
@@ -229,12 +306,7 @@ class StaticBackend(TransformersBackend):
             block[0, 0] = anchor
             with torch.inference_mode():
                 return self._draft_forward(block, self.key_pos[start : start + 1], self.key_pos[lo:start])
-        def make_inputs():  # block ids, anchor position, context rows; harmless during capture
-            return (torch.full((1, length), self.mask_token_id, dtype=torch.long, device=dev),
-                    self.key_pos[-length:-length + 1].clone(),
-                    self.key_pos[-length - window : -length].clone())  # fmt: skip
-
-        graph, out, (blk, st, cp) = self._graph("draft", length, self._draft_forward, make_inputs)
+        graph, out, (blk, st, cp) = self._draft_graph(length)
         blk[0, 0].fill_(anchor)
         st.fill_(start)
         cp.copy_(self.key_pos[start - window : start])
@@ -243,3 +315,8 @@ class StaticBackend(TransformersBackend):
 
     def rollback(self, length: int) -> None:
         """Nothing to do: rows >= length are masked by position and overwritten later."""
+
+    def describe(self) -> dict[str, Any]:
+        """What runs the forwards (stored with benchmark records)."""
+        return {**super().describe(), "impl": "static", "cuda_graphs": self.use_graphs,
+                "compile": self.compile, "verify_widths": list(self.plan.verify_widths)}  # fmt: skip

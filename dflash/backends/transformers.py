@@ -205,6 +205,20 @@ class TransformersBackend:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def sampler(self, params):
+        """Device sampler for temperature > 0 (see :class:`dflash.sampling_torch.TorchSampler`)."""
+        from dflash.sampling_torch import TorchSampler
+
+        return TorchSampler(params, self.device)
+
+    def describe(self) -> dict[str, Any]:
+        """What runs the forwards: impl, device (with the GPU name), dtype, graphs, compile."""
+        dev = str(self.device)
+        if self.device.type == "cuda":
+            dev += f" ({torch.cuda.get_device_name(self.device)})"
+        return {"impl": "dynamic", "device": dev, "dtype": str(self.embed_weight.dtype).split(".")[-1],
+                "cuda_graphs": False, "compile": False}  # fmt: skip
+
 
 def load_target(path: str, device: torch.device, dtype: torch.dtype):
     """Load an HF causal LM and its tokenizer from a folder or hub id (no remote code).

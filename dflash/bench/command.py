@@ -28,15 +28,16 @@ LOCAL_BACKENDS = ("transformers", "mlx")
 
 
 def _load_pipeline(backend: str, model: str | None, draft: str | None, device: str, dtype: str,
-                   cuda_graphs: bool | None = None):  # fmt: skip
+                   cuda_graphs: bool | None = None, compile: bool | None = None,
+                   uniform_width: bool = False):  # fmt: skip
     """Load target + draft through the public API (a seam the tests replace with a fake)."""
     try:
         from dflash import api
     except ImportError as err:
         raise BackendError(f"dflash.api cannot be imported ({err}).") from None
-    return api.load(
-        model, draft, backend=backend, device=device, dtype=dtype, cuda_graphs=cuda_graphs
-    )
+    kwargs = {"cuda_graphs": cuda_graphs} | ({"compile": compile} if compile is not None else {})
+    kwargs |= {"uniform_width": True} if uniform_width else {}
+    return api.load(model, draft, backend=backend, device=device, dtype=dtype, **kwargs)
 
 
 def _check_options(
@@ -134,6 +135,22 @@ def benchmark(
             help="Static caches + CUDA graphs (default: on for CUDA with Llama/Qwen-style targets).",
         ),
     ] = None,
+    compile: Annotated[
+        bool | None,
+        typer.Option(
+            "--compile/--no-compile",
+            help="torch.compile the CUDA-graph forwards (default: on with CUDA graphs; about "
+            "30 s per graph the first time, kernels cached under the dflash cache).",
+        ),
+    ] = None,
+    uniform_width: Annotated[
+        bool,
+        typer.Option(
+            "--uniform-width",
+            help="CUDA graphs: verify at the draft's block size everywhere, baseline included "
+            "(same kernels: bitwise bf16 parity; the baseline pays a width-L forward per token).",
+        ),
+    ] = False,
     base_url: Annotated[
         str, typer.Option(help="openai backend: server URL, with or without /v1.")
     ] = "http://127.0.0.1:30000",
@@ -196,13 +213,14 @@ def benchmark(
         sampling=sampling,
         reasoning=reasoning,
         check_parity=check_parity,
-        run_info={"backend": backend, "model": model, "draft": draft, "cuda_graphs": cuda_graphs},
+        run_info={"backend": backend, "model": model, "draft": draft, "cuda_graphs": cuda_graphs,
+                  "compile": compile},  # resolved values replace these once loaded  # fmt: skip
     )
     dist = harness.init_distributed()
     try:
         gathered = _run(
             dist,
-            (backend, model, draft, device, dtype, cuda_graphs),
+            (backend, model, draft, device, dtype, cuda_graphs, compile, uniform_width),
             selected,
             config,
             output,
@@ -224,7 +242,7 @@ def benchmark(
 
 def _run(
     dist: harness.DistInfo,
-    load_args: tuple[str, str | None, str | None, str, str, bool | None],
+    load_args: tuple[str, str | None, str | None, str, str, bool | None, bool | None, bool],
     selected: dict[str, list[PromptItem]],
     config: harness.BenchConfig,
     output: Path | None,
@@ -233,16 +251,18 @@ def _run(
     """Load, run this rank's shard with a progress bar, gather on rank 0 and merge its files.
 
     Args:
-        load_args: (backend, model, draft, device, dtype, cuda_graphs) for :func:`_load_pipeline`.
+        load_args: (backend, model, draft, device, dtype, cuda_graphs, compile, uniform_width) for
+            :func:`_load_pipeline`.
 
     Returns:
         Records per dataset on rank 0, None on other ranks.
     """
-    backend, model, draft, device, dtype, cuda_graphs = load_args
+    backend, model, draft, device, dtype, cuda_graphs, compile, uniform_width = load_args
     if dist.world > 1 and device in ("auto", "cuda"):
         device = f"cuda:{dist.local_rank}"
     log = harness.ResultsLog(output, resume=resume, rank=dist.rank, world=dist.world)
-    pipeline = _load_pipeline(backend, model, draft, device, dtype, cuda_graphs)
+    pipeline = _load_pipeline(backend, model, draft, device, dtype, cuda_graphs, compile,
+                              uniform_width)  # fmt: skip
     shards = {name: harness.shard(items, dist) for name, items in selected.items()}
     with report.BenchProgress(enabled=dist.rank == 0) as progress:
         results = harness.run_benchmark(

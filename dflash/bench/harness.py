@@ -269,6 +269,11 @@ def run_item(
             prompt_ids = pipeline.chat_prompt(messages, reasoning=config.reasoning)
             base, fast = measure(pipeline, prompt_ids, block_size, config)
             record = make_record(dataset, item.id, turn, prompt_ids, base, fast, config, block_size)
+            if record.parity is False and base is not None:
+                from dflash.bench.parity import classify_mismatch
+
+                classify_mismatch(pipeline, record, prompt_ids, base, fast, config.sampling,
+                                  config.run_info.get("dtype"))  # fmt: skip
         elif record.config != config.record_config(block_size):
             raise InputError(
                 f"The results file holds {item.id} turn {turn} made with other settings "
@@ -279,7 +284,45 @@ def run_item(
         messages.append({"role": "assistant", "content": record.text})
 
 
+def producer_info(pipeline: Any) -> dict[str, Any]:
+    """What produces the tokens (backend impl, device, dtype, graphs, compile, versions), from
+    ``pipeline.describe()`` when the pipeline has one; stored in every record's config."""
+    describe = getattr(pipeline, "describe", None)
+    return dict(describe()) if callable(describe) else {}
+
+
+def check_resumable(records: Any, expected: dict[str, Any]) -> None:
+    """Refuse to extend a results file whose records were made under another configuration.
+
+    Args:
+        records: the records already in the file (``ResultsLog.done.values()``).
+        expected: ``BenchConfig.record_config(block_size)`` of this run.
+
+    Raises:
+        InputError: naming the first differing record and every differing setting.
+    """
+    for record in records:
+        if record.config != expected:
+            raise InputError(
+                f"The results file was made under another configuration "
+                f"({_config_diff(record.config, expected)}).",
+                hint="resume with the same options and setup, or choose another --output",
+            )
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
 def _config_diff(old: dict, new: dict) -> str:
+    """``key: old then new`` for every differing setting (nested dicts as ``a.b``)."""
+    old, new = _flat(old), _flat(new)
     keys = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
     return ", ".join(f"{k}: {old.get(k)!r} then {new.get(k)!r}" for k in keys)
 
@@ -320,6 +363,8 @@ def run_benchmark(
     """
     log = log or ResultsLog(None)
     block_size = config.block_size or pipeline.block_size
+    config.run_info.update(producer_info(pipeline))  # every record says what produced it
+    check_resumable(log.done.values(), config.record_config(block_size))
     todo = [
         (name, item)
         for name, items in datasets.items()

@@ -59,6 +59,11 @@ class ResponseRecord:
         first_mismatch: first differing position (0-based, among new tokens) when parity failed.
         text: DFlash output text; the next MT-Bench turn is built from it when a run resumes.
         config: the run settings the record was made with (checked on ``--resume``).
+        near_tie: for a parity mismatch, whether the first divergence is a near-tie of the
+            target (see :func:`classify_divergence`); None when parity held or was not checked.
+        tie_gap: the reference run's logit gap at the divergence: top logit minus the logit of
+            the token DFlash emitted there (logits, >= 0); None alike.
+        top2_gap: the reference run's top-1 minus top-2 logit at the divergence; None alike.
     """
 
     dataset: str
@@ -74,6 +79,9 @@ class ResponseRecord:
     first_mismatch: int | None = None
     text: str = ""
     config: dict[str, Any] = field(default_factory=dict)
+    near_tie: bool | None = None
+    tie_gap: float | None = None
+    top2_gap: float | None = None
 
     @property
     def key(self) -> tuple[str, str, int]:
@@ -229,17 +237,65 @@ def per_position_acceptance(
 # parity and the whole summary
 
 
+# A mismatch is a near-tie when, in the reference (block-size-1) run, the token DFlash emitted
+# at the first divergence is within this many logits of the reference's top token: a different
+# kernel width (verify over L rows vs 1 row) legitimately reorders such tokens in low precision.
+# bf16 has 8 significand bits: at |logit| ~ 16-32 one ulp is 0.125, and 30 layers of rounding
+# move logits by a few ulps. Float32 ties are 1000x tighter.
+NEAR_TIE_LOGIT_GAP = {"bfloat16": 0.5, "float16": 0.25, "float32": 0.01}
+DEFAULT_NEAR_TIE_GAP = 0.5
+
+
+def near_tie_threshold(dtype: str | None) -> float:
+    """The documented near-tie threshold (logits) for a compute dtype name."""
+    return NEAR_TIE_LOGIT_GAP.get(dtype or "", DEFAULT_NEAR_TIE_GAP)
+
+
+def classify_divergence(
+    ref_logits: Any, ref_token: int, other_token: int, threshold: float
+) -> dict[str, Any]:
+    """Classify the first divergence of a parity mismatch from the reference run's logits.
+
+    Args:
+        ref_logits: [V] logits of the reference (block-size-1) run at the divergence position.
+        ref_token: the token the reference emitted there (its argmax).
+        other_token: the token DFlash emitted there (None when DFlash stopped earlier).
+        threshold: near-tie threshold in logits (:data:`NEAR_TIE_LOGIT_GAP`).
+
+    Returns:
+        {"near_tie": bool, "tie_gap": top logit - logit of other_token (None when None),
+        "top2_gap": top-1 minus top-2 logit}. A near-tie needs tie_gap <= threshold; since
+        tie_gap >= top2_gap, that implies top2_gap <= threshold too.
+    """
+    import numpy as np
+
+    x = np.asarray(ref_logits, dtype=np.float64).reshape(-1)
+    top = float(x[ref_token])
+    two = np.partition(x, -2)[-2:]
+    top2_gap = float(two[1] - two[0])
+    if other_token is None:  # DFlash ended before the reference: nothing to tie with
+        return {"near_tie": False, "tie_gap": None, "top2_gap": top2_gap}
+    tie_gap = top - float(x[other_token])
+    return {"near_tie": bool(tie_gap <= threshold), "tie_gap": tie_gap, "top2_gap": top2_gap}
+
+
 def parity_summary(records: list[ResponseRecord]) -> dict[str, Any]:
-    """Greedy-parity count: responses checked, matched, and each mismatch with its position."""
+    """Greedy-parity count: responses checked, matched, each mismatch with its position, and
+    how many mismatches are near-ties of the target vs unexplained (not classified count as
+    unexplained)."""
     checked = [r for r in records if r.parity is not None]
+    bad = [r for r in checked if not r.parity]
     mismatches = [
-        {"dataset": r.dataset, "id": r.id, "turn": r.turn, "first_mismatch": r.first_mismatch}
-        for r in checked
-        if not r.parity
-    ]
+        {"dataset": r.dataset, "id": r.id, "turn": r.turn, "first_mismatch": r.first_mismatch,
+         "near_tie": r.near_tie, "tie_gap": r.tie_gap}
+        for r in bad
+    ]  # fmt: skip
+    near = sum(1 for r in bad if r.near_tie)
     return {
         "checked": len(checked),
         "matched": len(checked) - len(mismatches),
+        "near_tie": near,
+        "unexplained": len(bad) - near,
         "mismatches": mismatches,
     }
 

@@ -52,6 +52,9 @@ def summary_table(name: str, summary: dict[str, Any]) -> Table:
     ]
     if parity["checked"]:
         rows.append(("greedy parity", f"{parity['matched']}/{parity['checked']}"))
+        if parity["checked"] > parity["matched"]:
+            rows.append(("mismatches: near-tie / unexplained",
+                         f"{parity.get('near_tie', 0)} / {parity.get('unexplained', 0)}"))  # fmt: skip
     for metric, value in rows:
         table.add_row(metric, value)
     return table
@@ -107,7 +110,10 @@ def print_summary(console: Console, name: str, summary: dict[str, Any]) -> None:
         console.print(
             Text(
                 f"parity mismatch: {m['dataset']} {m['id']} turn {m['turn']} "
-                f"first differs at new token {m['first_mismatch']}",
+                f"first differs at new token {m['first_mismatch']}"
+                + ("" if m.get("near_tie") is None else
+                   f" ({'near-tie' if m['near_tie'] else 'unexplained'}, "
+                   f"gap {_fmt(m['tie_gap'], '.3g')} logits)"),  # fmt: skip
                 style="bold red",
             )
         )

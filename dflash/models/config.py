@@ -84,6 +84,24 @@ def default_target_layer_ids(num_target_layers: int, num_features: int) -> list[
     return [int(round(lo + i * step)) for i in range(num_features)]
 
 
+def normalize_rope(d: dict[str, Any]) -> dict[str, Any]:
+    """The rope settings of a config dict in the current ``rope_parameters`` form.
+
+    Accepts ``rope_parameters`` or the legacy flat ``rope_theta`` + ``rope_scaling`` keys, and the
+    legacy ``{"type": ...}`` spelling of the scaling type, which becomes ``rope_type`` (a config
+    re-saved with both keys would otherwise reload as default rope and lose the scaling).
+    """
+    rope = dict(d.get("rope_parameters") or {})
+    if not rope:
+        rope = {"rope_theta": float(d.get("rope_theta", 10000.0))}
+        if isinstance(d.get("rope_scaling"), dict):
+            rope.update(d["rope_scaling"])
+    legacy = rope.pop("type", None)
+    if legacy is not None and rope.get("rope_type") in (None, "default"):
+        rope["rope_type"] = legacy
+    return rope
+
+
 @dataclass
 class DraftConfig:
     """Shape and DFlash settings of a v1 draft (paper §4.2, brief §1.1-§2.5).
@@ -211,11 +229,7 @@ class DraftConfig:
         try:
             hidden = int(d["hidden_size"])
             heads = int(d["num_attention_heads"])
-            rope = dict(d.get("rope_parameters") or {})
-            if not rope:
-                rope = {"rope_theta": float(d.get("rope_theta", 10000.0))}
-                if d.get("rope_scaling"):
-                    rope.update(d["rope_scaling"])
+            rope = normalize_rope(d)
             known = {
                 "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "head_dim", "vocab_size", "rms_norm_eps", "layer_types",

@@ -219,7 +219,16 @@ class DFlashDraft(nn.Module):
         self.layers = nn.ModuleList(self.layer_class(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         inv_freq, self.rope_scale = rope_inv_freq(cfg)
+        self._inv_freq_f32 = inv_freq  # master copy: RoPE tables stay float32 in every dtype
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        """``.to()``/``.half()``/``.bfloat16()`` move the RoPE frequencies but keep them float32
+        (training, HF and upstream compute RoPE in float32; a bf16 table is wrong by whole
+        radians at a few thousand positions)."""
+        out = super()._apply(fn, recurse)
+        self.inv_freq = self._inv_freq_f32.to(self.inv_freq.device)
+        return out
 
     @property
     def feature_width(self) -> int:
@@ -390,8 +399,8 @@ class DFlashDraft(nn.Module):
             )
         model.load_state_dict(state, assign=True)
         inv_freq, model.rope_scale = rope_inv_freq(cfg)
-        model.inv_freq = inv_freq
-        return model.to(device=device, dtype=dtype)
+        model._inv_freq_f32, model.inv_freq = inv_freq, inv_freq
+        return model.to(device=device, dtype=dtype)  # inv_freq stays float32 (see _apply)
 
 
 def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:

@@ -1,0 +1,93 @@
+"""Sampling at temperature > 0 on the backend's device (torch), seeded, one host sync per step.
+
+The same transform and acceptance rule as :mod:`dflash.sampling` / :mod:`dflash.accept` (brief
+§3.4-§3.6), written as torch ops so no full-vocabulary row leaves the device: temperature,
+top-k, top-p, the acceptance test of each proposal (q one-hot at the draft's argmax proposals,
+so proposal d_i is accepted with probability p_i(d_i)), and the residual draw on the first
+rejection. Every uniform draw comes from one ``torch.Generator`` on the device seeded with
+``SamplingParams.seed``. The numpy versions stay the reference the tests compare against.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dflash.types import SamplingParams
+
+
+def sampling_probs_torch(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Logits [..., V] -> float32 probabilities [..., V] (same rule as ``sampling_probs``).
+
+    Order: / T -> keep the top_k largest (ties kept) -> softmax -> keep the smallest prefix of
+    tokens sorted by probability whose mass before each kept token is < top_p (the most likely
+    token always kept) -> renormalise.
+    """
+    assert params.temperature > 0, "sampling_probs_torch is only for temperature > 0"
+    x = logits.float() / params.temperature
+    vocab = x.shape[-1]
+    if 0 < params.top_k < vocab:
+        kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    p = torch.softmax(x, dim=-1)
+    if params.top_p < 1.0:
+        sorted_p, order = torch.sort(p, dim=-1, descending=True, stable=True)
+        keep_sorted = (torch.cumsum(sorted_p, dim=-1) - sorted_p) < params.top_p
+        keep_sorted[..., 0] = True
+        keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+        p = torch.where(keep, p, torch.zeros_like(p))
+        p = p / p.sum(dim=-1, keepdim=True)
+    return p
+
+
+class TorchSampler:
+    """Seeded sampling + lossless acceptance on one torch device.
+
+    Args:
+        params: sampling settings (temperature > 0).
+        device: where logits live; the generator is created there.
+    """
+
+    def __init__(self, params: SamplingParams, device: torch.device):
+        self.params = params
+        self.device = torch.device(device)
+        self.gen = torch.Generator(device=self.device)
+        if params.seed is None:
+            self.gen.seed()
+        else:
+            self.gen.manual_seed(params.seed)
+
+    def first(self, logits: torch.Tensor) -> int:
+        """Sample the token after prefill from logits [V] (one host sync)."""
+        p = sampling_probs_torch(logits, self.params)
+        return int(torch.multinomial(p, 1, generator=self.gen).item())
+
+    def accept(
+        self, proposals: torch.Tensor | None, logits: torch.Tensor
+    ) -> tuple[int, int, list[int]]:
+        """Rejection sampling over one block (q one-hot at each proposal), one host sync.
+
+        Args:
+            proposals: [n] int64 draft tokens d_0..d_{n-1} (None or empty for n = 0).
+            logits: [n + 1, V] target logits; row i follows [anchor, d_0 .. d_{i-1}].
+
+        Returns:
+            (a, bonus, proposals as a host list): a accepted proposals and the bonus token are
+            distributed exactly as sequential sampling from the target (Leviathan et al. 2023;
+            brief §3.5).
+        """
+        p = sampling_probs_torch(logits, self.params)  # [n+1, V]
+        n = 0 if proposals is None else int(proposals.shape[0])
+        if n == 0:
+            return 0, int(torch.multinomial(p[0], 1, generator=self.gen).item()), []
+        props = proposals.to(device=p.device, dtype=torch.long)
+        p_d = p[:n].gather(1, props[:, None])[:, 0]  # [n] p_i(d_i)
+        u = torch.rand(n, generator=self.gen, device=p.device, dtype=p.dtype)
+        a = (u < p_d).to(torch.int64).cumprod(0).sum()  # leading accepts (device scalar)
+        row = p.index_select(0, a.view(1))[0]  # [V] p_a
+        d = torch.cat((props, props[:1])).index_select(0, a.view(1))  # d_a (unused when a = n)
+        drop = torch.zeros_like(row).scatter(0, d, (a < n).to(row.dtype).view(1))
+        residual = row * (1 - drop)  # p_a with d_a removed on a rejection
+        residual = torch.where(residual.sum() > 0, residual, row)
+        bonus = torch.multinomial(residual, 1, generator=self.gen)
+        host = torch.cat((a.view(1), bonus, props)).tolist()  # the one sync
+        return int(host[0]), int(host[1]), host[2:]

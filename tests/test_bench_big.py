@@ -1,0 +1,30 @@
+"""scripts/bench_big.py on a miniature model (CPU): the scripted draft gives exact step counts."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import torch
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_big.py"
+
+
+def test_bench_big_tiny_exact_steps(tmp_path):
+    spec = importlib.util.spec_from_file_location("bench_big", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        report = mod.main(["--tiny", "--out", str(tmp_path), "--steps", "2", "--prompt-len", "16",
+                           "--blocks", "1,4,16"])  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
+    assert json.loads((tmp_path / "bench_big.json").read_text()) == report
+    got = {(r["block_size"], r["k"]): r for r in report["results"]}
+    assert set(got) == {(1, 0), (4, 0), (4, 3), (16, 0), (16, 15)}
+    for (_block, k), r in got.items():
+        assert r["steps"] == 2 and r["tau"] == k + 1, r  # exactly k of L-1 proposals right
+        assert r["floor_ms"] > 0 and r["ms_per_step"] > 0

@@ -1,0 +1,42 @@
+"""Capture planning of the CUDA-graph path: which widths are captured and how widths pad."""
+
+from __future__ import annotations
+
+import pytest
+
+from dflash.backends.graph_plan import plan_graphs, resolve_compile
+
+
+def test_plan_with_a_block_16_draft():
+    plan = plan_graphs(16, has_draft=True)
+    assert plan.verify_widths == (1, 16) and plan.draft_width == 16
+    assert plan.keys() == [("verify", 1), ("verify", 16), ("draft", 16)]
+    # every width a request can ask for maps onto a captured graph
+    assert [plan.verify_width(w) for w in range(1, 17)] == [1] + [16] * 15
+    assert {plan.verify_width(w) for w in range(1, 17)} <= set(plan.verify_widths)
+
+
+def test_plan_without_draft_or_block_1():
+    for plan in (plan_graphs(16, has_draft=False), plan_graphs(1, has_draft=True)):
+        assert plan.verify_widths == (1,) and plan.draft_width == 0
+        assert plan.keys() == [("verify", 1)]
+
+
+def test_width_past_the_plan_is_kept_and_bad_width_raises():
+    plan = plan_graphs(8, has_draft=True)
+    assert plan.verify_width(12) == 12  # captured on first use (a loop driven past the draft)
+    with pytest.raises(ValueError):
+        plan.verify_width(0)
+
+
+@pytest.mark.parametrize("flag,graphs,want", [(None, True, True), (None, False, False),
+                                              (False, True, False), (True, True, True)])  # fmt: skip
+def test_compile_default_follows_graphs(flag, graphs, want):
+    assert resolve_compile(flag, graphs) is want
+
+
+def test_uniform_plan_pads_block_1_decoding_to_the_block():
+    plan = plan_graphs(16, has_draft=True, uniform=True)
+    assert plan.verify_widths == (16,) and plan.keys() == [("verify", 16), ("draft", 16)]
+    assert {plan.verify_width(w) for w in range(1, 17)} == {16}
+    assert plan_graphs(16, has_draft=False, uniform=True).verify_widths == (1,)
