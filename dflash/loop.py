@@ -49,7 +49,9 @@ def speculative_generate(
     want_features = block_size > 1
     sampled_draft = not sampling.greedy and getattr(backend, "draft_uses_sampling", False)
     draft_kwargs = {"sampling": sampling} if sampled_draft else {}  # DFlash2 samples its path
-    cand_rng = np.random.default_rng(sampling.seed) if sampled_draft else None
+    cand_rng = None  # DFlash2 candidate rejection: share the host sampler's stream if any
+    if sampled_draft:
+        cand_rng = getattr(sampler, "rng", None) or np.random.default_rng(sampling.seed)
     backend.reset(len(prompt_ids) + max_new_tokens + block_size)
     logits, context = backend.prefill(list(prompt_ids), want_features)
     if sampling.greedy:
