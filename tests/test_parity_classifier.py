@@ -80,3 +80,12 @@ def base_sampling():
     from dflash.types import SamplingParams
 
     return SamplingParams()
+
+
+def test_a_replay_that_favours_the_other_token_strongly_is_not_a_near_tie():
+    """If the replayed reference puts the DFlash token far above its own token (the replay did
+    not reproduce the timed run), the mismatch is not explained: a negative gap is no tie."""
+    logits = np.zeros(10)
+    logits[3], logits[7] = 1.0, 9.75  # reference emitted 3, DFlash 7, replay prefers 7 by 8.75
+    v = classify_divergence(logits, 3, 7, near_tie_threshold("bfloat16"))
+    assert v["tie_gap"] == -8.75 and not v["near_tie"]

@@ -15,12 +15,14 @@ from dflash.types import GenerationResult, SamplingParams
 
 
 def reference_logits_at(pipeline: Any, prompt_ids: list[int], position: int,
-                        sampling: SamplingParams) -> Any | None:  # fmt: skip
+                        sampling: SamplingParams, budget: int | None = None) -> Any | None:  # fmt: skip
     """Logits [V] of the reference (block-size-1) run at new-token ``position``, or None when
     the pipeline exposes no backend.
 
-    Re-runs the baseline (untimed, deterministic: same kernels and widths as the timed run) for
-    ``position + 1`` tokens with a recorder that keeps a copy of the last logits it saw.
+    Re-runs the baseline (untimed, deterministic: same kernels and widths as the timed run) with
+    the timed run's token ``budget`` (static caches are sized from it, and a different capacity
+    changes the attention reductions' rounding), stopping after ``position + 1`` tokens, with a
+    recorder that keeps a copy of the last logits it saw.
     """
     backend = getattr(pipeline, "backend", None)
     if backend is None:
@@ -43,8 +45,12 @@ def reference_logits_at(pipeline: Any, prompt_ids: list[int], position: int,
 
     pipeline.backend = Recorder()
     try:
-        pipeline.generate(prompt_ids, block_size=1, max_new_tokens=position + 1,
-                          sampling=sampling, stop_ids=[])  # fmt: skip
+        made = 0
+        for step in pipeline.stream(prompt_ids, block_size=1, sampling=sampling, stop_ids=[],
+                                    max_new_tokens=max(budget or 0, position + 1)):  # fmt: skip
+            made += len(step.tokens)
+            if made >= position + 1:
+                break
     finally:
         pipeline.backend = backend
     return backend.to_numpy(seen["logits"]) if "logits" in seen else None
@@ -52,14 +58,15 @@ def reference_logits_at(pipeline: Any, prompt_ids: list[int], position: int,
 
 def classify_mismatch(pipeline: Any, record: ResponseRecord, prompt_ids: list[int],
                       base: GenerationResult, fast: GenerationResult, sampling: SamplingParams,
-                      dtype: str | None) -> None:  # fmt: skip
+                      dtype: str | None, budget: int | None = None) -> None:  # fmt: skip
     """Fill ``record.near_tie``/``tie_gap``/``top2_gap`` for a parity mismatch (see
-    :func:`dflash.bench.metrics.classify_divergence`; threshold from the run's dtype)."""
+    :func:`dflash.bench.metrics.classify_divergence`; threshold from the run's dtype; ``budget``:
+    the timed runs' max_new_tokens, so the replay sizes its caches the same way)."""
     m = record.first_mismatch
     if m is None or m >= len(base.token_ids):  # the reference stopped first: not a tie
         record.near_tie = False
         return
-    logits = reference_logits_at(pipeline, prompt_ids, m, sampling)
+    logits = reference_logits_at(pipeline, prompt_ids, m, sampling, budget)
     if logits is None:
         return
     other = fast.token_ids[m] if m < len(fast.token_ids) else None
