@@ -273,7 +273,7 @@ def run_item(
                 from dflash.bench.parity import classify_mismatch
 
                 classify_mismatch(pipeline, record, prompt_ids, base, fast, config.sampling,
-                                  config.run_info.get("dtype"), config.max_new_tokens)  # fmt: skip
+                                  config.run_info.get("dtype"))  # fmt: skip
         elif record.config != config.record_config(block_size):
             raise InputError(
                 f"The results file holds {item.id} turn {turn} made with other settings "
