@@ -25,6 +25,8 @@ from dflash.types import SamplingParams
 
 BACKENDS = ("transformers", "mlx", "openai")
 LOCAL_BACKENDS = ("transformers", "mlx")
+# --help groups the options that only one backend reads under a panel of their own.
+OPENAI_PANEL = "openai backend only"
 
 
 def _load_pipeline(backend: str, model: str | None, draft: str | None, device: str, dtype: str,
@@ -139,11 +141,17 @@ def benchmark(
         ),
     ] = None,
     base_url: Annotated[
-        str, typer.Option(help="openai backend: server URL.")
+        str, typer.Option(help="Server URL.", rich_help_panel=OPENAI_PANEL)
     ] = "http://127.0.0.1:30000",
-    num_prompts: Annotated[int, typer.Option(help="openai backend: prompts to send.")] = 1024,
-    concurrency: Annotated[int, typer.Option(help="openai backend: parallel requests.")] = 1,
-    timeout_s: Annotated[float, typer.Option(help="openai backend: HTTP timeout, s.")] = 3600.0,
+    num_prompts: Annotated[
+        int, typer.Option(help="Prompts to send.", rich_help_panel=OPENAI_PANEL)
+    ] = 1024,
+    concurrency: Annotated[
+        int, typer.Option(help="Parallel requests.", rich_help_panel=OPENAI_PANEL)
+    ] = 1,
+    timeout_s: Annotated[
+        float, typer.Option(help="HTTP timeout, s.", rich_help_panel=OPENAI_PANEL)
+    ] = 3600.0,
 ) -> None:
     """Benchmark DFlash against plain decoding (block size 1) on prompt datasets."""
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
@@ -205,6 +213,7 @@ def _run(
     if dist.world > 1 and device in ("auto", "cuda"):
         device = f"cuda:{dist.local_rank}"
     log = harness.ResultsLog(output, resume=resume, rank=dist.rank, world=dist.world)
+    log.check_settings(config)  # before loading: a mismatch must not cost a model load
     pipeline = _load_pipeline(backend, model, draft, device, dtype, cuda_graphs)
     shards = {name: harness.shard(items, dist) for name, items in selected.items()}
     with report.BenchProgress(enabled=dist.rank == 0) as progress:
