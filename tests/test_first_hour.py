@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +16,7 @@ from typer.testing import CliRunner
 from dflash.errors import CheckpointError, InputError
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "DFLASH_DEBUG": ""}
+DATA_DIR = Path(__file__).resolve().parent / "data"
 
 
 def dflash_cli(*args: str) -> subprocess.CompletedProcess:
@@ -200,3 +203,53 @@ def test_benchmark_help_groups_the_openai_only_options():
         assert text.index(opt) > panel, opt
     for opt in ("--dataset", "--max-new-tokens", "--check-parity", "--output"):
         assert text.index(opt) < panel, opt
+
+
+@pytest.fixture
+def bench(monkeypatch):
+    """Run ``benchmark`` with a fake pipeline; returns (invoke, number of pipeline loads)."""
+    from dflash.bench import command
+    from tests.test_bench_resume import FakePipeline, make_app
+
+    monkeypatch.setattr(command, "_load_pipeline", command._load_pipeline)  # restored afterwards
+    loads: list[int] = []
+
+    def factory():
+        loads.append(1)
+        return FakePipeline()
+
+    def invoke(*args):
+        return CliRunner().invoke(make_app(factory), ["transformers", "--data-dir", str(DATA_DIR),
+                                                      "--dataset", "humaneval", *args])  # fmt: skip
+
+    return invoke, loads
+
+
+def test_benchmark_refuses_an_unwritable_output_before_loading(bench, tmp_path):
+    invoke, loads = bench
+    link = tmp_path / "r.jsonl"
+    link.symlink_to(tmp_path / "gone" / "r.jsonl")  # a dangling link: no file can be made there
+    out = invoke("--output", str(link))
+    assert isinstance(out.exception, InputError), out.output
+    assert "cannot be written" in out.exception.message and not loads
+
+
+def test_benchmark_checks_resume_settings_before_loading(bench, tmp_path):
+    invoke, loads = bench
+    out_file = tmp_path / "r.jsonl"
+    assert invoke("--max-samples", "1", "--output", str(out_file)).exit_code == 0
+    loads.clear()
+    changed = invoke("--max-samples", "2", "--output", str(out_file), "--resume", "--top-k", "5")
+    assert isinstance(changed.exception, InputError), changed.output
+    assert "top_k: 0 then 5" in changed.exception.message and not loads
+
+
+def test_resumed_parity_says_how_many_responses_were_not_checked(bench, tmp_path):
+    invoke, _ = bench
+    out_file = tmp_path / "r.jsonl"
+    assert invoke("--max-samples", "1", "--output", str(out_file)).exit_code == 0
+    out = invoke("--max-samples", "3", "--output", str(out_file), "--resume", "--check-parity")
+    assert out.exit_code == 0, out.output
+    assert "2/2 identical, 1 of 3 responses not checked" in out.stdout
+    summary = json.loads(out.stdout.strip().splitlines()[-1])["datasets"]["humaneval"]
+    assert summary["responses"] == 3 and summary["parity"]["checked"] == 2
