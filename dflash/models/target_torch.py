@@ -88,14 +88,6 @@ def gguf_to_cached_folder(gguf: Path) -> Path:
     folder = cache_root() / "targets" / key
     if (folder / "config.json").is_file() and any(folder.glob("*.safetensors")):
         return folder
-    from transformers import AutoConfig
-
-    try:  # the metadata alone: refuse a target we cannot speculate on before dequantizing it
-        config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    except Exception:  # an unreadable file is reported by the loading below
-        config = None
-    if config is not None:
-        check_full_attention(config, str(gguf))
     tmp = folder.with_name(folder.name + ".tmp")
     try:
         tmp.mkdir(parents=True, exist_ok=True)
@@ -152,7 +144,8 @@ def check_full_attention(config, name: str) -> None:
     DFlash rolls the target's KV cache back to the accepted prefix after every verify step;
     a sliding-window cache (Mistral with ``sliding_window``, Qwen2/Qwen3 with
     ``use_sliding_window``, Gemma 2/3) or a recurrent state has already dropped what a rollback
-    would need.
+    would need. Callers run it on the config before loading weights; a ``.gguf`` target is
+    checked on its cached conversion (parsing the GGUF metadata twice would slow every first run).
 
     Raises:
         BackendError: the target has such layers.
