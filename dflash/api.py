@@ -43,23 +43,38 @@ def reasoning_kwargs(template: str | None, reasoning: str | None) -> dict[str, A
                      hint="this template supports only --reasoning on/off, if any")  # fmt: skip
 
 
+def split_incomplete_char(text: str) -> tuple[str, bool]:
+    """Drop the replacement characters a decoder puts for an unfinished multi-byte character.
+
+    A budget can end between the byte tokens of one character (an emoji takes 2-4 byte-level
+    tokens); decoding then ends in U+FFFD. Returns (text without that tail, whether it was cut).
+    """
+    kept = text.rstrip("\ufffd")
+    return kept, len(kept) != len(text)
+
+
 class TextStream:
     """Incremental detokenizer that never emits a broken multi-byte character.
 
-    Feed committed token ids; get back only the newly printable text.
+    Feed committed token ids; get back only the newly printable text. A character left
+    unfinished when the stream ends (``final``) is not printed; ``truncated_mid_character``
+    then says so.
     """
 
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
         self.ids: list[int] = []
         self.printed = 0
+        self.truncated_mid_character = False
 
     def feed(self, ids: list[int], final: bool = False) -> str:
         """Add token ids; return text that is complete (held back while it ends in U+FFFD)."""
         self.ids.extend(ids)
         text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if text.endswith("\ufffd") and not final:
-            return ""
+        if text.endswith("\ufffd"):
+            if not final:
+                return ""
+            text, self.truncated_mid_character = split_incomplete_char(text)
         new, self.printed = text[self.printed :], len(text)
         return new
 
@@ -90,8 +105,12 @@ class Pipeline:
         ``chat_template_kwargs``); a template ignores the ones it does not use.
 
         Raises:
-            InputError: a bad ``reasoning`` value, or a prompt longer than the context.
+            InputError: an empty user message, a bad ``reasoning`` value, or a prompt longer
+                than the context.
         """
+        for m in messages:
+            if m.get("role") == "user" and not str(m.get("content") or "").strip():
+                raise InputError("The prompt is empty.", hint="pass a question or instruction")
         msgs = ([{"role": "system", "content": system}] if system else []) + list(messages)
         template = getattr(self.tokenizer, "chat_template", None)
         kwargs = reasoning_kwargs(template if isinstance(template, str) else None, reasoning)
@@ -157,6 +176,7 @@ class Pipeline:
         """Run :meth:`stream` to the end and collect tokens, timings (s) and τ per step.
 
         ``ttft_s`` covers prefill and the first token; ``decode_s`` the rest (device-synced).
+        A character cut by the budget is kept out of ``text`` (``truncated_mid_character``).
         """
         bs = self.resolve_block_size(kwargs.get("block_size"))
         tokens: list[int] = []
@@ -177,10 +197,11 @@ class Pipeline:
             finish = r.finish_reason or finish
         self.backend.synchronize()
         t2 = time.perf_counter()
+        text, cut = split_incomplete_char(self.decode(tokens))
         return GenerationResult(
-            token_ids=tokens, text=self.decode(tokens), prompt_tokens=len(prompt_ids),
+            token_ids=tokens, text=text, prompt_tokens=len(prompt_ids),
             acceptance_lengths=accepted, proposed=proposed, ttft_s=t1 - t0, decode_s=t2 - t1,
-            finish_reason=finish, block_size=bs,
+            finish_reason=finish, block_size=bs, truncated_mid_character=cut,
         )  # fmt: skip
 
     def describe(self) -> dict[str, Any]:
@@ -262,10 +283,12 @@ def load(model: str | None = None, draft: str | None = None, *, backend: str = "
         pick_dtype,
     )
     from dflash.models.config import DraftConfig
-    from dflash.models.target_torch import resolve_draft, resolve_target
+    from dflash.models.target_torch import check_model_path, resolve_draft, resolve_target
 
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
+    if model is not None:
+        check_model_path(model)
     draft_dir = resolve_draft(draft, model)
     draft_cfg = DraftConfig.load(draft_dir)  # cheap checks before loading any weights
     if cuda_graphs and draft_cfg.is_dflash2:  # auto mode falls back to the plain path

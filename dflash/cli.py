@@ -1,6 +1,6 @@
 """The ``dflash`` command line: parse, dispatch, print.
 
-    dflash generate transformers "How many divisors does 196 have?"
+    dflash generate transformers "Write a Python function that returns the square of a number."
     dflash benchmark transformers --dataset gsm8k --max-samples 8
     dflash init-draft --target M --out DIR
     dflash serve --port 8000    # then: dflash generate openai --base-url http://127.0.0.1:8000 "Hi"

@@ -61,6 +61,8 @@ def generate(
     from dflash.api import TextStream
 
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    if not prompt.strip():
+        raise InputError("The prompt is empty.", hint="pass a question or instruction as PROMPT")
     if max_new_tokens < 1:
         raise InputError(f"--max-new-tokens must be >= 1, got {max_new_tokens}.")
     if block_size is not None and block_size < 1:
@@ -84,6 +86,7 @@ def generate(
             "acceptance_lengths": r.acceptance_lengths,
             "mean_acceptance_length": r.mean_acceptance_length,
             "ttft_s": r.ttft_s, "decode_s": r.decode_s, "decode_tok_per_s": r.decode_tok_per_s,
+            "text_truncated_mid_character": r.truncated_mid_character,
         }))  # fmt: skip
         return
     stream = TextStream(pipe.tokenizer)
@@ -103,10 +106,21 @@ def generate(
     sys.stdout.write("\n")
     sys.stdout.flush()  # the summary on stderr must come after the text
     decode = t2 - (t1 or t0)
-    tps = (n - 1) / decode if n > 1 and decode > 0 else 0.0
-    tau = sum(steps) / len(steps) if steps else float("nan")
-    print(f"[{n} new tokens | decode {tps:.1f} tok/s | mean acceptance length τ {tau:.2f} | "
-          f"{len(steps)} verify steps | TTFT {((t1 or t0) - t0) * 1000:.0f} ms]", file=sys.stderr)  # fmt: skip
+    print(summary_line(n, steps, decode, (t1 or t0) - t0), file=sys.stderr)
+
+
+def plural(count: int, noun: str) -> str:
+    """``1 verify step``, ``2 verify steps``."""
+    return f"{count:,} {noun}{'' if count == 1 else 's'}"
+
+
+def summary_line(new_tokens: int, steps: list[int], decode_s: float, ttft_s: float) -> str:
+    """The stderr summary of ``generate``: counts, decode tok/s, mean τ, TTFT (no nan: a figure
+    that does not exist, such as τ without a verify step, reads n/a)."""
+    speed = f"{(new_tokens - 1) / decode_s:.1f} tok/s" if new_tokens > 1 and decode_s > 0 else "n/a"
+    tau = f"{sum(steps) / len(steps):.2f}" if steps else "n/a"
+    return (f"[{plural(new_tokens, 'new token')} | decode {speed} | mean acceptance length τ {tau} | "
+            f"{plural(len(steps), 'verify step')} | TTFT {ttft_s * 1000:.0f} ms]")  # fmt: skip
 
 
 def init_draft(

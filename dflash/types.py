@@ -53,8 +53,10 @@ class RoundResult:
 
     Attributes:
         tokens: token ids committed in this step (1 for the prefill token, 1..L for a verify step).
-        accepted: acceptance length of this verify step, bonus included (= len(tokens) unless the
-            budget or a stop token cut the step short); None for the token sampled after prefill.
+        accepted: acceptance length τ of this verify step: the tokens it commits, bonus included,
+            so always len(tokens) (1..L); a stop token inside the block ends the step there and
+            the tokens after it are neither committed nor counted; the last block of a budget is
+            narrowed to fit instead of cut. None for the token sampled after prefill.
         proposed: draft tokens proposed in this step (L-1, 0 for block size 1 and for prefill).
         finish_reason: None while running, "stop" after a stop token, "length" at the budget.
     """
@@ -79,6 +81,8 @@ class GenerationResult:
         decode_s: wall time after the first token until the end, seconds.
         finish_reason: "stop" or "length".
         block_size: block size L used (1 = plain autoregressive decoding).
+        truncated_mid_character: the budget ended inside a multi-byte character; its bytes are
+            kept out of ``text`` (``token_ids`` still hold every token).
     """
 
     token_ids: list[int]
@@ -90,6 +94,7 @@ class GenerationResult:
     decode_s: float = 0.0
     finish_reason: str = "length"
     block_size: int = 1
+    truncated_mid_character: bool = False
 
     @property
     def num_new_tokens(self) -> int:

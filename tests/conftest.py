@@ -1,4 +1,6 @@
-"""Shared fixtures: a tiny random Llama target + draft, and the real demo target (SmolLM2)."""
+"""Shared fixtures: a tiny random Llama target + draft, the real demo target (SmolLM2), and the
+small data the tests carry (``tests/data``: a few rows per dataset; ``tests/fixtures``: published
+draft configs). No test reads anything outside the repository."""
 
 from __future__ import annotations
 
@@ -9,15 +11,24 @@ import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# The suite uses its own data whatever the shell says (tests that need the variable set it).
+os.environ.pop("DFLASH_DATA_DIR", None)
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared"
+DATA_DIR = REPO / "tests" / "data"  # the --data-dir layout, a few rows each (see its README)
+FIXTURES_DIR = REPO / "tests" / "fixtures"
 
 
 @pytest.fixture(scope="session")
-def shared_dir() -> Path:
-    """The ../shared folder (datasets, reference fixtures)."""
-    return SHARED
+def data_dir() -> Path:
+    """tests/data: a few rows of every prompt dataset, in the ``--data-dir`` layout."""
+    return DATA_DIR
+
+
+@pytest.fixture(scope="session")
+def fixtures_dir() -> Path:
+    """tests/fixtures: published DFlash draft configs."""
+    return FIXTURES_DIR
 
 
 @pytest.fixture(scope="session")

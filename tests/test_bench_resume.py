@@ -23,9 +23,7 @@ from dflash.data import PromptItem
 from dflash.errors import BackendError, DatasetError, InputError, ServerError
 from dflash.types import GenerationResult, SamplingParams
 
-DATA_DIR = Path(
-    os.environ.get("DFLASH_DATA_DIR") or Path(__file__).resolve().parents[2] / "shared" / "datasets"
-)
+DATA_DIR = Path(__file__).resolve().parent / "data"  # a few rows per dataset (see its README)
 REPO = Path(__file__).resolve().parents[1]
 
 

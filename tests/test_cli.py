@@ -99,6 +99,7 @@ def test_generate_json_and_stream(pair):
     assert out["new_tokens"] == len(out["token_ids"]) <= 12
     assert out["finish_reason"] == "stop" or out["new_tokens"] == 12
     assert sum(out["acceptance_lengths"]) == out["new_tokens"] - 1
+    assert out["text_truncated_mid_character"] is False  # 12 tokens of English end cleanly
     p2 = run("generate", "transformers", "Name three primary colors.", *pair, "--max-new-tokens", "12")
     assert p2.returncode == 0, p2.stderr
     assert p2.stdout.strip() == out["text"].strip()

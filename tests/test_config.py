@@ -1,4 +1,5 @@
-"""Draft config loading and validation: shared fixtures, round trips and every bad input."""
+"""Draft config loading and validation: published configs (tests/fixtures), round trips and every
+bad input."""
 
 from __future__ import annotations
 
@@ -12,14 +13,14 @@ from dflash.models.config import DraftConfig, default_target_layer_ids
 from dflash.models.draft_torch import DFlashDraft
 
 
-def load_fixture(shared_dir, name):
-    return json.loads((shared_dir / "reference" / "fixtures" / name).read_text())
+def load_fixture(fixtures_dir, name):
+    return json.loads((fixtures_dir / name).read_text())
 
 
 @pytest.mark.parametrize("name,ids,bs", [("qwen3-8b-dflash-config.json", [1, 9, 17, 25, 33], 16),
                                          ("qwen2.5-0.5b-dflash-config.json", [1, 6, 11, 16, 21], 16)])  # fmt: skip
-def test_published_configs_load(shared_dir, name, ids, bs):
-    d = load_fixture(shared_dir, name)
+def test_published_configs_load(fixtures_dir, name, ids, bs):
+    d = load_fixture(fixtures_dir, name)
     cfg = DraftConfig.from_dict(d)
     assert cfg.target_layer_ids == ids and cfg.block_size == bs
     assert cfg.mask_token_id == d["dflash_config"]["mask_token_id"]
@@ -30,9 +31,9 @@ def test_published_configs_load(shared_dir, name, ids, bs):
     assert "auto_map" not in cfg.to_dict()  # we never point at remote code
 
 
-def test_published_shapes_scaled_down_build_and_run(shared_dir):
+def test_published_shapes_scaled_down_build_and_run(fixtures_dir):
     """The Qwen2.5-0.5B fixture's layout at a quarter of the width builds and runs a block."""
-    d = load_fixture(shared_dir, "qwen2.5-0.5b-dflash-config.json")
+    d = load_fixture(fixtures_dir, "qwen2.5-0.5b-dflash-config.json")
     d.update(hidden_size=224, intermediate_size=448, num_attention_heads=7, num_key_value_heads=1,
              head_dim=32, vocab_size=1000, dflash_config={**d["dflash_config"], "mask_token_id": 999})  # fmt: skip
     model = DFlashDraft(DraftConfig.from_dict(d)).eval()

@@ -84,6 +84,7 @@ def test_eos_fourth_token_inside_a_block(tiny_backend, truth):
     assert tokens == truth[:4]
     assert rounds[-1].finish_reason == "stop"
     assert [r.accepted for r in rounds] == [None, 3]
+    assert rounds[1].accepted == len(rounds[1].tokens)  # the stop ends the step; τ counts to it
 
 
 def test_eos_as_first_token_ends_at_once(tiny_backend, truth):

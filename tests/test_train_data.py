@@ -207,6 +207,9 @@ def test_cli_train_and_regenerate(tiny_chat_target, prompt_file, tmp_path):
     assert r.exit_code == 0, r.output
     draft = DFlashDraft.load(out)
     assert draft.config.block_size == 4 and draft.config.num_hidden_layers == 1
+    assert "step 2/2: loss " in r.output  # not a terminal: one log line per interval, no bar
+    modes = {f.name: f.stat().st_mode & 0o777 for f in out.iterdir() if f.is_file()}
+    assert modes["model.safetensors"] == modes["config.json"]  # weights follow the umask too
     assert (out / "train_log.jsonl").is_file() and (out / "state" / "trainer_state.json").is_file()
     r = runner.invoke(
         app, ["train", "--data", str(data), "--out", str(tmp_path / "x"), "--block-size", "1"]

@@ -9,6 +9,7 @@ table (raw lookup) and LM head.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import numpy as np
@@ -69,6 +70,19 @@ def check_pair(cfg: DraftConfig, target_cfg: Any, vocab_rows: int, stop_ids: lis
                           hint="choose another mask id (dflash init-draft --mask-token-id)")  # fmt: skip
 
 
+def cache_kwarg(model: Any) -> str:
+    """Name of the keyword that passes a KV cache to ``model.forward``.
+
+    Newer transformers (5.24 checked) call it ``cache`` and warn that ``past_key_values`` goes
+    away in 5.40; older 5.x releases (5.17 checked) only know ``past_key_values``.
+    """
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):  # pragma: no cover - a forward without a signature
+        return "past_key_values"
+    return "cache" if "cache" in params else "past_key_values"
+
+
 def _crop_cache(cache: Any, length: int) -> None:
     """Keep the first ``length`` positions of a DynamicCache.
 
@@ -115,6 +129,7 @@ class TransformersBackend:
         text_cfg = target.config.get_text_config()
         self.max_context = int(getattr(text_cfg, "max_position_embeddings", 1 << 30))
         self.cache = None
+        self.cache_kw = cache_kwarg(target)
         self.draft_cache = draft.new_cache() if draft is not None else None
         self.draft_uses_sampling = bool(getattr(draft, "is_dflash2", False))  # DFlash2 selector
         self.embed_scale = float(getattr(draft, "embed_scale", 1.0))
@@ -132,9 +147,10 @@ class TransformersBackend:
     def _forward(self, ids: torch.Tensor, start: int, with_features: bool, last_only: bool):
         pos = torch.arange(start, start + ids.shape[-1], device=self.device)[None]
         with torch.inference_mode():
-            out = self.target(input_ids=ids, position_ids=pos, past_key_values=self.cache,
-                              use_cache=True, output_hidden_states=with_features,
-                              logits_to_keep=1 if last_only else 0)  # fmt: skip
+            out = self.target(input_ids=ids, position_ids=pos, use_cache=True,
+                              output_hidden_states=with_features,
+                              logits_to_keep=1 if last_only else 0,
+                              **{self.cache_kw: self.cache})  # fmt: skip
         feats = None
         if with_features:
             feats = torch.cat([out.hidden_states[i][0] for i in self.layer_ids], dim=-1)  # [T, F]
@@ -223,15 +239,20 @@ class TransformersBackend:
 def load_target(path: str, device: torch.device, dtype: torch.dtype):
     """Load an HF causal LM and its tokenizer from a folder or hub id (no remote code).
 
+    The config is read and checked first, so a target this backend cannot speculate on is
+    refused before any weights load.
+
     Raises:
         CheckpointError: the model cannot be found or read.
+        BackendError: a sliding-window or recurrent target (see ``check_full_attention``).
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from dflash.models.target_torch import quiet_transformers
+    from dflash.models.target_torch import check_full_attention, quiet_transformers
 
     quiet_transformers()
     try:
+        check_full_attention(AutoConfig.from_pretrained(path), path)
         tok = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     except OSError as e:

@@ -25,6 +25,8 @@ from dflash.types import SamplingParams
 
 BACKENDS = ("transformers", "mlx", "openai")
 LOCAL_BACKENDS = ("transformers", "mlx")
+# --help groups the options that only one backend reads under a panel of their own.
+OPENAI_PANEL = "openai backend only"
 
 
 def _load_pipeline(backend: str, model: str | None, draft: str | None, device: str, dtype: str,
@@ -152,35 +154,35 @@ def benchmark(
         ),
     ] = False,
     base_url: Annotated[
-        str, typer.Option(help="openai backend: server URL, with or without /v1.")
+        str, typer.Option(rich_help_panel=OPENAI_PANEL, help="server URL, with or without /v1.")
     ] = "http://127.0.0.1:30000",
     num_prompts: Annotated[
         int | None,
         typer.Option(
-            help="openai backend: prompts per dataset (default: --max-samples, else all; "
+            rich_help_panel=OPENAI_PANEL, help="prompts per dataset (default: --max-samples, else all; "
             "repeats when larger than the dataset)."
         ),
     ] = None,
-    concurrency: Annotated[int, typer.Option(help="openai backend: parallel requests.")] = 1,
+    concurrency: Annotated[int, typer.Option(rich_help_panel=OPENAI_PANEL, help="parallel requests.")] = 1,
     timeout_s: Annotated[
-        float, typer.Option(help="openai backend: HTTP timeout per connect/read, s.")
+        float, typer.Option(rich_help_panel=OPENAI_PANEL, help="HTTP timeout per connect/read, s.")
     ] = 3600.0,
     api_key: Annotated[
         str | None,
         typer.Option(
-            help="openai backend: API key (default: $OPENAI_API_KEY); never printed.",
+            rich_help_panel=OPENAI_PANEL, help="API key (default: $OPENAI_API_KEY); never printed.",
             show_default=False,
         ),
     ] = None,
     baseline_url: Annotated[
         str | None,
-        typer.Option(help="openai backend: a second server without speculation, for a speedup."),
+        typer.Option(rich_help_panel=OPENAI_PANEL, help="a second server without speculation, for a speedup."),
     ] = None,
     baseline_model: Annotated[
-        str | None, typer.Option(help="openai backend: model name on --baseline-url.")
+        str | None, typer.Option(rich_help_panel=OPENAI_PANEL, help="model name on --baseline-url.")
     ] = None,
     max_retries: Annotated[
-        int, typer.Option(help="openai backend: retries on 429/502/503/504 (with backoff).")
+        int, typer.Option(rich_help_panel=OPENAI_PANEL, help="retries on 429/502/503/504 (with backoff).")
     ] = 3,
 ) -> None:
     """Benchmark DFlash against plain decoding (block size 1) on prompt datasets."""
@@ -261,6 +263,7 @@ def _run(
     if dist.world > 1 and device in ("auto", "cuda"):
         device = f"cuda:{dist.local_rank}"
     log = harness.ResultsLog(output, resume=resume, rank=dist.rank, world=dist.world)
+    log.check_settings(config)  # before loading: a mismatch must not cost a model load
     pipeline = _load_pipeline(backend, model, draft, device, dtype, cuda_graphs, compile,
                               uniform_width)  # fmt: skip
     shards = {name: harness.shard(items, dist) for name, items in selected.items()}

@@ -98,7 +98,7 @@ class ResultsLog:
         rank, world: this process's rank and the number of processes.
 
     Raises:
-        InputError: the file exists and ``resume`` is off.
+        InputError: the file exists and ``resume`` is off, or it cannot be written.
         DatasetError: a line in the middle of a file is not a valid record.
     """
 
@@ -125,7 +125,35 @@ class ResultsLog:
         for p in existing:
             for record in read_records(p, repair=(p == self.write_path)):
                 self.done.setdefault(record.key, record)
-        self.write_path.parent.mkdir(parents=True, exist_ok=True)
+        try:  # find out now, not after loading the models and measuring the first response
+            self.write_path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.write_path, "a", encoding="utf-8"):
+                pass
+        except OSError as e:
+            raise InputError(f"--output {self.write_path} cannot be written: {e.strerror}.",
+                             hint="choose a writable --output file") from e  # fmt: skip
+
+    def check_settings(self, config: BenchConfig) -> None:
+        """Refuse to resume records made with other settings, before anything is loaded.
+
+        The draft's block size is only known once it loads, so without ``--block-size`` that
+        one key is compared per record later (in :func:`run_item`).
+
+        Raises:
+            InputError: a finished record differs in model, draft, budget, sampling...
+        """
+        for record in self.done.values():
+            want = config.record_config(config.block_size or record.block_size)
+            # Only what is known before loading: None means "resolved at load" (auto device,
+            # dtype, graphs...); check_resumable compares everything once the models are up.
+            want = {k: v for k, v in want.items() if v is not None}
+            have = {k: record.config.get(k) for k in want}
+            if have != want:
+                raise InputError(
+                    f"The results file holds {record.id} turn {record.turn} made with other "
+                    f"settings ({_config_diff(have, want)}).",
+                    hint="resume with the same options, or choose another --output",
+                )
 
     def _all_files(self) -> list[Path]:
         assert self.path is not None

@@ -51,13 +51,23 @@ def summary_table(name: str, summary: dict[str, Any]) -> Table:
         ("verify steps", str(summary["verify_steps"])),
     ]
     if parity["checked"]:
-        rows.append(("greedy parity", f"{parity['matched']}/{parity['checked']}"))
+        rows.append(("greedy parity", parity_text(parity, summary["responses"])))
         if parity["checked"] > parity["matched"]:
             rows.append(("mismatches: near-tie / unexplained",
                          f"{parity.get('near_tie', 0)} / {parity.get('unexplained', 0)}"))  # fmt: skip
     for metric, value in rows:
         table.add_row(metric, value)
     return table
+
+
+def parity_text(parity: dict[str, Any], responses: int) -> str:
+    """``3/3 identical``, or with responses resumed from a run without --check-parity
+    ``1/1 identical, 2 of 3 responses not checked``."""
+    text = f"{parity['matched']}/{parity['checked']} identical"
+    unchecked = responses - parity["checked"]
+    if unchecked:
+        text += f", {unchecked} of {responses} responses not checked"
+    return text
 
 
 def _scale(value: float | None, factor: float) -> float | None:

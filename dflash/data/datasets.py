@@ -283,8 +283,8 @@ def load_jsonl_prompts(path: str | Path) -> list[PromptItem]:
     """Read a user prompt file; one JSON object per line (see :func:`load_prompts`).
 
     Raises:
-        DatasetError: the file is missing, a line is not JSON or has none of the prompt fields,
-            or two lines share an ``id``.
+        DatasetError: the file is missing, a line is not JSON or has none of the prompt fields
+            or an empty one, or two lines share an ``id``.
     """
     path = Path(path).expanduser()
     if not path.is_file():
@@ -304,6 +304,8 @@ def load_jsonl_prompts(path: str | Path) -> list[PromptItem]:
                 f"{path}:{lineno} has no 'prompt' string, 'turns' list or 'messages' list.",
                 hint='write one object per line, e.g. {"prompt": "Hello"}',
             )
+        if not all(turn.strip() for turn in turns):
+            raise DatasetError(f"{path}:{lineno} has an empty prompt.")
         rid = str(row["id"]) if isinstance(row.get("id"), (str, int)) else f"{path.stem}/{lineno}"
         if rid in seen:
             raise DatasetError(f"{path}:{lineno} repeats the id '{rid}'.")

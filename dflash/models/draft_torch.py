@@ -9,6 +9,7 @@ The same ``forward`` serves inference (with a :class:`DraftCache`) and training 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -199,6 +200,21 @@ class DraftLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
+def save_safetensors(tensors: dict[str, torch.Tensor], path: str | Path,
+                     metadata: dict[str, str] | None = None) -> None:  # fmt: skip
+    """``safetensors.torch.save_file``, then the file mode a plain ``open`` would give.
+
+    save_file writes through a private temporary file (mode 0600); weights should be as
+    readable as the config.json beside them, so the mode follows the umask (0644 typically).
+    """
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path), metadata=metadata)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
 class DFlashDraft(nn.Module):
     """DFlash v1 draft: ``fc`` + ``hidden_norm`` context projection, decoder layers, final norm.
 
@@ -313,10 +329,9 @@ class DFlashDraft(nn.Module):
         """Write config.json and safetensors shards of at most ``max_shard_bytes`` each.
 
         One shard is named ``model.safetensors``; several are ``model-0000i-of-0000n``
-        with a ``model.safetensors.index.json`` (the HF layout).
+        with a ``model.safetensors.index.json`` (the HF layout). Every file gets the mode the
+        umask gives (0644 typically), the weights as well as config.json.
         """
-        from safetensors.torch import save_file
-
         out = Path(folder)
         out.mkdir(parents=True, exist_ok=True)
         self.config.save(out)
@@ -335,13 +350,13 @@ class DFlashDraft(nn.Module):
             old.unlink()
         meta = {"format": "pt"}
         if len(shards) == 1:
-            save_file(shards[0], str(out / "model.safetensors"), metadata=meta)
+            save_safetensors(shards[0], out / "model.safetensors", metadata=meta)
             return out
         n = len(shards)
         weight_map = {}
         for i, shard in enumerate(shards, 1):
             fname = f"model-{i:05d}-of-{n:05d}.safetensors"
-            save_file(shard, str(out / fname), metadata=meta)
+            save_safetensors(shard, out / fname, metadata=meta)
             weight_map.update({k: fname for k in shard})
         index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
                  "weight_map": weight_map}  # fmt: skip

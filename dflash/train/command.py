@@ -126,9 +126,11 @@ def train(
 
     torch.manual_seed(seed)
     model, _tok = load_training_target(target, device)
-    console = Console(stderr=True)
+    console = Console(stderr=True, soft_wrap=True)  # no 80-column cut when piped
+    live = console.is_terminal  # a live bar on a terminal, one log line per interval otherwise
     bar = Progress(TextColumn("training"), BarColumn(), MofNCompleteColumn(),
-                   TextColumn("{task.fields[stats]}"), TimeElapsedColumn(), console=console)  # fmt: skip
+                   TextColumn("{task.fields[stats]}"), TimeElapsedColumn(), console=console,
+                   disable=not live)  # fmt: skip
     task = bar.add_task("train", total=None, stats="")
     heldout = {"tau": math.nan}
 
@@ -147,9 +149,13 @@ def train(
                           + (f" ({parts})" if parts else "")
                           + (f", loss {rec['loss']:.3f}" if "loss" in rec else ""))  # fmt: skip
         if "loss" in rec:
-            bar.update(task, completed=rec["step"], stats=(
-                f"loss {rec['loss']:.3f} acc {rec['accuracy']:.2f} train τ {rec['accept']:.2f} "
-                f"held-out τ {tau_text(heldout['tau'], 2)} lr {rec['lr']:.1e}"))  # fmt: skip
+            stats = (f"loss {rec['loss']:.3f} acc {rec['accuracy']:.2f} train τ {rec['accept']:.2f} "
+                     f"held-out τ {tau_text(heldout['tau'], 2)} lr {rec['lr']:.1e}")  # fmt: skip
+            bar.update(task, completed=rec["step"], stats=stats)
+            if not live:
+                total = bar.tasks[0].total
+                console.print(f"step {rec['step']}/{total:.0f}: {stats}" if total else
+                              f"step {rec['step']}: {stats}", highlight=False)  # fmt: skip
 
     trainer = Trainer(cfg, model, on_log=on_log)
     base = trainer.base_step  # steps of earlier segments (--resume-from)
@@ -158,4 +164,4 @@ def train(
         last = trainer.run(pause_after=pause_after)
     state = "finished" if trainer.finished() else "paused (run again to resume)"
     console.print(f"wrote {out}: step {base + trainer.cursor['step']}/{base + trainer.total_steps} {state}, "
-                  f"held-out τ {tau_text(heldout['tau'], 3)}, loss {last.get('loss', math.nan):.3f}")  # fmt: skip
+                  f"held-out τ {tau_text(heldout['tau'], 3)}, loss {tau_text(last.get('loss', math.nan), 3)}")  # fmt: skip

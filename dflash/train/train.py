@@ -119,7 +119,7 @@ def lr_at(progress: float, base: float, warmup: float) -> float:
 
 def save_state(state_dir: Path, draft, opt, cursor: dict) -> None:
     """Write float32 weights, AdamW moments (safetensors) and the cursor (JSON), atomically."""
-    from safetensors.torch import save_file
+    from dflash.models.draft_torch import save_safetensors
 
     tmp = state_dir.with_name(state_dir.name + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)
@@ -133,7 +133,7 @@ def save_state(state_dir: Path, draft, opt, cursor: dict) -> None:
                 moments[f"exp_avg.{names[id(p)]}"] = st["exp_avg"].detach().cpu().contiguous()
                 moments[f"exp_avg_sq.{names[id(p)]}"] = st["exp_avg_sq"].detach().cpu().contiguous()
                 steps[names[id(p)]] = float(st["step"])
-    save_file(moments, str(tmp / "optimizer.safetensors"))
+    save_safetensors(moments, tmp / "optimizer.safetensors")
     (tmp / "trainer_state.json").write_text(json.dumps({**cursor, "adam_steps": steps}, indent=1))
     if state_dir.exists():
         import shutil
