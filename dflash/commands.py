@@ -11,11 +11,14 @@ import typer
 
 from dflash.errors import InputError
 
-Backend = Annotated[str, typer.Argument(help="transformers (CUDA or CPU); mlx and openai are not available yet.")]
+Backend = Annotated[str, typer.Argument(help="transformers (torch: CUDA or CPU) or mlx (mlx-lm: Apple Silicon or Linux CPU).")]
 ModelOpt = Annotated[str | None, typer.Option("--model", "-m",
                      help="Target: hub id, local folder or .gguf file (default: demo SmolLM2-135M-Instruct).")]  # fmt: skip
 DraftOpt = Annotated[str | None, typer.Option("--draft", "-d",
                      help="DFlash draft: hub id or folder (default: the shipped demo draft, only without --model).")]  # fmt: skip
+
+DraftBitsOpt = Annotated[int | None, typer.Option(help="mlx: quantize the draft to 4 or 8 bits at load (group size 64).")]
+DraftWindowOpt = Annotated[int | None, typer.Option(help="mlx: keep at most N context rows in the draft's KV cache (tokens).")]
 
 
 def generate(
@@ -35,6 +38,8 @@ def generate(
     seed: Annotated[int, typer.Option(help="Seed for sampling.")] = 0,
     cuda_graphs: Annotated[bool | None, typer.Option("--cuda-graphs/--no-cuda-graphs", help="Static caches + CUDA graphs (default: on for CUDA with Llama/Qwen-style targets).")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object (text, token ids, stats) instead of streaming.")] = False,
+    draft_bits: DraftBitsOpt = None,
+    draft_window: DraftWindowOpt = None,
 ) -> None:  # fmt: skip
     """Generate a reply with DFlash speculative decoding; text streams to stdout, stats to stderr."""
     import time
@@ -48,7 +53,8 @@ def generate(
         raise InputError(f"--max-new-tokens must be >= 1, got {max_new_tokens}.")
     if block_size is not None and block_size < 1:
         raise InputError(f"--block-size must be >= 1, got {block_size}.")
-    pipe = dflash.load(model, draft, backend=backend, device=device, dtype=dtype, cuda_graphs=cuda_graphs)
+    pipe = dflash.load(model, draft, backend=backend, device=device, dtype=dtype, cuda_graphs=cuda_graphs,
+                       draft_bits=draft_bits, draft_window=draft_window)  # fmt: skip
     try:
         import torch
 

@@ -28,14 +28,20 @@ LOCAL_BACKENDS = ("transformers", "mlx")
 
 
 def _load_pipeline(backend: str, model: str | None, draft: str | None, device: str, dtype: str,
-                   cuda_graphs: bool | None = None):  # fmt: skip
+                   cuda_graphs: bool | None = None, **mlx_options: int | None):  # fmt: skip
     """Load target + draft through the public API (a seam the tests replace with a fake)."""
     try:
         from dflash import api
     except ImportError as err:
         raise BackendError(f"dflash.api cannot be imported ({err}).") from None
     return api.load(
-        model, draft, backend=backend, device=device, dtype=dtype, cuda_graphs=cuda_graphs
+        model,
+        draft,
+        backend=backend,
+        device=device,
+        dtype=dtype,
+        cuda_graphs=cuda_graphs,
+        **{k: v for k, v in mlx_options.items() if v is not None},
     )
 
 
@@ -138,6 +144,12 @@ def benchmark(
             help="Static caches + CUDA graphs (default: on for CUDA with Llama/Qwen-style targets).",
         ),
     ] = None,
+    draft_bits: Annotated[
+        int | None, typer.Option(help="mlx backend: quantize the draft to 4 or 8 bits at load.")
+    ] = None,
+    draft_window: Annotated[
+        int | None, typer.Option(help="mlx backend: keep at most N context rows in draft KV.")
+    ] = None,
     base_url: Annotated[
         str, typer.Option(help="openai backend: server URL.")
     ] = "http://127.0.0.1:30000",
@@ -145,7 +157,8 @@ def benchmark(
     concurrency: Annotated[int, typer.Option(help="openai backend: parallel requests.")] = 1,
     timeout_s: Annotated[float, typer.Option(help="openai backend: HTTP timeout, s.")] = 3600.0,
 ) -> None:
-    """Benchmark DFlash against plain decoding (block size 1) on prompt datasets."""
+    """Benchmark DFlash against plain decoding (block size 1; on mlx also mlx_lm's own
+    stream_generate) on prompt datasets."""
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     _check_options(
         backend, max_new_tokens, block_size, sampling, check_parity, output, resume, plot
@@ -159,13 +172,20 @@ def benchmark(
         sampling=sampling,
         reasoning=reasoning,
         check_parity=check_parity,
-        run_info={"backend": backend, "model": model, "draft": draft, "cuda_graphs": cuda_graphs},
+        run_info={
+            "backend": backend,
+            "model": model,
+            "draft": draft,
+            "cuda_graphs": cuda_graphs,
+            **({"draft_bits": draft_bits} if draft_bits else {}),
+            **({"draft_window": draft_window} if draft_window else {}),
+        },  # fmt: skip
     )
     dist = harness.init_distributed()
     try:
         gathered = _run(
             dist,
-            (backend, model, draft, device, dtype, cuda_graphs),
+            (backend, model, draft, device, dtype, cuda_graphs, draft_bits, draft_window),
             selected,
             config,
             output,
@@ -187,7 +207,7 @@ def benchmark(
 
 def _run(
     dist: harness.DistInfo,
-    load_args: tuple[str, str | None, str | None, str, str, bool | None],
+    load_args: tuple,
     selected: dict[str, list[PromptItem]],
     config: harness.BenchConfig,
     output: Path | None,
@@ -196,16 +216,18 @@ def _run(
     """Load, run this rank's shard with a progress bar, gather on rank 0 and merge its files.
 
     Args:
-        load_args: (backend, model, draft, device, dtype, cuda_graphs) for :func:`_load_pipeline`.
+        load_args: (backend, model, draft, device, dtype, cuda_graphs, draft_bits, draft_window)
+            for :func:`_load_pipeline`.
 
     Returns:
         Records per dataset on rank 0, None on other ranks.
     """
-    backend, model, draft, device, dtype, cuda_graphs = load_args
+    backend, model, draft, device, dtype, cuda_graphs, draft_bits, draft_window = load_args
     if dist.world > 1 and device in ("auto", "cuda"):
         device = f"cuda:{dist.local_rank}"
     log = harness.ResultsLog(output, resume=resume, rank=dist.rank, world=dist.world)
-    pipeline = _load_pipeline(backend, model, draft, device, dtype, cuda_graphs)
+    pipeline = _load_pipeline(backend, model, draft, device, dtype, cuda_graphs,
+                              draft_bits=draft_bits, draft_window=draft_window)  # fmt: skip
     shards = {name: harness.shard(items, dist) for name, items in selected.items()}
     with report.BenchProgress(enabled=dist.rank == 0) as progress:
         results = harness.run_benchmark(

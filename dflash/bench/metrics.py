@@ -59,6 +59,8 @@ class ResponseRecord:
         first_mismatch: first differing position (0-based, among new tokens) when parity failed.
         text: DFlash output text; the next MT-Bench turn is built from it when a run resumes.
         config: the run settings the record was made with (checked on ``--resume``).
+        reference: stats of the backend's own generator (mlx: ``mlx_lm.stream_generate``) on the
+            same prompt, None when the backend has none.
     """
 
     dataset: str
@@ -74,6 +76,7 @@ class ResponseRecord:
     first_mismatch: int | None = None
     text: str = ""
     config: dict[str, Any] = field(default_factory=dict)
+    reference: RunStats | None = None
 
     @property
     def key(self) -> tuple[str, str, int]:
@@ -94,8 +97,9 @@ class ResponseRecord:
         try:
             values = dict(data)
             values["dflash"] = RunStats(**values["dflash"])
-            if values.get("baseline") is not None:
-                values["baseline"] = RunStats(**values["baseline"])
+            for side in ("baseline", "reference"):
+                if values.get(side) is not None:
+                    values[side] = RunStats(**values[side])
             record = cls(**values)
             record.turn = int(record.turn)
             record.acceptance_lengths = [int(a) for a in record.acceptance_lengths]
@@ -127,9 +131,9 @@ def throughput(records: list[ResponseRecord], side: str) -> float | None:
     return 1.0 / tpot if tpot else None
 
 
-def speedup(records: list[ResponseRecord]) -> float | None:
-    """Decoding speedup: mean baseline TPOT / mean DFlash TPOT (TTFT excluded on both sides)."""
-    base, fast = mean_tpot(records, "baseline"), mean_tpot(records, "dflash")
+def speedup(records: list[ResponseRecord], side: str = "baseline") -> float | None:
+    """Decoding speedup: mean ``side`` TPOT / mean DFlash TPOT (TTFT excluded on both sides)."""
+    base, fast = mean_tpot(records, side), mean_tpot(records, "dflash")
     return base / fast if base and fast else None
 
 
@@ -260,7 +264,13 @@ def summarize(records: list[ResponseRecord]) -> dict[str, Any]:
     records = sorted(records, key=lambda r: r.key)
     size = max_block_size(records)
     counts = acceptance_histogram(records, size)
+    extra = {}
+    if any(r.reference is not None for r in records):  # mlx: mlx_lm.stream_generate
+        extra = {"reference_tok_s": throughput(records, "reference"),
+                 "speedup_vs_reference": speedup(records, "reference"),
+                 "reference_tokens": sum(r.reference.new_tokens for r in records if r.reference)}  # fmt: skip
     return {
+        **extra,
         "responses": len(records),
         "prompts": len({(r.dataset, r.id) for r in records}),
         "block_size": size,

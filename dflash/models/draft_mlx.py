@@ -320,3 +320,41 @@ def load_draft_mlx(folder: str | Path, *, dtype=mx.float32, bits: int | None = N
                     and m.weight.shape[-1] % group_size == 0)  # fmt: skip
     mx.eval(model.parameters())
     return model
+
+
+def random_draft_mlx(cfg: DraftConfig, seed: int = 0, std: float = 0.02) -> DFlashDraftMLX:
+    """An untrained draft: linear weights ~ N(0, std), norm scales 1 (as ``dflash init-draft``)."""
+    model = DFlashDraftMLX(cfg)
+    keys = mx.random.split(mx.random.key(seed), len(tree_flatten(model.parameters())))
+    new = []
+    for i, (name, p) in enumerate(tree_flatten(model.parameters())):
+        if name.endswith("norm.weight"):
+            new.append((name, mx.ones(p.shape)))
+        else:
+            new.append((name, std * mx.random.normal(p.shape, key=keys[i])))
+    model.load_weights(new)
+    mx.eval(model.parameters())
+    return model
+
+
+def save_draft_mlx(model: DFlashDraftMLX, folder: str | Path, dtype: str = "bfloat16") -> Path:
+    """Write config.json + model.safetensors in the layout the torch draft reads (brief §1.2).
+
+    Raises:
+        InputError: a quantized draft (save the unquantized one) or an unknown dtype.
+    """
+    if dtype not in DTYPES:
+        raise InputError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}.")
+    weights = dict(tree_flatten(model.parameters()))
+    if any(k.endswith(".scales") for k in weights):
+        raise InputError("A quantized draft cannot be saved as a DFlash checkpoint.")
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    model.config.extra["dtype"] = dtype
+    model.config.save(out)
+    for old in out.glob("model*.safetensors*"):
+        old.unlink()
+    mx.save_safetensors(str(out / "model.safetensors"),
+                        {k: v.astype(DTYPES[dtype]) for k, v in weights.items()},
+                        metadata={"format": "pt"})  # fmt: skip
+    return out
