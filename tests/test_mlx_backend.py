@@ -54,7 +54,7 @@ def dense(request, tmp_path_factory):
 @pytest.mark.parametrize("block_size", [1, 2, 16])
 def test_untrained_draft_greedy_parity(dense, block_size):
     pipe, _, truth = dense
-    got = pipe.generate(PROMPT, block_size=block_size, max_new_tokens=N)
+    got = pipe.generate(PROMPT, block_size=block_size, max_new_tokens=N, stop_ids=[])
     assert got.token_ids == truth[:N]
     assert sum(got.acceptance_lengths) + 1 == N
 
@@ -155,7 +155,7 @@ def test_draft_bits_4_loads_and_keeps_parity(dense, tmp_path):
     draft = build_draft(tmp_path / "d", target)
     q = dflash.load(str(target), str(draft), backend="mlx", draft_bits=4, draft_window=8)
     assert "scales" in q.backend.draft_model.fc
-    assert q.generate(PROMPT, max_new_tokens=24).token_ids == truth[:24]
+    assert q.generate(PROMPT, max_new_tokens=24, stop_ids=[]).token_ids == truth[:24]
 
 
 def test_reference_generate_is_mlx_lm_greedy_and_benchmark_records_it(dense):

@@ -67,7 +67,7 @@ def _swap_class(obj: Any, kind: str) -> None:
     key = (base, kind)
     if key not in _SUBCLASSES:
         _SUBCLASSES[key] = type(f"DFlash{kind}{base.__name__}", (base,), {
-            "_dflash_kind": kind, "__call__": _CALLS[kind]})  # fmt: skip
+            "_dflash_kind": kind, "__call__": _CALLS[kind], "__module__": base.__module__})  # fmt: skip
     obj.__class__ = _SUBCLASSES[key]
 
 
