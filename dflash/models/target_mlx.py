@@ -48,6 +48,9 @@ def load_target(path: str) -> tuple[Any, Any, dict]:
     """
     import mlx_lm
 
+    from dflash.models.target_torch import quiet_transformers
+
+    quiet_transformers()
     try:
         model, tokenizer, config = mlx_lm.load(path, return_config=True)
     except FileNotFoundError as e:
