@@ -10,7 +10,7 @@ mx = pytest.importorskip("mlx.core")
 pytest.importorskip("mlx_lm")
 
 PROMPTS = ["What is 12 times 7?", "Name three primary colors."]
-N = 32
+N = 16
 
 
 @pytest.fixture(scope="module")
