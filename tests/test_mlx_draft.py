@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 mx = pytest.importorskip("mlx.core")
+torch = pytest.importorskip("torch")
 
 from dflash.models.config import DraftConfig  # noqa: E402
 from dflash.models.draft_mlx import load_draft_mlx  # noqa: E402

@@ -5,7 +5,7 @@ After every verify step the recurrent state (B, Hv, Dv, Dk) float32 and the conv
 of the same target that decoded the committed tokens one at a time: max abs difference 0.
 This holds on the CPU build of mlx, whose reference BLAS accumulates every output element in the
 same order whatever the number of rows (so a 16-token verify and a 1-token decode round alike);
-on Metal, GEMM tiling differs with the row count and only the token ids are comparable.
+on Metal, GEMM tiling differs with the row count, so states agree only to rounding (1e-3 there).
 """
 
 from __future__ import annotations
@@ -67,16 +67,21 @@ class Reference:
             self.length += 1
 
 
+# CPU: bit-exact (see the module docstring); Metal: GEMM tiling depends on the row count, so a
+# 16-row verify and 1-row decodes round differently; 1e-3 bounds that drift in these tiny models.
+TOL = 0.0 if mx.default_device().type == mx.cpu else 1e-3
+
+
 def assert_same_state(ours: list, ref: list, length: int) -> None:
     for i, (a, b) in enumerate(zip(ours, ref, strict=True)):
         if hasattr(a, "keys") and not isinstance(a.keys, type(None)) and hasattr(a, "offset"):
             assert a.offset == b.offset == length, (i, a.offset, b.offset, length)
             ka, kb = a.keys[..., :length, :], b.keys[..., :length, :]
-            assert float(mx.abs(ka - kb).max()) == 0.0, f"layer {i} keys"
+            assert float(mx.abs(ka - kb).max()) <= TOL, f"layer {i} keys"
             continue
         for j, name in enumerate(("conv", "recurrent")):
             diff = float(mx.abs(a[j] - b[j]).max())
-            assert a[j].shape == b[j].shape and diff == 0.0, (
+            assert a[j].shape == b[j].shape and diff <= TOL, (
                 f"layer {i} {name} state differs by {diff}"
             )
         assert a[1].dtype == mx.float32
