@@ -173,3 +173,27 @@ def test_reference_generate_is_mlx_lm_greedy_and_benchmark_records_it(dense):
     assert recs[0].reference.new_tokens == 24 and recs[0].parity is True
     s = summarize(recs)
     assert s["reference_tokens"] == 24 and s["speedup_vs_reference"] > 0
+
+
+def test_cli_generate_mlx_json_and_one_line_errors(dense, tmp_path):
+    """``dflash generate mlx --json`` as a user runs it; bad MLX flags are one-line errors."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pipe, target, truth = dense
+    draft = build_draft(tmp_path / "d", target)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "DFLASH_DEBUG": ""}
+    base = [sys.executable, "-m", "dflash", "generate", "mlx", "w5 w6 w7", "--model", str(target),
+            "--draft", str(draft)]  # fmt: skip
+    p = subprocess.run(base + ["--max-new-tokens", "12", "--json", "--draft-bits", "8"],
+                       capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    ids = pipe.chat_prompt([{"role": "user", "content": "w5 w6 w7"}])
+    assert out["token_ids"] == pipe.reference_generate(ids, max_new_tokens=12).token_ids[:12]
+    assert len(out["token_ids"]) <= 12 and out["block_size"] == 16
+    p = subprocess.run(base + ["--draft-bits", "3"], capture_output=True, text=True, env=env,
+                       timeout=300)  # fmt: skip
+    assert p.returncode == 1 and p.stderr.startswith("error: --draft-bits must be 4 or 8"), p.stderr

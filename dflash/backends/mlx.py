@@ -217,7 +217,7 @@ def load_pipeline(model: str | None, draft: str | None, *, device: str = "auto",
     """
     from dflash.errors import InputError
     from dflash.models.config import DraftConfig
-    from dflash.models.draft_mlx import DTYPES, load_draft_mlx
+    from dflash.models.draft_mlx import DTYPES, check_draft_options, load_draft_mlx
     from dflash.models.target_mlx import load_target, resolve_draft, resolve_target
 
     if device in ("gpu", "metal", "cuda"):
@@ -231,6 +231,7 @@ def load_pipeline(model: str | None, draft: str | None, *, device: str = "auto",
         raise InputError(f"Unknown --device {device!r} for the mlx backend; use auto, cpu or gpu.")
     if dtype != "auto" and dtype not in DTYPES:
         raise InputError(f"Unknown --dtype {dtype!r}; use auto, bfloat16, float16 or float32.")
+    check_draft_options(draft_bits, draft_window)
     draft_dir = resolve_draft(draft, model)
     draft_cfg = DraftConfig.load(draft_dir)  # cheap checks before loading any weights
     target, tokenizer, config = load_target(resolve_target(model))

@@ -268,6 +268,14 @@ class DFlashDraftMLX(nn.Module):
         return self.norm(h)
 
 
+def check_draft_options(bits: int | None, window: int | None) -> None:
+    """Raise InputError unless bits is None/4/8 and window is None or >= 1 (before any load)."""
+    if bits not in (None, 4, 8):
+        raise InputError(f"--draft-bits must be 4 or 8, got {bits}.")
+    if window is not None and window < 1:
+        raise InputError(f"--draft-window must be >= 1 token, got {window}.")
+
+
 def load_draft_mlx(folder: str | Path, *, dtype=mx.float32, bits: int | None = None,
                    window: int | None = None, group_size: int = 64) -> DFlashDraftMLX:  # fmt: skip
     """Load a draft folder (config.json + safetensors, sharded or not) as an MLX module.
@@ -284,10 +292,7 @@ def load_draft_mlx(folder: str | Path, *, dtype=mx.float32, bits: int | None = N
         ConfigError: an invalid config or an fc width that does not fit it.
         InputError: bits not in (4, 8) or a window < 1.
     """
-    if bits not in (None, 4, 8):
-        raise InputError(f"--draft-bits must be 4 or 8, got {bits}.")
-    if window is not None and window < 1:
-        raise InputError(f"--draft-window must be >= 1 token, got {window}.")
+    check_draft_options(bits, window)
     folder = Path(folder)
     cfg = DraftConfig.load(folder)
     files = sorted(folder.glob("*.safetensors"))
