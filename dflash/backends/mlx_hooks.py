@@ -25,6 +25,7 @@ import mlx.core as mx
 
 from dflash.errors import BackendError
 
+COVERED = ("mlx_lm.models.qwen3_next", "mlx_lm.models.qwen3_5")  # qwen3_5_moe reuses qwen3_5's
 _ACTIVE: Tap | None = None  # the tap recording the current forward, if any
 _SUBCLASSES: dict[tuple[type, str], type] = {}
 
@@ -113,13 +114,15 @@ def hook_layers(layers: list, indices: list[int]) -> None:
 def find_gdn(layer: Any) -> Any | None:
     """The GatedDeltaNet-like submodule of a decoder layer, or None.
 
-    It must have ``conv1d``, ``conv_kernel_size``, ``A_log`` and ``dt_bias`` and be defined in a
-    module that calls ``gated_delta_update`` by its module-global name (mlx-lm qwen3_next /
-    qwen3_5 layout); anything else is not covered by the capture.
+    It must come from one of the mlx-lm modules whose layout the capture was written and tested
+    for (``COVERED``: one depthwise ``conv1d`` over [conv state; q|k|v rows], conv state in
+    ``cache[0]``, the state of a module-global ``gated_delta_update`` call in ``cache[1]``) and
+    have ``conv1d``, ``conv_kernel_size``, ``A_log`` and ``dt_bias``. Other GatedDeltaNet users
+    (kimi_linear, olmo_hybrid, bailing_moe_v3, ...) lay out their state differently: not covered.
     """
     for child in layer.children().values():
         need = ("conv1d", "conv_kernel_size", "A_log", "dt_bias")
-        if all(k in child or hasattr(child, k) for k in need):
+        if type(child).__module__ in COVERED and all(k in child or hasattr(child, k) for k in need):
             mod = sys.modules.get(type(child).__module__)
             if mod is not None and callable(getattr(mod, "gated_delta_update", None)):
                 return child
