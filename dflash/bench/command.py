@@ -31,7 +31,7 @@ OPENAI_PANEL = "openai backend only"
 
 def _load_pipeline(backend: str, model: str | None, draft: str | None, device: str, dtype: str,
                    cuda_graphs: bool | None = None, compile: bool | None = None,
-                   uniform_width: bool = False):  # fmt: skip
+                   uniform_width: bool = False, **mlx_options: int | None):  # fmt: skip
     """Load target + draft through the public API (a seam the tests replace with a fake)."""
     try:
         from dflash import api
@@ -39,6 +39,7 @@ def _load_pipeline(backend: str, model: str | None, draft: str | None, device: s
         raise BackendError(f"dflash.api cannot be imported ({err}).") from None
     kwargs = {"cuda_graphs": cuda_graphs} | ({"compile": compile} if compile is not None else {})
     kwargs |= {"uniform_width": True} if uniform_width else {}
+    kwargs |= {k: v for k, v in mlx_options.items() if v is not None}
     return api.load(model, draft, backend=backend, device=device, dtype=dtype, **kwargs)
 
 
@@ -153,6 +154,12 @@ def benchmark(
             "(same kernels: bitwise bf16 parity; the baseline pays a width-L forward per token).",
         ),
     ] = False,
+    draft_bits: Annotated[
+        int | None, typer.Option(help="mlx backend: quantize the draft to 4 or 8 bits at load.")
+    ] = None,
+    draft_window: Annotated[
+        int | None, typer.Option(help="mlx backend: keep at most N context rows in draft KV.")
+    ] = None,
     base_url: Annotated[
         str, typer.Option(rich_help_panel=OPENAI_PANEL, help="server URL, with or without /v1.")
     ] = "http://127.0.0.1:30000",
@@ -185,7 +192,8 @@ def benchmark(
         int, typer.Option(rich_help_panel=OPENAI_PANEL, help="retries on 429/502/503/504 (with backoff).")
     ] = 3,
 ) -> None:
-    """Benchmark DFlash against plain decoding (block size 1) on prompt datasets."""
+    """Benchmark DFlash against plain decoding (block size 1; on mlx also mlx_lm's own
+    stream_generate) on prompt datasets."""
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     if backend == "openai":  # torch-free path: the server does the speculative decoding
         import os
@@ -215,14 +223,22 @@ def benchmark(
         sampling=sampling,
         reasoning=reasoning,
         check_parity=check_parity,
-        run_info={"backend": backend, "model": model, "draft": draft, "cuda_graphs": cuda_graphs,
-                  "compile": compile},  # resolved values replace these once loaded  # fmt: skip
+        run_info={
+            "backend": backend,
+            "model": model,
+            "draft": draft,
+            "cuda_graphs": cuda_graphs,
+            "compile": compile,  # resolved values replace these once loaded
+            **({"draft_bits": draft_bits} if draft_bits else {}),
+            **({"draft_window": draft_window} if draft_window else {}),
+        },  # fmt: skip
     )
     dist = harness.init_distributed()
     try:
         gathered = _run(
             dist,
-            (backend, model, draft, device, dtype, cuda_graphs, compile, uniform_width),
+            (backend, model, draft, device, dtype, cuda_graphs, compile, uniform_width,
+             draft_bits, draft_window),
             selected,
             config,
             output,
@@ -244,7 +260,7 @@ def benchmark(
 
 def _run(
     dist: harness.DistInfo,
-    load_args: tuple[str, str | None, str | None, str, str, bool | None, bool | None, bool],
+    load_args: tuple,
     selected: dict[str, list[PromptItem]],
     config: harness.BenchConfig,
     output: Path | None,
@@ -253,19 +269,20 @@ def _run(
     """Load, run this rank's shard with a progress bar, gather on rank 0 and merge its files.
 
     Args:
-        load_args: (backend, model, draft, device, dtype, cuda_graphs, compile, uniform_width) for
-            :func:`_load_pipeline`.
+        load_args: (backend, model, draft, device, dtype, cuda_graphs, compile, uniform_width,
+            draft_bits, draft_window) for :func:`_load_pipeline`.
 
     Returns:
         Records per dataset on rank 0, None on other ranks.
     """
-    backend, model, draft, device, dtype, cuda_graphs, compile, uniform_width = load_args
+    (backend, model, draft, device, dtype, cuda_graphs, compile, uniform_width,
+     draft_bits, draft_window) = load_args
     if dist.world > 1 and device in ("auto", "cuda"):
         device = f"cuda:{dist.local_rank}"
     log = harness.ResultsLog(output, resume=resume, rank=dist.rank, world=dist.world)
     log.check_settings(config)  # before loading: a mismatch must not cost a model load
     pipeline = _load_pipeline(backend, model, draft, device, dtype, cuda_graphs, compile,
-                              uniform_width)  # fmt: skip
+                              uniform_width, draft_bits=draft_bits, draft_window=draft_window)  # fmt: skip
     shards = {name: harness.shard(items, dist) for name, items in selected.items()}
     with report.BenchProgress(enabled=dist.rank == 0) as progress:
         results = harness.run_benchmark(

@@ -239,6 +239,14 @@ def measure(
     return base, fast
 
 
+def measure_reference(pipeline: BenchPipeline, prompt_ids: list[int], config: BenchConfig):
+    """The backend's own generator on the same prompt (mlx: mlx_lm.stream_generate), or None."""
+    reference = getattr(pipeline, "reference_generate", None)
+    if reference is None:
+        return None
+    return reference(prompt_ids, max_new_tokens=config.max_new_tokens, sampling=config.sampling)
+
+
 def make_record(
     dataset: str,
     item_id: str,
@@ -295,6 +303,7 @@ def run_item(
         fresh = record is None
         if record is None:
             prompt_ids = pipeline.chat_prompt(messages, reasoning=config.reasoning)
+            ref = measure_reference(pipeline, prompt_ids, config)
             base, fast = measure(pipeline, prompt_ids, block_size, config)
             record = make_record(dataset, item.id, turn, prompt_ids, base, fast, config, block_size)
             if record.parity is False and base is not None:
@@ -302,6 +311,13 @@ def run_item(
 
                 classify_mismatch(pipeline, record, prompt_ids, base, fast, config.sampling,
                                   config.run_info.get("dtype"))  # fmt: skip
+            if ref is not None:
+                record.reference = RunStats(len(ref.token_ids), float(ref.ttft_s),
+                                            float(ref.decode_s), ref.finish_reason)  # fmt: skip
+                if record.parity is not None:  # parity also holds against the backend's own output
+                    mismatch = first_mismatch(list(ref.token_ids), list(fast.token_ids))
+                    if mismatch is not None and record.parity:
+                        record.parity, record.first_mismatch = False, mismatch
         elif record.config != config.record_config(block_size):
             raise InputError(
                 f"The results file holds {item.id} turn {turn} made with other settings "
@@ -361,6 +377,9 @@ def warm_up(pipeline: BenchPipeline, item: PromptItem, config: BenchConfig, bloc
         [{"role": "user", "content": item.turns[0]}], reasoning=config.reasoning
     )
     n = min(WARMUP_TOKENS, config.max_new_tokens)
+    reference = getattr(pipeline, "reference_generate", None)
+    if reference is not None:
+        reference(ids, max_new_tokens=n, sampling=config.sampling)
     for bs in (1, block_size):
         pipeline.generate(
             ids, block_size=bs, max_new_tokens=n, sampling=config.sampling, stop_ids=[]

@@ -61,9 +61,11 @@ class ResponseRecord:
         config: the run settings the record was made with (checked on ``--resume``).
         near_tie: for a parity mismatch, whether the first divergence is a near-tie of the
             target (see :func:`classify_divergence`); None when parity held or was not checked.
-        tie_gap: the reference run's logit gap at the divergence: top logit minus the logit of
-            the token DFlash emitted there (logits, >= 0); None alike.
+        tie_gap: at the divergence, the target's logit of the reference's token minus that of
+            the token DFlash emitted there (logits); None alike.
         top2_gap: the reference run's top-1 minus top-2 logit at the divergence; None alike.
+        reference: stats of the backend's own generator (mlx: ``mlx_lm.stream_generate``) on the
+            same prompt, None when the backend has none.
     """
 
     dataset: str
@@ -82,6 +84,7 @@ class ResponseRecord:
     near_tie: bool | None = None
     tie_gap: float | None = None
     top2_gap: float | None = None
+    reference: RunStats | None = None
 
     @property
     def key(self) -> tuple[str, str, int]:
@@ -102,8 +105,9 @@ class ResponseRecord:
         try:
             values = dict(data)
             values["dflash"] = RunStats(**values["dflash"])
-            if values.get("baseline") is not None:
-                values["baseline"] = RunStats(**values["baseline"])
+            for side in ("baseline", "reference"):
+                if values.get(side) is not None:
+                    values[side] = RunStats(**values[side])
             record = cls(**values)
             record.turn = int(record.turn)
             record.acceptance_lengths = [int(a) for a in record.acceptance_lengths]
@@ -135,9 +139,9 @@ def throughput(records: list[ResponseRecord], side: str) -> float | None:
     return 1.0 / tpot if tpot else None
 
 
-def speedup(records: list[ResponseRecord]) -> float | None:
-    """Decoding speedup: mean baseline TPOT / mean DFlash TPOT (TTFT excluded on both sides)."""
-    base, fast = mean_tpot(records, "baseline"), mean_tpot(records, "dflash")
+def speedup(records: list[ResponseRecord], side: str = "baseline") -> float | None:
+    """Decoding speedup: mean ``side`` TPOT / mean DFlash TPOT (TTFT excluded on both sides)."""
+    base, fast = mean_tpot(records, side), mean_tpot(records, "dflash")
     return base / fast if base and fast else None
 
 
@@ -319,7 +323,13 @@ def summarize(records: list[ResponseRecord]) -> dict[str, Any]:
     records = sorted(records, key=lambda r: r.key)
     size = max_block_size(records)
     counts = acceptance_histogram(records, size)
+    extra = {}
+    if any(r.reference is not None for r in records):  # mlx: mlx_lm.stream_generate
+        extra = {"reference_tok_s": throughput(records, "reference"),
+                 "speedup_vs_reference": speedup(records, "reference"),
+                 "reference_tokens": sum(r.reference.new_tokens for r in records if r.reference)}  # fmt: skip
     return {
+        **extra,
         "responses": len(records),
         "prompts": len({(r.dataset, r.id) for r in records}),
         "block_size": size,

@@ -50,6 +50,9 @@ def summary_table(name: str, summary: dict[str, Any]) -> Table:
         ("tokens baseline / DFlash", f"{summary['baseline_tokens']} / {summary['dflash_tokens']}"),
         ("verify steps", str(summary["verify_steps"])),
     ]
+    if "reference_tok_s" in summary:
+        rows[5:5] = [("mlx_lm stream_generate tok/s", _fmt(summary["reference_tok_s"])),
+                     ("speedup vs mlx_lm", _fmt(summary["speedup_vs_reference"], ".2f", "x"))]  # fmt: skip
     if parity["checked"]:
         rows.append(("greedy parity", parity_text(parity, summary["responses"])))
         if parity["checked"] > parity["matched"]:

