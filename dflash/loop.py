@@ -8,6 +8,7 @@ autoregressive decoding through the same code (no draft call, verify width 1).
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -15,6 +16,9 @@ from dflash.accept import accept_greedy, accept_sampling
 from dflash.backends.base import LocalBackend
 from dflash.sampling import sample, sampling_probs
 from dflash.types import RoundResult, SamplingParams
+
+if TYPE_CHECKING:
+    from dflash.auto_block import BlockPolicy
 
 
 def speculative_generate(
@@ -25,6 +29,7 @@ def speculative_generate(
     max_new_tokens: int,
     sampling: SamplingParams = SamplingParams(),
     stop_ids: list[int] | tuple[int, ...] = (),
+    policy: BlockPolicy | None = None,
 ) -> Iterator[RoundResult]:
     """Generate up to ``max_new_tokens`` tokens, yielding what each step commits.
 
@@ -35,6 +40,9 @@ def speculative_generate(
         max_new_tokens: exact budget unless a stop token comes first (>= 1).
         sampling: temperature 0 = greedy; > 0 = lossless rejection sampling.
         stop_ids: token ids that end generation; the stop token is emitted.
+        policy: ``--block-size auto`` (dflash.auto_block.BlockPolicy): asked for L before each
+            step (``choose(remaining)``, <= block_size) and told the outcome after its verify
+            (``observe(accepted drafts, proposed)``); None = every step uses block_size.
 
     Yields:
         RoundResult for the token sampled after prefill (accepted=None), then one per verify
@@ -54,11 +62,16 @@ def speculative_generate(
     finish = "stop" if first in stops else ("length" if n >= max_new_tokens else None)
     yield RoundResult(tokens=[first], accepted=None, finish_reason=finish)
     anchor, start = first, len(prompt_ids)  # anchor sits at position `start`, not yet in cache
+    pending = [context]  # feature chunks the draft has not seen (several after L = 1 steps)
     while finish is None:
         length = min(block_size, max_new_tokens - n)  # the last block shrinks to the budget
+        if policy is not None:
+            length = min(policy.choose(max_new_tokens - n), length)
         proposals_arr = None
         if length > 1:  # draft logits are unused: proposals are argmax, q one-hot
+            context = pending[0] if len(pending) == 1 else pending
             proposals_arr, _draft_logits = backend.draft(anchor, context, start, length)
+            pending = []
         logits, feats = backend.verify(anchor, proposals_arr, start, want_features)
         if sampling.greedy:
             arrays = [backend.argmax(logits)] + ([proposals_arr] if length > 1 else [])
@@ -69,6 +82,8 @@ def speculative_generate(
             proposals = backend.to_list(proposals_arr)[0] if length > 1 else []
             p_target = sampling_probs(backend.to_numpy(logits), sampling)
             a, bonus = accept_sampling(proposals, p_target, None, rng)
+        if policy is not None:
+            policy.observe(a, length - 1)
         new = proposals[:a] + [bonus]
         for i, tok in enumerate(new):  # stop tokens are looked for among new tokens only
             if tok in stops:
@@ -81,6 +96,6 @@ def speculative_generate(
             produced = len(new)  # anchor + accepted proposals now sit in the target cache
             backend.rollback(start + produced)
             if want_features:
-                context = feats[:produced]
+                pending.append(feats[:produced])
             anchor, start = new[-1], start + produced
         yield RoundResult(tokens=new, accepted=len(new), proposed=length - 1, finish_reason=finish)

@@ -78,7 +78,9 @@ class GenerationResult:
         ttft_s: time to first token (prefill plus first sample), seconds.
         decode_s: wall time after the first token until the end, seconds.
         finish_reason: "stop" or "length".
-        block_size: block size L used (1 = plain autoregressive decoding).
+        block_size: block size L used (1 = plain autoregressive decoding) or "auto".
+        block_policy: under "auto", the policy's summary: step costs (ms), acceptance source
+            and each step's chosen L with predicted τ and cost (``BlockPolicy.summary``).
     """
 
     token_ids: list[int]
@@ -89,7 +91,8 @@ class GenerationResult:
     ttft_s: float = 0.0
     decode_s: float = 0.0
     finish_reason: str = "length"
-    block_size: int = 1
+    block_size: int | str = 1
+    block_policy: dict | None = None
 
     @property
     def num_new_tokens(self) -> int:

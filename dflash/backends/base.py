@@ -49,7 +49,8 @@ class LocalBackend(Protocol):
         Args:
             anchor: last committed token, at absolute position ``start``.
             context: features [Tc, F] of the committed positions the draft has not seen yet
-                (positions start - Tc .. start - 1).
+                (positions start - Tc .. start - 1); after plain (L = 1) steps of
+                ``--block-size auto`` a list of such chunks in position order, to concatenate.
             length: block size L of this step (>= 2).
 
         Returns:
