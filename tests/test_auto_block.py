@@ -266,7 +266,9 @@ def test_measure_costs_and_cache(tiny_backend, tmp_path, monkeypatch):
     assert json.loads(files[0].read_text())["key"]["widths"] == widths
     again = load_or_measure_costs(tiny_backend, key, widths)
     assert again.source == "cache" and again.verify_s == first.verify_s
-    assert load_or_measure_costs(tiny_backend, {**key, "device": "other"}, widths).source == "measured"
+    assert (
+        load_or_measure_costs(tiny_backend, {**key, "device": "other"}, widths).source == "measured"
+    )
 
 
 def test_acceptance_file_round_trip(tmp_path):
@@ -320,3 +322,20 @@ def test_benchmark_block_size_list():
     for bad in ("0", "4,4", "x", "4,,8"):
         with pytest.raises(InputError):
             parse_block_sizes(bad)
+
+
+def test_generate_block_size_option_and_verbose_line(capsys):
+    from dflash.commands import parse_block_size, print_step
+    from dflash.errors import InputError
+    from dflash.types import RoundResult
+
+    assert parse_block_size("auto") == "auto" and parse_block_size(" 8 ") == 8
+    for bad in ("0", "-3", "big", "4,8"):
+        with pytest.raises(InputError):
+            parse_block_size(bad)
+    policy = BlockPolicy(linear_costs(0.010, 0.001, 0.002, 0.0), AcceptancePrior(B, [0.0] * 15), B)
+    policy.choose(50)
+    print_step(1, RoundResult(tokens=[5], accepted=1, proposed=0), policy)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].startswith("[auto: step cost ms by L 1:11.0 2:14.0")
+    assert lines[1] == "[step 1: L=1 predicted τ 1.00 cost 11.0 ms (90.9 tok/s) -> committed 1]"
