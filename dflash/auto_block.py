@@ -33,6 +33,7 @@ ACCEPTANCE_FILE = "acceptance.json"
 PRIOR_RATE = 0.5  # per-position acceptance assumed for a draft without acceptance.json
 EMA_ALPHA = 0.15  # weight of one verify step in the online acceptance estimate
 PROBE_EVERY = 48  # after this many plain (L = 1) steps, one drafted step re-measures acceptance
+FEATURE_LEAD = 16  # plain steps before a probe whose target features are kept for the draft
 CALIBRATION_PROMPT = 128  # context length (tokens) the costs are timed at
 CALIBRATION_REPEATS = 3  # timed repetitions per width (the fastest is kept)
 COST_LADDER = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # widths timed; others interpolated
@@ -402,6 +403,18 @@ class BlockPolicy:
             self._plain_run = 0
         self.history.append(choice)
         return choice.block_size
+
+    def needs_features(self) -> bool:
+        """Whether the step just chosen must return target features for the draft.
+
+        During a run of plain steps the choice can only change at the next probe (plain steps
+        teach nothing), so features (which cost a few % of a one-token forward on a CPU) are
+        kept only for the last ``FEATURE_LEAD`` plain steps before it; the probe's draft then
+        sees the prompt, everything up to the run, and the latest tokens. Lossless either way.
+        """
+        if not self.history or self.history[-1].block_size > 1 or not self.probe_every:
+            return True
+        return self.probe_every - self._plain_run <= FEATURE_LEAD
 
     def observe(self, accepted: int, proposed: int) -> None:
         """Update the rates from one verify step: ``accepted`` of ``proposed`` drafts matched.

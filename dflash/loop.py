@@ -42,7 +42,8 @@ def speculative_generate(
         stop_ids: token ids that end generation; the stop token is emitted.
         policy: ``--block-size auto`` (dflash.auto_block.BlockPolicy): asked for L before each
             step (``choose(remaining)``, <= block_size) and told the outcome after its verify
-            (``observe(accepted drafts, proposed)``); None = every step uses block_size.
+            (``observe(accepted drafts, proposed)``); ``needs_features()`` says whether a
+            step's target features are kept for later drafts. None = every step uses block_size.
 
     Yields:
         RoundResult for the token sampled after prefill (accepted=None), then one per verify
@@ -63,6 +64,7 @@ def speculative_generate(
     yield RoundResult(tokens=[first], accepted=None, finish_reason=finish)
     anchor, start = first, len(prompt_ids)  # anchor sits at position `start`, not yet in cache
     pending = [context]  # feature chunks the draft has not seen (several after L = 1 steps)
+    drafted = False  # the draft has seen the prompt
     while finish is None:
         length = min(block_size, max_new_tokens - n)  # the last block shrinks to the budget
         if policy is not None:
@@ -71,8 +73,9 @@ def speculative_generate(
         if length > 1:  # draft logits are unused: proposals are argmax, q one-hot
             context = pending[0] if len(pending) == 1 else pending
             proposals_arr, _draft_logits = backend.draft(anchor, context, start, length)
-            pending = []
-        logits, feats = backend.verify(anchor, proposals_arr, start, want_features)
+            pending, drafted = [], True
+        keep = want_features and (policy is None or not drafted or policy.needs_features())
+        logits, feats = backend.verify(anchor, proposals_arr, start, keep)
         if sampling.greedy:
             arrays = [backend.argmax(logits)] + ([proposals_arr] if length > 1 else [])
             lists = backend.to_list(*arrays)  # sync: the one host copy of this step
@@ -95,7 +98,9 @@ def speculative_generate(
         if finish is None:
             produced = len(new)  # anchor + accepted proposals now sit in the target cache
             backend.rollback(start + produced)
-            if want_features:
+            if keep:
                 pending.append(feats[:produced])
+            elif want_features:  # a gap: the draft gets only rows that end at its anchor
+                pending = []
             anchor, start = new[-1], start + produced
         yield RoundResult(tokens=new, accepted=len(new), proposed=length - 1, finish_reason=finish)
