@@ -13,6 +13,14 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from dflash.auto_block import (
+    AcceptancePrior,
+    BlockPolicy,
+    CostTable,
+    ladder,
+    load_acceptance,
+    load_or_measure_costs,
+)
 from dflash.errors import BackendError, InputError
 from dflash.loop import speculative_generate
 from dflash.types import GenerationResult, RoundResult, SamplingParams
@@ -85,16 +93,46 @@ class Pipeline:
     Attributes:
         backend: the local backend (``LocalBackend`` protocol).
         tokenizer: the target's HF tokenizer.
-        block_size: the draft's trained block size L (default verify width).
+        block_size: the draft's trained block size L (the largest verify width).
         stop_ids: ids that end generation (generation config EOS, else tokenizer EOS).
+        draft_dir: the draft's folder (its ``acceptance.json`` seeds ``--block-size auto``).
+        cost_key: what identifies measured costs in the cache (backend, device, dtype, model).
+        last_policy: the ``--block-size auto`` policy of the latest request (its ``history``
+            holds every step's choice), None after a fixed-block-size request.
     """
 
-    def __init__(self, backend: Any, tokenizer: Any, stop_ids: list[int], name: str = ""):
+    def __init__(self, backend: Any, tokenizer: Any, stop_ids: list[int], name: str = "", *,
+                 draft_dir: Any = None, cost_key: dict[str, Any] | None = None):  # fmt: skip
         self.backend = backend
         self.tokenizer = tokenizer
         self.stop_ids = stop_ids
         self.block_size = backend.draft_block_size
         self.name = name
+        self.draft_dir = draft_dir
+        self.cost_key = cost_key or {"backend": type(backend).__name__, "name": name}
+        self.costs: CostTable | None = None
+        self.acceptance: AcceptancePrior | None = None
+        self.last_policy: BlockPolicy | None = None
+
+    def calibrate(self) -> CostTable:
+        """Time verify/draft forwards per width once (or read them from the dflash cache).
+
+        Done on the first ``block_size="auto"`` request; a server calls it at startup so no
+        request pays for it. Seconds on a CPU, well under a second on a GPU.
+        """
+        if self.costs is None:
+            widths = ladder(self.block_size, getattr(self.backend, "auto_widths", None))
+            self.costs = load_or_measure_costs(self.backend, self.cost_key, widths)
+        return self.costs
+
+    def block_policy(self) -> BlockPolicy:
+        """A fresh ``--block-size auto`` policy for one request (costs measured if needed)."""
+        if self.acceptance is None:
+            self.acceptance = load_acceptance(self.draft_dir, self.block_size)
+        # The loop always drafts at the trained width and keeps the first L-1 proposals.
+        return BlockPolicy(self.calibrate(), self.acceptance, self.block_size,
+                           widths=getattr(self.backend, "auto_widths", None),
+                           draft_width=self.block_size)  # fmt: skip
 
     def chat_prompt(self, messages: list[dict], *, system: str | None = None,
                     reasoning: str | None = None,
@@ -142,9 +180,21 @@ class Pipeline:
             raise InputError(f"The prompt has {len(ids)} tokens but the target's context is {limit}.",
                              hint="shorten the prompt")  # fmt: skip
 
-    def resolve_block_size(self, block_size: int | None) -> int:
-        """--block-size value, defaulting to the draft's; checked against the trained size."""
-        bs = self.block_size if block_size is None else block_size
+    def resolve_block_size(self, block_size: int | str | None) -> int | str:
+        """--block-size value: "auto" (also for None; plain 1 without a draft) or an int
+        checked against the draft's trained size.
+
+        Raises:
+            InputError: not "auto" nor an integer in 1..trained block size.
+        """
+        bs = "auto" if block_size is None else block_size
+        if isinstance(bs, str):
+            text = bs.strip().lower()
+            if text == "auto":
+                return "auto" if self.block_size > 1 else 1
+            if not text.isdigit():
+                raise InputError(f"--block-size must be auto or an integer >= 1, got {bs!r}.")
+            bs = int(text)
         if bs < 1:
             raise InputError(f"--block-size must be >= 1, got {bs}.")
         if bs > self.block_size:
@@ -152,17 +202,22 @@ class Pipeline:
                              f"{self.block_size}.", hint=f"use --block-size {self.block_size} or less")  # fmt: skip
         return bs
 
-    def stream(self, prompt_ids: list[int], *, block_size: int | None = None,
+    def stream(self, prompt_ids: list[int], *, block_size: int | str | None = "auto",
                max_new_tokens: int = 2048, sampling: SamplingParams = SamplingParams(),
                stop_ids: list[int] | None = None) -> Iterator[RoundResult]:  # fmt: skip
         """Yield what each step commits (see ``dflash.loop.speculative_generate``).
 
         Generation also ends at the target's context length (finish_reason "length").
+        ``block_size="auto"`` (the default) picks L per step (see ``dflash.auto_block``); the
+        choices are in ``self.last_policy.history``.
 
         Raises:
             InputError: bad block size, budget < 1, or a prompt too long for the context.
         """
         bs = self.resolve_block_size(block_size)
+        policy = self.block_policy() if bs == "auto" else None
+        self.last_policy = policy
+        bs = self.block_size if bs == "auto" else bs
         if max_new_tokens < 1:
             raise InputError(f"--max-new-tokens must be >= 1, got {max_new_tokens}.")
         self.check_prompt(prompt_ids)
@@ -170,15 +225,18 @@ class Pipeline:
         stops = self.stop_ids if stop_ids is None else stop_ids
         yield from speculative_generate(self.backend, prompt_ids, block_size=bs,
                                         max_new_tokens=budget, sampling=sampling,
-                                        stop_ids=stops)  # fmt: skip
+                                        stop_ids=stops, policy=policy)  # fmt: skip
 
     def generate(self, prompt_ids: list[int], **kwargs: Any) -> GenerationResult:
         """Run :meth:`stream` to the end and collect tokens, timings (s) and τ per step.
 
         ``ttft_s`` covers prefill and the first token; ``decode_s`` the rest (device-synced).
         A character cut by the budget is kept out of ``text`` (``truncated_mid_character``).
+        Under ``block_size="auto"`` (the default) costs are measured before the clock starts.
         """
-        bs = self.resolve_block_size(kwargs.get("block_size"))
+        bs = self.resolve_block_size(kwargs.get("block_size", "auto"))
+        if bs == "auto":
+            self.calibrate()
         tokens: list[int] = []
         accepted: list[int] = []
         proposed: list[int] = []
@@ -202,6 +260,7 @@ class Pipeline:
             token_ids=tokens, text=text, prompt_tokens=len(prompt_ids),
             acceptance_lengths=accepted, proposed=proposed, ttft_s=t1 - t0, decode_s=t2 - t1,
             finish_reason=finish, block_size=bs, truncated_mid_character=cut,
+            block_policy=self.last_policy.summary() if bs == "auto" and self.last_policy else None,
         )  # fmt: skip
 
     def describe(self) -> dict[str, Any]:
@@ -286,7 +345,7 @@ def load(model: str | None = None, draft: str | None = None, *, backend: str = "
         raise InputError("--draft-bits and --draft-window are options of the mlx backend.",
                          hint="drop them, or use: dflash generate mlx")  # fmt: skip
     try:
-        import torch  # noqa: F401
+        import torch
         import transformers  # noqa: F401
     except ImportError as e:
         raise BackendError("The transformers backend needs torch and transformers.",
@@ -312,7 +371,8 @@ def load(model: str | None = None, draft: str | None = None, *, backend: str = "
         raise BackendError(
             "CUDA graphs do not support DFlash2 drafts yet.", hint="drop --cuda-graphs"
         )
-    target_model, tokenizer = load_target(resolve_target(model), dev, dt)
+    target_path = resolve_target(model)
+    target_model, tokenizer = load_target(target_path, dev, dt)
     stops = stop_token_ids(getattr(target_model, "generation_config", None), tokenizer)
     rows = target_model.get_input_embeddings().weight.shape[0]
     check_pair(draft_cfg, target_model.config, rows, stops)
@@ -334,4 +394,27 @@ def load(model: str | None = None, draft: str | None = None, *, backend: str = "
     impl = StaticBackend(target_model, draft_model, dev, compile=resolve_compile(compile, fast),
                          uniform_width=uniform_width,
                          ) if fast else TransformersBackend(target_model, draft_model, dev)  # fmt: skip
-    return Pipeline(impl, tokenizer, stops, name=str(model or "demo"))
+    cost_key = {"backend": type(impl).__name__, "device": device_name(dev), "dtype": str(dt),
+                "target": target_path, "draft": str(draft_dir),
+                "threads": torch.get_num_threads() if dev.type == "cpu" else None}  # fmt: skip
+    return Pipeline(impl, tokenizer, stops, name=str(model or "demo"), draft_dir=draft_dir,
+                    cost_key=cost_key)  # fmt: skip
+
+
+def device_name(dev: Any) -> str:
+    """A device's model name for the cost cache key (GPU name, or CPU model and core count)."""
+    import os
+    import platform
+
+    if getattr(dev, "type", "cpu") == "cuda":
+        import torch
+
+        return f"{torch.cuda.get_device_name(dev)} x{torch.cuda.device_count()}"
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            names = [ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")]
+        model = names[0] if names else model
+    except OSError:
+        pass
+    return f"{model} ({os.cpu_count()} cores)"

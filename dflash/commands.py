@@ -30,7 +30,7 @@ def generate(
     prompt: Annotated[str, typer.Argument(help="The user message.")],
     model: ModelOpt = None,
     draft: DraftOpt = None,
-    block_size: Annotated[int | None, typer.Option(help="Verify width incl. the anchor (default: the draft's); 1 = no drafting.")] = None,
+    block_size: Annotated[str, typer.Option(help="Verify width incl. the anchor, or auto: chosen per step from measured costs and acceptance; 1 = no drafting.")] = "auto",
     max_new_tokens: Annotated[int, typer.Option(help="Token budget (tokens).")] = 2048,
     temperature: Annotated[float, typer.Option(help="0 = greedy; > 0 = lossless rejection sampling.")] = 0.0,
     top_p: Annotated[float, typer.Option(help="Nucleus mass in (0, 1]; 1 disables.")] = 1.0,
@@ -48,6 +48,7 @@ def generate(
     timeout_s: TimeoutOpt = 3600.0,
     draft_bits: DraftBitsOpt = None,
     draft_window: DraftWindowOpt = None,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Print each step's block size with the predicted τ and cost (auto) to stderr.")] = False,
 ) -> None:  # fmt: skip
     """Generate a reply with DFlash speculative decoding; text streams to stdout, stats to stderr."""
     import os
@@ -70,8 +71,7 @@ def generate(
         raise InputError("The prompt is empty.", hint="pass a question or instruction as PROMPT")
     if max_new_tokens < 1:
         raise InputError(f"--max-new-tokens must be >= 1, got {max_new_tokens}.")
-    if block_size is not None and block_size < 1:
-        raise InputError(f"--block-size must be >= 1, got {block_size}.")
+    block_size = parse_block_size(block_size)
     pipe = dflash.load(model, draft, backend=backend, device=device, dtype=dtype, cuda_graphs=cuda_graphs,
                        compile=compile, draft_bits=draft_bits, draft_window=draft_window)  # fmt: skip
     try:
@@ -82,6 +82,8 @@ def generate(
         pass
     ids = pipe.chat_prompt([{"role": "user", "content": prompt}], system=system, reasoning=reasoning)
     kwargs = dict(block_size=block_size, max_new_tokens=max_new_tokens, sampling=sampling)
+    if pipe.resolve_block_size(block_size) == "auto":
+        pipe.calibrate()  # before the clock: measured once per device and model, then cached
     if json_out:
         r = pipe.generate(ids, **kwargs)
         print(json.dumps({
@@ -92,6 +94,7 @@ def generate(
             "mean_acceptance_length": r.mean_acceptance_length,
             "ttft_s": r.ttft_s, "decode_s": r.decode_s, "decode_tok_per_s": r.decode_tok_per_s,
             "text_truncated_mid_character": r.truncated_mid_character,
+            **({"block_policy": r.block_policy} if r.block_policy else {}),
         }))  # fmt: skip
         return
     stream = TextStream(pipe.tokenizer)
@@ -105,6 +108,8 @@ def generate(
             t1 = time.perf_counter()
         else:
             steps.append(r.accepted)
+            if verbose:
+                print_step(len(steps), r, pipe.last_policy)
         sys.stdout.write(stream.feed(r.tokens, final=r.finish_reason is not None))
         sys.stdout.flush()
     t2 = time.perf_counter()
@@ -126,6 +131,37 @@ def summary_line(new_tokens: int, steps: list[int], decode_s: float, ttft_s: flo
     tau = f"{sum(steps) / len(steps):.2f}" if steps else "n/a"
     return (f"[{plural(new_tokens, 'new token')} | decode {speed} | mean acceptance length τ {tau} | "
             f"{plural(len(steps), 'verify step')} | TTFT {ttft_s * 1000:.0f} ms]")  # fmt: skip
+
+
+def parse_block_size(value: str | int | None) -> int | str:
+    """``--block-size``: "auto" or an integer >= 1 (a list only for ``benchmark``).
+
+    Raises:
+        InputError: anything else.
+    """
+    text = str("auto" if value is None else value).strip().lower()
+    if text == "auto":
+        return "auto"
+    if not text.lstrip("-").isdigit():
+        raise InputError(f"--block-size must be auto or an integer >= 1, got {value!r}.")
+    if int(text) < 1:
+        raise InputError(f"--block-size must be >= 1, got {int(text)}.")
+    return int(text)
+
+
+def print_step(i: int, r, policy) -> None:
+    """One ``--verbose`` line on stderr: the step's block size, prediction (auto) and outcome."""
+    if policy is not None and policy.history:
+        if i == 1:
+            costs = " ".join(f"{w}:{1000 * c:.1f}" for w, c in policy.step_cost.items())
+            print(f"[auto: step cost ms by L {costs}; acceptance prior: {policy.prior.source}]",
+                  file=sys.stderr)  # fmt: skip
+        c = policy.history[-1]
+        print(f"[step {i}: L={c.block_size} predicted τ {c.tau:.2f} cost {1000 * c.cost_s:.1f} ms "
+              f"({c.rate:.1f} tok/s){' probe' if c.probe else ''} -> committed {r.accepted}]",
+              file=sys.stderr)  # fmt: skip
+    else:
+        print(f"[step {i}: L={r.proposed + 1} -> committed {r.accepted}]", file=sys.stderr)
 
 
 def init_draft(

@@ -8,6 +8,7 @@ autoregressive decoding through the same code (no draft call, verify width 1).
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -15,6 +16,9 @@ from dflash.accept import accept_greedy, accept_sampling_candidates
 from dflash.backends.base import LocalBackend, SelectorProposal
 from dflash.sampling import NumpySampler, sampling_probs
 from dflash.types import RoundResult, SamplingParams
+
+if TYPE_CHECKING:
+    from dflash.auto_block import BlockPolicy
 
 
 def speculative_generate(
@@ -25,6 +29,7 @@ def speculative_generate(
     max_new_tokens: int,
     sampling: SamplingParams = SamplingParams(),
     stop_ids: list[int] | tuple[int, ...] = (),
+    policy: BlockPolicy | None = None,
 ) -> Iterator[RoundResult]:
     """Generate up to ``max_new_tokens`` tokens, yielding what each step commits.
 
@@ -35,6 +40,10 @@ def speculative_generate(
         max_new_tokens: exact budget unless a stop token comes first (>= 1).
         sampling: temperature 0 = greedy; > 0 = lossless rejection sampling.
         stop_ids: token ids that end generation; the stop token is emitted.
+        policy: ``--block-size auto`` (dflash.auto_block.BlockPolicy): asked for L before each
+            step (``choose(remaining)``, <= block_size) and told the outcome after its verify
+            (``observe(accepted drafts, proposed)``); ``needs_features()`` says whether a
+            step's target features are kept for later drafts. None = every step uses block_size.
 
     Yields:
         RoundResult for the token sampled after prefill (accepted=None), then one per verify
@@ -62,17 +71,24 @@ def speculative_generate(
     finish = "stop" if first in stops else ("length" if n >= max_new_tokens else None)
     yield RoundResult(tokens=[first], accepted=None, finish_reason=finish)
     anchor, start = first, len(prompt_ids)  # anchor sits at position `start`, not yet in cache
+    pending = [context]  # feature chunks the draft has not seen (several after L = 1 steps)
+    draft_seen = False  # the draft has seen the prompt
     while finish is None:
         length = min(block_size, max_new_tokens - n)  # verify width: trimmed to the budget
+        if policy is not None:
+            length = min(policy.choose(max_new_tokens - n), length)
         proposals_arr = drafted = None
         if length > 1:  # v1 draft logits are unused: proposals are argmax, q one-hot
             # The draft always runs at its trained width (its in-block attention is
             # bidirectional: a narrower block proposes other tokens); only the first
             # length-1 proposals are verified.
             width = max(block_size, backend.draft_block_size)
+            context = pending[0] if len(pending) == 1 else pending
             proposals_arr, drafted = backend.draft(anchor, context, start, width, **draft_kwargs)
             proposals_arr = proposals_arr[: length - 1]
-        logits, feats = backend.verify(anchor, proposals_arr, start, want_features)
+            pending, draft_seen = [], True
+        keep = want_features and (policy is None or not draft_seen or policy.needs_features())
+        logits, feats = backend.verify(anchor, proposals_arr, start, keep)
         if sampling.greedy:
             arrays = [backend.argmax(logits)] + ([proposals_arr] if length > 1 else [])
             lists = backend.to_list(*arrays)  # sync: the one host copy of this step
@@ -87,6 +103,8 @@ def speculative_generate(
             a, bonus = accept_sampling_candidates(proposals, p_target, cand, q_draft, cand_rng)
         else:
             a, bonus, proposals = sampler.accept(proposals_arr, logits)  # sync: one host copy
+        if policy is not None:
+            policy.observe(a, length - 1)
         new = proposals[:a] + [bonus]
         for i, tok in enumerate(new):  # stop tokens are looked for among new tokens only
             if tok in stops:
@@ -98,7 +116,9 @@ def speculative_generate(
         if finish is None:
             produced = len(new)  # anchor + accepted proposals now sit in the target cache
             backend.rollback(start + produced)
-            if want_features:
-                context = feats[:produced]
+            if keep:
+                pending.append(feats[:produced])
+            elif want_features:  # a gap: the draft gets only rows that end at its anchor
+                pending = []
             anchor, start = new[-1], start + produced
         yield RoundResult(tokens=new, accepted=len(new), proposed=length - 1, finish_reason=finish)

@@ -80,9 +80,11 @@ class GenerationResult:
         ttft_s: time to first token (prefill plus first sample), seconds.
         decode_s: wall time after the first token until the end, seconds.
         finish_reason: "stop" or "length".
-        block_size: block size L used (1 = plain autoregressive decoding).
+        block_size: block size L used (1 = plain autoregressive decoding) or "auto".
         truncated_mid_character: the budget ended inside a multi-byte character; its bytes are
             kept out of ``text`` (``token_ids`` still hold every token).
+        block_policy: under "auto", the policy's summary: step costs (ms), acceptance source
+            and each step's chosen L with predicted τ and cost (``BlockPolicy.summary``).
     """
 
     token_ids: list[int]
@@ -93,8 +95,9 @@ class GenerationResult:
     ttft_s: float = 0.0
     decode_s: float = 0.0
     finish_reason: str = "length"
-    block_size: int = 1
+    block_size: int | str = 1
     truncated_mid_character: bool = False
+    block_policy: dict | None = None
 
     @property
     def num_new_tokens(self) -> int:

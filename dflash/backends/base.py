@@ -71,7 +71,8 @@ class LocalBackend(Protocol):
         Args:
             anchor: last committed token, at absolute position ``start``.
             context: features [Tc, F] of the committed positions the draft has not seen yet
-                (positions start - Tc .. start - 1).
+                (positions start - Tc .. start - 1); after plain (L = 1) steps of
+                ``--block-size auto`` a list of such chunks in position order, to concatenate.
             length: width of the draft block (>= 2); the loop always passes the draft's
                 trained block size and verifies only the first proposals it needs.
             sampling: keyword, passed only at temperature > 0 to backends that set

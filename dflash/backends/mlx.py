@@ -147,6 +147,8 @@ class MLXBackend:
         return logits[-1], (mx.concatenate(feats, axis=0) if with_features else None)
 
     def draft(self, anchor: int, context: mx.array, start: int, length: int):
+        if isinstance(context, (list, tuple)):  # chunks left by plain steps (--block-size auto)
+            context = mx.concatenate(list(context), axis=0)
         block = mx.array([[anchor] + [self.mask_token_id] * (length - 1)])
         model = self.draft_model
         dtype = model.norm.weight.dtype

@@ -28,6 +28,7 @@ from dflash.errors import BackendError
 from dflash.models.draft_torch import DFlashDraft, rope_cos_sin
 
 SUPPORTED_TYPES = ("llama", "qwen2", "qwen3")
+AUTO_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16)  # widths --block-size auto may use on the graph path
 
 
 def supports_static(target: Any) -> bool:
@@ -109,6 +110,9 @@ class StaticBackend(TransformersBackend):
             self.feature_layers.setdefault(i - 1, []).append(n)
         self.capacity = 0
         self.graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, Any, tuple]] = {}
+        # --block-size auto picks among these widths (graphs captured when costs are timed).
+        b = self.draft_block_size
+        self.auto_widths = sorted({w for w in AUTO_WIDTHS if w < b} | {1, b}) if self.use_graphs else None
 
     # -- buffers --------------------------------------------------------------------------
     def reset(self, max_positions: int | None = None) -> None:
@@ -270,7 +274,7 @@ class StaticBackend(TransformersBackend):
         pos = torch.arange(len(prompt_ids), device=self.device)[None]
         with torch.inference_mode():
             logits = self._target_forward(ids, pos)
-        self._prompt_len = len(prompt_ids)
+        self._prompt_len, self._draft_seen = len(prompt_ids), 0
         return logits[-1], (self.feats[: len(prompt_ids)] if with_features else None)
 
     def verify(self, anchor: int, proposals, start: int, with_features: bool):
@@ -297,11 +301,13 @@ class StaticBackend(TransformersBackend):
         """Propose a block; reads context features by position (``context`` is not needed).
 
         The first call after prefill reads every prompt row; later calls re-read the last
-        ``draft_block_size`` committed rows, which covers all rows committed since.
+        ``draft_block_size`` committed rows, which covers all rows committed since (after plain
+        steps of ``--block-size auto`` every row since the last draft call, eagerly).
         """
         dev, window = self.device, self.draft_block_size
-        if start == self._prompt_len or start < window or not self.use_graphs:
-            lo = 0 if start == self._prompt_len else max(0, start - window)
+        seen, self._draft_seen = self._draft_seen, start  # rows < seen are in the draft cache
+        if start == self._prompt_len or start < window or not self.use_graphs or start - seen > window:
+            lo = 0 if start == self._prompt_len else max(0, min(start - window, seen))
             block = torch.full((1, length), self.mask_token_id, dtype=torch.long, device=dev)
             block[0, 0] = anchor
             with torch.inference_mode():

@@ -151,6 +151,8 @@ class TransformersBackend:
 
     def draft(self, anchor: int, context: torch.Tensor, start: int, length: int, sampling=None):
         dev = self.device
+        if isinstance(context, (list, tuple)):  # chunks left by plain steps (--block-size auto)
+            context = torch.cat(list(context))
         with torch.inference_mode():
             block = torch.full((1, length), self.mask_token_id, dtype=torch.long, device=dev)
             block[0, 0] = anchor

@@ -1,6 +1,7 @@
 """``dflash benchmark``: baseline vs DFlash speed, τ and parity over prompt datasets.
 
     dflash benchmark transformers --dataset gsm8k --max-samples 8
+    dflash benchmark transformers --dataset gsm8k --block-size auto,1,4,8,16   # a sweep
     dflash benchmark transformers --dataset gsm8k,mt-bench --data-dir ../shared/datasets \\
         --max-new-tokens 256 --check-parity --output results.jsonl --plot hist.png
     torchrun --nproc_per_node=8 -m dflash benchmark transformers --dataset math500
@@ -46,7 +47,7 @@ def _load_pipeline(backend: str, model: str | None, draft: str | None, device: s
 def _check_options(
     backend: str,
     max_new_tokens: int,
-    block_size: int | None,
+    block_sizes: list[int | str | None],
     sampling: SamplingParams,
     check_parity: bool,
     output: Path | None,
@@ -62,8 +63,9 @@ def _check_options(
         raise BackendError(f"dflash benchmark cannot drive the '{backend}' backend yet.")
     if max_new_tokens < 1:
         raise InputError(f"--max-new-tokens must be >= 1, got {max_new_tokens}.")
-    if block_size is not None and block_size < 1:
-        raise InputError(f"--block-size must be >= 1, got {block_size}.")
+    if len(block_sizes) > 1 and resume:
+        raise InputError("--resume continues one block size, not a sweep.",
+                         hint="resume each value with its own --block-size and --output")  # fmt: skip
     if check_parity and not sampling.greedy:
         raise InputError(
             "--check-parity compares token ids, which only match under greedy decoding.",
@@ -101,7 +103,11 @@ def benchmark(
         int | None, typer.Option(help="Prompts per dataset after the Random(42) shuffle.")
     ] = None,
     block_size: Annotated[
-        int | None, typer.Option(help="DFlash block size L (default: the draft's).")
+        str | None,
+        typer.Option(
+            help="DFlash block size L (default: the draft's), auto, or a comma list to sweep "
+            "(e.g. auto,1,4,8,16: one run and one table row per value)."
+        ),
     ] = None,
     max_new_tokens: Annotated[int, typer.Option(help="Token budget per response.")] = 2048,
     temperature: Annotated[float, typer.Option(help="0 for greedy decoding.")] = 0.0,
@@ -211,14 +217,38 @@ def benchmark(
             data_dir=data_dir, output=output, plot=plot,
         )  # fmt: skip
         return
-    _check_options(
-        backend, max_new_tokens, block_size, sampling, check_parity, output, resume, plot
-    )
+    block_sizes = parse_block_sizes(block_size)
     names = harness.check_dataset_names(dataset.split(","))
+    _check_options(
+        backend, max_new_tokens, block_sizes, sampling, check_parity, output, resume, plot
+    )
+    if len(block_sizes) > 1:
+        _sweep(
+            block_sizes,
+            (backend, model, draft, device, dtype, cuda_graphs, compile, uniform_width,
+             draft_bits, draft_window),
+            names,
+            data_dir,
+            max_samples,
+            harness.BenchConfig(
+                max_new_tokens=max_new_tokens,
+                sampling=sampling,
+                reasoning=reasoning,
+                check_parity=check_parity,
+                run_info={
+                    "backend": backend,
+                    "model": model,
+                    "draft": draft,
+                    "cuda_graphs": cuda_graphs,
+                },
+            ),  # fmt: skip
+            output,
+        )
+        return
     selected = {name: select(load_prompts(name, data_dir), max_samples) for name in names}
 
     config = harness.BenchConfig(
-        block_size=block_size,
+        block_size=block_sizes[0],
         max_new_tokens=max_new_tokens,
         sampling=sampling,
         reasoning=reasoning,
@@ -255,6 +285,7 @@ def benchmark(
     if plot is not None:
         console.print(f"plot written to {report.save_plot(plot, summaries)}")
     block = max((s["block_size"] for s in summaries.values()), default=1)
+    block = config.block_size if config.block_size == "auto" else block
     print(json.dumps(_final_json(config, block, summaries), ensure_ascii=False))
 
 
@@ -265,12 +296,15 @@ def _run(
     config: harness.BenchConfig,
     output: Path | None,
     resume: bool,
+    pipeline: Any = None,
 ) -> dict[str, list[ResponseRecord]] | None:
     """Load, run this rank's shard with a progress bar, gather on rank 0 and merge its files.
 
     Args:
         load_args: (backend, model, draft, device, dtype, cuda_graphs, compile, uniform_width,
             draft_bits, draft_window) for :func:`_load_pipeline`.
+
+        pipeline: an already loaded pipeline (a sweep loads once), else loaded here.
 
     Returns:
         Records per dataset on rank 0, None on other ranks.
@@ -281,8 +315,9 @@ def _run(
         device = f"cuda:{dist.local_rank}"
     log = harness.ResultsLog(output, resume=resume, rank=dist.rank, world=dist.world)
     log.check_settings(config)  # before loading: a mismatch must not cost a model load
-    pipeline = _load_pipeline(backend, model, draft, device, dtype, cuda_graphs, compile,
-                              uniform_width, draft_bits=draft_bits, draft_window=draft_window)  # fmt: skip
+    if pipeline is None:
+        pipeline = _load_pipeline(backend, model, draft, device, dtype, cuda_graphs, compile,
+                                  uniform_width, draft_bits=draft_bits, draft_window=draft_window)  # fmt: skip
     shards = {name: harness.shard(items, dist) for name, items in selected.items()}
     with report.BenchProgress(enabled=dist.rank == 0) as progress:
         results = harness.run_benchmark(
@@ -295,7 +330,75 @@ def _run(
 
 
 def _final_json(
-    config: harness.BenchConfig, block_size: int, summaries: dict[str, dict[str, Any]]
+    config: harness.BenchConfig, block_size: int | str, summaries: dict[str, dict[str, Any]]
 ) -> dict[str, Any]:
     """The last stdout line: run settings plus every dataset's summary."""
     return {"config": config.record_config(block_size), "datasets": summaries}
+
+
+def parse_block_sizes(value: str | None) -> list[int | str | None]:
+    """``--block-size``: None (the draft's), "auto", an integer >= 1, or a comma list of those.
+
+    Raises:
+        InputError: an empty item, a value that is neither auto nor an integer >= 1, or a
+            repeated value.
+    """
+    if value is None:
+        return [None]
+    out: list[int | str | None] = []
+    for item in value.split(","):
+        text = item.strip().lower()
+        if text != "auto" and not text.lstrip("-").isdigit():
+            raise InputError(f"--block-size takes auto or integers >= 1 (comma-separated), "
+                             f"got {item.strip()!r}.", hint="e.g. --block-size auto,1,4,8,16")  # fmt: skip
+        v: int | str = text if text == "auto" else int(text)
+        if isinstance(v, int) and v < 1:
+            raise InputError(f"--block-size must be >= 1, got {v}.")
+        if v in out:
+            raise InputError(f"--block-size lists {v} twice.")
+        out.append(v)
+    return out
+
+
+def _sweep(
+    block_sizes: list[int | str | None],
+    load_args: tuple,
+    names: list[str],
+    data_dir: Path | None,
+    max_samples: int | None,
+    base_config: harness.BenchConfig,
+    output: Path | None,
+) -> None:
+    """Benchmark every block size in turn on the same prompts with one loaded pipeline.
+
+    Each value gets its own baseline runs (paired per response, so drift of the machine's
+    speed cancels in the speedup) and, with ``--output a.jsonl``, its own ``a.bs<L>.jsonl``.
+    Prints one table per dataset with a row per value, then one JSON line.
+    """
+    from dataclasses import replace
+
+    selected = {name: select(load_prompts(name, data_dir), max_samples) for name in names}
+    dist = harness.init_distributed()
+    rows: list[tuple[int | str | None, dict[str, dict[str, Any]]]] = []
+    pipeline = None
+    try:
+        *first, draft_bits, draft_window = load_args
+        pipeline = _load_pipeline(*first, draft_bits=draft_bits, draft_window=draft_window)
+        for bs in block_sizes:
+            config = replace(base_config, block_size=bs)
+            out = (
+                None if output is None else output.with_name(f"{output.stem}.bs{bs}{output.suffix}")
+            )
+            gathered = _run(dist, load_args, selected, config, out, False, pipeline=pipeline)
+            if gathered is not None:
+                rows.append((bs, {n: summarize(r) for n, r in gathered.items()}))
+    finally:
+        harness.finish_distributed(dist)
+    if dist.rank != 0:
+        return
+    console = Console(highlight=False, soft_wrap=True)
+    for name in names:
+        console.print(report.sweep_table(name, [(bs, sums[name]) for bs, sums in rows]))
+    print(json.dumps({"config": base_config.record_config(None),  # type: ignore[arg-type]
+                      "sweep": [{"block_size": bs, "datasets": sums} for bs, sums in rows]},
+                     ensure_ascii=False))  # fmt: skip

@@ -50,7 +50,7 @@ class BenchConfig:
     """Settings of one benchmark run.
 
     Attributes:
-        block_size: DFlash block size L; None uses the draft's trained block size.
+        block_size: DFlash block size L, "auto", or None for the draft's trained block size.
         max_new_tokens: generation budget per response, tokens.
         sampling: sampling settings used by both the baseline and DFlash.
         reasoning: ``--reasoning`` value passed to the chat template (None: template default).
@@ -59,7 +59,7 @@ class BenchConfig:
         run_info: extra settings stored in every record and checked on resume (model, draft...).
     """
 
-    block_size: int | None = None
+    block_size: int | str | None = None
     max_new_tokens: int = 2048
     sampling: SamplingParams = field(default_factory=SamplingParams)
     reasoning: str | None = None
@@ -67,7 +67,7 @@ class BenchConfig:
     warmup: bool = True
     run_info: dict[str, Any] = field(default_factory=dict)
 
-    def record_config(self, block_size: int) -> dict[str, Any]:
+    def record_config(self, block_size: int | str) -> dict[str, Any]:
         """Settings that must match for records of two runs to be pooled."""
         s = self.sampling
         return {
@@ -230,7 +230,7 @@ def _parse_record(line: bytes) -> ResponseRecord | None:
 
 
 def measure(
-    pipeline: BenchPipeline, prompt_ids: list[int], block_size: int, config: BenchConfig
+    pipeline: BenchPipeline, prompt_ids: list[int], block_size: int | str, config: BenchConfig
 ) -> tuple[GenerationResult | None, GenerationResult]:
     """Generate one response with the baseline (block size 1) and then with DFlash."""
     kwargs = {"max_new_tokens": config.max_new_tokens, "sampling": config.sampling}
@@ -255,7 +255,7 @@ def make_record(
     base: GenerationResult | None,
     fast: GenerationResult,
     config: BenchConfig,
-    block_size: int,
+    block_size: int | str,
 ) -> ResponseRecord:
     """Turn two generation results into the record written to JSONL."""
 
@@ -271,7 +271,7 @@ def make_record(
         id=item_id,
         turn=turn,
         prompt_tokens=len(prompt_ids),
-        block_size=block_size,
+        block_size=block_size if isinstance(block_size, int) else 1 + max(fast.proposed, default=0),
         dflash=stats(fast),
         baseline=stats(base) if base is not None else None,
         acceptance_lengths=[int(a) for a in fast.acceptance_lengths],
@@ -288,7 +288,7 @@ def run_item(
     dataset: str,
     item: PromptItem,
     config: BenchConfig,
-    block_size: int,
+    block_size: int | str,
     done: dict[Key, ResponseRecord],
 ) -> Iterator[tuple[ResponseRecord, bool]]:
     """Run every turn of one prompt; yields (record, measured_now).
@@ -371,7 +371,7 @@ def _config_diff(old: dict, new: dict) -> str:
     return ", ".join(f"{k}: {old.get(k)!r} then {new.get(k)!r}" for k in keys)
 
 
-def warm_up(pipeline: BenchPipeline, item: PromptItem, config: BenchConfig, block_size: int):
+def warm_up(pipeline: BenchPipeline, item: PromptItem, config: BenchConfig, block_size: int | str):
     """Untimed warm-up on the first prompt: min(64, budget) tokens at block 1 and at L, no stops."""
     ids = pipeline.chat_prompt(
         [{"role": "user", "content": item.turns[0]}], reasoning=config.reasoning

@@ -237,6 +237,13 @@ def per_position_acceptance(
     return [n / d if d else None for n, d in zip(passed, reached, strict=True)]
 
 
+def mean_block_size(records: list[ResponseRecord]) -> float | None:
+    """Mean verify width L (proposed + 1) over verify steps; differs from the block size under
+    ``--block-size auto`` and where the budget cut the last block. None without steps."""
+    steps = [p + 1 for r in records for p in r.proposed]
+    return sum(steps) / len(steps) if steps else None
+
+
 # ---------------------------------------------------------------------------------------------
 # parity and the whole summary
 
@@ -346,5 +353,6 @@ def summarize(records: list[ResponseRecord]) -> dict[str, Any]:
         "histogram": counts,
         "histogram_fractions": histogram_fractions(counts),
         "per_position_acceptance": per_position_acceptance(records, size),
+        "mean_block_size": mean_block_size(records),
         "parity": parity_summary(records),
     }

@@ -73,6 +73,27 @@ def parity_text(parity: dict[str, Any], responses: int) -> str:
     return text
 
 
+def sweep_table(name: str, rows: list[tuple[Any, dict[str, Any]]]) -> Table:
+    """One row per block size of a ``--block-size a,b,c`` sweep (None = the draft's own)."""
+    table = Table(title=f"dflash benchmark sweep: {name}", title_justify="left")
+    for col in ("block size", "baseline tok/s", "DFlash tok/s", "speedup", "τ", "mean L",
+                "verify steps", "parity"):  # fmt: skip
+        table.add_column(col, justify="right")
+    for bs, s in rows:
+        parity = s["parity"]
+        table.add_row(
+            "draft's" if bs is None else str(bs),
+            _fmt(s["baseline_tok_s"], ".1f"),
+            _fmt(s["dflash_tok_s"], ".1f"),
+            _fmt(s["speedup"], ".2f", "x"),
+            _fmt(s["tau_mean_of_responses"], ".2f"),
+            _fmt(s.get("mean_block_size"), ".2f"),
+            str(s["verify_steps"]),
+            f"{parity['matched']}/{parity['checked']}" if parity["checked"] else "-",
+        )
+    return table
+
+
 def _scale(value: float | None, factor: float) -> float | None:
     return None if value is None else value * factor
 

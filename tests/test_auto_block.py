@@ -1,0 +1,371 @@
+"""``--block-size auto``: the chooser against analytic optima, online adaptation with a scripted
+draft, greedy parity for every choice, context bookkeeping after plain steps, cost cache."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dflash.auto_block import (
+    AcceptancePrior,
+    BlockPolicy,
+    CostTable,
+    expected_tau,
+    load_acceptance,
+    load_or_measure_costs,
+    measure_costs,
+    monotone,
+    write_acceptance,
+)
+from dflash.errors import ConfigError
+from dflash.loop import speculative_generate
+from tests.test_loop_scripted import PROMPT, ScriptedBackend, greedy_reference
+
+B = 16
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One torch thread: two spinning OpenMP threads crawl when the cores are shared."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def linear_costs(verify_base, verify_per_tok, draft_base, draft_per_tok, widths=range(1, B + 1)):
+    """A synthetic cost table: verify(L) = a + b L, draft(L) = c + d L (seconds)."""
+    return CostTable({w: verify_base + verify_per_tok * w for w in widths},
+                     {w: draft_base + draft_per_tok * w for w in widths if w > 1})  # fmt: skip
+
+
+def analytic_best(p: float, cost) -> int:
+    """argmax_L τ(L)/c(L) with τ(L) = (1 - p^L) / (1 - p) for a constant rate p (geometric sum);
+    ties go to the smaller L."""
+    best, best_rate = 1, 0.0
+    for n in range(1, B + 1):
+        tau = float(n) if p == 1 else (1 - p**n) / (1 - p)
+        rate = tau / cost(n)
+        if rate > best_rate * (1 + 1e-9):
+            best, best_rate = n, rate
+    return best
+
+
+@pytest.mark.parametrize("p", [0.0, 0.3, 0.6, 0.8, 0.95, 1.0])
+@pytest.mark.parametrize(
+    "shape",
+    [(1.0, 0.01, 0.3, 0.0), (1.0, 0.2, 0.5, 0.05), (1.0, 1.0, 0.3, 0.1), (2.0, 0.05, 0.0, 0.0)],
+    ids=["gpu-flat", "mid", "cpu-steep", "free-draft"],
+)
+def test_chooser_picks_the_analytic_optimum(p, shape):
+    a, b, c, d = shape
+    table = linear_costs(a, b, c, d)
+    policy = BlockPolicy(table, AcceptancePrior(B, [p] * (B - 1)), B, probe_every=0)
+
+    def cost(n):
+        return a + b * n + (c + d * n if n > 1 else 0.0)
+
+    want = analytic_best(p, cost)
+    assert policy.choose(remaining=1000) == want
+    assert expected_tau([p] * (B - 1), want) == pytest.approx(
+        want if p == 1 else (1 - p**want) / (1 - p)
+    )
+
+
+def test_chooser_known_cases_and_limits():
+    flat = linear_costs(1.0, 0.0, 0.1, 0.0)
+    perfect = AcceptancePrior(B, [1.0] * (B - 1))
+    assert BlockPolicy(flat, perfect, B).choose(1000) == 16  # everything accepted, flat cost
+    assert BlockPolicy(flat, perfect, B).choose(5) == 5  # never past the budget
+    assert BlockPolicy(flat, AcceptancePrior(B, [0.0] * (B - 1)), B).choose(1000) == 1
+    # graph path: only captured widths
+    assert BlockPolicy(flat, perfect, B, widths=(1, 4, 8)).choose(1000) == 8
+    assert BlockPolicy(flat, perfect, B, widths=(1, 4, 8)).choose(7) == 4
+    # a draft dearer than the tokens it can win: plain decoding
+    dear = linear_costs(1.0, 0.0, 10.0, 0.0)  # τ(16) = 8.1 tokens for 11 s < 1 tok/s
+    assert BlockPolicy(dear, AcceptancePrior(B, [0.9] * (B - 1)), B).choose(1000) == 1
+    # p = (0.9, 0.9, 0, ...): τ(3) = 1 + 0.9 + 0.81 = 2.71 and nothing past 3 can pay
+    step = BlockPolicy(flat, AcceptancePrior(B, [0.9, 0.9] + [0.0] * 13), B)
+    assert step.choose(1000) == 3
+    assert step.history[-1].tau == pytest.approx(2.71)
+    # the draft always at its trained width: one draft cost for every L > 1
+    fixed = BlockPolicy(linear_costs(1.0, 0.0, 0.0, 1.0), perfect, B, draft_width=16)
+    assert fixed.step_cost[2] == fixed.step_cost[16] == pytest.approx(1.0 + 16.0)
+
+
+def test_observe_is_an_ema_of_reached_positions():
+    policy = BlockPolicy(linear_costs(1, 0, 0, 0), AcceptancePrior(B, [0.5] * (B - 1)), B,
+                         alpha=0.5)  # fmt: skip
+    policy.choose(100)
+    policy.observe(accepted=2, proposed=7)  # positions 1, 2 passed, 3 failed, 4.. not reached
+    assert policy.rates[:4] == [0.75, 0.75, 0.25, 0.5]
+    scale = (0.75 + 0.75 + 0.25) / 1.5  # how the reached positions moved from the start
+    assert policy.effective_rates()[3:5] == [pytest.approx(0.5 * scale)] * 2
+    policy.observe(accepted=7, proposed=7)  # first visits start from the scaled rate
+    assert policy.rates[6] == pytest.approx(0.5 * (0.5 * scale) + 0.5)
+    assert policy.rates[7] == 0.5 and policy.reached[7] == 0  # position 8 was not proposed
+
+
+def test_monotone_cost_fit():
+    assert monotone({1: 3.0, 2: 1.0, 4: 5.0}) == {1: 2.0, 2: 2.0, 4: 5.0}
+    assert monotone({1: 1.0, 2: 2.0}) == {1: 1.0, 2: 2.0}
+    table = CostTable({1: 1.0, 4: 4.0})
+    assert table.step_s(2) == pytest.approx(2.0) and table.step_s(9) == 4.0
+
+
+class DropBackend(ScriptedBackend):
+    """A scripted draft that is right at every position until ``drop_at`` new tokens, and wrong
+    from the first position afterwards."""
+
+    def __init__(self, inner, truth, prompt_len, drop_at):
+        super().__init__(inner, truth, prompt_len, [15])
+        self.drop_at, self.lengths = drop_at, []
+
+    def draft(self, anchor, context, start, length):
+        self.lengths.append(length)
+        self.schedule = [15] if start - self.prompt_len < self.drop_at else [0]
+        return super().draft(anchor, context, start, length)
+
+
+@pytest.fixture(scope="module")
+def truth(tiny_target):
+    return greedy_reference(tiny_target, PROMPT, 200)
+
+
+def test_chosen_block_follows_a_drop_in_acceptance(tiny_backend, truth):
+    costs = linear_costs(1.0, 0.05, 0.3, 0.0)  # GPU-like: a wide verify costs little more
+    prior = AcceptancePrior(B, [0.7] * (B - 1))
+    be = DropBackend(tiny_backend, truth, len(PROMPT), drop_at=80)
+    policy = BlockPolicy(costs, prior, B, probe_every=0)
+    rounds = list(speculative_generate(be, PROMPT, block_size=B, max_new_tokens=160, policy=policy))
+    assert [t for r in rounds for t in r.tokens] == truth[:160]
+    chosen = [c.block_size for c in policy.history]
+    steps = [r for r in rounds if r.accepted is not None]
+    assert len(chosen) == len(steps)
+    produced, before, after = 1, [], []
+    for c, r in zip(chosen, steps, strict=True):
+        (before if produced < 80 else after).append(c)
+        produced += r.accepted
+    assert before[0] >= 4 and max(before) >= 12  # a good draft grows the block
+    assert after[-5:] == [1] * 5  # once every proposal fails, plain decoding
+    assert after.index(1) <= 16  # EMA (alpha 0.15) forgets 0.95 -> 0.3 in about 7-14 steps
+
+
+def test_a_good_draft_grows_a_pessimistic_start(tiny_backend, truth):
+    costs = linear_costs(1.0, 0.05, 0.3, 0.0)
+    be = DropBackend(tiny_backend, truth, len(PROMPT), drop_at=10**6)
+    policy = BlockPolicy(costs, AcceptancePrior(B, [0.35] * (B - 1)), B, probe_every=0)
+    rounds = list(speculative_generate(be, PROMPT, block_size=B, max_new_tokens=120, policy=policy))
+    assert [t for r in rounds for t in r.tokens] == truth[:120]
+    chosen = [c.block_size for c in policy.history]
+    assert chosen[0] < 8 and max(chosen) == B
+
+
+def test_probe_after_plain_steps(tiny_backend, truth):
+    costs = linear_costs(1.0, 0.05, 0.3, 0.0)
+    be = DropBackend(tiny_backend, truth, len(PROMPT), drop_at=0)  # never right
+    policy = BlockPolicy(costs, AcceptancePrior(B, [0.0] * (B - 1)), B, probe_every=10)
+    rounds = list(speculative_generate(be, PROMPT, block_size=B, max_new_tokens=60, policy=policy))
+    assert [t for r in rounds for t in r.tokens] == truth[:60]
+    chosen = [c.block_size for c in policy.history]
+    probes = [i for i, c in enumerate(policy.history) if c.probe]
+    assert probes and all(chosen[i] > 1 for i in probes) and chosen.count(1) >= 45
+
+
+def test_plain_runs_skip_features_until_the_probe(tiny_backend, truth, monkeypatch):
+    import dflash.auto_block as ab
+
+    monkeypatch.setattr(ab, "FEATURE_LEAD", 4)
+    be = ContextCheck(tiny_backend, strict=False)
+    calls = []
+    verify = tiny_backend.verify
+
+    def spy(anchor, proposals, start, with_features):
+        calls.append(with_features)
+        return verify(anchor, proposals, start, with_features)
+
+    monkeypatch.setattr(tiny_backend, "verify", spy)
+    policy = BlockPolicy(linear_costs(1.0, 0.05, 0.3, 0.0), AcceptancePrior(B, [0.0] * 15), B,
+                         probe_every=10)  # fmt: skip
+    rounds = list(speculative_generate(be, PROMPT, block_size=B, max_new_tokens=40, policy=policy))
+    assert [t for r in rounds for t in r.tokens] == truth[:40]
+    # until the draft has seen the prompt every step keeps features; after the first probe
+    # (step 10) steps 11-15 are plain without features, 16-19 with (4 before the probe)
+    assert calls[:10] == [True] * 10
+    assert calls[10:20] == [False] * 5 + [True] * 4 + [True]
+    assert policy.history[9].probe and policy.history[19].probe
+    cached, rows, start = be.calls[1]  # the second probe: the 4 latest rows, ending at start
+    assert rows == 4 and cached < start - rows
+
+
+class CyclePolicy:
+    """Not a chooser: forces L = schedule[i] (cut to the budget), to test every choice."""
+
+    def __init__(self, schedule):
+        self.schedule, self.i, self.seen = schedule, 0, []
+
+    def choose(self, remaining):
+        n = min(self.schedule[self.i % len(self.schedule)], remaining)
+        self.i += 1
+        return n
+
+    def observe(self, accepted, proposed):
+        self.seen.append((accepted, proposed))
+
+    def needs_features(self):
+        return True
+
+
+class ContextCheck:
+    """Wraps the dynamic backend; asserts the draft always receives every committed row once."""
+
+    def __init__(self, inner, strict=True):
+        self.inner, self.proposals, self.strict, self.calls = inner, [], strict, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def draft(self, anchor, context, start, length):
+        cache = self.inner.draft_cache
+        cached = 0 if cache.keys[0] is None else cache.keys[0].shape[2]
+        rows = sum(c.shape[0] for c in context) if isinstance(context, list) else context.shape[0]
+        assert cached + rows == start or not self.strict, (cached, rows, start)
+        self.calls.append((cached, rows, start))
+        out = self.inner.draft(anchor, context, start, length)
+        self.proposals.append(out[0].tolist())
+        return out
+
+
+SCHEDULE = [1, 1, 16, 1, 3, 2, 1, 1, 1, 5, 8, 1, 4, 16, 7]
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_every_choice_is_lossless_and_feeds_all_context(tiny_backend, truth, greedy):
+    from dflash.types import SamplingParams
+
+    be, policy = ContextCheck(tiny_backend), CyclePolicy(SCHEDULE)
+    sp = SamplingParams() if greedy else SamplingParams(temperature=0.9, seed=5)
+    rounds = list(speculative_generate(be, PROMPT, block_size=B, max_new_tokens=90,
+                                       sampling=sp, policy=policy))  # fmt: skip
+    tokens = [t for r in rounds for t in r.tokens]
+    assert len(tokens) == 90
+    if greedy:
+        assert tokens == truth[:90]
+    assert [p for _, p in policy.seen] == [r.proposed for r in rounds if r.accepted is not None]
+
+
+def test_static_path_after_plain_steps_matches_the_dynamic_one(tiny_target, tiny_backend, truth):
+    """The static backend re-reads by position; after plain steps it must catch up exactly as
+    the dynamic one (same draft weights -> the same proposals at every step)."""
+    from dflash.backends.static_torch import StaticBackend
+
+    static = StaticBackend(tiny_target, tiny_backend.draft_model, torch.device("cpu"),
+                           use_graphs=False)  # fmt: skip
+    runs = []
+    for be in (ContextCheck(tiny_backend), static):
+        recorded = []
+        orig = be.draft
+
+        def draft(anchor, context, start, length, orig=orig, recorded=recorded):
+            out = orig(anchor, context, start, length)
+            recorded.append(out[0].tolist())
+            return out
+
+        be.draft = draft
+        toks = [t for r in speculative_generate(be, PROMPT, block_size=B, max_new_tokens=90,
+                                                policy=CyclePolicy(SCHEDULE)) for t in r.tokens]  # fmt: skip
+        assert toks == truth[:90]
+        runs.append(recorded)
+    assert runs[0] == runs[1]
+
+
+def test_measure_costs_and_cache(tiny_backend, tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path))
+    monkeypatch.delenv("DFLASH_RECALIBRATE", raising=False)
+    widths = [1, 2, 4, 16]
+    table = measure_costs(tiny_backend, widths, prompt_len=32, repeats=1)
+    assert sorted(table.verify_s) == widths and sorted(table.draft_s) == [2, 4, 16]
+    values = [table.verify_s[w] for w in widths]
+    assert all(v > 0 for v in values) and values == sorted(values)
+    key = {"backend": "tiny", "device": "cpu"}
+    first = load_or_measure_costs(tiny_backend, key, widths)
+    files = list((tmp_path / "costs").glob("*.json"))
+    assert first.source == "measured" and len(files) == 1
+    assert json.loads(files[0].read_text())["key"]["widths"] == widths
+    again = load_or_measure_costs(tiny_backend, key, widths)
+    assert again.source == "cache" and again.verify_s == first.verify_s
+    assert (
+        load_or_measure_costs(tiny_backend, {**key, "device": "other"}, widths).source == "measured"
+    )
+
+
+def test_acceptance_file_round_trip(tmp_path):
+    assert load_acceptance(tmp_path, 16).source == "prior"
+    assert load_acceptance(None, 4).rates == [0.5, 0.5, 0.5]
+    write_acceptance(tmp_path, [0.8, None, 0.6], 4, "unit test")
+    got = load_acceptance(tmp_path, 6)
+    assert got.rates == [0.8, 0.8, 0.6, 0.6, 0.6] and got.source == "unit test"
+    assert load_acceptance(tmp_path, 3).rates == [0.8, 0.8]
+    (tmp_path / "acceptance.json").write_text('{"position_acceptance": [1.5]}')
+    with pytest.raises(ConfigError):
+        load_acceptance(tmp_path, 4)
+
+
+def test_demo_draft_ships_its_acceptance():
+    from dflash.models.target_torch import DEMO_DRAFT_DIR
+
+    prior = load_acceptance(DEMO_DRAFT_DIR, 16)
+    assert prior.block_size == 16 and len(prior.rates) == 15 and "H200" in prior.source
+    assert 2.5 < expected_tau(prior.rates, 16) < 3.5  # τ 2.93 was measured with these rates
+
+
+class FakeTokenizer:
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
+
+
+def test_pipeline_default_is_auto(tiny_backend, truth, tmp_path, monkeypatch):
+    from dflash.api import Pipeline
+
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path))
+    pipe = Pipeline(tiny_backend, FakeTokenizer(), [], "tiny", cost_key={"test": "tiny"})
+    pipe.costs = linear_costs(1.0, 0.05, 0.3, 0.0)  # skip timing: a GPU-like table
+    res = pipe.generate(PROMPT, max_new_tokens=40)
+    assert res.token_ids == truth[:40] and res.block_size == "auto"
+    steps = res.block_policy["steps"]
+    assert len(steps) == res.verify_steps
+    assert [s["block_size"] - 1 for s in steps] == res.proposed
+    assert res.block_policy["acceptance_source"] == "prior"
+    assert pipe.generate(PROMPT, max_new_tokens=10, block_size=4).block_policy is None
+    with pytest.raises(Exception, match="auto or an integer"):
+        pipe.resolve_block_size("fast")
+
+
+def test_benchmark_block_size_list():
+    from dflash.bench.command import parse_block_sizes
+    from dflash.errors import InputError
+
+    assert parse_block_sizes(None) == [None]
+    assert parse_block_sizes("auto, 1,4,16") == ["auto", 1, 4, 16]
+    for bad in ("0", "4,4", "x", "4,,8"):
+        with pytest.raises(InputError):
+            parse_block_sizes(bad)
+
+
+def test_generate_block_size_option_and_verbose_line(capsys):
+    from dflash.commands import parse_block_size, print_step
+    from dflash.errors import InputError
+    from dflash.types import RoundResult
+
+    assert parse_block_size("auto") == "auto" and parse_block_size(" 8 ") == 8
+    for bad in ("0", "-3", "big", "4,8"):
+        with pytest.raises(InputError):
+            parse_block_size(bad)
+    policy = BlockPolicy(linear_costs(0.010, 0.001, 0.002, 0.0), AcceptancePrior(B, [0.0] * 15), B)
+    policy.choose(50)
+    print_step(1, RoundResult(tokens=[5], accepted=1, proposed=0), policy)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].startswith("[auto: step cost ms by L 1:11.0 2:14.0")
+    assert lines[1] == "[step 1: L=1 predicted τ 1.00 cost 11.0 ms (90.9 tok/s) -> committed 1]"
