@@ -55,7 +55,7 @@ class Engine:
     Args:
         load: returns a ``dflash.api.Pipeline`` (called once, off the event loop).
         names: model names requests may ask for (the first is the served name).
-        block_size: verify width L (None: the draft's).
+        block_size: verify width L (None: auto, per step).
     """
 
     def __init__(self, load: Callable[[], Any], names: list[str], block_size: int | None = None):
@@ -63,6 +63,7 @@ class Engine:
         self.names = names
         self.block_size_opt = block_size
         self.block_size = 1
+        self.stream_block: int | str = 1
         self.pipe: Any = None
         self.error: DflashError | None = None
         self.on_failure: Callable[[], None] | None = None
@@ -79,11 +80,15 @@ class Engine:
         t0 = time.perf_counter()
         try:
             pipe = self._load()
-            self.block_size = pipe.resolve_block_size(self.block_size_opt)
+            resolved = pipe.resolve_block_size(self.block_size_opt)
+            self.stream_block = resolved  # "auto" (default) or a fixed width
+            self.block_size = pipe.block_size if resolved == "auto" else resolved  # stats width
+            if resolved == "auto":
+                pipe.calibrate()  # costs measured (or read from the cache) before any request
             self.metrics = ServerMetrics(self.names[0], self.block_size)
             self.pipe = pipe
             print(f"dflash serve: {self.names[0]} ready in {time.perf_counter() - t0:.1f} s "
-                  f"(block size {self.block_size})", file=sys.stderr, flush=True)  # fmt: skip
+                  f"(block size {self.stream_block})", file=sys.stderr, flush=True)  # fmt: skip
         except Exception as err:  # noqa: BLE001 - reported as one line, then the server stops
             self.error = err if isinstance(err, DflashError) else BackendError(
                 f"Loading the model failed: {type(err).__name__}: {err}")  # fmt: skip
@@ -125,7 +130,7 @@ class Engine:
         error = None
         try:
             budget = req.max_tokens or (self.pipe.backend.max_context - len(ids))
-            for step in self.pipe.stream(ids, block_size=self.block_size, max_new_tokens=budget,
+            for step in self.pipe.stream(ids, block_size=self.stream_block, max_new_tokens=budget,
                                          sampling=req.sampling):  # fmt: skip
                 if step.accepted is not None:
                     self.metrics.step(step.accepted, step.proposed)
@@ -383,7 +388,7 @@ def serve(
     port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
     api_key: Annotated[str | None, typer.Option(help="Require 'Authorization: Bearer KEY' on /v1 (default: $DFLASH_API_KEY; none = open).", show_default=False)] = None,
     served_model_name: Annotated[str | None, typer.Option(help="Model name in the API (default: the --model name).")] = None,
-    block_size: Annotated[int | None, typer.Option(help="Verify width incl. the anchor (default: the draft's).")] = None,
+    block_size: Annotated[int | None, typer.Option(help="Verify width incl. the anchor (default: auto, chosen per step from measured costs and acceptance; 1 = no drafting).")] = None,
     device: Annotated[str, typer.Option(help="auto, cuda, cuda:N or cpu.")] = "auto",
     dtype: Annotated[str, typer.Option(help="auto (bf16 on CUDA, fp32 on CPU), bfloat16, float16, float32.")] = "auto",
     cuda_graphs: Annotated[bool | None, typer.Option("--cuda-graphs/--no-cuda-graphs", help="Static caches + CUDA graphs (default: on for CUDA with Llama/Qwen-style targets).")] = None,

@@ -30,7 +30,7 @@ def runs(mlx_demo):
     out = []
     for p in PROMPTS:
         ids = mlx_demo.chat_prompt([{"role": "user", "content": p}])
-        out.append((ids, mlx_demo.generate(ids, max_new_tokens=N, stop_ids=[])))
+        out.append((ids, mlx_demo.generate(ids, max_new_tokens=N, stop_ids=[], block_size=16)))
     return out
 
 
@@ -65,6 +65,6 @@ def test_tau_close_to_the_transformers_backend(runs):
 
     tpipe = dflash.load(device="cpu", dtype="float32")
     for ids, res in runs:
-        t = tpipe.generate(ids, max_new_tokens=N, stop_ids=[])
+        t = tpipe.generate(ids, max_new_tokens=N, stop_ids=[], block_size=16)
         assert abs(res.mean_acceptance_length - t.mean_acceptance_length) <= 0.3, (
             res.acceptance_lengths, t.acceptance_lengths)  # fmt: skip

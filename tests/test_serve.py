@@ -45,6 +45,7 @@ def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("serve") / "server.log"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "dflash", "serve", "--port", str(port), "--api-key", KEY,
+           "--block-size", "16",  # fixed: auto's per-step choice depends on measured timings
            "--device", "cpu", "--dtype", "float32", "--log-level", "warning"]  # fmt: skip
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
@@ -93,7 +94,7 @@ def local():
                 ids = pipe.chat_prompt([{"role": "user", "content": prompt}])
             else:
                 ids = list(pipe.tokenizer(prompt)["input_ids"])
-            cache[(prompt, n, chat)] = (ids, pipe.generate(ids, max_new_tokens=n))
+            cache[(prompt, n, chat)] = (ids, pipe.generate(ids, max_new_tokens=n, block_size=16))
         return cache[(prompt, n, chat)]
 
     return run

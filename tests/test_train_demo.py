@@ -48,7 +48,7 @@ def test_greedy_parity_with_hf_generate(pipe):
                 max_new_tokens=48, do_sample=False, eos_token_id=pipe.stop_ids,
                 pad_token_id=pipe.stop_ids[0],
             )[0, len(ids) :].tolist()  # fmt: skip
-        got = pipe.generate(ids, max_new_tokens=48).token_ids
+        got = pipe.generate(ids, max_new_tokens=48, block_size=16).token_ids
         diff = next((i for i, (a, b) in enumerate(zip(got, ref, strict=False)) if a != b), None)
         assert got == ref, f"first mismatch at {diff}"
 
