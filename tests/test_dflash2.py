@@ -350,8 +350,9 @@ def test_cli_init_draft_dflash2_and_generate(tmp_path, demo_gguf):
     assert cfg["dflash_config"]["selector_top_k"] == 16 and cfg["dflash_config"]["block_size"] == 6
     assert "candidate_selector.predecessor_codebook" in read_safetensors(out)
     args = ["generate", "transformers", "Name three primary colors.", "--model", str(demo_gguf),
+            "--block-size", "6",
             "--draft", str(out), "--max-new-tokens", "16", "--device", "cpu", "--json"]  # fmt: skip
-    spec, plain = run(*args), run(*args, "--block-size", "1")
+    spec, plain = run(*args), run(*args[:-1], "--block-size", "1", "--json")
     assert spec.returncode == 0 and plain.returncode == 0, spec.stderr + plain.stderr
     a, b = json.loads(spec.stdout), json.loads(plain.stdout)
     assert a["token_ids"] == b["token_ids"] and a["block_size"] == 6
