@@ -213,10 +213,12 @@ def measure_costs(backend: Any, widths: list[int], *, prompt_len: int = CALIBRAT
         CostTable with ``verify_s`` for every width and ``draft_s`` for widths > 1.
     """
     vocab = int(backend.vocab_size)
-    prompt_len = max(2, min(prompt_len, backend.max_context - max(widths) - 8))
+    prompt_len = max(2, min(prompt_len, backend.max_context - max(widths) - 8
+                            - (repeats + 1) * len(widths)))
     ids = [(7 + 7919 * i) % vocab for i in range(prompt_len)]
     drafting = getattr(backend, "draft_block_size", 1) > 1 and max(widths) > 1
-    backend.reset(prompt_len + max(widths) + 8)
+    steps = (repeats + 1) * len(widths)  # each timed verify keeps its anchor (see below)
+    backend.reset(prompt_len + steps + max(widths) + 8)
     _logits, _ = backend.prefill(ids, drafting)
     anchor, start = ids[-1], prompt_len
     _logits, feats = backend.verify(anchor, None, start, drafting)  # commit one token
@@ -242,8 +244,11 @@ def measure_costs(backend: Any, widths: list[int], *, prompt_len: int = CALIBRAT
             t0 = time.perf_counter()
             logits, _ = backend.verify(anchor, proposals, start, drafting)
             backend.to_list(backend.argmax(logits))
-            backend.rollback(start)
+            # Keep the anchor, as the loop does: some caches (mlx) roll back only inside the
+            # last verify and never past its first row.
+            backend.rollback(start + 1)
             backend.synchronize()
+            start += 1
             if rep:
                 verify[w].append(time.perf_counter() - t0)
     backend.reset(prompt_len + max(widths) + 8)
