@@ -167,12 +167,17 @@ def test_reference_generate_is_mlx_lm_greedy_and_benchmark_records_it(dense):
 
     pipe, _, truth = dense
     ref = pipe.reference_generate(PROMPT, max_new_tokens=N)
-    assert ref.token_ids == truth[:N] and ref.finish_reason == "length"
+    # mlx-lm stops at an EOS id; a random target may emit one (truth was decoded without stops)
+    stops = set(pipe.stop_ids)
+    cut = next((i + 1 for i, t in enumerate(truth[:N]) if t in stops), N)
+    assert ref.token_ids == truth[:cut]
+    assert ref.finish_reason == ("stop" if cut < N else "length")
     cfg = BenchConfig(max_new_tokens=24, check_parity=True, warmup=False)
     recs = run_benchmark(pipe, {"t": [PromptItem(id="a", turns=["w5 w6 w7"])]}, cfg)["t"]
-    assert recs[0].reference.new_tokens == 24 and recs[0].parity is True
+    n_ref = recs[0].reference.new_tokens
+    assert 1 <= n_ref <= 24 and recs[0].parity is True
     s = summarize(recs)
-    assert s["reference_tokens"] == 24 and s["speedup_vs_reference"] > 0
+    assert s["reference_tokens"] == n_ref and s["speedup_vs_reference"] > 0
 
 
 def test_cli_generate_mlx_json_and_one_line_errors(dense, tmp_path):
