@@ -222,6 +222,15 @@ def benchmark(
     _check_options(
         backend, max_new_tokens, block_sizes, sampling, check_parity, output, resume, plot
     )
+    run_info = {  # resolved values replace these once loaded
+        "backend": backend,
+        "model": model,
+        "draft": draft,
+        "cuda_graphs": cuda_graphs,
+        "compile": compile,
+        **({"draft_bits": draft_bits} if draft_bits else {}),
+        **({"draft_window": draft_window} if draft_window else {}),
+    }
     if len(block_sizes) > 1:
         _sweep(
             block_sizes,
@@ -235,12 +244,7 @@ def benchmark(
                 sampling=sampling,
                 reasoning=reasoning,
                 check_parity=check_parity,
-                run_info={
-                    "backend": backend,
-                    "model": model,
-                    "draft": draft,
-                    "cuda_graphs": cuda_graphs,
-                },
+                run_info=dict(run_info),
             ),  # fmt: skip
             output,
         )
@@ -253,15 +257,7 @@ def benchmark(
         sampling=sampling,
         reasoning=reasoning,
         check_parity=check_parity,
-        run_info={
-            "backend": backend,
-            "model": model,
-            "draft": draft,
-            "cuda_graphs": cuda_graphs,
-            "compile": compile,  # resolved values replace these once loaded
-            **({"draft_bits": draft_bits} if draft_bits else {}),
-            **({"draft_window": draft_window} if draft_window else {}),
-        },  # fmt: skip
+        run_info=dict(run_info),
     )
     dist = harness.init_distributed()
     try:
