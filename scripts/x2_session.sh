@@ -1,0 +1,134 @@
+#!/usr/bin/env bash
+# One lease of a 2 x H200 machine (device kind nvidia-h200-x2) for issues 10-13: regenerate the
+# demo draft's training data on both GPUs, measure data-parallel training scaling, train the draft
+# further with torchrun, then benchmark it (1 GPU vs torchrun on 2, other datasets, block-size
+# sweep, fused vs unfused static path). Issue each call within 30 s of the previous one: /tmp on
+# the machine holds the target, the data and the state between calls only while it stays warm.
+#
+# Prepare here (CPU), under the git-ignored .stage/:
+#   split -b 20000000 SmolLM2-135M-Instruct.Q4_1.gguf  -> .stage/t5/{aa..ae}/part
+#   .stage/data/{gsm8k,math500,humaneval,mbpp,mt-bench}   (copies of ../shared/datasets)
+#   .stage/prompts/half-{0,1}.jsonl.gz   (scripts/build_train_prompts.py output, rows r::2)
+#   .stage/whl/gguf-0.19.0-*.whl
+# Calls (carry in brackets):
+#   1 stage1   [.stage/t5/aa .stage/data .stage/prompts .stage/whl]  + 8B-shaped loop cost (bench_big)
+#   2-4 stage ab|ac|ad  [.stage/t5/<part>]
+#   5 prep     [.stage/t5/ae]  assemble the target; regenerate on both GPUs; 1-GPU training runs
+#   6 train    []  torchrun on both GPUs, the draft comes back in $OUT
+#   7 bench    []  benchmarks; logs in $OUT/bench.tgz
+set -uo pipefail
+phase=${1:?usage: x2_session.sh stage1|stage PART|prep|train|bench}
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 DFLASH_CACHE=/tmp/dflash-cache
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+OUT=${OUT:-/tmp/x2-out}; mkdir -p "$OUT"
+W=/tmp/demo; mkdir -p "$W/logs" "$W/stage"
+if [ ! -d /tmp/site/gguf ] && ls .stage/whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .stage/whl/*.whl
+fi
+export PYTHONPATH=/tmp/site:$PWD
+GGUF=$W/smollm2.gguf
+V2=dflash/assets/smollm2-135m-instruct-dflash
+BASE=1440                        # steps of the shipped v2 draft
+STEPS=${STEPS:-1000}             # steps of this segment (torchrun, 2 x 16,384 tokens a step)
+LR=${LR:-4e-4}
+TORCHRUN=(python3 -m torch.distributed.run --standalone --nproc-per-node 2)
+train_args() {  # $1 = out folder; same data, seed and schedule in every run
+  echo --target "$GGUF" --data "$W/data" --eval-data "$W/eval" --out "$1" --resume-from "$V2" \
+    --block-size 16 --anchors 512 --epochs 40 --lr "$LR" --max-len 1024 --max-steps $((BASE + STEPS)) \
+    --save-every 100000 --seed 0
+}
+t0=$SECONDS
+log() { echo "[$((SECONDS - t0)) s] $*"; }
+
+case $phase in
+stage1)
+  cp .stage/t5/aa/part "$W/stage/aa.part"
+  rm -rf "$W/datasets" && cp -r .stage/data "$W/datasets" && cp .stage/prompts/*.jsonl.gz "$W/"
+  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+  python3 -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.cuda.device_count(), 'transformers', transformers.__version__)"
+  log "bench_big (Qwen3-8B shape, random weights) on GPU 0"
+  CUDA_VISIBLE_DEVICES=0 timeout "${BIG_S:-150}" python3 scripts/bench_big.py --out "$OUT" ${BIG_ARGS:-} \
+    > "$OUT/bench_big.txt" 2>&1 || echo "bench_big failed or timed out"
+  tail -25 "$OUT/bench_big.txt"
+  ;;
+stage)
+  cp ".stage/t5/$2/part" "$W/stage/$2.part" && ls -la "$W/stage"
+  ;;
+prep)
+  cat "$W"/stage/{aa,ab,ac,ad}.part .stage/t5/ae/part > "$GGUF"
+  sha256sum "$GGUF" | cut -c1-16
+  R=(python3 -m dflash data regenerate --target "$GGUF" --max-new-tokens 1024 --batch-size 512
+     --samples 2 --sample-temperature 0.8 --time-limit "${REGEN_S:-150}")
+  log "regenerate: half 0 on GPU 0; eval set then half 1 on GPU 1"
+  CUDA_VISIBLE_DEVICES=0 "${R[@]}" --prompts "$W/half-0.jsonl.gz" --out "$W/data0" > "$W/logs/regen0.txt" 2>&1 &
+  (EV=gsm8k@16,math500@16,humaneval@16,mbpp@16,mt-bench@16
+   CUDA_VISIBLE_DEVICES=1 python3 -m dflash data regenerate --target "$GGUF" --eval-only --prompts "$EV" \
+     --out "$W/eval" --data-dir "$W/datasets" --max-new-tokens 256 --batch-size 128 > "$W/logs/regen-eval.txt" 2>&1
+   CUDA_VISIBLE_DEVICES=1 "${R[@]}" --prompts "$W/half-1.jsonl.gz" --out "$W/data1" --seed 1 > "$W/logs/regen1.txt" 2>&1) &
+  wait
+  tail -n 2 "$W"/logs/regen*.txt
+  mkdir -p "$W/data" && cp "$W/data0/meta.json" "$W/data/"
+  for r in 0 1; do for f in "$W/data$r"/shard-*.jsonl; do
+    b=$(basename "$f"); cp "$f" "$W/data/r$r-$b"; done; done
+  python3 - "$W/data" <<'EOF' | tee "$W/logs/data-stats.json"
+import json, sys
+from collections import Counter
+from dflash.train.data import read_shards
+s = read_shards(sys.argv[1]); src = Counter(x.id.split("/")[0] for x in s)
+print(json.dumps({"records": len(s), "response_tokens": sum(len(x.response_ids) for x in s),
+                  "prompts": len({x.id.split("#")[0] for x in s}), "by_source": src}))
+EOF
+  log "1-GPU runs: (a) 16,384 tokens a step on GPU 0, (c) 32,768 (= the 2-GPU global batch) on GPU 1"
+  CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -m dflash train $(train_args "$W/run-a") --batch-tokens 16384 \
+    --eval-every 100000 --pause-after "${A_S:-60}" > "$W/logs/train-a.txt" 2>&1 &
+  CUDA_VISIBLE_DEVICES=1 timeout 200 python3 -m dflash train $(train_args "$W/run-c") --batch-tokens 32768 \
+    --eval-every 100000 --pause-after "${C_S:-110}" > "$W/logs/train-c.txt" 2>&1 &
+  wait
+  tail -n 3 "$W"/logs/train-[ac].txt
+  cp "$W/run-a/train_log.jsonl" "$OUT/train-a.jsonl"; cp "$W/run-c/train_log.jsonl" "$OUT/train-c.jsonl"
+  tar czf "$OUT/prep-logs.tgz" -C "$W" logs
+  ;;
+train)
+  log "torchrun, 2 GPUs, 16,384 tokens a step per GPU"
+  timeout "${TRAIN_S:-540}" "${TORCHRUN[@]}" -m dflash train $(train_args "$W/draft") --batch-tokens 16384 \
+    --eval-every 200 --pause-after "${PAUSE_S:-450}" > "$W/logs/train-ddp.txt" 2>&1
+  rc=$?; log "torchrun exit $rc"
+  if [ ! -f "$W/draft/config.json" ]; then
+    log "torchrun produced no draft: one GPU instead"
+    timeout 300 python3 -m dflash train $(train_args "$W/draft") --batch-tokens 32768 --eval-every 200 \
+      --pause-after 240 > "$W/logs/train-1gpu.txt" 2>&1
+  fi
+  tail -n 25 "$W"/logs/train-ddp.txt
+  cp "$W"/draft/*.safetensors "$OUT/" 2>/dev/null
+  tar czf "$OUT/draft-small.tgz" -C "$W" $(cd "$W" && ls draft/*.json draft/*.jsonl draft/*.md 2>/dev/null) logs
+  ;;
+bench)
+  D=$W/draft; [ -f "$D/config.json" ] || D=$V2
+  B=(python3 -m dflash benchmark transformers --model "$GGUF" --draft "$D" --max-new-tokens 256
+     --data-dir "$W/datasets")
+  G=("${B[@]}" --dataset gsm8k --max-samples 64 --block-size 16 --check-parity)
+  log "gsm8k 64: fused on GPU 0, unfused (DFLASH_NO_FUSE=1) on GPU 1"
+  CUDA_VISIBLE_DEVICES=0 timeout 240 "${G[@]}" --output "$W/logs/b-gsm8k.jsonl" > "$W/logs/b-gsm8k.txt" 2>&1 &
+  CUDA_VISIBLE_DEVICES=1 DFLASH_NO_FUSE=1 timeout 240 "${G[@]}" --output "$W/logs/b-gsm8k-nofuse.jsonl" \
+    > "$W/logs/b-gsm8k-nofuse.txt" 2>&1 &
+  wait
+  log "gsm8k 64 under torchrun on 2 GPUs"
+  timeout 150 "${TORCHRUN[@]}" -m dflash benchmark transformers --model "$GGUF" --draft "$D" --max-new-tokens 256 \
+    --data-dir "$W/datasets" --dataset gsm8k --max-samples 64 --block-size 16 --check-parity \
+    --output "$W/logs/b-gsm8k-2gpu.jsonl" > "$W/logs/b-gsm8k-2gpu.txt" 2>&1
+  log "other datasets on GPU 0; block-size sweep on GPU 1"
+  CUDA_VISIBLE_DEVICES=0 timeout 240 "${B[@]}" --dataset math500,humaneval,mbpp,mt-bench --max-samples 32 \
+    --block-size 16 --output "$W/logs/b-other.jsonl" > "$W/logs/b-other.txt" 2>&1 &
+  CUDA_VISIBLE_DEVICES=1 timeout 240 "${B[@]}" --dataset gsm8k --max-samples 64 --block-size 4,8,16,auto --no-compile \
+    --output "$W/logs/b-sweep.jsonl" > "$W/logs/b-sweep.txt" 2>&1 &
+  wait
+  log "one generate"
+  CUDA_VISIBLE_DEVICES=0 timeout 90 python3 -m dflash generate transformers --model "$GGUF" --draft "$D" \
+    "How many positive whole-number divisors does 196 have?" --max-new-tokens 256 --json \
+    > "$W/logs/generate.json" 2> "$W/logs/generate.err"
+  tar czf "$OUT/bench.tgz" -C "$W" logs
+  for f in "$W"/logs/b-*.txt; do echo "== $f"; tail -n 14 "$f"; done
+  ;;
+*) echo "unknown phase $phase"; exit 2 ;;
+esac
+log "phase $phase done"
