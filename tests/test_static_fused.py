@@ -119,3 +119,19 @@ def test_no_fuse_env_and_draft_save_after_fusing(monkeypatch, tmp_path, tiny_tar
     back = DFlashDraft.load(draft.save(tmp_path / "d"))  # views of one tensor: saved as copies
     for (name, p), q in zip(draft.state_dict().items(), back.state_dict().values(), strict=True):
         assert torch.equal(p, q), name
+
+
+def test_kernel_count_script_tiny(tmp_path):
+    """scripts/kernel_count.py on CPU: both variants measured; fusion removes ops per forward."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "kernel_count.py"
+    spec = importlib.util.spec_from_file_location("kernel_count", script)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    mod.main(["--tiny", "--prompt-len", "32", "--iters", "5", "--out", str(tmp_path / "k.json")])
+    runs = json.loads((tmp_path / "k.json").read_text())["runs"]
+    for label in ("verify-1", "verify-16", "draft-16"):
+        assert runs["fused"][label]["kernels"] < runs["unfused"][label]["kernels"], label
