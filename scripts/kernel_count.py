@@ -4,8 +4,9 @@
         --draft dflash/assets/smollm2-135m-instruct-dflash --out $OUT/kernels.json
     PYTHONPATH=. python3 scripts/kernel_count.py --tiny --out /tmp/k.json   # CPU, random tiny pair
 
-For each of unfused (``fuse=False``, what ``DFLASH_NO_FUSE=1`` runs) and fused, one StaticBackend
-is built on the same target, its graphs are captured (CUDA; with ``--compile`` the forwards are
+For each variant - unfused (``fuse=False``, what ``DFLASH_NO_FUSE=1`` runs), fused (the default),
+packed (fused + ``pack_gqa``, what ``DFLASH_GQA_PACK=1`` runs) - one StaticBackend is built on
+the same target, its graphs are captured (CUDA; with ``--compile`` the forwards are
 compiled first), a prompt is prefilled, then verify-1, verify-16 and draft-16 are each:
 timed over ``--iters`` replays (CUDA events; on CPU the eager forward, wall clock) and profiled
 once with torch.profiler (``kernels``: CUDA kernel/memcpy/memset events of one replay, ``top``:
@@ -153,6 +154,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--out", default="kernel_count.json")
+    ap.add_argument("--variants", default="unfused,fused,packed",
+                    help="unfused (DFLASH_NO_FUSE=1), fused (default path), packed (DFLASH_GQA_PACK=1)")
     args = ap.parse_args(argv)
     from dflash.backends.static_torch import StaticBackend
 
@@ -163,11 +166,12 @@ def main(argv: list[str] | None = None) -> dict:
     result: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                     "dtype": str(dtype), "compile": args.compile, "prompt_len": args.prompt_len,
                     "torch": torch.__version__, "runs": {}}  # fmt: skip
-    for fuse in (False, True):
-        name = "fused" if fuse else "unfused"
+    variants = {"unfused": (False, False), "fused": (True, False), "packed": (True, True)}
+    for name in args.variants.split(","):
+        fuse, pack = variants[name]
         t0 = time.perf_counter()
         be = StaticBackend(target, draft, device, use_graphs=device.type == "cuda",
-                           compile=args.compile, fuse=fuse)  # fmt: skip
+                           compile=args.compile, fuse=fuse, pack_gqa=pack)  # fmt: skip
         be.reset(args.prompt_len + 64)  # captures (and compiles) the graphs
         sync(device)
         setup_s = time.perf_counter() - t0
@@ -179,11 +183,11 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"{name:8s} {label:10s} {run[label]['ms']:8.3f} ms  {run[label]['kernels']:5d} kernels",
                   flush=True)  # fmt: skip
         result["runs"][name] = run
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2))  # after each variant
         del be
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
     return result
 
 

@@ -13,6 +13,12 @@ Moving a model to another device or dtype after the backend is built is not supp
 
 ``DFLASH_NO_FUSE=1`` (or ``StaticBackend(fuse=False)``) runs the unfused forwards, to measure
 both side by side.
+
+``DFLASH_GQA_PACK=1`` (or ``StaticBackend(pack_gqa=True)``; fused forwards only, off by default
+until measured) runs grouped-query attention as plain multi-head attention over the KV heads:
+the G query heads sharing a KV head become G*T query rows, and the mask is repeated G times once
+per forward. Same maths per query row; SDPA then needs no GQA support (no K/V repeat over the
+whole cache if the chosen kernel lacks it).
 """
 
 from __future__ import annotations
@@ -26,11 +32,42 @@ import torch.nn.functional as F
 from dflash.models.draft_torch import rope_cos_sin
 
 NO_FUSE_ENV = "DFLASH_NO_FUSE"
+GQA_PACK_ENV = "DFLASH_GQA_PACK"
+
+
+def _env_on(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no")
 
 
 def fuse_default() -> bool:
     """Whether the static path fuses projections unless told otherwise (``DFLASH_NO_FUSE``)."""
-    return os.environ.get(NO_FUSE_ENV, "").strip().lower() in ("", "0", "false", "no")
+    return not _env_on(NO_FUSE_ENV)
+
+
+def pack_gqa_default() -> bool:
+    """Whether the fused forwards pack GQA query heads into rows (``DFLASH_GQA_PACK=1``)."""
+    return _env_on(GQA_PACK_ENV)
+
+
+def pack_mask(mask: torch.Tensor | None, groups: int, rows: int) -> torch.Tensor | None:
+    """A bool mask [1, 1, T or 1, S] -> [1, 1, G*T, S] for :func:`attend` with packed heads."""
+    if mask is None or groups == 1:
+        return mask
+    return mask.expand(1, 1, rows, mask.shape[-1]).repeat(1, 1, groups, 1)
+
+
+def attend(q, k, v, mask, scale: float | None, packed: bool) -> torch.Tensor:
+    """SDPA of q [1, H, T, D] over k, v [1, Hkv, S, D] -> [1, H, T, D].
+
+    ``packed``: ``mask`` is already :func:`pack_mask`-ed and the query heads of each KV head
+    are folded into rows (head h uses KV head h // G, as ``enable_gqa`` does).
+    """
+    h, hkv, t, d = q.shape[1], k.shape[1], q.shape[2], q.shape[3]
+    if not packed or h == hkv:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=h != hkv)
+    out = F.scaled_dot_product_attention(q.reshape(1, hkv, (h // hkv) * t, d), k, v, attn_mask=mask,
+                                         scale=scale)  # fmt: skip
+    return out.view(1, h, t, d)
 
 
 @dataclass
@@ -68,9 +105,12 @@ def fuse_linears(linears) -> FusedLinear:
     The modules' weights/biases become row views of the fused tensors (same values, no second
     copy; the modules keep working). A part without bias gets zeros in the fused bias.
     """
+    sizes = tuple(int(m.weight.shape[0]) for m in linears)
+    prev = getattr(linears[0], "_dflash_fused", None)
+    if prev is not None and _still_views(prev, linears):  # a second backend: no second copy
+        return prev
     with torch.no_grad():
         weight = torch.cat([m.weight.detach() for m in linears], 0).contiguous()
-        sizes = tuple(int(m.weight.shape[0]) for m in linears)
         bias = None
         if any(m.bias is not None for m in linears):
             bias = torch.cat([m.bias.detach() if m.bias is not None else
@@ -81,7 +121,23 @@ def fuse_linears(linears) -> FusedLinear:
             if m.bias is not None:
                 m.bias.data = bias[off : off + n]
             off += n
-    return FusedLinear(weight, bias, sizes)
+    out = FusedLinear(weight, bias, sizes)
+    object.__setattr__(linears[0], "_dflash_fused", out)  # plain attribute, not in state_dict
+    return out
+
+
+def _still_views(fused: FusedLinear, linears) -> bool:
+    """Whether the modules' weights/biases are still the row views ``fused`` left them as."""
+    if tuple(int(m.weight.shape[0]) for m in linears) != fused.sizes:
+        return False
+    off = 0
+    for m, n in zip(linears, fused.sizes, strict=True):
+        if m.weight.data_ptr() != fused.weight[off].data_ptr() or m.weight.shape[1] != fused.weight.shape[1]:
+            return False
+        if m.bias is not None and (fused.bias is None or m.bias.data_ptr() != fused.bias[off].data_ptr()):
+            return False
+        off += n
+    return True
 
 
 def fuse_target(target) -> list[tuple[FusedLinear, FusedLinear]] | None:
@@ -120,6 +176,9 @@ def target_forward_fused(be, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tens
     x = F.embedding(ids, be.embed_weight)  # [1, T, H]
     cos, sin = rope_cos_sin(pos, be.inv_freq, be.rope_scale, be.dtype)  # [1, 1, T, D], once
     mask = (be.key_pos[None, :] <= pos[0, :, None])[None, None]  # [1, 1, T, S], once
+    packed = be.pack_gqa and be.heads != be.kv_heads
+    if packed:
+        mask = pack_mask(mask, be.heads // be.kv_heads, t)  # [1, 1, G*T, S], once
     slots: list[torch.Tensor] = [None] * len(be.layer_ids)  # type: ignore[list-item]
     for i, layer in enumerate(be.target.model.layers):
         a, (qkv, gate_up) = layer.self_attn, be.fused_target[i]
@@ -131,8 +190,7 @@ def target_forward_fused(be, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tens
         k = _rotate(k.transpose(1, 2), cos, sin)
         be.k[i].index_copy_(2, pos[0], k)
         be.v[i].index_copy_(2, pos[0], v.view(1, t, be.kv_heads, hd).transpose(1, 2))
-        o = F.scaled_dot_product_attention(q, be.k[i], be.v[i], attn_mask=mask, scale=a.scaling,
-                                           enable_gqa=be.heads != be.kv_heads)  # fmt: skip
+        o = attend(q, be.k[i], be.v[i], mask, a.scaling, packed)
         x = x + a.o_proj(o.transpose(1, 2).reshape(1, t, be.heads * hd))
         g, u = gate_up(layer.post_attention_layernorm(x))
         x = x + layer.mlp.down_proj(layer.mlp.act_fn(g) * u)
@@ -148,18 +206,24 @@ def target_forward_fused(be, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tens
     return logits
 
 
-def draft_forward_fused(draft, fused, block_embeds, target_hidden, q_pos, ctx_pos, cache, masks):
+def draft_forward_fused(draft, fused, block_embeds, target_hidden, q_pos, ctx_pos, cache, masks,
+                        pack_gqa: bool = False):  # fmt: skip
     """:meth:`DFlashDraft.forward` for the static cache with fused projections.
 
     Context and block rows go through one QKV matmul ([Tc + L] rows; the context rows' Q is
     computed and dropped, cheaper than a second launch). Args as the draft's forward, with
-    ``cache`` a StaticDraftCache (``write_pos`` set) and ``masks`` given. Returns [1, L, H].
+    ``cache`` a StaticDraftCache (``write_pos`` set) and ``masks`` given (bool, not None);
+    ``pack_gqa`` as :func:`attend`. Returns [1, L, H].
     """
-    cfg, tc = draft.config, target_hidden.shape[1]
+    cfg, tc, lq = draft.config, target_hidden.shape[1], block_embeds.shape[1]
+    groups = cfg.num_attention_heads // cfg.num_key_value_heads
+    packed = pack_gqa and groups > 1 and all(m is not None for m in masks.values())
+    if packed:
+        masks = {kind: pack_mask(m, groups, lq) for kind, m in masks.items()}
     ctx = draft.hidden_norm(draft.fc(target_hidden))  # [1, Tc, H]
     cos, sin = rope_cos_sin(torch.cat((ctx_pos, q_pos), 1), draft.inv_freq, draft.rope_scale,
                             block_embeds.dtype)  # [1, 1, Tc + L, D], shared by layers  # fmt: skip
-    h, lq = block_embeds, block_embeds.shape[1]
+    h = block_embeds
     for i, layer in enumerate(draft.layers):
         a, (qkv, gate_up) = layer.self_attn, fused[i]
         d = a.head_dim
@@ -170,8 +234,7 @@ def draft_forward_fused(draft, fused, block_embeds, target_hidden, q_pos, ctx_po
         v = v.view(1, tc + lq, a.kv_heads, d).transpose(1, 2)
         kc, vc = cache.append(i, k[:, :, :tc], v[:, :, :tc])
         k, v = torch.cat((kc, k[:, :, tc:]), 2), torch.cat((vc, v[:, :, tc:]), 2)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=masks[cfg.layer_types[i]],
-                                             enable_gqa=a.heads != a.kv_heads)  # fmt: skip
+        out = attend(q, k, v, masks[cfg.layer_types[i]], None, packed)
         h = h + a.o_proj(out.transpose(1, 2).reshape(1, lq, a.heads * d))
         g, u = gate_up(layer.post_attention_layernorm(h))
         h = h + layer.mlp.down_proj(F.silu(g) * u)

@@ -28,6 +28,7 @@ from dflash.backends.static_fused import (
     fuse_default,
     fuse_draft,
     fuse_target,
+    pack_gqa_default,
     target_forward_fused,
 )
 from dflash.backends.transformers import TransformersBackend
@@ -95,11 +96,13 @@ class StaticBackend(TransformersBackend):
             (see :func:`dflash.backends.graph_plan.plan_graphs`).
         fuse: one QKV and one gate+up matmul per layer in the static forwards (see
             :mod:`dflash.backends.static_fused`); None = on unless ``DFLASH_NO_FUSE=1``.
+        pack_gqa: fold GQA query heads into rows in the fused forwards' attention; None = off
+            unless ``DFLASH_GQA_PACK=1``.
     """
 
     def __init__(self, target: Any, draft: DFlashDraft | None, device: torch.device,
                  use_graphs: bool = True, compile: bool = False, uniform_width: bool = False,
-                 fuse: bool | None = None):  # fmt: skip
+                 fuse: bool | None = None, pack_gqa: bool | None = None):  # fmt: skip
         if getattr(draft, "is_dflash2", False):
             raise BackendError("The static/CUDA-graph path does not run DFlash2 drafts yet.",
                                hint="drop --cuda-graphs; DFlash2 drafts run on the plain path")  # fmt: skip
@@ -121,6 +124,7 @@ class StaticBackend(TransformersBackend):
         fuse = fuse_default() if fuse is None else fuse
         self.fused_target = fuse_target(target) if fuse else None
         self.fused_draft = fuse_draft(draft) if fuse and draft is not None else None
+        self.pack_gqa = pack_gqa_default() if pack_gqa is None else pack_gqa
         self.capacity = 0
         self.graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, Any, tuple]] = {}
         # --block-size auto picks among these widths (graphs captured when costs are timed).
@@ -214,7 +218,7 @@ class StaticBackend(TransformersBackend):
         embeds, ctx = F.embedding(block, self.embed_weight), self.feats[ctx_pos][None]
         if self.fused_draft is not None:
             h = draft_forward_fused(self.draft_model, self.fused_draft, embeds, ctx, q_pos, ctx_pos[None],
-                                    self.dcache, masks)  # fmt: skip
+                                    self.dcache, masks, self.pack_gqa)  # fmt: skip
         else:
             h = self.draft_model(embeds, ctx, q_pos, ctx_pos[None], cache=self.dcache, masks=masks)
         logits = self.lm_head(h[0, 1:])  # [L-1, V]
@@ -345,4 +349,5 @@ class StaticBackend(TransformersBackend):
         """What runs the forwards (stored with benchmark records)."""
         return {**super().describe(), "impl": "static", "cuda_graphs": self.use_graphs,
                 "compile": self.compile, "fused": self.fused_target is not None,
+                "pack_gqa": self.pack_gqa and self.fused_target is not None,
                 "verify_widths": list(self.plan.verify_widths)}  # fmt: skip
