@@ -217,7 +217,7 @@ def draft_forward_fused(draft, fused, block_embeds, target_hidden, q_pos, ctx_po
     """
     cfg, tc, lq = draft.config, target_hidden.shape[1], block_embeds.shape[1]
     groups = cfg.num_attention_heads // cfg.num_key_value_heads
-    packed = pack_gqa and groups > 1 and all(m is not None for m in masks.values())
+    packed = pack_gqa and groups > 1
     if packed:
         masks = {kind: pack_mask(m, groups, lq) for kind, m in masks.items()}
     ctx = draft.hidden_norm(draft.fc(target_hidden))  # [1, Tc, H]
