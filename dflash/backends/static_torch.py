@@ -23,6 +23,14 @@ import torch
 import torch.nn.functional as F
 
 from dflash.backends.graph_plan import inductor_cache_dir, plan_graphs
+from dflash.backends.static_fused import (
+    draft_forward_fused,
+    fuse_default,
+    fuse_draft,
+    fuse_target,
+    pack_gqa_default,
+    target_forward_fused,
+)
 from dflash.backends.transformers import TransformersBackend
 from dflash.errors import BackendError
 from dflash.models.draft_torch import DFlashDraft, rope_cos_sin
@@ -86,10 +94,15 @@ class StaticBackend(TransformersBackend):
             failure falls back to eager with a warning on stderr.
         uniform_width: verify everything at the draft's block size, block-1 decoding included
             (see :func:`dflash.backends.graph_plan.plan_graphs`).
+        fuse: one QKV and one gate+up matmul per layer in the static forwards (see
+            :mod:`dflash.backends.static_fused`); None = on unless ``DFLASH_NO_FUSE=1``.
+        pack_gqa: fold GQA query heads into rows in the fused forwards' attention; None = off
+            unless ``DFLASH_GQA_PACK=1``.
     """
 
     def __init__(self, target: Any, draft: DFlashDraft | None, device: torch.device,
-                 use_graphs: bool = True, compile: bool = False, uniform_width: bool = False):  # fmt: skip
+                 use_graphs: bool = True, compile: bool = False, uniform_width: bool = False,
+                 fuse: bool | None = None, pack_gqa: bool | None = None):  # fmt: skip
         if getattr(draft, "is_dflash2", False):
             raise BackendError("The static/CUDA-graph path does not run DFlash2 drafts yet.",
                                hint="drop --cuda-graphs; DFlash2 drafts run on the plain path")  # fmt: skip
@@ -108,6 +121,10 @@ class StaticBackend(TransformersBackend):
         self.feature_layers: dict[int, list[int]] = {}  # layer -> feature slots (ids may repeat)
         for n, i in enumerate(self.layer_ids):
             self.feature_layers.setdefault(i - 1, []).append(n)
+        fuse = fuse_default() if fuse is None else fuse
+        self.fused_target = fuse_target(target) if fuse else None
+        self.fused_draft = fuse_draft(draft) if fuse and draft is not None else None
+        self.pack_gqa = pack_gqa_default() if pack_gqa is None else pack_gqa
         self.capacity = 0
         self.graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, Any, tuple]] = {}
         # --block-size auto picks among these widths (graphs captured when costs are timed).
@@ -148,7 +165,9 @@ class StaticBackend(TransformersBackend):
 
     # -- target forward -------------------------------------------------------------------
     def _target_forward(self, ids: torch.Tensor, pos: torch.Tensor):
-        """ids, pos [1, T] -> (logits [T, V], features [T, F]); writes K/V and features at pos."""
+        """ids, pos [1, T] -> logits [T, V]; writes K/V and features at pos."""
+        if self.fused_target is not None:
+            return target_forward_fused(self, ids, pos)
         t = ids.shape[-1]
         x = F.embedding(ids, self.embed_weight)  # [1, T, H]
         cos, sin = rope_cos_sin(pos, self.inv_freq, self.rope_scale, self.dtype)  # [1, 1, T, D]
@@ -196,8 +215,12 @@ class StaticBackend(TransformersBackend):
         rules = self.draft_model.inference_masks(q_pos, k_pos)  # causal / window per layer type
         masks = {kind: valid.expand(1, 1, length, -1) if rule is None else rule & valid
                  for kind, rule in rules.items()}  # fmt: skip
-        h = self.draft_model(F.embedding(block, self.embed_weight), self.feats[ctx_pos][None],
-                             q_pos, ctx_pos[None], cache=self.dcache, masks=masks)  # fmt: skip
+        embeds, ctx = F.embedding(block, self.embed_weight), self.feats[ctx_pos][None]
+        if self.fused_draft is not None:
+            h = draft_forward_fused(self.draft_model, self.fused_draft, embeds, ctx, q_pos, ctx_pos[None],
+                                    self.dcache, masks, self.pack_gqa)  # fmt: skip
+        else:
+            h = self.draft_model(embeds, ctx, q_pos, ctx_pos[None], cache=self.dcache, masks=masks)
         logits = self.lm_head(h[0, 1:])  # [L-1, V]
         return logits.argmax(-1), logits
 
@@ -325,4 +348,6 @@ class StaticBackend(TransformersBackend):
     def describe(self) -> dict[str, Any]:
         """What runs the forwards (stored with benchmark records)."""
         return {**super().describe(), "impl": "static", "cuda_graphs": self.use_graphs,
-                "compile": self.compile, "verify_widths": list(self.plan.verify_widths)}  # fmt: skip
+                "compile": self.compile, "fused": self.fused_target is not None,
+                "pack_gqa": self.pack_gqa and self.fused_target is not None,
+                "verify_widths": list(self.plan.verify_widths)}  # fmt: skip

@@ -336,7 +336,8 @@ class DFlashDraft(nn.Module):
         out.mkdir(parents=True, exist_ok=True)
         self.config.save(out)
         state = self.checkpoint_names(self.state_dict())
-        tensors = {k: v.detach().contiguous().cpu() for k, v in state.items()}
+        # Copies: weights may be views of one fused tensor (static path), which safetensors refuses.
+        tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()}
         shards: list[dict[str, torch.Tensor]] = [{}]
         size = 0
         for name, t in tensors.items():

@@ -1,0 +1,241 @@
+"""Fused projections for the static path: one QKV matmul and one gate+up matmul per layer.
+
+The static forwards of :mod:`dflash.backends.static_torch` are launch-bound on a GPU (a small
+target runs ~600 kernels per forward), so each layer's q/k/v projections become one matmul over
+a concatenated weight, and gate/up another; the outputs are split by views. Results match the
+unfused forward up to float rounding of the matmul (row-wise identical maths).
+
+Memory: the q/k/v (and gate/up) parameters of the target and the draft are re-pointed at row
+slices of the fused tensors (same values, same ``Parameter`` objects), so the HF/eager forwards
+- the reference path - keep working unchanged, no weight is stored twice, and an in-place
+update of a module's weight (``load_state_dict``, an optimizer step) reaches the fused matmul.
+Moving a model to another device or dtype after the backend is built is not supported.
+
+``DFLASH_NO_FUSE=1`` (or ``StaticBackend(fuse=False)``) runs the unfused forwards, to measure
+both side by side.
+
+``DFLASH_GQA_PACK=1`` (or ``StaticBackend(pack_gqa=True)``; fused forwards only, off by default
+until measured) runs grouped-query attention as plain multi-head attention over the KV heads:
+the G query heads sharing a KV head become G*T query rows, and the mask is repeated G times once
+per forward. Same maths per query row; SDPA then needs no GQA support (no K/V repeat over the
+whole cache if the chosen kernel lacks it).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from dflash.models.draft_torch import rope_cos_sin
+
+NO_FUSE_ENV = "DFLASH_NO_FUSE"
+GQA_PACK_ENV = "DFLASH_GQA_PACK"
+
+
+def _env_on(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no")
+
+
+def fuse_default() -> bool:
+    """Whether the static path fuses projections unless told otherwise (``DFLASH_NO_FUSE``)."""
+    return not _env_on(NO_FUSE_ENV)
+
+
+def pack_gqa_default() -> bool:
+    """Whether the fused forwards pack GQA query heads into rows (``DFLASH_GQA_PACK=1``)."""
+    return _env_on(GQA_PACK_ENV)
+
+
+def pack_mask(mask: torch.Tensor | None, groups: int, rows: int) -> torch.Tensor | None:
+    """A bool mask [1, 1, T or 1, S] -> [1, 1, G*T, S] for :func:`attend` with packed heads."""
+    if mask is None or groups == 1:
+        return mask
+    return mask.expand(1, 1, rows, mask.shape[-1]).repeat(1, 1, groups, 1)
+
+
+def attend(q, k, v, mask, scale: float | None, packed: bool) -> torch.Tensor:
+    """SDPA of q [1, H, T, D] over k, v [1, Hkv, S, D] -> [1, H, T, D].
+
+    ``packed``: ``mask`` is already :func:`pack_mask`-ed and the query heads of each KV head
+    are folded into rows (head h uses KV head h // G, as ``enable_gqa`` does).
+    """
+    h, hkv, t, d = q.shape[1], k.shape[1], q.shape[2], q.shape[3]
+    if not packed or h == hkv:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=h != hkv)
+    out = F.scaled_dot_product_attention(q.reshape(1, hkv, (h // hkv) * t, d), k, v, attn_mask=mask,
+                                         scale=scale)  # fmt: skip
+    return out.view(1, h, t, d)
+
+
+@dataclass
+class FusedLinear:
+    """One matmul standing for several linears over the same input.
+
+    Attributes:
+        weight: [sum(out_i), in] concatenated weights.
+        bias: [sum(out_i)] concatenated biases (zeros for a part without bias), or None.
+        sizes: out_i of each part, in order (for ``torch.split``).
+    """
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    sizes: tuple[int, ...]
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [..., in] -> one tensor [..., out_i] per part (views of one matmul's output)."""
+        return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+
+
+def fusable(*linears) -> bool:
+    """Whether these modules can be fused: plain dense 2-D weights of one dtype/device/input width."""
+    ws = [getattr(m, "weight", None) for m in linears]
+    if any(not isinstance(w, torch.Tensor) or w.dim() != 2 for w in ws):
+        return False
+    if any(type(m).forward is not torch.nn.Linear.forward for m in linears):
+        return False  # quantized or otherwise custom linears
+    return len({(w.dtype, w.device, w.shape[1]) for w in ws}) == 1
+
+
+def fuse_linears(linears) -> FusedLinear:
+    """Concatenate ``linears`` (nn.Linear over the same input) into one :class:`FusedLinear`.
+
+    The modules' weights/biases become row views of the fused tensors (same values, no second
+    copy; the modules keep working). A part without bias gets zeros in the fused bias.
+    """
+    sizes = tuple(int(m.weight.shape[0]) for m in linears)
+    prev = getattr(linears[0], "_dflash_fused", None)
+    if prev is not None and _still_views(prev, linears):  # a second backend: no second copy
+        return prev
+    with torch.no_grad():
+        weight = torch.cat([m.weight.detach() for m in linears], 0).contiguous()
+        bias = None
+        if any(m.bias is not None for m in linears):
+            bias = torch.cat([m.bias.detach() if m.bias is not None else
+                              weight.new_zeros(n) for m, n in zip(linears, sizes, strict=True)])  # fmt: skip
+        off = 0
+        for m, n in zip(linears, sizes, strict=True):
+            m.weight.data = weight[off : off + n]
+            if m.bias is not None:
+                m.bias.data = bias[off : off + n]
+            off += n
+    out = FusedLinear(weight, bias, sizes)
+    object.__setattr__(linears[0], "_dflash_fused", out)  # plain attribute, not in state_dict
+    return out
+
+
+def _still_views(fused: FusedLinear, linears) -> bool:
+    """Whether the modules' weights/biases are still the row views ``fused`` left them as."""
+    if tuple(int(m.weight.shape[0]) for m in linears) != fused.sizes:
+        return False
+    off = 0
+    for m, n in zip(linears, fused.sizes, strict=True):
+        if m.weight.data_ptr() != fused.weight[off].data_ptr() or m.weight.shape[1] != fused.weight.shape[1]:
+            return False
+        if m.bias is not None and (fused.bias is None or m.bias.data_ptr() != fused.bias[off].data_ptr()):
+            return False
+        off += n
+    return True
+
+
+def fuse_target(target) -> list[tuple[FusedLinear, FusedLinear]] | None:
+    """Per layer (qkv, gate_up) fused projections of an HF Llama/Qwen2/Qwen3 target, or None
+    when a layer does not have plain linears (the caller then runs unfused)."""
+    layers = target.model.layers
+    for layer in layers:
+        a, m = layer.self_attn, layer.mlp
+        if not (fusable(a.q_proj, a.k_proj, a.v_proj) and fusable(m.gate_proj, m.up_proj)):
+            return None
+    return [(fuse_linears((layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj)),
+             fuse_linears((layer.mlp.gate_proj, layer.mlp.up_proj))) for layer in layers]  # fmt: skip
+
+
+def fuse_draft(draft) -> list[tuple[FusedLinear, FusedLinear]] | None:
+    """Per layer (qkv, gate_up) fused projections of a DFlash v1 draft, or None."""
+    for layer in draft.layers:
+        a, m = layer.self_attn, layer.mlp
+        if not (fusable(a.q_proj, a.k_proj, a.v_proj) and fusable(m.gate_proj, m.up_proj)):
+            return None
+    return [(fuse_linears((layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj)),
+             fuse_linears((layer.mlp.gate_proj, layer.mlp.up_proj))) for layer in draft.layers]  # fmt: skip
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), -1) * sin
+
+
+def target_forward_fused(be, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """The static target forward of ``be`` (a StaticBackend) with fused projections.
+
+    ids, pos [1, T] -> logits [T, V]; writes K/V and features at ``pos`` like the unfused one.
+    """
+    t, hd = ids.shape[-1], be.head_dim
+    x = F.embedding(ids, be.embed_weight)  # [1, T, H]
+    cos, sin = rope_cos_sin(pos, be.inv_freq, be.rope_scale, be.dtype)  # [1, 1, T, D], once
+    mask = (be.key_pos[None, :] <= pos[0, :, None])[None, None]  # [1, 1, T, S], once
+    packed = be.pack_gqa and be.heads != be.kv_heads
+    if packed:
+        mask = pack_mask(mask, be.heads // be.kv_heads, t)  # [1, 1, G*T, S], once
+    slots: list[torch.Tensor] = [None] * len(be.layer_ids)  # type: ignore[list-item]
+    for i, layer in enumerate(be.target.model.layers):
+        a, (qkv, gate_up) = layer.self_attn, be.fused_target[i]
+        q, k, v = qkv(layer.input_layernorm(x))
+        q, k = q.view(1, t, be.heads, hd), k.view(1, t, be.kv_heads, hd)
+        if hasattr(a, "q_norm"):  # Qwen3
+            q, k = a.q_norm(q), a.k_norm(k)
+        q = _rotate(q.transpose(1, 2), cos, sin)  # [1, H, T, D]
+        k = _rotate(k.transpose(1, 2), cos, sin)
+        be.k[i].index_copy_(2, pos[0], k)
+        be.v[i].index_copy_(2, pos[0], v.view(1, t, be.kv_heads, hd).transpose(1, 2))
+        o = attend(q, be.k[i], be.v[i], mask, a.scaling, packed)
+        x = x + a.o_proj(o.transpose(1, 2).reshape(1, t, be.heads * hd))
+        g, u = gate_up(layer.post_attention_layernorm(x))
+        x = x + layer.mlp.down_proj(layer.mlp.act_fn(g) * u)
+        if i < be.n_layers - 1:
+            for n in be.feature_layers.get(i, ()):
+                slots[n] = x[0]
+    x = be.target.model.norm(x)
+    for n in be.feature_layers.get(be.n_layers - 1, ()):  # HF's hidden_states[N] is final-normed
+        slots[n] = x[0]
+    logits = be.lm_head(x)[0]  # [T, V]
+    if be.layer_ids:
+        be.feats.index_copy_(0, pos[0], torch.cat(slots, dim=-1))
+    return logits
+
+
+def draft_forward_fused(draft, fused, block_embeds, target_hidden, q_pos, ctx_pos, cache, masks,
+                        pack_gqa: bool = False):  # fmt: skip
+    """:meth:`DFlashDraft.forward` for the static cache with fused projections.
+
+    Context and block rows go through one QKV matmul ([Tc + L] rows; the context rows' Q is
+    computed and dropped, cheaper than a second launch). Args as the draft's forward, with
+    ``cache`` a StaticDraftCache (``write_pos`` set) and ``masks`` given (bool, not None);
+    ``pack_gqa`` as :func:`attend`. Returns [1, L, H].
+    """
+    cfg, tc, lq = draft.config, target_hidden.shape[1], block_embeds.shape[1]
+    groups = cfg.num_attention_heads // cfg.num_key_value_heads
+    packed = pack_gqa and groups > 1
+    if packed:
+        masks = {kind: pack_mask(m, groups, lq) for kind, m in masks.items()}
+    ctx = draft.hidden_norm(draft.fc(target_hidden))  # [1, Tc, H]
+    cos, sin = rope_cos_sin(torch.cat((ctx_pos, q_pos), 1), draft.inv_freq, draft.rope_scale,
+                            block_embeds.dtype)  # [1, 1, Tc + L, D], shared by layers  # fmt: skip
+    h = block_embeds
+    for i, layer in enumerate(draft.layers):
+        a, (qkv, gate_up) = layer.self_attn, fused[i]
+        d = a.head_dim
+        q, k, v = qkv(torch.cat((ctx, layer.input_layernorm(h)), 1))  # [1, Tc + L, *]
+        q = _rotate(a.q_norm(q[:, tc:].view(1, lq, a.heads, d).transpose(1, 2)),
+                    cos[:, :, tc:], sin[:, :, tc:])  # fmt: skip
+        k = _rotate(a.k_norm(k.view(1, tc + lq, a.kv_heads, d).transpose(1, 2)), cos, sin)
+        v = v.view(1, tc + lq, a.kv_heads, d).transpose(1, 2)
+        kc, vc = cache.append(i, k[:, :, :tc], v[:, :, :tc])
+        k, v = torch.cat((kc, k[:, :, tc:]), 2), torch.cat((vc, v[:, :, tc:]), 2)
+        out = attend(q, k, v, masks[cfg.layer_types[i]], None, packed)
+        h = h + a.o_proj(out.transpose(1, 2).reshape(1, lq, a.heads * d))
+        g, u = gate_up(layer.post_attention_layernorm(h))
+        h = h + layer.mlp.down_proj(F.silu(g) * u)
+    return draft.norm(h)

@@ -1,0 +1,195 @@
+"""Kernels per forward and replay times of the static path, fused vs unfused projections.
+
+    PYTHONPATH=. python3 scripts/kernel_count.py --model /tmp/smollm2.gguf \
+        --draft dflash/assets/smollm2-135m-instruct-dflash --out $OUT/kernels.json
+    PYTHONPATH=. python3 scripts/kernel_count.py --tiny --out /tmp/k.json   # CPU, random tiny pair
+
+For each variant - unfused (``fuse=False``, what ``DFLASH_NO_FUSE=1`` runs), fused (the default),
+packed (fused + ``pack_gqa``, what ``DFLASH_GQA_PACK=1`` runs) - one StaticBackend is built on
+the same target, its graphs are captured (CUDA; with ``--compile`` the forwards are
+compiled first), a prompt is prefilled, then verify-1, verify-16 and draft-16 are each:
+timed over ``--iters`` replays (CUDA events; on CPU the eager forward, wall clock) and profiled
+once with torch.profiler (``kernels``: CUDA kernel/memcpy/memset events of one replay, ``top``:
+the kernels with the most device time, e.g. to see what attention over the whole allocated
+KV capacity costs; on CPU aten ops of one eager call). JSON to ``--out``; a table on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+            tie_word_embeddings=True)  # fmt: skip
+
+
+def load_pair(args, device: torch.device, dtype: torch.dtype):
+    """(target, draft) from --model/--draft, or a random tiny Llama pair with --tiny."""
+    if args.tiny:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        from dflash.models.draft_torch import DFlashDraft
+        from dflash.models.init_draft import draft_config_for
+
+        torch.manual_seed(0)
+        cfg = LlamaConfig(**TINY)
+        target = LlamaForCausalLM(cfg).to(device, dtype).eval()
+        dcfg = draft_config_for(cfg, layers=2, block_size=16, mask_token_id=cfg.vocab_size - 1,
+                                vocab_rows=cfg.vocab_size)  # fmt: skip
+        return target, DFlashDraft(dcfg).to(device, dtype).eval()
+    from dflash.backends.transformers import load_draft, load_target
+    from dflash.models.target_torch import resolve_draft, resolve_target
+
+    target, _ = load_target(resolve_target(args.model), device, dtype)
+    return target, load_draft(resolve_draft(args.draft, args.model), device, dtype)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def calls(be, prompt_len: int, length: int) -> dict:
+    """name -> zero-argument callable running that forward once (a graph replay on CUDA)."""
+    out = {}
+    for kind, width in (("verify", 1), ("verify", length), ("draft", length)):
+        name = f"{kind}-{width}"
+        if kind == "verify":
+            inputs = (torch.zeros(1, width, dtype=torch.long, device=be.device),
+                      be.key_pos[prompt_len : prompt_len + width][None].clone())  # fmt: skip
+        else:
+            inputs = (torch.full((1, width), be.mask_token_id, dtype=torch.long, device=be.device),
+                      be.key_pos[prompt_len : prompt_len + 1].clone(),
+                      be.key_pos[prompt_len - be.draft_block_size : prompt_len].clone())  # fmt: skip
+        if be.use_graphs:
+            graph, _, static = (be._verify_graph if kind == "verify" else be._draft_graph)(width)
+            for dst, src in zip(static, inputs, strict=True):
+                dst.copy_(src)
+            direct = be._fn(kind)
+
+            def replay(graph=graph, direct=direct, static=static, graphed=True):
+                if graphed:
+                    graph.replay()
+                else:  # the captured (compiled) function called outside the graph
+                    with torch.inference_mode():
+                        direct(*static)
+
+            out[name] = replay
+        else:
+            fn = be._target_forward if kind == "verify" else be._draft_forward
+
+            def run(fn=fn, inputs=inputs):
+                with torch.inference_mode():
+                    fn(*inputs)
+
+            out[name] = run
+    return out
+
+
+def count_kernels(fn, device: torch.device) -> tuple[int, list]:
+    """Kernels (CUDA kernel/memcpy/memset events) of one call, and the 12 kernel names with the
+    most device time [name, count, total us]; on CPU top-level aten ops (times: CPU us)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        fn()
+        sync(device)
+    if device.type == "cuda":
+        events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    else:
+        events = [e for e in prof.events() if e.name.startswith("aten::") and e.cpu_parent is None]
+    by_name: dict[str, list] = {}
+    for e in events:
+        row = by_name.setdefault(e.name[:120], [e.name[:120], 0, 0.0])
+        row[1] += 1
+        row[2] += e.time_range.elapsed_us()
+    top = sorted(by_name.values(), key=lambda r: -r[2])[:12]
+    return len(events), [[n, c, round(t, 1)] for n, c, t in top]
+
+
+def measure(fn, device: torch.device, iters: int) -> dict:
+    """ms per call (median of 5 batches of iters/5) and kernels of one call (profiler); on
+    CUDA also ``kernels_direct``: the captured function run outside its graph (a cross-check
+    in case the profiler does not see kernels inside graph replays)."""
+    for _ in range(3):
+        fn()
+    sync(device)
+    per = []
+    for _ in range(5):
+        n = max(1, iters // 5)
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(n):
+                fn()
+            end.record()
+            sync(device)
+            per.append(start.elapsed_time(end) / n)
+        else:
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            per.append((time.perf_counter() - t0) * 1000 / n)
+    kernels, top = count_kernels(fn, device)
+    out = {"ms": sorted(per)[2], "kernels": kernels, "top": top}
+    if device.type == "cuda":
+        fn(graphed=False)  # warm (no compilation: the same compiled code as the capture)
+        out["kernels_direct"], out["top_direct"] = count_kernels(lambda: fn(graphed=False), device)
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="target (.gguf, folder or hub id; default: demo)")
+    ap.add_argument("--draft", default=None, help="draft folder (default: the demo draft)")
+    ap.add_argument("--tiny", action="store_true", help="random tiny pair (CPU check)")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--out", default="kernel_count.json")
+    ap.add_argument("--variants", default="unfused,fused,packed",
+                    help="unfused (DFLASH_NO_FUSE=1), fused (default path), packed (DFLASH_GQA_PACK=1)")
+    args = ap.parse_args(argv)
+    from dflash.backends.static_torch import StaticBackend
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = getattr(torch, args.dtype) if device.type == "cuda" else torch.float32
+    target, draft = load_pair(args, device, dtype)
+    prompt = torch.randint(0, 200, (args.prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
+    result: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                    "dtype": str(dtype), "compile": args.compile, "prompt_len": args.prompt_len,
+                    "torch": torch.__version__, "runs": {}}  # fmt: skip
+    variants = {"unfused": (False, False), "fused": (True, False), "packed": (True, True)}
+    for name in args.variants.split(","):
+        fuse, pack = variants[name]
+        t0 = time.perf_counter()
+        be = StaticBackend(target, draft, device, use_graphs=device.type == "cuda",
+                           compile=args.compile, fuse=fuse, pack_gqa=pack)  # fmt: skip
+        be.reset(args.prompt_len + 64)  # captures (and compiles) the graphs
+        sync(device)
+        setup_s = time.perf_counter() - t0
+        with torch.inference_mode():
+            be.prefill(prompt, True)
+        run = {"setup_s": round(setup_s, 1), "compiled": be.compile}
+        for label, fn in calls(be, args.prompt_len, be.draft_block_size).items():
+            run[label] = measure(fn, device, args.iters)
+            print(f"{name:8s} {label:10s} {run[label]['ms']:8.3f} ms  {run[label]['kernels']:5d} kernels",
+                  flush=True)  # fmt: skip
+        result["runs"][name] = run
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2))  # after each variant
+        del be
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return result
+
+
+if __name__ == "__main__":
+    main()

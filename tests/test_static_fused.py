@@ -1,0 +1,141 @@
+"""Fused QKV / gate+up projections of the static path: same logits and tokens as unfused and HF."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash.backends.static_torch import StaticBackend
+from dflash.loop import speculative_generate
+from tests.conftest import make_draft
+from tests.test_loop_scripted import PROMPT, greedy_reference
+
+CPU = torch.device("cpu")
+
+
+def _tiny(kind: str):
+    """A 3-layer random float32 target: Llama, Qwen2 (q/k/v bias, made non-zero) or Qwen3."""
+    import transformers
+
+    cls = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}[kind]
+    cfg = getattr(transformers, f"{cls}Config")(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
+        initializer_range=0.3, **({"head_dim": 16} if kind == "qwen3" else {}))  # fmt: skip
+    torch.manual_seed(1)
+    model = getattr(transformers, f"{cls}ForCausalLM")(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1 and not torch.all(p == 1):  # biases (norm weights stay 1)
+                p.normal_(0, 0.3)
+    return model
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+def pair(request):
+    """(HF target, fused, unfused, fused with packed GQA) backends sharing one target and draft."""
+    target = _tiny(request.param)
+    ids = torch.tensor([PROMPT])
+    with torch.no_grad():
+        before = target(ids).logits[0]
+    draft = make_draft(target, layers=2, block_size=8)
+    fused = StaticBackend(target, draft, CPU, use_graphs=False, fuse=True)
+    plain = StaticBackend(target, draft, CPU, use_graphs=False, fuse=False)
+    packed = StaticBackend(target, draft, CPU, use_graphs=False, fuse=True, pack_gqa=True)
+    with torch.no_grad():  # fusing re-points the HF weights at the fused tensors: same forward
+        assert torch.equal(target(ids).logits[0], before)
+    return target, fused, plain, packed
+
+
+def test_fused_weights_are_views_and_used(pair):
+    target, fused, plain, packed = pair
+    assert fused.fused_target is not None and fused.fused_draft is not None
+    assert plain.fused_target is None and plain.fused_draft is None
+    a = target.model.layers[1].self_attn
+    qkv, gate_up = fused.fused_target[1]
+    assert qkv.sizes == (a.q_proj.out_features, a.k_proj.out_features, a.v_proj.out_features)
+    assert a.k_proj.weight.data_ptr() == qkv.weight[qkv.sizes[0]:].data_ptr()  # no second copy
+    assert packed.fused_target[1][0].weight is qkv.weight  # a second backend reuses the fusion
+    assert (qkv.bias is not None) == (a.q_proj.bias is not None)
+    assert gate_up.weight.shape[0] == 2 * target.config.intermediate_size
+    assert fused.describe()["fused"] is True and plain.describe()["fused"] is False
+
+
+def test_fused_target_logits_match_unfused_and_hf(pair):
+    target, fused, plain, packed = pair
+    hf = target(torch.tensor([PROMPT + [5, 6, 7]])).logits[0].detach()
+    out = {}
+    with torch.inference_mode():
+        for name, be in (("fused", fused), ("plain", plain), ("packed", packed)):
+            be.reset(64)
+            last, feats = be.prefill(PROMPT, True)
+            step, step_feats = be.verify(5, torch.tensor([6, 7]), len(PROMPT), True)
+            out[name] = (last.clone(), feats.clone(), step.clone(), step_feats.clone())
+    for a, b, c in zip(out["fused"], out["plain"], out["packed"], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        # packed GQA: another SDPA shape, so another summation order (~3e-5 on CPU)
+        torch.testing.assert_close(c, b, rtol=1e-4, atol=1e-4)
+    # HF's own forward (other attention kernels, whole sequence at once) differs from the
+    # unfused static path by ~1e-5 already, so it is held to the existing static tests' 1e-4.
+    for name in ("fused", "plain"):
+        torch.testing.assert_close(out[name][2], hf[len(PROMPT) :], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(out[name][0], hf[len(PROMPT) - 1], rtol=1e-4, atol=1e-4)
+
+
+def test_fused_draft_logits_match_unfused(pair):
+    _, fused, plain, packed = pair
+    out = {}
+    with torch.inference_mode():
+        for name, be in (("fused", fused), ("plain", plain), ("packed", packed)):
+            be.reset(64)
+            be.prefill(PROMPT, True)
+            first = be.draft(3, None, len(PROMPT), 8)[1].clone()  # context = the whole prompt
+            be.verify(3, torch.tensor([4, 5]), len(PROMPT), True)
+            second = be.draft(9, None, len(PROMPT) + 3, 8)[1].clone()  # cached + 3 new rows
+            out[name] = (first, second)
+    for a, b, c in zip(out["fused"], out["plain"], out["packed"], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(c, b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("block_size", [1, 8])
+def test_fused_greedy_tokens_identical(pair, block_size):
+    target, fused, plain, packed = pair
+    truth = greedy_reference(target, PROMPT, 40)
+    for be in (fused, plain, packed):
+        runs = list(speculative_generate(be, PROMPT, block_size=block_size, max_new_tokens=40))
+        assert [t for r in runs for t in r.tokens] == truth
+    acc = [[r.accepted for r in speculative_generate(be, PROMPT, block_size=block_size, max_new_tokens=40)]
+           for be in (fused, plain, packed)]  # fmt: skip
+    assert acc[0] == acc[1] == acc[2]
+
+
+def test_no_fuse_env_and_draft_save_after_fusing(monkeypatch, tmp_path, tiny_target):
+    """DFLASH_NO_FUSE=1 keeps the unfused forwards; a fused draft still saves and reloads."""
+    from dflash.models.draft_torch import DFlashDraft
+
+    draft = make_draft(tiny_target, layers=1, block_size=4)
+    monkeypatch.setenv("DFLASH_NO_FUSE", "1")
+    assert StaticBackend(tiny_target, draft, CPU, use_graphs=False).fused_target is None
+    monkeypatch.delenv("DFLASH_NO_FUSE")
+    be = StaticBackend(tiny_target, draft, CPU, use_graphs=False)
+    assert be.fused_draft is not None
+    back = DFlashDraft.load(draft.save(tmp_path / "d"))  # views of one tensor: saved as copies
+    for (name, p), q in zip(draft.state_dict().items(), back.state_dict().values(), strict=True):
+        assert torch.equal(p, q), name
+
+
+def test_kernel_count_script_tiny(tmp_path):
+    """scripts/kernel_count.py on CPU: both variants measured; fusion removes ops per forward."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "kernel_count.py"
+    spec = importlib.util.spec_from_file_location("kernel_count", script)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    mod.main(["--tiny", "--prompt-len", "32", "--iters", "5", "--out", str(tmp_path / "k.json")])
+    runs = json.loads((tmp_path / "k.json").read_text())["runs"]
+    for label in ("verify-1", "verify-16", "draft-16"):
+        assert runs["fused"][label]["kernels"] < runs["unfused"][label]["kernels"], label
