@@ -93,7 +93,7 @@ train)
   timeout "${TRAIN_S:-540}" "${TORCHRUN[@]}" -m dflash train $(train_args "$W/draft") --batch-tokens 16384 \
     --eval-every 200 --pause-after "${PAUSE_S:-450}" > "$W/logs/train-ddp.txt" 2>&1
   rc=$?; log "torchrun exit $rc"
-  if [ ! -f "$W/draft/config.json" ]; then
+  if [ ! -f "$W/draft/config.json" ] && [ $((SECONDS - t0)) -lt 250 ]; then
     log "torchrun produced no draft: one GPU instead"
     timeout 300 python3 -m dflash train $(train_args "$W/draft") --batch-tokens 32768 --eval-every 200 \
       --pause-after 240 > "$W/logs/train-1gpu.txt" 2>&1
@@ -108,24 +108,25 @@ bench)
      --data-dir "$W/datasets")
   G=("${B[@]}" --dataset gsm8k --max-samples 64 --block-size 16 --check-parity)
   log "gsm8k 64: fused on GPU 0, unfused (DFLASH_NO_FUSE=1) on GPU 1"
-  CUDA_VISIBLE_DEVICES=0 timeout 240 "${G[@]}" --output "$W/logs/b-gsm8k.jsonl" > "$W/logs/b-gsm8k.txt" 2>&1 &
-  CUDA_VISIBLE_DEVICES=1 DFLASH_NO_FUSE=1 timeout 240 "${G[@]}" --output "$W/logs/b-gsm8k-nofuse.jsonl" \
+  CUDA_VISIBLE_DEVICES=0 timeout 210 "${G[@]}" --output "$W/logs/b-gsm8k.jsonl" > "$W/logs/b-gsm8k.txt" 2>&1 &
+  CUDA_VISIBLE_DEVICES=1 DFLASH_NO_FUSE=1 timeout 210 "${G[@]}" --output "$W/logs/b-gsm8k-nofuse.jsonl" \
     > "$W/logs/b-gsm8k-nofuse.txt" 2>&1 &
   wait
   log "gsm8k 64 under torchrun on 2 GPUs"
-  timeout 150 "${TORCHRUN[@]}" -m dflash benchmark transformers --model "$GGUF" --draft "$D" --max-new-tokens 256 \
+  timeout 120 "${TORCHRUN[@]}" -m dflash benchmark transformers --model "$GGUF" --draft "$D" --max-new-tokens 256 \
     --data-dir "$W/datasets" --dataset gsm8k --max-samples 64 --block-size 16 --check-parity \
     --output "$W/logs/b-gsm8k-2gpu.jsonl" > "$W/logs/b-gsm8k-2gpu.txt" 2>&1
   log "other datasets on GPU 0; block-size sweep on GPU 1"
-  CUDA_VISIBLE_DEVICES=0 timeout 240 "${B[@]}" --dataset math500,humaneval,mbpp,mt-bench --max-samples 32 \
-    --block-size 16 --output "$W/logs/b-other.jsonl" > "$W/logs/b-other.txt" 2>&1 &
-  CUDA_VISIBLE_DEVICES=1 timeout 240 "${B[@]}" --dataset gsm8k --max-samples 64 --block-size 4,8,16,auto --no-compile \
-    --output "$W/logs/b-sweep.jsonl" > "$W/logs/b-sweep.txt" 2>&1 &
+  (CUDA_VISIBLE_DEVICES=0 timeout 180 "${B[@]}" --dataset math500,humaneval,mbpp,mt-bench --max-samples 32 \
+     --block-size 16 --output "$W/logs/b-other.jsonl" > "$W/logs/b-other.txt" 2>&1
+   CUDA_VISIBLE_DEVICES=0 timeout 45 python3 -m dflash generate transformers --model "$GGUF" --draft "$D" \
+     "How many positive whole-number divisors does 196 have?" --max-new-tokens 256 --json \
+     > "$W/logs/generate.json" 2> "$W/logs/generate.err") &
+  (CUDA_VISIBLE_DEVICES=1 timeout 150 "${B[@]}" --dataset gsm8k --max-samples 64 --block-size 4,8,16,auto --no-compile \
+     --output "$W/logs/b-sweep.jsonl" > "$W/logs/b-sweep.txt" 2>&1
+   CUDA_VISIBLE_DEVICES=1 timeout 75 "${B[@]}" --dataset gsm8k --max-samples 16 --block-size 16 --dtype float32 --no-compile \
+     --check-parity --output "$W/logs/b-fp32.jsonl" > "$W/logs/b-fp32.txt" 2>&1) &
   wait
-  log "one generate"
-  CUDA_VISIBLE_DEVICES=0 timeout 90 python3 -m dflash generate transformers --model "$GGUF" --draft "$D" \
-    "How many positive whole-number divisors does 196 have?" --max-new-tokens 256 --json \
-    > "$W/logs/generate.json" 2> "$W/logs/generate.err"
   tar czf "$OUT/bench.tgz" -C "$W" logs
   for f in "$W"/logs/b-*.txt; do echo "== $f"; tail -n 14 "$f"; done
   ;;
