@@ -448,10 +448,40 @@ class DistInfo:
     local_rank: int = 0
 
 
-def init_distributed() -> DistInfo:
+DIST_TIMEOUT_S = 1800.0  # a collective that waits longer than this fails (``DFLASH_DIST_TIMEOUT``)
+
+
+def dist_timeout_s() -> float:
+    """Seconds a collective may wait for the other ranks (env ``DFLASH_DIST_TIMEOUT``, else 1800).
+
+    Raises:
+        InputError: the variable is not a positive number.
+    """
+    raw = os.environ.get("DFLASH_DIST_TIMEOUT")
+    if raw is None:
+        return DIST_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise InputError(f"DFLASH_DIST_TIMEOUT must be a number of seconds > 0, got {raw!r}.")
+    return value
+
+
+def init_distributed(device: str = "auto") -> DistInfo:
     """Read ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``; init a process group only when RANK is set.
 
-    The group is NCCL on CUDA machines (each rank on ``cuda:LOCAL_RANK``) and gloo without CUDA.
+    The group is NCCL when the run uses CUDA (each rank on ``cuda:LOCAL_RANK``) and gloo on CPU
+    (``device == "cpu"`` or no CUDA), with a :func:`dist_timeout_s` timeout so that a rank that
+    died or hangs ends the run instead of blocking the others forever.
+
+    Args:
+        device: the ``--device`` option (auto, cuda, cuda:N or cpu).
+
+    Raises:
+        InputError: ``--device cuda:N`` under torchrun (each rank takes cuda:LOCAL_RANK), or more
+            processes on this machine than visible GPUs.
     """
     if "RANK" not in os.environ:
         return DistInfo()
@@ -461,20 +491,35 @@ def init_distributed() -> DistInfo:
         int(os.environ.get("LOCAL_RANK", "0")),
     )
     if info.world > 1:
+        from datetime import timedelta
+
         import torch
         import torch.distributed as dist
 
-        cuda = torch.cuda.is_available()
+        if device.startswith("cuda:"):
+            raise InputError(f"--device {device} under torchrun: each rank uses cuda:LOCAL_RANK.",
+                             hint="pass --device cuda (or auto); choose GPUs with CUDA_VISIBLE_DEVICES")  # fmt: skip
+        cuda = device != "cpu" and torch.cuda.is_available()
         if cuda:
+            if info.local_rank >= torch.cuda.device_count():
+                raise InputError(f"torchrun started local rank {info.local_rank} but only "
+                                 f"{torch.cuda.device_count()} GPU(s) are visible.",
+                                 hint="pass --nproc-per-node <= the number of GPUs")  # fmt: skip
             torch.cuda.set_device(info.local_rank)
         if not dist.is_initialized():
-            dist.init_process_group("nccl" if cuda else "gloo", init_method="env://")
+            dist.init_process_group("nccl" if cuda else "gloo", init_method="env://",
+                                    timeout=timedelta(seconds=dist_timeout_s()))  # fmt: skip
     return info
 
 
-def finish_distributed(info: DistInfo) -> None:
-    """Tear down the process group made by :func:`init_distributed` (no-op for one process)."""
-    if info.world > 1:
+def finish_distributed(info: DistInfo, failed: bool = False) -> None:
+    """Tear down the process group made by :func:`init_distributed` (no-op for one process).
+
+    With ``failed`` (this rank is leaving on an exception) the group is left alone: a clean
+    teardown could wait on ranks that still sit in a collective; torchrun ends them once this
+    process exits non-zero.
+    """
+    if info.world > 1 and not failed:
         import torch.distributed as dist
 
         if dist.is_initialized():

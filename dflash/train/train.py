@@ -5,7 +5,8 @@
 Recipe (paper §4.2/§5, brief §8): AdamW lr 6e-4, cosine schedule with 4% warmup, gradient clip
 1.0, bf16 autocast on CUDA, random anchors re-sampled every epoch. ``out/`` always holds the
 latest draft in the loader's format; ``out/state/`` (or ``--state-dir``) holds the float32
-weights, the optimizer moments and the cursor for an exact resume.
+weights, the optimizer moments and the cursor for an exact resume. Under torchrun the run is
+data-parallel (``dflash.train.distributed``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from pathlib import Path
 
 import torch
 
+from dflash.bench.harness import DistInfo
 from dflash.errors import CheckpointError, DatasetError, InputError
+from dflash.train import distributed as ddp
 from dflash.train.data import collate, make_batches, prepare, read_shards
 from dflash.train.masks import round_up, sample_anchors
 from dflash.train.objective import FrozenTarget, batch_loss, estimate_acceptance
@@ -200,13 +203,17 @@ class Trainer:
         cfg: the run settings.
         target_model: a loaded HF causal LM on the training device (frozen here).
         on_log: callback(record dict) for every log/eval record (progress bar, files).
+        dist: rank and world size of a data-parallel run (process group already initialised;
+            see ``dflash.train.distributed``); None: one process.
     """
 
     def __init__(
-        self, cfg: TrainConfig, target_model, on_log: Callable[[dict], None] | None = None
-    ):
+        self, cfg: TrainConfig, target_model, on_log: Callable[[dict], None] | None = None,
+        dist: DistInfo | None = None,
+    ):  # fmt: skip
         cfg.check()
         self.cfg, self.on_log = cfg, on_log or (lambda r: None)
+        self.dist = dist or DistInfo()
         self.device = next(target_model.parameters()).device
         self.out = Path(cfg.out)
         self.state_dir = Path(cfg.state_dir) if cfg.state_dir else self.out / "state"
@@ -229,17 +236,24 @@ class Trainer:
         fused = self.device.type == "cuda"
         self.opt = torch.optim.AdamW(self.draft.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
                                      weight_decay=cfg.weight_decay, fused=fused)  # fmt: skip
-        order_seed = cfg.seed + self.base_step  # a resumed segment draws a new order and anchors
-        self.epoch_batches = [make_batches(self.lengths, cfg.batch_tokens, order_seed, e)
+        # a resumed segment draws a new order and anchors; global batches hold W x batch_tokens
+        self.order_seed = cfg.seed + self.base_step
+        world = self.dist.world
+        self.epoch_batches = [make_batches(self.lengths, cfg.batch_tokens * world, self.order_seed, e)
                               for e in range(cfg.epochs)]  # fmt: skip
         total = sum(len(b) for b in self.epoch_batches)
         self.cursor = {"step": 0, "epoch": 0, "batch": 0, "elapsed": 0.0, "log": prior_log,
                        "base_step": self.base_step, "max_steps": cfg.max_steps,
-                       "settings": {k: getattr(cfg, k) for k in RESUME_KEYS}}  # fmt: skip
+                       "settings": {**{k: getattr(cfg, k) for k in RESUME_KEYS}, "world": world}}  # fmt: skip
         if resume:
             cur = load_state(self.state_dir, self.draft, self.opt)
             cur["settings"].pop("max_steps", None)  # states of older versions kept it
             cur["settings"].setdefault("resume_from", None)
+            was = cur["settings"].setdefault("world", 1)
+            if was != world:
+                raise InputError(f"{self.state_dir} holds a run of {was} process(es) and this run has "
+                                 f"{world} (the global batch is --batch-tokens x processes).",
+                                 hint=f"resume with torchrun --nproc-per-node {was}, or use another --out")  # fmt: skip
             if cur["settings"] != self.cursor["settings"]:
                 raise InputError(f"{self.state_dir} holds a run with other settings.",
                                  hint="use the same options, another --out, or delete the state folder")  # fmt: skip
@@ -268,6 +282,7 @@ class Trainer:
             cfg.attention == "auto" and self.device.type == "cuda"
         )
         self.autocast = torch.bfloat16 if self.device.type == "cuda" else None
+        self.runner = ddp.wrap(self.draft, self.dist)  # runs the forward (syncs gradients)
 
     def _load_data(self):
         cfg = self.cfg
@@ -299,12 +314,17 @@ class Trainer:
         rows = target_model.get_input_embeddings().weight.shape[0]
         check_pair(draft.config, target_model.config, rows, [])
 
-    def _batch(self, idx: list[int], epoch: int, bi: int) -> dict:
-        """Tensors of one batch; anchors drawn from a generator seeded by (seed, epoch, batch)."""
+    def _batch(self, idx: list[int], epoch: int, empty: bool = False) -> dict:
+        """Tensors of one batch. Each sequence's anchors come from a generator seeded by
+        (seed, epoch, sequence index): the same in any batch, whatever its padding. ``empty``:
+        no block is kept (a data-parallel rank without a sequence this step; zero weight)."""
         mult = 128 if self.flex else 1
         ids, att, loss_mask = collate([self.seqs[i] for i in idx], self.pad_id, multiple=mult)
-        gen = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + epoch * 100_003 + bi)
-        anchors, keep = sample_anchors(loss_mask, self.cfg.anchors, gen)
+        base = (self.order_seed * 1_000_003 + epoch) * 10_000_019
+        gens = [torch.Generator().manual_seed((base + i) % 2**63) for i in idx]
+        anchors, keep = sample_anchors(loss_mask, self.cfg.anchors, gens)
+        if empty:
+            keep = torch.zeros_like(keep)
         if self.flex:  # fewer distinct shapes for the compiled kernel
             n = round_up(max(1, anchors.shape[1]), 8)
             pad = n - anchors.shape[1]
@@ -321,18 +341,27 @@ class Trainer:
         with torch.autocast(self.device.type, dtype=self.autocast or torch.float32,
                             enabled=self.autocast is not None):  # fmt: skip
             out = batch_loss(self.draft, self.target, batch, flex=self.flex, gamma=self.cfg.gamma,
-                             chunk=8192 if self.device.type == "cuda" else 1024)  # fmt: skip
-        out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.draft.parameters(), self.cfg.clip)
+                             chunk=8192 if self.device.type == "cuda" else 1024, runner=self.runner)  # fmt: skip
+        loss = out.loss
+        if self.dist.world > 1:  # global statistics; DDP's average = the global batch's gradient
+            loss, out = ddp.global_step_stats(out, self.dist)
+        loss.backward()
+        out.grad_norm = torch.nn.utils.clip_grad_norm_(self.draft.parameters(), self.cfg.clip)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         return out
 
     def evaluate(self) -> dict | None:
         """Held-out acceptance estimate (see ``estimate_acceptance``), overall and per dataset
-        (``per_dataset``: name -> τ); None without eval data."""
+        (``per_dataset``: name -> τ); None without eval data. Data-parallel: rank 0 evaluates,
+        every rank returns its result."""
         if not self.eval_seqs:
             return None
+        if self.dist.world > 1:
+            return ddp.from_rank0(self._evaluate() if self.dist.rank == 0 else None, self.dist)
+        return self._evaluate()
+
+    def _evaluate(self) -> dict:
         from dflash.train.objective import merge_acceptance
 
         parts = {name: estimate_acceptance(self.draft, self.target, group, pad_id=self.pad_id,
@@ -347,7 +376,13 @@ class Trainer:
         return res
 
     def save(self) -> None:
-        """Write the resume state and export the draft (loader format) into ``out``."""
+        """Write the resume state and export the draft (loader format) into ``out``; rank 0
+        writes and the other ranks wait for it."""
+        if self.dist.rank == 0:
+            self._save()
+        ddp.barrier(self.dist)
+
+    def _save(self) -> None:
         save_state(self.state_dir, self.draft, self.opt, self.cursor)
         export = self.draft.config
         dtype = getattr(torch, self.cfg.save_dtype)
@@ -390,46 +425,67 @@ class Trainer:
             until_step: pause (save and return) at this optimizer step; a later run resumes.
             pause_after: pause after this many seconds of this call (the schedule is unchanged).
 
-        Wall time between steps (evals and saves included) counts towards ``time_limit``.
+        Wall time between steps (evals and saves included) counts towards ``time_limit``. Log
+        records carry ``samples_per_s`` and ``tokens_per_s``: sequences and their (unpadded)
+        tokens trained per second of training steps since the previous record, over all ranks;
+        :attr:`speed` sums this call. Data-parallel runs follow rank 0's clock for
+        ``time_limit`` and ``pause_after`` (one broadcast per step, only with those options).
         """
         cfg, cur = self.cfg, self.cursor
         if cur["step"] == 0 and self.eval_seqs:
             self._record({"step": self.base_step, "heldout": self.evaluate(), "elapsed": 0.0})
         t_mark, pending, t_call = time.perf_counter(), [], time.perf_counter()
+        clocked = self.dist.world > 1 and (cfg.time_limit is not None or pause_after is not None)
+        self.speed = {"samples": 0, "tokens": 0, "seconds": 0.0}
+        seen = [0, 0, time.perf_counter()]  # sequences, tokens, start of the interval
 
         def paused() -> bool:
             if until_step is not None and cur["step"] >= until_step:
                 return True
             return pause_after is not None and time.perf_counter() - t_call >= pause_after
 
-        while not self.finished() and not paused():
+        stop = paused()
+        while not self.finished() and not stop:
             batches = self.epoch_batches[cur["epoch"]]
             p = max((cur["step"] + 1) / self.total_steps, self._progress())
             lr = lr_at(min(1.0, p), cfg.lr, cfg.warmup)
-            out = self._guarded_step(
-                self._batch(batches[cur["batch"]], cur["epoch"], cur["batch"]), lr
-            )
-            pending.append((out.loss.detach(), out.accuracy, out.accept))
+            idx = batches[cur["batch"]]
+            part, empty = ddp.rank_part(idx, self.dist)
+            out = self._guarded_step(self._batch(part, cur["epoch"], empty), lr)
+            pending.append((out.loss.detach(), out.accuracy, out.accept, out.grad_norm.detach()))
+            seen[0], seen[1] = seen[0] + len(idx), seen[1] + sum(self.lengths[i] for i in idx)
             cur["step"], cur["batch"] = cur["step"] + 1, cur["batch"] + 1
             if cur["batch"] >= len(batches):
                 cur["epoch"], cur["batch"] = cur["epoch"] + 1, 0
             now = time.perf_counter()
             cur["elapsed"], t_mark = cur["elapsed"] + now - t_mark, now
+            stop = paused()
+            if clocked:  # every rank must stop at the same step
+                cur["elapsed"], stop = ddp.from_rank0((cur["elapsed"], stop), self.dist)
             last, step = self.finished(), cur["step"]
             gstep = self.base_step + step  # the step count across resumed segments
             do_eval = gstep % cfg.eval_every == 0 or last
-            if gstep % cfg.log_every == 0 or last or paused() or do_eval:
+            if gstep % cfg.log_every == 0 or last or stop or do_eval:
                 stats = (
                     torch.stack([torch.stack(x).float() for x in pending]).mean(0).tolist()
                 )  # sync
                 pending = []
+                secs = max(time.perf_counter() - seen[2], 1e-9)
                 rec = {"step": gstep, "epoch": cur["epoch"], "lr": lr, "loss": stats[0],
-                       "accuracy": stats[1], "accept": stats[2], "elapsed": round(cur["elapsed"], 2)}  # fmt: skip
+                       "accuracy": stats[1], "accept": stats[2], "grad_norm": stats[3],
+                       "elapsed": round(cur["elapsed"], 2),
+                       "samples_per_s": round(seen[0] / secs, 3), "tokens_per_s": round(seen[1] / secs, 1)}  # fmt: skip
+                for key, v in zip(self.speed, (seen[0], seen[1], secs), strict=True):
+                    self.speed[key] += v
                 if do_eval:
                     rec["heldout"] = self.evaluate()
                 self._record(rec)
             if gstep % cfg.save_every == 0 and not last:
+                t_save = time.perf_counter()
                 self.save()
+                seen[2] += time.perf_counter() - t_save
+            if gstep % cfg.log_every == 0 or last or stop or do_eval:
+                seen = [0, 0, time.perf_counter()]  # evals and saves are not training time
         self.save()
         return cur["log"][-1] if cur["log"] else {}
 
