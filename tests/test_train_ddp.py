@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -28,23 +29,35 @@ from test_train_loop import tiny_target, write_draft  # noqa: E402
 
 # Each torchrun worker trains through the real CLI; only the target loader is replaced by the
 # tiny random Llama of test_train_loop (the same weights in every process: a fixed seed).
+# Invocations are separated by "::" (one process group for all: torchrun's store does not
+# take a second one); after each, rank 0 copies --out to <out>.<k>.
 SCRIPT = textwrap.dedent(
     """
-    import sys
+    import os, shutil, sys
     sys.path[:0] = [{repo!r}, {tests!r}]
+    import dflash.bench.harness as harness
     import dflash.train.train as tt
     from test_train_loop import tiny_target
     tt.load_training_target = lambda target, device="auto": (tiny_target().to(device), None)
-    from dflash.cli import main
-    sys.argv = ["dflash", "train", *sys.argv[1:]]
-    main()
+    finish, harness.finish_distributed = harness.finish_distributed, lambda info, failed=False: None
+    from dflash.cli import app
+    runs = " ".join(sys.argv[1:]).split(" :: ")
+    for k, run in enumerate(runs):
+        args = ["train", *run.split()]
+        app(args, standalone_mode=False)
+        if k == len(runs) - 1:
+            finish(harness.DistInfo(int(os.environ["RANK"]), 2))
+        out = args[args.index("--out") + 1]
+        if os.environ["RANK"] == "0":
+            shutil.copytree(out, f"{{out}}.{{k}}")
     """
 )
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    """Ten random sequences of 24..60 tokens (prompt 8) and a random draft."""
+    """Ten random sequences of 24..60 tokens (prompt 8), five of 64 (--max-len) and a random
+    draft; with seed 0 the third global batch holds one sequence (an empty part on rank 0)."""
     root = tmp_path_factory.mktemp("ddp")
     rng = random.Random(0)
     records = []
@@ -52,6 +65,9 @@ def setup(tmp_path_factory):
         n = rng.randint(16, 52)
         records.append({"id": f"r{i}", "prompt_ids": [rng.randrange(1, 190) for _ in range(8)],
                         "response_ids": [rng.randrange(1, 190) for _ in range(n)]})  # fmt: skip
+    for i in range(5):
+        records.append({"id": f"long{i}", "prompt_ids": [rng.randrange(1, 190) for _ in range(8)],
+                        "response_ids": [rng.randrange(1, 190) for _ in range(60)]})  # fmt: skip
     ShardWriter(root / "data", {"test": True}).append(records, len(records))
     write_draft(tiny_target(), root / "init")
     return root
@@ -80,7 +96,7 @@ def torchrun(tmp_path, args: list[str]) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     return subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         str(script), *args], capture_output=True, text=True, timeout=300, env=env,
+         str(script), *args], capture_output=True, text=True, timeout=120, env=env,
     )  # fmt: skip
 
 
@@ -90,30 +106,54 @@ def weights(folder) -> dict:
     return DFlashDraft.load(folder, dtype=torch.float32).state_dict()
 
 
+def read_log(folder) -> list[dict]:
+    lines = (Path(folder) / "train_log.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if "loss" in r]
+
+
+def moments(folder) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(Path(folder) / "state" / "optimizer.safetensors"))
+
+
 def test_two_processes_take_the_steps_of_one_process_with_the_global_batch(setup, tmp_path):
+    """Two steps, then a resume under torchrun for a third (where rank 0 has no sequence):
+    the same weights, AdamW moments
+    (float32, atol 1e-5), loss, accuracy, training τ and gradient norm as one process with
+    twice the batch tokens. (The cosine schedule ends at lr 0, so weights move at step 1 only;
+    the moments carry every step's gradient.)"""
     root = setup
-    single = one_process(root, tmp_path / "one", batch_tokens=256, steps=2)
-    sizes = [len(b) for b in single.epoch_batches[0][:2]]
-    assert min(sizes) >= 2, sizes  # both ranks hold sequences in the steps compared
-    proc = torchrun(tmp_path, options(root, tmp_path / "two", batch_tokens=128, steps=2))
+    one, two = tmp_path / "one", tmp_path / "two"
+    single = one_process(root, one, batch_tokens=256, steps=2)
+    shutil.copytree(one, f"{one}.0")
+    one_process(root, one, batch_tokens=256, steps=3)  # resumed
+    sizes = [len(b) for b in single.epoch_batches[0][:3]]
+    assert sizes == [4, 5, 1], sizes  # step 3: rank 0 runs a zero-weight part
+    proc = torchrun(tmp_path, [*options(root, two, batch_tokens=128, steps=2), "::",
+                               *options(root, two, batch_tokens=128, steps=3)])  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stderr.count("wrote ") == 1  # rank 0 alone reports
+    assert proc.stderr.count("wrote ") == 2  # rank 0 alone reports
     assert "samples/s" in proc.stderr and "2 process(es)" in proc.stderr
-    one, two = weights(tmp_path / "one"), weights(tmp_path / "two")
     init = weights(root / "init")
-    for k, v in one.items():
+    for k, v in weights(f"{one}.0").items():
         assert not torch.equal(v, init[k]), f"{k} did not train"
-        torch.testing.assert_close(two[k], v, atol=1e-5, rtol=0, msg=f"{k} differs")
-    log1 = [json.loads(x) for x in (tmp_path / "one" / "train_log.jsonl").read_text().splitlines()]
-    log2 = [json.loads(x) for x in (tmp_path / "two" / "train_log.jsonl").read_text().splitlines()]
-    r1, r2 = log1[-1], log2[-1]
-    assert r1["step"] == r2["step"] == 2
-    for key in ("loss", "accuracy", "accept", "grad_norm"):  # the grad norm sees the scale that
-        assert r2[key] == pytest.approx(r1[key], rel=1e-5, abs=1e-6), key  # AdamW hides
-    assert r2["samples_per_s"] > 0 and r2["tokens_per_s"] > r2["samples_per_s"]
-    state = json.loads((tmp_path / "two" / "state" / "trainer_state.json").read_text())
-    assert state["settings"]["world"] == 2 and state["step"] == 2
-    assert not list((tmp_path / "two").glob("*.rank*"))  # one output folder, as one process
+        torch.testing.assert_close(weights(f"{two}.0")[k], v, atol=1e-5, rtol=0, msg=k)
+    for a, b in ((f"{one}.0", f"{two}.0"), (one, two)):
+        want, got = moments(a), moments(b)
+        assert want.keys() == got.keys()
+        for k, v in want.items():
+            assert v.abs().max() > 0, k
+            torch.testing.assert_close(got[k], v, atol=1e-5, rtol=1e-4, msg=k)
+    log1, log2 = read_log(one), read_log(two)
+    assert [r["step"] for r in log1] == [r["step"] for r in log2] == [2, 3]
+    for r1, r2 in zip(log1, log2, strict=True):
+        for key in ("loss", "accuracy", "accept", "grad_norm"):  # the grad norm sees a scale
+            assert r2[key] == pytest.approx(r1[key], rel=1e-5, abs=1e-6), key  # AdamW hides
+        assert r2["samples_per_s"] > 0 and r2["tokens_per_s"] > r2["samples_per_s"]
+    state = json.loads((two / "state" / "trainer_state.json").read_text())
+    assert state["settings"]["world"] == 2 and state["step"] == 3
+    assert sorted(p.name for p in tmp_path.glob("two*")) == ["two", "two.0", "two.1"]
 
 
 def test_resume_refuses_another_world_size(setup, tmp_path):
