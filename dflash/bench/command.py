@@ -311,15 +311,30 @@ def _run(
         device = f"cuda:{dist.local_rank}"
     log = harness.ResultsLog(output, resume=resume, rank=dist.rank, world=dist.world)
     log.check_settings(config)  # before loading: a mismatch must not cost a model load
-    if pipeline is None:
-        pipeline = _load_pipeline(backend, model, draft, device, dtype, cuda_graphs, compile,
-                                  uniform_width, draft_bits=draft_bits, draft_window=draft_window)  # fmt: skip
-    shards = {name: harness.shard(items, dist) for name, items in selected.items()}
-    with report.BenchProgress(enabled=dist.rank == 0) as progress:
-        results = harness.run_benchmark(
-            pipeline, shards, config, log=log, on_record=progress.update, on_dataset=progress.start
-        )
-    gathered = harness.gather_records(results, dist)
+    results, failure = None, None
+    try:
+        if pipeline is None:
+            pipeline = _load_pipeline(backend, model, draft, device, dtype, cuda_graphs, compile,
+                                      uniform_width, draft_bits=draft_bits, draft_window=draft_window)  # fmt: skip
+        shards = {name: harness.shard(items, dist) for name, items in selected.items()}
+        with report.BenchProgress(enabled=dist.rank == 0) as progress:
+            results = harness.run_benchmark(pipeline, shards, config, log=log,
+                                            on_record=progress.update, on_dataset=progress.start)  # fmt: skip
+    except Exception as e:  # under torchrun: report to rank 0 instead of leaving it waiting
+        if dist.world == 1:
+            raise
+        failure = e
+    error = None if failure is None else getattr(failure, "message", None) or \
+        f"{type(failure).__name__}: {str(failure).splitlines()[0] if str(failure) else ''}"  # fmt: skip
+    try:
+        gathered = harness.gather_records(results, dist, error)
+    except harness.RankFailure as err:
+        if dist.rank == 0:  # report before any rank exits: torchrun then stops the others
+            from dflash.cli import report_error
+
+            report_error(err)
+        harness.barrier(dist)
+        raise failure if failure is not None and dist.rank else typer.Exit(1) from None
     if gathered is not None:
         log.write_merged([r for recs in gathered.values() for r in recs])
     return gathered

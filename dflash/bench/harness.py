@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 from dflash.bench.metrics import ResponseRecord, RunStats, first_mismatch
 from dflash.data.datasets import PromptItem
-from dflash.errors import DatasetError, InputError
+from dflash.errors import BackendError, DatasetError, InputError
 from dflash.types import GenerationResult, SamplingParams
 
 WARMUP_TOKENS = 64
@@ -507,8 +507,9 @@ def init_distributed(device: str = "auto") -> DistInfo:
                                  hint="pass --nproc-per-node <= the number of GPUs")  # fmt: skip
             torch.cuda.set_device(info.local_rank)
         if not dist.is_initialized():
+            bound = {"device_id": torch.device("cuda", info.local_rank)} if cuda else {}
             dist.init_process_group("nccl" if cuda else "gloo", init_method="env://",
-                                    timeout=timedelta(seconds=dist_timeout_s()))  # fmt: skip
+                                    timeout=timedelta(seconds=dist_timeout_s()), **bound)  # fmt: skip
     return info
 
 
@@ -526,27 +527,58 @@ def finish_distributed(info: DistInfo, failed: bool = False) -> None:
             dist.destroy_process_group()
 
 
+def barrier(info: DistInfo) -> None:
+    """Wait for every rank (no-op for one process)."""
+    if info.world > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
 def shard(items: list[PromptItem], info: DistInfo) -> list[PromptItem]:
     """The items of this rank: ``items[rank::world]``."""
     return items[info.rank :: info.world]
 
 
+class RankFailure(BackendError):
+    """A rank of a torchrun benchmark failed; every rank raises it after the gather."""
+
+
 def gather_records(
-    results: dict[str, list[ResponseRecord]], info: DistInfo
+    results: dict[str, list[ResponseRecord]] | None, info: DistInfo, error: str | None = None
 ) -> dict[str, list[ResponseRecord]] | None:
-    """Gather every rank's records on rank 0 (None on other ranks); a no-op for one process."""
+    """Gather every rank's records on rank 0 (None on other ranks); a no-op for one process.
+
+    Args:
+        results: this rank's records per dataset (None when it failed).
+        error: this rank's failure, one line (None when it succeeded). A failed rank still joins
+            the gather, so the others never wait for it.
+
+    Raises:
+        RankFailure: on every rank, when any rank reported an error (rank 0 broadcasts the
+            message ``rank r failed: ...``, one part per failed rank).
+    """
     if info.world == 1:
         return results
     import torch.distributed as dist
 
-    payload = {name: [r.to_dict() for r in recs] for name, recs in results.items()}
+    payload = {
+        "records": {name: [r.to_dict() for r in recs] for name, recs in (results or {}).items()},
+        "error": error,
+    }
     gathered: list[Any] | None = [None] * info.world if info.rank == 0 else None
     dist.gather_object(payload, gathered, dst=0)
+    failed = [(r, p["error"]) for r, p in enumerate(gathered or []) if p["error"]]
+    box = ["; ".join(f"rank {r} failed: {e}" for r, e in failed)]
+    dist.broadcast_object_list(box, src=0)
+    if box[0]:
+        raise RankFailure(box[0], hint="the records done so far stay in the rank files; fix the "
+                                       "cause and rerun with --resume")  # fmt: skip
     if info.rank != 0:
         return None
-    merged: dict[str, list[ResponseRecord]] = {name: [] for name in results}
+    merged: dict[str, list[ResponseRecord]] = {name: [] for name in results or {}}
     for part in gathered or []:
-        for name, recs in part.items():
+        for name, recs in part["records"].items():
             merged.setdefault(name, []).extend(ResponseRecord.from_dict(r) for r in recs)
     return merged
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from dflash.bench.harness import DistInfo
+from dflash.bench.harness import DistInfo, barrier
 from dflash.train.objective import StepOutput
 
 
@@ -85,6 +85,9 @@ def global_step_stats(out: StepOutput, info: DistInfo) -> tuple[torch.Tensor, St
     return loss, glob
 
 
+__all__ = ["barrier", "from_rank0", "global_step_stats", "rank_part", "wrap"]
+
+
 def from_rank0(value: Any, info: DistInfo) -> Any:
     """Rank 0's ``value`` on every rank (a picklable object; also a barrier)."""
     if info.world == 1:
@@ -94,7 +97,3 @@ def from_rank0(value: Any, info: DistInfo) -> Any:
     return box[0]
 
 
-def barrier(info: DistInfo) -> None:
-    """Wait for every rank (no-op for one process)."""
-    if info.world > 1:
-        torch.distributed.barrier()
