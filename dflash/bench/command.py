@@ -259,7 +259,7 @@ def benchmark(
         check_parity=check_parity,
         run_info=dict(run_info),
     )
-    dist = harness.init_distributed()
+    dist = harness.init_distributed(device)
     try:
         gathered = _run(
             dist,
@@ -389,7 +389,7 @@ def _sweep(
     from dataclasses import replace
 
     selected = {name: select(load_prompts(name, data_dir), max_samples) for name in names}
-    dist = harness.init_distributed()
+    dist = harness.init_distributed(load_args[3])  # load_args[3]: --device
     rows: list[tuple[int | str | None, dict[str, dict[str, Any]]]] = []
     pipeline = None
     try:

@@ -94,6 +94,7 @@ def train(
     eval_data: Annotated[Path | None, typer.Option(help="Responses for the held-out τ (default: 2% of --data).")] = None,
     eval_every: Annotated[int, typer.Option(help="Held-out τ every N steps.")] = 200,
     save_every: Annotated[int, typer.Option(help="Checkpoint every N steps.")] = 500,
+    log_every: Annotated[int, typer.Option(help="Log record (loss, samples/s) every N steps.")] = 10,
     time_limit: Annotated[float | None, typer.Option(help="Seconds of training; the schedule anneals to fit.")] = None,
     pause_after: Annotated[float | None, typer.Option(help="Stop this invocation after N seconds; run again to resume.")] = None,
     seed: Annotated[int, typer.Option(help="Seed for initialisation, order and anchors.")] = 0,
@@ -122,7 +123,7 @@ def train(
                       max_steps=max_steps, lr=lr, max_len=max_len, batch_tokens=batch_tokens,
                       gamma=gamma, seed=seed, time_limit=time_limit,
                       eval_data=str(eval_data) if eval_data else None, eval_every=eval_every,
-                      save_every=save_every, attention=attention, device=device,
+                      save_every=save_every, log_every=log_every, attention=attention, device=device,
                       save_dtype=save_dtype, state_dir=str(state_dir) if state_dir else None,
                       mask_token_id=mask_token_id,
                       resume_from=str(resume_from) if resume_from else None)  # fmt: skip

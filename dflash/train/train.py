@@ -102,6 +102,8 @@ class TrainConfig:
                  (self.batch_tokens >= self.max_len or self.batch_tokens >= 4, "--batch-tokens must be >= 4"),
                  (0 <= self.warmup < 1, "warmup must be in [0, 1)"),
                  (self.max_steps is None or self.max_steps >= 1, "--max-steps must be >= 1"),
+                 (min(self.log_every, self.eval_every, self.save_every) >= 1,
+                  "--log-every, --eval-every and --save-every must be >= 1"),
                  (self.attention in ("auto", "flex", "dense"), "--attention must be auto, flex or dense"),
                  (self.save_dtype in ("bfloat16", "float32"), "--save-dtype must be bfloat16 or float32")]  # fmt: skip
         for ok, msg in rules:
@@ -427,7 +429,8 @@ class Trainer:
 
         Wall time between steps (evals and saves included) counts towards ``time_limit``. Log
         records carry ``samples_per_s`` and ``tokens_per_s``: sequences and their (unpadded)
-        tokens trained per second of training steps since the previous record, over all ranks;
+        tokens trained per second of training steps since the previous record, over all ranks
+        (``samples`` sequences in ``train_s`` seconds, evals and saves left out);
         :attr:`speed` sums this call. Data-parallel runs follow rank 0's clock for
         ``time_limit`` and ``pause_after`` (one broadcast per step, only with those options).
         """
@@ -474,7 +477,8 @@ class Trainer:
                 rec = {"step": gstep, "epoch": cur["epoch"], "lr": lr, "loss": stats[0],
                        "accuracy": stats[1], "accept": stats[2], "grad_norm": stats[3],
                        "elapsed": round(cur["elapsed"], 2),
-                       "samples_per_s": round(seen[0] / secs, 3), "tokens_per_s": round(seen[1] / secs, 1)}  # fmt: skip
+                       "samples_per_s": round(seen[0] / secs, 3), "tokens_per_s": round(seen[1] / secs, 1),
+                       "samples": seen[0], "train_s": round(secs, 4)}  # fmt: skip
                 for key, v in zip(self.speed, (seen[0], seen[1], secs), strict=True):
                     self.speed[key] += v
                 if do_eval:
