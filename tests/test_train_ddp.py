@@ -198,3 +198,17 @@ def test_a_zero_weight_part_gives_zero_loss_and_zero_gradients(setup, tmp_path):
     assert float(out.loss.detach()) == 0.0 and float(out.weight) == 0.0 and out.blocks == 0
     grads = [p.grad for p in trainer.draft.parameters()]
     assert all(g is not None and not g.any() for g in grads)  # reached, all zero
+
+
+@pytest.mark.parametrize(("device", "error"), [("cuda:1", "each rank uses cuda:LOCAL_RANK"),
+                                               ("cuda", "no CUDA device")])  # fmt: skip
+def test_torchrun_device_errors_come_before_the_process_group(monkeypatch, device, error):
+    from dflash.bench.harness import init_distributed
+    from dflash.errors import DflashError
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(DflashError, match=error):
+        init_distributed(device)
+    assert not torch.distributed.is_initialized()

@@ -482,6 +482,7 @@ def init_distributed(device: str = "auto") -> DistInfo:
     Raises:
         InputError: ``--device cuda:N`` under torchrun (each rank takes cuda:LOCAL_RANK), or more
             processes on this machine than visible GPUs.
+        BackendError: ``--device cuda`` without CUDA.
     """
     if "RANK" not in os.environ:
         return DistInfo()
@@ -499,6 +500,9 @@ def init_distributed(device: str = "auto") -> DistInfo:
         if device.startswith("cuda:"):
             raise InputError(f"--device {device} under torchrun: each rank uses cuda:LOCAL_RANK.",
                              hint="pass --device cuda (or auto); choose GPUs with CUDA_VISIBLE_DEVICES")  # fmt: skip
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise BackendError("--device cuda under torchrun, but no CUDA device is available.",
+                               hint="use --device cpu (gloo) or auto")  # fmt: skip
         cuda = device != "cpu" and torch.cuda.is_available()
         if cuda:
             if info.local_rank >= torch.cuda.device_count():
