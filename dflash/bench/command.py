@@ -312,6 +312,11 @@ def _run(
     log = harness.ResultsLog(output, resume=resume, rank=dist.rank, world=dist.world)
     log.check_settings(config)  # before loading: a mismatch must not cost a model load
     results, failure = None, None
+    gguf = model is None or str(model).endswith(".gguf")  # the demo target is a .gguf too
+    if pipeline is None and dist.world > 1 and backend == "transformers" and gguf:
+        from dflash.models.target_torch import resolve_target
+
+        harness.once_per_machine(dist, lambda: resolve_target(model))  # converted once, cached
     try:
         if pipeline is None:
             pipeline = _load_pipeline(backend, model, draft, device, dtype, cuda_graphs, compile,

@@ -539,6 +539,17 @@ def barrier(info: DistInfo) -> None:
         dist.barrier()
 
 
+def once_per_machine(info: DistInfo, fn: Callable[[], Any]) -> None:
+    """Run ``fn`` on local rank 0 while the other ranks wait (e.g. converting a .gguf into the
+    shared cache, which concurrent ranks would race on); just ``fn()`` for one process."""
+    if info.world == 1:
+        fn()
+        return
+    if info.local_rank == 0:
+        fn()
+    barrier(info)
+
+
 def shard(items: list[PromptItem], info: DistInfo) -> list[PromptItem]:
     """The items of this rank: ``items[rank::world]``."""
     return items[info.rank :: info.world]

@@ -141,17 +141,15 @@ def _train(cfg, info, pause_after: float | None) -> None:
     """Load the target on this rank's device, train, and print (rank 0) progress and a summary."""
     import torch
 
-    from dflash.train.distributed import barrier
     from dflash.train.train import Trainer, load_training_target
 
     if info.world > 1:
         cuda = torch.cuda.is_available() and cfg.device != "cpu"
         cfg.device = f"cuda:{info.local_rank}" if cuda else "cpu"
-        if info.local_rank == 0:  # one process per machine converts a .gguf into the cache
-            from dflash.models.target_torch import resolve_target
+        from dflash.bench.harness import once_per_machine
+        from dflash.models.target_torch import resolve_target
 
-            resolve_target(cfg.target)
-        barrier(info)
+        once_per_machine(info, lambda: resolve_target(cfg.target))  # a .gguf converts once
     torch.manual_seed(cfg.seed)
     model, _tok = load_training_target(cfg.target, cfg.device)
     out, rank0 = cfg.out, info.rank == 0
