@@ -41,12 +41,15 @@ app.add_typer(data_app, name="data")
 
 
 def report_error(err: DflashError) -> None:
-    """Print a :class:`DflashError` as one red ``error:`` line (+ dim ``hint:``) on stderr."""
+    """Print a :class:`DflashError` as one red ``error:`` line (+ dim ``hint:``) on stderr;
+    under torchrun the line names the rank (``error: rank 1: ...``)."""
     from rich.console import Console
     from rich.text import Text
 
     console = Console(stderr=True, highlight=False, soft_wrap=True)
-    console.print(Text.assemble(("error: ", "bold red"), err.message))
+    multi = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not err.message.startswith("rank ")
+    rank = f"rank {os.environ.get('RANK', '?')}: " if multi else ""
+    console.print(Text.assemble(("error: ", "bold red"), rank + err.message))
     if err.hint:
         console.print(Text("hint: " + err.hint, style="dim"))
 

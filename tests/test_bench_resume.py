@@ -313,3 +313,49 @@ def test_torchrun_ranks_share_the_work_and_rank_0_gathers(cli, tmp_path):
     assert ranks[0] and ranks[1] and not ranks[0] & ranks[1]  # every response ran once
     merged = {r.key: r.to_dict() for r in read_records(out_file)}
     assert merged == {r.key: r.to_dict() for r in read_records(tmp_path / "single.jsonl")}
+
+
+FAILING_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    sys.path[:0] = [{tests!r}, {repo!r}]
+    from test_bench_resume import FakePipeline, make_app
+    from dflash.cli import report_error
+    from dflash.errors import BackendError, DflashError
+
+    class Failing(FakePipeline):  # a prompt this pipeline cannot take (only one rank holds it)
+        def generate(self, prompt_ids, **kw):
+            if sys.argv[1] in self.prompts[-1][0]["content"]:
+                raise BackendError("the prompt does not fit this target")
+            return super().generate(prompt_ids, **kw)
+
+    try:
+        make_app(Failing)(sys.argv[2:], prog_name="dflash", standalone_mode=False)
+    except DflashError as err:
+        report_error(err)
+        sys.exit(1)
+    """
+)
+
+
+def test_torchrun_failure_on_one_rank_ends_the_run_with_its_message(tmp_path):
+    """A prompt that fails on rank 1 only: rank 1 joins the gather with its error, rank 0 says
+    which rank failed and why, every process exits non-zero (no wait for a timeout)."""
+    from dflash.bench.command import load_prompts, select
+
+    pytest.importorskip("torch.distributed")
+    bad = select(load_prompts("gsm8k", DATA_DIR), 4)[1].turns[0]  # rank 1 takes items 1::2
+    script = tmp_path / "run_failing.py"
+    script.write_text(FAILING_SCRIPT.format(tests=str(REPO / "tests"), repo=str(REPO)))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DFLASH_DIST_TIMEOUT": "600"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         str(script), bad[:60], *BENCH_ARGS, "--output", str(tmp_path / "multi.jsonl")],
+        capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    assert proc.returncode != 0
+    assert "error: rank 1 failed: the prompt does not fit this target" in proc.stderr, proc.stderr[-3000:]
+    assert "error: rank 1: the prompt does not fit this target" in proc.stderr
+    assert not (tmp_path / "multi.jsonl").exists()  # no merged file from a partial run
+    share = {(n, item.id) for n in ("gsm8k", "mt-bench") for item in select(load_prompts(n, DATA_DIR), 4)[::2]}
+    assert {(r.dataset, r.id) for r in read_records(tmp_path / "multi.rank0.jsonl")} == share

@@ -119,7 +119,7 @@ def test_checkpoint_round_trip_gives_identical_logits(setup, tmp_path, save_dtyp
     loaded = DFlashDraft.load(tmp_path / "out", dtype=dtype).eval()
     mem = trainer.draft.to(dtype).eval()
     ft = FrozenTarget(copy.deepcopy(target).to(dtype), loaded.config.target_layer_ids)
-    batch = trainer._batch(trainer.epoch_batches[0][0], 0, 0)
+    batch = trainer._batch(trainer.epoch_batches[0][0], 0)
     args = [batch[k] for k in ("input_ids", "attention_mask", "loss_mask", "anchors", "keep")]
     with torch.no_grad():
         a = draft_hidden(loaded, ft, *args)[0] @ ft.head.T

@@ -259,7 +259,7 @@ def benchmark(
         check_parity=check_parity,
         run_info=dict(run_info),
     )
-    dist = harness.init_distributed()
+    dist = harness.init_distributed(device)
     try:
         gathered = _run(
             dist,
@@ -311,15 +311,35 @@ def _run(
         device = f"cuda:{dist.local_rank}"
     log = harness.ResultsLog(output, resume=resume, rank=dist.rank, world=dist.world)
     log.check_settings(config)  # before loading: a mismatch must not cost a model load
-    if pipeline is None:
-        pipeline = _load_pipeline(backend, model, draft, device, dtype, cuda_graphs, compile,
-                                  uniform_width, draft_bits=draft_bits, draft_window=draft_window)  # fmt: skip
-    shards = {name: harness.shard(items, dist) for name, items in selected.items()}
-    with report.BenchProgress(enabled=dist.rank == 0) as progress:
-        results = harness.run_benchmark(
-            pipeline, shards, config, log=log, on_record=progress.update, on_dataset=progress.start
-        )
-    gathered = harness.gather_records(results, dist)
+    results, failure = None, None
+    gguf = model is None or str(model).endswith(".gguf")  # the demo target is a .gguf too
+    if pipeline is None and dist.world > 1 and backend == "transformers" and gguf:
+        from dflash.models.target_torch import resolve_target
+
+        harness.once_per_machine(dist, lambda: resolve_target(model))  # converted once, cached
+    try:
+        if pipeline is None:
+            pipeline = _load_pipeline(backend, model, draft, device, dtype, cuda_graphs, compile,
+                                      uniform_width, draft_bits=draft_bits, draft_window=draft_window)  # fmt: skip
+        shards = {name: harness.shard(items, dist) for name, items in selected.items()}
+        with report.BenchProgress(enabled=dist.rank == 0) as progress:
+            results = harness.run_benchmark(pipeline, shards, config, log=log,
+                                            on_record=progress.update, on_dataset=progress.start)  # fmt: skip
+    except Exception as e:  # under torchrun: report to rank 0 instead of leaving it waiting
+        if dist.world == 1:
+            raise
+        failure = e
+    error = None if failure is None else getattr(failure, "message", None) or \
+        f"{type(failure).__name__}: {str(failure).splitlines()[0] if str(failure) else ''}"  # fmt: skip
+    try:
+        gathered = harness.gather_records(results, dist, error)
+    except harness.RankFailure as err:
+        if dist.rank == 0:  # report before any rank exits: torchrun then stops the others
+            from dflash.cli import report_error
+
+            report_error(err)
+        harness.barrier(dist)
+        raise failure if failure is not None and dist.rank else typer.Exit(1) from None
     if gathered is not None:
         log.write_merged([r for recs in gathered.values() for r in recs])
     return gathered
@@ -374,7 +394,7 @@ def _sweep(
     from dataclasses import replace
 
     selected = {name: select(load_prompts(name, data_dir), max_samples) for name in names}
-    dist = harness.init_distributed()
+    dist = harness.init_distributed(load_args[3])  # load_args[3]: --device
     rows: list[tuple[int | str | None, dict[str, dict[str, Any]]]] = []
     pipeline = None
     try:

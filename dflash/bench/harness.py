@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 from dflash.bench.metrics import ResponseRecord, RunStats, first_mismatch
 from dflash.data.datasets import PromptItem
-from dflash.errors import DatasetError, InputError
+from dflash.errors import BackendError, DatasetError, InputError
 from dflash.types import GenerationResult, SamplingParams
 
 WARMUP_TOKENS = 64
@@ -448,10 +448,41 @@ class DistInfo:
     local_rank: int = 0
 
 
-def init_distributed() -> DistInfo:
+DIST_TIMEOUT_S = 1800.0  # a collective that waits longer than this fails (``DFLASH_DIST_TIMEOUT``)
+
+
+def dist_timeout_s() -> float:
+    """Seconds a collective may wait for the other ranks (env ``DFLASH_DIST_TIMEOUT``, else 1800).
+
+    Raises:
+        InputError: the variable is not a positive number.
+    """
+    raw = os.environ.get("DFLASH_DIST_TIMEOUT")
+    if raw is None:
+        return DIST_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise InputError(f"DFLASH_DIST_TIMEOUT must be a number of seconds > 0, got {raw!r}.")
+    return value
+
+
+def init_distributed(device: str = "auto") -> DistInfo:
     """Read ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``; init a process group only when RANK is set.
 
-    The group is NCCL on CUDA machines (each rank on ``cuda:LOCAL_RANK``) and gloo without CUDA.
+    The group is NCCL when the run uses CUDA (each rank on ``cuda:LOCAL_RANK``) and gloo on CPU
+    (``device == "cpu"`` or no CUDA), with a :func:`dist_timeout_s` timeout so that a rank that
+    died or hangs ends the run instead of blocking the others forever.
+
+    Args:
+        device: the ``--device`` option (auto, cuda, cuda:N or cpu).
+
+    Raises:
+        InputError: ``--device cuda:N`` under torchrun (each rank takes cuda:LOCAL_RANK), or more
+            processes on this machine than visible GPUs.
+        BackendError: ``--device cuda`` without CUDA.
     """
     if "RANK" not in os.environ:
         return DistInfo()
@@ -461,24 +492,62 @@ def init_distributed() -> DistInfo:
         int(os.environ.get("LOCAL_RANK", "0")),
     )
     if info.world > 1:
+        from datetime import timedelta
+
         import torch
         import torch.distributed as dist
 
-        cuda = torch.cuda.is_available()
+        if device.startswith("cuda:"):
+            raise InputError(f"--device {device} under torchrun: each rank uses cuda:LOCAL_RANK.",
+                             hint="pass --device cuda (or auto); choose GPUs with CUDA_VISIBLE_DEVICES")  # fmt: skip
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise BackendError("--device cuda under torchrun, but no CUDA device is available.",
+                               hint="use --device cpu (gloo) or auto")  # fmt: skip
+        cuda = device != "cpu" and torch.cuda.is_available()
         if cuda:
+            if info.local_rank >= torch.cuda.device_count():
+                raise InputError(f"torchrun started local rank {info.local_rank} but only "
+                                 f"{torch.cuda.device_count()} GPU(s) are visible.",
+                                 hint="pass --nproc-per-node <= the number of GPUs")  # fmt: skip
             torch.cuda.set_device(info.local_rank)
         if not dist.is_initialized():
-            dist.init_process_group("nccl" if cuda else "gloo", init_method="env://")
+            bound = {"device_id": torch.device("cuda", info.local_rank)} if cuda else {}
+            dist.init_process_group("nccl" if cuda else "gloo", init_method="env://",
+                                    timeout=timedelta(seconds=dist_timeout_s()), **bound)  # fmt: skip
     return info
 
 
-def finish_distributed(info: DistInfo) -> None:
-    """Tear down the process group made by :func:`init_distributed` (no-op for one process)."""
-    if info.world > 1:
+def finish_distributed(info: DistInfo, failed: bool = False) -> None:
+    """Tear down the process group made by :func:`init_distributed` (no-op for one process).
+
+    With ``failed`` (this rank is leaving on an exception) the group is left alone: a clean
+    teardown could wait on ranks that still sit in a collective; torchrun ends them once this
+    process exits non-zero.
+    """
+    if info.world > 1 and not failed:
         import torch.distributed as dist
 
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def barrier(info: DistInfo) -> None:
+    """Wait for every rank (no-op for one process)."""
+    if info.world > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+def once_per_machine(info: DistInfo, fn: Callable[[], Any]) -> None:
+    """Run ``fn`` on local rank 0 while the other ranks wait (e.g. converting a .gguf into the
+    shared cache, which concurrent ranks would race on); just ``fn()`` for one process."""
+    if info.world == 1:
+        fn()
+        return
+    if info.local_rank == 0:
+        fn()
+    barrier(info)
 
 
 def shard(items: list[PromptItem], info: DistInfo) -> list[PromptItem]:
@@ -486,22 +555,45 @@ def shard(items: list[PromptItem], info: DistInfo) -> list[PromptItem]:
     return items[info.rank :: info.world]
 
 
+class RankFailure(BackendError):
+    """A rank of a torchrun benchmark failed; every rank raises it after the gather."""
+
+
 def gather_records(
-    results: dict[str, list[ResponseRecord]], info: DistInfo
+    results: dict[str, list[ResponseRecord]] | None, info: DistInfo, error: str | None = None
 ) -> dict[str, list[ResponseRecord]] | None:
-    """Gather every rank's records on rank 0 (None on other ranks); a no-op for one process."""
+    """Gather every rank's records on rank 0 (None on other ranks); a no-op for one process.
+
+    Args:
+        results: this rank's records per dataset (None when it failed).
+        error: this rank's failure, one line (None when it succeeded). A failed rank still joins
+            the gather, so the others never wait for it.
+
+    Raises:
+        RankFailure: on every rank, when any rank reported an error (rank 0 broadcasts the
+            message ``rank r failed: ...``, one part per failed rank).
+    """
     if info.world == 1:
         return results
     import torch.distributed as dist
 
-    payload = {name: [r.to_dict() for r in recs] for name, recs in results.items()}
+    payload = {
+        "records": {name: [r.to_dict() for r in recs] for name, recs in (results or {}).items()},
+        "error": error,
+    }
     gathered: list[Any] | None = [None] * info.world if info.rank == 0 else None
     dist.gather_object(payload, gathered, dst=0)
+    failed = [(r, p["error"]) for r, p in enumerate(gathered or []) if p["error"]]
+    box = ["; ".join(f"rank {r} failed: {e}" for r, e in failed)]
+    dist.broadcast_object_list(box, src=0)
+    if box[0]:
+        raise RankFailure(box[0], hint="the records done so far stay in the rank files; fix the "
+                                       "cause and rerun with --resume")  # fmt: skip
     if info.rank != 0:
         return None
-    merged: dict[str, list[ResponseRecord]] = {name: [] for name in results}
+    merged: dict[str, list[ResponseRecord]] = {name: [] for name in results or {}}
     for part in gathered or []:
-        for name, recs in part.items():
+        for name, recs in part["records"].items():
             merged.setdefault(name, []).extend(ResponseRecord.from_dict(r) for r in recs)
     return merged
 

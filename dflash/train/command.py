@@ -94,6 +94,7 @@ def train(
     eval_data: Annotated[Path | None, typer.Option(help="Responses for the held-out τ (default: 2% of --data).")] = None,
     eval_every: Annotated[int, typer.Option(help="Held-out τ every N steps.")] = 200,
     save_every: Annotated[int, typer.Option(help="Checkpoint every N steps.")] = 500,
+    log_every: Annotated[int, typer.Option(help="Log record (loss, samples/s) every N steps.")] = 10,
     time_limit: Annotated[float | None, typer.Option(help="Seconds of training; the schedule anneals to fit.")] = None,
     pause_after: Annotated[float | None, typer.Option(help="Stop this invocation after N seconds; run again to resume.")] = None,
     seed: Annotated[int, typer.Option(help="Seed for initialisation, order and anchors.")] = 0,
@@ -104,8 +105,13 @@ def train(
     mask_token_id: Annotated[int | None, typer.Option(help="Mask id of a fresh draft (default: as init-draft).")] = None,
     resume_from: Annotated[Path | None, typer.Option(help="Continue from a draft folder written by train (weights only): fresh optimizer and schedule, step count kept; --max-steps counts all steps.")] = None,
 ) -> None:  # fmt: skip
-    """Train a DFlash draft on target-regenerated data (paper recipe); resumable."""
-    from dflash.train.train import TrainConfig, Trainer, load_training_target
+    """Train a DFlash draft on target-regenerated data (paper recipe); resumable.
+
+    Under ``torchrun --nproc-per-node N -m dflash train ...`` the run is data-parallel over N
+    processes (one GPU each): --batch-tokens is per process, rank 0 prints, evaluates and writes.
+    """
+    from dflash.bench.harness import finish_distributed, init_distributed
+    from dflash.train.train import TrainConfig
 
     if gamma is not None and gamma <= 0:
         raise InputError(f"--gamma must be > 0, got {gamma}.")
@@ -117,17 +123,38 @@ def train(
                       max_steps=max_steps, lr=lr, max_len=max_len, batch_tokens=batch_tokens,
                       gamma=gamma, seed=seed, time_limit=time_limit,
                       eval_data=str(eval_data) if eval_data else None, eval_every=eval_every,
-                      save_every=save_every, attention=attention, device=device,
+                      save_every=save_every, log_every=log_every, attention=attention, device=device,
                       save_dtype=save_dtype, state_dir=str(state_dir) if state_dir else None,
                       mask_token_id=mask_token_id,
                       resume_from=str(resume_from) if resume_from else None)  # fmt: skip
     cfg.check()
+    info = init_distributed(device)
+    failed = True
+    try:
+        _train(cfg, info, pause_after)
+        failed = False
+    finally:
+        finish_distributed(info, failed=failed)
+
+
+def _train(cfg, info, pause_after: float | None) -> None:
+    """Load the target on this rank's device, train, and print (rank 0) progress and a summary."""
     import torch
 
-    torch.manual_seed(seed)
-    model, _tok = load_training_target(target, device)
+    from dflash.train.train import Trainer, load_training_target
+
+    if info.world > 1:
+        cuda = torch.cuda.is_available() and cfg.device != "cpu"
+        cfg.device = f"cuda:{info.local_rank}" if cuda else "cpu"
+        from dflash.bench.harness import once_per_machine
+        from dflash.models.target_torch import resolve_target
+
+        once_per_machine(info, lambda: resolve_target(cfg.target))  # a .gguf converts once
+    torch.manual_seed(cfg.seed)
+    model, _tok = load_training_target(cfg.target, cfg.device)
+    out, rank0 = cfg.out, info.rank == 0
     console = Console(stderr=True, soft_wrap=True)  # no 80-column cut when piped
-    live = console.is_terminal  # a live bar on a terminal, one log line per interval otherwise
+    live = console.is_terminal and rank0  # a live bar on a terminal, else a line per interval
     bar = Progress(TextColumn("training"), BarColumn(), MofNCompleteColumn(),
                    TextColumn("{task.fields[stats]}"), TimeElapsedColumn(), console=console,
                    disable=not live)  # fmt: skip
@@ -138,6 +165,8 @@ def train(
         return "n/a" if math.isnan(x) else f"{x:.{digits}f}"
 
     def on_log(rec: dict) -> None:
+        if not rank0:
+            return
         if "warning" in rec:
             console.print(f"[yellow]warning:[/] {rec['warning']}")
             return
@@ -150,18 +179,26 @@ def train(
                           + (f", loss {rec['loss']:.3f}" if "loss" in rec else ""))  # fmt: skip
         if "loss" in rec:
             stats = (f"loss {rec['loss']:.3f} acc {rec['accuracy']:.2f} train τ {rec['accept']:.2f} "
-                     f"held-out τ {tau_text(heldout['tau'], 2)} lr {rec['lr']:.1e}")  # fmt: skip
+                     f"held-out τ {tau_text(heldout['tau'], 2)} lr {rec['lr']:.1e} "
+                     f"{rec['samples_per_s']:.1f} samples/s")  # fmt: skip
             bar.update(task, completed=rec["step"], stats=stats)
             if not live:
                 total = bar.tasks[0].total
                 console.print(f"step {rec['step']}/{total:.0f}: {stats}" if total else
                               f"step {rec['step']}: {stats}", highlight=False)  # fmt: skip
 
-    trainer = Trainer(cfg, model, on_log=on_log)
+    trainer = Trainer(cfg, model, on_log=on_log, dist=info)
     base = trainer.base_step  # steps of earlier segments (--resume-from)
     bar.update(task, total=base + trainer.total_steps, completed=base + trainer.cursor["step"])
     with bar:
         last = trainer.run(pause_after=pause_after)
+    if not rank0:
+        return
     state = "finished" if trainer.finished() else "paused (run again to resume)"
+    speed = trainer.speed
+    rate = (f", {speed['samples'] / speed['seconds']:.2f} samples/s "
+            f"({speed['tokens'] / speed['seconds']:,.0f} tok/s, {info.world} process(es))"
+            if speed["seconds"] > 0 else "")  # fmt: skip
     console.print(f"wrote {out}: step {base + trainer.cursor['step']}/{base + trainer.total_steps} {state}, "
-                  f"held-out τ {tau_text(heldout['tau'], 3)}, loss {tau_text(last.get('loss', math.nan), 3)}")  # fmt: skip
+                  f"held-out τ {tau_text(heldout['tau'], 3)}, loss {tau_text(last.get('loss', math.nan), 3)}"
+                  + rate)  # fmt: skip

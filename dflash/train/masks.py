@@ -33,7 +33,9 @@ def slot_weights(block_size: int, gamma: float | None = None) -> torch.Tensor:
 
 
 def sample_anchors(
-    loss_mask: torch.Tensor, max_anchors: int, generator: torch.Generator | None = None
+    loss_mask: torch.Tensor,
+    max_anchors: int,
+    generator: torch.Generator | list[torch.Generator] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick anchor positions uniformly without replacement, per row.
 
@@ -44,7 +46,10 @@ def sample_anchors(
     Args:
         loss_mask: [B, S] bool, True at response positions.
         max_anchors: cap on blocks per row (the ``--anchors`` option).
-        generator: CPU torch generator for reproducible draws (None: global RNG).
+        generator: CPU torch generator for reproducible draws (None: global RNG), or one
+            generator per row: a row's kept anchors then depend only on its own generator and
+            its loss mask (not on the other rows or the padded width), so a sequence gets the
+            same anchors in any batch (data-parallel training relies on it).
 
     Returns:
         anchors: [B, N] int64 ascending per row (padding 0 last), N = min(cap, most candidates).
@@ -58,7 +63,14 @@ def sample_anchors(
     if n == 0:
         empty = torch.zeros(b, 0, dtype=torch.long, device=loss_mask.device)
         return empty, empty.bool()
-    keys = torch.rand(b, s, generator=generator).to(loss_mask.device)  # random order per row
+    if isinstance(generator, list):  # keys over the row's own positions (up to its last label)
+        ends = (s - loss_mask.flip(1).int().argmax(1)).tolist()
+        keys = torch.full((b, s), 2.0)
+        for r, (g, end) in enumerate(zip(generator, ends, strict=True)):
+            keys[r, :end] = torch.rand(end, generator=g)
+        keys = keys.to(loss_mask.device)
+    else:
+        keys = torch.rand(b, s, generator=generator).to(loss_mask.device)  # random order per row
     keys = torch.where(cand, keys, torch.full_like(keys, 2.0))  # non-candidates last
     picked = keys.argsort(dim=1)[:, :n]  # [B, N]
     keep = torch.arange(n, device=loss_mask.device)[None] < counts[:, None]

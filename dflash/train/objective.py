@@ -101,17 +101,21 @@ class StepOutput:
     loss: torch.Tensor
     accuracy: torch.Tensor  # weighted share of slots whose argmax equals the label
     accept: torch.Tensor  # mean over blocks of 1 + leading correct slots (a training tau proxy)
-    blocks: int
+    blocks: int  # kept blocks of this batch (of this rank's part under data parallelism)
+    weight: torch.Tensor | None = None  # float32 sum of the slot weights the loss averages over
+    grad_norm: torch.Tensor | None = None  # total gradient norm before clipping (set by the step)
 
 
 def draft_hidden(draft, target: FrozenTarget, input_ids, attention_mask, loss_mask, anchors,
-                 keep, *, flex: bool = False, gamma: float | None = None):  # fmt: skip
+                 keep, *, flex: bool = False, gamma: float | None = None, runner=None):  # fmt: skip
     """Run the draft over the blocks opened at ``anchors``.
 
     Args:
         input_ids, attention_mask: [B, S] int64 right-padded batch; loss_mask: [B, S] bool.
         anchors, keep: [B, N] (see :func:`dflash.train.masks.sample_anchors`).
         flex: use a FlexAttention BlockMask instead of a dense bool mask.
+        runner: the module whose call runs the draft (e.g. its DistributedDataParallel
+            wrapper, so that backward syncs gradients); None: ``draft`` itself.
 
     Returns:
         (h [B, N*L, H] final-normed draft states, blocks dict of :func:`build_blocks`).
@@ -126,20 +130,24 @@ def draft_hidden(draft, target: FrozenTarget, input_ids, attention_mask, loss_ma
         emb = emb.float()  # keep the residual stream in float32 under autocast
     ctx_pos = torch.arange(s, device=input_ids.device)[None].expand(b, s)
     masks = layer_masks(cfg, anchors, s, flex=flex)
-    h = draft(emb, feats, blocks["q_pos"], ctx_pos, masks=masks)
+    h = (runner or draft)(emb, feats, blocks["q_pos"], ctx_pos, masks=masks)
     return h, blocks
 
 
 def batch_loss(draft, target: FrozenTarget, batch: dict, *, flex: bool = False,
-               gamma: float | None = None, chunk: int = 8192) -> StepOutput:  # fmt: skip
+               gamma: float | None = None, chunk: int = 8192, runner=None) -> StepOutput:  # fmt: skip
     """Forward one batch and return the weighted loss with its statistics (see StepOutput).
+
+    A batch whose ``keep`` is all False (a data-parallel rank without a sequence this step) gives
+    loss 0 and weight 0, and backward still reaches every draft parameter (zero gradients).
 
     Args:
         batch: ``input_ids``, ``attention_mask``, ``loss_mask``, ``anchors``, ``keep`` tensors.
+        runner: see :func:`draft_hidden`.
     """
     h, blocks = draft_hidden(draft, target, batch["input_ids"], batch["attention_mask"],
                              batch["loss_mask"], batch["anchors"], batch["keep"], flex=flex,
-                             gamma=gamma)  # fmt: skip
+                             gamma=gamma, runner=runner)  # fmt: skip
     w = blocks["weights"].reshape(-1)  # [B*N*L]
     sel = w > 0
     loss, correct = head_cross_entropy(h.reshape(-1, h.shape[-1])[sel], target.head,
@@ -151,8 +159,9 @@ def batch_loss(draft, target: FrozenTarget, batch: dict, *, flex: bool = False,
     kept = batch["keep"].reshape(-1)
     lead = hit.int().cumprod(dim=1).sum(dim=1).float()  # leading correct slots per block
     accept = 1.0 + (lead * kept).sum() / kept.sum().clamp(min=1)
-    acc = (correct.float() * w[sel]).sum() / w[sel].sum().clamp(min=1e-12)
-    return StepOutput(loss, acc.detach(), accept.detach(), int(kept.sum()))
+    wsum = w[sel].sum().float()
+    acc = (correct.float() * w[sel]).sum() / wsum.clamp(min=1e-12)
+    return StepOutput(loss, acc.detach(), accept.detach(), int(kept.sum()), wsum.detach())
 
 
 # ------------------------------------------------------------------------- acceptance estimate

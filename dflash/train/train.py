@@ -5,7 +5,8 @@
 Recipe (paper §4.2/§5, brief §8): AdamW lr 6e-4, cosine schedule with 4% warmup, gradient clip
 1.0, bf16 autocast on CUDA, random anchors re-sampled every epoch. ``out/`` always holds the
 latest draft in the loader's format; ``out/state/`` (or ``--state-dir``) holds the float32
-weights, the optimizer moments and the cursor for an exact resume.
+weights, the optimizer moments and the cursor for an exact resume. Under torchrun the run is
+data-parallel (``dflash.train.distributed``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,10 @@ from pathlib import Path
 
 import torch
 
-from dflash.errors import CheckpointError, DatasetError, InputError
+from dflash.bench.harness import DistInfo
+from dflash.errors import DatasetError, InputError
+from dflash.train import distributed as ddp
+from dflash.train.checkpoint import _weights_only, load_state, save_state, write_acceptance
 from dflash.train.data import collate, make_batches, prepare, read_shards
 from dflash.train.masks import round_up, sample_anchors
 from dflash.train.objective import FrozenTarget, batch_loss, estimate_acceptance
@@ -99,6 +103,8 @@ class TrainConfig:
                  (self.batch_tokens >= self.max_len or self.batch_tokens >= 4, "--batch-tokens must be >= 4"),
                  (0 <= self.warmup < 1, "warmup must be in [0, 1)"),
                  (self.max_steps is None or self.max_steps >= 1, "--max-steps must be >= 1"),
+                 (min(self.log_every, self.eval_every, self.save_every) >= 1,
+                  "--log-every, --eval-every and --save-every must be >= 1"),
                  (self.attention in ("auto", "flex", "dense"), "--attention must be auto, flex or dense"),
                  (self.save_dtype in ("bfloat16", "float32"), "--save-dtype must be bfloat16 or float32")]  # fmt: skip
         for ok, msg in rules:
@@ -112,63 +118,6 @@ def lr_at(progress: float, base: float, warmup: float) -> float:
         return base * progress / warmup
     rest = (progress - warmup) / max(1e-12, 1.0 - warmup)
     return base * 0.5 * (1.0 + math.cos(math.pi * min(1.0, rest)))
-
-
-# ----------------------------------------------------------------------------- checkpoints
-
-
-def save_state(state_dir: Path, draft, opt, cursor: dict) -> None:
-    """Write float32 weights, AdamW moments (safetensors) and the cursor (JSON), atomically."""
-    from dflash.models.draft_torch import save_safetensors
-
-    tmp = state_dir.with_name(state_dir.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
-    draft.save(tmp / "draft")
-    names = {id(p): n for n, p in draft.named_parameters()}
-    moments, steps = {}, {}
-    for group in opt.param_groups:
-        for p in group["params"]:
-            st = opt.state.get(p)
-            if st:
-                moments[f"exp_avg.{names[id(p)]}"] = st["exp_avg"].detach().cpu().contiguous()
-                moments[f"exp_avg_sq.{names[id(p)]}"] = st["exp_avg_sq"].detach().cpu().contiguous()
-                steps[names[id(p)]] = float(st["step"])
-    save_safetensors(moments, tmp / "optimizer.safetensors")
-    (tmp / "trainer_state.json").write_text(json.dumps({**cursor, "adam_steps": steps}, indent=1))
-    if state_dir.exists():
-        import shutil
-
-        shutil.rmtree(state_dir)
-    tmp.rename(state_dir)
-
-
-def load_state(state_dir: Path, draft, opt) -> dict:
-    """Restore AdamW moments into ``opt`` (the weights are loaded by the caller); returns the cursor.
-
-    Raises:
-        CheckpointError: missing or unreadable files.
-    """
-    from safetensors.torch import load_file
-
-    try:
-        cursor = json.loads((state_dir / "trainer_state.json").read_text())
-        moments = load_file(str(state_dir / "optimizer.safetensors"))
-    except (OSError, json.JSONDecodeError, ValueError) as e:
-        raise CheckpointError(f"Cannot read the training state in {state_dir}: {e}.",
-                              hint="delete the state folder to start over") from e  # fmt: skip
-    on_device = bool(opt.defaults.get("fused") or opt.defaults.get("capturable"))
-    for name, p in draft.named_parameters():
-        if name in cursor["adam_steps"]:
-            opt.state[p] = {  # fused/capturable AdamW keeps its step counters on the device
-                "step": torch.tensor(
-                    cursor["adam_steps"][name],
-                    dtype=torch.float32,
-                    device=p.device if on_device else "cpu",
-                ),
-                "exp_avg": moments[f"exp_avg.{name}"].to(p.device, p.dtype),
-                "exp_avg_sq": moments[f"exp_avg_sq.{name}"].to(p.device, p.dtype),
-            }
-    return cursor
 
 
 def _fresh_draft(cfg: TrainConfig, state_dir: Path):
@@ -200,13 +149,17 @@ class Trainer:
         cfg: the run settings.
         target_model: a loaded HF causal LM on the training device (frozen here).
         on_log: callback(record dict) for every log/eval record (progress bar, files).
+        dist: rank and world size of a data-parallel run (process group already initialised;
+            see ``dflash.train.distributed``); None: one process.
     """
 
     def __init__(
-        self, cfg: TrainConfig, target_model, on_log: Callable[[dict], None] | None = None
-    ):
+        self, cfg: TrainConfig, target_model, on_log: Callable[[dict], None] | None = None,
+        dist: DistInfo | None = None,
+    ):  # fmt: skip
         cfg.check()
         self.cfg, self.on_log = cfg, on_log or (lambda r: None)
+        self.dist = dist or DistInfo()
         self.device = next(target_model.parameters()).device
         self.out = Path(cfg.out)
         self.state_dir = Path(cfg.state_dir) if cfg.state_dir else self.out / "state"
@@ -229,17 +182,24 @@ class Trainer:
         fused = self.device.type == "cuda"
         self.opt = torch.optim.AdamW(self.draft.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
                                      weight_decay=cfg.weight_decay, fused=fused)  # fmt: skip
-        order_seed = cfg.seed + self.base_step  # a resumed segment draws a new order and anchors
-        self.epoch_batches = [make_batches(self.lengths, cfg.batch_tokens, order_seed, e)
+        # a resumed segment draws a new order and anchors; global batches hold W x batch_tokens
+        self.order_seed = cfg.seed + self.base_step
+        world = self.dist.world
+        self.epoch_batches = [make_batches(self.lengths, cfg.batch_tokens * world, self.order_seed, e)
                               for e in range(cfg.epochs)]  # fmt: skip
         total = sum(len(b) for b in self.epoch_batches)
         self.cursor = {"step": 0, "epoch": 0, "batch": 0, "elapsed": 0.0, "log": prior_log,
                        "base_step": self.base_step, "max_steps": cfg.max_steps,
-                       "settings": {k: getattr(cfg, k) for k in RESUME_KEYS}}  # fmt: skip
+                       "settings": {**{k: getattr(cfg, k) for k in RESUME_KEYS}, "world": world}}  # fmt: skip
         if resume:
             cur = load_state(self.state_dir, self.draft, self.opt)
             cur["settings"].pop("max_steps", None)  # states of older versions kept it
             cur["settings"].setdefault("resume_from", None)
+            was = cur["settings"].setdefault("world", 1)
+            if was != world:
+                raise InputError(f"{self.state_dir} holds a run of {was} process(es) and this run has "
+                                 f"{world} (the global batch is --batch-tokens x processes).",
+                                 hint=f"resume with torchrun --nproc-per-node {was}, or use another --out")  # fmt: skip
             if cur["settings"] != self.cursor["settings"]:
                 raise InputError(f"{self.state_dir} holds a run with other settings.",
                                  hint="use the same options, another --out, or delete the state folder")  # fmt: skip
@@ -268,6 +228,7 @@ class Trainer:
             cfg.attention == "auto" and self.device.type == "cuda"
         )
         self.autocast = torch.bfloat16 if self.device.type == "cuda" else None
+        self.runner = ddp.wrap(self.draft, self.dist)  # runs the forward (syncs gradients)
 
     def _load_data(self):
         cfg = self.cfg
@@ -299,12 +260,17 @@ class Trainer:
         rows = target_model.get_input_embeddings().weight.shape[0]
         check_pair(draft.config, target_model.config, rows, [])
 
-    def _batch(self, idx: list[int], epoch: int, bi: int) -> dict:
-        """Tensors of one batch; anchors drawn from a generator seeded by (seed, epoch, batch)."""
+    def _batch(self, idx: list[int], epoch: int, empty: bool = False) -> dict:
+        """Tensors of one batch. Each sequence's anchors come from a generator seeded by
+        (seed, epoch, sequence index): the same in any batch, whatever its padding. ``empty``:
+        no block is kept (a data-parallel rank without a sequence this step; zero weight)."""
         mult = 128 if self.flex else 1
         ids, att, loss_mask = collate([self.seqs[i] for i in idx], self.pad_id, multiple=mult)
-        gen = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + epoch * 100_003 + bi)
-        anchors, keep = sample_anchors(loss_mask, self.cfg.anchors, gen)
+        base = (self.order_seed * 1_000_003 + epoch) * 10_000_019
+        gens = [torch.Generator().manual_seed((base + i) % 2**63) for i in idx]
+        anchors, keep = sample_anchors(loss_mask, self.cfg.anchors, gens)
+        if empty:
+            keep = torch.zeros_like(keep)
         if self.flex:  # fewer distinct shapes for the compiled kernel
             n = round_up(max(1, anchors.shape[1]), 8)
             pad = n - anchors.shape[1]
@@ -321,18 +287,27 @@ class Trainer:
         with torch.autocast(self.device.type, dtype=self.autocast or torch.float32,
                             enabled=self.autocast is not None):  # fmt: skip
             out = batch_loss(self.draft, self.target, batch, flex=self.flex, gamma=self.cfg.gamma,
-                             chunk=8192 if self.device.type == "cuda" else 1024)  # fmt: skip
-        out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.draft.parameters(), self.cfg.clip)
+                             chunk=8192 if self.device.type == "cuda" else 1024, runner=self.runner)  # fmt: skip
+        loss = out.loss
+        if self.dist.world > 1:  # global statistics; DDP's average = the global batch's gradient
+            loss, out = ddp.global_step_stats(out, self.dist)
+        loss.backward()
+        out.grad_norm = torch.nn.utils.clip_grad_norm_(self.draft.parameters(), self.cfg.clip)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         return out
 
     def evaluate(self) -> dict | None:
         """Held-out acceptance estimate (see ``estimate_acceptance``), overall and per dataset
-        (``per_dataset``: name -> τ); None without eval data."""
+        (``per_dataset``: name -> τ); None without eval data. Data-parallel: rank 0 evaluates,
+        every rank returns its result."""
         if not self.eval_seqs:
             return None
+        if self.dist.world > 1:
+            return ddp.from_rank0(self._evaluate() if self.dist.rank == 0 else None, self.dist)
+        return self._evaluate()
+
+    def _evaluate(self) -> dict:
         from dflash.train.objective import merge_acceptance
 
         parts = {name: estimate_acceptance(self.draft, self.target, group, pad_id=self.pad_id,
@@ -347,7 +322,13 @@ class Trainer:
         return res
 
     def save(self) -> None:
-        """Write the resume state and export the draft (loader format) into ``out``."""
+        """Write the resume state and export the draft (loader format) into ``out``; rank 0
+        writes and the other ranks wait for it."""
+        if self.dist.rank == 0:
+            self._save()
+        ddp.barrier(self.dist)
+
+    def _save(self) -> None:
         save_state(self.state_dir, self.draft, self.opt, self.cursor)
         export = self.draft.config
         dtype = getattr(torch, self.cfg.save_dtype)
@@ -390,46 +371,69 @@ class Trainer:
             until_step: pause (save and return) at this optimizer step; a later run resumes.
             pause_after: pause after this many seconds of this call (the schedule is unchanged).
 
-        Wall time between steps (evals and saves included) counts towards ``time_limit``.
+        Wall time between steps (evals and saves included) counts towards ``time_limit``. Log
+        records carry ``samples_per_s`` and ``tokens_per_s``: sequences and their (unpadded)
+        tokens trained per second of training steps since the previous record, over all ranks
+        (``samples`` sequences in ``train_s`` seconds, evals and saves left out);
+        :attr:`speed` sums this call. Data-parallel runs follow rank 0's clock for
+        ``time_limit`` and ``pause_after`` (one broadcast per step, only with those options).
         """
         cfg, cur = self.cfg, self.cursor
         if cur["step"] == 0 and self.eval_seqs:
             self._record({"step": self.base_step, "heldout": self.evaluate(), "elapsed": 0.0})
         t_mark, pending, t_call = time.perf_counter(), [], time.perf_counter()
+        clocked = self.dist.world > 1 and (cfg.time_limit is not None or pause_after is not None)
+        self.speed = {"samples": 0, "tokens": 0, "seconds": 0.0}
+        seen = [0, 0, time.perf_counter()]  # sequences, tokens, start of the interval
 
         def paused() -> bool:
             if until_step is not None and cur["step"] >= until_step:
                 return True
             return pause_after is not None and time.perf_counter() - t_call >= pause_after
 
-        while not self.finished() and not paused():
+        stop = paused()
+        while not self.finished() and not stop:
             batches = self.epoch_batches[cur["epoch"]]
             p = max((cur["step"] + 1) / self.total_steps, self._progress())
             lr = lr_at(min(1.0, p), cfg.lr, cfg.warmup)
-            out = self._guarded_step(
-                self._batch(batches[cur["batch"]], cur["epoch"], cur["batch"]), lr
-            )
-            pending.append((out.loss.detach(), out.accuracy, out.accept))
+            idx = batches[cur["batch"]]
+            part, empty = ddp.rank_part(idx, self.dist)
+            out = self._guarded_step(self._batch(part, cur["epoch"], empty), lr)
+            pending.append((out.loss.detach(), out.accuracy, out.accept, out.grad_norm.detach()))
+            seen[0], seen[1] = seen[0] + len(idx), seen[1] + sum(self.lengths[i] for i in idx)
             cur["step"], cur["batch"] = cur["step"] + 1, cur["batch"] + 1
             if cur["batch"] >= len(batches):
                 cur["epoch"], cur["batch"] = cur["epoch"] + 1, 0
             now = time.perf_counter()
             cur["elapsed"], t_mark = cur["elapsed"] + now - t_mark, now
+            stop = paused()
+            if clocked:  # every rank must stop at the same step
+                cur["elapsed"], stop = ddp.from_rank0((cur["elapsed"], stop), self.dist)
             last, step = self.finished(), cur["step"]
             gstep = self.base_step + step  # the step count across resumed segments
             do_eval = gstep % cfg.eval_every == 0 or last
-            if gstep % cfg.log_every == 0 or last or paused() or do_eval:
+            if gstep % cfg.log_every == 0 or last or stop or do_eval:
                 stats = (
                     torch.stack([torch.stack(x).float() for x in pending]).mean(0).tolist()
                 )  # sync
                 pending = []
+                secs = max(time.perf_counter() - seen[2], 1e-9)
                 rec = {"step": gstep, "epoch": cur["epoch"], "lr": lr, "loss": stats[0],
-                       "accuracy": stats[1], "accept": stats[2], "elapsed": round(cur["elapsed"], 2)}  # fmt: skip
+                       "accuracy": stats[1], "accept": stats[2], "grad_norm": stats[3],
+                       "elapsed": round(cur["elapsed"], 2),
+                       "samples_per_s": round(seen[0] / secs, 3), "tokens_per_s": round(seen[1] / secs, 1),
+                       "samples": seen[0], "train_s": round(secs, 4)}  # fmt: skip
+                for key, v in zip(self.speed, (seen[0], seen[1], secs), strict=True):
+                    self.speed[key] += v
                 if do_eval:
                     rec["heldout"] = self.evaluate()
                 self._record(rec)
             if gstep % cfg.save_every == 0 and not last:
+                t_save = time.perf_counter()
                 self.save()
+                seen[2] += time.perf_counter() - t_save
+            if gstep % cfg.log_every == 0 or last or stop or do_eval:
+                seen = [0, 0, time.perf_counter()]  # evals and saves are not training time
         self.save()
         return cur["log"][-1] if cur["log"] else {}
 
@@ -465,47 +469,6 @@ def _refuse_benchmark_data(folder: str, samples) -> None:
         raise DatasetError(f"{folder} was regenerated with --eval-only (benchmark test prompts); "
                            "never train on it.", hint="pass it as --eval-data instead")  # fmt: skip
     check_training_ids((s.id for s in samples), folder)
-
-
-def _weights_only(cfg: TrainConfig):
-    """Load a weights-only checkpoint (a draft folder) and its step count from its log.
-
-    Returns:
-        (draft float32, steps already trained, the folder's log records).
-
-    Raises:
-        CheckpointError: the folder holds no draft.
-    """
-    from dflash.models.draft_torch import DFlashDraft
-
-    folder = Path(cfg.resume_from)
-    if not (folder / "config.json").is_file():
-        raise CheckpointError(f"--resume-from {folder} holds no draft (config.json).",
-                              hint="pass a folder written by 'dflash train'")  # fmt: skip
-    draft = DFlashDraft.load(folder, dtype=torch.float32)
-    log_path = folder / "train_log.jsonl"
-    log = [json.loads(x) for x in log_path.read_text().splitlines() if x.strip()] \
-        if log_path.is_file() else []  # fmt: skip
-    steps = max((int(r.get("step", 0)) for r in log), default=0)
-    if draft.config.block_size != cfg.block_size:
-        draft.config.block_size = cfg.block_size
-    return draft, steps, log
-
-
-def write_acceptance(folder: Path, heldout: dict, block_size: int, step: int) -> None:
-    """Write ``acceptance.json``: the draft's held-out per-position acceptance rates.
-
-    ``per_position[k-1]`` = P(slot k accepted | slots 1..k-1 accepted), k = 1..L-1, estimated by
-    replaying greedy decoding over target responses (``estimate_acceptance``); ``per_dataset``
-    holds the same per evaluation dataset. A prior for choosing the block size at run time.
-    """
-    doc = {"block_size": block_size, "step": step, "tau": heldout.get("tau"),
-           "per_position": heldout.get("per_position"), "responses": heldout.get("responses"),
-           "source": "held-out estimate (teacher-forced greedy replay), dflash train"}  # fmt: skip
-    if heldout.get("per_dataset"):
-        doc["per_dataset"] = {n: {"tau": t, "per_position": heldout["per_dataset_position"][n]}
-                              for n, t in heldout["per_dataset"].items()}  # fmt: skip
-    (Path(folder) / "acceptance.json").write_text(json.dumps(doc, indent=1) + "\n")
 
 
 def load_training_target(target: str | None, device: str = "auto"):
