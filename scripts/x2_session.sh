@@ -57,6 +57,7 @@ stage)
 prep)
   cat "$W"/stage/{aa,ab,ac,ad}.part .stage/t5/ae/part > "$GGUF"
   sha256sum "$GGUF" | cut -c1-16
+  python3 -c "from pathlib import Path; from dflash.models.target_torch import gguf_to_cached_folder as g; print(g(Path('$GGUF')))"
   R=(python3 -m dflash data regenerate --target "$GGUF" --max-new-tokens 1024 --batch-size 512
      --samples 2 --sample-temperature 0.8 --time-limit "${REGEN_S:-150}")
   log "regenerate: half 0 on GPU 0; eval set then half 1 on GPU 1"

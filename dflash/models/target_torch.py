@@ -109,7 +109,8 @@ def gguf_to_cached_folder(gguf: Path) -> Path:
     folder = cache_root() / "targets" / key
     if (folder / "config.json").is_file() and any(folder.glob("*.safetensors")):
         return folder
-    tmp = folder.with_name(folder.name + ".tmp")
+    # one temporary folder per process: concurrent conversions (two jobs on two GPUs) never mix
+    tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
     try:
         tmp.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -133,11 +134,17 @@ def gguf_to_cached_folder(gguf: Path) -> Path:
     model.save_pretrained(str(tmp), safe_serialization=True)
     tok.save_pretrained(str(tmp))
     (tmp / "dflash_source.json").write_text(json.dumps({"gguf": str(gguf), "sha256_16": key}))
-    if folder.exists():
-        import shutil
+    import shutil
 
+    if (folder / "config.json").is_file() and any(folder.glob("*.safetensors")):
+        shutil.rmtree(tmp)  # another process finished the same conversion first
+        return folder
+    if folder.exists():
         shutil.rmtree(folder)
-    tmp.rename(folder)
+    try:
+        tmp.rename(folder)
+    except OSError:  # another process renamed its copy in between
+        shutil.rmtree(tmp, ignore_errors=True)
     return folder
 
 
