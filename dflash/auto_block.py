@@ -6,8 +6,8 @@ expectation
 
     τ(L) = 1 + Σ_{j=1}^{L-1} Π_{k=1}^{j} p_k      tokens (bonus included)
 
-and costs c(L) = verify(L) + draft(w) seconds (no draft for L = 1; w = L while the loop drafts
-at the step's width, the draft's trained width once the loop always drafts at that width). The
+and costs c(L) = verify(L) + draft(L) seconds (no draft for L = 1; the draft runs at its
+trained width, its LM head only on the L - 1 rows verified where the backend allows it). The
 long-run decode rate of a renewal process is E[tokens] / E[time], so each step takes
 argmax_L τ(L) / c(L) (ties go to the smaller L); L = 1 is plain decoding and wins when the draft
 does not pay. The rates start from ``acceptance.json`` in the draft folder (written at training
@@ -22,6 +22,7 @@ import hashlib
 import json
 import math
 import os
+import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -35,8 +36,9 @@ EMA_ALPHA = 0.15  # weight of one verify step in the online acceptance estimate
 PROBE_EVERY = 48  # after this many plain (L = 1) steps, one drafted step re-measures acceptance
 FEATURE_LEAD = 16  # plain steps before a probe whose target features are kept for the draft
 CALIBRATION_PROMPT = 128  # context length (tokens) the costs are timed at
-CALIBRATION_REPEATS = 3  # timed repetitions per width (the fastest is kept)
+CALIBRATION_REPEATS = 5  # timed repetitions per width (the median is kept)
 COST_LADDER = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # widths timed; others interpolated
+COST_VERSION = 2  # in the cache key: 2 = draft timed at the trained width, head on L-1 rows
 
 
 # ---------------------------------------------------------------------------------------------
@@ -142,9 +144,11 @@ class CostTable:
     """Measured seconds of one verify step and one draft forward by width.
 
     Attributes:
-        verify_s: width -> seconds of verify(anchor + width-1 proposals) + argmax + host copy
+        verify_s: width L -> seconds of verify(anchor + L-1 proposals) + argmax + host copy
             + rollback (what the loop does per step besides drafting).
-        draft_s: width -> seconds of one draft forward proposing width-1 tokens.
+        draft_s: width L -> seconds of the draft forward of a width-L step, run as the loop
+            runs it (at the draft's trained width, the head on L-1 rows where the backend
+            takes ``rows``).
         key: what the table was measured for (backend, device, dtype, model, threads...).
         source: "measured" now, or "cache" when read from disk.
     """
@@ -169,7 +173,8 @@ class CostTable:
         return table[lo] + (table[hi] - table[lo]) * (width - lo) / (hi - lo)
 
     def step_s(self, length: int, draft_width: int | None = None) -> float:
-        """Seconds of one step of width L: verify(L) + draft(draft_width or L) for L > 1."""
+        """Seconds of one step of width L: verify(L) + draft(draft_width or L) for L > 1
+        (``draft_width``: price the draft as that of a width-``draft_width`` step)."""
         cost = self._at(self.verify_s, length)
         if length > 1 and self.draft_s:
             cost += self._at(self.draft_s, draft_width or length)
@@ -199,11 +204,16 @@ def measure_costs(backend: Any, widths: list[int], *, prompt_len: int = CALIBRAT
     """Time verify and draft forwards of every width through the ``LocalBackend`` protocol.
 
     A random prompt of ``prompt_len`` tokens is prefilled, one token committed, then each width
-    is timed ``repeats`` times (widths interleaved, so a noisy moment hits all of them alike;
-    one untimed round first, which also captures CUDA graphs). Other work on the machine only
-    ever adds time, so the fastest repetition is kept, and the costs are then made
-    non-decreasing in width (pool-adjacent-violators), which removes what noise is left. The
-    target cache is rolled back after every verify; the backend is reset at the end.
+    is timed ``repeats`` times, drafting as the loop does (at the trained width; the head on
+    the L-1 rows verified when the backend sets ``draft_head_rows``). Widths are interleaved,
+    so a noisy moment hits all of them alike, after one untimed round (which also captures
+    CUDA graphs). The median repetition is kept: on a shared CPU other work slows every
+    forward roughly in proportion to its length, and the fastest repetition would find a
+    quiet moment more often for a short forward than for a long one, which skews the ratios
+    the choice depends on (measured on 2 busy cores: verify(4)/verify(1) 2.8 by the fastest
+    of 3 against 1.7 quiet). The costs are then made non-decreasing in width
+    (pool-adjacent-violators), which removes what noise is left. The target cache is rolled back after every verify; the
+    backend is reset at the end.
 
     Args:
         backend: any ``dflash.backends.base.LocalBackend`` (torch, MLX...).
@@ -216,7 +226,9 @@ def measure_costs(backend: Any, widths: list[int], *, prompt_len: int = CALIBRAT
     prompt_len = max(2, min(prompt_len, backend.max_context - max(widths) - 8
                             - (repeats + 1) * len(widths)))
     ids = [(7 + 7919 * i) % vocab for i in range(prompt_len)]
-    drafting = getattr(backend, "draft_block_size", 1) > 1 and max(widths) > 1
+    trained = getattr(backend, "draft_block_size", 1)
+    drafting = trained > 1 and max(widths) > 1
+    trim = bool(getattr(backend, "draft_head_rows", False))
     steps = (repeats + 1) * len(widths)  # each timed verify keeps its anchor (see below)
     backend.reset(prompt_len + steps + max(widths) + 8)
     _logits, _ = backend.prefill(ids, drafting)
@@ -233,7 +245,9 @@ def measure_costs(backend: Any, widths: list[int], *, prompt_len: int = CALIBRAT
             if w > 1 and drafting:
                 backend.synchronize()
                 t0 = time.perf_counter()
-                proposals, _ = backend.draft(anchor, context, start, w)
+                rows = {"rows": w - 1} if trim else {}
+                proposals, _ = backend.draft(anchor, context, start, max(w, trained), **rows)
+                proposals = proposals[: w - 1]
                 backend.to_list(proposals)
                 backend.synchronize()
                 if rep:
@@ -252,8 +266,8 @@ def measure_costs(backend: Any, widths: list[int], *, prompt_len: int = CALIBRAT
             if rep:
                 verify[w].append(time.perf_counter() - t0)
     backend.reset(prompt_len + max(widths) + 8)
-    return CostTable(monotone({w: min(v) for w, v in verify.items() if v}),
-                     monotone({w: min(v) for w, v in draft.items() if v}))  # fmt: skip
+    return CostTable(monotone({w: statistics.median(v) for w, v in verify.items() if v}),
+                     monotone({w: statistics.median(v) for w, v in draft.items() if v}))  # fmt: skip
 
 
 def monotone(table: dict[int, float]) -> dict[int, float]:
@@ -284,7 +298,7 @@ def load_or_measure_costs(backend: Any, key: dict[str, Any], widths: list[int]) 
     ``DFLASH_RECALIBRATE=1`` ignores the cache. A missing, corrupt or unwritable cache only
     means measuring again (never an error).
     """
-    key = {**key, "widths": list(widths)}
+    key = {**key, "widths": list(widths), "cost_version": COST_VERSION}
     path = cost_cache_path(key)
     if not os.environ.get("DFLASH_RECALIBRATE") and path.is_file():
         try:

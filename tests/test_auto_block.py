@@ -221,6 +221,8 @@ class CyclePolicy:
 class ContextCheck:
     """Wraps the dynamic backend; asserts the draft always receives every committed row once."""
 
+    draft_head_rows = False  # the wrapped draft returns its whole block
+
     def __init__(self, inner, strict=True):
         self.inner, self.proposals, self.strict, self.calls = inner, [], strict, []
 
@@ -370,3 +372,40 @@ def test_generate_block_size_option_and_verbose_line(capsys):
     lines = capsys.readouterr().err.splitlines()
     assert lines[0].startswith("[auto: step cost ms by L 1:11.0 2:14.0")
     assert lines[1] == "[step 1: L=1 predicted τ 1.00 cost 11.0 ms (90.9 tok/s) -> committed 1]"
+
+
+class RowsSpy:
+    """Wraps the dynamic backend; records the (width, rows) of every draft call."""
+
+    def __init__(self, inner):
+        self.inner, self.calls = inner, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def draft(self, anchor, context, start, length, rows=None):
+        self.calls.append((length, rows))
+        return self.inner.draft(anchor, context, start, length, rows=rows)
+
+
+def test_draft_head_runs_on_the_verified_rows_only(tiny_backend, truth):
+    """``rows=k`` returns the first k of the full block's proposals; the loop asks for L-1 rows
+    of a trained-width draft, the costs are timed the same way, and the output stays greedy."""
+    be = tiny_backend
+    assert be.draft_head_rows
+    full = []
+    for rows in (None, 5, 1):
+        be.reset(len(PROMPT) + 40)
+        _, feats = be.prefill(PROMPT, True)
+        ids, logits = be.draft(PROMPT[-1], feats, len(PROMPT), B, rows=rows)
+        assert ids.shape[0] == (rows or B - 1) and logits.shape[0] == ids.shape[0]
+        full = full or ids.tolist()
+        assert ids.tolist() == full[: ids.shape[0]]
+    spy, policy = RowsSpy(be), CyclePolicy(SCHEDULE)
+    rounds = list(speculative_generate(spy, PROMPT, block_size=B, max_new_tokens=60, policy=policy))
+    assert [t for r in rounds for t in r.tokens] == truth[:60]
+    drafted = [r.proposed for r in rounds if r.accepted is not None and r.proposed]
+    assert spy.calls == [(B, p) for p in drafted]
+    spy.calls = []
+    measure_costs(spy, [1, 2, 4], prompt_len=16, repeats=1)
+    assert sorted(set(spy.calls)) == [(B, 1), (B, 3)]
