@@ -34,6 +34,7 @@ ACCEPTANCE_FILE = "acceptance.json"
 PRIOR_RATE = 0.5  # per-position acceptance assumed for a draft without acceptance.json
 EMA_ALPHA = 0.15  # weight of one verify step in the online acceptance estimate
 PROBE_EVERY = 48  # after this many plain (L = 1) steps, one drafted step re-measures acceptance
+PROBE_GAP_MAX = 1536  # a probe that does not bring drafting back doubles the gap, up to this
 FEATURE_LEAD = 16  # plain steps before a probe whose target features are kept for the draft
 CALIBRATION_PROMPT = 128  # context length (tokens) the costs are timed at
 CALIBRATION_REPEATS = 5  # timed repetitions per width (the median is kept)
@@ -361,7 +362,10 @@ class BlockPolicy:
         draft_width: the width the loop drafts at (None: at L; an int: always at that width,
             the first L-1 proposals used).
         alpha: EMA weight of one observation.
-        probe_every: plain steps in a row before one drafted probe step (0 disables).
+        probe_every: plain steps in a row before one drafted probe step (0 disables); each
+            probe after which the choice stays at L = 1 doubles the gap (up to
+            ``PROBE_GAP_MAX``), drafting again resets it, so on a long weak-draft request the
+            probes cost less and less (on a CPU a failed probe costs about 1.5 plain steps).
     """
 
     def __init__(self, costs: CostTable, prior: AcceptancePrior, max_width: int, *,
@@ -380,6 +384,7 @@ class BlockPolicy:
         self.alpha, self.probe_every = alpha, probe_every
         self.history: list[Choice] = []
         self._plain_run = 0
+        self._probe_gap = probe_every  # plain steps before the next probe
 
     def effective_rates(self) -> list[float]:
         """p_1 .. p_{B-1} used for predictions: the EMA where this request has reached a
@@ -414,9 +419,12 @@ class BlockPolicy:
     def choose(self, remaining: int) -> int:
         """L for the next step, given ``remaining`` tokens of budget (L <= remaining)."""
         choice = self.best(remaining)
+        if self.history and self.history[-1].probe:  # did the probe bring drafting back?
+            gap = self._probe_gap * 2 if choice.block_size == 1 else self.probe_every
+            self._probe_gap = min(gap, max(PROBE_GAP_MAX, self.probe_every))
         if choice.block_size == 1 and self.probe_every and remaining > 1 and len(self.widths) > 1:
             self._plain_run += 1
-            if self._plain_run >= self.probe_every:
+            if self._plain_run >= self._probe_gap:
                 choice = self.best(remaining, drafted_only=True)
                 choice.probe = True
         if choice.block_size > 1:
@@ -434,7 +442,7 @@ class BlockPolicy:
         """
         if not self.history or self.history[-1].block_size > 1 or not self.probe_every:
             return True
-        return self.probe_every - self._plain_run <= FEATURE_LEAD
+        return self._probe_gap - self._plain_run <= FEATURE_LEAD
 
     def observe(self, accepted: int, proposed: int) -> None:
         """Update the rates from one verify step: ``accepted`` of ``proposed`` drafts matched.

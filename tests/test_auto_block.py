@@ -171,7 +171,24 @@ def test_probe_after_plain_steps(tiny_backend, truth):
     assert [t for r in rounds for t in r.tokens] == truth[:60]
     chosen = [c.block_size for c in policy.history]
     probes = [i for i, c in enumerate(policy.history) if c.probe]
-    assert probes and all(chosen[i] > 1 for i in probes) and chosen.count(1) >= 45
+    assert probes == [9, 29] and all(chosen[i] > 1 for i in probes)  # a failed probe: gap x2
+    assert chosen.count(1) == len(chosen) - 2
+
+
+def test_probe_gap_doubles_while_probes_fail_and_resets_when_drafting_resumes():
+    policy = BlockPolicy(linear_costs(1.0, 0.05, 0.3, 0.0), AcceptancePrior(B, [0.0] * 15), B,
+                         alpha=1.0, probe_every=4)  # fmt: skip
+    script = {27: True, 28: False}  # step -> the draft right everywhere (True) or nowhere
+    for step in range(60):
+        width = policy.choose(1000)
+        if width > 1:
+            policy.observe(width - 1 if script.get(step) else 0, width - 1)
+    chosen = [c.block_size for c in policy.history]
+    probes = [i for i, c in enumerate(policy.history) if c.probe]
+    # the probe is the gap-th step of a plain run: gaps 4, 8, 16 while probes fail; the probe
+    # at 27 succeeds (drafting at 28), 28 fails, then the gap is back to 4 (32), 8 (40), 16 (56)
+    assert probes == [3, 11, 27, 32, 40, 56]
+    assert [i for i, w in enumerate(chosen) if w > 1] == [3, 11, 27, 28, 32, 40, 56]
 
 
 def test_plain_runs_skip_features_until_the_probe(tiny_backend, truth, monkeypatch):
@@ -191,11 +208,11 @@ def test_plain_runs_skip_features_until_the_probe(tiny_backend, truth, monkeypat
                          probe_every=10)  # fmt: skip
     rounds = list(speculative_generate(be, PROMPT, block_size=B, max_new_tokens=40, policy=policy))
     assert [t for r in rounds for t in r.tokens] == truth[:40]
-    # until the draft has seen the prompt every step keeps features; after the first probe
-    # (step 10) steps 11-15 are plain without features, 16-19 with (4 before the probe)
+    # until the draft has seen the prompt every step keeps features; the first probe (step
+    # 10) fails, so the next comes after 20 plain steps: 15 without features, 4 with
     assert calls[:10] == [True] * 10
-    assert calls[10:20] == [False] * 5 + [True] * 4 + [True]
-    assert policy.history[9].probe and policy.history[19].probe
+    assert calls[10:30] == [False] * 15 + [True] * 4 + [True]
+    assert policy.history[9].probe and policy.history[29].probe
     cached, rows, start = be.calls[1]  # the second probe: the 4 latest rows, ending at start
     assert rows == 4 and cached < start - rows
 
