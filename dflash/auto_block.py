@@ -35,6 +35,7 @@ PRIOR_RATE = 0.5  # per-position acceptance assumed for a draft without acceptan
 EMA_ALPHA = 0.15  # weight of one verify step in the online acceptance estimate
 PROBE_EVERY = 48  # after this many plain (L = 1) steps, one drafted step re-measures acceptance
 PROBE_GAP_MAX = 1536  # a probe that does not bring drafting back doubles the gap, up to this
+FIRST_PROBE = 2  # a request that starts plain probes at its 2nd step: its own evidence, early
 FEATURE_LEAD = 16  # plain steps before a probe whose target features are kept for the draft
 CALIBRATION_PROMPT = 128  # context length (tokens) the costs are timed at
 CALIBRATION_REPEATS = 5  # timed repetitions per width (the median is kept)
@@ -366,11 +367,17 @@ class BlockPolicy:
             probe after which the choice stays at L = 1 doubles the gap (up to
             ``PROBE_GAP_MAX``), drafting again resets it, so on a long weak-draft request the
             probes cost less and less (on a CPU a failed probe costs about 1.5 plain steps).
+        first_probe: the gap while the request has not drafted yet. The prior was measured
+            elsewhere (another device, dataset, dtype); where it makes drafting look slightly
+            worse than plain decoding (the demo pair on a CPU) a request would otherwise wait
+            ``probe_every`` steps for its first evidence, and one probe then moves the EMA
+            too little to matter: an easy request (gsm8k) decoded plainly throughout.
     """
 
     def __init__(self, costs: CostTable, prior: AcceptancePrior, max_width: int, *,
                  widths: list[int] | tuple[int, ...] | None = None, draft_width: int | None = None,
-                 alpha: float = EMA_ALPHA, probe_every: int = PROBE_EVERY):  # fmt: skip
+                 alpha: float = EMA_ALPHA, probe_every: int = PROBE_EVERY,
+                 first_probe: int = FIRST_PROBE):  # fmt: skip
         self.costs, self.prior, self.max_width = costs, prior, max_width
         allowed = widths if widths else range(1, max_width + 1)
         self.widths = sorted({int(w) for w in allowed if 1 <= w <= max_width} | {1})
@@ -384,7 +391,7 @@ class BlockPolicy:
         self.alpha, self.probe_every = alpha, probe_every
         self.history: list[Choice] = []
         self._plain_run = 0
-        self._probe_gap = probe_every  # plain steps before the next probe
+        self._probe_gap = min(first_probe, probe_every)  # plain steps before the next probe
 
     def effective_rates(self) -> list[float]:
         """p_1 .. p_{B-1} used for predictions: the EMA where this request has reached a
@@ -419,8 +426,8 @@ class BlockPolicy:
     def choose(self, remaining: int) -> int:
         """L for the next step, given ``remaining`` tokens of budget (L <= remaining)."""
         choice = self.best(remaining)
-        if self.history and self.history[-1].probe:  # did the probe bring drafting back?
-            gap = self._probe_gap * 2 if choice.block_size == 1 else self.probe_every
+        if self.history and self.history[-1].probe and choice.block_size == 1:  # it failed
+            gap = max(self.probe_every, 2 * self._probe_gap)
             self._probe_gap = min(gap, max(PROBE_GAP_MAX, self.probe_every))
         if choice.block_size == 1 and self.probe_every and remaining > 1 and len(self.widths) > 1:
             self._plain_run += 1
@@ -429,6 +436,8 @@ class BlockPolicy:
                 choice.probe = True
         if choice.block_size > 1:
             self._plain_run = 0
+            if not choice.probe:  # drafting on its own merits: the regular gap again
+                self._probe_gap = self.probe_every
         self.history.append(choice)
         return choice.block_size
 

@@ -171,24 +171,26 @@ def test_probe_after_plain_steps(tiny_backend, truth):
     assert [t for r in rounds for t in r.tokens] == truth[:60]
     chosen = [c.block_size for c in policy.history]
     probes = [i for i, c in enumerate(policy.history) if c.probe]
-    assert probes == [9, 29] and all(chosen[i] > 1 for i in probes)  # a failed probe: gap x2
-    assert chosen.count(1) == len(chosen) - 2
+    # no evidence yet: the first probe at the 2nd step; then 10 plain steps, then 20 (doubled)
+    assert probes == [1, 11, 31] and all(chosen[i] > 1 for i in probes)
+    assert chosen.count(1) == len(chosen) - 3
 
 
 def test_probe_gap_doubles_while_probes_fail_and_resets_when_drafting_resumes():
     policy = BlockPolicy(linear_costs(1.0, 0.05, 0.3, 0.0), AcceptancePrior(B, [0.0] * 15), B,
-                         alpha=1.0, probe_every=4)  # fmt: skip
-    script = {27: True, 28: False}  # step -> the draft right everywhere (True) or nowhere
+                         alpha=1.0, probe_every=4, first_probe=2)  # fmt: skip
+    script = {29: True, 30: False}  # step -> the draft right everywhere (True) or nowhere
     for step in range(60):
         width = policy.choose(1000)
         if width > 1:
             policy.observe(width - 1 if script.get(step) else 0, width - 1)
     chosen = [c.block_size for c in policy.history]
     probes = [i for i, c in enumerate(policy.history) if c.probe]
-    # the probe is the gap-th step of a plain run: gaps 4, 8, 16 while probes fail; the probe
-    # at 27 succeeds (drafting at 28), 28 fails, then the gap is back to 4 (32), 8 (40), 16 (56)
-    assert probes == [3, 11, 27, 32, 40, 56]
-    assert [i for i, w in enumerate(chosen) if w > 1] == [3, 11, 27, 28, 32, 40, 56]
+    # the probe is the gap-th step of a plain run: 2 before any evidence, then 4, 8, 16 while
+    # probes fail; the probe at 29 succeeds (drafting at 30), 30 fails, then the gap is the
+    # regular 4 again (34; not the early 2), 8 (42), 16 (58)
+    assert probes == [1, 5, 13, 29, 34, 42, 58]
+    assert [i for i, w in enumerate(chosen) if w > 1] == [1, 5, 13, 29, 30, 34, 42, 58]
 
 
 def test_plain_runs_skip_features_until_the_probe(tiny_backend, truth, monkeypatch):
@@ -205,7 +207,7 @@ def test_plain_runs_skip_features_until_the_probe(tiny_backend, truth, monkeypat
 
     monkeypatch.setattr(tiny_backend, "verify", spy)
     policy = BlockPolicy(linear_costs(1.0, 0.05, 0.3, 0.0), AcceptancePrior(B, [0.0] * 15), B,
-                         probe_every=10)  # fmt: skip
+                         probe_every=10, first_probe=10)  # fmt: skip
     rounds = list(speculative_generate(be, PROMPT, block_size=B, max_new_tokens=40, policy=policy))
     assert [t for r in rounds for t in r.tokens] == truth[:40]
     # until the draft has seen the prompt every step keeps features; the first probe (step
