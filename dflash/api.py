@@ -129,10 +129,9 @@ class Pipeline:
         """A fresh ``--block-size auto`` policy for one request (costs measured if needed)."""
         if self.acceptance is None:
             self.acceptance = load_acceptance(self.draft_dir, self.block_size)
-        # The loop always drafts at the trained width and keeps the first L-1 proposals.
+        # The costs are measured as the loop drafts: at the trained width, the head on L-1 rows.
         return BlockPolicy(self.calibrate(), self.acceptance, self.block_size,
-                           widths=getattr(self.backend, "auto_widths", None),
-                           draft_width=self.block_size)  # fmt: skip
+                           widths=getattr(self.backend, "auto_widths", None))  # fmt: skip
 
     def chat_prompt(self, messages: list[dict], *, system: str | None = None,
                     reasoning: str | None = None,

@@ -6,8 +6,8 @@ expectation
 
     τ(L) = 1 + Σ_{j=1}^{L-1} Π_{k=1}^{j} p_k      tokens (bonus included)
 
-and costs c(L) = verify(L) + draft(w) seconds (no draft for L = 1; w = L while the loop drafts
-at the step's width, the draft's trained width once the loop always drafts at that width). The
+and costs c(L) = verify(L) + draft(L) seconds (no draft for L = 1; the draft runs at its
+trained width, its LM head only on the L - 1 rows verified where the backend allows it). The
 long-run decode rate of a renewal process is E[tokens] / E[time], so each step takes
 argmax_L τ(L) / c(L) (ties go to the smaller L); L = 1 is plain decoding and wins when the draft
 does not pay. The rates start from ``acceptance.json`` in the draft folder (written at training
@@ -22,6 +22,7 @@ import hashlib
 import json
 import math
 import os
+import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -33,10 +34,13 @@ ACCEPTANCE_FILE = "acceptance.json"
 PRIOR_RATE = 0.5  # per-position acceptance assumed for a draft without acceptance.json
 EMA_ALPHA = 0.15  # weight of one verify step in the online acceptance estimate
 PROBE_EVERY = 48  # after this many plain (L = 1) steps, one drafted step re-measures acceptance
+PROBE_GAP_MAX = 1536  # a probe that does not bring drafting back doubles the gap, up to this
+FIRST_PROBE = 2  # a request that starts plain probes at its 2nd step: its own evidence, early
 FEATURE_LEAD = 16  # plain steps before a probe whose target features are kept for the draft
 CALIBRATION_PROMPT = 128  # context length (tokens) the costs are timed at
-CALIBRATION_REPEATS = 3  # timed repetitions per width (the fastest is kept)
+CALIBRATION_REPEATS = 5  # timed repetitions per width (the median is kept)
 COST_LADDER = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # widths timed; others interpolated
+COST_VERSION = 2  # in the cache key: 2 = draft timed at the trained width, head on L-1 rows
 
 
 # ---------------------------------------------------------------------------------------------
@@ -142,9 +146,11 @@ class CostTable:
     """Measured seconds of one verify step and one draft forward by width.
 
     Attributes:
-        verify_s: width -> seconds of verify(anchor + width-1 proposals) + argmax + host copy
+        verify_s: width L -> seconds of verify(anchor + L-1 proposals) + argmax + host copy
             + rollback (what the loop does per step besides drafting).
-        draft_s: width -> seconds of one draft forward proposing width-1 tokens.
+        draft_s: width L -> seconds of the draft forward of a width-L step, run as the loop
+            runs it (at the draft's trained width, the head on L-1 rows where the backend
+            takes ``rows``).
         key: what the table was measured for (backend, device, dtype, model, threads...).
         source: "measured" now, or "cache" when read from disk.
     """
@@ -169,7 +175,8 @@ class CostTable:
         return table[lo] + (table[hi] - table[lo]) * (width - lo) / (hi - lo)
 
     def step_s(self, length: int, draft_width: int | None = None) -> float:
-        """Seconds of one step of width L: verify(L) + draft(draft_width or L) for L > 1."""
+        """Seconds of one step of width L: verify(L) + draft(draft_width or L) for L > 1
+        (``draft_width``: price the draft as that of a width-``draft_width`` step)."""
         cost = self._at(self.verify_s, length)
         if length > 1 and self.draft_s:
             cost += self._at(self.draft_s, draft_width or length)
@@ -199,11 +206,16 @@ def measure_costs(backend: Any, widths: list[int], *, prompt_len: int = CALIBRAT
     """Time verify and draft forwards of every width through the ``LocalBackend`` protocol.
 
     A random prompt of ``prompt_len`` tokens is prefilled, one token committed, then each width
-    is timed ``repeats`` times (widths interleaved, so a noisy moment hits all of them alike;
-    one untimed round first, which also captures CUDA graphs). Other work on the machine only
-    ever adds time, so the fastest repetition is kept, and the costs are then made
-    non-decreasing in width (pool-adjacent-violators), which removes what noise is left. The
-    target cache is rolled back after every verify; the backend is reset at the end.
+    is timed ``repeats`` times, drafting as the loop does (at the trained width; the head on
+    the L-1 rows verified when the backend sets ``draft_head_rows``). Widths are interleaved,
+    so a noisy moment hits all of them alike, after one untimed round (which also captures
+    CUDA graphs). The median repetition is kept: on a shared CPU other work slows every
+    forward roughly in proportion to its length, and the fastest repetition would find a
+    quiet moment more often for a short forward than for a long one, which skews the ratios
+    the choice depends on (measured on 2 busy cores: verify(4)/verify(1) 2.8 by the fastest
+    of 3 against 1.7 quiet). The costs are then made non-decreasing in width
+    (pool-adjacent-violators), which removes what noise is left. The target cache is rolled back after every verify; the
+    backend is reset at the end.
 
     Args:
         backend: any ``dflash.backends.base.LocalBackend`` (torch, MLX...).
@@ -216,7 +228,9 @@ def measure_costs(backend: Any, widths: list[int], *, prompt_len: int = CALIBRAT
     prompt_len = max(2, min(prompt_len, backend.max_context - max(widths) - 8
                             - (repeats + 1) * len(widths)))
     ids = [(7 + 7919 * i) % vocab for i in range(prompt_len)]
-    drafting = getattr(backend, "draft_block_size", 1) > 1 and max(widths) > 1
+    trained = getattr(backend, "draft_block_size", 1)
+    drafting = trained > 1 and max(widths) > 1
+    trim = bool(getattr(backend, "draft_head_rows", False))
     steps = (repeats + 1) * len(widths)  # each timed verify keeps its anchor (see below)
     backend.reset(prompt_len + steps + max(widths) + 8)
     _logits, _ = backend.prefill(ids, drafting)
@@ -233,7 +247,9 @@ def measure_costs(backend: Any, widths: list[int], *, prompt_len: int = CALIBRAT
             if w > 1 and drafting:
                 backend.synchronize()
                 t0 = time.perf_counter()
-                proposals, _ = backend.draft(anchor, context, start, w)
+                rows = {"rows": w - 1} if trim else {}
+                proposals, _ = backend.draft(anchor, context, start, max(w, trained), **rows)
+                proposals = proposals[: w - 1]
                 backend.to_list(proposals)
                 backend.synchronize()
                 if rep:
@@ -252,8 +268,8 @@ def measure_costs(backend: Any, widths: list[int], *, prompt_len: int = CALIBRAT
             if rep:
                 verify[w].append(time.perf_counter() - t0)
     backend.reset(prompt_len + max(widths) + 8)
-    return CostTable(monotone({w: min(v) for w, v in verify.items() if v}),
-                     monotone({w: min(v) for w, v in draft.items() if v}))  # fmt: skip
+    return CostTable(monotone({w: statistics.median(v) for w, v in verify.items() if v}),
+                     monotone({w: statistics.median(v) for w, v in draft.items() if v}))  # fmt: skip
 
 
 def monotone(table: dict[int, float]) -> dict[int, float]:
@@ -284,7 +300,7 @@ def load_or_measure_costs(backend: Any, key: dict[str, Any], widths: list[int]) 
     ``DFLASH_RECALIBRATE=1`` ignores the cache. A missing, corrupt or unwritable cache only
     means measuring again (never an error).
     """
-    key = {**key, "widths": list(widths)}
+    key = {**key, "widths": list(widths), "cost_version": COST_VERSION}
     path = cost_cache_path(key)
     if not os.environ.get("DFLASH_RECALIBRATE") and path.is_file():
         try:
@@ -347,12 +363,21 @@ class BlockPolicy:
         draft_width: the width the loop drafts at (None: at L; an int: always at that width,
             the first L-1 proposals used).
         alpha: EMA weight of one observation.
-        probe_every: plain steps in a row before one drafted probe step (0 disables).
+        probe_every: plain steps in a row before one drafted probe step (0 disables); each
+            probe after which the choice stays at L = 1 doubles the gap (up to
+            ``PROBE_GAP_MAX``), drafting again resets it, so on a long weak-draft request the
+            probes cost less and less (on a CPU a failed probe costs about 1.5 plain steps).
+        first_probe: the gap while the request has not drafted yet. The prior was measured
+            elsewhere (another device, dataset, dtype); where it makes drafting look slightly
+            worse than plain decoding (the demo pair on a CPU) a request would otherwise wait
+            ``probe_every`` steps for its first evidence, and one probe then moves the EMA
+            too little to matter: an easy request (gsm8k) decoded plainly throughout.
     """
 
     def __init__(self, costs: CostTable, prior: AcceptancePrior, max_width: int, *,
                  widths: list[int] | tuple[int, ...] | None = None, draft_width: int | None = None,
-                 alpha: float = EMA_ALPHA, probe_every: int = PROBE_EVERY):  # fmt: skip
+                 alpha: float = EMA_ALPHA, probe_every: int = PROBE_EVERY,
+                 first_probe: int = FIRST_PROBE):  # fmt: skip
         self.costs, self.prior, self.max_width = costs, prior, max_width
         allowed = widths if widths else range(1, max_width + 1)
         self.widths = sorted({int(w) for w in allowed if 1 <= w <= max_width} | {1})
@@ -366,6 +391,7 @@ class BlockPolicy:
         self.alpha, self.probe_every = alpha, probe_every
         self.history: list[Choice] = []
         self._plain_run = 0
+        self._probe_gap = min(first_probe, probe_every)  # plain steps before the next probe
 
     def effective_rates(self) -> list[float]:
         """p_1 .. p_{B-1} used for predictions: the EMA where this request has reached a
@@ -400,13 +426,18 @@ class BlockPolicy:
     def choose(self, remaining: int) -> int:
         """L for the next step, given ``remaining`` tokens of budget (L <= remaining)."""
         choice = self.best(remaining)
+        if self.history and self.history[-1].probe and choice.block_size == 1:  # it failed
+            gap = max(self.probe_every, 2 * self._probe_gap)
+            self._probe_gap = min(gap, max(PROBE_GAP_MAX, self.probe_every))
         if choice.block_size == 1 and self.probe_every and remaining > 1 and len(self.widths) > 1:
             self._plain_run += 1
-            if self._plain_run >= self.probe_every:
+            if self._plain_run >= self._probe_gap:
                 choice = self.best(remaining, drafted_only=True)
                 choice.probe = True
         if choice.block_size > 1:
             self._plain_run = 0
+            if not choice.probe:  # drafting on its own merits: the regular gap again
+                self._probe_gap = self.probe_every
         self.history.append(choice)
         return choice.block_size
 
@@ -420,7 +451,7 @@ class BlockPolicy:
         """
         if not self.history or self.history[-1].block_size > 1 or not self.probe_every:
             return True
-        return self.probe_every - self._plain_run <= FEATURE_LEAD
+        return self._probe_gap - self._plain_run <= FEATURE_LEAD
 
     def observe(self, accepted: int, proposed: int) -> None:
         """Update the rates from one verify step: ``accepted`` of ``proposed`` drafts matched.

@@ -58,6 +58,7 @@ def speculative_generate(
     want_features = block_size > 1
     sampled_draft = not sampling.greedy and getattr(backend, "draft_uses_sampling", False)
     draft_kwargs = {"sampling": sampling} if sampled_draft else {}  # DFlash2 samples its path
+    trim_head = getattr(backend, "draft_head_rows", False) and not sampled_draft
     cand_rng = None  # DFlash2 candidate rejection: share the host sampler's stream if any
     if sampled_draft:
         cand_rng = getattr(sampler, "rng", None) or np.random.default_rng(sampling.seed)
@@ -84,7 +85,9 @@ def speculative_generate(
             # length-1 proposals are verified.
             width = max(block_size, backend.draft_block_size)
             context = pending[0] if len(pending) == 1 else pending
-            proposals_arr, drafted = backend.draft(anchor, context, start, width, **draft_kwargs)
+            rows = {"rows": length - 1} if trim_head else {}  # the head on the rows verified
+            proposals_arr, drafted = backend.draft(anchor, context, start, width, **draft_kwargs,
+                                                   **rows)  # fmt: skip
             proposals_arr = proposals_arr[: length - 1]
             pending, draft_seen = [], True
         keep = want_features and (policy is None or not draft_seen or policy.needs_features())

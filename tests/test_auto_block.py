@@ -171,7 +171,26 @@ def test_probe_after_plain_steps(tiny_backend, truth):
     assert [t for r in rounds for t in r.tokens] == truth[:60]
     chosen = [c.block_size for c in policy.history]
     probes = [i for i, c in enumerate(policy.history) if c.probe]
-    assert probes and all(chosen[i] > 1 for i in probes) and chosen.count(1) >= 45
+    # no evidence yet: the first probe at the 2nd step; then 10 plain steps, then 20 (doubled)
+    assert probes == [1, 11, 31] and all(chosen[i] > 1 for i in probes)
+    assert chosen.count(1) == len(chosen) - 3
+
+
+def test_probe_gap_doubles_while_probes_fail_and_resets_when_drafting_resumes():
+    policy = BlockPolicy(linear_costs(1.0, 0.05, 0.3, 0.0), AcceptancePrior(B, [0.0] * 15), B,
+                         alpha=1.0, probe_every=4, first_probe=2)  # fmt: skip
+    script = {29: True, 30: False}  # step -> the draft right everywhere (True) or nowhere
+    for step in range(60):
+        width = policy.choose(1000)
+        if width > 1:
+            policy.observe(width - 1 if script.get(step) else 0, width - 1)
+    chosen = [c.block_size for c in policy.history]
+    probes = [i for i, c in enumerate(policy.history) if c.probe]
+    # the probe is the gap-th step of a plain run: 2 before any evidence, then 4, 8, 16 while
+    # probes fail; the probe at 29 succeeds (drafting at 30), 30 fails, then the gap is the
+    # regular 4 again (34; not the early 2), 8 (42), 16 (58)
+    assert probes == [1, 5, 13, 29, 34, 42, 58]
+    assert [i for i, w in enumerate(chosen) if w > 1] == [1, 5, 13, 29, 30, 34, 42, 58]
 
 
 def test_plain_runs_skip_features_until_the_probe(tiny_backend, truth, monkeypatch):
@@ -188,14 +207,14 @@ def test_plain_runs_skip_features_until_the_probe(tiny_backend, truth, monkeypat
 
     monkeypatch.setattr(tiny_backend, "verify", spy)
     policy = BlockPolicy(linear_costs(1.0, 0.05, 0.3, 0.0), AcceptancePrior(B, [0.0] * 15), B,
-                         probe_every=10)  # fmt: skip
+                         probe_every=10, first_probe=10)  # fmt: skip
     rounds = list(speculative_generate(be, PROMPT, block_size=B, max_new_tokens=40, policy=policy))
     assert [t for r in rounds for t in r.tokens] == truth[:40]
-    # until the draft has seen the prompt every step keeps features; after the first probe
-    # (step 10) steps 11-15 are plain without features, 16-19 with (4 before the probe)
+    # until the draft has seen the prompt every step keeps features; the first probe (step
+    # 10) fails, so the next comes after 20 plain steps: 15 without features, 4 with
     assert calls[:10] == [True] * 10
-    assert calls[10:20] == [False] * 5 + [True] * 4 + [True]
-    assert policy.history[9].probe and policy.history[19].probe
+    assert calls[10:30] == [False] * 15 + [True] * 4 + [True]
+    assert policy.history[9].probe and policy.history[29].probe
     cached, rows, start = be.calls[1]  # the second probe: the 4 latest rows, ending at start
     assert rows == 4 and cached < start - rows
 
@@ -220,6 +239,8 @@ class CyclePolicy:
 
 class ContextCheck:
     """Wraps the dynamic backend; asserts the draft always receives every committed row once."""
+
+    draft_head_rows = False  # the wrapped draft returns its whole block
 
     def __init__(self, inner, strict=True):
         self.inner, self.proposals, self.strict, self.calls = inner, [], strict, []
@@ -370,3 +391,40 @@ def test_generate_block_size_option_and_verbose_line(capsys):
     lines = capsys.readouterr().err.splitlines()
     assert lines[0].startswith("[auto: step cost ms by L 1:11.0 2:14.0")
     assert lines[1] == "[step 1: L=1 predicted τ 1.00 cost 11.0 ms (90.9 tok/s) -> committed 1]"
+
+
+class RowsSpy:
+    """Wraps the dynamic backend; records the (width, rows) of every draft call."""
+
+    def __init__(self, inner):
+        self.inner, self.calls = inner, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def draft(self, anchor, context, start, length, rows=None):
+        self.calls.append((length, rows))
+        return self.inner.draft(anchor, context, start, length, rows=rows)
+
+
+def test_draft_head_runs_on_the_verified_rows_only(tiny_backend, truth):
+    """``rows=k`` returns the first k of the full block's proposals; the loop asks for L-1 rows
+    of a trained-width draft, the costs are timed the same way, and the output stays greedy."""
+    be = tiny_backend
+    assert be.draft_head_rows
+    full = []
+    for rows in (None, 5, 1):
+        be.reset(len(PROMPT) + 40)
+        _, feats = be.prefill(PROMPT, True)
+        ids, logits = be.draft(PROMPT[-1], feats, len(PROMPT), B, rows=rows)
+        assert ids.shape[0] == (rows or B - 1) and logits.shape[0] == ids.shape[0]
+        full = full or ids.tolist()
+        assert ids.tolist() == full[: ids.shape[0]]
+    spy, policy = RowsSpy(be), CyclePolicy(SCHEDULE)
+    rounds = list(speculative_generate(spy, PROMPT, block_size=B, max_new_tokens=60, policy=policy))
+    assert [t for r in rounds for t in r.tokens] == truth[:60]
+    drafted = [r.proposed for r in rounds if r.accepted is not None and r.proposed]
+    assert spy.calls == [(B, p) for p in drafted]
+    spy.calls = []
+    measure_costs(spy, [1, 2, 4], prompt_len=16, repeats=1)
+    assert sorted(set(spy.calls)) == [(B, 1), (B, 3)]

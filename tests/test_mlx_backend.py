@@ -21,6 +21,8 @@ class ScriptedBackend:
     """Wraps a backend; its draft proposes the true greedy continuation for k positions and then
     wrong tokens, with k taken from ``schedule`` step by step (cycled)."""
 
+    draft_head_rows = False  # the wrapped draft returns its whole block
+
     def __init__(self, inner, truth: list[int], prompt_len: int, schedule: list[int]):
         self.inner, self.truth, self.prompt_len, self.schedule = inner, truth, prompt_len, schedule
         self.step = 0

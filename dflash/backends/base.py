@@ -42,6 +42,10 @@ class LocalBackend(Protocol):
         max_context: the target's context length in tokens (prompt + new tokens must fit).
         draft_uses_sampling: optional; True when ``draft`` takes a ``sampling`` keyword and
             samples its proposals itself (DFlash2). Absent or False: the loop never passes it.
+        draft_head_rows: optional; True when ``draft`` takes a ``rows`` keyword: the draft
+            still runs its layers at the full block width (the proposals do not change) but
+            its LM head only on the first ``rows`` positions (on a CPU the head over 15 rows
+            costs about half of the demo draft's forward). Absent or False: never passed.
     """
 
     vocab_size: int
@@ -77,11 +81,13 @@ class LocalBackend(Protocol):
                 trained block size and verifies only the first proposals it needs.
             sampling: keyword, passed only at temperature > 0 to backends that set
                 ``draft_uses_sampling`` (their drafts draw proposals at that temperature).
+            rows: keyword, passed only to backends that set ``draft_head_rows``: return just
+                the first ``rows`` proposals (1 <= rows <= length - 1).
 
         Returns:
-            (proposal ids [L-1] as the backend's integer array, draft logits [L-1, V] (v1,
-            unused by the loop) or a :class:`SelectorProposal` (DFlash2; its ``q`` is set
-            when the proposals were sampled)).
+            (proposal ids [L-1] (or [rows]) as the backend's integer array, draft logits
+            [L-1 or rows, V] (v1, unused by the loop) or a :class:`SelectorProposal` (DFlash2;
+            its ``q`` is set when the proposals were sampled)).
         """
 
     def verify(self, anchor: int, proposals: Any, start: int, with_features: bool) -> tuple[Any, Any]:

@@ -96,6 +96,7 @@ class MLXBackend:
         cfg = draft.config if draft is not None else None
         self.mask_token_id = cfg.mask_token_id if cfg else -1
         self.draft_block_size = cfg.block_size if cfg else 1
+        self.draft_head_rows = draft is not None  # draft(..., rows=k): the head on k rows only
         self.layer_ids = list(cfg.target_layer_ids) if cfg else []
         self.max_context = max_context
         self.gdn_indices = check_caches(target, self.layers)
@@ -146,7 +147,8 @@ class MLXBackend:
         feats.append(f)
         return logits[-1], (mx.concatenate(feats, axis=0) if with_features else None)
 
-    def draft(self, anchor: int, context: mx.array, start: int, length: int):
+    def draft(self, anchor: int, context: mx.array, start: int, length: int,
+              rows: int | None = None):
         if isinstance(context, (list, tuple)):  # chunks left by plain steps (--block-size auto)
             context = mx.concatenate(list(context), axis=0)
         block = mx.array([[anchor] + [self.mask_token_id] * (length - 1)])
@@ -154,7 +156,7 @@ class MLXBackend:
         dtype = model.norm.weight.dtype
         emb = self.embed(block).astype(dtype)  # [1, L, H] raw lookup (brief §1.4)
         h = model(emb, context[None].astype(dtype), start, self.draft_cache)
-        logits = self.head(h[0, 1:])  # [L-1, V]
+        logits = self.head(h[0, 1 : (rows or length - 1) + 1])  # [rows, V]
         return mx.argmax(logits, axis=-1), logits
 
     def verify(self, anchor: int, proposals, start: int, with_features: bool):

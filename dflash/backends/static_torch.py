@@ -107,6 +107,7 @@ class StaticBackend(TransformersBackend):
             raise BackendError("The static/CUDA-graph path does not run DFlash2 drafts yet.",
                                hint="drop --cuda-graphs; DFlash2 drafts run on the plain path")  # fmt: skip
         super().__init__(target, draft, device)
+        self.draft_head_rows = False  # the draft graph has one shape: the head on every row
         self.use_graphs = use_graphs and device.type == "cuda"
         self.compile = compile and self.use_graphs
         self.plan = plan_graphs(self.draft_block_size, draft is not None, uniform_width)

@@ -120,6 +120,7 @@ class TransformersBackend:
         self.cache_kw = cache_kwarg(target)
         self.draft_cache = draft.new_cache() if draft is not None else None
         self.draft_uses_sampling = bool(getattr(draft, "is_dflash2", False))  # DFlash2 selector
+        self.draft_head_rows = draft is not None and not self.draft_uses_sampling  # ``rows=``
         self.embed_scale = float(getattr(draft, "embed_scale", 1.0))
         self._draft_rng: torch.Generator | None = None
 
@@ -149,7 +150,8 @@ class TransformersBackend:
         logits, feats = self._forward(ids, 0, with_features, last_only=True)
         return logits[-1], feats
 
-    def draft(self, anchor: int, context: torch.Tensor, start: int, length: int, sampling=None):
+    def draft(self, anchor: int, context: torch.Tensor, start: int, length: int, sampling=None,
+              rows: int | None = None):
         dev = self.device
         if isinstance(context, (list, tuple)):  # chunks left by plain steps (--block-size auto)
             context = torch.cat(list(context))
@@ -169,7 +171,7 @@ class TransformersBackend:
                     h[:, 1:], block[:, 0], self.lm_head, temp, rng
                 )
                 return tokens[0], SelectorProposal(cand[0], None if q is None else q[0])
-            logits = self.lm_head(h[0, 1:])  # [L-1, V]
+            logits = self.lm_head(h[0, 1 : (rows or length - 1) + 1])  # [rows, V]
         return logits.argmax(-1), logits
 
     def _selector_rng(self, sampling) -> torch.Generator:
