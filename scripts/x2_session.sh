@@ -131,6 +131,14 @@ bench)
   tar czf "$OUT/bench.tgz" -C "$W" logs
   for f in "$W"/logs/b-*.txt; do echo "== $f"; tail -n 14 "$f"; done
   ;;
+sweep)  # optional 8th call (a fresh machine: stage1 with BIG_S=1, stage ab..ad, then this, carrying ae)
+  [ -f "$GGUF" ] || cat "$W"/stage/{aa,ab,ac,ad}.part .stage/t5/ae/part > "$GGUF"
+  D=dflash/assets/smollm2-135m-instruct-dflash
+  timeout "${SWEEP_S:-200}" python3 -m dflash benchmark transformers --model "$GGUF" --draft "$D" \
+    --max-new-tokens 256 --data-dir "$W/datasets" --dataset gsm8k --max-samples 64 \
+    --block-size "${SWEEP_BS:-16,auto}" --no-compile --output "$OUT/sweep.jsonl" > "$OUT/sweep.txt" 2>&1
+  grep -E "block|tok/s|speedup" "$OUT/sweep.txt" | grep -v "━" | tail -20
+  ;;
 *) echo "unknown phase $phase"; exit 2 ;;
 esac
 log "phase $phase done"
