@@ -12,7 +12,10 @@ long-run decode rate of a renewal process is E[tokens] / E[time], so each step t
 argmax_L τ(L) / c(L) (ties go to the smaller L); L = 1 is plain decoding and wins when the draft
 does not pay. The rates start from ``acceptance.json`` in the draft folder (written at training
 time) or a conservative prior, and follow the request's own verify steps with an exponential
-moving average. Costs are timed once per device and model with a few forwards through the
+moving average. Once a request has drafted ``SWITCH_EVIDENCE`` steps, a switch from drafting to
+plain decoding must be confirmed by a few drafted steps in a row (as many as cost at most
+``SWITCH_BUDGET`` plain steps more than plain decoding would), so a short run of rejections
+does not send a request that drafts well into a long plain stretch. Costs are timed once per device and model with a few forwards through the
 ``LocalBackend`` protocol and cached as JSON under ``<dflash cache>/costs/``.
 """
 
@@ -36,6 +39,8 @@ EMA_ALPHA = 0.15  # weight of one verify step in the online acceptance estimate
 PROBE_EVERY = 48  # after this many plain (L = 1) steps, one drafted step re-measures acceptance
 PROBE_GAP_MAX = 1536  # a probe that does not bring drafting back doubles the gap, up to this
 FIRST_PROBE = 2  # a request that starts plain probes at its 2nd step: its own evidence, early
+SWITCH_BUDGET = 3.0  # plain steps' worth of extra time spent confirming a switch to plain
+SWITCH_EVIDENCE = 16  # drafted steps of a request after which a switch to plain needs confirming
 FEATURE_LEAD = 16  # plain steps before a probe whose target features are kept for the draft
 CALIBRATION_PROMPT = 128  # context length (tokens) the costs are timed at
 CALIBRATION_REPEATS = 5  # timed repetitions per width (the median is kept)
@@ -334,6 +339,8 @@ class Choice:
         tau: predicted τ(L), tokens.
         cost_s: predicted step time, seconds.
         probe: a drafted step forced after many plain steps, to re-measure acceptance.
+        held: a drafted step taken although plain decoding predicted more, to confirm a switch
+            to plain (see ``BlockPolicy``).
         accepted: draft tokens accepted (filled in by ``observe``; None for L = 1).
     """
 
@@ -341,6 +348,7 @@ class Choice:
     tau: float
     cost_s: float
     probe: bool = False
+    held: bool = False
     accepted: int | None = None
 
     @property
@@ -372,12 +380,23 @@ class BlockPolicy:
             worse than plain decoding (the demo pair on a CPU) a request would otherwise wait
             ``probe_every`` steps for its first evidence, and one probe then moves the EMA
             too little to matter: an easy request (gsm8k) decoded plainly throughout.
+        switch_budget: once the request has drafted ``SWITCH_EVIDENCE`` steps, drafting stops
+            only after n drafted steps in a row predicted plain decoding to be faster, n = max(1,
+            floor(switch_budget * c(1) / (c(L) - c(1)))) (L: the best drafted width), so the
+            confirming steps cost at most ``switch_budget`` plain steps more than plain
+            decoding even where the draft has stopped paying. Where a drafted step is cheap
+            (an H200: c(L) ~ 1.7 c(1), n = 4) a few rejections in a row no longer start a plain
+            stretch that a probe ends only dozens of steps later; where it is dear (a CPU:
+            c(L) ~ 2.7 c(1), n = 1) the switch is immediate, as before. 0 disables it. Before
+            ``SWITCH_EVIDENCE`` drafted steps the rates are mostly the prior's, not evidence,
+            and a weak-draft request leaves them at once.
     """
 
     def __init__(self, costs: CostTable, prior: AcceptancePrior, max_width: int, *,
                  widths: list[int] | tuple[int, ...] | None = None, draft_width: int | None = None,
                  alpha: float = EMA_ALPHA, probe_every: int = PROBE_EVERY,
-                 first_probe: int = FIRST_PROBE):  # fmt: skip
+                 first_probe: int = FIRST_PROBE,
+                 switch_budget: float = SWITCH_BUDGET):  # fmt: skip
         self.costs, self.prior, self.max_width = costs, prior, max_width
         allowed = widths if widths else range(1, max_width + 1)
         self.widths = sorted({int(w) for w in allowed if 1 <= w <= max_width} | {1})
@@ -390,7 +409,9 @@ class BlockPolicy:
         self.reached = [0] * len(self.rates)  # observations per position in this request
         self.alpha, self.probe_every = alpha, probe_every
         self.history: list[Choice] = []
+        self.switch_budget = switch_budget
         self._plain_run = 0
+        self._doubt = 0  # drafted steps in a row after which plain decoding was predicted faster
         self._probe_gap = min(first_probe, probe_every)  # plain steps before the next probe
 
     def effective_rates(self) -> list[float]:
@@ -426,6 +447,14 @@ class BlockPolicy:
     def choose(self, remaining: int) -> int:
         """L for the next step, given ``remaining`` tokens of budget (L <= remaining)."""
         choice = self.best(remaining)
+        self._doubt = self._doubt + 1 if choice.block_size == 1 else 0
+        last = self.history[-1] if self.history else None
+        if (choice.block_size == 1 and last is not None and last.block_size > 1
+                and not last.probe and remaining > 1):  # fmt: skip
+            held = self.best(remaining, drafted_only=True)
+            if self._doubt < self.confirm_steps(held):
+                held.held = True
+                choice = held
         if self.history and self.history[-1].probe and choice.block_size == 1:  # it failed
             gap = max(self.probe_every, 2 * self._probe_gap)
             self._probe_gap = min(gap, max(PROBE_GAP_MAX, self.probe_every))
@@ -440,6 +469,15 @@ class BlockPolicy:
                 self._probe_gap = self.probe_every
         self.history.append(choice)
         return choice.block_size
+
+    def confirm_steps(self, drafted: Choice) -> int:
+        """Drafted steps in a row that must predict plain decoding before drafting stops: 1
+        before the request has drafted ``SWITCH_EVIDENCE`` steps (or with ``switch_budget`` 0),
+        else max(1, floor(switch_budget * c(1) / (c(L) - c(1)))) for the drafted width L."""
+        extra = drafted.cost_s - self.step_cost[1]
+        if not self.switch_budget or self.reached[0] < SWITCH_EVIDENCE or extra <= 0:
+            return 1
+        return max(1, int(self.switch_budget * self.step_cost[1] / extra))
 
     def needs_features(self) -> bool:
         """Whether the step just chosen must return target features for the draft.

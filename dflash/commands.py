@@ -158,7 +158,8 @@ def print_step(i: int, r, policy) -> None:
                   file=sys.stderr)  # fmt: skip
         c = policy.history[-1]
         print(f"[step {i}: L={c.block_size} predicted τ {c.tau:.2f} cost {1000 * c.cost_s:.1f} ms "
-              f"({c.rate:.1f} tok/s){' probe' if c.probe else ''} -> committed {r.accepted}]",
+              f"({c.rate:.1f} tok/s){' probe' if c.probe else ''}{' held' if c.held else ''} "
+              f"-> committed {r.accepted}]",
               file=sys.stderr)  # fmt: skip
     else:
         print(f"[step {i}: L={r.proposed + 1} -> committed {r.accepted}]", file=sys.stderr)

@@ -10,7 +10,8 @@ a recorded one gets what was left of that one's accepted run: slightly pessimist
 model runs; seconds per variant. Used to check the EMA weight and probe interval (issue 13).
 
     python scripts/auto_replay.py --costs costs.json records.jsonl [more.jsonl ...] \\
-        [--alpha 0.05,0.15] [--probe-every 16,48] [--fixed 4,8,16]
+        [--alpha 0.05,0.15] [--probe-every 16,48] [--switch-budget 0,3] [--fixed 4,8,16] \\
+        [--widths 1,2,3,4,6,8,12,16]
 """
 
 from __future__ import annotations
@@ -79,6 +80,16 @@ def main() -> None:
     ap.add_argument("--fixed", default="1,4,6,8,16")
     ap.add_argument("--alpha", default="0.05,0.15")
     ap.add_argument("--probe-every", default="16,48")
+    ap.add_argument(
+        "--switch-budget",
+        default="3",
+        help="BlockPolicy switch_budget values (0 = a switch to plain is immediate)",
+    )
+    ap.add_argument(
+        "--widths",
+        default=None,
+        help="widths auto may use (a graph path's auto_widths), default 1..block size",
+    )
     args = ap.parse_args()
     with open(args.costs, encoding="utf-8") as f:
         costs = CostTable.from_dict(json.load(f))
@@ -86,14 +97,17 @@ def main() -> None:
     data = timelines(args.records)
     rows: list[tuple[str, object]] = [(f"fixed {w}", lambda w=w: Fixed(w))
                                       for w in map(int, args.fixed.split(","))]  # fmt: skip
+    widths = [int(w) for w in args.widths.split(",")] if args.widths else None
     for a in map(float, args.alpha.split(",")):
         for pe in map(int, args.probe_every.split(",")):
-            rows.append((f"auto alpha={a} probe={pe}",
-                         lambda a=a, pe=pe: BlockPolicy(costs, prior, args.block_size, alpha=a,
-                                                        probe_every=pe)))  # fmt: skip
-    print("variant".ljust(28) + "".join(ds.rjust(11) for ds in data))
+            for sb in map(float, args.switch_budget.split(",")):
+                rows.append((f"auto alpha={a} probe={pe} sb={sb:g}",
+                             lambda a=a, pe=pe, sb=sb: BlockPolicy(
+                                 costs, prior, args.block_size, alpha=a, probe_every=pe,
+                                 switch_budget=sb, widths=widths)))  # fmt: skip
+    print("variant".ljust(36) + "".join(ds.rjust(11) for ds in data))
     for label, make in rows:
-        print(label.ljust(28) + "".join(f"{speedup(r, costs, make):10.3f}x" for r in data.values()))
+        print(label.ljust(36) + "".join(f"{speedup(r, costs, make):10.3f}x" for r in data.values()))
 
 
 if __name__ == "__main__":

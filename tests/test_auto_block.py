@@ -150,7 +150,13 @@ def test_chosen_block_follows_a_drop_in_acceptance(tiny_backend, truth):
         produced += r.accepted
     assert before[0] >= 4 and max(before) >= 12  # a good draft grows the block
     assert after[-5:] == [1] * 5  # once every proposal fails, plain decoding
-    assert after.index(1) <= 16  # EMA (alpha 0.15) forgets 0.95 -> 0.3 in about 7-14 steps
+    # EMA (alpha 0.15) forgets 0.95 -> 0.3 in about 7-14 steps; then, this request having
+    # drafted more than SWITCH_EVIDENCE steps, held drafted steps confirm the switch: at L = 2
+    # (where it ends) n = floor(3 x c(1) / (c(2) - c(1))) = floor(3 x 1.05 / 0.35) = 9 steps in
+    # a row must predict plain, so at most 8 held
+    held = [i for i, c in enumerate(policy.history) if c.held]
+    assert 1 <= len(held) <= 8 and chosen[held[-1]] == 2 and chosen[held[-1] + 1] == 1
+    assert after.index(1) - len(held) <= 16
 
 
 def test_a_good_draft_grows_a_pessimistic_start(tiny_backend, truth):
@@ -191,6 +197,57 @@ def test_probe_gap_doubles_while_probes_fail_and_resets_when_drafting_resumes():
     # regular 4 again (34; not the early 2), 8 (42), 16 (58)
     assert probes == [1, 5, 13, 29, 34, 42, 58]
     assert [i for i, w in enumerate(chosen) if w > 1] == [1, 5, 13, 29, 30, 34, 42, 58]
+
+
+def scripted_choices(policy, right_until, steps=40):
+    """Drive ``policy`` without a model: the draft is right everywhere before step
+    ``right_until`` and wrong from its first position afterwards."""
+    for step in range(steps):
+        width = policy.choose(1000)
+        if width > 1:
+            policy.observe(width - 1 if step < right_until else 0, width - 1)
+    return [c.block_size for c in policy.history]
+
+
+@pytest.mark.parametrize(
+    ("draft_s", "confirm"),
+    [(0.7, 4), (1.7, 1)],  # a drafted step 1.7x a plain one (H200-like): floor(3 / 0.7) = 4;
+    ids=["gpu-like", "cpu-like"],  # 2.7x (CPU-like): floor(3 / 1.7) = 1, the switch at once
+)
+def test_switch_to_plain_is_confirmed_where_drafted_steps_are_cheap(draft_s, confirm):
+    costs = linear_costs(1.0, 0.0, draft_s, 0.0)
+    prior = AcceptancePrior(B, [0.9] * (B - 1))
+    policy = BlockPolicy(costs, prior, B, alpha=1.0, probe_every=0)
+    chosen = scripted_choices(policy, right_until=20)
+    # alpha 1: the first rejection (step 20) makes plain decoding predicted faster; drafting
+    # goes on for confirm - 1 held steps (at L = 2: with p_1 = 0 every drafted width predicts
+    # τ = 1 at one cost, the narrowest wins the tie), then plain to the end
+    assert chosen[:21] == [B] * 21
+    assert chosen[21:] == [2] * (confirm - 1) + [1] * (40 - 21 - (confirm - 1))
+    assert [i for i, c in enumerate(policy.history) if c.held] == list(range(21, 20 + confirm))
+    assert policy.confirm_steps(policy.predict(B)) == confirm
+    # before the request has drafted SWITCH_EVIDENCE (16) steps, and with switch_budget 0,
+    # the switch is immediate
+    early = scripted_choices(BlockPolicy(costs, prior, B, alpha=1.0, probe_every=0), 5)
+    assert early == [B] * 6 + [1] * 34
+    off = BlockPolicy(costs, prior, B, alpha=1.0, probe_every=0, switch_budget=0)
+    assert scripted_choices(off, 20) == [B] * 21 + [1] * 19
+
+
+def test_held_steps_end_when_the_draft_recovers():
+    policy = BlockPolicy(linear_costs(1.0, 0.0, 0.7, 0.0), AcceptancePrior(B, [0.9] * (B - 1)),
+                         B, alpha=1.0, probe_every=0)  # fmt: skip
+    script = [True] * 20 + [False, False, True] + [False] * 10
+    for right in script:
+        width = policy.choose(1000)
+        if width > 1:
+            policy.observe(width - 1 if right else 0, width - 1)
+    chosen = [c.block_size for c in policy.history]
+    # rejections at 20 and 21, held at 21 and 22, right again at 22: drafting on its own merits
+    # at 23, then the doubt counts from zero again (held 24-26, plain from 27)
+    assert [c.held for c in policy.history[20:27]] == [False, True, True, False, True, True, True]
+    assert chosen[:21] == [B] * 21 and chosen[21:23] == [2, 2] and chosen[23] == B
+    assert chosen[24:27] == [2] * 3 and chosen[27:] == [1] * 6
 
 
 def test_plain_runs_skip_features_until_the_probe(tiny_backend, truth, monkeypatch):
