@@ -53,7 +53,7 @@ def parse_prompt_spec(spec: str, data_dir: str | Path | None = None) -> list:
     from dflash.data.datasets import load_prompts, select
 
     name, _, count = spec.partition("@")
-    if count and not count.isdigit():
+    if count and not (count.isdigit() and int(count) >= 1):
         raise InputError(f"Prompt spec {spec!r} has a bad count after '@'.",
                          hint="write SPEC@N with N a positive integer, e.g. mmlu@4000")  # fmt: skip
     items = load_prompts(name, data_dir=data_dir)
