@@ -187,11 +187,11 @@ def read_shards(folder: str | Path) -> list[Sample]:
     """
     folder = Path(folder)
     if not folder.is_dir():
-        raise DatasetError(f"Training data folder {folder} does not exist.",
+        raise DatasetError(f"Data folder {folder} does not exist.",
                            hint="create it with 'dflash data regenerate --out DIR'")  # fmt: skip
     files = sorted(p for p in folder.iterdir() if p.name.endswith((".jsonl", ".jsonl.gz")))
     if not files:
-        raise DatasetError(f"Training data folder {folder} holds no .jsonl shards.",
+        raise DatasetError(f"Data folder {folder} holds no .jsonl shards.",
                            hint="create them with 'dflash data regenerate --out DIR'")  # fmt: skip
     samples: list[Sample] = []
     for path in files:
@@ -212,7 +212,7 @@ def read_shards(folder: str | Path) -> list[Sample]:
                 raise DatasetError(f"{path}:{n + 1} is not a training record ({type(e).__name__}).",
                                    hint="regenerate the shard with 'dflash data regenerate'") from e  # fmt: skip
     if not samples:
-        raise DatasetError(f"Training data folder {folder} holds no records.")
+        raise DatasetError(f"Data folder {folder} holds no records.")
     return samples
 
 
