@@ -63,7 +63,10 @@ class AcceptancePrior:
          "source": "how it was measured (dataset, device, dtype, steps)"}
 
     ``position_acceptance[k - 1]`` is P(draft position k accepted | positions 1..k-1 accepted),
-    the same quantity ``dflash benchmark`` prints as per-position acceptance.
+    the same quantity ``dflash benchmark`` prints as per-position acceptance. ``dflash train``
+    writes the rates as ``per_position`` (null where the held-out data never reached a
+    position); a file with both keys may name the first one's origin in
+    ``position_acceptance_source``.
 
     Attributes:
         block_size: B, the width the rates were measured at.
@@ -89,7 +92,8 @@ def default_prior(block_size: int) -> AcceptancePrior:
 def load_acceptance(folder: str | Path | None, block_size: int) -> AcceptancePrior:
     """Read ``acceptance.json`` from a draft folder, else return :func:`default_prior`.
 
-    Rates are cut or extended (with the last rate) to ``block_size - 1`` positions.
+    Rates are cut or extended (with the last rate) to ``block_size - 1`` positions; a null rate
+    (position never reached) takes the previous one (the prior's 0.5 at position 1).
 
     Raises:
         ConfigError: the file exists but is not valid JSON of the documented format.
@@ -100,8 +104,11 @@ def load_acceptance(folder: str | Path | None, block_size: int) -> AcceptancePri
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
         key = "position_acceptance" if "position_acceptance" in data else "per_position"
-        rates = [float(r) for r in data[key]]  # per_position: as ``dflash train`` writes it
+        rates: list[float] = []  # per_position: as ``dflash train`` writes it, nulls included
+        for r in data[key]:
+            rates.append(float(r) if r is not None else (rates[-1] if rates else PRIOR_RATE))
         measured = int(data.get("block_size", len(rates) + 1))
+        source = data.get(f"{key}_source", data.get("source", path))
     except (OSError, ValueError, TypeError, KeyError) as err:
         raise ConfigError(f"{path} is not a valid acceptance file ({err}).",
                           hint="delete it or rewrite it in the format of dflash.auto_block") from None  # fmt: skip
@@ -111,7 +118,7 @@ def load_acceptance(folder: str | Path | None, block_size: int) -> AcceptancePri
         )
     need = max(block_size - 1, 0)
     rates = (rates + [rates[-1]] * need)[:need]
-    return AcceptancePrior(measured, rates, str(data.get("source", path)))
+    return AcceptancePrior(measured, rates, str(source))
 
 
 def write_acceptance(folder: str | Path, rates: list[float], block_size: int, source: str) -> Path:

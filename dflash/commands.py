@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -102,6 +103,8 @@ def generate(
     n = 0
     t0 = time.perf_counter()
     t1 = None
+    shared = verbose and same_stream(sys.stdout, sys.stderr)
+    midline = False  # the text on stdout stops mid-line (a step note must start a new line)
     for r in pipe.stream(ids, **kwargs):
         n += len(r.tokens)
         if r.accepted is None:
@@ -109,14 +112,28 @@ def generate(
         else:
             steps.append(r.accepted)
             if verbose:
+                if shared and midline:
+                    sys.stderr.write("\n")
                 print_step(len(steps), r, pipe.last_policy)
-        sys.stdout.write(stream.feed(r.tokens, final=r.finish_reason is not None))
+        text = stream.feed(r.tokens, final=r.finish_reason is not None)
+        sys.stdout.write(text)
         sys.stdout.flush()
+        midline = (not text.endswith("\n")) if text else midline
     t2 = time.perf_counter()
     sys.stdout.write("\n")
     sys.stdout.flush()  # the summary on stderr must come after the text
     decode = t2 - (t1 or t0)
     print(summary_line(n, steps, decode, (t1 or t0) - t0), file=sys.stderr)
+
+
+def same_stream(a, b) -> bool:
+    """Whether two text streams write to the same file or terminal (``2>&1``, a console), where
+    stderr notes and stdout text interleave on one screen."""
+    try:
+        x, y = os.fstat(a.fileno()), os.fstat(b.fileno())
+    except (AttributeError, OSError, ValueError):  # in-memory streams (tests)
+        return False
+    return (x.st_dev, x.st_ino) == (y.st_dev, y.st_ino)
 
 
 def plural(count: int, noun: str) -> str:

@@ -388,7 +388,7 @@ def serve(
     port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
     api_key: Annotated[str | None, typer.Option(help="Require 'Authorization: Bearer KEY' on /v1 (default: $DFLASH_API_KEY; none = open).", show_default=False)] = None,
     served_model_name: Annotated[str | None, typer.Option(help="Model name in the API (default: the --model name).")] = None,
-    block_size: Annotated[int | None, typer.Option(help="Verify width incl. the anchor (default: auto, chosen per step from measured costs and acceptance; 1 = no drafting).")] = None,
+    block_size: Annotated[str | None, typer.Option(help="auto (default: chosen per step from measured costs and acceptance) or the verify width incl. the anchor; 1 = no drafting.")] = None,
     device: Annotated[str, typer.Option(help="auto, cuda, cuda:N or cpu.")] = "auto",
     dtype: Annotated[str, typer.Option(help="auto (bf16 on CUDA, fp32 on CPU), bfloat16, float16, float32.")] = "auto",
     cuda_graphs: Annotated[bool | None, typer.Option("--cuda-graphs/--no-cuda-graphs", help="Static caches + CUDA graphs (default: on for CUDA with Llama/Qwen-style targets).")] = None,
@@ -400,8 +400,10 @@ def serve(
                            hint="use --backend transformers or --backend mlx")  # fmt: skip
     if not 0 < port < 65536:
         raise InputError(f"--port must be in 1..65535, got {port}.")
-    if block_size is not None and block_size < 1:
-        raise InputError(f"--block-size must be >= 1, got {block_size}.")
+    from dflash.commands import parse_block_size
+
+    chosen = parse_block_size(block_size)  # "auto" (also for None) or an int, as for generate
+    width = None if chosen == "auto" else int(chosen)  # the Engine takes None for auto
     try:
         import fastapi  # noqa: F401
         import uvicorn
@@ -420,7 +422,7 @@ def serve(
         return dflash.load(model, draft, backend=backend, device=device, dtype=dtype,
                            cuda_graphs=cuda_graphs)  # fmt: skip
 
-    engine = Engine(load, names, block_size)
+    engine = Engine(load, names, width)
     app = build_app(engine, api_key)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                            timeout_graceful_shutdown=5))  # fmt: skip

@@ -391,6 +391,26 @@ def test_acceptance_file_round_trip(tmp_path):
         load_acceptance(tmp_path, 4)
 
 
+def test_acceptance_written_by_train_with_unreached_positions_loads(tmp_path):
+    """``dflash train`` writes null for positions its held-out data never reached; such a draft
+    must still run with --block-size auto (it was refused as an invalid file)."""
+    from dflash.train.checkpoint import write_acceptance as train_write
+
+    train_write(tmp_path, {"tau": 1.2, "per_position": [None, 0.4, None, 0.3, None],
+                           "responses": 1}, 6, 3)  # fmt: skip
+    got = load_acceptance(tmp_path, 6)
+    assert got.rates == [0.5, 0.4, 0.4, 0.3, 0.3] and got.block_size == 6
+    assert got.source.endswith("dflash train")
+
+
+def test_acceptance_source_names_the_rates_used(tmp_path):
+    (tmp_path / "acceptance.json").write_text(json.dumps({
+        "position_acceptance": [0.7], "position_acceptance_source": "benchmark",
+        "per_position": [0.2], "source": "train"}))  # fmt: skip
+    got = load_acceptance(tmp_path, 2)
+    assert got.rates == [0.7] and got.source == "benchmark"
+
+
 def test_demo_draft_ships_its_acceptance():
     from dflash.models.target_torch import DEMO_DRAFT_DIR
 

@@ -292,6 +292,18 @@ def test_rank_sharding_and_rank_files(tmp_path):
     assert harness.gather_records({"x": []}, harness.DistInfo()) == {"x": []}
 
 
+def test_gathered_records_come_back_in_prompt_order():
+    """Rank 0 gathers rank 0's items then rank 1's; the merge restores the prompt order one
+    process runs (not the string order of the ids: '10' < '9')."""
+    from dflash.bench.metrics import ResponseRecord, RunStats
+
+    items = [PromptItem(i, ["q", "q2"]) for i in ("9", "10", "2")]
+    rec = [ResponseRecord("d", i, t, 5, 4, RunStats(3, 0.1, 0.2))
+           for i in ("9", "2", "10") for t in (1, 0)]  # fmt: skip
+    got = harness.in_prompt_order({"d": rec}, {"d": items})
+    assert [(r.id, r.turn) for r in got["d"]] == [(i, t) for i in ("9", "10", "2") for t in (0, 1)]
+
+
 def test_torchrun_ranks_share_the_work_and_rank_0_gathers(cli, tmp_path):
     """Two CPU processes under torchrun (gloo): same records and summary as one process."""
     pytest.importorskip("torch.distributed")
@@ -311,8 +323,8 @@ def test_torchrun_ranks_share_the_work_and_rank_0_gathers(cli, tmp_path):
     rank_files = [tmp_path / f"multi.rank{r}.jsonl" for r in range(2)]
     ranks = [{rec.key for rec in read_records(p)} for p in rank_files]
     assert ranks[0] and ranks[1] and not ranks[0] & ranks[1]  # every response ran once
-    merged = {r.key: r.to_dict() for r in read_records(out_file)}
-    assert merged == {r.key: r.to_dict() for r in read_records(tmp_path / "single.jsonl")}
+    merged = [r.to_dict() for r in read_records(out_file)]  # same records, same order
+    assert merged == [r.to_dict() for r in read_records(tmp_path / "single.jsonl")]
 
 
 FAILING_SCRIPT = textwrap.dedent(

@@ -98,6 +98,18 @@ def test_summary_line_counts_and_never_prints_nan():
     )
 
 
+def test_verbose_notes_start_a_line_only_where_they_share_the_text_screen(tmp_path):
+    """--verbose step notes go to stderr; where stderr and stdout are one file or terminal
+    (2>&1, a console) a note that follows text mid-line starts on a new line."""
+    import io
+
+    from dflash.commands import same_stream
+
+    with open(tmp_path / "a", "w") as a, open(tmp_path / "a", "a") as a2, open(tmp_path / "b", "w") as b:
+        assert same_stream(a, a2) and not same_stream(a, b)
+    assert not same_stream(io.StringIO(), io.StringIO())
+
+
 def test_generate_one_token_summary(demo_gguf, untrained_draft):
     p = dflash_cli("generate", "transformers", "Hi", "--model", str(demo_gguf), "--draft",
                    str(untrained_draft), "--max-new-tokens", "1")  # fmt: skip

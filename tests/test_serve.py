@@ -302,3 +302,13 @@ def test_cli_refuses_a_busy_port():
         s.listen()
         res = CliRunner().invoke(app, ["serve", "--port", str(s.getsockname()[1])])
     assert res.exit_code != 0 and "Cannot listen" in str(res.exception)
+
+
+@pytest.mark.parametrize("value, message", [("0", "must be >= 1"), ("x", "auto or an integer")])
+def test_cli_block_size_takes_auto_or_an_integer(value, message):
+    """--block-size auto is accepted like generate's (it was refused as not an integer); a bad
+    value is a one-line InputError before anything loads or binds."""
+    from dflash.cli import app
+
+    res = CliRunner().invoke(app, ["serve", "--block-size", value])
+    assert res.exit_code != 0 and message in str(res.exception)

@@ -259,3 +259,11 @@ def test_regenerate_refuses_benchmark_test_splits_without_eval_only(tiny_chat_ta
     for spec in ("gsm8k@4", "humaneval", "mbpp:test", "mt-bench@2", "math500"):
         with pytest.raises(InputError, match="benchmark test split"):
             regenerate(str(tiny_chat_target), [spec], tmp_path / "x", device="cpu")
+
+
+@pytest.mark.parametrize("count", ["0", "x", "-2"])
+def test_prompt_spec_bad_count_names_the_spec(count):
+    from dflash.train.data import parse_prompt_spec
+
+    with pytest.raises(InputError, match=f"'gsm8k:train@{count}' has a bad count"):
+        parse_prompt_spec(f"gsm8k:train@{count}", Path(__file__).parent / "data")

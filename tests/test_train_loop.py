@@ -147,8 +147,9 @@ def test_resume_refuses_other_settings(setup, tmp_path):
 
     target, root, _ = setup
     Trainer(config(root, tmp_path / "a", max_steps=2), target).run()
-    with pytest.raises(InputError, match="other settings"):
+    with pytest.raises(InputError, match="other settings") as err:
         Trainer(config(root, tmp_path / "a", max_steps=2, lr=5e-4), target)
+    assert "-> 0.0005" in err.value.message  # names what changed
 
 
 def test_overfit_one_response_reaches_tau_3(setup, tmp_path):

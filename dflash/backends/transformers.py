@@ -251,7 +251,8 @@ def load_target(path: str, device: torch.device, dtype: torch.dtype):
         raise CheckpointError(f"Cannot load target {path}: {str(e).splitlines()[0]}",
                               hint="pass a local model folder, a .gguf file or a reachable hub id") from e  # fmt: skip
     except ValueError as e:
-        raise CheckpointError(f"Target {path} is not a supported causal LM: {str(e).splitlines()[0]}") from e
+        raise CheckpointError(f"Target {path} is not a supported causal LM: {str(e).splitlines()[0]}",
+                              hint="pass a transformers causal-LM folder (config.json with a model_type)") from e  # fmt: skip
     model.to(device).eval()
     cache_cls = getattr(model, "_supports_cache_class", True)
     if not cache_cls:

@@ -341,6 +341,7 @@ def _run(
         harness.barrier(dist)
         raise failure if failure is not None and dist.rank else typer.Exit(1) from None
     if gathered is not None:
+        gathered = harness.in_prompt_order(gathered, selected)
         log.write_merged([r for recs in gathered.values() for r in recs])
     return gathered
 

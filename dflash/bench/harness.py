@@ -170,15 +170,13 @@ class ResultsLog:
             f.flush()
 
     def write_merged(self, records: list[ResponseRecord]) -> None:
-        """Rank 0 after gathering: write every record, sorted, to the main file (atomic)."""
+        """Rank 0 after gathering: write every record, in the given order, to the main file
+        (atomic); :func:`in_prompt_order` gives the order one process writes."""
         if self.path is None or self.world == 1:
             return
         tmp = self.path.with_name(f".{self.path.name}.tmp")
         with open(tmp, "w", encoding="utf-8") as f:
-            f.writelines(
-                json.dumps(record.to_dict(), ensure_ascii=False) + "\n"
-                for record in sorted(records, key=lambda r: r.key)
-            )
+            f.writelines(json.dumps(r.to_dict(), ensure_ascii=False) + "\n" for r in records)
         os.replace(tmp, self.path)
 
 
@@ -596,6 +594,21 @@ def gather_records(
         for name, recs in part["records"].items():
             merged.setdefault(name, []).extend(ResponseRecord.from_dict(r) for r in recs)
     return merged
+
+
+def in_prompt_order(
+    gathered: dict[str, list[ResponseRecord]], selected: dict[str, list[PromptItem]]
+) -> dict[str, list[ResponseRecord]]:
+    """The gathered records in the order one process runs them: datasets as selected, then
+    prompts as selected, then turns (ranks return ``items[r::world]`` each, one after the other).
+    """
+    out: dict[str, list[ResponseRecord]] = {}
+    for name in [*selected, *(n for n in gathered if n not in selected)]:
+        if name not in gathered:
+            continue
+        index = {item.id: i for i, item in enumerate(selected.get(name, []))}
+        out[name] = sorted(gathered[name], key=lambda r: (index.get(r.id, len(index)), r.id, r.turn))
+    return out
 
 
 def check_dataset_names(names: list[str]) -> list[str]:

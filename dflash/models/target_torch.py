@@ -126,7 +126,9 @@ def gguf_to_cached_folder(gguf: Path) -> Path:
         raise BackendError(f"Loading GGUF needs an extra package: {e}.",
                            hint="pip install gguf accelerate") from e  # fmt: skip
     except Exception as e:  # transformers raises many types for a bad file
-        raise CheckpointError(f"Cannot read GGUF file {gguf}: {e}.") from e
+        msg = str(e).splitlines()[0].rstrip(".") if str(e) else type(e).__name__
+        raise CheckpointError(f"Cannot read GGUF file {gguf}: {msg}.",
+                              hint="pass a llama-architecture .gguf file (e.g. the demo's)") from e  # fmt: skip
     # The weights are dequantized float32 already: drop the GGUF marker so they can be saved.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):

@@ -53,7 +53,7 @@ def parse_prompt_spec(spec: str, data_dir: str | Path | None = None) -> list:
     from dflash.data.datasets import load_prompts, select
 
     name, _, count = spec.partition("@")
-    if count and not count.isdigit():
+    if count and not (count.isdigit() and int(count) >= 1):
         raise InputError(f"Prompt spec {spec!r} has a bad count after '@'.",
                          hint="write SPEC@N with N a positive integer, e.g. mmlu@4000")  # fmt: skip
     items = load_prompts(name, data_dir=data_dir)
@@ -187,11 +187,11 @@ def read_shards(folder: str | Path) -> list[Sample]:
     """
     folder = Path(folder)
     if not folder.is_dir():
-        raise DatasetError(f"Training data folder {folder} does not exist.",
+        raise DatasetError(f"Data folder {folder} does not exist.",
                            hint="create it with 'dflash data regenerate --out DIR'")  # fmt: skip
     files = sorted(p for p in folder.iterdir() if p.name.endswith((".jsonl", ".jsonl.gz")))
     if not files:
-        raise DatasetError(f"Training data folder {folder} holds no .jsonl shards.",
+        raise DatasetError(f"Data folder {folder} holds no .jsonl shards.",
                            hint="create them with 'dflash data regenerate --out DIR'")  # fmt: skip
     samples: list[Sample] = []
     for path in files:
@@ -212,7 +212,7 @@ def read_shards(folder: str | Path) -> list[Sample]:
                 raise DatasetError(f"{path}:{n + 1} is not a training record ({type(e).__name__}).",
                                    hint="regenerate the shard with 'dflash data regenerate'") from e  # fmt: skip
     if not samples:
-        raise DatasetError(f"Training data folder {folder} holds no records.")
+        raise DatasetError(f"Data folder {folder} holds no records.")
     return samples
 
 

@@ -21,6 +21,7 @@ and writes checkpoints, logs and the exported draft; the other ranks wait at a b
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -58,7 +59,9 @@ def wrap(draft: torch.nn.Module, info: DistInfo) -> torch.nn.Module:
         return draft
     from torch.nn.parallel import DistributedDataParallel
 
-    return DistributedDataParallel(draft, broadcast_buffers=False, find_unused_parameters=False)
+    with warnings.catch_warnings():  # torch >= 2.13 deprecates the flag; its replacement syncs
+        warnings.filterwarnings("ignore", message=".*broadcast_buffers", category=FutureWarning)
+        return DistributedDataParallel(draft, broadcast_buffers=False, find_unused_parameters=False)
 
 
 def global_step_stats(out: StepOutput, info: DistInfo) -> tuple[torch.Tensor, StepOutput]:

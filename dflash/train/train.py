@@ -199,9 +199,11 @@ class Trainer:
             if was != world:
                 raise InputError(f"{self.state_dir} holds a run of {was} process(es) and this run has "
                                  f"{world} (the global batch is --batch-tokens x processes).",
-                                 hint=f"resume with torchrun --nproc-per-node {was}, or use another --out")  # fmt: skip
+                                 hint=(f"resume with torchrun --nproc-per-node {was}" if was > 1 else "resume without torchrun") + ", or use another --out")  # fmt: skip
             if cur["settings"] != self.cursor["settings"]:
-                raise InputError(f"{self.state_dir} holds a run with other settings.",
+                diff = ", ".join(f"{k} {cur['settings'].get(k)!r} -> {v!r}" for k, v in self.cursor["settings"].items()
+                                 if cur["settings"].get(k) != v)  # fmt: skip
+                raise InputError(f"{self.state_dir} holds a run with other settings ({diff}).",
                                  hint="use the same options, another --out, or delete the state folder")  # fmt: skip
             cur.pop("adam_steps", None)
             self.base_step = cur.setdefault("base_step", 0)
