@@ -201,5 +201,6 @@ def init_draft(
                   mask_token_id=mask_token_id, seed=seed, dtype=dtype, force=force, arch=arch)  # fmt: skip
     cfg = DraftConfig.load(folder)
     kind = "DFlash2 draft" if cfg.is_dflash2 else "DFlash draft"
-    print(f"wrote {folder}: {kind}, {cfg.num_hidden_layers} layers, block size {cfg.block_size}, "
+    layers_text = f"{cfg.num_hidden_layers} layer" + ("" if cfg.num_hidden_layers == 1 else "s")
+    print(f"wrote {folder}: {kind}, {layers_text}, block size {cfg.block_size}, "
           f"mask token {cfg.mask_token_id}, target layers {cfg.target_layer_ids}")  # fmt: skip

@@ -267,3 +267,18 @@ def test_prompt_spec_bad_count_names_the_spec(count):
 
     with pytest.raises(InputError, match=f"'gsm8k:train@{count}' has a bad count"):
         parse_prompt_spec(f"gsm8k:train@{count}", Path(__file__).parent / "data")
+
+
+@pytest.mark.parametrize("bad", [["--batch-size", "0"], ["--samples", "0"], ["--engine", "foo"],
+                                 ["--sample-temperature", "0"]])  # fmt: skip
+def test_regenerate_refuses_bad_numbers_before_loading_anything(tmp_path, bad):
+    """Bad numbers fail at once: no progress bar, no target load, no output folder."""
+    from typer.testing import CliRunner
+
+    from dflash.cli import app
+
+    out = tmp_path / "data"
+    r = CliRunner().invoke(app, ["data", "regenerate", "--target", str(tmp_path / "missing"),
+                                 "--prompts", "gsm8k:train@2", "--out", str(out), *bad])  # fmt: skip
+    assert isinstance(r.exception, InputError), r.output
+    assert "regenerating" not in r.output and not out.exists()

@@ -52,6 +52,9 @@ def regenerate(
         raise InputError(f"--out {out} is a file; pass a folder for the JSONL shards.")
     if time_limit is not None and time_limit <= 0:
         raise InputError(f"--time-limit must be > 0 seconds, got {time_limit}.")
+    from dflash.train.data import check_regenerate_options
+
+    check_regenerate_options(max_new_tokens, batch_size, samples, temperature, sample_temperature, engine)
     console = Console(stderr=True)
     with Progress(TextColumn("regenerating"), BarColumn(), MofNCompleteColumn(),
                   TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), console=console) as bar:  # fmt: skip

@@ -219,6 +219,24 @@ def read_shards(folder: str | Path) -> list[Sample]:
 # --------------------------------------------------------------------------------- regeneration
 
 
+def check_regenerate_options(max_new_tokens: int, batch_size: int, samples: int, temperature: float,
+                             sample_temperature: float, engine: str) -> None:
+    """Cheap checks of the ``dflash data regenerate`` numbers, before anything is loaded.
+
+    Raises:
+        InputError: a count below 1, a negative temperature, or an unknown engine.
+    """
+    if max_new_tokens < 1 or batch_size < 1 or samples < 1:
+        raise InputError("--max-new-tokens, --batch-size and --samples must be >= 1.",
+                         hint="see dflash data regenerate --help")  # fmt: skip
+    if temperature < 0 or sample_temperature <= 0:
+        raise InputError("--temperature must be >= 0 and --sample-temperature > 0.",
+                         hint="0 is greedy; 0.7-1.0 are usual for sampled answers")  # fmt: skip
+    if engine not in ("auto", "batched", "hf"):
+        raise InputError(f"--engine must be auto, batched or hf, got {engine!r}.",
+                         hint="auto picks the batched engine for Llama/Qwen targets")  # fmt: skip
+
+
 def regenerate(
     target: str | None,
     specs: list[str],
@@ -280,12 +298,7 @@ def regenerate(
     from dflash.data.datasets import ALIASES, BENCHMARK_NAMES
     from dflash.models.target_torch import resolve_target
 
-    if max_new_tokens < 1 or batch_size < 1 or samples < 1:
-        raise InputError("--max-new-tokens, --batch-size and --samples must be >= 1.")
-    if temperature < 0 or sample_temperature <= 0:
-        raise InputError("--temperature must be >= 0 and --sample-temperature > 0.")
-    if engine not in ("auto", "batched", "hf"):
-        raise InputError(f"--engine must be auto, batched or hf, got {engine!r}.")
+    check_regenerate_options(max_new_tokens, batch_size, samples, temperature, sample_temperature, engine)
     bench = [s for s in specs if ALIASES.get(s.partition("@")[0].lower(), s.partition("@")[0].lower())
              in BENCHMARK_NAMES]  # fmt: skip
     if bench and not eval_only:
