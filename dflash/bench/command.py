@@ -307,8 +307,7 @@ def _run(
     """
     (backend, model, draft, device, dtype, cuda_graphs, compile, uniform_width,
      draft_bits, draft_window) = load_args
-    if dist.world > 1 and device in ("auto", "cuda"):
-        device = f"cuda:{dist.local_rank}"
+    device = harness.rank_device(dist, device)
     log = harness.ResultsLog(output, resume=resume, rank=dist.rank, world=dist.world)
     log.check_settings(config)  # before loading: a mismatch must not cost a model load
     results, failure = None, None

@@ -529,6 +529,16 @@ def finish_distributed(info: DistInfo, failed: bool = False) -> None:
             dist.destroy_process_group()
 
 
+def rank_device(info: DistInfo, device: str) -> str:
+    """The device this rank runs on: ``cuda:LOCAL_RANK`` under torchrun unless the run is on
+    the CPU (``--device cpu`` or no CUDA); ``device`` unchanged for one process."""
+    if info.world == 1 or device == "cpu":
+        return device
+    import torch
+
+    return f"cuda:{info.local_rank}" if torch.cuda.is_available() else "cpu"
+
+
 def barrier(info: DistInfo) -> None:
     """Wait for every rank (no-op for one process)."""
     if info.world > 1:

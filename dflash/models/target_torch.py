@@ -91,6 +91,11 @@ def _quiet_gguf_bar():
         gguf_utils.tqdm = saved
 
 
+def _converted(folder: Path) -> bool:
+    """Whether ``folder`` holds a finished GGUF conversion (config and weights)."""
+    return (folder / "config.json").is_file() and any(folder.glob("*.safetensors"))
+
+
 def gguf_to_cached_folder(gguf: Path) -> Path:
     """Convert a GGUF file once into a transformers folder (float32 safetensors + tokenizer).
 
@@ -107,7 +112,7 @@ def gguf_to_cached_folder(gguf: Path) -> Path:
         raise CheckpointError(f"GGUF file {gguf} does not exist.")
     key = _sha256(gguf)[:16]
     folder = cache_root() / "targets" / key
-    if (folder / "config.json").is_file() and any(folder.glob("*.safetensors")):
+    if _converted(folder):
         return folder
     # one temporary folder per process: concurrent conversions (two jobs on two GPUs) never mix
     tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
@@ -138,7 +143,7 @@ def gguf_to_cached_folder(gguf: Path) -> Path:
     (tmp / "dflash_source.json").write_text(json.dumps({"gguf": str(gguf), "sha256_16": key}))
     import shutil
 
-    if (folder / "config.json").is_file() and any(folder.glob("*.safetensors")):
+    if _converted(folder):
         shutil.rmtree(tmp)  # another process finished the same conversion first
         return folder
     if folder.exists():

@@ -147,11 +147,10 @@ def _train(cfg, info, pause_after: float | None) -> None:
     from dflash.train.train import Trainer, load_training_target
 
     if info.world > 1:
-        cuda = torch.cuda.is_available() and cfg.device != "cpu"
-        cfg.device = f"cuda:{info.local_rank}" if cuda else "cpu"
-        from dflash.bench.harness import once_per_machine
+        from dflash.bench.harness import once_per_machine, rank_device
         from dflash.models.target_torch import resolve_target
 
+        cfg.device = rank_device(info, cfg.device)
         once_per_machine(info, lambda: resolve_target(cfg.target))  # a .gguf converts once
     torch.manual_seed(cfg.seed)
     model, _tok = load_training_target(cfg.target, cfg.device)

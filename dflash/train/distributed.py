@@ -29,6 +29,8 @@ import torch
 from dflash.bench.harness import DistInfo, barrier
 from dflash.train.objective import StepOutput
 
+__all__ = ["barrier", "from_rank0", "global_step_stats", "rank_part", "wrap"]
+
 
 def rank_part(idx: list[int], info: DistInfo) -> tuple[list[int], bool]:
     """This rank's sequences of one global batch.
@@ -88,9 +90,6 @@ def global_step_stats(out: StepOutput, info: DistInfo) -> tuple[torch.Tensor, St
     return loss, glob
 
 
-__all__ = ["barrier", "from_rank0", "global_step_stats", "rank_part", "wrap"]
-
-
 def from_rank0(value: Any, info: DistInfo) -> Any:
     """Rank 0's ``value`` on every rank (a picklable object; also a barrier)."""
     if info.world == 1:
@@ -98,5 +97,3 @@ def from_rank0(value: Any, info: DistInfo) -> Any:
     box = [value if info.rank == 0 else None]
     torch.distributed.broadcast_object_list(box, src=0)
     return box[0]
-
-
