@@ -1,4 +1,4 @@
-"""HF ``generate`` vs dflash (block 1 and the draft's block size) in one process, same prompts.
+"""HF ``generate`` vs dflash (block 1, the draft's block size and auto) in one process, same prompts.
 
     PYTHONPATH=. python3 scripts/hf_baseline.py --model T.gguf --data-dir DIR [--n 8] [--out DIR]
 
@@ -64,22 +64,26 @@ def main(argv: list[str] | None = None) -> dict:
         toks = out[0, len(ids) :].tolist()
         return toks, max(dt - t_pre, 1e-9)
 
-    rows = {"hf": [], "block1": [], "dflash": []}
-    hf(prompts[0][:16])  # warm-up
-    pipe.generate(prompts[0], block_size=1, max_new_tokens=16)
-    pipe.generate(prompts[0], max_new_tokens=16)
+    lsz = pipe.block_size  # the draft's trained block size
+    rows = {"hf": [], "block1": [], "dflash": [], "auto": []}
+    hf(prompts[0][:16])  # warm-up (and, for dflash, graph capture and auto's cost calibration)
+    for b in (1, lsz, "auto"):
+        pipe.generate(prompts[0], block_size=b, max_new_tokens=new)
     same = 0
     for ids in prompts:
         toks, dt = hf(ids)
         rows["hf"].append((len(toks) - 1) / dt)
         r1 = pipe.generate(ids, block_size=1, max_new_tokens=new)
-        rf = pipe.generate(ids, max_new_tokens=new)
+        rf = pipe.generate(ids, block_size=lsz, max_new_tokens=new)
+        ra = pipe.generate(ids, block_size="auto", max_new_tokens=new)
         rows["block1"].append(r1.decode_tok_per_s or 0.0)
         rows["dflash"].append(rf.decode_tok_per_s or 0.0)
-        same += toks == r1.token_ids == rf.token_ids
+        rows["auto"].append(ra.decode_tok_per_s or 0.0)
+        same += toks == r1.token_ids == rf.token_ids == ra.token_ids
     mean = {k: sum(v) / len(v) for k, v in rows.items()}
     report = {"prompts": len(prompts), "max_new_tokens": new, "tok_s_mean": mean,
-              "dflash_over_hf": mean["dflash"] / mean["hf"], "identical_tokens": same,
+              "block_size": lsz,
+              "dflash_over_hf": mean["dflash"] / mean["hf"], "auto_over_hf": mean["auto"] / mean["hf"], "identical_tokens": same,
               "describe": pipe.describe()}  # fmt: skip
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

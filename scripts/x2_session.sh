@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# One lease of a 2 x H200 machine (device kind nvidia-h200-x2) for issues 10-13: regenerate the
-# demo draft's training data on both GPUs, measure data-parallel training scaling, train the draft
-# further with torchrun, then benchmark it (1 GPU vs torchrun on 2, other datasets, block-size
-# sweep, fused vs unfused static path). Issue each call within 30 s of the previous one: /tmp on
+# One lease of a 2 x H200 machine (device kind nvidia-h200-x2) for issues 10-13: the 8B-shaped
+# loop cost, regenerate the demo draft's training data on both GPUs (new vs old generator side by
+# side), 1-GPU training reference and training profile, train the draft further with torchrun
+# (the first steps give the 2-GPU scaling), then benchmark it (gsm8k, other datasets, a single
+# generate, fp32 parity, HF generate, block 16 vs auto). Issue each call within 30 s of the previous one: /tmp on
 # the machine holds the target, the data and the state between calls only while it stays warm.
 #
 # Prepare here (CPU), under the git-ignored .stage/:
@@ -11,9 +12,9 @@
 #   .stage/prompts/half-{0,1}.jsonl.gz   (scripts/build_train_prompts.py output, rows r::2)
 #   .stage/whl/gguf-0.19.0-*.whl
 # Calls (carry in brackets):
-#   1 stage1   [.stage/t5/aa .stage/data .stage/prompts .stage/whl]  + 8B-shaped loop cost (bench_big)
-#   2-4 stage ab|ac|ad  [.stage/t5/<part>]
-#   5 prep     [.stage/t5/ae]  assemble the target; regenerate on both GPUs; 1-GPU training runs
+#   1 stage1   [.stage/t5/aa .stage/data .stage/whl]  + 8B-shaped loop cost (bench_big)
+#   2 stage ab [.stage/t5/ab .stage/prompts]; 3-4 stage ac|ad  [.stage/t5/<part>]
+#   5 prep     [.stage/t5/ae]  assemble the target; regenerate on both GPUs; 1-GPU run; profile
 #   6 train    []  torchrun on both GPUs, the draft comes back in $OUT
 #   7 bench    []  benchmarks; logs in $OUT/bench.tgz
 set -uo pipefail
@@ -27,15 +28,19 @@ if [ ! -d /tmp/site/gguf ] && ls .stage/whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH=/tmp/site:$PWD
 GGUF=$W/smollm2.gguf
-V2=dflash/assets/smollm2-135m-instruct-dflash
-BASE=1440                        # steps of the shipped v2 draft
-STEPS=${STEPS:-1000}             # steps of this segment (torchrun, 2 x 16,384 tokens a step)
-LR=${LR:-4e-4}
+V2=dflash/assets/smollm2-135m-instruct-dflash  # the shipped draft (v3) this segment resumes from
+BASE=2301                        # steps of the shipped v3 draft
+STEPS=${STEPS:-4000}             # cap on this segment's steps; --time-limit anneals the schedule
+LR=${LR:-2.5e-4}
+TRAIN_LIMIT=${TRAIN_LIMIT:-470}  # seconds of torchrun training (the cosine schedule fits them)
+REGEN_ENV0=${REGEN_ENV0:-}        # environment of the GPU-0 regeneration (the new settings)
+REGEN_ENV1=${REGEN_ENV1:-}        # environment of the GPU-1 regeneration (the old settings, side by side)
+PROFILE_VARIANTS=${PROFILE_VARIANTS:-DFLASH_NONE=1}  # train_profile.py runs, one per environment
 TORCHRUN=(python3 -m torch.distributed.run --standalone --nproc-per-node 2)
 train_args() {  # $1 = out folder; same data, seed and schedule in every run
   echo --target "$GGUF" --data "$W/data" --eval-data "$W/eval" --out "$1" --resume-from "$V2" \
     --block-size 16 --anchors 512 --epochs 40 --lr "$LR" --max-len 1024 --max-steps $((BASE + STEPS)) \
-    --save-every 100000 --seed 0
+    --save-every 100000 --seed 0 --time-limit "$TRAIN_LIMIT"
 }
 t0=$SECONDS
 log() { echo "[$((SECONDS - t0)) s] $*"; }
@@ -43,29 +48,32 @@ log() { echo "[$((SECONDS - t0)) s] $*"; }
 case $phase in
 stage1)
   cp .stage/t5/aa/part "$W/stage/aa.part"
-  rm -rf "$W/datasets" && cp -r .stage/data "$W/datasets" && cp .stage/prompts/*.jsonl.gz "$W/"
+  rm -rf "$W/datasets" && cp -r .stage/data "$W/datasets"
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
   python3 -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.cuda.device_count(), 'transformers', transformers.__version__)"
-  log "bench_big (Qwen3-8B shape, random weights) on GPU 0"
-  CUDA_VISIBLE_DEVICES=0 timeout "${BIG_S:-150}" python3 scripts/bench_big.py --out "$OUT" ${BIG_ARGS:-} \
+  log "bench_big (Qwen3-8B shape, random weights, CUDA graphs, no compile) on GPU 0"
+  CUDA_VISIBLE_DEVICES=0 timeout "${BIG_S:-170}" python3 scripts/bench_big.py --out "$OUT" ${BIG_ARGS:---no-compile} \
     > "$OUT/bench_big.txt" 2>&1 || echo "bench_big failed or timed out"
   tail -25 "$OUT/bench_big.txt"
   ;;
 stage)
   cp ".stage/t5/$2/part" "$W/stage/$2.part" && ls -la "$W/stage"
+  if ls .stage/prompts/*.jsonl.gz >/dev/null 2>&1; then cp .stage/prompts/*.jsonl.gz "$W/"; fi
   ;;
 prep)
   cat "$W"/stage/{aa,ab,ac,ad}.part .stage/t5/ae/part > "$GGUF"
   sha256sum "$GGUF" | cut -c1-16
   python3 -c "from pathlib import Path; from dflash.models.target_torch import gguf_to_cached_folder as g; print(g(Path('$GGUF')))"
-  R=(python3 -m dflash data regenerate --target "$GGUF" --max-new-tokens 1024 --batch-size 512
-     --samples 2 --sample-temperature 0.8 --time-limit "${REGEN_S:-150}")
-  log "regenerate: half 0 on GPU 0; eval set then half 1 on GPU 1"
-  CUDA_VISIBLE_DEVICES=0 "${R[@]}" --prompts "$W/half-0.jsonl.gz" --out "$W/data0" > "$W/logs/regen0.txt" 2>&1 &
+  R=(python3 -m dflash data regenerate --target "$GGUF" --max-new-tokens 1024 --batch-size "${REGEN_B:-1024}"
+     --samples 3 --sample-temperature 0.8 --time-limit "${REGEN_S:-180}")
+  log "regenerate: half 0 on GPU 0 ($REGEN_ENV0); eval set then half 1 on GPU 1 ($REGEN_ENV1)"
+  env $REGEN_ENV0 CUDA_VISIBLE_DEVICES=0 "${R[@]}" --prompts "$W/half-0.jsonl.gz" --out "$W/data0" --seed 2 \
+    > "$W/logs/regen0.txt" 2>&1 &
   (EV=gsm8k@16,math500@16,humaneval@16,mbpp@16,mt-bench@16
    CUDA_VISIBLE_DEVICES=1 python3 -m dflash data regenerate --target "$GGUF" --eval-only --prompts "$EV" \
      --out "$W/eval" --data-dir "$W/datasets" --max-new-tokens 256 --batch-size 128 > "$W/logs/regen-eval.txt" 2>&1
-   CUDA_VISIBLE_DEVICES=1 "${R[@]}" --prompts "$W/half-1.jsonl.gz" --out "$W/data1" --seed 1 > "$W/logs/regen1.txt" 2>&1) &
+   env $REGEN_ENV1 CUDA_VISIBLE_DEVICES=1 "${R[@]}" --prompts "$W/half-1.jsonl.gz" --out "$W/data1" --seed 3 \
+     > "$W/logs/regen1.txt" 2>&1) &
   wait
   tail -n 2 "$W"/logs/regen*.txt
   mkdir -p "$W/data" && cp "$W/data0/meta.json" "$W/data/"
@@ -79,26 +87,24 @@ s = read_shards(sys.argv[1]); src = Counter(x.id.split("/")[0] for x in s)
 print(json.dumps({"records": len(s), "response_tokens": sum(len(x.response_ids) for x in s),
                   "prompts": len({x.id.split("#")[0] for x in s}), "by_source": src}))
 EOF
-  log "1-GPU runs: (a) 16,384 tokens a step on GPU 0, (c) 32,768 (= the 2-GPU global batch) on GPU 1"
-  CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -m dflash train $(train_args "$W/run-a") --batch-tokens 16384 \
-    --eval-every 100000 --pause-after "${A_S:-60}" > "$W/logs/train-a.txt" 2>&1 &
-  CUDA_VISIBLE_DEVICES=1 timeout 200 python3 -m dflash train $(train_args "$W/run-c") --batch-tokens 32768 \
-    --eval-every 100000 --pause-after "${C_S:-110}" > "$W/logs/train-c.txt" 2>&1 &
+  log "1-GPU reference (a): 16,384 tokens a step on GPU 0; training profile on GPU 1"
+  CUDA_VISIBLE_DEVICES=0 timeout 220 python3 -m dflash train $(train_args "$W/run-a") --batch-tokens 16384 \
+    --eval-every 100000 --pause-after "${A_S:-120}" > "$W/logs/train-a.txt" 2>&1 &
+  (i=0; for v in $PROFILE_VARIANTS; do  # each variant: VAR=value[,VAR=value...]
+     i=$((i + 1))
+     env ${v//,/ } CUDA_VISIBLE_DEVICES=1 timeout 150 python3 scripts/train_profile.py --target "$GGUF" \
+       --data "$W/data" --draft "$V2" --steps 30 --out "$OUT/profile-$i.json" > "$W/logs/profile-$i.txt" 2>&1
+   done) &
   wait
-  tail -n 3 "$W"/logs/train-[ac].txt
-  cp "$W/run-a/train_log.jsonl" "$OUT/train-a.jsonl"; cp "$W/run-c/train_log.jsonl" "$OUT/train-c.jsonl"
+  tail -n 3 "$W"/logs/train-a.txt "$W"/logs/profile-*.txt
+  cp "$W/run-a/train_log.jsonl" "$OUT/train-a.jsonl"
   tar czf "$OUT/prep-logs.tgz" -C "$W" logs
   ;;
 train)
-  log "torchrun, 2 GPUs, 16,384 tokens a step per GPU"
-  timeout "${TRAIN_S:-540}" "${TORCHRUN[@]}" -m dflash train $(train_args "$W/draft") --batch-tokens 16384 \
-    --eval-every 200 --pause-after "${PAUSE_S:-450}" > "$W/logs/train-ddp.txt" 2>&1
+  log "torchrun, 2 GPUs, 16,384 tokens a step per GPU, $TRAIN_LIMIT s"
+  timeout "${TRAIN_S:-560}" "${TORCHRUN[@]}" -m dflash train $(train_args "$W/draft") --batch-tokens 16384 \
+    --eval-every 200 > "$W/logs/train-ddp.txt" 2>&1
   rc=$?; log "torchrun exit $rc"
-  if [ ! -f "$W/draft/config.json" ] && [ $((SECONDS - t0)) -lt 250 ]; then
-    log "torchrun produced no draft: one GPU instead"
-    timeout 300 python3 -m dflash train $(train_args "$W/draft") --batch-tokens 32768 --eval-every 200 \
-      --pause-after 240 > "$W/logs/train-1gpu.txt" 2>&1
-  fi
   tail -n 25 "$W"/logs/train-ddp.txt
   cp "$W"/draft/*.safetensors "$OUT/" 2>/dev/null
   tar czf "$OUT/draft-small.tgz" -C "$W" $(cd "$W" && ls draft/*.json draft/*.jsonl draft/*.md 2>/dev/null) logs
@@ -107,37 +113,26 @@ bench)
   D=$W/draft; [ -f "$D/config.json" ] || D=$V2
   B=(python3 -m dflash benchmark transformers --model "$GGUF" --draft "$D" --max-new-tokens 256
      --data-dir "$W/datasets")
-  G=("${B[@]}" --dataset gsm8k --max-samples 64 --block-size 16 --check-parity)
-  log "gsm8k 64: fused on GPU 0, unfused (DFLASH_NO_FUSE=1) on GPU 1"
-  CUDA_VISIBLE_DEVICES=0 timeout 210 "${G[@]}" --output "$W/logs/b-gsm8k.jsonl" > "$W/logs/b-gsm8k.txt" 2>&1 &
-  CUDA_VISIBLE_DEVICES=1 DFLASH_NO_FUSE=1 timeout 210 "${G[@]}" --output "$W/logs/b-gsm8k-nofuse.jsonl" \
-    > "$W/logs/b-gsm8k-nofuse.txt" 2>&1 &
-  wait
-  log "gsm8k 64 under torchrun on 2 GPUs"
-  timeout 120 "${TORCHRUN[@]}" -m dflash benchmark transformers --model "$GGUF" --draft "$D" --max-new-tokens 256 \
-    --data-dir "$W/datasets" --dataset gsm8k --max-samples 64 --block-size 16 --check-parity \
-    --output "$W/logs/b-gsm8k-2gpu.jsonl" > "$W/logs/b-gsm8k-2gpu.txt" 2>&1
-  log "other datasets on GPU 0; block-size sweep on GPU 1"
-  (CUDA_VISIBLE_DEVICES=0 timeout 180 "${B[@]}" --dataset math500,humaneval,mbpp,mt-bench --max-samples 32 \
-     --block-size 16 --output "$W/logs/b-other.jsonl" > "$W/logs/b-other.txt" 2>&1
-   CUDA_VISIBLE_DEVICES=0 timeout 45 python3 -m dflash generate transformers --model "$GGUF" --draft "$D" \
-     "How many positive whole-number divisors does 196 have?" --max-new-tokens 256 --json \
-     > "$W/logs/generate.json" 2> "$W/logs/generate.err") &
-  (CUDA_VISIBLE_DEVICES=1 timeout 150 "${B[@]}" --dataset gsm8k --max-samples 64 --block-size 4,8,16,auto --no-compile \
-     --output "$W/logs/b-sweep.jsonl" > "$W/logs/b-sweep.txt" 2>&1
-   CUDA_VISIBLE_DEVICES=1 timeout 75 "${B[@]}" --dataset gsm8k --max-samples 16 --block-size 16 --dtype float32 --no-compile \
-     --check-parity --output "$W/logs/b-fp32.jsonl" > "$W/logs/b-fp32.txt" 2>&1) &
+  log "GPU 0: gsm8k 64 (compile), other datasets, one generate; GPU 1: fp32 parity, HF baseline, auto sweep"
+  (CUDA_VISIBLE_DEVICES=0 timeout 200 "${B[@]}" --dataset gsm8k --max-samples 64 --block-size 16 --check-parity \
+     --output "$W/logs/b-gsm8k.jsonl" > "$W/logs/b-gsm8k.txt" 2>&1
+   P=$(python3 -c "from dflash.data.datasets import load_prompts, select; print(select(load_prompts('gsm8k', '$W/datasets'), 1)[0].turns[0])")
+   for i in 1 2; do
+     CUDA_VISIBLE_DEVICES=0 timeout 60 python3 -m dflash generate transformers --model "$GGUF" --draft "$D" \
+       "$P" --block-size 16 --max-new-tokens 256 --json > "$W/logs/generate-$i.json" 2> "$W/logs/generate-$i.err"
+   done
+   CUDA_VISIBLE_DEVICES=0 timeout 170 "${B[@]}" --dataset math500,humaneval,mbpp,mt-bench --max-samples 32 \
+     --block-size 16 --output "$W/logs/b-other.jsonl" > "$W/logs/b-other.txt" 2>&1) &
+  (CUDA_VISIBLE_DEVICES=1 timeout 75 "${B[@]}" --dataset gsm8k --max-samples 16 --block-size 16 --dtype float32 --no-compile \
+     --check-parity --output "$W/logs/b-fp32.jsonl" > "$W/logs/b-fp32.txt" 2>&1
+   CUDA_VISIBLE_DEVICES=1 timeout 150 python3 scripts/hf_baseline.py --model "$GGUF" --draft "$D" \
+     --data-dir "$W/datasets" --n 8 --out "$W/logs" > "$W/logs/hf_baseline.txt" 2>&1
+   CUDA_VISIBLE_DEVICES=1 timeout 170 "${B[@]}" --dataset gsm8k --max-samples 64 --block-size 16,auto --no-compile \
+     --output "$W/logs/b-sweep.jsonl" > "$W/logs/b-sweep.txt" 2>&1) &
   wait
   tar czf "$OUT/bench.tgz" -C "$W" logs
-  for f in "$W"/logs/b-*.txt; do echo "== $f"; tail -n 14 "$f"; done
-  ;;
-sweep)  # optional 8th call (a fresh machine: stage1 with BIG_S=1, stage ab..ad, then this, carrying ae)
-  [ -f "$GGUF" ] || cat "$W"/stage/{aa,ab,ac,ad}.part .stage/t5/ae/part > "$GGUF"
-  D=dflash/assets/smollm2-135m-instruct-dflash
-  timeout "${SWEEP_S:-200}" python3 -m dflash benchmark transformers --model "$GGUF" --draft "$D" \
-    --max-new-tokens 256 --data-dir "$W/datasets" --dataset gsm8k --max-samples 64 \
-    --block-size "${SWEEP_BS:-16,auto}" --no-compile --output "$OUT/sweep.jsonl" > "$OUT/sweep.txt" 2>&1
-  grep -E "block|tok/s|speedup" "$OUT/sweep.txt" | grep -v "━" | tail -20
+  for f in "$W"/logs/b-*.txt "$W"/logs/hf_baseline.txt; do echo "== $f"; tail -n 14 "$f"; done
+  grep -h '"decode_tok_per_s"\|tok_per_s' "$W"/logs/generate-*.json | head -4
   ;;
 *) echo "unknown phase $phase"; exit 2 ;;
 esac

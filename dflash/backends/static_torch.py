@@ -16,6 +16,7 @@ in ``torch.compile`` (Inductor, kernels cached on disk), which fuses the small k
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any
 
@@ -233,7 +234,10 @@ class StaticBackend(TransformersBackend):
             return eager
         if kind not in self._compiled:
             inductor_cache_dir()
-            self._compiled[kind] = torch.compile(eager, dynamic=False)
+            # DFLASH_COMPILE_MODE (e.g. max-autotune-no-cudagraphs: Triton GEMM templates tuned
+            # per shape, minutes the first time) is an experiment; the default mode is measured.
+            mode = os.environ.get("DFLASH_COMPILE_MODE") or None
+            self._compiled[kind] = torch.compile(eager, dynamic=False, mode=mode)
         return self._compiled[kind]
 
     def _graph(self, kind: str, width: int, make_inputs):
