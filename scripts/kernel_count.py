@@ -18,18 +18,33 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 
 import torch
 
+SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+               num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+               tie_word_embeddings=True, rope_theta=100000.0)  # fmt: skip
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
             tie_word_embeddings=True)  # fmt: skip
 
 
 def load_pair(args, device: torch.device, dtype: torch.dtype):
-    """(target, draft) from --model/--draft, or a random tiny Llama pair with --tiny."""
+    """(target, draft) from --model/--draft, a random tiny Llama pair with --tiny, or with
+    --random-target a random target of the demo target's shape (SmolLM2-135M: same kernels and
+    times as the real weights) with the --draft (default: the shipped demo draft)."""
+    if args.random_target:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        from dflash.backends.transformers import load_draft
+        from dflash.models.target_torch import resolve_draft
+
+        torch.manual_seed(0)
+        target = LlamaForCausalLM(LlamaConfig(**SMOLLM2)).to(device, dtype).eval()
+        return target, load_draft(resolve_draft(args.draft, None), device, dtype)
     if args.tiny:
         from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -149,13 +164,16 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--model", default=None, help="target (.gguf, folder or hub id; default: demo)")
     ap.add_argument("--draft", default=None, help="draft folder (default: the demo draft)")
     ap.add_argument("--tiny", action="store_true", help="random tiny pair (CPU check)")
+    ap.add_argument("--random-target", action="store_true",
+                    help="random target of the demo target's shape (no target file needed)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--out", default="kernel_count.json")
     ap.add_argument("--variants", default="unfused,fused,packed",
-                    help="unfused (DFLASH_NO_FUSE=1), fused (default path), packed (DFLASH_GQA_PACK=1)")
+                    help="unfused (DFLASH_NO_FUSE=1), fused (default path), packed (DFLASH_GQA_PACK=1), "
+                         "autotune (fused, DFLASH_COMPILE_MODE=max-autotune-no-cudagraphs)")
     args = ap.parse_args(argv)
     from dflash.backends.static_torch import StaticBackend
 
@@ -166,9 +184,14 @@ def main(argv: list[str] | None = None) -> dict:
     result: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                     "dtype": str(dtype), "compile": args.compile, "prompt_len": args.prompt_len,
                     "torch": torch.__version__, "runs": {}}  # fmt: skip
-    variants = {"unfused": (False, False), "fused": (True, False), "packed": (True, True)}
+    variants = {"unfused": (False, False), "fused": (True, False), "packed": (True, True),
+                "autotune": (True, False)}  # fmt: skip
     for name in args.variants.split(","):
         fuse, pack = variants[name]
+        if name == "autotune":
+            os.environ["DFLASH_COMPILE_MODE"] = "max-autotune-no-cudagraphs"
+        else:
+            os.environ.pop("DFLASH_COMPILE_MODE", None)
         t0 = time.perf_counter()
         be = StaticBackend(target, draft, device, use_graphs=device.type == "cuda",
                            compile=args.compile, fuse=fuse, pack_gqa=pack)  # fmt: skip

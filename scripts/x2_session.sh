@@ -51,10 +51,14 @@ stage1)
   rm -rf "$W/datasets" && cp -r .stage/data "$W/datasets"
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
   python3 -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.cuda.device_count(), 'transformers', transformers.__version__)"
-  log "bench_big (Qwen3-8B shape, random weights, CUDA graphs, no compile) on GPU 0"
+  log "GPU 0: bench_big (Qwen3-8B shape, random weights, CUDA graphs, no compile);" \
+      "GPU 1: replay times of the demo shape, default compile vs max-autotune"
   CUDA_VISIBLE_DEVICES=0 timeout "${BIG_S:-170}" python3 scripts/bench_big.py --out "$OUT" ${BIG_ARGS:---no-compile} \
-    > "$OUT/bench_big.txt" 2>&1 || echo "bench_big failed or timed out"
-  tail -25 "$OUT/bench_big.txt"
+    > "$OUT/bench_big.txt" 2>&1 &
+  CUDA_VISIBLE_DEVICES=1 timeout "${KC_S:-200}" python3 scripts/kernel_count.py --random-target \
+    --variants fused,autotune --out "$OUT/kernels.json" > "$OUT/kernels.txt" 2>&1 &
+  wait
+  tail -25 "$OUT/bench_big.txt"; grep -E "ms .*kernels" "$OUT/kernels.txt"
   ;;
 stage)
   cp ".stage/t5/$2/part" "$W/stage/$2.part" && ls -la "$W/stage"
