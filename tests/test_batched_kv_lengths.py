@@ -47,7 +47,8 @@ def test_kv_lengths_equals_dense_ragged_refilled_mixed_stops(model):
     budgets = [30, 4, 17, 1, 25, 9, 12, 40, 6]
     free = BatchedGenerator(model, max_batch=4, capacity=200, kv_lengths=False).generate(ps, 12)
     stop = free[2][3]  # a token some rows emit: they end there, others run to their budget
-    jobs = [Job(p, m, 0.0 if i % 3 else 0.8) for i, (p, m) in enumerate(zip(ps, budgets, strict=True))]
+    temps = [0.0 if i % 3 else 0.8 for i in range(len(ps))]  # greedy and sampled rows mixed
+    jobs = [Job(p, m, t) for p, m, t in zip(ps, budgets, temps, strict=True)]
     runs = {}
     for on in (False, True):
         gen = BatchedGenerator(model, max_batch=4, capacity=200, steps_per_sync=3, kv_bucket=16,
@@ -66,8 +67,8 @@ def test_kv_lengths_capacity_rounded_but_budget_bound(model):
     gen = BatchedGenerator(model, max_batch=2, capacity=40, kv_lengths=True)
     assert gen.k[0].shape[2] == 128  # slots rounded up to one 128-key block
     out = gen.generate([p], 100)[0]
-    dense = BatchedGenerator(model, max_batch=2, capacity=40, kv_lengths=False).generate([p], 100)[0]
-    assert out == dense and len(out) == 40 - len(p)
+    dense = BatchedGenerator(model, max_batch=2, capacity=40, kv_lengths=False)
+    assert out == dense.generate([p], 100)[0] and len(out) == 40 - len(p)
 
 
 @pytest.mark.parametrize("block", [4, 128])

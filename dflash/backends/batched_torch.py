@@ -73,13 +73,18 @@ def _flex_fn(device: torch.device):
     return _FLEX["cuda"]
 
 
-def length_block_mask(pos: torch.Tensor, capacity: int, block: int = KV_BLOCK):
+def length_block_mask(pos: torch.Tensor, capacity: int, block: int = KV_BLOCK, q_len: int = 1):
     """A decode BlockMask over ``capacity`` keys: row r sees keys 0..pos[r] (its own length).
+
+    Grouped-query heads are packed as ``q_len`` queries of one KV head ([B, kv_heads, q_len, D]
+    queries, all at pos): FlexAttention's decoding kernel then reads each KV head once (its
+    enable_gqa path needs a power-of-two group, SmolLM2 has 3).
 
     Args:
         pos: [B] int64 position each row's query is at; the mask reads it (and its block count
             buffer, see returns) at every use, so both may be updated in place between steps.
         capacity: keys per row, a multiple of ``block``.
+        q_len: queries per (row, KV head): the query heads sharing a KV head (1 without GQA).
 
     Returns:
         (block_mask, n_blocks): n_blocks [B, 1, 1] int32 is the buffer of visited blocks per
@@ -100,7 +105,7 @@ def length_block_mask(pos: torch.Tensor, capacity: int, block: int = KV_BLOCK):
         return kv_idx <= pos[b]
 
     mask = BlockMask.from_kv_blocks(n_blocks, idx, BLOCK_SIZE=(KV_BLOCK, block),
-                                    mask_mod=causal_to_own_length, seq_lengths=(1, capacity),
+                                    mask_mod=causal_to_own_length, seq_lengths=(q_len, capacity),
                                     compute_q_blocks=False)  # fmt: skip
     update_blocks(n_blocks, pos, block)
     return mask, n_blocks
@@ -162,6 +167,7 @@ class BatchedGenerator:
         self.kv_lengths = _switch(kv_lengths, KV_LENGTHS_ENV, self.device.type == "cuda")
         self.compile = _switch(compile, COMPILE_ENV, True) and self.use_graphs
         self._compiled: dict[bool, Any] = {}
+        self._eager_ok = False
         self.b, self.capacity = max_batch, capacity
         self.steps, self.bucket = steps_per_sync, max(1, kv_bucket)
         self.refill_min = max(1, int(max_batch * refill_fraction))
@@ -190,7 +196,8 @@ class BatchedGenerator:
         self.sampling = False
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, Any]] = {}
         if self.kv_lengths:
-            self.block_mask, self.n_blocks = length_block_mask(self.pos, slots)
+            rep = self.heads // self.kv_heads
+            self.block_mask, self.n_blocks = length_block_mask(self.pos, slots, q_len=rep)
 
     # ------------------------------------------------------------------------- forward pieces
     def _qkv(self, layer, h: torch.Tensor, cos, sin):
@@ -268,9 +275,10 @@ class BatchedGenerator:
             self.k[i][self.rows, :, self.pos] = k[:, :, 0]
             self.v[i][self.rows, :, self.pos] = v[:, :, 0]
             if self.kv_lengths:
-                o = _flex_fn(self.device)(q, self.k[i], self.v[i], block_mask=self.block_mask,
-                                          scale=layer.self_attn.scaling, enable_gqa=rep > 1)  # fmt: skip
-                o = o.transpose(1, 2).reshape(b, 1, -1)
+                qg = q.reshape(b, self.kv_heads, rep, self.head_dim)  # GQA packed as q length
+                o = _flex_fn(self.device)(qg, self.k[i], self.v[i], block_mask=self.block_mask,
+                                          scale=layer.self_attn.scaling)  # fmt: skip
+                o = o.reshape(b, 1, -1)
             else:
                 qg = q.reshape(b, self.kv_heads, rep, self.head_dim)  # query heads by kv head
                 s = (qg @ self.k[i][:, :, :width].transpose(-1, -2)).float()
@@ -307,9 +315,17 @@ class BatchedGenerator:
         """``steps_per_sync`` decode steps, replayed from a graph on CUDA. If compiling or
         capturing fails, warns and falls back: first without compile, then to dense attention."""
         if not self.use_graphs:
-            with torch.inference_mode():
-                for _ in range(self.steps):
-                    self._step(width)
+            saved = [x.clone() for x in self._state()] if self._untried() else None
+            try:
+                with torch.inference_mode():
+                    for _ in range(self.steps):
+                        self._step(width)
+            except Exception as e:  # noqa: BLE001 - Inductor/Triton raise many types
+                if saved is None:
+                    raise
+                self._fall_back(e, saved)
+                return self._advance(width)
+            self._eager_ok = True
             return
         key = (width, self.sampling, self.out.shape[1], self.kv_lengths, self.compile)
         if key not in self.graphs:
@@ -321,21 +337,31 @@ class BatchedGenerator:
                 except Exception as e:  # noqa: BLE001 - Inductor/Triton/graphs raise many types
                     if not (self.compile or self.kv_lengths):
                         raise
-                    what = "torch.compile" if self.compile else "kv_lengths attention"
-                    print(f"dflash: batched {what} failed ({type(e).__name__}: "
-                          f"{str(e).splitlines()[0][:200] if str(e) else ''}); continuing "
-                          f"without it.", file=sys.stderr, flush=True)  # fmt: skip
-                    if self.compile:
-                        self.compile = False
-                    else:
-                        self.kv_lengths = False
-                    torch.cuda.synchronize(self.device)
-                    for x, s in zip(self._state(), saved, strict=True):
-                        x.copy_(s)
+                    self._fall_back(e, saved)
                     key = (width, self.sampling, self.out.shape[1], self.kv_lengths, self.compile)
             for x, s in zip(self._state(), saved, strict=True):
                 x.copy_(s)  # the warm-up and the capture advanced the state: undo
         self.graphs[key][0].replay()
+
+    def _untried(self) -> bool:
+        """Eager CUDA steps with FlexAttention not yet run once (they may fail to compile)."""
+        return self.kv_lengths and self.device.type == "cuda" and not self._eager_ok
+
+    def _fall_back(self, e: Exception, saved: list[torch.Tensor]) -> None:
+        """Warn, turn off compile (else kv_lengths attention) and restore the decode state."""
+        what = "torch.compile" if self.compile else "kv_lengths attention"
+        msg = str(e).splitlines()[0][:200] if str(e) else ""
+        print(f"dflash: batched {what} failed ({type(e).__name__}: {msg}); continuing without it "
+              f"(DFLASH_BATCHED_COMPILE=0 / DFLASH_BATCHED_KV_LENGTHS=0 silence this).",
+              file=sys.stderr, flush=True)  # fmt: skip
+        if self.compile:
+            self.compile = False
+        else:
+            self.kv_lengths = False
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        for x, s in zip(self._state(), saved, strict=True):
+            x.copy_(s)
 
     def _capture(self, width: int):
         """Warm up (twice: compile, lazy inits) on a side stream, then capture the steps."""
