@@ -106,3 +106,18 @@ def test_switches_env_and_cpu_defaults(model, monkeypatch):
     monkeypatch.setenv(KV_LENGTHS_ENV, "0")
     assert not BatchedGenerator(model, max_batch=1, capacity=16).kv_lengths
     assert BatchedGenerator(model, max_batch=1, capacity=16, kv_lengths=True).kv_lengths
+
+
+def test_step_forward_traces_whole_for_compile(model, monkeypatch):
+    """Dynamo + AOT autograd trace the kv_lengths step forward as one graph (fullgraph: no
+    breaks around the block mask, FlexAttention or the in-place K/V writes), same tokens."""
+    ps = prompts(3, seed=6)
+    ref = BatchedGenerator(model, max_batch=3, capacity=64, kv_lengths=True).generate(ps, 9)
+    real = torch.compile
+    monkeypatch.setattr(
+        torch, "compile", lambda fn, **kw: real(fn, backend="aot_eager", fullgraph=True)
+    )
+    gen = BatchedGenerator(model, max_batch=3, capacity=64, kv_lengths=True)
+    gen.compile = True  # CPU has no graphs, so the constructor leaves it off
+    assert gen.generate(ps, 9) == ref
+    assert list(gen._compiled) == [True]
