@@ -148,7 +148,8 @@ class BatchedGenerator:
             of the longest row's; None = ``$DFLASH_BATCHED_KV_LENGTHS`` if set, else on for CUDA.
             Allocates capacity rounded up to 128 slots.
         compile: ``torch.compile`` the forward of a step before graph capture (graphs only);
-            None = ``$DFLASH_BATCHED_COMPILE`` if set, else on with graphs.
+            None = ``$DFLASH_BATCHED_COMPILE`` if set, else on with kv_lengths (the dense path
+            compiles once per width bucket, about a minute each, so it is off there).
 
     Memory: 2 x layers x B x kv_heads x capacity x head_dim elements of the model dtype.
     """
@@ -165,7 +166,7 @@ class BatchedGenerator:
         self.device, self.dtype = p.device, p.dtype
         self.use_graphs = use_graphs and self.device.type == "cuda"
         self.kv_lengths = _switch(kv_lengths, KV_LENGTHS_ENV, self.device.type == "cuda")
-        self.compile = _switch(compile, COMPILE_ENV, True) and self.use_graphs
+        self.compile = _switch(compile, COMPILE_ENV, self.kv_lengths) and self.use_graphs
         self._compiled: dict[bool, Any] = {}
         self._eager_ok = False
         self.b, self.capacity = max_batch, capacity
