@@ -21,6 +21,7 @@ A measurement, not a test.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import time
@@ -113,9 +114,12 @@ def throughput(model, dev, vocab: int, bsz: int, setting: str, args) -> dict:
            "steady_tok_per_s": round((nb - na) / max(tb - ta, 1e-9)),
            "capture_s": round(captured[0], 1), "kv_lengths": gen.kv_lengths,
            "compile": gen.compile, "probe": probe}  # fmt: skip
-    del gen  # kv_lengths / compile above are read after any fallback
+    gen.__dict__.pop("_capture")  # kv_lengths / compile above are read after any fallback
+    del gen  # compiled forwards refer back to gen: collected below
+    gc.collect()
     if dev.type == "cuda":
         torch.cuda.empty_cache()
+        res["gpu_gb_left_allocated"] = round(torch.cuda.memory_allocated(dev) / 2**30, 2)
     return res
 
 
