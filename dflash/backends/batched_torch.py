@@ -9,9 +9,19 @@ positions 0..n-1: a prompt is prefilled into a free row (right-padded with other
 causal attention, so padding is never seen), then every step writes K/V at the row's own
 position and attends to keys at positions <= it. Rows whose job ended (a stop token or the
 budget) are refilled with the next prompts, so long and short answers share the batch without a
-tail. On CUDA one graph per KV-length bucket replays ``steps_per_sync`` decode steps; the host
-syncs once per replay to collect finished rows. The same code runs eagerly on CPU, where every
-row's float32 output equals that row decoded alone (the tests check this).
+tail. On CUDA one graph replays ``steps_per_sync`` decode steps; the host syncs once per replay
+to collect finished rows. The same code runs eagerly on CPU, where every row's float32 output
+equals that row decoded alone (the tests check this).
+
+Attention cost. The dense path attends every row over the first ``width`` KV slots, ``width``
+bucketed on the longest live row (one graph per bucket); with continuous refill some row is
+always near its end, so every row pays for about ``capacity`` keys. The ``kv_lengths`` path
+(FlexAttention, default on CUDA) gives each row a block mask of its own filled length
+(``pos // 128 + 1`` blocks of 128 keys, updated on the device every step), so a row reads only its
+own keys and one graph covers every length. ``compile`` wraps the forward of a step in
+``torch.compile`` (Inductor, kernels cached under ``$DFLASH_CACHE/inductor``) before capture.
+Both fall back (with a warning) to the dense eager step if compiling or capturing fails;
+``DFLASH_BATCHED_KV_LENGTHS=0`` / ``DFLASH_BATCHED_COMPILE=0`` turn them off.
 
 Targets: dense full-attention Llama/Qwen2/Qwen3 (see ``static_torch.supports_static``). Written
 for ``dflash data regenerate``; kept backend-level so a batched speculative loop or a server can
@@ -21,6 +31,8 @@ reuse the caches and the step (brief §8.2 regenerates training data with a batc
 from __future__ import annotations
 
 import math
+import os
+import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,8 +40,81 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from dflash.backends.graph_plan import inductor_cache_dir
 from dflash.errors import InputError
 from dflash.models.draft_torch import apply_rope, rope_cos_sin
+
+KV_BLOCK = 128  # keys per FlexAttention block (the kv_lengths path rounds capacity up to it)
+KV_LENGTHS_ENV, COMPILE_ENV = "DFLASH_BATCHED_KV_LENGTHS", "DFLASH_BATCHED_COMPILE"
+_FLEX: dict[str, Any] = {}
+
+
+def _switch(arg: bool | None, env: str, default: bool) -> bool:
+    """An explicit argument wins; else ``$env`` ("0"/"false"/"off" = off, anything else = on);
+    else ``default``."""
+    if arg is not None:
+        return bool(arg)
+    val = os.environ.get(env)
+    if val is None or val == "":
+        return default
+    return val.strip().lower() not in ("0", "false", "off", "no")
+
+
+def _flex_fn(device: torch.device):
+    """FlexAttention: compiled on CUDA (the eager one materializes every score), eager on CPU
+    and inside a compiled region (Dynamo inlines it)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if device.type != "cuda" or torch.compiler.is_compiling():
+        return flex_attention
+    if "cuda" not in _FLEX:
+        inductor_cache_dir()
+        _FLEX["cuda"] = torch.compile(flex_attention, dynamic=False)
+    return _FLEX["cuda"]
+
+
+def length_block_mask(pos: torch.Tensor, capacity: int, block: int = KV_BLOCK, q_len: int = 1):
+    """A decode BlockMask over ``capacity`` keys: row r sees keys 0..pos[r] (its own length).
+
+    Grouped-query heads are packed as ``q_len`` queries of one KV head ([B, kv_heads, q_len, D]
+    queries, all at pos): FlexAttention's decoding kernel then reads each KV head once (its
+    enable_gqa path needs a power-of-two group, SmolLM2 has 3).
+
+    Args:
+        pos: [B] int64 position each row's query is at; the mask reads it (and its block count
+            buffer, see returns) at every use, so both may be updated in place between steps.
+        capacity: keys per row, a multiple of ``block``.
+        q_len: queries per (row, KV head): the query heads sharing a KV head (1 without GQA).
+
+    Returns:
+        (block_mask, n_blocks): n_blocks [B, 1, 1] int32 is the buffer of visited blocks per
+        row; refresh it with :func:`update_blocks` after ``pos`` changes.
+
+    Raises:
+        ValueError: capacity not a positive multiple of block.
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    if capacity < block or capacity % block:
+        raise ValueError(f"capacity {capacity} is not a positive multiple of {block}")
+    b, nb = pos.shape[0], capacity // block
+    n_blocks = torch.ones(b, 1, 1, dtype=torch.int32, device=pos.device)
+    idx = torch.arange(nb, dtype=torch.int32, device=pos.device).expand(b, 1, 1, nb).contiguous()
+
+    def causal_to_own_length(b, h, q_idx, kv_idx):
+        return kv_idx <= pos[b]
+
+    mask = BlockMask.from_kv_blocks(n_blocks, idx, BLOCK_SIZE=(KV_BLOCK, block),
+                                    mask_mod=causal_to_own_length, seq_lengths=(q_len, capacity),
+                                    compute_q_blocks=False)  # fmt: skip
+    update_blocks(n_blocks, pos, block)
+    return mask, n_blocks
+
+
+def update_blocks(n_blocks: torch.Tensor, pos: torch.Tensor, block: int = KV_BLOCK) -> None:
+    """In place: n_blocks [B, 1, 1] = blocks covering keys 0..pos (graphable, no host sync)."""
+    n = torch.div(pos, block, rounding_mode="floor") + 1
+    n_blocks.copy_(n.to(torch.int32)[:, None, None])
 
 
 @dataclass
@@ -59,13 +144,20 @@ class BatchedGenerator:
         kv_bucket: attention reads the first multiple of this many KV slots that covers every
             live row (fewer bytes early in a response; one graph per bucket).
         refill_fraction: prefill new prompts once this share of rows is free (or none is live).
+        kv_lengths: attend each row over its own filled length (FlexAttention block mask) instead
+            of the longest row's; None = ``$DFLASH_BATCHED_KV_LENGTHS`` if set, else on for CUDA.
+            Allocates capacity rounded up to 128 slots.
+        compile: ``torch.compile`` the forward of a step before graph capture (graphs only);
+            None = ``$DFLASH_BATCHED_COMPILE`` if set, else on with kv_lengths (the dense path
+            compiles once per width bucket, about a minute each, so it is off there).
 
     Memory: 2 x layers x B x kv_heads x capacity x head_dim elements of the model dtype.
     """
 
     def __init__(self, model: Any, *, max_batch: int = 256, capacity: int = 2048,
                  use_graphs: bool = True, steps_per_sync: int = 8, kv_bucket: int = 256,
-                 refill_fraction: float = 0.125):  # fmt: skip
+                 refill_fraction: float = 0.125, kv_lengths: bool | None = None,
+                 compile: bool | None = None):  # fmt: skip
         if max_batch < 1 or capacity < 2 or steps_per_sync < 1:
             raise InputError("max_batch, capacity and steps_per_sync must be positive.")
         self.model = model
@@ -73,6 +165,10 @@ class BatchedGenerator:
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.use_graphs = use_graphs and self.device.type == "cuda"
+        self.kv_lengths = _switch(kv_lengths, KV_LENGTHS_ENV, self.device.type == "cuda")
+        self.compile = _switch(compile, COMPILE_ENV, self.kv_lengths) and self.use_graphs
+        self._compiled: dict[bool, Any] = {}
+        self._eager_ok = False
         self.b, self.capacity = max_batch, capacity
         self.steps, self.bucket = steps_per_sync, max(1, kv_bucket)
         self.refill_min = max(1, int(max_batch * refill_fraction))
@@ -83,10 +179,11 @@ class BatchedGenerator:
         self.inv_freq, self.rope_scale = rot.inv_freq.float(), float(rot.attention_scaling)
         self.embed = model.get_input_embeddings().weight
         dev, b = self.device, max_batch
-        shape = (b, self.kv_heads, capacity, self.head_dim)
+        slots = -(-capacity // KV_BLOCK) * KV_BLOCK if self.kv_lengths else capacity
+        shape = (b, self.kv_heads, slots, self.head_dim)
         self.k = [torch.zeros(shape, dtype=self.dtype, device=dev) for _ in self.layers]
         self.v = [torch.zeros(shape, dtype=self.dtype, device=dev) for _ in self.layers]
-        self.key_pos = torch.arange(capacity, device=dev)
+        self.key_pos = torch.arange(slots, device=dev)
         self.rows = torch.arange(b, device=dev)
         self.tok = torch.zeros(b, dtype=torch.long, device=dev)  # token at position pos
         self.pos = torch.zeros(b, dtype=torch.long, device=dev)
@@ -99,6 +196,9 @@ class BatchedGenerator:
         self.stops = torch.full((1,), -1, dtype=torch.long, device=dev)
         self.sampling = False
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, Any]] = {}
+        if self.kv_lengths:
+            rep = self.heads // self.kv_heads
+            self.block_mask, self.n_blocks = length_block_mask(self.pos, slots, q_len=rep)
 
     # ------------------------------------------------------------------------- forward pieces
     def _qkv(self, layer, h: torch.Tensor, cos, sin):
@@ -161,24 +261,49 @@ class BatchedGenerator:
         self.live[rows_t] = True
         self.done[rows_t] = torch.isin(first, self.stops) | (limit <= 1)
 
-    def _step(self, width: int) -> None:
-        """One decode step of every row, attending to the first ``width`` KV slots (graphable)."""
+    def _forward(self, width: int) -> torch.Tensor:
+        """Forward of one decode step: writes every row's K/V at its position and returns float32
+        logits [B, V]; attends over the first ``width`` slots (dense) or each row's own length."""
         b, rep = self.b, self.heads // self.kv_heads
         cos, sin = rope_cos_sin(self.pos[:, None], self.inv_freq, self.rope_scale, self.dtype)
-        bias = torch.zeros(b, width, dtype=torch.float32, device=self.device)
-        bias.masked_fill_(self.key_pos[None, :width] > self.pos[:, None], -math.inf)
-        bias = bias[:, None, None]  # [B, 1, 1, W]
+        if not self.kv_lengths:
+            bias = torch.zeros(b, width, dtype=torch.float32, device=self.device)
+            bias.masked_fill_(self.key_pos[None, :width] > self.pos[:, None], -math.inf)
+            bias = bias[:, None, None]  # [B, 1, 1, W]
         x = F.embedding(self.tok[:, None], self.embed)  # [B, 1, H]
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, layer.input_layernorm(x), cos, sin)
             self.k[i][self.rows, :, self.pos] = k[:, :, 0]
             self.v[i][self.rows, :, self.pos] = v[:, :, 0]
-            qg = q.reshape(b, self.kv_heads, rep, self.head_dim)  # query heads grouped by kv head
-            s = (qg @ self.k[i][:, :, :width].transpose(-1, -2)).float() * layer.self_attn.scaling
-            p = torch.softmax(s + bias, dim=-1).to(self.dtype)  # [B, kv_heads, rep, W]
-            o = (p @ self.v[i][:, :, :width]).reshape(b, 1, -1)
+            if self.kv_lengths:
+                qg = q.reshape(b, self.kv_heads, rep, self.head_dim)  # GQA packed as q length
+                o = _flex_fn(self.device)(qg, self.k[i], self.v[i], block_mask=self.block_mask,
+                                          scale=layer.self_attn.scaling)  # fmt: skip
+                o = o.reshape(b, 1, -1)
+            else:
+                qg = q.reshape(b, self.kv_heads, rep, self.head_dim)  # query heads by kv head
+                s = (qg @ self.k[i][:, :, :width].transpose(-1, -2)).float()
+                s = s * layer.self_attn.scaling
+                p = torch.softmax(s + bias, dim=-1).to(self.dtype)  # [B, kv_heads, rep, W]
+                o = (p @ self.v[i][:, :, :width]).reshape(b, 1, -1)
             x = self._finish_layer(layer, x, o)
-        nxt = self._pick(self._logits(x[:, 0]), self.temp)
+        return self._logits(x[:, 0])
+
+    def _forward_fn(self):
+        """The step forward: eager, or wrapped once in ``torch.compile`` (one per attention kind;
+        the dense kind recompiles per width bucket)."""
+        if not self.compile:
+            return self._forward
+        if self.kv_lengths not in self._compiled:
+            inductor_cache_dir()
+            self._compiled[self.kv_lengths] = torch.compile(self._forward, dynamic=False)
+        return self._compiled[self.kv_lengths]
+
+    def _step(self, width: int) -> None:
+        """One decode step of every row (graphable)."""
+        if self.kv_lengths:
+            update_blocks(self.n_blocks, self.pos)
+        nxt = self._pick(self._forward_fn()(width), self.temp)
         act = self.live & ~self.done
         slot = self.n.clamp(max=self.out.shape[1] - 1)
         self.out[self.rows, slot] = torch.where(act, nxt, self.out[self.rows, slot])
@@ -188,32 +313,74 @@ class BatchedGenerator:
         self.pos += act
 
     def _advance(self, width: int) -> None:
-        """``steps_per_sync`` decode steps, replayed from a graph on CUDA."""
+        """``steps_per_sync`` decode steps, replayed from a graph on CUDA. If compiling or
+        capturing fails, warns and falls back: first without compile, then to dense attention."""
         if not self.use_graphs:
-            with torch.inference_mode():
-                for _ in range(self.steps):
-                    self._step(width)
+            saved = [x.clone() for x in self._state()] if self._untried() else None
+            try:
+                with torch.inference_mode():
+                    for _ in range(self.steps):
+                        self._step(width)
+            except Exception as e:  # noqa: BLE001 - Inductor/Triton raise many types
+                if saved is None:
+                    raise
+                self._fall_back(e, saved)
+                return self._advance(width)
+            self._eager_ok = True
             return
-        key = (width, self.sampling, self.out.shape[1])
+        key = (width, self.sampling, self.out.shape[1], self.kv_lengths, self.compile)
         if key not in self.graphs:
-
-            def body():
-                for _ in range(self.steps):
-                    self._step(width)
-
             saved = [x.clone() for x in self._state()]
-            stream = torch.cuda.Stream(self.device)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream), torch.inference_mode():
-                body()  # warm-up outside the graph
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.inference_mode(), torch.cuda.graph(graph):
-                body()
+            while True:
+                try:
+                    self.graphs[key] = self._capture(width)
+                    break
+                except Exception as e:  # noqa: BLE001 - Inductor/Triton/graphs raise many types
+                    if not (self.compile or self.kv_lengths):
+                        raise
+                    self._fall_back(e, saved)
+                    key = (width, self.sampling, self.out.shape[1], self.kv_lengths, self.compile)
             for x, s in zip(self._state(), saved, strict=True):
                 x.copy_(s)  # the warm-up and the capture advanced the state: undo
-            self.graphs[key] = (graph, body)
         self.graphs[key][0].replay()
+
+    def _untried(self) -> bool:
+        """Eager CUDA steps with FlexAttention not yet run once (they may fail to compile)."""
+        return self.kv_lengths and self.device.type == "cuda" and not self._eager_ok
+
+    def _fall_back(self, e: Exception, saved: list[torch.Tensor]) -> None:
+        """Warn, turn off compile (else kv_lengths attention) and restore the decode state."""
+        what = "torch.compile" if self.compile else "kv_lengths attention"
+        msg = str(e).splitlines()[0][:200] if str(e) else ""
+        print(f"dflash: batched {what} failed ({type(e).__name__}: {msg}); continuing without it "
+              f"(DFLASH_BATCHED_COMPILE=0 / DFLASH_BATCHED_KV_LENGTHS=0 silence this).",
+              file=sys.stderr, flush=True)  # fmt: skip
+        if self.compile:
+            self.compile = False
+        else:
+            self.kv_lengths = False
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        for x, s in zip(self._state(), saved, strict=True):
+            x.copy_(s)
+
+    def _capture(self, width: int):
+        """Warm up (twice: compile, lazy inits) on a side stream, then capture the steps."""
+
+        def body():
+            for _ in range(self.steps):
+                self._step(width)
+
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream), torch.inference_mode():
+            for _ in range(2):
+                body()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.inference_mode(), torch.cuda.graph(graph):
+            body()
+        return graph, body
 
     def _state(self) -> list[torch.Tensor]:
         return [self.tok, self.pos, self.n, self.done, self.out]
@@ -257,6 +424,8 @@ class BatchedGenerator:
             top = int(snap[0][[r for r in range(self.b) if owner[r] is not None]].max())
             if not bool(snap[1][[r for r in range(self.b) if owner[r] is not None]].all()):
                 width = min(self.capacity, -(-(top + self.steps + 1) // self.bucket) * self.bucket)
+                if self.kv_lengths:  # one graph for every length; unused by the attention
+                    width = self.key_pos.shape[0]
                 self._advance(width)
                 snap = torch.stack((self.n, self.done.long())).cpu()  # sync
             else:
