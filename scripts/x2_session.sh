@@ -34,7 +34,7 @@ STEPS=${STEPS:-4000}             # cap on this segment's steps; --time-limit ann
 LR=${LR:-2.5e-4}
 TRAIN_LIMIT=${TRAIN_LIMIT:-470}  # seconds of torchrun training (the cosine schedule fits them)
 REGEN_ENV0=${REGEN_ENV0:-}        # environment of the GPU-0 regeneration (the new settings)
-REGEN_ENV1=${REGEN_ENV1:-}        # environment of the GPU-1 regeneration (the old settings, side by side)
+REGEN_ENV1=${REGEN_ENV1-DFLASH_BATCHED_KV_LENGTHS=0}  # GPU-1 regeneration: the old dense path, side by side
 PROFILE_VARIANTS=${PROFILE_VARIANTS:-DFLASH_NONE=1}  # train_profile.py runs, one per environment
 TORCHRUN=(python3 -m torch.distributed.run --standalone --nproc-per-node 2)
 train_args() {  # $1 = out folder; same data, seed and schedule in every run
