@@ -17,6 +17,7 @@ import os
 import torch
 
 PAPER_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+FLEX_TILE = 128  # FlexAttention's query and key tile (BlockMask BLOCK_SIZE)
 
 
 def default_gamma(block_size: int) -> float:
@@ -180,7 +181,7 @@ def fast_path() -> bool:
 
 def flex_block_mask(
     anchors: torch.Tensor, seq_len: int, block_size: int, window: int | None = None,
-    causal: bool = False, tile: int = 128,
+    causal: bool = False, tile: int = FLEX_TILE,
 ):  # fmt: skip
     """FlexAttention BlockMask equal to :func:`dense_mask` (same arguments).
 
@@ -206,6 +207,9 @@ def flex_block_mask(
     if not fast_path():
         return create_block_mask(mask_mod, b, None, lq, seq_len + lq, device=anchors.device,
                                  BLOCK_SIZE=tile)  # fmt: skip
+    for dim in (0, 1):  # the compiled kernel keeps B and N symbolic (no recompile per shape)
+        if anchors.shape[dim] >= 2:
+            torch._dynamo.mark_dynamic(anchors, dim)
     partial, full = anchor_tiles(anchors, seq_len, block_size, window, tile)
     counts = [m.sum(-1, dtype=torch.int32)[:, None] for m in (partial, full)]  # [B, 1, Qt]
     order = [m.to(torch.int8).argsort(dim=-1, descending=True, stable=True).to(torch.int32)[:, None]

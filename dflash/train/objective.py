@@ -101,7 +101,7 @@ class StepOutput:
     loss: torch.Tensor
     accuracy: torch.Tensor  # weighted share of slots whose argmax equals the label
     accept: torch.Tensor  # mean over blocks of 1 + leading correct slots (a training tau proxy)
-    blocks: int  # kept blocks of this batch (of this rank's part under data parallelism)
+    blocks: torch.Tensor  # int64: kept blocks of this batch (this rank's part under data parallelism)
     weight: torch.Tensor | None = None  # float32 sum of the slot weights the loss averages over
     grad_norm: torch.Tensor | None = None  # total gradient norm before clipping (set by the step)
 
@@ -142,26 +142,40 @@ def batch_loss(draft, target: FrozenTarget, batch: dict, *, flex: bool = False,
     loss 0 and weight 0, and backward still reaches every draft parameter (zero gradients).
 
     Args:
-        batch: ``input_ids``, ``attention_mask``, ``loss_mask``, ``anchors``, ``keep`` tensors.
+        batch: ``input_ids``, ``attention_mask``, ``loss_mask``, ``anchors``, ``keep`` tensors;
+            optionally ``rows``: [M] int64 indices of the slots with weight > 0 in the flattened
+            [B*N*L] layout (:func:`supervised_rows`), so that no host sync finds them.
         runner: see :func:`draft_hidden`.
     """
     h, blocks = draft_hidden(draft, target, batch["input_ids"], batch["attention_mask"],
                              batch["loss_mask"], batch["anchors"], batch["keep"], flex=flex,
                              gamma=gamma, runner=runner)  # fmt: skip
+    lsz = draft.config.block_size
     w = blocks["weights"].reshape(-1)  # [B*N*L]
-    sel = w > 0
+    sel = batch.get("rows")  # the supervised slots, found on the host (no device sync)
+    if sel is None:
+        sel = (w > 0).nonzero().squeeze(1)  # a host sync
     loss, correct = head_cross_entropy(h.reshape(-1, h.shape[-1])[sel], target.head,
                                        blocks["labels"].reshape(-1)[sel], w[sel], chunk)  # fmt: skip
-    lsz = draft.config.block_size
     hit = torch.zeros_like(w, dtype=torch.bool)
     hit[sel] = correct
     hit = hit.view(-1, lsz)[:, 1:]  # [B*N, L-1]
+    w_sel = w[sel]
+    wsum = w_sel.sum().float()
     kept = batch["keep"].reshape(-1)
     lead = hit.int().cumprod(dim=1).sum(dim=1).float()  # leading correct slots per block
     accept = 1.0 + (lead * kept).sum() / kept.sum().clamp(min=1)
-    wsum = w[sel].sum().float()
-    acc = (correct.float() * w[sel]).sum() / wsum.clamp(min=1e-12)
-    return StepOutput(loss, acc.detach(), accept.detach(), int(kept.sum()), wsum.detach())
+    acc = (correct.float() * w_sel).sum() / wsum.clamp(min=1e-12)
+    return StepOutput(loss, acc.detach(), accept.detach(), kept.sum(), wsum.detach())
+
+
+def supervised_rows(input_ids, loss_mask, anchors, keep, block_size: int,
+                    gamma: float | None = None) -> torch.Tensor:  # fmt: skip
+    """Indices [M] int64 of the block slots that carry a label (weight > 0), in the flattened
+    [B*N*L] layout of :func:`dflash.train.masks.build_blocks`; computed where the tensors are
+    (the host, before the batch moves), so the step needs no sync to select them."""
+    blocks = build_blocks(input_ids, loss_mask, anchors, keep, block_size, 0, gamma)
+    return (blocks["weights"].reshape(-1) > 0).nonzero().squeeze(1)
 
 
 # ------------------------------------------------------------------------- acceptance estimate
