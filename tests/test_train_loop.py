@@ -75,7 +75,9 @@ def config(root, out, **kw):
     return TrainConfig(**base)
 
 
-def test_head_cross_entropy_matches_reference_loss_and_gradient():
+@pytest.mark.parametrize("fast", ["1", "0"])
+def test_head_cross_entropy_matches_reference_loss_and_gradient(monkeypatch, fast):
+    monkeypatch.setenv("DFLASH_TRAIN_FAST", fast)  # the fused chunk and the original one
     torch.manual_seed(0)
     h = torch.randn(37, 16, requires_grad=True)
     head = torch.randn(50, 16)

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from dflash.train.masks import build_blocks, layer_masks
+from dflash.train.masks import build_blocks, fast_path, layer_masks
 
 IGNORE = -100
 
@@ -53,9 +53,14 @@ class _HeadCrossEntropy(torch.autograd.Function):
         grad = torch.empty_like(h) if need_grad else None
         loss = torch.zeros((), dtype=torch.float32, device=h.device)
         correct = torch.empty(m, dtype=torch.bool, device=h.device)
+        fast = fast_path()
         with torch.autocast(h.device.type, enabled=False):
             for lo in range(0, m, chunk):
                 hi = min(m, lo + chunk)
+                if fast:
+                    loss -= _ce_chunk(h[lo:hi], weight, labels[lo:hi], w[lo:hi], correct[lo:hi],
+                                      grad[lo:hi] if need_grad else None)  # fmt: skip
+                    continue
                 logits = (h[lo:hi].to(weight.dtype) @ weight.T).float()  # [c, V]
                 lab = labels[lo:hi]
                 lse = torch.logsumexp(logits, dim=-1)  # [c]
@@ -75,6 +80,27 @@ class _HeadCrossEntropy(torch.autograd.Function):
     def backward(ctx, g_loss, _g_correct):
         (grad,) = ctx.saved_tensors
         return grad * g_loss, None, None, None, None
+
+
+def _ce_chunk(h, weight, labels, w, correct_out, grad_out) -> torch.Tensor:
+    """One chunk of :class:`_HeadCrossEntropy` in fewer passes over the [c, V] logits: argmax of
+    the head-dtype logits (the float32 copy has the same values), one fused float32
+    log-softmax, the softmax from it in place, and the weighted gradient cast on the way out.
+    Writes ``correct_out`` [c] and ``grad_out`` [c, H] (when given); returns -sum_i w_i
+    log p_i(label_i) (float32 scalar)."""
+    raw = h.to(weight.dtype) @ weight.T  # [c, V] in the head's dtype
+    correct_out.copy_(raw.argmax(-1) == labels)
+    logp = torch.log_softmax(raw, dim=-1, dtype=torch.float32)
+    del raw
+    picked = (logp.gather(1, labels[:, None]).squeeze(1) * w).sum()
+    if grad_out is not None:
+        p = logp.exp_()  # softmax
+        p[torch.arange(p.shape[0], device=p.device), labels] -= 1.0
+        pw = torch.empty(p.shape, dtype=weight.dtype, device=p.device)
+        torch.mul(p, w[:, None], out=pw)
+        del p, logp
+        grad_out.copy_(pw @ weight)
+    return picked
 
 
 def head_cross_entropy(h: torch.Tensor, head: torch.Tensor, labels: torch.Tensor,
