@@ -149,7 +149,8 @@ def main(argv: list[str] | None = None) -> dict:
                       block_size=args.block_size, anchors=args.anchors, max_len=args.max_len,
                       batch_tokens=args.batch_tokens, epochs=1, seed=args.seed,
                       eval_every=10**9, save_every=10**9, log_every=10**9)  # fmt: skip
-    trainer = Trainer(cfg, model)
+    events: list[dict] = []  # trainer warnings (e.g. a flex failure that falls back to dense)
+    trainer = Trainer(cfg, model, on_log=events.append)
     dev = trainer.device
     clock = PhaseClock(dev)
     instrument(trainer, clock)
@@ -199,6 +200,8 @@ def main(argv: list[str] | None = None) -> dict:
             one_step(i)
     res["top_ops"] = top_ops(prof, dev, args.profile_steps)
     res["profile_steps"] = args.profile_steps
+    res["trainer_events"] = events
+    res["flex_at_end"] = trainer.flex
     try:
         from torch._dynamo.utils import counters
 
