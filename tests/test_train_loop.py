@@ -75,7 +75,9 @@ def config(root, out, **kw):
     return TrainConfig(**base)
 
 
-def test_head_cross_entropy_matches_reference_loss_and_gradient():
+@pytest.mark.parametrize("fast", ["1", "0"])
+def test_head_cross_entropy_matches_reference_loss_and_gradient(monkeypatch, fast):
+    monkeypatch.setenv("DFLASH_TRAIN_FAST", fast)  # the fused chunk and the original one
     torch.manual_seed(0)
     h = torch.randn(37, 16, requires_grad=True)
     head = torch.randn(50, 16)
@@ -245,3 +247,36 @@ def test_per_dataset_heldout_tau_and_acceptance_file(setup, tmp_path):
     assert doc["block_size"] == 8 and len(doc["per_position"]) == 7
     assert doc["per_position"] == held["per_position"] and doc["step"] == 2
     assert set(doc["per_dataset"]) == {"gsm8k", "humaneval"}
+
+
+def test_flex_bucketing_and_host_rows_leave_loss_and_gradients_unchanged(setup, tmp_path):
+    """The CUDA batch shapes (S to 128, N*L > 128, a copied row that keeps nothing) and the
+    supervised rows found on the host give the loss and gradients of the plain batch."""
+    from dflash.train.objective import batch_loss
+
+    target, root, _ = setup
+    trainer = Trainer(config(root, tmp_path / "out", max_steps=1), target)
+    idx = trainer.epoch_batches[0][0]
+    plain = trainer._batch(idx, 0)
+    no_rows = {k: v for k, v in plain.items() if k != "rows"}
+    trainer.flex = True  # the bucketing only: batch_loss below still uses dense masks
+    padded = trainer._batch(idx, 0)
+    assert plain["input_ids"].shape[0] == 1 and padded["input_ids"].shape[0] == 2
+    assert padded["input_ids"].shape[1] % 128 == 0 and padded["anchors"].shape[1] * 8 > 128
+    assert not padded["keep"][1].any() and not padded["loss_mask"][1].any()
+    assert torch.equal(padded["rows"], plain["rows"])  # the copied row adds no supervised slot
+    results = []
+    for batch in (no_rows, plain, padded):
+        trainer.draft.zero_grad(set_to_none=True)
+        out = batch_loss(trainer.draft, trainer.target, batch)
+        out.loss.backward()
+        grads = [p.grad.clone() for p in trainer.draft.parameters()]
+        results.append((out, grads))
+    (ref, ref_g), (same, same_g), (pad, pad_g) = results
+    assert torch.equal(ref.loss, same.loss) and all(map(torch.equal, ref_g, same_g))
+    assert int(ref.blocks) == int(pad.blocks) > 0
+    torch.testing.assert_close(pad.loss, ref.loss, rtol=1e-5, atol=1e-6)
+    for a, b in zip(pad_g, ref_g, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    for key in ("accuracy", "accept", "weight"):
+        torch.testing.assert_close(getattr(pad, key), getattr(ref, key))

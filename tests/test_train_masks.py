@@ -140,3 +140,52 @@ def test_build_blocks_tokens_positions_labels():
     w = slot_weights(4)
     assert torch.allclose(out["weights"][0, :4], w)
     assert out["weights"][0, 7] == 0 and out["weights"][0, 8:].sum() == 0
+
+
+def effective_mask(bm, mask_mod_dense, tile):
+    """What FlexAttention attends with a BlockMask: full tiles, and the rule on partial tiles."""
+    b, _, lq, tk = mask_mod_dense.shape
+    nq, nk = bm.kv_num_blocks.shape[-1], -(-tk // tile)
+    maps = []
+    for num, idx in ((bm.kv_num_blocks, bm.kv_indices), (bm.full_kv_num_blocks, bm.full_kv_indices)):
+        m = torch.zeros(b, nq, nk, dtype=torch.bool)
+        for bi in range(b):
+            for qi in range(nq):
+                m[bi, qi, idx[bi, 0, qi, : num[bi, 0, qi]].long()] = True
+        maps.append(m.repeat_interleave(tile, 1).repeat_interleave(tile, 2)[:, None, :lq, :tk])
+    partial, full = maps
+    assert not (partial & full).any()
+    return full | (partial & mask_mod_dense)
+
+
+@pytest.mark.parametrize("window,causal", [(None, False), (None, True), (5, True), (3, False)])
+@pytest.mark.parametrize("seq_len,lsz,tile", [(40, 4, 8), (37, 8, 16), (64, 4, 16), (21, 3, 8)])
+def test_anchor_block_mask_equals_dense_on_random_anchors(window, causal, seq_len, lsz, tile):
+    """The BlockMask built from the anchors attends exactly where the dense mask does."""
+    gen = torch.Generator().manual_seed(seq_len * 31 + lsz)
+    loss_mask = torch.zeros(3, seq_len, dtype=torch.bool)
+    for r, start in enumerate((3, seq_len // 2, seq_len - 4)):  # the last row has few anchors
+        loss_mask[r, start:] = True
+    for cap in (5, 12):
+        anchors, _ = sample_anchors(loss_mask, cap, gen)
+        bm = flex_block_mask(anchors, seq_len, lsz, window, causal, tile=tile)
+        dense = dense_mask(anchors, seq_len, lsz, window, causal)
+        assert bm.shape == (3, 1, dense.shape[2], dense.shape[3])
+        assert torch.equal(effective_mask(bm, dense, tile), dense)
+        # and the tiles skip work: some tile is full or empty when the context spans tiles
+        if window is None and seq_len >= 2 * tile:
+            assert int(bm.full_kv_num_blocks.sum()) > 0
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_anchor_block_mask_tiles_match_create_block_mask(monkeypatch, causal):
+    """Without a window the anchor tiles are as tight as create_block_mask's (L < tile)."""
+    loss_mask = torch.zeros(2, 70, dtype=torch.bool)
+    loss_mask[0, 9:], loss_mask[1, 40:66] = True, True
+    anchors, _ = sample_anchors(loss_mask, 16, torch.Generator().manual_seed(3))
+    fast = flex_block_mask(anchors, 70, 4, None, causal, tile=16)
+    monkeypatch.setenv("DFLASH_TRAIN_FAST", "0")
+    ref = flex_block_mask(anchors, 70, 4, None, causal, tile=16)
+    for name in ("kv_num_blocks", "full_kv_num_blocks"):
+        assert torch.equal(getattr(fast, name), getattr(ref, name)), name
+    assert torch.equal(fast.to_dense(), ref.to_dense())

@@ -29,13 +29,41 @@ _FLEX_COMPILED = None
 
 
 def flex_attention_fn(device: torch.device):
-    """flex_attention, compiled once on CUDA (eager flex is a slow reference), eager on CPU."""
+    """flex_attention, compiled once on CUDA (eager flex is a slow reference), eager on CPU.
+
+    The compiled kernel takes every size as a symbol (``dynamic=True``, no duck sizing), so the
+    varying training shapes (sequences, width, anchors per batch) reuse one compile instead of
+    recompiling on a new shape; ``DFLASH_TRAIN_FAST=0`` compiles per shape as before. Sizes of 1
+    still specialise: training keeps batch rows and query tiles >= 2 (``Trainer._batch``).
+    """
     global _FLEX_COMPILED
     if device.type != "cuda":
         return flex_attention
     if _FLEX_COMPILED is None:
-        _FLEX_COMPILED = torch.compile(flex_attention)
+        from dflash.train.masks import fast_path
+
+        if fast_path():
+            _FLEX_COMPILED = _no_duck_sizing(torch.compile(flex_attention, dynamic=True))
+        else:
+            _FLEX_COMPILED = torch.compile(flex_attention)
     return _FLEX_COMPILED
+
+
+def _no_duck_sizing(fn):
+    """Call ``fn`` with duck sizing off: two sizes equal at the first compile (say 2 rows and 2
+    query tiles) would otherwise be assumed equal forever, and recompile when they differ."""
+    try:
+        import torch.fx.experimental._config as fx_config
+    except ImportError:  # pragma: no cover - private module; duck sizing then stays on
+        return fn
+    if not hasattr(fx_config, "use_duck_shape"):  # pragma: no cover
+        return fn
+
+    def call(*args, **kwargs):
+        with fx_config.patch(use_duck_shape=False):
+            return fn(*args, **kwargs)
+
+    return call
 
 
 class RMSNorm(nn.Module):

@@ -78,10 +78,9 @@ def global_step_stats(out: StepOutput, info: DistInfo) -> tuple[torch.Tensor, St
         global weighted loss, accuracy and training τ; ``blocks`` stays this rank's count).
     """
     w = out.weight.float()
-    blocks = float(out.blocks)
+    blocks = torch.as_tensor(out.blocks, device=w.device).float()
     stats = torch.stack([out.loss.detach().float() * w, out.accuracy.float() * w,
-                         (out.accept.float() - 1.0) * blocks, w,
-                         torch.tensor(blocks, device=w.device)])  # fmt: skip
+                         (out.accept.float() - 1.0) * blocks, w, blocks])  # fmt: skip
     torch.distributed.all_reduce(stats)
     total = stats[3].clamp(min=1e-12)
     loss = out.loss * (w * info.world / total)

@@ -12,10 +12,12 @@ BlockMask (CUDA).
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
 PAPER_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+FLEX_TILE = 128  # FlexAttention's query and key tile (BlockMask BLOCK_SIZE)
 
 
 def default_gamma(block_size: int) -> float:
@@ -171,16 +173,30 @@ def dense_mask(
     return ok[:, None]
 
 
+def fast_path() -> bool:
+    """False when ``DFLASH_TRAIN_FAST=0``: training then builds FlexAttention masks with
+    ``create_block_mask`` and compiles flex_attention per shape, as before the fast path."""
+    return os.environ.get("DFLASH_TRAIN_FAST", "1") != "0"
+
+
 def flex_block_mask(
     anchors: torch.Tensor, seq_len: int, block_size: int, window: int | None = None,
-    causal: bool = False,
+    causal: bool = False, tile: int = FLEX_TILE,
 ):  # fmt: skip
     """FlexAttention BlockMask equal to :func:`dense_mask` (same arguments).
+
+    The tile map is built from the anchors directly (:func:`anchor_tiles`): a few small
+    tensors instead of evaluating the rule on every [B, N*L, S+N*L] pair as
+    ``create_block_mask`` does (``DFLASH_TRAIN_FAST=0`` goes back to that, see
+    :func:`fast_path`). Tiles partly visible keep the exact rule as ``mask_mod``.
+
+    Args:
+        tile: query and key tile size of the BlockMask (FlexAttention's default 128).
 
     Returns:
         ``torch.nn.attention.flex_attention.BlockMask`` over [B, 1, N*L, S + N*L].
     """
-    from torch.nn.attention.flex_attention import create_block_mask
+    from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
     b, n = anchors.shape
     lq = n * block_size
@@ -188,7 +204,63 @@ def flex_block_mask(
     def mask_mod(bi, hi, qi, kvi):
         return _visible(qi, kvi, lambda j: anchors[bi, j], seq_len, block_size, window, causal)
 
-    return create_block_mask(mask_mod, b, None, lq, seq_len + lq, device=anchors.device)
+    if not fast_path():
+        return create_block_mask(mask_mod, b, None, lq, seq_len + lq, device=anchors.device,
+                                 BLOCK_SIZE=tile)  # fmt: skip
+    for dim in (0, 1):  # the compiled kernel keeps B and N symbolic (no recompile per shape)
+        if anchors.shape[dim] >= 2:
+            torch._dynamo.mark_dynamic(anchors, dim)
+    partial, full = anchor_tiles(anchors, seq_len, block_size, window, tile)
+    counts = [m.sum(-1, dtype=torch.int32)[:, None] for m in (partial, full)]  # [B, 1, Qt]
+    order = [m.to(torch.int8).argsort(dim=-1, descending=True, stable=True).to(torch.int32)[:, None]
+             for m in (partial, full)]  # fmt: skip
+    return BlockMask.from_kv_blocks(counts[0], order[0], counts[1], order[1], BLOCK_SIZE=tile,
+                                    mask_mod=mask_mod, seq_lengths=(lq, seq_len + lq))  # fmt: skip
+
+
+def anchor_tiles(
+    anchors: torch.Tensor, seq_len: int, block_size: int, window: int | None, tile: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which [tile x tile] pieces of the :func:`dense_mask` layout hold visible pairs.
+
+    A query tile covers blocks j0..j1 with anchors between a_min and a_max. A context key tile
+    [c0, c1) is visible when c0 < a_max (windowed: also c1 - 1 >= a_min - (W - 1)), and wholly
+    visible (``full``, no ``mask_mod`` needed) when c1 <= a_min without a window. A block key
+    tile is visible when its blocks meet j0..j1; it is never full. Visible-but-not-full tiles
+    may hold hidden pairs (``partial``: the kernel applies the rule there), so the BlockMask
+    equals the dense mask exactly.
+
+    Args:
+        anchors: [B, N] int64 (padding blocks: 0); seq_len: S; block_size: L.
+        window: sliding window W or None; tile: tile size.
+
+    Returns:
+        (partial, full): [B, ceil(N*L / tile), ceil((S + N*L) / tile)] bool, disjoint.
+    """
+    b, n = anchors.shape
+    lq, dev = n * block_size, anchors.device
+    tk = seq_len + lq
+    nq, nk = -(-lq // tile), -(-tk // tile)
+    a_q = anchors.repeat_interleave(block_size, dim=1)  # [B, Lq] anchor of each query
+    pad = nq * tile - lq
+    a_max = torch.nn.functional.pad(a_q, (0, pad), value=-1).view(b, nq, tile).amax(-1)[..., None]
+    a_min = torch.nn.functional.pad(a_q, (0, pad), value=seq_len).view(b, nq, tile).amin(-1)[..., None]
+    lo = torch.arange(nk, device=dev) * tile  # first key of each key tile
+    hi = (lo + tile).clamp(max=tk)  # one past its last key
+    c_hi = hi.clamp(max=seq_len)  # one past its last context key
+    has_ctx = lo < seq_len
+    ctx = has_ctx & (lo < a_max)  # [B, Nq, Nk]
+    if window is not None:
+        ctx = ctx & (c_hi - 1 >= a_min - (window - 1))
+    full = has_ctx & (hi <= seq_len) & (c_hi <= a_min) if window is None else torch.zeros_like(ctx)
+    q0 = torch.arange(nq, device=dev) * tile
+    j0 = (q0 // block_size)[:, None]  # [Nq, 1] blocks of each query tile
+    j1 = ((q0 + tile).clamp(max=lq) - 1) // block_size
+    jb0 = (lo.clamp(min=seq_len) - seq_len) // block_size  # blocks of each key tile
+    jb1 = (hi - 1 - seq_len) // block_size
+    blk = (hi > seq_len) & (jb0 <= j1[:, None]) & (jb1 >= j0)  # [Nq, Nk]
+    full = full & ~blk
+    return (ctx | blk) & ~full, full
 
 
 def layer_masks(cfg, anchors: torch.Tensor, seq_len: int, flex: bool = False) -> dict:

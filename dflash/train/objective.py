@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from dflash.train.masks import build_blocks, layer_masks
+from dflash.train.masks import build_blocks, fast_path, layer_masks
 
 IGNORE = -100
 
@@ -53,9 +53,14 @@ class _HeadCrossEntropy(torch.autograd.Function):
         grad = torch.empty_like(h) if need_grad else None
         loss = torch.zeros((), dtype=torch.float32, device=h.device)
         correct = torch.empty(m, dtype=torch.bool, device=h.device)
+        fast = fast_path()
         with torch.autocast(h.device.type, enabled=False):
             for lo in range(0, m, chunk):
                 hi = min(m, lo + chunk)
+                if fast:
+                    loss -= _ce_chunk(h[lo:hi], weight, labels[lo:hi], w[lo:hi], correct[lo:hi],
+                                      grad[lo:hi] if need_grad else None)  # fmt: skip
+                    continue
                 logits = (h[lo:hi].to(weight.dtype) @ weight.T).float()  # [c, V]
                 lab = labels[lo:hi]
                 lse = torch.logsumexp(logits, dim=-1)  # [c]
@@ -75,6 +80,27 @@ class _HeadCrossEntropy(torch.autograd.Function):
     def backward(ctx, g_loss, _g_correct):
         (grad,) = ctx.saved_tensors
         return grad * g_loss, None, None, None, None
+
+
+def _ce_chunk(h, weight, labels, w, correct_out, grad_out) -> torch.Tensor:
+    """One chunk of :class:`_HeadCrossEntropy` in fewer passes over the [c, V] logits: argmax of
+    the head-dtype logits (the float32 copy has the same values), one fused float32
+    log-softmax, the softmax from it in place, and the weighted gradient cast on the way out.
+    Writes ``correct_out`` [c] and ``grad_out`` [c, H] (when given); returns -sum_i w_i
+    log p_i(label_i) (float32 scalar)."""
+    raw = h.to(weight.dtype) @ weight.T  # [c, V] in the head's dtype
+    correct_out.copy_(raw.argmax(-1) == labels)
+    logp = torch.log_softmax(raw, dim=-1, dtype=torch.float32)
+    del raw
+    picked = (logp.gather(1, labels[:, None]).squeeze(1) * w).sum()
+    if grad_out is not None:
+        p = logp.exp_()  # softmax
+        p[torch.arange(p.shape[0], device=p.device), labels] -= 1.0
+        pw = torch.empty(p.shape, dtype=weight.dtype, device=p.device)
+        torch.mul(p, w[:, None], out=pw)
+        del p, logp
+        grad_out.copy_(pw @ weight)
+    return picked
 
 
 def head_cross_entropy(h: torch.Tensor, head: torch.Tensor, labels: torch.Tensor,
@@ -101,7 +127,7 @@ class StepOutput:
     loss: torch.Tensor
     accuracy: torch.Tensor  # weighted share of slots whose argmax equals the label
     accept: torch.Tensor  # mean over blocks of 1 + leading correct slots (a training tau proxy)
-    blocks: int  # kept blocks of this batch (of this rank's part under data parallelism)
+    blocks: torch.Tensor  # int64: kept blocks of this batch (this rank's part under data parallelism)
     weight: torch.Tensor | None = None  # float32 sum of the slot weights the loss averages over
     grad_norm: torch.Tensor | None = None  # total gradient norm before clipping (set by the step)
 
@@ -142,26 +168,40 @@ def batch_loss(draft, target: FrozenTarget, batch: dict, *, flex: bool = False,
     loss 0 and weight 0, and backward still reaches every draft parameter (zero gradients).
 
     Args:
-        batch: ``input_ids``, ``attention_mask``, ``loss_mask``, ``anchors``, ``keep`` tensors.
+        batch: ``input_ids``, ``attention_mask``, ``loss_mask``, ``anchors``, ``keep`` tensors;
+            optionally ``rows``: [M] int64 indices of the slots with weight > 0 in the flattened
+            [B*N*L] layout (:func:`supervised_rows`), so that no host sync finds them.
         runner: see :func:`draft_hidden`.
     """
     h, blocks = draft_hidden(draft, target, batch["input_ids"], batch["attention_mask"],
                              batch["loss_mask"], batch["anchors"], batch["keep"], flex=flex,
                              gamma=gamma, runner=runner)  # fmt: skip
+    lsz = draft.config.block_size
     w = blocks["weights"].reshape(-1)  # [B*N*L]
-    sel = w > 0
+    sel = batch.get("rows")  # the supervised slots, found on the host (no device sync)
+    if sel is None:
+        sel = (w > 0).nonzero().squeeze(1)  # a host sync
     loss, correct = head_cross_entropy(h.reshape(-1, h.shape[-1])[sel], target.head,
                                        blocks["labels"].reshape(-1)[sel], w[sel], chunk)  # fmt: skip
-    lsz = draft.config.block_size
     hit = torch.zeros_like(w, dtype=torch.bool)
     hit[sel] = correct
     hit = hit.view(-1, lsz)[:, 1:]  # [B*N, L-1]
+    w_sel = w[sel]
+    wsum = w_sel.sum().float()
     kept = batch["keep"].reshape(-1)
     lead = hit.int().cumprod(dim=1).sum(dim=1).float()  # leading correct slots per block
     accept = 1.0 + (lead * kept).sum() / kept.sum().clamp(min=1)
-    wsum = w[sel].sum().float()
-    acc = (correct.float() * w[sel]).sum() / wsum.clamp(min=1e-12)
-    return StepOutput(loss, acc.detach(), accept.detach(), int(kept.sum()), wsum.detach())
+    acc = (correct.float() * w_sel).sum() / wsum.clamp(min=1e-12)
+    return StepOutput(loss, acc.detach(), accept.detach(), kept.sum(), wsum.detach())
+
+
+def supervised_rows(input_ids, loss_mask, anchors, keep, block_size: int,
+                    gamma: float | None = None) -> torch.Tensor:  # fmt: skip
+    """Indices [M] int64 of the block slots that carry a label (weight > 0), in the flattened
+    [B*N*L] layout of :func:`dflash.train.masks.build_blocks`; computed where the tensors are
+    (the host, before the batch moves), so the step needs no sync to select them."""
+    blocks = build_blocks(input_ids, loss_mask, anchors, keep, block_size, 0, gamma)
+    return (blocks["weights"].reshape(-1) > 0).nonzero().squeeze(1)
 
 
 # ------------------------------------------------------------------------- acceptance estimate
