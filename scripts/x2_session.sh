@@ -69,12 +69,12 @@ prep)
   sha256sum "$GGUF" | cut -c1-16
   python3 -c "from pathlib import Path; from dflash.models.target_torch import gguf_to_cached_folder as g; print(g(Path('$GGUF')))"
   R=(python3 -m dflash data regenerate --target "$GGUF" --max-new-tokens 1024 --batch-size "${REGEN_B:-1024}"
-     --samples 3 --sample-temperature 0.8 --time-limit "${REGEN_S:-180}")
+     --samples 3 --sample-temperature 0.8 --time-limit "${REGEN_S:-160}")
   log "regenerate: half 0 on GPU 0 ($REGEN_ENV0); eval set then half 1 on GPU 1 ($REGEN_ENV1)"
   env $REGEN_ENV0 CUDA_VISIBLE_DEVICES=0 "${R[@]}" --prompts "$W/half-0.jsonl.gz" --out "$W/data0" --seed 2 \
     > "$W/logs/regen0.txt" 2>&1 &
   (EV=gsm8k@16,math500@16,humaneval@16,mbpp@16,mt-bench@16
-   CUDA_VISIBLE_DEVICES=1 python3 -m dflash data regenerate --target "$GGUF" --eval-only --prompts "$EV" \
+   DFLASH_BATCHED_KV_LENGTHS=0 CUDA_VISIBLE_DEVICES=1 python3 -m dflash data regenerate --target "$GGUF" --eval-only --prompts "$EV" \
      --out "$W/eval" --data-dir "$W/datasets" --max-new-tokens 256 --batch-size 128 > "$W/logs/regen-eval.txt" 2>&1
    env $REGEN_ENV1 CUDA_VISIBLE_DEVICES=1 "${R[@]}" --prompts "$W/half-1.jsonl.gz" --out "$W/data1" --seed 3 \
      > "$W/logs/regen1.txt" 2>&1) &
@@ -91,21 +91,30 @@ s = read_shards(sys.argv[1]); src = Counter(x.id.split("/")[0] for x in s)
 print(json.dumps({"records": len(s), "response_tokens": sum(len(x.response_ids) for x in s),
                   "prompts": len({x.id.split("#")[0] for x in s}), "by_source": src}))
 EOF
-  log "1-GPU reference (a): 16,384 tokens a step on GPU 0; training profile on GPU 1"
-  CUDA_VISIBLE_DEVICES=0 timeout 220 python3 -m dflash train $(train_args "$W/run-a") --batch-tokens 16384 \
-    --eval-every 100000 --pause-after "${A_S:-120}" > "$W/logs/train-a.txt" 2>&1 &
-  (i=0; for v in $PROFILE_VARIANTS; do  # each variant: VAR=value[,VAR=value...]
-     i=$((i + 1))
-     env ${v//,/ } CUDA_VISIBLE_DEVICES=1 timeout 150 python3 scripts/train_profile.py --target "$GGUF" \
-       --data "$W/data" --draft "$V2" --steps 30 --out "$OUT/profile-$i.json" > "$W/logs/profile-$i.txt" 2>&1
-   done) &
+  log "training profile: old path (DFLASH_TRAIN_FAST=0) on GPU 0, new (=1) on GPU 1, side by side"
+  for f in 0 1; do
+    DFLASH_TRAIN_FAST=$f CUDA_VISIBLE_DEVICES=$f timeout 140 python3 scripts/train_profile.py --target "$GGUF" \
+      --data "$W/data" --draft "$V2" --steps 50 --warmup 5 --out "$OUT/train_profile_fast$f.json" \
+      > "$W/logs/profile-fast$f.txt" 2>&1 &
+  done
   wait
-  tail -n 3 "$W"/logs/train-a.txt "$W"/logs/profile-*.txt
+  tail -n 4 "$W"/logs/profile-fast*.txt
+  FAST=$(python3 scripts/pick_train_path.py "$OUT/train_profile_fast0.json" "$OUT/train_profile_fast1.json")
+  echo "$FAST" > "$W/train_fast"; log "DFLASH_TRAIN_FAST=$FAST from here on"
+  log "GPU 0: 1-GPU reference (a), 16,384 tokens a step; GPU 1: block 16 vs auto sweep (shipped draft)"
+  DFLASH_TRAIN_FAST=$FAST CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -m dflash train $(train_args "$W/run-a") \
+    --batch-tokens 16384 --eval-every 100000 --pause-after "${A_S:-100}" > "$W/logs/train-a.txt" 2>&1 &
+  CUDA_VISIBLE_DEVICES=1 timeout "${SWEEP_S:-180}" python3 -m dflash benchmark transformers --model "$GGUF" \
+    --draft "$V2" --max-new-tokens 256 --data-dir "$W/datasets" --dataset gsm8k --max-samples 64 \
+    --block-size 16,auto --no-compile --output "$W/logs/b-sweep.jsonl" > "$W/logs/b-sweep.txt" 2>&1 &
+  wait
+  tail -n 3 "$W"/logs/train-a.txt; grep -E "│" "$W"/logs/b-sweep.txt | tail -4
   cp "$W/run-a/train_log.jsonl" "$OUT/train-a.jsonl"
   tar czf "$OUT/prep-logs.tgz" -C "$W" logs
   ;;
 train)
-  log "torchrun, 2 GPUs, 16,384 tokens a step per GPU, $TRAIN_LIMIT s"
+  export DFLASH_TRAIN_FAST=$(cat "$W/train_fast" 2>/dev/null || echo 1)
+  log "torchrun, 2 GPUs, 16,384 tokens a step per GPU, $TRAIN_LIMIT s, DFLASH_TRAIN_FAST=$DFLASH_TRAIN_FAST"
   timeout "${TRAIN_S:-560}" "${TORCHRUN[@]}" -m dflash train $(train_args "$W/draft") --batch-tokens 16384 \
     --eval-every 200 > "$W/logs/train-ddp.txt" 2>&1
   rc=$?; log "torchrun exit $rc"
@@ -117,7 +126,7 @@ bench)
   D=$W/draft; [ -f "$D/config.json" ] || D=$V2
   B=(python3 -m dflash benchmark transformers --model "$GGUF" --draft "$D" --max-new-tokens 256
      --data-dir "$W/datasets")
-  log "GPU 0: gsm8k 64 (compile), other datasets, one generate; GPU 1: fp32 parity, HF baseline, auto sweep"
+  log "GPU 0: gsm8k 64 (compile), one generate, other datasets; GPU 1: fp32 parity, HF baseline"
   (CUDA_VISIBLE_DEVICES=0 timeout 200 "${B[@]}" --dataset gsm8k --max-samples 64 --block-size 16 --check-parity \
      --output "$W/logs/b-gsm8k.jsonl" > "$W/logs/b-gsm8k.txt" 2>&1
    P=$(python3 -c "from dflash.data.datasets import load_prompts, select; print(select(load_prompts('gsm8k', '$W/datasets'), 1)[0].turns[0])")
@@ -129,10 +138,8 @@ bench)
      --block-size 16 --output "$W/logs/b-other.jsonl" > "$W/logs/b-other.txt" 2>&1) &
   (CUDA_VISIBLE_DEVICES=1 timeout 75 "${B[@]}" --dataset gsm8k --max-samples 16 --block-size 16 --dtype float32 --no-compile \
      --check-parity --output "$W/logs/b-fp32.jsonl" > "$W/logs/b-fp32.txt" 2>&1
-   CUDA_VISIBLE_DEVICES=1 timeout 150 python3 scripts/hf_baseline.py --model "$GGUF" --draft "$D" \
-     --data-dir "$W/datasets" --n 8 --out "$W/logs" > "$W/logs/hf_baseline.txt" 2>&1
-   CUDA_VISIBLE_DEVICES=1 timeout 170 "${B[@]}" --dataset gsm8k --max-samples 64 --block-size 16,auto --no-compile \
-     --output "$W/logs/b-sweep.jsonl" > "$W/logs/b-sweep.txt" 2>&1) &
+   CUDA_VISIBLE_DEVICES=1 timeout 200 python3 scripts/hf_baseline.py --model "$GGUF" --draft "$D" \
+     --data-dir "$W/datasets" --n 8 --out "$W/logs" > "$W/logs/hf_baseline.txt" 2>&1) &
   wait
   tar czf "$OUT/bench.tgz" -C "$W" logs
   for f in "$W"/logs/b-*.txt "$W"/logs/hf_baseline.txt; do echo "== $f"; tail -n 14 "$f"; done
