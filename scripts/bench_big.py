@@ -72,6 +72,12 @@ def build(tiny: bool, device: torch.device, dtype: torch.dtype, compile: bool):
             dcfg = draft_config_for(cfg, layers=2 if tiny else 5, block_size=16,
                                     mask_token_id=cfg.vocab_size - 1, vocab_rows=cfg.vocab_size)  # fmt: skip
             draft = DFlashDraft(dcfg).eval()
+        # Random weights give near-uniform logits: in bf16 a 16-wide verify then rarely picks
+        # the block-1 argmax (ties), and no proposal would be "right". An LM head equal to the
+        # embedding (untied copy: same bytes) makes the greedy next token the current one with
+        # a wide margin, so the truth is the same at every width; costs do not depend on values.
+        with torch.no_grad():
+            target.lm_head.weight.copy_(target.model.embed_tokens.weight)
     finally:
         torch.set_default_dtype(default)
     be = StaticBackend(target, draft, device, use_graphs=device.type == "cuda", compile=compile)
