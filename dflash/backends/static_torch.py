@@ -143,12 +143,27 @@ class StaticBackend(TransformersBackend):
             self.capture_all()
 
     def capture_all(self) -> None:
-        """Capture the plan's graphs that are not captured yet (verify 1 and L, draft L)."""
+        """Capture the plan's graphs that are not captured yet (verify 1 and L, draft L).
+
+        Each new graph is then replayed ``DFLASH_GRAPH_WARM`` times (default 3) before the
+        request's first token: a graph's first launch uploads it to the device, and in a fresh
+        process the GPU is still idle from compiling; both would otherwise land in the first
+        decode steps of the first request. The static inputs made at capture point at the last
+        cache rows, which no request reaches before overwriting them, so the replays are harmless.
+        """
+        new = [key for key in self.plan.keys() if key not in self.graphs]
         for kind, width in self.plan.keys():
             if kind == "verify":
                 self._verify_graph(width)
             else:
                 self._draft_graph(width)
+        warm = int(os.environ.get("DFLASH_GRAPH_WARM", "3"))
+        if new and warm > 0:
+            for _ in range(warm):
+                for key in new:
+                    self.graphs[key][0].replay()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
 
     def _allocate(self, capacity: int) -> None:
         dev, dt = self.device, self.dtype
