@@ -121,3 +121,40 @@ def test_step_forward_traces_whole_for_compile(model, monkeypatch):
     gen.compile = True  # CPU has no graphs, so the constructor leaves it off
     assert gen.generate(ps, 9) == ref
     assert list(gen._compiled) == [True]
+
+
+def test_failing_kv_lengths_step_falls_back_with_same_tokens(model, monkeypatch, capsys):
+    """A kv_lengths replay that fails part-way (as a FlexAttention compile error on CUDA would),
+    after steps that wrote wrong tokens, warns once, restores the decode state from before the
+    replay and finishes on the dense path with its greedy tokens; an error of the dense path
+    itself is raised, not hidden."""
+    import dflash.backends.batched_torch as bt
+
+    ps = prompts(5, seed=8, hi=60)
+    ref = BatchedGenerator(model, max_batch=3, capacity=160, kv_lengths=False).generate(ps, 14)
+    calls = {"n": 0}
+    real = bt._flex_fn
+
+    def flaky(device):  # step 1 right, steps 2-3 wrong (zero attention), step 4 raises
+        calls["n"] += 1
+        step = (calls["n"] - 1) // len(model.model.layers) + 1
+        if step >= 4:
+            raise RuntimeError("inductor: no kernel\nsecond line")
+        fn = real(device)
+        return fn if step == 1 else (lambda q, k, v, **kw: torch.zeros_like(fn(q, k, v, **kw)))
+
+    monkeypatch.setattr(bt, "_flex_fn", flaky)
+    gen = BatchedGenerator(model, max_batch=3, capacity=160, steps_per_sync=8, kv_lengths=True)
+    gen._untried = lambda: gen.kv_lengths and not gen._eager_ok  # what CUDA eager steps do
+    assert gen.generate(ps, 14) == ref
+    assert not gen.kv_lengths
+    err = capsys.readouterr().err
+    assert err.count("batched kv_lengths attention failed (RuntimeError: inductor: no kernel)") == 1
+    assert "second line" not in err
+
+    def broken(*a, **kw):
+        raise ValueError("dense bug")
+
+    monkeypatch.setattr(gen, "_forward", broken)
+    with pytest.raises(ValueError, match="dense bug"):
+        gen.generate(ps, 14)

@@ -40,3 +40,18 @@ def test_uniform_plan_pads_block_1_decoding_to_the_block():
     assert plan.verify_widths == (16,) and plan.keys() == [("verify", 16), ("draft", 16)]
     assert {plan.verify_width(w) for w in range(1, 17)} == {16}
     assert plan_graphs(16, has_draft=False, uniform=True).verify_widths == (1,)
+
+
+def test_warm_replays_env(monkeypatch):
+    from dflash.backends.graph_plan import WARM_ENV, warm_replays
+    from dflash.errors import InputError
+
+    monkeypatch.delenv(WARM_ENV, raising=False)
+    assert warm_replays() == 3
+    for raw, want in (("0", 0), (" 5 ", 5), ("", 3)):
+        monkeypatch.setenv(WARM_ENV, raw)
+        assert warm_replays() == want
+    for bad in ("-1", "three", "2.5"):
+        monkeypatch.setenv(WARM_ENV, bad)
+        with pytest.raises(InputError, match=WARM_ENV):
+            warm_replays()

@@ -189,3 +189,29 @@ def test_anchor_block_mask_tiles_match_create_block_mask(monkeypatch, causal):
     for name in ("kv_num_blocks", "full_kv_num_blocks"):
         assert torch.equal(getattr(fast, name), getattr(ref, name)), name
     assert torch.equal(fast.to_dense(), ref.to_dense())
+
+
+@pytest.mark.parametrize("fast", ["1", "0"])
+def test_cuda_flex_compile_settings(monkeypatch, fast):
+    """CUDA training compiles flex_attention once with symbolic sizes and duck sizing off during
+    the call (fast path), or per shape as before (DFLASH_TRAIN_FAST=0). No GPU needed: the
+    compile is replaced by a recorder."""
+    import torch.fx.experimental._config as fx_config
+
+    import dflash.models.draft_torch as dt
+
+    seen = []
+
+    def fake_compile(fn, **kw):
+        seen.append(kw)
+        return lambda *a, **k: fx_config.use_duck_shape  # what the kernel call would see
+
+    monkeypatch.setenv("DFLASH_TRAIN_FAST", fast)
+    monkeypatch.setattr(dt, "_FLEX_COMPILED", None)
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    fn = dt.flex_attention_fn(torch.device("cuda"))
+    assert dt.flex_attention_fn(torch.device("cuda")) is fn and len(seen) == 1  # compiled once
+    assert seen[0] == ({"dynamic": True} if fast == "1" else {})
+    assert fn() is (fast != "1")  # duck sizing off only inside the fast path's call
+    assert fx_config.use_duck_shape is True
+    assert dt.flex_attention_fn(torch.device("cpu")) is dt.flex_attention  # CPU: eager

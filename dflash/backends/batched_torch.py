@@ -20,8 +20,10 @@ always near its end, so every row pays for about ``capacity`` keys. The ``kv_len
 (``pos // 128 + 1`` blocks of 128 keys, updated on the device every step), so a row reads only its
 own keys and one graph covers every length. ``compile`` wraps the forward of a step in
 ``torch.compile`` (Inductor, kernels cached under ``$DFLASH_CACHE/inductor``) before capture.
-Both fall back (with a warning) to the dense eager step if compiling or capturing fails;
-``DFLASH_BATCHED_KV_LENGTHS=0`` / ``DFLASH_BATCHED_COMPILE=0`` turn them off.
+If compiling or capturing fails, the generator warns and goes on without compile, then (if
+that fails too) with the dense attention, restoring the decode state of the failed attempt;
+an error of the dense path is raised. ``DFLASH_BATCHED_KV_LENGTHS=0`` /
+``DFLASH_BATCHED_COMPILE=0`` turn them off.
 
 Targets: dense full-attention Llama/Qwen2/Qwen3 (see ``static_torch.supports_static``). Written
 for ``dflash data regenerate``; kept backend-level so a batched speculative loop or a server can
@@ -151,7 +153,8 @@ class BatchedGenerator:
             None = ``$DFLASH_BATCHED_COMPILE`` if set, else on with kv_lengths (the dense path
             compiles once per width bucket, about a minute each, so it is off there).
 
-    Memory: 2 x layers x B x kv_heads x capacity x head_dim elements of the model dtype.
+    Memory: 2 x layers x B x kv_heads x capacity x head_dim elements of the model dtype
+    (capacity rounded up to 128 with kv_lengths).
     """
 
     def __init__(self, model: Any, *, max_batch: int = 256, capacity: int = 2048,

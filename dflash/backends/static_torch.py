@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from dflash.backends.graph_plan import inductor_cache_dir, plan_graphs
+from dflash.backends.graph_plan import inductor_cache_dir, plan_graphs, warm_replays
 from dflash.backends.static_fused import (
     draft_forward_fused,
     fuse_default,
@@ -145,19 +145,23 @@ class StaticBackend(TransformersBackend):
     def capture_all(self) -> None:
         """Capture the plan's graphs that are not captured yet (verify 1 and L, draft L).
 
-        Each new graph is then replayed ``DFLASH_GRAPH_WARM`` times (default 3) before the
-        request's first token: a graph's first launch uploads it to the device, and in a fresh
-        process the GPU is still idle from compiling; both would otherwise land in the first
-        decode steps of the first request. The static inputs made at capture point at the last
-        cache rows, which no request reaches before overwriting them, so the replays are harmless.
+        Each new graph is then replayed ``DFLASH_GRAPH_WARM`` times (default 3, see
+        :func:`~dflash.backends.graph_plan.warm_replays`) before the request's first token: a
+        graph's first launch uploads it to the device, and in a fresh process the GPU is still
+        idle from compiling; both would otherwise land in the first decode steps of the first
+        request. The static inputs made at capture point at the last cache rows, which no request
+        reaches before overwriting them, so the replays are harmless.
+
+        Raises:
+            InputError: ``DFLASH_GRAPH_WARM`` is not a whole number >= 0 (before any capture).
         """
+        warm = warm_replays()
         new = [key for key in self.plan.keys() if key not in self.graphs]
         for kind, width in self.plan.keys():
             if kind == "verify":
                 self._verify_graph(width)
             else:
                 self._draft_graph(width)
-        warm = int(os.environ.get("DFLASH_GRAPH_WARM", "3"))
         if new and warm > 0:
             for _ in range(warm):
                 for key in new:

@@ -199,7 +199,16 @@ def supervised_rows(input_ids, loss_mask, anchors, keep, block_size: int,
                     gamma: float | None = None) -> torch.Tensor:  # fmt: skip
     """Indices [M] int64 of the block slots that carry a label (weight > 0), in the flattened
     [B*N*L] layout of :func:`dflash.train.masks.build_blocks`; computed where the tensors are
-    (the host, before the batch moves), so the step needs no sync to select them."""
+    (the host, before the batch moves), so the step needs no sync to select them.
+
+    Args:
+        input_ids: [B, S] int64; loss_mask: [B, S] bool; anchors: [B, N] int64; keep: [B, N]
+            bool (as :func:`batch_loss` gets them).
+        block_size: L; gamma: the loss decay the step uses (None: the default for L).
+
+    Returns:
+        [M] int64, ascending; equal to ``(weights.reshape(-1) > 0).nonzero()`` of the step.
+    """
     blocks = build_blocks(input_ids, loss_mask, anchors, keep, block_size, 0, gamma)
     return (blocks["weights"].reshape(-1) > 0).nonzero().squeeze(1)
 
