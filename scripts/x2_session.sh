@@ -28,11 +28,11 @@ if [ ! -d /tmp/site/gguf ] && ls .stage/whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH=/tmp/site:$PWD
 GGUF=$W/smollm2.gguf
-V2=dflash/assets/smollm2-135m-instruct-dflash  # the shipped draft (v3) this segment resumes from
-BASE=2301                        # steps of the shipped v3 draft
+V2=dflash/assets/smollm2-135m-instruct-dflash  # the shipped draft this segment resumes from
+BASE=${BASE:-3230}               # steps of the shipped draft (v4; v4 itself: BASE=2301 from v3)
 STEPS=${STEPS:-4000}             # cap on this segment's steps; --time-limit anneals the schedule
 LR=${LR:-2.5e-4}
-TRAIN_LIMIT=${TRAIN_LIMIT:-470}  # seconds of torchrun training (the cosine schedule fits them)
+TRAIN_LIMIT=${TRAIN_LIMIT:-430}  # seconds of torchrun training (the cosine schedule fits them)
 REGEN_ENV0=${REGEN_ENV0:-}        # environment of the GPU-0 regeneration (the new settings)
 REGEN_ENV1=${REGEN_ENV1-DFLASH_BATCHED_KV_LENGTHS=0}  # GPU-1 regeneration: the old dense path, side by side
 PROFILE_VARIANTS=${PROFILE_VARIANTS:-DFLASH_NONE=1}  # train_profile.py runs, one per environment
