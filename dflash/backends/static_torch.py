@@ -274,8 +274,10 @@ class StaticBackend(TransformersBackend):
         except Exception as e:  # noqa: BLE001 - Inductor/Triton raise many types
             if not self.compile:
                 raise
+            mode = os.environ.get("DFLASH_COMPILE_MODE")
+            fix = f"check DFLASH_COMPILE_MODE={mode!r}, or " if mode else ""
             print(f"dflash: torch.compile failed ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
-                  "continuing without it (--no-compile silences this).", file=sys.stderr)  # fmt: skip
+                  f"continuing without it ({fix}--no-compile silences this).", file=sys.stderr)  # fmt: skip
             self.compile = False
             torch.cuda.synchronize(self.device)
             self.graphs[key] = self._capture(self._fn(kind), static_inputs)
