@@ -14,9 +14,11 @@
 # Calls (carry in brackets):
 #   1 stage1   [.stage/t5/aa .stage/data .stage/whl]  + 8B-shaped loop cost (bench_big)
 #   2 stage ab [.stage/t5/ab .stage/prompts]; 3-4 stage ac|ad  [.stage/t5/<part>]
-#   5 prep     [.stage/t5/ae]  assemble the target; regenerate on both GPUs; 1-GPU run; profile
-#   6 train    []  torchrun on both GPUs, the draft comes back in $OUT
-#   7 bench    []  benchmarks; logs in $OUT/bench.tgz
+#   5 prep     [.stage/t5/ae]  assemble the target; regenerate on both GPUs; profile the training
+#                  paths (PREP_REF=1: + 1-GPU reference run and block 16 vs auto sweep)
+#   6 train    []  torchrun on both GPUs for PAUSE s, the draft comes back in $OUT; 7 train again
+#                  (exact resume) until TRAIN_LIMIT s of training are done
+#   8 bench    []  benchmarks; logs in $OUT/bench.tgz
 set -uo pipefail
 phase=${1:?usage: x2_session.sh stage1|stage PART|prep|train|bench}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 DFLASH_CACHE=/tmp/dflash-cache
@@ -32,9 +34,12 @@ V2=dflash/assets/smollm2-135m-instruct-dflash  # the shipped draft this segment 
 BASE=${BASE:-3230}               # steps of the shipped draft (v4; v4 itself: BASE=2301 from v3)
 STEPS=${STEPS:-4000}             # cap on this segment's steps; --time-limit anneals the schedule
 LR=${LR:-2.5e-4}
-TRAIN_LIMIT=${TRAIN_LIMIT:-430}  # seconds of torchrun training (the cosine schedule fits them)
-REGEN_ENV0=${REGEN_ENV0:-}        # environment of the GPU-0 regeneration (the new settings)
-REGEN_ENV1=${REGEN_ENV1-DFLASH_BATCHED_KV_LENGTHS=0}  # GPU-1 regeneration: the old dense path, side by side
+TRAIN_LIMIT=${TRAIN_LIMIT:-900}  # seconds of torchrun training (the cosine schedule fits them)
+PAUSE=${PAUSE:-470}              # seconds of training per `train` call (run `train` again to resume)
+PREP_REF=${PREP_REF:-0}          # 1: prep also runs the 1-GPU reference and the block 16 vs auto sweep
+BENCH_FULL=${BENCH_FULL:-0}      # 1: bench also runs fp32 parity and HF generate
+REGEN_ENV0=${REGEN_ENV0:-}        # environment of the GPU-0 regeneration
+REGEN_ENV1=${REGEN_ENV1:-}        # GPU-1 (DFLASH_BATCHED_KV_LENGTHS=0: the previous dense path)
 PROFILE_VARIANTS=${PROFILE_VARIANTS:-DFLASH_NONE=1}  # train_profile.py runs, one per environment
 TORCHRUN=(python3 -m torch.distributed.run --standalone --nproc-per-node 2)
 train_args() {  # $1 = out folder; same data, seed and schedule in every run
@@ -51,6 +56,7 @@ stage1)
   rm -rf "$W/datasets" && cp -r .stage/data "$W/datasets"
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
   python3 -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.cuda.device_count(), 'transformers', transformers.__version__)"
+  [ "${STAGE_BENCH:-0}" = 1 ] || { log "phase stage1 done"; exit 0; }
   log "GPU 0: bench_big (Qwen3-8B shape, random weights, CUDA graphs, no compile);" \
       "GPU 1: replay times of the demo shape, default compile vs max-autotune"
   CUDA_VISIBLE_DEVICES=0 timeout "${BIG_S:-170}" python3 scripts/bench_big.py --out "$OUT" ${BIG_ARGS:---no-compile} \
@@ -69,7 +75,7 @@ prep)
   sha256sum "$GGUF" | cut -c1-16
   python3 -c "from pathlib import Path; from dflash.models.target_torch import gguf_to_cached_folder as g; print(g(Path('$GGUF')))"
   R=(python3 -m dflash data regenerate --target "$GGUF" --max-new-tokens 1024 --batch-size "${REGEN_B:-1024}"
-     --samples 3 --sample-temperature 0.8 --time-limit "${REGEN_S:-160}")
+     --samples 3 --sample-temperature 0.8 --time-limit "${REGEN_S:-200}")
   log "regenerate: half 0 on GPU 0 ($REGEN_ENV0); eval set then half 1 on GPU 1 ($REGEN_ENV1)"
   env $REGEN_ENV0 CUDA_VISIBLE_DEVICES=0 "${R[@]}" --prompts "$W/half-0.jsonl.gz" --out "$W/data0" --seed 2 \
     > "$W/logs/regen0.txt" 2>&1 &
@@ -93,14 +99,16 @@ print(json.dumps({"records": len(s), "response_tokens": sum(len(x.response_ids) 
 EOF
   log "training profile: old path (DFLASH_TRAIN_FAST=0) on GPU 0, new (=1) on GPU 1, side by side"
   for f in 0 1; do
-    DFLASH_TRAIN_FAST=$f CUDA_VISIBLE_DEVICES=$f timeout 140 python3 scripts/train_profile.py --target "$GGUF" \
-      --data "$W/data" --draft "$V2" --steps 50 --warmup 5 --out "$OUT/train_profile_fast$f.json" \
+    DFLASH_TRAIN_FAST=$f CUDA_VISIBLE_DEVICES=$f timeout 120 python3 scripts/train_profile.py --target "$GGUF" \
+      --data "$W/data" --draft "$V2" --steps "${PROFILE_STEPS:-30}" --warmup 5 --out "$OUT/train_profile_fast$f.json" \
       > "$W/logs/profile-fast$f.txt" 2>&1 &
   done
   wait
   tail -n 4 "$W"/logs/profile-fast*.txt
   FAST=$(python3 scripts/pick_train_path.py "$OUT/train_profile_fast0.json" "$OUT/train_profile_fast1.json")
   echo "$FAST" > "$W/train_fast"; log "DFLASH_TRAIN_FAST=$FAST from here on"
+  tar czf "$OUT/prep-logs.tgz" -C "$W" logs
+  [ "$PREP_REF" = 1 ] || { log "phase prep done"; exit 0; }
   log "GPU 0: 1-GPU reference (a), 16,384 tokens a step; GPU 1: block 16 vs auto sweep (shipped draft)"
   DFLASH_TRAIN_FAST=$FAST CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -m dflash train $(train_args "$W/run-a") \
     --batch-tokens 16384 --eval-every 100000 --pause-after "${A_S:-100}" > "$W/logs/train-a.txt" 2>&1 &
@@ -115,8 +123,8 @@ EOF
 train)
   export DFLASH_TRAIN_FAST=$(cat "$W/train_fast" 2>/dev/null || echo 1)
   log "torchrun, 2 GPUs, 16,384 tokens a step per GPU, $TRAIN_LIMIT s, DFLASH_TRAIN_FAST=$DFLASH_TRAIN_FAST"
-  timeout "${TRAIN_S:-560}" "${TORCHRUN[@]}" -m dflash train $(train_args "$W/draft") --batch-tokens 16384 \
-    --eval-every 200 > "$W/logs/train-ddp.txt" 2>&1
+  timeout "${TRAIN_S:-580}" "${TORCHRUN[@]}" -m dflash train $(train_args "$W/draft") --batch-tokens 16384 \
+    --eval-every 200 --pause-after "$PAUSE" >> "$W/logs/train-ddp.txt" 2>&1
   rc=$?; log "torchrun exit $rc"
   tail -n 25 "$W"/logs/train-ddp.txt
   cp "$W"/draft/*.safetensors "$OUT/" 2>/dev/null
@@ -126,20 +134,22 @@ bench)
   D=$W/draft; [ -f "$D/config.json" ] || D=$V2
   B=(python3 -m dflash benchmark transformers --model "$GGUF" --draft "$D" --max-new-tokens 256
      --data-dir "$W/datasets")
-  log "GPU 0: gsm8k 64 (compile), one generate, other datasets; GPU 1: fp32 parity, HF baseline"
+  log "GPU 0: gsm8k 64 (compile), two single generates; GPU 1: other datasets (BENCH_FULL=1: + fp32 parity, HF)"
   (CUDA_VISIBLE_DEVICES=0 timeout 200 "${B[@]}" --dataset gsm8k --max-samples 64 --block-size 16 --check-parity \
      --output "$W/logs/b-gsm8k.jsonl" > "$W/logs/b-gsm8k.txt" 2>&1
    P=$(python3 -c "from dflash.data.datasets import load_prompts, select; print(select(load_prompts('gsm8k', '$W/datasets'), 1)[0].turns[0])")
    for i in 1 2; do
      CUDA_VISIBLE_DEVICES=0 timeout 60 python3 -m dflash generate transformers --model "$GGUF" --draft "$D" \
        "$P" --block-size 16 --max-new-tokens 256 --json > "$W/logs/generate-$i.json" 2> "$W/logs/generate-$i.err"
-   done
-   CUDA_VISIBLE_DEVICES=0 timeout 170 "${B[@]}" --dataset math500,humaneval,mbpp,mt-bench --max-samples 32 \
-     --block-size 16 --output "$W/logs/b-other.jsonl" > "$W/logs/b-other.txt" 2>&1) &
-  (CUDA_VISIBLE_DEVICES=1 timeout 75 "${B[@]}" --dataset gsm8k --max-samples 16 --block-size 16 --dtype float32 --no-compile \
-     --check-parity --output "$W/logs/b-fp32.jsonl" > "$W/logs/b-fp32.txt" 2>&1
-   CUDA_VISIBLE_DEVICES=1 timeout 200 python3 scripts/hf_baseline.py --model "$GGUF" --draft "$D" \
-     --data-dir "$W/datasets" --n 8 --out "$W/logs" > "$W/logs/hf_baseline.txt" 2>&1) &
+   done) &
+  (CUDA_VISIBLE_DEVICES=1 timeout 190 "${B[@]}" --dataset math500,humaneval,mbpp,mt-bench --max-samples 32 \
+     --block-size 16 --output "$W/logs/b-other.jsonl" > "$W/logs/b-other.txt" 2>&1
+   if [ "$BENCH_FULL" = 1 ]; then
+     CUDA_VISIBLE_DEVICES=1 timeout 75 "${B[@]}" --dataset gsm8k --max-samples 16 --block-size 16 --dtype float32 --no-compile \
+       --check-parity --output "$W/logs/b-fp32.jsonl" > "$W/logs/b-fp32.txt" 2>&1
+     CUDA_VISIBLE_DEVICES=1 timeout 200 python3 scripts/hf_baseline.py --model "$GGUF" --draft "$D" \
+       --data-dir "$W/datasets" --n 8 --out "$W/logs" > "$W/logs/hf_baseline.txt" 2>&1
+   fi) &
   wait
   tar czf "$OUT/bench.tgz" -C "$W" logs
   for f in "$W"/logs/b-*.txt "$W"/logs/hf_baseline.txt; do echo "== $f"; tail -n 14 "$f"; done
