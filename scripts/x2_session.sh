@@ -71,6 +71,7 @@ stage)
   if ls .stage/prompts/*.jsonl.gz >/dev/null 2>&1; then cp .stage/prompts/*.jsonl.gz "$W/"; fi
   ;;
 prep)
+  if ls .stage/prompts/*.jsonl.gz >/dev/null 2>&1; then cp .stage/prompts/*.jsonl.gz "$W/"; fi
   cat "$W"/stage/{aa,ab,ac,ad}.part .stage/t5/ae/part > "$GGUF"
   sha256sum "$GGUF" | cut -c1-16
   python3 -c "from pathlib import Path; from dflash.models.target_torch import gguf_to_cached_folder as g; print(g(Path('$GGUF')))"

@@ -58,3 +58,25 @@ def test_train_refuses_eval_only_and_benchmark_data(tmp_path):
     assert json.loads((tmp_path / "b" / "meta.json").read_text())["eval_only"]
     with pytest.raises(DatasetError, match="eval-only"):
         _refuse_benchmark_data(str(tmp_path / "b"), read_shards(tmp_path / "b"))
+
+
+def test_task_and_chat_prompts_are_deterministic_distinct_and_clean(data_dir):
+    from dflash.data.datasets import load_prompts
+    from dflash.data.synthetic_tasks import TASKS, chat_prompts, task_prompts
+
+    t = task_prompts(800, seed=1)
+    assert t == task_prompts(800, seed=1) and t != task_prompts(800, seed=2)
+    assert len(t) == 800 and len(set(t)) == 800
+    assert any("```python\ndef " in p for p in t) and any(p.startswith("Write a") for p in t)
+    assert sum(any(name in p for name, _, _ in TASKS) for p in t) > 100  # named functions
+    supply = task_prompts(10**6, seed=0)  # asks for more than exist: stops, all distinct
+    assert 1000 < len(supply) < 10**6 and len(set(supply)) == len(supply)
+    c = chat_prompts(500, seed=0)
+    assert c == chat_prompts(500, seed=0) and len(set(c)) == 500
+    assert any(p.startswith(("Pretend", "Act as", "Role-play", "Imagine")) for p in c)
+    assert any("years old and lives in" in p for p in c)  # extraction texts
+    bench = []
+    for name in ("gsm8k", "math500", "humaneval", "mbpp", "mt-bench"):
+        for it in load_prompts(name, data_dir=str(data_dir)):  # the code part, as the builder does
+            bench += [turn.split("```python\n", 1)[-1].rsplit("```", 1)[0] for turn in it.turns]
+    assert bench and not text_overlap(t[:400] + c[:400], bench)

@@ -130,9 +130,8 @@ def task_prompts(n: int, seed: int = 0) -> list[str]:
     an ``assert`` example to pass) and a HumanEval-style stub in the benchmark template."""
     rng = random.Random(seed)
     out, seen = [], set()
-    tries = 0
-    while len(out) < n and tries < 50 * n:
-        tries += 1
+    misses = 0  # consecutive duplicates: the supply is used up after a few thousand
+    while len(out) < n and misses < 5000:
         name, args, what = rng.choice(TASKS)
         style = rng.randrange(4)
         if style == 0:
@@ -142,7 +141,8 @@ def task_prompts(n: int, seed: int = 0) -> list[str]:
             text = f"{rng.choice(MBPP_VERBS)} {what}. Name it `{name}`."
         else:
             text = f"{rng.choice(MBPP_VERBS)} {what}.{rng.choice(EXTRAS)}"
-        if text not in seen:
+        misses = misses + 1 if text in seen else 0
+        if not misses:
             seen.add(text)
             out.append(text)
     return out
@@ -212,11 +212,11 @@ def chat_prompts(n: int, seed: int = 0) -> list[str]:
     small reasoning puzzles, STEM/humanities questions, and questions with a follow-up request."""
     rng = random.Random(seed)
     out, seen = [], set()
-    tries = 0
-    while len(out) < n and tries < 50 * n:
-        tries += 1
+    misses = 0
+    while len(out) < n and misses < 5000:
         text = _chat_one(rng)
-        if text not in seen:
+        misses = misses + 1 if text in seen else 0
+        if not misses:
             seen.add(text)
             out.append(text)
     return out
