@@ -131,7 +131,8 @@ class Pipeline:
             self.acceptance = load_acceptance(self.draft_dir, self.block_size)
         # The costs are measured as the loop drafts: at the trained width, the head on L-1 rows.
         return BlockPolicy(self.calibrate(), self.acceptance, self.block_size,
-                           widths=getattr(self.backend, "auto_widths", None))  # fmt: skip
+                           widths=getattr(self.backend, "auto_widths", None),
+                           clock=time.perf_counter)  # steps timed: costs corrected online  # fmt: skip
 
     def chat_prompt(self, messages: list[dict], *, system: str | None = None,
                     reasoning: str | None = None,

@@ -16,7 +16,10 @@ moving average. Once a request has drafted ``SWITCH_EVIDENCE`` steps, a switch f
 plain decoding must be confirmed by a few drafted steps in a row (as many as cost at most
 ``SWITCH_BUDGET`` plain steps more than plain decoding would), so a short run of rejections
 does not send a request that drafts well into a long plain stretch. Costs are timed once per device and model with a few forwards through the
-``LocalBackend`` protocol and cached as JSON under ``<dflash cache>/costs/``.
+``LocalBackend`` protocol and cached as JSON under ``<dflash cache>/costs/``; while requests run,
+the wall time of every step corrects them online (one factor for plain steps, one for drafted
+ones, an exponential moving average kept for the process), since a few timed forwards on a
+shared machine can be off by a third.
 """
 
 from __future__ import annotations
@@ -45,7 +48,9 @@ FEATURE_LEAD = 16  # plain steps before a probe whose target features are kept f
 CALIBRATION_PROMPT = 128  # context length (tokens) the costs are timed at
 CALIBRATION_REPEATS = 5  # timed repetitions per width (the median is kept)
 COST_LADDER = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # widths timed; others interpolated
-COST_VERSION = 2  # in the cache key: 2 = draft timed at the trained width, head on L-1 rows
+COST_ALPHA = 0.1  # weight of one timed step in the online cost correction
+COST_SCALE_RANGE = (0.5, 2.0)  # a timed step counts as at most this far from the table's cost
+COST_VERSION = 3  # in the cache key: 2 = draft timed at the trained width, head on L-1 rows; 3 = plain step timed without features
 
 
 # ---------------------------------------------------------------------------------------------
@@ -165,12 +170,16 @@ class CostTable:
             takes ``rows``).
         key: what the table was measured for (backend, device, dtype, model, threads...).
         source: "measured" now, or "cache" when read from disk.
+        scale: online correction factors, ``plain`` (L = 1) and ``drafted`` (L > 1): the
+            running ratio of timed steps to the table's cost (``BlockPolicy`` with a clock
+            updates them; they live as long as the table object, not on disk).
     """
 
     verify_s: dict[int, float]
     draft_s: dict[int, float] = field(default_factory=dict)
     key: dict[str, Any] = field(default_factory=dict)
     source: str = "measured"
+    scale: dict[str, float] = field(default_factory=lambda: {"plain": 1.0, "drafted": 1.0})
 
     @staticmethod
     def _at(table: dict[int, float], width: int) -> float:
@@ -270,7 +279,9 @@ def measure_costs(backend: Any, widths: list[int], *, prompt_len: int = CALIBRAT
                 continue
             backend.synchronize()
             t0 = time.perf_counter()
-            logits, _ = backend.verify(anchor, proposals, start, drafting)
+            # A plain step keeps no target features (the loop asks for them only in the
+            # last FEATURE_LEAD plain steps before a probe); a drafted one does.
+            logits, _ = backend.verify(anchor, proposals, start, drafting and w > 1)
             backend.to_list(backend.argmax(logits))
             # Keep the anchor, as the loop does: some caches (mlx) roll back only inside the
             # last verify and never past its first row.
@@ -387,6 +398,11 @@ class BlockPolicy:
             worse than plain decoding (the demo pair on a CPU) a request would otherwise wait
             ``probe_every`` steps for its first evidence, and one probe then moves the EMA
             too little to matter: an easy request (gsm8k) decoded plainly throughout.
+        clock: seconds (e.g. ``time.perf_counter``) to time each step with, from one ``choose``
+            to the next (the loop syncs once a step, so that is the step's wall time); the
+            times correct ``costs.scale`` (EMA weight ``COST_ALPHA``, each time clamped to
+            ``COST_SCALE_RANGE`` of the table's cost), so later steps and requests price widths
+            at what they really cost. None (the default): the table is used as it is.
         switch_budget: once the request has drafted ``SWITCH_EVIDENCE`` steps, drafting stops
             only after n drafted steps in a row predicted plain decoding to be faster, n = max(1,
             floor(switch_budget * c(1) / (c(L) - c(1)))) (L: the best drafted width), so the
@@ -402,12 +418,16 @@ class BlockPolicy:
     def __init__(self, costs: CostTable, prior: AcceptancePrior, max_width: int, *,
                  widths: list[int] | tuple[int, ...] | None = None, draft_width: int | None = None,
                  alpha: float = EMA_ALPHA, probe_every: int = PROBE_EVERY,
-                 first_probe: int = FIRST_PROBE,
+                 first_probe: int = FIRST_PROBE, clock: Any = None,
                  switch_budget: float = SWITCH_BUDGET):  # fmt: skip
         self.costs, self.prior, self.max_width = costs, prior, max_width
         allowed = widths if widths else range(1, max_width + 1)
         self.widths = sorted({int(w) for w in allowed if 1 <= w <= max_width} | {1})
-        self.step_cost = {w: costs.step_s(w, draft_width) for w in self.widths}
+        self.base_cost = {w: costs.step_s(w, draft_width) for w in self.widths}  # the table's
+        self.step_cost: dict[int, float] = {}
+        self._apply_scale()
+        self.clock = clock
+        self._t_prev: float | None = None  # when the previous choose() returned
         self.rates = list(prior.rates[: max(max_width - 1, 0)])
         self.rates += [self.rates[-1] if self.rates else PRIOR_RATE] * (
             max_width - 1 - len(self.rates)
@@ -420,6 +440,22 @@ class BlockPolicy:
         self._plain_run = 0
         self._doubt = 0  # drafted steps in a row after which plain decoding was predicted faster
         self._probe_gap = min(first_probe, probe_every)  # plain steps before the next probe
+
+    def _apply_scale(self) -> None:
+        sp, sd = self.costs.scale.get("plain", 1.0), self.costs.scale.get("drafted", 1.0)
+        self.step_cost = {w: c * (sp if w == 1 else sd) for w, c in self.base_cost.items()}
+
+    def observe_time(self, width: int, seconds: float) -> None:
+        """Correct the costs with one timed step of ``width`` (seconds, wall time)."""
+        base = self.base_cost.get(width, 0.0)
+        if base <= 0 or seconds <= 0:
+            return
+        lo, hi = COST_SCALE_RANGE
+        kind = "plain" if width == 1 else "drafted"
+        ratio = min(max(seconds / base, lo), hi)
+        old = self.costs.scale.get(kind, 1.0)
+        self.costs.scale[kind] = old + COST_ALPHA * (ratio - old)
+        self._apply_scale()
 
     def effective_rates(self) -> list[float]:
         """p_1 .. p_{B-1} used for predictions: the EMA where this request has reached a
@@ -453,6 +489,11 @@ class BlockPolicy:
 
     def choose(self, remaining: int) -> int:
         """L for the next step, given ``remaining`` tokens of budget (L <= remaining)."""
+        if self.clock is not None:  # the previous step ended here: time it
+            now = self.clock()
+            if self._t_prev is not None and self.history:
+                self.observe_time(self.history[-1].block_size, now - self._t_prev)
+            self._t_prev = now
         choice = self.best(remaining)
         self._doubt = self._doubt + 1 if choice.block_size == 1 else 0
         last = self.history[-1] if self.history else None
@@ -519,6 +560,7 @@ class BlockPolicy:
             "acceptance_source": self.prior.source,
             "cost_source": self.costs.source,
             "step_cost_ms": {str(w): round(1000 * c, 3) for w, c in self.step_cost.items()},
+            "cost_scale": {k: round(v, 4) for k, v in self.costs.scale.items()},
             "steps": [
                 {**asdict(c), "cost_ms": round(1000 * c.cost_s, 3), "tau": round(c.tau, 3)}
                 for c in self.history

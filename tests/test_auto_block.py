@@ -505,3 +505,32 @@ def test_draft_head_runs_on_the_verified_rows_only(tiny_backend, truth):
     spy.calls = []
     measure_costs(spy, [1, 2, 4], prompt_len=16, repeats=1)
     assert sorted(set(spy.calls)) == [(B, 1), (B, 3)]
+
+
+def test_timed_steps_correct_the_costs_and_the_choice_follows():
+    """The table says a drafted step costs 2 plain ones; the steps really take 3. With
+    p = 0.6, τ(L) tops out below 2.5: drafting pays at 2x and not at 3x, so a policy that
+    times its steps switches to plain decoding, and a later request on the same table starts
+    from the corrected costs. Without a clock the table is left alone."""
+    costs = linear_costs(1.0, 0.0, 1.0, 0.0)  # plain 1 s, drafted 2 s at every width
+    prior = AcceptancePrior(B, [0.6] * (B - 1))
+    now = [0.0]
+
+    def run(policy, steps):
+        chosen = []
+        for _ in range(steps):
+            width = policy.choose(1000)
+            chosen.append(width)
+            now[0] += 3.0 if width > 1 else 1.0  # what the step really took
+        return chosen
+
+    assert BlockPolicy(costs, prior, B, probe_every=0).choose(1000) > 1  # the table: draft
+    first = run(BlockPolicy(costs, prior, B, probe_every=0, clock=lambda: now[0]), 40)
+    assert first[0] > 1 and first[-1] == 1  # learned that drafting does not pay
+    switch = first.index(1)
+    assert costs.scale["drafted"] == pytest.approx(1.5 - 0.5 * 0.9**switch, rel=1e-6)
+    assert costs.scale["plain"] == pytest.approx(1.0)  # plain steps took what the table said
+    assert BlockPolicy(costs, prior, B, probe_every=0).choose(1000) == 1  # the next request
+    untimed = linear_costs(1.0, 0.0, 1.0, 0.0)
+    assert set(run(BlockPolicy(untimed, prior, B, probe_every=0), 10)) != {1}
+    assert untimed.scale == {"plain": 1.0, "drafted": 1.0}
