@@ -50,7 +50,7 @@ CALIBRATION_REPEATS = 5  # timed repetitions per width (the median is kept)
 COST_LADDER = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # widths timed; others interpolated
 COST_ALPHA = 0.1  # weight of one timed step in the online cost correction
 COST_SCALE_RANGE = (0.5, 2.0)  # a timed step counts as at most this far from the table's cost
-COST_VERSION = 3  # in the cache key: 2 = draft timed at the trained width, head on L-1 rows; 3 = plain step timed without features
+COST_VERSION = 3  # cache key; 2: draft at the trained width, head on L-1 rows; 3: plain w/o features
 
 
 # ---------------------------------------------------------------------------------------------
@@ -495,8 +495,12 @@ class BlockPolicy:
                 self.observe_time(self.history[-1].block_size, now - self._t_prev)
             self._t_prev = now
         choice = self.best(remaining)
-        self._doubt = self._doubt + 1 if choice.block_size == 1 else 0
         last = self.history[-1] if self.history else None
+        if choice.block_size > 1 and last is not None and last.block_size == 1:
+            # A plain run ends only at a probe: the loop keeps target features for the draft
+            # just before one (needs_features), and timed plain steps may move the costs.
+            choice = self.predict(1)
+        self._doubt = self._doubt + 1 if choice.block_size == 1 else 0
         if (choice.block_size == 1 and last is not None and last.block_size > 1
                 and not last.probe and remaining > 1):  # fmt: skip
             held = self.best(remaining, drafted_only=True)

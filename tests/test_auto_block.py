@@ -534,3 +534,22 @@ def test_timed_steps_correct_the_costs_and_the_choice_follows():
     untimed = linear_costs(1.0, 0.0, 1.0, 0.0)
     assert set(run(BlockPolicy(untimed, prior, B, probe_every=0), 10)) != {1}
     assert untimed.scale == {"plain": 1.0, "drafted": 1.0}
+
+
+def test_timed_plain_steps_end_a_plain_run_only_at_a_probe():
+    """Plain steps that take longer than the table says make drafting look better mid-run;
+    drafting must still resume only at a probe, after steps that kept target features (the
+    draft has nothing to read otherwise)."""
+    costs = linear_costs(1.0, 0.0, 2.0, 0.0)  # plain 1 s, drafted 3 s: p = 0.6 never pays
+    policy = BlockPolicy(costs, AcceptancePrior(B, [0.6] * (B - 1)), B, probe_every=10,
+                         clock=lambda: now[0])  # fmt: skip
+    now, widths, features = [0.0], [], []
+    for _ in range(60):
+        widths.append(policy.choose(1000))
+        features.append(policy.needs_features())
+        now[0] += 2.0 if widths[-1] == 1 else 3.0  # plain steps take twice the table's cost
+        if widths[-1] > 1:
+            policy.observe(1, widths[-1] - 1)  # the probe keeps finding p_1 = 1, p_2 = 0
+    assert costs.scale["plain"] > 1.5  # plain steps timed at twice the table
+    resumed = [i for i in range(1, 60) if widths[i] > 1 and widths[i - 1] == 1]
+    assert resumed and all(policy.history[i].probe and features[i - 1] for i in resumed)
