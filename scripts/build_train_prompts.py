@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 from dflash.data.datasets import load_prompts
-from dflash.data.guard import benchmark_of, text_overlap
+from dflash.data.guard import benchmark_of, benchmark_texts, text_overlap
 from dflash.data.synthetic import code_prompts, math_prompts, writing_prompts
 from dflash.data.synthetic_tasks import chat_prompts, task_prompts
 
@@ -52,10 +52,7 @@ def main() -> int:
     rows += [(f"tasks/{i}", p) for i, p in enumerate(task_prompts(args.tasks, args.seed))]
     rows += [(f"chat/{i}", p) for i, p in enumerate(chat_prompts(args.chat, args.seed))]
     bench_ids = [rid for rid, _ in rows if benchmark_of(rid)]
-    bench_texts = []
-    for name in ("gsm8k", "math500", "humaneval", "mbpp", "mt-bench"):
-        for it in load_prompts(name, data_dir=args.data_dir):
-            bench_texts += [t.split("```python\n", 1)[-1].rsplit("```", 1)[0] for t in it.turns]
+    bench_texts = benchmark_texts(args.data_dir)
     overlap = set(text_overlap([p for _, p in rows], bench_texts))
     dropped = [rid for rid, p in rows if p in overlap]
     rows = [(rid, p) for rid, p in rows if p not in overlap]  # near-duplicates of test prompts

@@ -48,6 +48,26 @@ def check_training_ids(ids: Iterable[str], where: str) -> None:
                                     "(gsm8k:train, mbpp:train, mmlu, your own prompts)")  # fmt: skip
 
 
+BENCHMARKS = ("gsm8k", "math500", "humaneval", "mbpp", "mt-bench")
+
+
+def benchmark_texts(data_dir: str | None = None) -> list[str]:
+    """Every turn of the five benchmarks' test prompts, for :func:`text_overlap`; a turn that
+    wraps code in a ```python fence (the HumanEval template) gives only the code, so the shared
+    instruction around it does not flag every templated coding prompt.
+
+    Args:
+        data_dir: local dataset copies (``--data-dir`` layout); None: the default lookup.
+    """
+    from dflash.data.datasets import load_prompts  # the datasets module is heavier
+
+    texts: list[str] = []
+    for name in BENCHMARKS:
+        for it in load_prompts(name, data_dir=data_dir):
+            texts += [t.split("```python\n", 1)[-1].rsplit("```", 1)[0] for t in it.turns]
+    return texts
+
+
 def normalize(text: str) -> str:
     """Lower-case alphanumerics only, for a text comparison that ignores layout."""
     return re.sub(r"[^a-z0-9]+", "", text.lower())

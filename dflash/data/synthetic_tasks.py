@@ -125,28 +125,34 @@ EXTRAS = ("", "", " Include a docstring.", " Add type hints.", " Explain how it 
           " Do not use any imports.", " Handle empty input gracefully.")  # fmt: skip
 
 
-def task_prompts(n: int, seed: int = 0) -> list[str]:
-    """Up to ``n`` distinct programming tasks (about 5,000 exist), mixing an MBPP-style one-line request (sometimes with
-    an ``assert`` example to pass) and a HumanEval-style stub in the benchmark template."""
-    rng = random.Random(seed)
-    out, seen = [], set()
-    misses = 0  # consecutive duplicates: the supply is used up after a few thousand
+def _distinct(n: int, rng: random.Random, one) -> list[str]:
+    """Up to ``n`` distinct texts drawn with ``one(rng)``, in draw order; stops early once 5,000
+    draws in a row were duplicates (the templates' supply is used up)."""
+    out, seen, misses = [], set(), 0
     while len(out) < n and misses < 5000:
-        name, args, what = rng.choice(TASKS)
-        style = rng.randrange(4)
-        if style == 0:
-            stub = f'def {name}({args}):\n    """{what[0].upper() + what[1:]}.\n    """\n'
-            text = HUMANEVAL_TEMPLATE.format(prompt=stub)
-        elif style == 1:
-            text = f"{rng.choice(MBPP_VERBS)} {what}. Name it `{name}`."
-        else:
-            text = f"{rng.choice(MBPP_VERBS)} {what}.{rng.choice(EXTRAS)}"
+        text = one(rng)
         misses = misses + 1 if text in seen else 0
         if not misses:
             seen.add(text)
             out.append(text)
     return out
 
+
+def _task_one(rng: random.Random) -> str:
+    name, args, what = rng.choice(TASKS)
+    style = rng.randrange(4)
+    if style == 0:
+        stub = f'def {name}({args}):\n    """{what[0].upper() + what[1:]}.\n    """\n'
+        return HUMANEVAL_TEMPLATE.format(prompt=stub)
+    if style == 1:
+        return f"{rng.choice(MBPP_VERBS)} {what}. Name it `{name}`."
+    return f"{rng.choice(MBPP_VERBS)} {what}.{rng.choice(EXTRAS)}"
+
+
+def task_prompts(n: int, seed: int = 0) -> list[str]:
+    """Up to ``n`` distinct programming tasks (about 5,000 exist), mixing an MBPP-style one-line
+    request (sometimes naming the function) and a HumanEval-style stub in the benchmark template."""
+    return _distinct(n, random.Random(seed), _task_one)
 
 PLACES = ("Kyoto", "Lisbon", "a Mars colony", "a medieval castle", "a busy hospital", "a small bakery",
           "an airport", "a space station", "the Amazon rainforest", "a high school", "a startup office",
@@ -210,13 +216,4 @@ def _chat_one(rng: random.Random) -> str:
 def chat_prompts(n: int, seed: int = 0) -> list[str]:
     """Up to ``n`` distinct chat requests: roleplay, extraction from a short generated text,
     small reasoning puzzles, STEM/humanities questions, and questions with a follow-up request."""
-    rng = random.Random(seed)
-    out, seen = [], set()
-    misses = 0
-    while len(out) < n and misses < 5000:
-        text = _chat_one(rng)
-        misses = misses + 1 if text in seen else 0
-        if not misses:
-            seen.add(text)
-            out.append(text)
-    return out
+    return _distinct(n, random.Random(seed), _chat_one)
