@@ -75,16 +75,18 @@ def generate(
     block_size = parse_block_size(block_size)
     pipe = dflash.load(model, draft, backend=backend, device=device, dtype=dtype, cuda_graphs=cuda_graphs,
                        compile=compile, draft_bits=draft_bits, draft_window=draft_window)  # fmt: skip
-    try:
-        import torch
-
-        torch.manual_seed(seed)
-    except ImportError:  # pragma: no cover
-        pass
     ids = pipe.chat_prompt([{"role": "user", "content": prompt}], system=system, reasoning=reasoning)
     kwargs = dict(block_size=block_size, max_new_tokens=max_new_tokens, sampling=sampling)
     if pipe.resolve_block_size(block_size) == "auto":
         pipe.calibrate()  # before the clock: measured once per device and model, then cached
+    if getattr(pipe.backend, "use_graphs", False):  # as the benchmark does before it measures
+        pipe.warm_up(ids, max_new_tokens=max_new_tokens, sampling=sampling, tokens=generate_warmup_tokens())
+    try:
+        import torch
+
+        torch.manual_seed(seed)  # after the warm-up: the same seed gives the same sample
+    except ImportError:  # pragma: no cover
+        pass
     if json_out:
         r = pipe.generate(ids, **kwargs)
         print(json.dumps({
@@ -124,6 +126,20 @@ def generate(
     sys.stdout.flush()  # the summary on stderr must come after the text
     decode = t2 - (t1 or t0)
     print(summary_line(n, steps, decode, (t1 or t0) - t0), file=sys.stderr)
+
+
+def generate_warmup_tokens() -> int:
+    """Tokens per block size of ``generate``'s untimed warm-up on the CUDA-graph path
+    (``$DFLASH_GENERATE_WARMUP``, default 64, 0 = off).
+
+    Raises:
+        InputError: the variable is not a whole number >= 0.
+    """
+    raw = os.environ.get("DFLASH_GENERATE_WARMUP", "64").strip()
+    if not raw.isdigit():
+        raise InputError(f"DFLASH_GENERATE_WARMUP must be a whole number >= 0, got {raw!r}.",
+                         hint="unset it for the default of 64 tokens, or 0 to skip the warm-up")  # fmt: skip
+    return int(raw)
 
 
 def same_stream(a, b) -> bool:

@@ -5,7 +5,7 @@
 
 Sources (licences in the model card): GSM8K train (MIT), MBPP task ids outside 11-510 (CC-BY-4.0),
 MMLU (MIT; validation plus --mmlu-test rows of test), Python stdlib docstrings/signatures (PSF),
-templated math, writing, programming-task and chat prompts (built here, ``dflash.data.synthetic``
+templated math, writing, programming-task, chat and composition prompts (built here, ``dflash.data.synthetic``
 and ``dflash.data.synthetic_tasks``). The rows are shuffled (Random(seed)) so a time-limited regeneration still
 sees every source. Prompts that share a 60-character normalized passage with a gsm8k test, math500,
 humaneval, mbpp (11-510) or mt-bench prompt are dropped and listed (``dflash.data.guard``; MMLU
@@ -25,7 +25,7 @@ from pathlib import Path
 from dflash.data.datasets import load_prompts
 from dflash.data.guard import benchmark_of, benchmark_texts, text_overlap
 from dflash.data.synthetic import code_prompts, math_prompts, writing_prompts
-from dflash.data.synthetic_tasks import chat_prompts, task_prompts
+from dflash.data.synthetic_tasks import chat_prompts, compose_prompts, task_prompts
 
 
 def main() -> int:
@@ -36,6 +36,7 @@ def main() -> int:
     ap.add_argument("--writing", type=int, default=3000)
     ap.add_argument("--tasks", type=int, default=5000, help="templated programming tasks")
     ap.add_argument("--chat", type=int, default=4000, help="templated roleplay/extraction/reasoning requests")
+    ap.add_argument("--compose", type=int, default=6000, help="templated emails/posts/stories/speeches")
     ap.add_argument("--mmlu-test", type=int, default=8000, help="MMLU test rows kept (a seeded sample)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
@@ -51,6 +52,7 @@ def main() -> int:
     rows += [(f"writing/{i}", p) for i, p in enumerate(writing_prompts(args.writing, args.seed))]
     rows += [(f"tasks/{i}", p) for i, p in enumerate(task_prompts(args.tasks, args.seed))]
     rows += [(f"chat/{i}", p) for i, p in enumerate(chat_prompts(args.chat, args.seed))]
+    rows += [(f"compose/{i}", p) for i, p in enumerate(compose_prompts(args.compose, args.seed))]
     bench_ids = [rid for rid, _ in rows if benchmark_of(rid)]
     bench_texts = benchmark_texts(args.data_dir)
     overlap = set(text_overlap([p for _, p in rows], bench_texts))

@@ -13,9 +13,10 @@
 #   .stage/whl/gguf-0.19.0-*.whl
 # Calls (carry in brackets):
 #   1 stage1   [.stage/t5/aa .stage/data .stage/whl]  + 8B-shaped loop cost (bench_big)
-#   2 stage ab [.stage/t5/ab .stage/prompts]; 3-4 stage ac|ad  [.stage/t5/<part>]
-#   5 prep     [.stage/t5/ae]  assemble the target; regenerate on both GPUs; profile the training
-#                  paths (PREP_REF=1: + 1-GPU reference run and block 16 vs auto sweep)
+#   2-4 stage ab|ac|ad  [.stage/t5/<part>]
+#   5 prep     [.stage/t5/ae .stage/prompts]  assemble the target; regenerate on both GPUs
+#                  (PROFILE=1: + profile both training paths; PREP_REF=1: + 1-GPU reference run
+#                  and block 16 vs auto sweep)
 #   6 train    []  torchrun on both GPUs for PAUSE s, the draft comes back in $OUT; 7 train again
 #                  (exact resume) until TRAIN_LIMIT s of training are done
 #   8 bench    []  benchmarks; logs in $OUT/bench.tgz
@@ -31,7 +32,7 @@ fi
 export PYTHONPATH=/tmp/site:$PWD
 GGUF=$W/smollm2.gguf
 V2=dflash/assets/smollm2-135m-instruct-dflash  # the shipped draft this segment resumes from
-BASE=${BASE:-3230}               # steps of the shipped draft (v4; v4 itself: BASE=2301 from v3)
+BASE=${BASE:-5134}               # steps of the shipped draft (v5; v5 itself: BASE=3230 from v4)
 STEPS=${STEPS:-4000}             # cap on this segment's steps; --time-limit anneals the schedule
 LR=${LR:-2.5e-4}
 TRAIN_LIMIT=${TRAIN_LIMIT:-900}  # seconds of torchrun training (the cosine schedule fits them)
@@ -41,6 +42,8 @@ BENCH_FULL=${BENCH_FULL:-0}      # 1: bench also runs fp32 parity and HF generat
 REGEN_ENV0=${REGEN_ENV0:-}        # environment of the GPU-0 regeneration
 REGEN_ENV1=${REGEN_ENV1:-}        # GPU-1 (DFLASH_BATCHED_KV_LENGTHS=0: the previous dense path)
 PROFILE_VARIANTS=${PROFILE_VARIANTS:-DFLASH_NONE=1}  # train_profile.py runs, one per environment
+PROFILE=${PROFILE:-0}            # 1: prep profiles both training paths and picks one; 0: TRAIN_FAST
+REGEN_SAMPLES=${REGEN_SAMPLES:-2} # responses per prompt: the greedy one, then sampled at 0.8
 TORCHRUN=(python3 -m torch.distributed.run --standalone --nproc-per-node 2)
 train_args() {  # $1 = out folder; same data, seed and schedule in every run
   echo --target "$GGUF" --data "$W/data" --eval-data "$W/eval" --out "$1" --resume-from "$V2" \
@@ -76,7 +79,7 @@ prep)
   sha256sum "$GGUF" | cut -c1-16
   python3 -c "from pathlib import Path; from dflash.models.target_torch import gguf_to_cached_folder as g; print(g(Path('$GGUF')))"
   R=(python3 -m dflash data regenerate --target "$GGUF" --max-new-tokens 1024 --batch-size "${REGEN_B:-1024}"
-     --samples 3 --sample-temperature 0.8 --time-limit "${REGEN_S:-200}")
+     --samples "$REGEN_SAMPLES" --sample-temperature 0.8 --time-limit "${REGEN_S:-200}")
   log "regenerate: half 0 on GPU 0 ($REGEN_ENV0); eval set then half 1 on GPU 1 ($REGEN_ENV1)"
   env $REGEN_ENV0 CUDA_VISIBLE_DEVICES=0 "${R[@]}" --prompts "$W/half-0.jsonl.gz" --out "$W/data0" --seed 2 \
     > "$W/logs/regen0.txt" 2>&1 &
@@ -98,6 +101,10 @@ s = read_shards(sys.argv[1]); src = Counter(x.id.split("/")[0] for x in s)
 print(json.dumps({"records": len(s), "response_tokens": sum(len(x.response_ids) for x in s),
                   "prompts": len({x.id.split("#")[0] for x in s}), "by_source": src}))
 EOF
+  if [ "$PROFILE" != 1 ]; then
+    echo "${TRAIN_FAST:-0}" > "$W/train_fast"; tar czf "$OUT/prep-logs.tgz" -C "$W" logs
+    log "phase prep done (DFLASH_TRAIN_FAST=${TRAIN_FAST:-0}, no profile)"; exit 0
+  fi
   log "training profile: old path (DFLASH_TRAIN_FAST=0) on GPU 0, new (=1) on GPU 1, side by side"
   for f in 0 1; do
     DFLASH_TRAIN_FAST=$f CUDA_VISIBLE_DEVICES=$f timeout 120 python3 scripts/train_profile.py --target "$GGUF" \
@@ -139,8 +146,9 @@ bench)
   (CUDA_VISIBLE_DEVICES=0 timeout 200 "${B[@]}" --dataset gsm8k --max-samples 64 --block-size 16 --check-parity \
      --output "$W/logs/b-gsm8k.jsonl" > "$W/logs/b-gsm8k.txt" 2>&1
    P=$(python3 -c "from dflash.data.datasets import load_prompts, select; print(select(load_prompts('gsm8k', '$W/datasets'), 1)[0].turns[0])")
-   for i in 1 2; do
-     CUDA_VISIBLE_DEVICES=0 timeout 60 python3 -m dflash generate transformers --model "$GGUF" --draft "$D" \
+   for i in 1 2 3; do  # 1: without generate's warm-up (the previous behaviour); 2, 3: with it
+     [ $i = 1 ] && WU=0 || WU=64
+     DFLASH_GENERATE_WARMUP=$WU CUDA_VISIBLE_DEVICES=0 timeout 60 python3 -m dflash generate transformers --model "$GGUF" --draft "$D" \
        "$P" --block-size 16 --max-new-tokens 256 --json > "$W/logs/generate-$i.json" 2> "$W/logs/generate-$i.err"
    done) &
   (CUDA_VISIBLE_DEVICES=1 timeout 190 "${B[@]}" --dataset math500,humaneval,mbpp,mt-bench --max-samples 32 \
@@ -154,7 +162,7 @@ bench)
   wait
   tar czf "$OUT/bench.tgz" -C "$W" logs
   for f in "$W"/logs/b-*.txt "$W"/logs/hf_baseline.txt; do echo "== $f"; tail -n 14 "$f"; done
-  grep -h '"decode_tok_per_s"\|tok_per_s' "$W"/logs/generate-*.json | head -4
+  for i in 1 2 3; do python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(sys.argv[1][-15:], {k: r[k] for k in ('decode_tok_per_s','decode_s','ttft_s','verify_steps','new_tokens')})" "$W/logs/generate-$i.json" || tail -n 3 "$W/logs/generate-$i.err"; done
   ;;
 *) echo "unknown phase $phase"; exit 2 ;;
 esac

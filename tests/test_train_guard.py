@@ -61,7 +61,7 @@ def test_train_refuses_eval_only_and_benchmark_data(tmp_path):
 
 
 def test_task_and_chat_prompts_are_deterministic_distinct_and_clean(data_dir):
-    from dflash.data.synthetic_tasks import TASKS, chat_prompts, task_prompts
+    from dflash.data.synthetic_tasks import TASKS, chat_prompts, compose_prompts, task_prompts
 
     t = task_prompts(800, seed=1)
     assert t == task_prompts(800, seed=1) and t != task_prompts(800, seed=2)
@@ -74,5 +74,8 @@ def test_task_and_chat_prompts_are_deterministic_distinct_and_clean(data_dir):
     assert c == chat_prompts(500, seed=0) and len(set(c)) == 500
     assert any(p.startswith(("Pretend", "Act as", "Role-play", "Imagine")) for p in c)
     assert any("years old and lives in" in p for p in c)  # extraction texts
+    w = compose_prompts(500, seed=0)
+    assert w == compose_prompts(500, seed=0) and len(set(w)) == 500 and not set(w) & set(c)
+    assert any("email" in p for p in w) and any("Use a humorous tone." in p for p in w)
     bench = benchmark_texts(str(data_dir))  # what the prompt builder checks against
-    assert len(bench) > 5 and not text_overlap(t[:400] + c[:400], bench)
+    assert len(bench) > 5 and not text_overlap(t[:400] + c[:400] + w[:400], bench)

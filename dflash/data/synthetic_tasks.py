@@ -1,6 +1,7 @@
 """More training prompts built offline: templated programming tasks (MBPP- and HumanEval-style)
 and chat requests of the MT-Bench categories the writing templates miss (roleplay, extraction,
-reasoning, STEM/humanities questions, a request with a follow-up).
+reasoning, STEM/humanities questions, a request with a follow-up), and compositions (emails,
+posts, stories, speeches, plans) with a tone or length constraint.
 
 Deterministic for a seed, no network, no third-party text. They widen the code and chat share of
 the prompt mix (``scripts/build_train_prompts.py``): the demo draft's τ on humaneval, mbpp and
@@ -8,6 +9,7 @@ mt-bench lags gsm8k because those kinds were 5% and 8% of its prompts.
 
     task_prompts(6000, seed=0)   # "Write a Python function to return the second largest ..."
     chat_prompts(4000, seed=0)   # "Pretend you are a tour guide in Kyoto. ..."
+    compose_prompts(6000, seed=0)  # "Draft a friendly email about a trip to Lisbon. ..."
 """
 
 from __future__ import annotations
@@ -217,3 +219,42 @@ def chat_prompts(n: int, seed: int = 0) -> list[str]:
     """Up to ``n`` distinct chat requests: roleplay, extraction from a short generated text,
     small reasoning puzzles, STEM/humanities questions, and questions with a follow-up request."""
     return _distinct(n, random.Random(seed), _chat_one)
+
+# Compositions (MT-Bench "writing" and "roleplay" kinds: emails, posts, stories, speeches, plans).
+FORMS = ("a professional email", "a friendly email", "a short blog post", "a travel blog post",
+         "a persuasive essay", "a short story", "a product description", "a speech",
+         "a LinkedIn post", "a tweet thread of four tweets", "a restaurant review", "a cover letter",
+         "a limerick", "a sonnet", "a dialogue between two friends", "a newsletter introduction",
+         "a one-day itinerary", "a five-step plan", "a letter of complaint", "a thank-you note",
+         "an advertisement", "a podcast intro script", "a short news article", "a FAQ with four questions")  # fmt: skip
+ABOUT = ("a trip to {p}", "the opening of a new {s} in town", "why {t} matters",
+         "a delayed shipment of {o}", "a first day at a new job as {r}", "learning {h}",
+         "a weekend festival in {c}", "a missed deadline on a {s} project", "the benefits of {h}",
+         "a lost {o} that was found again", "moving from {c} to {c2}", "a charity run for {s}s",
+         "the history of {t}", "a robot that wants to become {r}", "choosing between {o} and {o2}")  # fmt: skip
+SPOTS = ("bakery", "library", "gym", "bookshop", "community garden", "coffee shop", "museum",
+         "animal shelter", "co-working space", "music school", "bike repair shop", "school")  # fmt: skip
+OBJECTS = ("laptops", "running shoes", "a camera", "an electric bike", "a smartwatch",
+           "headphones", "a houseplant", "a violin", "office chairs", "a tent", "a drone")  # fmt: skip
+HOBBIES = ("to cook", "to play the guitar", "to swim", "yoga", "photography", "gardening",
+           "to code in Python", "chess", "to speak Spanish", "journaling", "rock climbing")  # fmt: skip
+TONES = ("", "", "", " Keep it under 150 words.", " Use a humorous tone.", " Make it formal.",
+         " Write it for teenagers.", " End with a question to the reader.", " Use bullet points.",
+         " Include a catchy title.", " Use exactly three paragraphs.", " Avoid the letter z.")  # fmt: skip
+COMPOSE = ("Write {f} about {a}.{x}", "Draft {f} about {a}.{x}", "Compose {f} about {a}.{x}",
+           "Could you write {f} about {a}?{x}", "Help me write {f} about {a}.{x}",
+           "I need {f} about {a}.{x} Please write it.")  # fmt: skip
+
+
+def _compose_one(rng: random.Random) -> str:
+    c, c2 = rng.sample(CITIES, 2)
+    o, o2 = rng.sample(OBJECTS, 2)
+    about = rng.choice(ABOUT).format(p=rng.choice(PLACES), s=rng.choice(SPOTS), t=rng.choice(SUBJECTS),
+                                     o=o, o2=o2, r=rng.choice(ROLES), h=rng.choice(HOBBIES), c=c, c2=c2)  # fmt: skip
+    return rng.choice(COMPOSE).format(f=rng.choice(FORMS), a=about, x=rng.choice(TONES))
+
+
+def compose_prompts(n: int, seed: int = 0) -> list[str]:
+    """Up to ``n`` distinct composition requests (emails, posts, stories, speeches, plans, poems)
+    on templated topics, with an optional tone or length constraint."""
+    return _distinct(n, random.Random(seed), _compose_one)

@@ -1,0 +1,58 @@
+"""``generate``'s untimed warm-up (CUDA-graph path): what it runs, and that it changes nothing."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.test_auto_block import FakeTokenizer
+from tests.test_loop_scripted import PROMPT, greedy_reference
+
+
+class CountingBackend:
+    """Wraps a backend and records the capacity asked at each reset and every verify width."""
+
+    def __init__(self, inner):
+        self.inner, self.resets, self.verifies = inner, [], []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def reset(self, max_positions=None):
+        self.resets.append(max_positions)
+        return self.inner.reset(max_positions)
+
+    def verify(self, anchor, proposals, start, keep):
+        self.verifies.append(1 + (0 if proposals is None else len(proposals)))
+        return self.inner.verify(anchor, proposals, start, keep)
+
+
+def test_warm_up_runs_the_request_at_block_1_and_l_then_generation_is_unchanged(tiny_backend, tiny_target):
+    from dflash.api import Pipeline
+
+    be = CountingBackend(tiny_backend)
+    pipe = Pipeline(be, FakeTokenizer(), [], "tiny", cost_key={"test": "tiny"})
+    assert pipe.warm_up(PROMPT, max_new_tokens=40, tokens=0) == pytest.approx(0.0, abs=0.05)
+    assert be.resets == [] and be.verifies == []
+    seconds = pipe.warm_up(PROMPT, max_new_tokens=40, tokens=8)
+    assert seconds > 0 and pipe.last_policy is None
+    # caches sized for the request itself (prompt + budget + verify width), once per block size
+    assert be.resets == [len(PROMPT) + 40 + 1, len(PROMPT) + 40 + 16]
+    ones = be.verifies[:7]  # block 1: the prefill's token, then 7 one-token verify steps
+    assert ones == [1] * 7 and be.verifies[7:] and set(be.verifies[7:]) == {16}
+    assert len(be.verifies[7:]) <= 7  # stopped once 8 tokens were committed at block 16
+    res = pipe.generate(PROMPT, max_new_tokens=40, block_size=16)
+    assert res.token_ids == greedy_reference(tiny_target, PROMPT, 40)
+
+
+def test_generate_warmup_tokens_from_the_environment(monkeypatch):
+    from dflash.commands import generate_warmup_tokens
+    from dflash.errors import InputError
+
+    monkeypatch.delenv("DFLASH_GENERATE_WARMUP", raising=False)
+    assert generate_warmup_tokens() == 64
+    monkeypatch.setenv("DFLASH_GENERATE_WARMUP", " 0 ")
+    assert generate_warmup_tokens() == 0
+    for bad in ("-1", "x", "1.5"):
+        monkeypatch.setenv("DFLASH_GENERATE_WARMUP", bad)
+        with pytest.raises(InputError, match="DFLASH_GENERATE_WARMUP"):
+            generate_warmup_tokens()
