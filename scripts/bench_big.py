@@ -53,8 +53,9 @@ class ScriptedDraft:
         return scripted, logits
 
 
-def build(tiny: bool, device: torch.device, dtype: torch.dtype, compile: bool):
-    """Random target + random draft behind a StaticBackend with verify graphs for 1, 4, 8, 16."""
+def build(tiny: bool, device: torch.device, dtype: torch.dtype, compile: bool,
+          widths: tuple[int, ...] = (1, 4, 8, 16)):
+    """Random target + random draft behind a StaticBackend with a verify graph per width."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from dflash.backends.graph_plan import GraphPlan
@@ -81,7 +82,7 @@ def build(tiny: bool, device: torch.device, dtype: torch.dtype, compile: bool):
     finally:
         torch.set_default_dtype(default)
     be = StaticBackend(target, draft, device, use_graphs=device.type == "cuda", compile=compile)
-    be.plan = GraphPlan(verify_widths=(1, 4, 8, 16), draft_width=16)  # measure each width as is
+    be.plan = GraphPlan(verify_widths=tuple(sorted(set(widths) | {1})), draft_width=16)  # each as is
     return be
 
 
@@ -141,10 +142,10 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
     dtype = torch.float32 if args.tiny else torch.bfloat16
-    t0 = time.perf_counter()
-    be = build(args.tiny, device, dtype, args.compile and device.type == "cuda")
-    built_s = time.perf_counter() - t0
     blocks = [int(b) for b in args.blocks.split(",")]
+    t0 = time.perf_counter()
+    be = build(args.tiny, device, dtype, args.compile and device.type == "cuda", tuple(blocks))
+    built_s = time.perf_counter() - t0
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, be.vocab_size - 1, (args.prompt_len,), generator=g).tolist()
     # greedy truth (block 1, same kernels) long enough for the longest scripted run
