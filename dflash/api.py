@@ -315,6 +315,22 @@ class Pipeline:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
 
+def warmup_tokens() -> int:
+    """Tokens per block size of the untimed warm-up that ``dflash generate`` and ``dflash serve``
+    run on the CUDA-graph path (``$DFLASH_GENERATE_WARMUP``, default 64, 0 = off).
+
+    Raises:
+        InputError: the variable is not a whole number >= 0.
+    """
+    import os
+
+    raw = os.environ.get("DFLASH_GENERATE_WARMUP", "64").strip()
+    if not raw.isdigit():
+        raise InputError(f"DFLASH_GENERATE_WARMUP must be a whole number >= 0, got {raw!r}.",
+                         hint="unset it for the default of 64 tokens, or 0 to skip the warm-up")  # fmt: skip
+    return int(raw)
+
+
 def package_versions() -> dict[str, str | None]:
     """Versions of dflash and the packages that shape its numerics (None when absent)."""
     from importlib import metadata

@@ -65,7 +65,7 @@ def generate(
         return
 
     import dflash
-    from dflash.api import TextStream
+    from dflash.api import TextStream, warmup_tokens
 
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     if not prompt.strip():
@@ -80,7 +80,7 @@ def generate(
     if pipe.resolve_block_size(block_size) == "auto":
         pipe.calibrate()  # before the clock: measured once per device and model, then cached
     if getattr(pipe.backend, "use_graphs", False):  # as the benchmark does before it measures
-        pipe.warm_up(ids, max_new_tokens=max_new_tokens, sampling=sampling, tokens=generate_warmup_tokens())
+        pipe.warm_up(ids, max_new_tokens=max_new_tokens, sampling=sampling, tokens=warmup_tokens())
     try:
         import torch
 
@@ -126,20 +126,6 @@ def generate(
     sys.stdout.flush()  # the summary on stderr must come after the text
     decode = t2 - (t1 or t0)
     print(summary_line(n, steps, decode, (t1 or t0) - t0), file=sys.stderr)
-
-
-def generate_warmup_tokens() -> int:
-    """Tokens per block size of ``generate``'s untimed warm-up on the CUDA-graph path
-    (``$DFLASH_GENERATE_WARMUP``, default 64, 0 = off).
-
-    Raises:
-        InputError: the variable is not a whole number >= 0.
-    """
-    raw = os.environ.get("DFLASH_GENERATE_WARMUP", "64").strip()
-    if not raw.isdigit():
-        raise InputError(f"DFLASH_GENERATE_WARMUP must be a whole number >= 0, got {raw!r}.",
-                         hint="unset it for the default of 64 tokens, or 0 to skip the warm-up")  # fmt: skip
-    return int(raw)
 
 
 def same_stream(a, b) -> bool:

@@ -85,6 +85,12 @@ class Engine:
             self.block_size = pipe.block_size if resolved == "auto" else resolved  # stats width
             if resolved == "auto":
                 pipe.calibrate()  # costs measured (or read from the cache) before any request
+            if getattr(pipe.backend, "use_graphs", False):  # as `dflash generate` does
+                from dflash.api import warmup_tokens
+
+                ids = pipe.chat_prompt([{"role": "user", "content": "Hello"}])
+                pipe.warm_up(ids, max_new_tokens=pipe.backend.max_context - len(ids),
+                             tokens=warmup_tokens())  # caches sized as a request without max_tokens  # fmt: skip
             self.metrics = ServerMetrics(self.names[0], self.block_size)
             self.pipe = pipe
             print(f"dflash serve: {self.names[0]} ready in {time.perf_counter() - t0:.1f} s "

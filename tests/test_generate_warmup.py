@@ -45,7 +45,7 @@ def test_warm_up_runs_the_request_at_block_1_and_l_then_generation_is_unchanged(
 
 
 def test_generate_warmup_tokens_from_the_environment(monkeypatch):
-    from dflash.commands import generate_warmup_tokens
+    from dflash.api import warmup_tokens as generate_warmup_tokens
     from dflash.errors import InputError
 
     monkeypatch.delenv("DFLASH_GENERATE_WARMUP", raising=False)
@@ -56,3 +56,36 @@ def test_generate_warmup_tokens_from_the_environment(monkeypatch):
         monkeypatch.setenv("DFLASH_GENERATE_WARMUP", bad)
         with pytest.raises(InputError, match="DFLASH_GENERATE_WARMUP"):
             generate_warmup_tokens()
+
+
+class _Backend:
+    def __init__(self, use_graphs):
+        self.use_graphs, self.max_context = use_graphs, 100
+
+
+class _Pipe:
+    block_size = 16
+
+    def __init__(self, use_graphs):
+        self.backend, self.calls = _Backend(use_graphs), []
+
+    def resolve_block_size(self, value):
+        return 16
+
+    def chat_prompt(self, messages):
+        return [1, 2, 3]
+
+    def warm_up(self, ids, **kwargs):
+        self.calls.append((ids, kwargs))
+
+
+@pytest.mark.parametrize("use_graphs", [True, False])
+def test_serve_warms_up_at_load_on_the_graph_path_only(monkeypatch, use_graphs):
+    from dflash.serve import Engine
+
+    monkeypatch.setenv("DFLASH_GENERATE_WARMUP", "32")
+    pipe = _Pipe(use_graphs)
+    engine = Engine(lambda: pipe, ["demo"], block_size=16)
+    engine._load_now()
+    assert engine.error is None and engine.pipe is pipe
+    assert pipe.calls == ([([1, 2, 3], {"max_new_tokens": 97, "tokens": 32})] if use_graphs else [])
