@@ -86,11 +86,7 @@ class Engine:
             if resolved == "auto":
                 pipe.calibrate()  # costs measured (or read from the cache) before any request
             if getattr(pipe.backend, "use_graphs", False):  # as `dflash generate` does
-                from dflash.api import warmup_tokens
-
-                ids = pipe.chat_prompt([{"role": "user", "content": "Hello"}])
-                pipe.warm_up(ids, max_new_tokens=pipe.backend.max_context - len(ids),
-                             tokens=warmup_tokens())  # caches sized as a request without max_tokens  # fmt: skip
+                self._warm_up(pipe)
             self.metrics = ServerMetrics(self.names[0], self.block_size)
             self.pipe = pipe
             print(f"dflash serve: {self.names[0]} ready in {time.perf_counter() - t0:.1f} s "
@@ -100,6 +96,21 @@ class Engine:
                 f"Loading the model failed: {type(err).__name__}: {err}")  # fmt: skip
             if self.on_failure:
                 self.on_failure()
+
+    @staticmethod
+    def _warm_up(pipe: Any) -> None:
+        """The CUDA-graph path's untimed warm-up on a short chat prompt (``warmup_tokens``
+        tokens; caches for up to 2,048 new tokens). Optional: a failure (e.g. out of memory)
+        is one warning line on stderr and the server starts anyway."""
+        from dflash.api import warmup_tokens
+
+        try:
+            ids = pipe.chat_prompt([{"role": "user", "content": "Hello"}])
+            budget = max(1, min(2048, pipe.backend.max_context - len(ids)))
+            pipe.warm_up(ids, max_new_tokens=budget, tokens=warmup_tokens())
+        except Exception as err:  # noqa: BLE001 - the warm-up only saves the first request time
+            print(f"dflash serve: warning: warm-up skipped ({type(err).__name__}: {err})",
+                  file=sys.stderr, flush=True)  # fmt: skip
 
     def check_ready(self) -> None:
         """Raise ApiError 503 while loading (or after a failed load)."""

@@ -112,19 +112,25 @@ def sync(device: torch.device) -> None:
 
 
 def run(be, prompt: list[int], truth: torch.Tensor, block: int, k: int, steps: int) -> dict:
-    """Time ``steps`` verify steps at block size L with k right proposals (k = 0 for L = 1)."""
+    """Time ``steps`` verify steps at block size L with k right proposals (k = 0 for L = 1),
+    every one at the full width L (the budget never trims the last blocks)."""
     from dflash.loop import speculative_generate
 
     wrapped = ScriptedDraft(be, truth, len(prompt), k) if block > 1 else be
-    budget = 1 + steps * (k + 1)
+    budget = 1 + steps * (k + 1) + block  # room to spare: no timed step is cut by the budget
     for _ in range(2):  # warm-up (first run after a reset) then the timed run
         rounds = speculative_generate(wrapped, prompt, block_size=block, max_new_tokens=budget)
         first = next(rounds)  # prefill + first token: not timed
         sync(be.device)
         t = time.perf_counter()
-        accepted = [r.accepted for r in rounds]
+        accepted = []
+        for r in rounds:  # exactly `steps` full-width verify steps
+            accepted.append(r.accepted)
+            if len(accepted) == steps:
+                break
         sync(be.device)
         dt = time.perf_counter() - t
+        rounds.close()
     del first
     return {"block_size": block, "k": k, "steps": len(accepted),
             "ms_per_step": 1000 * dt / max(len(accepted), 1),

@@ -35,11 +35,12 @@ def test_warm_up_runs_the_request_at_block_1_and_l_then_generation_is_unchanged(
     assert be.resets == [] and be.verifies == []
     seconds = pipe.warm_up(PROMPT, max_new_tokens=40, tokens=8)
     assert seconds > 0 and pipe.last_policy is None
-    # caches sized for the request itself (prompt + budget + verify width), once per block size
-    assert be.resets == [len(PROMPT) + 40 + 1, len(PROMPT) + 40 + 16]
-    ones = be.verifies[:7]  # block 1: the prefill's token, then 7 one-token verify steps
-    assert ones == [1] * 7 and be.verifies[7:] and set(be.verifies[7:]) == {16}
-    assert len(be.verifies[7:]) <= 7  # stopped once 8 tokens were committed at block 16
+    # caches sized for the request itself (prompt + budget + verify width), the wider pass first
+    assert be.resets == [len(PROMPT) + 40 + 16, len(PROMPT) + 40 + 1]
+    ones = be.verifies[-7:]  # block 1: the prefill's token, then 7 one-token verify steps
+    wide = be.verifies[:-7]
+    assert ones == [1] * 7 and wide and set(wide) == {16}
+    assert len(wide) <= 7  # stopped once 8 tokens were committed at block 16
     res = pipe.generate(PROMPT, max_new_tokens=40, block_size=16)
     assert res.token_ids == greedy_reference(tiny_target, PROMPT, 40)
 
@@ -89,3 +90,56 @@ def test_serve_warms_up_at_load_on_the_graph_path_only(monkeypatch, use_graphs):
     engine._load_now()
     assert engine.error is None and engine.pipe is pipe
     assert pipe.calls == ([([1, 2, 3], {"max_new_tokens": 97, "tokens": 32})] if use_graphs else [])
+
+
+def test_serve_starts_when_the_warm_up_fails(capsys):
+    from dflash.serve import Engine
+
+    pipe = _Pipe(True)
+
+    def boom(ids, **kwargs):
+        raise RuntimeError("CUDA out of memory")
+
+    pipe.warm_up = boom
+    engine = Engine(lambda: pipe, ["demo"], block_size=16)
+    engine._load_now()
+    assert engine.error is None and engine.pipe is pipe
+    assert "warning: warm-up skipped (RuntimeError: CUDA out of memory)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("use_graphs", [True, False])
+def test_cli_generate_warms_up_on_the_graph_path_before_seeding(monkeypatch, use_graphs):
+    import json
+
+    import torch
+    from typer.testing import CliRunner
+
+    import dflash
+    from dflash.cli import app
+    from dflash.types import GenerationResult
+
+    events = []
+
+    class Pipe(_Pipe):
+        def chat_prompt(self, messages, **kwargs):
+            return [1, 2, 3]
+
+        def warm_up(self, ids, **kwargs):
+            events.append(("warm_up", kwargs["max_new_tokens"], kwargs["tokens"]))
+            return 0.25
+
+        def generate(self, ids, **kwargs):
+            events.append(("generate",))
+            return GenerationResult(token_ids=[7], text="x", prompt_tokens=3, acceptance_lengths=[1],
+                                    proposed=[15], block_size=16)  # fmt: skip
+
+    monkeypatch.setattr(dflash, "load", lambda *a, **k: Pipe(use_graphs))
+    monkeypatch.setattr(torch, "manual_seed", lambda seed: events.append(("seed", seed)))
+    monkeypatch.setenv("DFLASH_GENERATE_WARMUP", "16")
+    res = CliRunner().invoke(app, ["generate", "transformers", "hi", "--block-size", "16",
+                                   "--max-new-tokens", "40", "--seed", "5", "--json"])  # fmt: skip
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    warm = [("warm_up", 40, 16)] if use_graphs else []
+    assert events == warm + [("seed", 5), ("generate",)]
+    assert out["warmup_s"] == (0.25 if use_graphs else 0.0)
