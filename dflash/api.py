@@ -239,8 +239,8 @@ class Pipeline:
         prompt and budget are used so that the caches are sized as they will be (no
         re-allocation or re-capture afterwards; the wider pass first, so the narrower one never
         grows them). It costs two prefills of the prompt plus ``tokens`` plain steps and
-        ``tokens`` / τ drafted ones (on the H200 demo pair about 0.1 s). Fixed block sizes only: the ``auto`` policy's
-        online cost correction never sees these steps.
+        ``tokens`` / τ drafted ones (on the H200 demo pair about 0.1 s). Fixed block sizes
+        only: the ``auto`` policy's online cost correction never sees these steps.
 
         Args:
             prompt_ids: the request's prompt token ids.
