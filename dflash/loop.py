@@ -50,6 +50,9 @@ def speculative_generate(
         step with accepted = tokens committed including the bonus. The last result carries
         finish_reason "stop" or "length".
     """
+    if sampling.greedy and policy is None and getattr(backend, "device_loop", None) is not None:
+        yield from _device_greedy(backend, prompt_ids, block_size, max_new_tokens, stop_ids)
+        return
     stops = set(stop_ids)
     sampler = None  # T > 0: on the backend's device when it offers a sampler, else numpy
     if not sampling.greedy:
@@ -124,4 +127,38 @@ def speculative_generate(
             elif want_features:  # a gap: the draft gets only rows that end at its anchor
                 pending = []
             anchor, start = new[-1], start + produced
+        yield RoundResult(tokens=new, accepted=len(new), proposed=length - 1, finish_reason=finish)
+
+
+def _device_greedy(backend, prompt_ids: list[int], block_size: int, max_new_tokens: int,
+                   stop_ids) -> Iterator[RoundResult]:  # fmt: skip
+    """:func:`speculative_generate` for greedy decoding at a fixed block size on a backend with
+    a device loop (``backend.device_loop``, see :mod:`dflash.backends.static_loop`): acceptance
+    and commit run on the device, and the host reads each step's committed tokens while the
+    next step is already queued. Same tokens and results as the host loop."""
+    loop = backend.device_loop
+    stops = set(stop_ids)
+    backend.reset(len(prompt_ids) + max_new_tokens + block_size)
+    logits, _ = backend.prefill(list(prompt_ids), block_size > 1)
+    first_dev = backend.argmax(logits[None])  # [1]
+    first = backend.to_list(first_dev)[0][0]  # sync: the first token (TTFT)
+    n = 1
+    finish = "stop" if first in stops else ("length" if n >= max_new_tokens else None)
+    yield RoundResult(tokens=[first], accepted=None, finish_reason=finish)
+    if finish is not None:
+        return
+    loop.begin(first_dev, len(prompt_ids), block_size, max_new_tokens)
+    in_flight = [loop.launch(block_size, first_draft=True)]
+    while finish is None:
+        if len(in_flight) == 1 and n + 1 < max_new_tokens:  # the step in flight may not be the
+            in_flight.append(loop.launch(block_size, first_draft=False))  # last: queue the next
+        length = min(block_size, max_new_tokens - n)  # as the host loop trims the last block
+        new = loop.read(in_flight.pop(0))  # sync: the one host copy of this step
+        for i, tok in enumerate(new):  # stop tokens are looked for among new tokens only
+            if tok in stops:
+                new, finish = new[: i + 1], "stop"
+                break
+        n += len(new)
+        if finish is None and n >= max_new_tokens:
+            finish = "length"
         yield RoundResult(tokens=new, accepted=len(new), proposed=length - 1, finish_reason=finish)

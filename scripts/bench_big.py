@@ -1,6 +1,7 @@
 """Cost of one speculative step on a Qwen3-8B-shaped random target, next to the HBM floor.
 
     PYTHONPATH=. python3 scripts/bench_big.py [--tiny] [--out DIR] [--no-compile]
+        [--shape qwen3-8b|smollm2] [--no-device-loop] [--profile] [--dtype float32]
 
 A random-weight bf16 target with Qwen3-8B dimensions (36 layers, hidden 4096, intermediate
 12288, 32 heads, 8 KV heads, head dim 128, vocab 151936; 16.4 GB) is built on the GPU with a
@@ -9,8 +10,18 @@ matching random 5-layer DFlash draft, and driven through the real loop and stati
 (the real draft forward still runs, so its cost is counted), so the loop's cost per step is
 measured independently of draft quality: ms per verify step for block sizes 1, 4, 8, 16 and
 k = 0 and k = L-1, next to the HBM floor (bytes read per step / measured copy bandwidth).
-``--tiny`` runs the same code on a miniature model on the CPU (eager) for tests.
-Writes ``bench_big.json`` to --out (default: $OUT or ./bench_big_out).
+
+Greedy requests run through the device loop (:mod:`dflash.backends.static_loop`) unless
+``--no-device-loop``; there the proposals are scripted on the device inside the draft graph.
+A step's time is taken in steady state: from the host's read of the first step (whose draft
+reads the whole prompt, eagerly) to its read of step ``--steps`` + 1. ``diverged_at`` is the
+first token where a run left the block-1 truth (None: never), so a low τ at k = L-1 can be told
+from a numerical difference between widths. ``--profile`` adds, per setting, the kernels of
+``--steps`` steps (torch.profiler): device-busy ms per step next to the wall ms per step (the
+difference is time the GPU waited for the host) and the kernels with the most device time.
+``--shape smollm2`` runs the demo target's shape (SmolLM2-135M, with a 5-layer draft of the
+demo draft's shape). ``--tiny`` runs the same code on a miniature model on the CPU (eager) for
+tests. Writes ``bench_big.json`` to --out (default: $OUT or ./bench_big_out).
 """
 
 from __future__ import annotations
@@ -30,6 +41,10 @@ sys.path.insert(0, str(REPO))
 QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                 num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                 max_position_embeddings=40960, tie_word_embeddings=False, rope_theta=1000000.0)  # fmt: skip
+SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+               num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+               max_position_embeddings=8192, tie_word_embeddings=False, rope_theta=100000.0)  # fmt: skip
+SHAPES = {"qwen3-8b": QWEN3_8B, "smollm2": SMOLLM2}
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16,
             max_position_embeddings=4096, tie_word_embeddings=False, initializer_range=0.3)  # fmt: skip
@@ -53,9 +68,33 @@ class ScriptedDraft:
         return scripted, logits
 
 
+class ScriptedLoop:
+    """Makes a backend's device loop propose the greedy truth for ``k`` rows and a wrong token
+    after (inside the draft graph); ``truth`` and ``k`` are device tensors filled in place, so
+    graphs captured before the truth is known still read the current values."""
+
+    def __init__(self, loop, truth_len: int, prompt_len: int):
+        dev = loop.tok.device
+        self.truth = torch.zeros(truth_len, dtype=torch.long, device=dev)
+        self.k = torch.zeros(1, dtype=torch.long, device=dev)
+        self.loop, self.prompt_len = loop, prompt_len
+        loop.proposals_hook = self  # an instance attribute: captured from now on
+
+    def __call__(self, proposals: torch.Tensor) -> torch.Tensor:
+        lp, rows = self.loop, self.loop.arange[: proposals.shape[0]]
+        idx = (lp.pos - self.prompt_len + 1 + rows).clamp(0, self.truth.shape[0] - 1)
+        scripted = self.truth[idx]
+        return torch.where(rows < self.k, scripted, (scripted + 1) % lp.be.vocab_size)
+
+
 def build(tiny: bool, device: torch.device, dtype: torch.dtype, compile: bool,
-          widths: tuple[int, ...] = (1, 4, 8, 16)):
-    """Random target + random draft behind a StaticBackend with a verify graph per width."""
+          widths: tuple[int, ...] = (1, 4, 8, 16), shape: str = "qwen3-8b",
+          device_loop: bool | None = None, init_std: float | None = None):
+    """Random target + random draft behind a StaticBackend with a verify graph per width.
+
+    ``init_std``: weight init std of the target (default the config's 0.02): a small one keeps
+    the residual stream near the token's embedding, so the greedy margin is wide at every width.
+    """
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from dflash.backends.graph_plan import GraphPlan
@@ -64,7 +103,8 @@ def build(tiny: bool, device: torch.device, dtype: torch.dtype, compile: bool,
     from dflash.models.init_draft import draft_config_for
 
     torch.manual_seed(0)
-    cfg = Qwen3Config(**(TINY if tiny else QWEN3_8B))
+    extra = {} if init_std is None else {"initializer_range": init_std}
+    cfg = Qwen3Config(**(TINY if tiny else SHAPES[shape]), **extra)
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # build in the compute dtype (an fp32 8B would be 33 GB)
     try:
@@ -81,7 +121,8 @@ def build(tiny: bool, device: torch.device, dtype: torch.dtype, compile: bool,
             target.lm_head.weight.copy_(target.model.embed_tokens.weight)
     finally:
         torch.set_default_dtype(default)
-    be = StaticBackend(target, draft, device, use_graphs=device.type == "cuda", compile=compile)
+    be = StaticBackend(target, draft, device, use_graphs=device.type == "cuda", compile=compile,
+                       device_loop=device_loop)  # fmt: skip
     be.plan = GraphPlan(verify_widths=tuple(sorted(set(widths) | {1})), draft_width=16)  # each as is
     return be
 
@@ -111,30 +152,76 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run(be, prompt: list[int], truth: torch.Tensor, block: int, k: int, steps: int) -> dict:
+def run(be, prompt: list[int], truth: torch.Tensor, block: int, k: int, steps: int,
+        script: ScriptedLoop | None = None, profile: bool = False) -> dict:
     """Time ``steps`` verify steps at block size L with k right proposals (k = 0 for L = 1),
-    every one at the full width L (the budget never trims the last blocks)."""
+    every one at the full width L (the budget never trims the timed blocks), in steady state:
+    from the read of the first step to the read of step ``steps`` + 1."""
     from dflash.loop import speculative_generate
 
-    wrapped = ScriptedDraft(be, truth, len(prompt), k) if block > 1 else be
-    budget = 1 + steps * (k + 1) + block  # room to spare: no timed step is cut by the budget
-    for _ in range(2):  # warm-up (first run after a reset) then the timed run
+    if script is not None:
+        script.k.fill_(k)
+    wrapped = ScriptedDraft(be, truth, len(prompt), k) if block > 1 and script is None else be
+    budget = 1 + (steps + 2) * (k + 1) + block  # room to spare: no timed step is cut
+    prof = None
+    for attempt in range(3 if profile else 2):  # warm-up, timed run, profiled run
         rounds = speculative_generate(wrapped, prompt, block_size=block, max_new_tokens=budget)
-        first = next(rounds)  # prefill + first token: not timed
+        tokens = list(next(rounds).tokens)  # prefill + first token
+        tokens += next(rounds).tokens  # the first step (its draft reads the whole prompt)
         sync(be.device)
+        if attempt == 2:
+            prof = _profiler(be.device)
+            prof.__enter__()
         t = time.perf_counter()
         accepted = []
         for r in rounds:  # exactly `steps` full-width verify steps
             accepted.append(r.accepted)
+            tokens += r.tokens
             if len(accepted) == steps:
                 break
-        sync(be.device)
-        dt = time.perf_counter() - t
+        dt = time.perf_counter() - t  # the last read waited for that step's tokens
+        if prof is not None:
+            sync(be.device)
+            prof.__exit__(None, None, None)
         rounds.close()
-    del first
-    return {"block_size": block, "k": k, "steps": len(accepted),
-            "ms_per_step": 1000 * dt / max(len(accepted), 1),
-            "tau": sum(accepted) / max(len(accepted), 1), "tok_per_s": sum(accepted) / dt}  # fmt: skip
+        if attempt == 1:
+            result = {"block_size": block, "k": k, "steps": len(accepted),
+                      "ms_per_step": 1000 * dt / max(len(accepted), 1),
+                      "tau": sum(accepted) / max(len(accepted), 1), "tok_per_s": sum(accepted) / dt,
+                      "diverged_at": first_difference(tokens, truth.tolist())}  # fmt: skip
+    if prof is not None:
+        result.update(kernel_summary(prof, len(accepted)))
+    return result
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """Index of the first token where ``a`` differs from ``b`` (over a's length), or None."""
+    return next((i for i, (x, y) in enumerate(zip(a, b[: len(a)], strict=False)) if x != y), None)
+
+
+def _profiler(device: torch.device):
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    return profile(activities=acts)
+
+
+def kernel_summary(prof, steps: int) -> dict:
+    """Device-busy ms per step (CUDA kernels, copies, memsets; on CPU top-level aten ops) and the
+    10 kernels with the most device time per step [name, calls per step, us per step]."""
+    cuda = torch.autograd.DeviceType.CUDA
+    events = [e for e in prof.events() if e.device_type == cuda]
+    if not events:
+        events = [e for e in prof.events() if e.name.startswith("aten::") and e.cpu_parent is None]
+    by_name: dict[str, list] = {}
+    for e in events:
+        row = by_name.setdefault(e.name[:100], [e.name[:100], 0, 0.0])
+        row[1] += 1
+        row[2] += e.time_range.elapsed_us()
+    busy = sum(r[2] for r in by_name.values())
+    top = sorted(by_name.values(), key=lambda r: -r[2])[:10]
+    return {"busy_ms_per_step": busy / 1000 / max(steps, 1), "kernels_per_step": len(events) / max(steps, 1),
+            "top_kernels": [[n, round(c / steps, 2), round(t / steps, 1)] for n, c, t in top]}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -145,22 +232,37 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--steps", type=int, default=32, help="verify steps timed per setting")
     ap.add_argument("--blocks", default="1,4,8,16")
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b")
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default=None,
+                    help="default bfloat16 (float32 with --tiny)")  # fmt: skip
+    ap.add_argument("--device-loop", action=argparse.BooleanOptionalAction, default=True,
+                    help="greedy steps through the device loop (static_loop)")  # fmt: skip
+    ap.add_argument("--profile", action="store_true", help="kernels per step (torch.profiler)")
+    ap.add_argument("--init-std", type=float, default=None,
+                    help="target weight init std (default 0.002; 0.3 with --tiny)")  # fmt: skip
     args = ap.parse_args(argv)
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
-    dtype = torch.float32 if args.tiny else torch.bfloat16
+    dtype = getattr(torch, args.dtype or ("float32" if args.tiny else "bfloat16"))
     blocks = [int(b) for b in args.blocks.split(",")]
+    init_std = args.init_std if args.init_std is not None else (None if args.tiny else 0.002)
     t0 = time.perf_counter()
-    be = build(args.tiny, device, dtype, args.compile and device.type == "cuda", tuple(blocks))
+    be = build(args.tiny, device, dtype, args.compile and device.type == "cuda", tuple(blocks),
+               args.shape, args.device_loop, init_std)  # fmt: skip
     built_s = time.perf_counter() - t0
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, be.vocab_size - 1, (args.prompt_len,), generator=g).tolist()
     # greedy truth (block 1, same kernels) long enough for the longest scripted run
     from dflash.loop import speculative_generate
 
-    n_truth = 17 + args.steps * max(blocks)  # + a full draft block past the last anchor
+    n_truth = 17 + (args.steps + 2) * max(blocks)  # + a full draft block past the last anchor
+    script = None
+    if be.device_loop is not None:  # before any capture: the draft graph reads it
+        script = ScriptedLoop(be.device_loop, n_truth + 64, len(prompt))
     truth_ids = [t for r in speculative_generate(be, prompt, block_size=1, max_new_tokens=n_truth)
                  for t in r.tokens]  # fmt: skip
     truth = torch.tensor(truth_ids, device=device)
+    if script is not None:
+        script.truth[: len(truth_ids)].copy_(truth)
     # HBM floor: weights read once per forward (embedding rows aside) plus the filled K/V
     tgt = param_bytes(be.target, skip=("model.embed_tokens",))
     drf = param_bytes(be.draft_model) + be.lm_head.weight.numel() * be.lm_head.weight.element_size()
@@ -170,7 +272,9 @@ def main(argv: list[str] | None = None) -> dict:
     bw = copy_bandwidth(device, 1 << (22 if args.tiny else 32))
     report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "dtype": str(dtype).split(".")[-1], "tiny": args.tiny, "compile": be.compile,
-              "cuda_graphs": be.use_graphs, "prompt_len": args.prompt_len, "build_s": built_s,
+              "cuda_graphs": be.use_graphs, "device_loop": be.device_loop is not None,
+              "attention": be.attention, "attn_split": os.environ.get("DFLASH_ATTN_SPLIT", "128"),
+              "shape": "tiny" if args.tiny else args.shape, "init_std": init_std, "prompt_len": args.prompt_len, "build_s": built_s,
               "target_bytes": tgt, "draft_step_bytes": drf, "kv_bytes": kv,
               "copy_bandwidth_GBps": bw / 1e9, "results": []}  # fmt: skip
     out = Path(args.out)
@@ -178,7 +282,7 @@ def main(argv: list[str] | None = None) -> dict:
     results = report["results"]
     for block in blocks:
         for k in sorted({0, block - 1}):
-            r = run(be, prompt, truth, block, k, args.steps)
+            r = run(be, prompt, truth, block, k, args.steps, script, args.profile)
             r["floor_ms"] = 1000 * (tgt + kv + (drf if block > 1 else 0)) / bw
             r["x_floor"] = r["ms_per_step"] / r["floor_ms"]
             base = next((x["ms_per_step"] for x in results if x["block_size"] == 1), None)

@@ -6,12 +6,14 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_big.py"
 
 
-def test_bench_big_tiny_exact_steps(tmp_path):
+@pytest.mark.parametrize("extra", [[], ["--no-device-loop"], ["--profile"]])
+def test_bench_big_tiny_exact_steps(tmp_path, extra):
     spec = importlib.util.spec_from_file_location("bench_big", SCRIPT)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -19,7 +21,7 @@ def test_bench_big_tiny_exact_steps(tmp_path):
     torch.set_num_threads(1)
     try:
         report = mod.main(["--tiny", "--out", str(tmp_path), "--steps", "2", "--prompt-len", "16",
-                           "--blocks", "1,4,16"])  # fmt: skip
+                           "--blocks", "1,4,16", *extra])  # fmt: skip
     finally:
         torch.set_num_threads(threads)
     assert json.loads((tmp_path / "bench_big.json").read_text()) == report
@@ -28,3 +30,6 @@ def test_bench_big_tiny_exact_steps(tmp_path):
     for (_block, k), r in got.items():
         assert r["steps"] == 2 and r["tau"] == k + 1, r  # exactly k of L-1 proposals right
         assert r["floor_ms"] > 0 and r["ms_per_step"] > 0
+        assert r["diverged_at"] is None  # every run commits the block-1 truth
+        assert ("busy_ms_per_step" in r) == ("--profile" in extra)
+    assert report["device_loop"] == ("--no-device-loop" not in extra)

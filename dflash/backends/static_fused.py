@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from dflash.backends.split_attention import SPLIT_MAX_ROWS, split_attention
 from dflash.models.draft_torch import rope_cos_sin
 
 NO_FUSE_ENV = "DFLASH_NO_FUSE"
@@ -175,8 +176,10 @@ def target_forward_fused(be, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tens
     t, hd = ids.shape[-1], be.head_dim
     x = F.embedding(ids, be.embed_weight)  # [1, T, H]
     cos, sin = rope_cos_sin(pos, be.inv_freq, be.rope_scale, be.dtype)  # [1, 1, T, D], once
-    mask = (be.key_pos[None, :] <= pos[0, :, None])[None, None]  # [1, 1, T, S], once
-    packed = be.pack_gqa and be.heads != be.kv_heads
+    mode = getattr(be, "attention", "sdpa")  # split-KV kernel: reads filled rows, no mask
+    split = t <= SPLIT_MAX_ROWS and (mode == "split" or (mode == "auto" and t > 1))  # not prefill
+    mask = None if split else (be.key_pos[None, :] <= pos[0, :, None])[None, None]  # [1, 1, T, S]
+    packed = be.pack_gqa and be.heads != be.kv_heads and not split
     if packed:
         mask = pack_mask(mask, be.heads // be.kv_heads, t)  # [1, 1, G*T, S], once
     slots: list[torch.Tensor] = [None] * len(be.layer_ids)  # type: ignore[list-item]
@@ -190,7 +193,10 @@ def target_forward_fused(be, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tens
         k = _rotate(k.transpose(1, 2), cos, sin)
         be.k[i].index_copy_(2, pos[0], k)
         be.v[i].index_copy_(2, pos[0], v.view(1, t, be.kv_heads, hd).transpose(1, 2))
-        o = attend(q, be.k[i], be.v[i], mask, a.scaling, packed)
+        if split:
+            o = split_attention(q, be.k[i], be.v[i], pos[0], a.scaling)
+        else:
+            o = attend(q, be.k[i], be.v[i], mask, a.scaling, packed)
         x = x + a.o_proj(o.transpose(1, 2).reshape(1, t, be.heads * hd))
         g, u = gate_up(layer.post_attention_layernorm(x))
         x = x + layer.mlp.down_proj(layer.mlp.act_fn(g) * u)

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash.backends.graph_plan import inductor_cache_dir, plan_graphs, warm_replays
+from dflash.backends.split_attention import attention_mode
 from dflash.backends.static_fused import (
     draft_forward_fused,
     fuse_default,
@@ -32,6 +33,7 @@ from dflash.backends.static_fused import (
     pack_gqa_default,
     target_forward_fused,
 )
+from dflash.backends.static_loop import DeviceLoop, device_loop_default
 from dflash.backends.transformers import TransformersBackend
 from dflash.errors import BackendError
 from dflash.models.draft_torch import DFlashDraft, rope_cos_sin
@@ -99,11 +101,15 @@ class StaticBackend(TransformersBackend):
             :mod:`dflash.backends.static_fused`); None = on unless ``DFLASH_NO_FUSE=1``.
         pack_gqa: fold GQA query heads into rows in the fused forwards' attention; None = off
             unless ``DFLASH_GQA_PACK=1``.
+        device_loop: run greedy fixed-block requests with acceptance and commit on the device
+            (:mod:`dflash.backends.static_loop`); None = on with CUDA graphs unless
+            ``DFLASH_DEVICE_LOOP=0``. True without graphs runs the same glue eagerly (tests).
     """
 
     def __init__(self, target: Any, draft: DFlashDraft | None, device: torch.device,
                  use_graphs: bool = True, compile: bool = False, uniform_width: bool = False,
-                 fuse: bool | None = None, pack_gqa: bool | None = None):  # fmt: skip
+                 fuse: bool | None = None, pack_gqa: bool | None = None,
+                 device_loop: bool | None = None):  # fmt: skip
         if getattr(draft, "is_dflash2", False):
             raise BackendError("The static/CUDA-graph path does not run DFlash2 drafts yet.",
                                hint="drop --cuda-graphs; DFlash2 drafts run on the plain path")  # fmt: skip
@@ -127,7 +133,13 @@ class StaticBackend(TransformersBackend):
         self.fused_target = fuse_target(target) if fuse else None
         self.fused_draft = fuse_draft(draft) if fuse and draft is not None else None
         self.pack_gqa = pack_gqa_default() if pack_gqa is None else pack_gqa
+        # the target's attention in the fused forward: split-KV kernel over the filled rows or
+        # SDPA with a position mask (see dflash.backends.split_attention.attention_mode)
+        self.attention = attention_mode(device) if self.fused_target is not None else "sdpa"
         self.capacity = 0
+        if device_loop is None:
+            device_loop = device_loop_default() and self.use_graphs
+        self.device_loop = DeviceLoop(self) if device_loop else None
         self.graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, Any, tuple]] = {}
         # --block-size auto picks among these widths (graphs captured when costs are timed).
         b = self.draft_block_size
@@ -156,12 +168,17 @@ class StaticBackend(TransformersBackend):
             InputError: ``DFLASH_GRAPH_WARM`` is not a whole number >= 0 (before any capture).
         """
         warm = warm_replays()
-        new = [key for key in self.plan.keys() if key not in self.graphs]
-        for kind, width in self.plan.keys():
+        keys = self.plan.keys()
+        if self.device_loop is not None:  # the same forwards with the device loop's glue
+            keys += [("d" + kind, width) for kind, width in keys]
+        new = [key for key in keys if key not in self.graphs]
+        for kind, width in keys:
             if kind == "verify":
                 self._verify_graph(width)
-            else:
+            elif kind == "draft":
                 self._draft_graph(width)
+            else:
+                self._device_graph(kind, width)
         if new and warm > 0:
             for _ in range(warm):
                 for key in new:
@@ -246,8 +263,13 @@ class StaticBackend(TransformersBackend):
         return logits.argmax(-1), logits
 
     # -- graphs ---------------------------------------------------------------------------
-    def _fn(self, kind: str):
-        """The forward a graph captures: eager, or once wrapped in ``torch.compile``."""
+    def _fn(self, kind: str, width: int = 0):
+        """The forward a graph captures: eager, or once wrapped in ``torch.compile``; for the
+        device loop's kinds (``dverify``, ``ddraft``) its glue around that forward."""
+        if kind == "dverify":
+            return lambda: self.device_loop.verify_step(width, self._fn("verify"))
+        if kind == "ddraft":
+            return lambda: self.device_loop.draft_step(self._fn("draft"))
         eager = self._target_forward if kind == "verify" else self._draft_forward
         if not self.compile:
             return eager
@@ -270,7 +292,7 @@ class StaticBackend(TransformersBackend):
             return self.graphs[key]
         static_inputs = make_inputs()  # allocated once per graph, not per step
         try:
-            self.graphs[key] = self._capture(self._fn(kind), static_inputs)
+            self.graphs[key] = self._capture(self._fn(kind, width), static_inputs)
         except Exception as e:  # noqa: BLE001 - Inductor/Triton raise many types
             if not self.compile:
                 raise
@@ -280,7 +302,7 @@ class StaticBackend(TransformersBackend):
                   f"continuing without it ({fix}--no-compile silences this).", file=sys.stderr)  # fmt: skip
             self.compile = False
             torch.cuda.synchronize(self.device)
-            self.graphs[key] = self._capture(self._fn(kind), static_inputs)
+            self.graphs[key] = self._capture(self._fn(kind, width), static_inputs)
         return self.graphs[key]
 
     def _capture(self, fn, static_inputs):
@@ -306,6 +328,13 @@ class StaticBackend(TransformersBackend):
                     self.key_pos[-width:][None].clone())  # fmt: skip
 
         return self._graph("verify", width, make_inputs)
+
+    def _device_graph(self, kind: str, width: int):
+        """The device loop's graph ``kind`` ("dverify"/"ddraft") at ``width``; its state is parked
+        (no budget, last cache rows) while the graph is warmed up and captured."""
+        if (kind, width) not in self.graphs:
+            self.device_loop.park()
+        return self._graph(kind, width, tuple)
 
     def _draft_graph(self, length: int):
         dev, window = self.device, self.draft_block_size
@@ -376,4 +405,6 @@ class StaticBackend(TransformersBackend):
         return {**super().describe(), "impl": "static", "cuda_graphs": self.use_graphs,
                 "compile": self.compile, "fused": self.fused_target is not None,
                 "pack_gqa": self.pack_gqa and self.fused_target is not None,
-                "verify_widths": list(self.plan.verify_widths)}  # fmt: skip
+                "verify_widths": list(self.plan.verify_widths),
+                "device_loop": self.device_loop is not None,
+                "attention": self.attention}  # fmt: skip

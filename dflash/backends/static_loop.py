@@ -1,0 +1,169 @@
+"""Device-resident greedy steps for the static path: acceptance and commit on the GPU.
+
+On the CUDA-graph path a speculative step is two graph replays (draft, verify) that take about
+2 ms on the demo pair; the host work between them - reading the committed tokens, running the
+acceptance in Python, writing the next anchor and positions into the graphs' inputs - used to
+leave the GPU idle for a sizeable part of each step. Here the loop state (anchor token, its
+position, tokens committed, the budget) lives in device tensors, the greedy acceptance and the
+commit are captured in the verify graph, and the draft graph reads its anchor and context rows
+from that state. The host only launches steps and reads what each one committed one step late
+(pinned memory, one event per step), so step k+1 is already queued when the host waits for step
+k: the GPU runs steps back to back, and the one host sync per step no longer stalls it.
+
+Used by :func:`dflash.loop.speculative_generate` for greedy requests at a fixed block size on a
+:class:`~dflash.backends.static_torch.StaticBackend` that has it (CUDA graphs; ``DFLASH_DEVICE_LOOP=0``
+turns it off). The committed tokens are exactly those of the host loop: the same graphs'
+forwards, the same greedy prefix rule (paper §4 / brief §3.3), the same budget trimming. One
+difference in kernels: the step that has a single token of budget left verifies at the padded
+width instead of width 1 (same argmax up to bf16 rounding of that row).
+
+Steps launched after the request's end (at most one, when a stop token or the budget ends it
+earlier than the host could know) commit nothing: a step with no budget left does not move the
+state, and its K/V and feature writes land past the committed length, where the position masks
+hide them and the next request overwrites them.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+DEVICE_LOOP_ENV = "DFLASH_DEVICE_LOOP"
+RING = 4  # pinned host slots: at most two steps are in flight
+
+
+def device_loop_default() -> bool:
+    """Whether the graph path runs greedy requests through the device loop
+    (``DFLASH_DEVICE_LOOP``, default on; ``0`` runs the host loop, for side-by-side timing)."""
+    return os.environ.get(DEVICE_LOOP_ENV, "").strip().lower() not in ("0", "false", "no", "off")
+
+
+class DeviceLoop:
+    """Loop state and greedy step glue of one :class:`StaticBackend` (static caches).
+
+    State (device, int64): ``tok`` [1] anchor token, ``pos`` [1] its position, ``n`` [1] tokens
+    committed (the first token included), ``budget`` [1] tokens allowed, ``lim`` [1] proposals
+    that may be accepted per step (block size - 1). ``props`` [L-1] holds the draft's proposals
+    and ``last`` [1 + L] what the last step committed: the count, then the tokens (zero-padded).
+
+    Args:
+        be: the backend (its forwards, caches, draft block size L and mask token).
+    """
+
+    def __init__(self, be: Any):
+        self.be = be
+        dev = be.device
+        width = max(be.draft_block_size, 1)
+        self.width = width
+        z = dict(dtype=torch.long, device=dev)
+        self.tok, self.pos, self.n = (torch.zeros(1, **z) for _ in range(3))
+        self.budget, self.lim = torch.zeros(1, **z), torch.zeros(1, **z)
+        self.props = torch.zeros(max(width - 1, 1), **z)
+        self.last = torch.zeros(1 + width, **z)
+        self.arange = torch.arange(width + 1, **z)
+        self.mask_ids = torch.full((max(width - 1, 1),), int(be.mask_token_id or 0), **z)
+        pin = dev.type == "cuda"
+        self.host = [torch.zeros(1 + width, dtype=torch.long, pin_memory=pin) for _ in range(RING)]
+        self.events = [torch.cuda.Event() for _ in range(RING)] if pin else None
+        self.launched = 0
+
+    # -- glue captured in the graphs --------------------------------------------------------
+    def verify_step(self, width: int, verify_fn) -> None:
+        """Verify [anchor, props[:width-1]] at ``pos``, accept the longest greedy prefix (capped
+        by ``lim`` and the budget), commit it plus the bonus token; writes ``last`` and moves the
+        state. No host sync."""
+        ids = torch.cat((self.tok, self.props[: width - 1]))[None]  # [1, W]
+        pos = (self.pos + self.arange[:width])[None]  # [1, W]
+        logits = verify_fn(ids, pos)  # [W, V]
+        target = logits.argmax(-1)  # [W]
+        remaining = self.budget - self.n  # [1] tokens still allowed
+        if width > 1:
+            props = self.props[: width - 1]
+            run = (props == target[:-1]).long().cumprod(0).sum()[None]  # [1] accepted prefix
+            cap = torch.minimum(self.lim, (remaining - 1).clamp(min=0))
+            accepted = torch.minimum(run, cap)  # [1]
+            rows = torch.cat((props, props[-1:]))  # [W]; row a gets the bonus below
+        else:
+            accepted = torch.zeros_like(self.n)
+            rows = target
+        bonus = target.gather(0, accepted)  # [1]
+        live = remaining > 0
+        committed = torch.where(self.arange[:width] < accepted, rows, 0)
+        committed = committed.scatter(0, accepted, bonus)  # [W]
+        step = torch.where(live, accepted + 1, 0)  # [1] tokens committed by this step
+        self.last[:1].copy_(step)
+        self.last[1 : 1 + width].copy_(committed)
+        self.tok.copy_(torch.where(live, bonus, self.tok))
+        self.pos.add_(step)
+        self.n.add_(step)
+
+    def draft_step(self, draft_fn) -> None:
+        """Draft a block of width L at ``pos`` from the anchor ``tok``; proposals go to
+        ``props``. The draft re-reads the last L committed rows (clamped at 0 for short
+        prompts: a row written twice gets the same values)."""
+        be = self.be
+        block = torch.cat((self.tok, self.mask_ids))[None]  # [1, L]
+        ctx_pos = (self.pos - be.draft_block_size + self.arange[: be.draft_block_size]).clamp(min=0)
+        proposals, _ = draft_fn(block, self.pos, ctx_pos)
+        self.props.copy_(self.proposals_hook(proposals))
+
+    def proposals_hook(self, proposals: torch.Tensor) -> torch.Tensor:
+        """The draft's proposals [L-1] as verified (identity; a benchmark may script them)."""
+        return proposals
+
+    # -- host side ------------------------------------------------------------------------
+    def begin(self, first: torch.Tensor, start: int, block_size: int, budget: int) -> None:
+        """Set the state after prefill: anchor ``first`` ([1] device token id) at ``start``, one
+        token committed, ``budget`` tokens allowed, ``block_size - 1`` proposals per step."""
+        self.tok.copy_(first.reshape(1))
+        self.pos.fill_(start)
+        self.n.fill_(1)
+        self.budget.fill_(budget)
+        self.lim.fill_(block_size - 1)
+
+    def park(self) -> None:
+        """A harmless state for capture and warm replays: no budget (nothing moves), anchor at
+        the last rows of the caches, which no request reaches before overwriting them."""
+        self.pos.fill_(self.be.capacity - 2 * self.width)
+        self.n.zero_()
+        self.budget.zero_()
+        self.lim.zero_()
+
+    def launch(self, block_size: int, first_draft: bool) -> int:
+        """Queue one step (draft at L when ``block_size`` > 1, then verify and commit) and the
+        copy of what it commits to pinned memory; returns the slot to :meth:`read`.
+
+        ``first_draft``: the draft's first call after prefill reads every prompt row (eager)."""
+        be = self.be
+        if block_size > 1:
+            if first_draft:
+                block = torch.cat((self.tok, self.mask_ids))[None]
+                with torch.inference_mode():
+                    proposals, _ = be._draft_forward(block, self.pos, be.key_pos[: be._prompt_len])
+                    self.props.copy_(self.proposals_hook(proposals))
+            elif be.use_graphs:
+                be._device_graph("ddraft", self.width)[0].replay()
+            else:
+                with torch.inference_mode():
+                    self.draft_step(be._draft_forward)
+        width = be.plan.verify_width(block_size)
+        if be.use_graphs:
+            be._device_graph("dverify", width)[0].replay()
+        else:
+            with torch.inference_mode():
+                self.verify_step(width, be._target_forward)
+        slot = self.launched % RING
+        self.launched += 1
+        self.host[slot].copy_(self.last, non_blocking=self.events is not None)
+        if self.events is not None:
+            self.events[slot].record()
+        return slot
+
+    def read(self, slot: int) -> list[int]:
+        """Tokens committed by the step in ``slot`` (waits for that step only)."""
+        if self.events is not None:
+            self.events[slot].synchronize()
+        row = self.host[slot].tolist()
+        return row[1 : 1 + row[0]]

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The demo pair's speed on one H200 (the `device` tool's nvidia-h200), in back-to-back calls.
+#
+# Prepare here (CPU), under the git-ignored .stage/ (see scripts/x2_session.sh):
+#   .stage/t5/{aa..ae}/part (the demo GGUF cut in 20 MB parts), .stage/data, .stage/whl (gguf)
+# Calls (carry in brackets):
+#   1 stage1     [.stage/t5/aa .stage/data .stage/whl]
+#   2-4 stage ab|ac|ad  [.stage/t5/<part>]
+#   5 bench      [.stage/t5/ae]  gsm8k 64 (bf16, compile, parity) and one single generate;
+#                results in $OUT (b-gsm8k.jsonl / .txt, generate.json)
+set -u
+phase=${1:?usage: h200_speed_session.sh stage1|stage PART|bench}
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 DFLASH_CACHE=/tmp/dflash-cache
+OUT=${OUT:-/tmp/h200-out}; mkdir -p "$OUT"
+W=/tmp/demo; mkdir -p "$W/stage"
+if [ ! -d /tmp/site/gguf ] && ls .stage/whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .stage/whl/*.whl
+fi
+export PYTHONPATH=/tmp/site:$PWD
+GGUF=$W/smollm2.gguf
+D=dflash/assets/smollm2-135m-instruct-dflash
+case $phase in
+stage1)
+  cp .stage/t5/aa/part "$W/stage/aa.part"
+  rm -rf "$W/datasets" && cp -r .stage/data "$W/datasets"
+  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+  ;;
+stage)
+  cp ".stage/t5/$2/part" "$W/stage/$2.part" && ls -la "$W/stage"
+  ;;
+bench)
+  cat "$W"/stage/{aa,ab,ac,ad}.part .stage/t5/ae/part > "$GGUF"
+  B=(python3 -m dflash benchmark transformers --model "$GGUF" --draft "$D" --max-new-tokens 256
+     --data-dir "$W/datasets")
+  timeout "${BENCH_S:-300}" "${B[@]}" --dataset gsm8k --max-samples 64 --block-size 16 --check-parity \
+    --output "$OUT/b-gsm8k.jsonl" > "$OUT/b-gsm8k.txt" 2>&1
+  tail -n 16 "$OUT/b-gsm8k.txt"
+  P=$(python3 -c "from dflash.data.datasets import load_prompts, select; print(select(load_prompts('gsm8k', '$W/datasets'), 1)[0].turns[0])")
+  timeout 90 python3 -m dflash generate transformers --model "$GGUF" --draft "$D" "$P" --block-size 16 \
+    --max-new-tokens 256 --json > "$OUT/generate.json" 2> "$OUT/generate.err"
+  python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print({k: r[k] for k in ('decode_tok_per_s','decode_s','ttft_s','warmup_s','verify_steps','new_tokens')})" "$OUT/generate.json" || tail -n 3 "$OUT/generate.err"
+  ;;
+*) echo "unknown phase $phase"; exit 2 ;;
+esac
