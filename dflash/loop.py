@@ -71,8 +71,7 @@ def speculative_generate(
         first = backend.to_list(backend.argmax(logits[None]))[0][0]  # sync: first token
     else:
         first = sampler.first(logits)
-    n = 1
-    finish = "stop" if first in stops else ("length" if n >= max_new_tokens else None)
+    _, n, finish = _commit([first], stops, 0, max_new_tokens)
     yield RoundResult(tokens=[first], accepted=None, finish_reason=finish)
     anchor, start = first, len(prompt_ids)  # anchor sits at position `start`, not yet in cache
     pending = [context]  # feature chunks the draft has not seen (several after L = 1 steps)
@@ -111,14 +110,7 @@ def speculative_generate(
             a, bonus, proposals = sampler.accept(proposals_arr, logits)  # sync: one host copy
         if policy is not None:
             policy.observe(a, length - 1)
-        new = proposals[:a] + [bonus]
-        for i, tok in enumerate(new):  # stop tokens are looked for among new tokens only
-            if tok in stops:
-                new, finish = new[: i + 1], "stop"
-                break
-        n += len(new)
-        if finish is None and n >= max_new_tokens:
-            finish = "length"
+        new, n, finish = _commit(proposals[:a] + [bonus], stops, n, max_new_tokens)
         if finish is None:
             produced = len(new)  # anchor + accepted proposals now sit in the target cache
             backend.rollback(start + produced)
@@ -128,6 +120,16 @@ def speculative_generate(
                 pending = []
             anchor, start = new[-1], start + produced
         yield RoundResult(tokens=new, accepted=len(new), proposed=length - 1, finish_reason=finish)
+
+
+def _commit(new: list[int], stops: set[int], n: int, max_new_tokens: int):
+    """A step's tokens cut after the first stop token among them; returns (tokens, tokens
+    generated so far n + len(tokens), finish reason "stop"/"length" or None)."""
+    for i, tok in enumerate(new):  # stop tokens are looked for among new tokens only
+        if tok in stops:
+            return new[: i + 1], n + i + 1, "stop"
+    n += len(new)
+    return new, n, ("length" if n >= max_new_tokens else None)
 
 
 def _device_greedy(backend, prompt_ids: list[int], block_size: int, max_new_tokens: int,
@@ -142,8 +144,7 @@ def _device_greedy(backend, prompt_ids: list[int], block_size: int, max_new_toke
     logits, _ = backend.prefill(list(prompt_ids), block_size > 1)
     first_dev = backend.argmax(logits[None])  # [1]
     first = backend.to_list(first_dev)[0][0]  # sync: the first token (TTFT)
-    n = 1
-    finish = "stop" if first in stops else ("length" if n >= max_new_tokens else None)
+    _, n, finish = _commit([first], stops, 0, max_new_tokens)
     yield RoundResult(tokens=[first], accepted=None, finish_reason=finish)
     if finish is not None:
         return
@@ -154,11 +155,5 @@ def _device_greedy(backend, prompt_ids: list[int], block_size: int, max_new_toke
             in_flight.append(loop.launch(block_size, first_draft=False))  # last: queue the next
         length = min(block_size, max_new_tokens - n)  # as the host loop trims the last block
         new = loop.read(in_flight.pop(0))  # sync: the one host copy of this step
-        for i, tok in enumerate(new):  # stop tokens are looked for among new tokens only
-            if tok in stops:
-                new, finish = new[: i + 1], "stop"
-                break
-        n += len(new)
-        if finish is None and n >= max_new_tokens:
-            finish = "length"
+        new, n, finish = _commit(new, stops, n, max_new_tokens)
         yield RoundResult(tokens=new, accepted=len(new), proposed=length - 1, finish_reason=finish)

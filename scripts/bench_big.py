@@ -190,7 +190,7 @@ def run(be, prompt: list[int], truth: torch.Tensor, block: int, k: int, steps: i
                       "tau": sum(accepted) / max(len(accepted), 1), "tok_per_s": sum(accepted) / dt,
                       "diverged_at": first_difference(tokens, truth.tolist())}  # fmt: skip
     if prof is not None:
-        result.update(kernel_summary(prof, len(accepted)))
+        result.update(kernel_summary(prof, len(accepted), be.device.type == "cuda"))
     return result
 
 
@@ -206,22 +206,15 @@ def _profiler(device: torch.device):
     return profile(activities=acts)
 
 
-def kernel_summary(prof, steps: int) -> dict:
+def kernel_summary(prof, steps: int, cuda: bool) -> dict:
     """Device-busy ms per step (CUDA kernels, copies, memsets; on CPU top-level aten ops) and the
     10 kernels with the most device time per step [name, calls per step, us per step]."""
-    cuda = torch.autograd.DeviceType.CUDA
-    events = [e for e in prof.events() if e.device_type == cuda]
-    if not events:
-        events = [e for e in prof.events() if e.name.startswith("aten::") and e.cpu_parent is None]
-    by_name: dict[str, list] = {}
-    for e in events:
-        row = by_name.setdefault(e.name[:100], [e.name[:100], 0, 0.0])
-        row[1] += 1
-        row[2] += e.time_range.elapsed_us()
-    busy = sum(r[2] for r in by_name.values())
-    top = sorted(by_name.values(), key=lambda r: -r[2])[:10]
-    return {"busy_ms_per_step": busy / 1000 / max(steps, 1), "kernels_per_step": len(events) / max(steps, 1),
-            "top_kernels": [[n, round(c / steps, 2), round(t / steps, 1)] for n, c, t in top]}  # fmt: skip
+    from scripts.kernel_count import kernel_table
+
+    count, rows = kernel_table(prof, cuda, width=100)
+    busy = sum(r[2] for r in rows)
+    return {"busy_ms_per_step": busy / 1000 / max(steps, 1), "kernels_per_step": count / max(steps, 1),
+            "top_kernels": [[n, round(c / steps, 2), round(t / steps, 1)] for n, c, t in rows[:10]]}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -115,17 +115,23 @@ def count_kernels(fn, device: torch.device) -> tuple[int, list]:
     with profile(activities=acts) as prof:
         fn()
         sync(device)
-    if device.type == "cuda":
+    count, rows = kernel_table(prof, device.type == "cuda")
+    return count, [[n, c, round(t, 1)] for n, c, t in rows[:12]]
+
+
+def kernel_table(prof, cuda: bool, width: int = 120) -> tuple[int, list[list]]:
+    """Events of a finished torch.profiler run (CUDA kernels/copies/memsets, or on CPU top-level
+    aten ops) grouped by name: (event count, [name, calls, total us] by total time, descending)."""
+    if cuda:
         events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     else:
         events = [e for e in prof.events() if e.name.startswith("aten::") and e.cpu_parent is None]
     by_name: dict[str, list] = {}
     for e in events:
-        row = by_name.setdefault(e.name[:120], [e.name[:120], 0, 0.0])
+        row = by_name.setdefault(e.name[:width], [e.name[:width], 0, 0.0])
         row[1] += 1
         row[2] += e.time_range.elapsed_us()
-    top = sorted(by_name.values(), key=lambda r: -r[2])[:12]
-    return len(events), [[n, c, round(t, 1)] for n, c, t in top]
+    return len(events), sorted(by_name.values(), key=lambda r: -r[2])
 
 
 def measure(fn, device: torch.device, iters: int) -> dict:

@@ -99,13 +99,14 @@ class DeviceLoop:
         self.pos.add_(step)
         self.n.add_(step)
 
-    def draft_step(self, draft_fn) -> None:
+    def draft_step(self, draft_fn, ctx_pos: torch.Tensor | None = None) -> None:
         """Draft a block of width L at ``pos`` from the anchor ``tok``; proposals go to
-        ``props``. The draft re-reads the last L committed rows (clamped at 0 for short
-        prompts: a row written twice gets the same values)."""
+        ``props``. The draft reads the context rows ``ctx_pos``, by default the last L committed
+        rows (clamped at 0 for short prompts: a row written twice gets the same values)."""
         be = self.be
         block = torch.cat((self.tok, self.mask_ids))[None]  # [1, L]
-        ctx_pos = (self.pos - be.draft_block_size + self.arange[: be.draft_block_size]).clamp(min=0)
+        if ctx_pos is None:
+            ctx_pos = (self.pos - be.draft_block_size + self.arange[: be.draft_block_size]).clamp(min=0)
         proposals, _ = draft_fn(block, self.pos, ctx_pos)
         self.props.copy_(self.proposals_hook(proposals))
 
@@ -138,16 +139,11 @@ class DeviceLoop:
         ``first_draft``: the draft's first call after prefill reads every prompt row (eager)."""
         be = self.be
         if block_size > 1:
-            if first_draft:
-                block = torch.cat((self.tok, self.mask_ids))[None]
-                with torch.inference_mode():
-                    proposals, _ = be._draft_forward(block, self.pos, be.key_pos[: be._prompt_len])
-                    self.props.copy_(self.proposals_hook(proposals))
-            elif be.use_graphs:
+            if be.use_graphs and not first_draft:
                 be._device_graph("ddraft", self.width)[0].replay()
-            else:
+            else:  # eager; the first call after prefill reads every prompt row
                 with torch.inference_mode():
-                    self.draft_step(be._draft_forward)
+                    self.draft_step(be._draft_forward, be.key_pos[: be._prompt_len] if first_draft else None)
         width = be.plan.verify_width(block_size)
         if be.use_graphs:
             be._device_graph("dverify", width)[0].replay()
