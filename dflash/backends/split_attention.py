@@ -144,7 +144,8 @@ def split_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch
         q: [1, H, T, D] queries (any strides with a unit last stride).
         k, v: [1, Hkv, S, D] contiguous caches; S a multiple of ``split``.
         split: keys per program (a multiple of 64).
-        pos: [T] int64 positions of the query rows, ascending by one (the last is the largest).
+        pos: [T] int64 positions of the query rows, ascending (the last is the largest); row t
+            sees keys at positions <= pos[t].
         scale: softmax scale (e.g. 1/sqrt(D)).
     Returns:
         o [Hkv, S/split, R, D] float32 and lse [Hkv, S/split, R] float32 (R >= G*T rows:
@@ -201,7 +202,9 @@ def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torc
     Args:
         q: [1, H, T, D]; k, v: [1, Hkv, S, D] caches indexed by position (S a multiple of
         the split size, :func:`split_size`); pos: [T] int64 positions of the query rows
-        (consecutive, ascending); scale: None = 1/sqrt(D).
+        (ascending; the last is the largest: keys at positions > pos[-1] are never read);
+        scale: None = 1/sqrt(D). Non-causal rows (a draft block that sees all of itself):
+        give every row the block's last position.
     Returns:
         [1, H, T, D] in q's dtype.
 
@@ -209,6 +212,9 @@ def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torc
         InputError: a bad ``DFLASH_ATTN_SPLIT``.
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if triton is None or (q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1"):
+        # no kernel here (CPU, Triton absent or not interpreting): the same algorithm in torch
+        return split_attention_reference(q, k, v, pos, scale, split_size(k.shape[2]))
     o, lse = _partials_op(q, k, v, pos, float(scale), split_size(k.shape[2]))
     return merge_partials(o, lse, q.shape[1], q.shape[2], q.dtype)
 

@@ -213,13 +213,19 @@ def target_forward_fused(be, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tens
 
 
 def draft_forward_fused(draft, fused, block_embeds, target_hidden, q_pos, ctx_pos, cache, masks,
-                        pack_gqa: bool = False):  # fmt: skip
+                        pack_gqa: bool = False, split_kinds=frozenset()):  # fmt: skip
     """:meth:`DFlashDraft.forward` for the static cache with fused projections.
 
     Context and block rows go through one QKV matmul ([Tc + L] rows; the context rows' Q is
     computed and dropped, cheaper than a second launch). Args as the draft's forward, with
     ``cache`` a StaticDraftCache (``write_pos`` set) and ``masks`` given (bool, not None);
     ``pack_gqa`` as :func:`attend`. Returns [1, L, H].
+
+    ``split_kinds``: layer types whose block rows see every context row and the whole block
+    (no causal rule, no window). Those layers write the block's K/V into the cache at the block's
+    positions (rows the next call's context write overwrites before any query can read them as
+    context) and attend with the split-KV kernel over the rows < start + L, instead of SDPA over
+    the whole capacity with a mask (:mod:`dflash.backends.split_attention`).
     """
     cfg, tc, lq = draft.config, target_hidden.shape[1], block_embeds.shape[1]
     groups = cfg.num_attention_heads // cfg.num_key_value_heads
@@ -230,6 +236,7 @@ def draft_forward_fused(draft, fused, block_embeds, target_hidden, q_pos, ctx_po
     cos, sin = rope_cos_sin(torch.cat((ctx_pos, q_pos), 1), draft.inv_freq, draft.rope_scale,
                             block_embeds.dtype)  # [1, 1, Tc + L, D], shared by layers  # fmt: skip
     h = block_embeds
+    see = q_pos[0, -1:].expand(lq) if split_kinds else None  # [L] every row sees keys < start + L
     for i, layer in enumerate(draft.layers):
         a, (qkv, gate_up) = layer.self_attn, fused[i]
         d = a.head_dim
@@ -239,8 +246,13 @@ def draft_forward_fused(draft, fused, block_embeds, target_hidden, q_pos, ctx_po
         k = _rotate(a.k_norm(k.view(1, tc + lq, a.kv_heads, d).transpose(1, 2)), cos, sin)
         v = v.view(1, tc + lq, a.kv_heads, d).transpose(1, 2)
         kc, vc = cache.append(i, k[:, :, :tc], v[:, :, :tc])
-        k, v = torch.cat((kc, k[:, :, tc:]), 2), torch.cat((vc, v[:, :, tc:]), 2)
-        out = attend(q, k, v, masks[cfg.layer_types[i]], None, packed)
+        if cfg.layer_types[i] in split_kinds:
+            kc.index_copy_(2, q_pos[0], k[:, :, tc:])
+            vc.index_copy_(2, q_pos[0], v[:, :, tc:])
+            out = split_attention(q, kc, vc, see, None)
+        else:
+            k, v = torch.cat((kc, k[:, :, tc:]), 2), torch.cat((vc, v[:, :, tc:]), 2)
+            out = attend(q, k, v, masks[cfg.layer_types[i]], None, packed)
         h = h + a.o_proj(out.transpose(1, 2).reshape(1, lq, a.heads * d))
         g, u = gate_up(layer.post_attention_layernorm(h))
         h = h + layer.mlp.down_proj(F.silu(g) * u)

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash.backends.graph_plan import inductor_cache_dir, plan_graphs, warm_replays
-from dflash.backends.split_attention import attention_mode
+from dflash.backends.split_attention import SPLIT_MAX_ROWS, attention_mode
 from dflash.backends.static_fused import (
     draft_forward_fused,
     fuse_default,
@@ -133,8 +133,9 @@ class StaticBackend(TransformersBackend):
         self.fused_target = fuse_target(target) if fuse else None
         self.fused_draft = fuse_draft(draft) if fuse and draft is not None else None
         self.pack_gqa = pack_gqa_default() if pack_gqa is None else pack_gqa
-        # the target's attention in the fused forward: split-KV kernel over the filled rows or
-        # SDPA with a position mask (see dflash.backends.split_attention.attention_mode)
+        # the fused forwards' attention (target; the draft's all-visible layers when the draft is
+        # fused too): split-KV kernel over the filled rows or SDPA with a position mask (see
+        # dflash.backends.split_attention.attention_mode)
         self.attention = attention_mode(device) if self.fused_target is not None else "sdpa"
         self.capacity = 0
         if device_loop is None:
@@ -255,8 +256,11 @@ class StaticBackend(TransformersBackend):
                  for kind, rule in rules.items()}  # fmt: skip
         embeds, ctx = F.embedding(block, self.embed_weight), self.feats[ctx_pos][None]
         if self.fused_draft is not None:
+            split = length <= SPLIT_MAX_ROWS and (self.attention == "split" or
+                                                  (self.attention == "auto" and length > 1))  # fmt: skip
+            kinds = frozenset(kind for kind, rule in rules.items() if rule is None) if split else frozenset()
             h = draft_forward_fused(self.draft_model, self.fused_draft, embeds, ctx, q_pos, ctx_pos[None],
-                                    self.dcache, masks, self.pack_gqa)  # fmt: skip
+                                    self.dcache, masks, self.pack_gqa, kinds)  # fmt: skip
         else:
             h = self.draft_model(embeds, ctx, q_pos, ctx_pos[None], cache=self.dcache, masks=masks)
         logits = self.lm_head(h[0, 1:])  # [L-1, V]
