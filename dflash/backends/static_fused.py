@@ -29,6 +29,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from dflash.backends.small_linear import MAX_ROWS as LINEAR_MAX_ROWS
+from dflash.backends.small_linear import small_linear
 from dflash.backends.split_attention import SPLIT_MAX_ROWS, split_attention
 from dflash.models.draft_torch import rope_cos_sin
 
@@ -163,6 +165,43 @@ def fuse_draft(draft) -> list[tuple[FusedLinear, FusedLinear]] | None:
              fuse_linears((layer.mlp.gate_proj, layer.mlp.up_proj))) for layer in draft.layers]  # fmt: skip
 
 
+def _rms_norm(m) -> bool:
+    """Whether ``m`` is a plain (Llama/Qwen) RMSNorm: ``weight * (x * rstd).to(dtype)``."""
+    return (type(m).__name__ in ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
+            and isinstance(getattr(m, "weight", None), torch.Tensor) and hasattr(m, "variance_epsilon"))  # fmt: skip
+
+
+def _is_silu(act) -> bool:
+    """Whether the activation module computes SiLU (checked on a probe; HF wraps it in its own
+    classes, which differ between versions)."""
+    if not callable(act) or any(True for _ in getattr(act, "parameters", lambda: ())()):
+        return False
+    probe = torch.linspace(-6.0, 6.0, 97)
+    try:
+        return torch.equal(act(probe), F.silu(probe))
+    except Exception:  # noqa: BLE001 - a custom activation may reject a CPU tensor
+        return False
+
+
+def small_linear_fits(target) -> bool:
+    """Whether the fused target forward can run its projections through
+    :func:`~dflash.backends.small_linear.small_linear` (norms, SwiGLU and residuals fused in):
+    plain RMSNorms, SiLU gates, dense row-major linears and LM head, all of one dtype."""
+    inner, head = target.model, target.get_output_embeddings()
+    mods = [inner.norm, head]
+    for layer in inner.layers:
+        a, m = layer.self_attn, layer.mlp
+        if not (_rms_norm(layer.input_layernorm) and _rms_norm(layer.post_attention_layernorm)
+                and _is_silu(getattr(m, "act_fn", None))
+                and fusable(a.o_proj) and fusable(m.down_proj)):  # fmt: skip
+            return False
+        mods += [layer.input_layernorm, layer.post_attention_layernorm, a.o_proj, m.down_proj]
+    if not (_rms_norm(inner.norm) and fusable(head)):
+        return False
+    return (len({mod.weight.dtype for mod in mods}) == 1
+            and all(mod.weight.stride(-1) == 1 for mod in mods))  # fmt: skip
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), -1) * sin
@@ -182,10 +221,16 @@ def target_forward_fused(be, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tens
     packed = be.pack_gqa and be.heads != be.kv_heads and not split
     if packed:
         mask = pack_mask(mask, be.heads // be.kv_heads, t)  # [1, 1, G*T, S], once
+    lin = t <= LINEAR_MAX_ROWS and getattr(be, "linear", "torch") == "auto"  # norms etc. fused in
     slots: list[torch.Tensor] = [None] * len(be.layer_ids)  # type: ignore[list-item]
     for i, layer in enumerate(be.target.model.layers):
         a, (qkv, gate_up) = layer.self_attn, be.fused_target[i]
-        q, k, v = qkv(layer.input_layernorm(x))
+        if lin:
+            n1 = layer.input_layernorm
+            q, k, v = small_linear(x[0], qkv.weight, qkv.bias, n1.weight, None, n1.variance_epsilon
+                                   )[None].split(qkv.sizes, dim=-1)  # fmt: skip
+        else:
+            q, k, v = qkv(layer.input_layernorm(x))
         q, k = q.view(1, t, be.heads, hd), k.view(1, t, be.kv_heads, hd)
         if hasattr(a, "q_norm"):  # Qwen3
             q, k = a.q_norm(q), a.k_norm(k)
@@ -197,16 +242,27 @@ def target_forward_fused(be, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tens
             o = split_attention(q, be.k[i], be.v[i], pos[0], a.scaling)
         else:
             o = attend(q, be.k[i], be.v[i], mask, a.scaling, packed)
-        x = x + a.o_proj(o.transpose(1, 2).reshape(1, t, be.heads * hd))
-        g, u = gate_up(layer.post_attention_layernorm(x))
-        x = x + layer.mlp.down_proj(layer.mlp.act_fn(g) * u)
+        o = o.transpose(1, 2).reshape(1, t, be.heads * hd)
+        if lin:  # o_proj + residual; norm + gate_up; silu(g) * u + down_proj + residual
+            n2, down = layer.post_attention_layernorm, layer.mlp.down_proj
+            x = small_linear(o[0], a.o_proj.weight, a.o_proj.bias, residual=x[0])
+            gu = small_linear(x, gate_up.weight, gate_up.bias, n2.weight, None, n2.variance_epsilon)
+            x = small_linear(gu, down.weight, down.bias, residual=x, glu=True)[None]
+        else:
+            x = x + a.o_proj(o)
+            g, u = gate_up(layer.post_attention_layernorm(x))
+            x = x + layer.mlp.down_proj(layer.mlp.act_fn(g) * u)
         if i < be.n_layers - 1:
             for n in be.feature_layers.get(i, ()):
                 slots[n] = x[0]
-    x = be.target.model.norm(x)
-    for n in be.feature_layers.get(be.n_layers - 1, ()):  # HF's hidden_states[N] is final-normed
-        slots[n] = x[0]
-    logits = be.lm_head(x)[0]  # [T, V]
+    norm, head = be.target.model.norm, be.lm_head
+    if lin and not be.feature_layers.get(be.n_layers - 1):  # final norm inside the LM head
+        logits = small_linear(x[0], head.weight, head.bias, norm.weight, None, norm.variance_epsilon)
+    else:
+        x = norm(x)
+        for n in be.feature_layers.get(be.n_layers - 1, ()):  # HF's hidden_states[N] is final-normed
+            slots[n] = x[0]
+        logits = head(x)[0]  # [T, V]
     if be.layer_ids:
         be.feats.index_copy_(0, pos[0], torch.cat(slots, dim=-1))
     return logits

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash.backends.graph_plan import inductor_cache_dir, plan_graphs, warm_replays
+from dflash.backends.small_linear import linear_mode
 from dflash.backends.split_attention import SPLIT_MAX_ROWS, attention_mode
 from dflash.backends.static_fused import (
     draft_forward_fused,
@@ -31,6 +32,7 @@ from dflash.backends.static_fused import (
     fuse_draft,
     fuse_target,
     pack_gqa_default,
+    small_linear_fits,
     target_forward_fused,
 )
 from dflash.backends.static_loop import DeviceLoop, device_loop_default
@@ -137,6 +139,10 @@ class StaticBackend(TransformersBackend):
         # fused too): split-KV kernel over the filled rows or SDPA with a position mask (see
         # dflash.backends.split_attention.attention_mode)
         self.attention = attention_mode(device) if self.fused_target is not None else "sdpa"
+        # the fused target forward's projections for <= 32 rows: one Triton kernel each with the
+        # RMSNorms, SwiGLU and residual adds fused in, or torch (see dflash.backends.small_linear)
+        fits = self.fused_target is not None and small_linear_fits(target)
+        self.linear = linear_mode(device) if fits else "torch"
         self.capacity = 0
         if device_loop is None:
             device_loop = device_loop_default() and self.use_graphs
@@ -411,4 +417,4 @@ class StaticBackend(TransformersBackend):
                 "pack_gqa": self.pack_gqa and self.fused_target is not None,
                 "verify_widths": list(self.plan.verify_widths),
                 "device_loop": self.device_loop is not None,
-                "attention": self.attention}  # fmt: skip
+                "attention": self.attention, "linear": self.linear}  # fmt: skip

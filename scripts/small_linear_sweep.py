@@ -1,0 +1,105 @@
+"""Time the fused few-row linear (dflash.backends.small_linear) against cuBLAS on the GPU.
+
+    PYTHONPATH=. python3 scripts/small_linear_sweep.py [--out DIR] [--shapes smollm2,qwen3-8b]
+
+For each projection of a decoder layer (demo target and Qwen3-8B dims) and M = 1 and 16 rows,
+times in CUDA graphs of 50 back-to-back calls (so launch gaps count as they do in a decode step):
+``F.linear`` alone (cuBLAS, the torch path's matmul without its norm/residual kernels), the
+kernel with the built-in config, and a small sweep of configs. Writes small_linear_sweep.json
+(incrementally) with the best config per shape. Needs CUDA and Triton.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from dflash.backends import small_linear as sl
+
+SHAPES = {  # name -> (N, K, prologue, residual): prologue "norm", "glu" or None
+    "smollm2": {"qkv": (960, 576, "norm", False), "o": (576, 576, None, True),
+                "gate_up": (3072, 576, "norm", False), "down": (576, 1536, "glu", True),
+                "lm_head": (49152, 576, "norm", False)},
+    "qwen3-8b": {"qkv": (6144, 4096, "norm", False), "o": (4096, 4096, None, True),
+                 "gate_up": (24576, 4096, "norm", False), "down": (4096, 12288, "glu", True),
+                 "lm_head": (151936, 4096, "norm", False)},
+}  # fmt: skip
+CONFIGS = [(bn, bk, w, st) for bn in (16, 32, 64) for bk in (128, 256, 512) for w in (4, 8) for st in (2, 4)]
+
+
+def time_us(fn, calls: int = 50, reps: int = 10) -> float:
+    """Mean microseconds per call of ``fn`` replayed in a CUDA graph of ``calls`` calls."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        g.replay()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) * 1000 / (calls * reps)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "sweep_out"))
+    ap.add_argument("--shapes", default="smollm2,qwen3-8b")
+    ap.add_argument("--rows", default="1,16")
+    args = ap.parse_args()
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report: dict = {"device": torch.cuda.get_device_name(dev), "results": []}
+    for shape in args.shapes.split(","):
+        for name, (n, k, pro, res) in SHAPES[shape].items():
+            kin = 2 * k if pro == "glu" else k
+            w = torch.randn(n, k, device=dev, dtype=dt) * 0.02
+            nw = torch.ones(k, device=dev, dtype=dt) if pro == "norm" else None
+            for m in (int(r) for r in args.rows.split(",")):
+                x = torch.randn(m, kin, device=dev, dtype=dt)
+                r = torch.randn(m, n, device=dev, dtype=dt) if res else None
+                xin = torch.randn(m, k, device=dev, dtype=dt)
+                call = functools.partial(sl._launch, x, w, None, nw, r, 1e-5, pro == "glu")
+                row = {"shape": shape, "name": name, "m": m, "n": n, "k": k,
+                       "cublas_us": time_us(functools.partial(F.linear, xin, w))}  # fmt: skip
+                want = sl.small_linear_reference(x, w, None, nw, r, 1e-5, pro == "glu")
+                os.environ.pop(sl.CONFIG_ENV, None)
+                got = call()
+                row["max_err"] = (got.float() - want.float()).abs().max().item()
+                row["default_cfg"] = sl.kernel_config(m, n, k)[1:]
+                row["default_us"] = time_us(call)
+                sweep = []
+                for cfg in CONFIGS:
+                    os.environ[sl.CONFIG_ENV] = ",".join(map(str, cfg))
+                    try:
+                        sweep.append((time_us(call), cfg))
+                    except Exception as e:  # noqa: BLE001 - a config may not fit (registers, smem)
+                        sweep.append((float("inf"), cfg))
+                        print(f"{name} m={m} {cfg}: {type(e).__name__}", flush=True)
+                os.environ.pop(sl.CONFIG_ENV, None)
+                sweep.sort()
+                row["best_us"], row["best_cfg"] = sweep[0]
+                row["top5"] = sweep[:5]
+                report["results"].append(row)
+                print(json.dumps({kk: v for kk, v in row.items() if kk != "top5"}), flush=True)
+                (out / "small_linear_sweep.json").write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
