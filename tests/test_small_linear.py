@@ -66,8 +66,8 @@ def test_switches_and_configs(monkeypatch):
 
 
 def test_static_backend_with_fused_linears_decodes_greedy(tiny_target):
-    """The fused target forward with small_linear (reference maths off CUDA) keeps plain greedy
-    tokens at block 1 and 16, host and device loop, with the same per-step acceptance."""
+    """The fused target and draft forwards with small_linear (reference maths off CUDA) keep plain
+    greedy tokens at block 1 and 16, host and device loop, with the same per-step acceptance."""
     from dflash.backends.static_torch import StaticBackend
     from dflash.loop import speculative_generate
     from tests.conftest import make_draft
@@ -81,8 +81,8 @@ def test_static_backend_with_fused_linears_decodes_greedy(tiny_target):
             for linear in ("torch", "auto"):
                 be = StaticBackend(tiny_target, draft, torch.device("cpu"), use_graphs=False,
                                    device_loop=device_loop)  # fmt: skip
-                assert be.linear == "torch"  # CPU default
-                be.linear = linear
+                assert be.linear == "torch" and not be.draft_linear  # CPU default
+                be.linear, be.draft_linear = linear, linear == "auto"
                 rounds = list(speculative_generate(be, PROMPT, block_size=block, max_new_tokens=40))
                 runs.append(([t for r in rounds for t in r.tokens], [r.accepted for r in rounds[1:]]))
             assert runs[1][0] == truth
@@ -90,9 +90,12 @@ def test_static_backend_with_fused_linears_decodes_greedy(tiny_target):
 
 
 def test_fits_only_plain_llama_layers(tiny_target):
-    from dflash.backends.static_fused import small_linear_fits
+    from dflash.backends.static_fused import draft_small_linear_fits, small_linear_fits
+    from tests.conftest import make_draft
 
     assert small_linear_fits(tiny_target)
+    assert draft_small_linear_fits(make_draft(tiny_target), tiny_target.lm_head)
+    assert not draft_small_linear_fits(make_draft(tiny_target).to(torch.bfloat16), tiny_target.lm_head)
     act = tiny_target.model.layers[0].mlp.act_fn
     tiny_target.model.layers[0].mlp.act_fn = torch.nn.GELU()
     try:
@@ -130,7 +133,7 @@ KERNEL_CHECK = textwrap.dedent("""
                       tie_word_embeddings=False, initializer_range=0.3)
     target = LlamaForCausalLM(cfg).eval()
     be = StaticBackend(target, make_draft(target), torch.device("cpu"), use_graphs=False, device_loop=True)
-    be.linear = "auto"
+    be.linear, be.draft_linear = "auto", True
     truth = greedy_reference(target, PROMPT, 24)
     for block in (1, 16):
         toks = [t for r in speculative_generate(be, PROMPT, block_size=block, max_new_tokens=24)
@@ -149,3 +152,19 @@ def test_triton_kernel_in_interpreter():
     out = subprocess.run([sys.executable, "-c", KERNEL_CHECK], cwd=REPO, env=env, capture_output=True,
                          text=True, timeout=600)  # fmt: skip
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+def test_draft_logits_with_fused_linears_match(tiny_target):
+    """The draft's logits through small_linear (final norm in the LM head) equal the module path's
+    at a first and a second step."""
+    from dflash.backends.static_torch import StaticBackend
+    from tests.test_static_backend import PROMPT, _custom_draft, _draft_twice
+
+    draft = _custom_draft(tiny_target)
+    outs = []
+    for lin in (False, True):
+        be = StaticBackend(tiny_target, draft, torch.device("cpu"), use_graphs=False)
+        be.draft_linear = lin
+        outs.append(_draft_twice(be, PROMPT * 3))
+    for a, b in zip(*outs, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

@@ -269,7 +269,7 @@ def target_forward_fused(be, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tens
 
 
 def draft_forward_fused(draft, fused, block_embeds, target_hidden, q_pos, ctx_pos, cache, masks,
-                        pack_gqa: bool = False, split_kinds=frozenset()):  # fmt: skip
+                        pack_gqa: bool = False, split_kinds=frozenset(), lin: bool = False):  # fmt: skip
     """:meth:`DFlashDraft.forward` for the static cache with fused projections.
 
     Context and block rows go through one QKV matmul ([Tc + L] rows; the context rows' Q is
@@ -282,6 +282,10 @@ def draft_forward_fused(draft, fused, block_embeds, target_hidden, q_pos, ctx_po
     positions (rows the next call's context write overwrites before any query can read them as
     context) and attend with the split-KV kernel over the rows < start + L, instead of SDPA over
     the whole capacity with a mask (:mod:`dflash.backends.split_attention`).
+
+    ``lin``: o_proj + residual, norm + gate_up and SwiGLU + down_proj + residual run as
+    :func:`~dflash.backends.small_linear.small_linear` kernels, and the final norm is left to the
+    caller (fused into the LM head): the result is then the un-normed [1, L, H].
     """
     cfg, tc, lq = draft.config, target_hidden.shape[1], block_embeds.shape[1]
     groups = cfg.num_attention_heads // cfg.num_key_value_heads
@@ -309,7 +313,26 @@ def draft_forward_fused(draft, fused, block_embeds, target_hidden, q_pos, ctx_po
         else:
             k, v = torch.cat((kc, k[:, :, tc:]), 2), torch.cat((vc, v[:, :, tc:]), 2)
             out = attend(q, k, v, masks[cfg.layer_types[i]], None, packed)
-        h = h + a.o_proj(out.transpose(1, 2).reshape(1, lq, a.heads * d))
-        g, u = gate_up(layer.post_attention_layernorm(h))
-        h = h + layer.mlp.down_proj(F.silu(g) * u)
-    return draft.norm(h)
+        out = out.transpose(1, 2).reshape(1, lq, a.heads * d)
+        if lin:
+            n2, down = layer.post_attention_layernorm, layer.mlp.down_proj
+            h = small_linear(out[0], a.o_proj.weight, a.o_proj.bias, residual=h[0])
+            gu = small_linear(h, gate_up.weight, gate_up.bias, n2.weight, None, n2.eps)
+            h = small_linear(gu, down.weight, down.bias, residual=h, glu=True)[None]
+        else:
+            h = h + a.o_proj(out)
+            g, u = gate_up(layer.post_attention_layernorm(h))
+            h = h + layer.mlp.down_proj(F.silu(g) * u)
+    return h if lin else draft.norm(h)
+
+
+def draft_small_linear_fits(draft, head) -> bool:
+    """Whether :func:`draft_forward_fused` can run with ``lin`` (dense linears and LM head of
+    the draft's norms' dtype, row-major)."""
+    mods = [head, draft.norm]
+    for layer in draft.layers:
+        if not (fusable(layer.self_attn.o_proj) and fusable(layer.mlp.down_proj)):
+            return False
+        mods += [layer.self_attn.o_proj, layer.mlp.down_proj, layer.post_attention_layernorm]
+    return fusable(head) and len({m.weight.dtype for m in mods}) == 1 and all(
+        m.weight.stride(-1) == 1 for m in mods)  # fmt: skip
