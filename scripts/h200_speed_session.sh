@@ -9,7 +9,7 @@
 #   5 bench      [.stage/t5/ae]  gsm8k 64 (bf16, compile, parity) and one single generate;
 #                results in $OUT (b-gsm8k.jsonl / .txt, generate.json)
 set -u
-phase=${1:?usage: h200_speed_session.sh stage1|stage PART|bench}
+phase=${1:?usage: h200_speed_session.sh stage1|stage PART|bench|kernels|big8b}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 DFLASH_CACHE=/tmp/dflash-cache
 OUT=${OUT:-/tmp/h200-out}; mkdir -p "$OUT"
 W=/tmp/demo; mkdir -p "$W/stage"
@@ -39,6 +39,22 @@ bench)
   timeout 90 python3 -m dflash generate transformers --model "$GGUF" --draft "$D" "$P" --block-size 16 \
     --max-new-tokens 256 --json > "$OUT/generate.json" 2> "$OUT/generate.err"
   python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print({k: r[k] for k in ('decode_tok_per_s','decode_s','ttft_s','warmup_s','verify_steps','new_tokens')})" "$OUT/generate.json" || tail -n 3 "$OUT/generate.err"
+  ;;
+kernels)  # random SmolLM2-shaped pair: fused linears on/off side by side, then the config sweep
+  BB=(python3 scripts/bench_big.py --shape smollm2 --prompt-len 160 --blocks 1,16)
+  timeout 200 "${BB[@]}" --profile --out /tmp/bb-lin > "$OUT/bb-smol-lin.log" 2>&1
+  cp /tmp/bb-lin/bench_big.json "$OUT/bench_big-smol-lin.json"; tail -n 2 "$OUT/bb-smol-lin.log"
+  DFLASH_LINEAR=torch timeout 150 "${BB[@]}" --out /tmp/bb-torch > "$OUT/bb-smol-torch.log" 2>&1
+  cp /tmp/bb-torch/bench_big.json "$OUT/bench_big-smol-torch.json"; tail -n 2 "$OUT/bb-smol-torch.log"
+  timeout "${SWEEP_S:-200}" python3 scripts/small_linear_sweep.py --out /tmp/sweep > "$OUT/sweep.log" 2>&1
+  cp /tmp/sweep/small_linear_sweep.json "$OUT/"; tail -n 3 "$OUT/sweep.log"
+  ;;
+big8b)  # Qwen3-8B-shaped pair: fused linears on/off
+  BB=(python3 scripts/bench_big.py --shape qwen3-8b --blocks 1,16 --steps 16)
+  timeout 280 "${BB[@]}" --profile --out /tmp/bb8-lin > "$OUT/bb-q8b-lin.log" 2>&1
+  cp /tmp/bb8-lin/bench_big.json "$OUT/bench_big-q8b-lin.json"; tail -n 2 "$OUT/bb-q8b-lin.log"
+  DFLASH_LINEAR=torch timeout 250 "${BB[@]}" --out /tmp/bb8-torch > "$OUT/bb-q8b-torch.log" 2>&1
+  cp /tmp/bb8-torch/bench_big.json "$OUT/bench_big-q8b-torch.json"; tail -n 2 "$OUT/bb-q8b-torch.log"
   ;;
 *) echo "unknown phase $phase"; exit 2 ;;
 esac
