@@ -22,13 +22,13 @@ import torch.nn.functional as F
 
 from dflash.backends import small_linear as sl
 
-SHAPES = {  # name -> (N, K, prologue, residual): prologue "norm", "glu" or None
-    "smollm2": {"qkv": (960, 576, "norm", False), "o": (576, 576, None, True),
-                "gate_up": (3072, 576, "norm", False), "down": (576, 1536, "glu", True),
-                "lm_head": (49152, 576, "norm", False)},
-    "qwen3-8b": {"qkv": (6144, 4096, "norm", False), "o": (4096, 4096, None, True),
-                 "gate_up": (24576, 4096, "norm", False), "down": (4096, 12288, "glu", True),
-                 "lm_head": (151936, 4096, "norm", False)},
+SHAPES = {  # name -> (N weight rows, K, norm prologue, SwiGLU epilogue, residual)
+    "smollm2": {"qkv": (960, 576, True, False, False), "o": (576, 576, False, False, True),
+                "gate_up": (3072, 576, True, True, False), "down": (576, 1536, False, False, True),
+                "lm_head": (49152, 576, True, False, False)},
+    "qwen3-8b": {"qkv": (6144, 4096, True, False, False), "o": (4096, 4096, False, False, True),
+                 "gate_up": (24576, 4096, True, True, False), "down": (4096, 12288, False, False, True),
+                 "lm_head": (151936, 4096, True, False, False)},
 }  # fmt: skip
 CONFIGS = [(bn, bk, w, st) for bn in (16, 32, 64) for bk in (128, 256, 512) for w, st in ((4, 2), (4, 4), (8, 3))]
 
@@ -67,22 +67,20 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     report: dict = {"device": torch.cuda.get_device_name(dev), "results": []}
     for shape in args.shapes.split(","):
-        for name, (n, k, pro, res) in SHAPES[shape].items():
-            kin = 2 * k if pro == "glu" else k
+        for name, (n, k, norm, glu, res) in SHAPES[shape].items():
             w = torch.randn(n, k, device=dev, dtype=dt) * 0.02
-            nw = torch.ones(k, device=dev, dtype=dt) if pro == "norm" else None
+            nw = torch.ones(k, device=dev, dtype=dt) if norm else None
             for m in (int(r) for r in args.rows.split(",")):
-                x = torch.randn(m, kin, device=dev, dtype=dt)
-                r = torch.randn(m, n, device=dev, dtype=dt) if res else None
-                xin = torch.randn(m, k, device=dev, dtype=dt)
-                call = functools.partial(sl._launch, x, w, None, nw, r, 1e-5, pro == "glu")
+                x = torch.randn(m, k, device=dev, dtype=dt)
+                r = torch.randn(m, n // 2 if glu else n, device=dev, dtype=dt) if res else None
+                call = functools.partial(sl._launch, x, w, None, nw, r, 1e-5, glu)
                 row = {"shape": shape, "name": name, "m": m, "n": n, "k": k,
-                       "cublas_us": time_us(functools.partial(F.linear, xin, w))}  # fmt: skip
-                want = sl.small_linear_reference(x, w, None, nw, r, 1e-5, pro == "glu")
+                       "cublas_us": time_us(functools.partial(F.linear, x, w))}  # fmt: skip
+                want = sl.small_linear_reference(x, w, None, nw, r, 1e-5, glu)
                 os.environ.pop(sl.CONFIG_ENV, None)
                 got = call()
                 row["max_err"] = (got.float() - want.float()).abs().max().item()
-                row["default_cfg"] = sl.kernel_config(m, n, k)[1:]
+                row["default_cfg"] = sl.kernel_config(m, n // 2 if glu else n, k)[1:]
                 row["default_us"] = time_us(call)
                 sweep = []
                 for cfg in CONFIGS:

@@ -32,7 +32,7 @@ def _norm(k, eps, dtype, seed=1):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_reference_rounds_like_the_modules(dtype):
-    """Bit for bit: norm -> linear, linear + residual, silu(g) * u -> linear + residual."""
+    """Bit for bit: norm -> linear, linear + residual, norm -> gate+up -> silu(g) * u + residual."""
     g = torch.Generator().manual_seed(0)
     x, res = torch.randn(3, 64, generator=g).to(dtype), torch.randn(3, 40, generator=g).to(dtype)
     lin = torch.nn.Linear(64, 40, bias=True).to(dtype)
@@ -41,9 +41,10 @@ def test_reference_rounds_like_the_modules(dtype):
                        lin(norm(x)))  # fmt: skip
     assert torch.equal(sl.small_linear_reference(x, lin.weight, None, residual=res),
                        res + F.linear(x, lin.weight))  # fmt: skip
-    gu = torch.randn(3, 128, generator=g).to(dtype)
-    assert torch.equal(sl.small_linear_reference(gu, lin.weight, lin.bias, residual=res, glu=True),
-                       res + lin(F.silu(gu[:, :64]) * gu[:, 64:]))  # fmt: skip
+    gate_up = torch.nn.Linear(64, 80, bias=True).to(dtype)
+    gu = gate_up(norm(x))
+    assert torch.equal(sl.small_linear_reference(x, gate_up.weight, gate_up.bias, norm.weight, res, 1e-5, True),
+                       res + F.silu(gu[:, :40]) * gu[:, 40:])  # fmt: skip
     # off CUDA the public function is the reference
     assert torch.equal(sl.small_linear(x, lin.weight, lin.bias, norm.weight, res, 1e-5),
                        sl.small_linear_reference(x, lin.weight, lin.bias, norm.weight, res, 1e-5))  # fmt: skip
@@ -55,9 +56,8 @@ def test_switches_and_configs(monkeypatch):
     with pytest.raises(InputError, match="DFLASH_LINEAR must be auto or torch"):
         sl.linear_mode(torch.device("cuda"))
     monkeypatch.delenv("DFLASH_LINEAR")
-    bm, bn, bk, _, _ = sl.kernel_config(1, 960, 576)
-    assert (bm, bn, bk) == (16, 16, 256)
-    assert sl.kernel_config(20, 151936, 4096)[:3] == (32, 64, 256)
+    assert sl.kernel_config(1, 960, 576) == (16, 16, 128, 4, 4)
+    assert sl.kernel_config(20, 151936, 4096) == (32, 64, 256, 8, 3)
     monkeypatch.setenv("DFLASH_LINEAR_CONFIG", "32,128,8,4")
     assert sl.kernel_config(1, 960, 576) == (16, 32, 128, 8, 4)
     monkeypatch.setenv("DFLASH_LINEAR_CONFIG", "32,128")
@@ -112,12 +112,12 @@ KERNEL_CHECK = textwrap.dedent("""
     g = torch.Generator().manual_seed(0)
     for m, n, k in ((1, 48, 64), (3, 100, 96), (16, 40, 300), (20, 33, 64), (32, 64, 16)):
         x = torch.randn(m, k, generator=g)
-        gu = torch.randn(m, 2 * k, generator=g)
         w, b = torch.randn(n, k, generator=g) / k**0.5, torch.randn(n, generator=g)
+        w2, b2 = torch.randn(2 * n, k, generator=g) / k**0.5, torch.randn(2 * n, generator=g)
         res, nw = torch.randn(m, n, generator=g), _norm(k, 1e-5, torch.float32).weight.detach()
         for args in ((x, w, None, None, None, 1e-5, False), (x, w, b, nw, None, 1e-5, False),
-                     (x, w, None, None, res, 0.0, False), (gu, w, b, None, res, 0.0, True),
-                     (x, w, b, nw, res, 1e-5, False)):
+                     (x, w, None, None, res, 0.0, False), (x, w2, b2, nw, None, 1e-5, True),
+                     (x, w2, None, None, res, 0.0, True), (x, w, b, nw, res, 1e-5, False)):
             got, want = sl.small_linear(*args), sl.small_linear_reference(*args)
             err = (got - want).abs().max().item()
             assert got.shape == want.shape and err < 1e-4, (m, n, k, args[2:4], err)

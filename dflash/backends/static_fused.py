@@ -243,11 +243,11 @@ def target_forward_fused(be, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tens
         else:
             o = attend(q, be.k[i], be.v[i], mask, a.scaling, packed)
         o = o.transpose(1, 2).reshape(1, t, be.heads * hd)
-        if lin:  # o_proj + residual; norm + gate_up; silu(g) * u + down_proj + residual
+        if lin:  # o_proj + residual; norm + gate_up + silu(g) * u; down_proj + residual
             n2, down = layer.post_attention_layernorm, layer.mlp.down_proj
             x = small_linear(o[0], a.o_proj.weight, a.o_proj.bias, residual=x[0])
-            gu = small_linear(x, gate_up.weight, gate_up.bias, n2.weight, None, n2.variance_epsilon)
-            x = small_linear(gu, down.weight, down.bias, residual=x, glu=True)[None]
+            act = small_linear(x, gate_up.weight, gate_up.bias, n2.weight, None, n2.variance_epsilon, glu=True)
+            x = small_linear(act, down.weight, down.bias, residual=x)[None]
         else:
             x = x + a.o_proj(o)
             g, u = gate_up(layer.post_attention_layernorm(x))
@@ -283,7 +283,7 @@ def draft_forward_fused(draft, fused, block_embeds, target_hidden, q_pos, ctx_po
     context) and attend with the split-KV kernel over the rows < start + L, instead of SDPA over
     the whole capacity with a mask (:mod:`dflash.backends.split_attention`).
 
-    ``lin``: o_proj + residual, norm + gate_up and SwiGLU + down_proj + residual run as
+    ``lin``: o_proj + residual, norm + gate_up + SwiGLU and down_proj + residual run as
     :func:`~dflash.backends.small_linear.small_linear` kernels, and the final norm is left to the
     caller (fused into the LM head): the result is then the un-normed [1, L, H].
     """
@@ -317,8 +317,8 @@ def draft_forward_fused(draft, fused, block_embeds, target_hidden, q_pos, ctx_po
         if lin:
             n2, down = layer.post_attention_layernorm, layer.mlp.down_proj
             h = small_linear(out[0], a.o_proj.weight, a.o_proj.bias, residual=h[0])
-            gu = small_linear(h, gate_up.weight, gate_up.bias, n2.weight, None, n2.eps)
-            h = small_linear(gu, down.weight, down.bias, residual=h, glu=True)[None]
+            act = small_linear(h, gate_up.weight, gate_up.bias, n2.weight, None, n2.eps, glu=True)
+            h = small_linear(act, down.weight, down.bias, residual=h)[None]
         else:
             h = h + a.o_proj(out)
             g, u = gate_up(layer.post_attention_layernorm(h))
