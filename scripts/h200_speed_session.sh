@@ -4,9 +4,9 @@
 # Prepare here (CPU), under the git-ignored .stage/ (see scripts/x2_session.sh):
 #   .stage/t5/{aa..ae}/part (the demo GGUF cut in 20 MB parts), .stage/data, .stage/whl (gguf)
 # Calls (carry in brackets):
-#   1 stage1     [.stage/t5/aa .stage/data .stage/whl]
+#   1 stage1 [lin]  [.stage/t5/aa .stage/whl]   (lin: bench_big with/without the fused linears too)
 #   2-4 stage ab|ac|ad  [.stage/t5/<part>]
-#   5 bench      [.stage/t5/ae]  gsm8k 64 (bf16, compile, parity) and one single generate;
+#   5 bench      [.stage/t5/ae .stage/data]  gsm8k 64 (bf16, compile, parity) and one single generate;
 #                results in $OUT (b-gsm8k.jsonl / .txt, generate.json)
 set -u
 phase=${1:?usage: h200_speed_session.sh stage1|stage PART|bench|kernels|big8b}
@@ -22,14 +22,26 @@ D=dflash/assets/smollm2-135m-instruct-dflash
 case $phase in
 stage1)
   cp .stage/t5/aa/part "$W/stage/aa.part"
-  rm -rf "$W/datasets" && cp -r .stage/data "$W/datasets"
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+  if [ "${2:-}" = lin ]; then  # the fused-linear kernels on/off on both random shapes meanwhile
+    for shape in qwen3-8b smollm2; do
+      BB=(python3 scripts/bench_big.py --shape "$shape" --blocks 1,16)
+      [ "$shape" = smollm2 ] && BB+=(--prompt-len 160) || BB+=(--steps 16)
+      timeout 200 "${BB[@]}" --out "/tmp/bb-$shape-lin" > "$OUT/bb-$shape-lin.log" 2>&1
+      cp "/tmp/bb-$shape-lin/bench_big.json" "$OUT/bench_big-$shape-lin.json"; tail -n 2 "$OUT/bb-$shape-lin.log"
+      if [ "$shape" = qwen3-8b ]; then
+        DFLASH_LINEAR=torch timeout 170 "${BB[@]}" --out /tmp/bb8-torch > "$OUT/bb-$shape-torch.log" 2>&1
+        cp /tmp/bb8-torch/bench_big.json "$OUT/bench_big-$shape-torch.json"; tail -n 2 "$OUT/bb-$shape-torch.log"
+      fi
+    done
+  fi
   ;;
 stage)
   cp ".stage/t5/$2/part" "$W/stage/$2.part" && ls -la "$W/stage"
   ;;
 bench)
   cat "$W"/stage/{aa,ab,ac,ad}.part .stage/t5/ae/part > "$GGUF"
+  rm -rf "$W/datasets" && cp -r .stage/data "$W/datasets"
   B=(python3 -m dflash benchmark transformers --model "$GGUF" --draft "$D" --max-new-tokens 256
      --data-dir "$W/datasets")
   timeout "${BENCH_S:-300}" "${B[@]}" --dataset gsm8k --max-samples 64 --block-size 16 --check-parity \
@@ -39,6 +51,13 @@ bench)
   timeout 90 python3 -m dflash generate transformers --model "$GGUF" --draft "$D" "$P" --block-size 16 \
     --max-new-tokens 256 --json > "$OUT/generate.json" 2> "$OUT/generate.err"
   python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print({k: r[k] for k in ('decode_tok_per_s','decode_s','ttft_s','warmup_s','verify_steps','new_tokens')})" "$OUT/generate.json" || tail -n 3 "$OUT/generate.err"
+  if [ "${2:-}" = full ]; then  # float32 parity on 16 prompts; HF generate in the same process
+    timeout 150 "${B[@]}" --dataset gsm8k --max-samples 16 --block-size 16 --check-parity --dtype float32 \
+      --output "$OUT/b-fp32.jsonl" > "$OUT/b-fp32.txt" 2>&1
+    tail -n 6 "$OUT/b-fp32.txt"
+    timeout 150 python3 scripts/hf_baseline.py --model "$GGUF" --draft "$D" --data-dir "$W/datasets" --n 4 \
+      --out "$OUT" > /dev/null 2>&1; tail -c 600 "$OUT/hf_baseline.json"
+  fi
   ;;
 kernels)  # random SmolLM2-shaped pair: fused linears on/off side by side, then the config sweep
   BB=(python3 scripts/bench_big.py --shape smollm2 --prompt-len 160 --blocks 1,16)

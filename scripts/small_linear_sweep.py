@@ -2,10 +2,10 @@
 
     PYTHONPATH=. python3 scripts/small_linear_sweep.py [--out DIR] [--shapes smollm2,qwen3-8b]
 
-For each projection of a decoder layer (demo target and Qwen3-8B dims) and M = 1 and 16 rows,
-times in CUDA graphs of 50 back-to-back calls (so launch gaps count as they do in a decode step):
-``F.linear`` alone (cuBLAS, the torch path's matmul without its norm/residual kernels), the
-kernel with the built-in config, and a small sweep of configs. Writes small_linear_sweep.json
+For o_proj and down_proj (demo target and Qwen3-8B dims) and M = 1 and 16 rows, times in CUDA
+graphs of 50 back-to-back calls (so launch gaps count as they do in a decode step): ``F.linear``
+alone (cuBLAS, without the residual add), the kernel with its residual add and the built-in
+config, and a small sweep of configs. Writes small_linear_sweep.json
 (incrementally) with the best config per shape. Needs CUDA and Triton.
 """
 
@@ -22,14 +22,10 @@ import torch.nn.functional as F
 
 from dflash.backends import small_linear as sl
 
-SHAPES = {  # name -> (N weight rows, K, norm prologue, SwiGLU epilogue, residual)
-    "smollm2": {"qkv": (960, 576, True, False, False), "o": (576, 576, False, False, True),
-                "gate_up": (3072, 576, True, True, False), "down": (576, 1536, False, False, True),
-                "lm_head": (49152, 576, True, False, False)},
-    "qwen3-8b": {"qkv": (6144, 4096, True, False, False), "o": (4096, 4096, False, False, True),
-                 "gate_up": (24576, 4096, True, True, False), "down": (4096, 12288, False, False, True),
-                 "lm_head": (151936, 4096, True, False, False)},
-}  # fmt: skip
+SHAPES = {  # name -> (N, K): the projections followed by a residual add
+    "smollm2": {"o": (576, 576), "down": (576, 1536)},
+    "qwen3-8b": {"o": (4096, 4096), "down": (4096, 12288)},
+}
 CONFIGS = [(bn, bk, w, st) for bn in (16, 32, 64) for bk in (128, 256, 512) for w, st in ((4, 2), (4, 4), (8, 3))]
 
 
@@ -67,20 +63,17 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     report: dict = {"device": torch.cuda.get_device_name(dev), "results": []}
     for shape in args.shapes.split(","):
-        for name, (n, k, norm, glu, res) in SHAPES[shape].items():
+        for name, (n, k) in SHAPES[shape].items():
             w = torch.randn(n, k, device=dev, dtype=dt) * 0.02
-            nw = torch.ones(k, device=dev, dtype=dt) if norm else None
             for m in (int(r) for r in args.rows.split(",")):
                 x = torch.randn(m, k, device=dev, dtype=dt)
-                r = torch.randn(m, n // 2 if glu else n, device=dev, dtype=dt) if res else None
-                call = functools.partial(sl._launch, x, w, None, nw, r, 1e-5, glu)
+                r = torch.randn(m, n, device=dev, dtype=dt)
+                call = functools.partial(sl._launch, x, w, None, r)
                 row = {"shape": shape, "name": name, "m": m, "n": n, "k": k,
                        "cublas_us": time_us(functools.partial(F.linear, x, w))}  # fmt: skip
-                want = sl.small_linear_reference(x, w, None, nw, r, 1e-5, glu)
                 os.environ.pop(sl.CONFIG_ENV, None)
-                got = call()
-                row["max_err"] = (got.float() - want.float()).abs().max().item()
-                row["default_cfg"] = sl.kernel_config(m, n // 2 if glu else n, k)[1:]
+                row["max_err"] = (call().float() - sl.small_linear_reference(x, w, None, r).float()).abs().max().item()
+                row["default_cfg"] = sl.kernel_config(m, n, k)[1:]
                 row["default_us"] = time_us(call)
                 sweep = []
                 for cfg in CONFIGS:

@@ -165,46 +165,25 @@ def fuse_draft(draft) -> list[tuple[FusedLinear, FusedLinear]] | None:
              fuse_linears((layer.mlp.gate_proj, layer.mlp.up_proj))) for layer in draft.layers]  # fmt: skip
 
 
-def _rms_norm(m) -> bool:
-    """Whether ``m`` is a plain (Llama/Qwen) RMSNorm: ``weight * (x * rstd).to(dtype)``."""
-    return (type(m).__name__ in ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
-            and isinstance(getattr(m, "weight", None), torch.Tensor) and hasattr(m, "variance_epsilon"))  # fmt: skip
-
-
-def _is_silu(act) -> bool:
-    """Whether the activation module computes SiLU (checked on a probe; HF wraps it in its own
-    classes, which differ between versions)."""
-    if not callable(act) or any(True for _ in getattr(act, "parameters", lambda: ())()):
-        return False
-    probe = torch.linspace(-6.0, 6.0, 97)
-    try:
-        return torch.equal(act(probe), F.silu(probe))
-    except Exception:  # noqa: BLE001 - a custom activation may reject a CPU tensor
-        return False
-
-
 def small_linear_fits(target) -> bool:
-    """Whether the fused target forward can run its projections through
-    :func:`~dflash.backends.small_linear.small_linear` (norms, SwiGLU and residuals fused in):
-    plain RMSNorms, SiLU gates, dense row-major linears and LM head, all of one dtype."""
-    inner, head = target.model, target.get_output_embeddings()
-    mods = [inner.norm, head]
-    for layer in inner.layers:
-        a, m = layer.self_attn, layer.mlp
-        if not (_rms_norm(layer.input_layernorm) and _rms_norm(layer.post_attention_layernorm)
-                and _is_silu(getattr(m, "act_fn", None))
-                and fusable(a.o_proj) and fusable(m.down_proj)):  # fmt: skip
-            return False
-        mods += [layer.input_layernorm, layer.post_attention_layernorm, a.o_proj, m.down_proj]
-    if not (_rms_norm(inner.norm) and fusable(head)):
-        return False
-    return (len({mod.weight.dtype for mod in mods}) == 1
-            and all(mod.weight.stride(-1) == 1 for mod in mods))  # fmt: skip
+    """Whether the fused target forward can run o_proj and down_proj (with their residual adds)
+    through :func:`~dflash.backends.small_linear.small_linear`: dense row-major linears of the
+    activations' dtype."""
+    dtype = target.get_input_embeddings().weight.dtype
+    mods = [m for layer in target.model.layers for m in (layer.self_attn.o_proj, layer.mlp.down_proj)]
+    return all(fusable(m) and m.weight.dtype == dtype and m.weight.stride(-1) == 1 for m in mods)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), -1) * sin
+
+
+def _out_proj(lin: bool, proj, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """x + proj(h) for [1, T, *] activations: one small_linear kernel when ``lin``."""
+    if lin:
+        return small_linear(h[0], proj.weight, proj.bias, residual=x[0])[None]
+    return x + proj(h)
 
 
 def target_forward_fused(be, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -221,16 +200,11 @@ def target_forward_fused(be, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tens
     packed = be.pack_gqa and be.heads != be.kv_heads and not split
     if packed:
         mask = pack_mask(mask, be.heads // be.kv_heads, t)  # [1, 1, G*T, S], once
-    lin = t <= LINEAR_MAX_ROWS and getattr(be, "linear", "torch") == "auto"  # norms etc. fused in
+    lin = t <= LINEAR_MAX_ROWS and getattr(be, "linear", "torch") == "auto"  # residual adds fused in
     slots: list[torch.Tensor] = [None] * len(be.layer_ids)  # type: ignore[list-item]
     for i, layer in enumerate(be.target.model.layers):
         a, (qkv, gate_up) = layer.self_attn, be.fused_target[i]
-        if lin:
-            n1 = layer.input_layernorm
-            q, k, v = small_linear(x[0], qkv.weight, qkv.bias, n1.weight, None, n1.variance_epsilon
-                                   )[None].split(qkv.sizes, dim=-1)  # fmt: skip
-        else:
-            q, k, v = qkv(layer.input_layernorm(x))
+        q, k, v = qkv(layer.input_layernorm(x))
         q, k = q.view(1, t, be.heads, hd), k.view(1, t, be.kv_heads, hd)
         if hasattr(a, "q_norm"):  # Qwen3
             q, k = a.q_norm(q), a.k_norm(k)
@@ -243,26 +217,16 @@ def target_forward_fused(be, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tens
         else:
             o = attend(q, be.k[i], be.v[i], mask, a.scaling, packed)
         o = o.transpose(1, 2).reshape(1, t, be.heads * hd)
-        if lin:  # o_proj + residual; norm + gate_up + silu(g) * u; down_proj + residual
-            n2, down = layer.post_attention_layernorm, layer.mlp.down_proj
-            x = small_linear(o[0], a.o_proj.weight, a.o_proj.bias, residual=x[0])
-            act = small_linear(x, gate_up.weight, gate_up.bias, n2.weight, None, n2.variance_epsilon, glu=True)
-            x = small_linear(act, down.weight, down.bias, residual=x)[None]
-        else:
-            x = x + a.o_proj(o)
-            g, u = gate_up(layer.post_attention_layernorm(x))
-            x = x + layer.mlp.down_proj(layer.mlp.act_fn(g) * u)
+        x = _out_proj(lin, a.o_proj, o, x)
+        g, u = gate_up(layer.post_attention_layernorm(x))
+        x = _out_proj(lin, layer.mlp.down_proj, layer.mlp.act_fn(g) * u, x)
         if i < be.n_layers - 1:
             for n in be.feature_layers.get(i, ()):
                 slots[n] = x[0]
-    norm, head = be.target.model.norm, be.lm_head
-    if lin and not be.feature_layers.get(be.n_layers - 1):  # final norm inside the LM head
-        logits = small_linear(x[0], head.weight, head.bias, norm.weight, None, norm.variance_epsilon)
-    else:
-        x = norm(x)
-        for n in be.feature_layers.get(be.n_layers - 1, ()):  # HF's hidden_states[N] is final-normed
-            slots[n] = x[0]
-        logits = head(x)[0]  # [T, V]
+    x = be.target.model.norm(x)
+    for n in be.feature_layers.get(be.n_layers - 1, ()):  # HF's hidden_states[N] is final-normed
+        slots[n] = x[0]
+    logits = be.lm_head(x)[0]  # [T, V]
     if be.layer_ids:
         be.feats.index_copy_(0, pos[0], torch.cat(slots, dim=-1))
     return logits
@@ -283,9 +247,8 @@ def draft_forward_fused(draft, fused, block_embeds, target_hidden, q_pos, ctx_po
     context) and attend with the split-KV kernel over the rows < start + L, instead of SDPA over
     the whole capacity with a mask (:mod:`dflash.backends.split_attention`).
 
-    ``lin``: o_proj + residual, norm + gate_up + SwiGLU and down_proj + residual run as
-    :func:`~dflash.backends.small_linear.small_linear` kernels, and the final norm is left to the
-    caller (fused into the LM head): the result is then the un-normed [1, L, H].
+    ``lin``: o_proj and down_proj with their residual adds run as
+    :func:`~dflash.backends.small_linear.small_linear` kernels.
     """
     cfg, tc, lq = draft.config, target_hidden.shape[1], block_embeds.shape[1]
     groups = cfg.num_attention_heads // cfg.num_key_value_heads
@@ -314,25 +277,15 @@ def draft_forward_fused(draft, fused, block_embeds, target_hidden, q_pos, ctx_po
             k, v = torch.cat((kc, k[:, :, tc:]), 2), torch.cat((vc, v[:, :, tc:]), 2)
             out = attend(q, k, v, masks[cfg.layer_types[i]], None, packed)
         out = out.transpose(1, 2).reshape(1, lq, a.heads * d)
-        if lin:
-            n2, down = layer.post_attention_layernorm, layer.mlp.down_proj
-            h = small_linear(out[0], a.o_proj.weight, a.o_proj.bias, residual=h[0])
-            act = small_linear(h, gate_up.weight, gate_up.bias, n2.weight, None, n2.eps, glu=True)
-            h = small_linear(act, down.weight, down.bias, residual=h)[None]
-        else:
-            h = h + a.o_proj(out)
-            g, u = gate_up(layer.post_attention_layernorm(h))
-            h = h + layer.mlp.down_proj(F.silu(g) * u)
-    return h if lin else draft.norm(h)
+        h = _out_proj(lin, a.o_proj, out, h)
+        g, u = gate_up(layer.post_attention_layernorm(h))
+        h = _out_proj(lin, layer.mlp.down_proj, F.silu(g) * u, h)
+    return draft.norm(h)
 
 
-def draft_small_linear_fits(draft, head) -> bool:
-    """Whether :func:`draft_forward_fused` can run with ``lin`` (dense linears and LM head of
-    the draft's norms' dtype, row-major)."""
-    mods = [head, draft.norm]
-    for layer in draft.layers:
-        if not (fusable(layer.self_attn.o_proj) and fusable(layer.mlp.down_proj)):
-            return False
-        mods += [layer.self_attn.o_proj, layer.mlp.down_proj, layer.post_attention_layernorm]
-    return fusable(head) and len({m.weight.dtype for m in mods}) == 1 and all(
-        m.weight.stride(-1) == 1 for m in mods)  # fmt: skip
+def draft_small_linear_fits(draft) -> bool:
+    """Whether :func:`draft_forward_fused` can run with ``lin`` (dense row-major o_proj and
+    down_proj of the draft's dtype)."""
+    dtype = draft.norm.weight.dtype
+    mods = [m for layer in draft.layers for m in (layer.self_attn.o_proj, layer.mlp.down_proj)]
+    return all(fusable(m) and m.weight.dtype == dtype and m.weight.stride(-1) == 1 for m in mods)

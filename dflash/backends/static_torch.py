@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash.backends.graph_plan import inductor_cache_dir, plan_graphs, warm_replays
-from dflash.backends.small_linear import MAX_ROWS, linear_mode, small_linear
+from dflash.backends.small_linear import MAX_ROWS, linear_mode
 from dflash.backends.split_attention import SPLIT_MAX_ROWS, attention_mode
 from dflash.backends.static_fused import (
     draft_forward_fused,
@@ -140,12 +140,12 @@ class StaticBackend(TransformersBackend):
         # fused too): split-KV kernel over the filled rows or SDPA with a position mask (see
         # dflash.backends.split_attention.attention_mode)
         self.attention = attention_mode(device) if self.fused_target is not None else "sdpa"
-        # the fused target forward's projections for <= 32 rows: one Triton kernel each with the
-        # RMSNorms, SwiGLU and residual adds fused in, or torch (see dflash.backends.small_linear)
+        # o_proj/down_proj of the fused forwards for <= 32 rows: one Triton kernel each with the
+        # residual add fused in, or torch (see dflash.backends.small_linear)
         fits = self.fused_target is not None and small_linear_fits(target)
         self.linear = linear_mode(device) if fits else "torch"
         self.draft_linear = (self.fused_draft is not None and linear_mode(device) == "auto"
-                             and draft_small_linear_fits(draft, self.lm_head))  # fmt: skip
+                             and draft_small_linear_fits(draft))  # fmt: skip
         self.capacity = 0
         if device_loop is None:
             device_loop = device_loop_default() and self.use_graphs
@@ -268,13 +268,9 @@ class StaticBackend(TransformersBackend):
             split = length <= SPLIT_MAX_ROWS and (self.attention == "split" or
                                                   (self.attention == "auto" and length > 1))  # fmt: skip
             kinds = frozenset(kind for kind, rule in rules.items() if rule is None) if split else frozenset()
-            lin = self.draft_linear and length <= MAX_ROWS  # final norm fused into the LM head
+            lin = self.draft_linear and length <= MAX_ROWS  # residual adds fused in
             h = draft_forward_fused(self.draft_model, self.fused_draft, embeds, ctx, q_pos, ctx_pos[None],
                                     self.dcache, masks, self.pack_gqa, kinds, lin)  # fmt: skip
-            if lin:
-                n, head = self.draft_model.norm, self.lm_head
-                logits = small_linear(h[0, 1:], head.weight, head.bias, n.weight, None, n.eps)  # [L-1, V]
-                return logits.argmax(-1), logits
         else:
             h = self.draft_model(embeds, ctx, q_pos, ctx_pos[None], cache=self.dcache, masks=masks)
         logits = self.lm_head(h[0, 1:])  # [L-1, V]
