@@ -27,7 +27,7 @@ stage1)
     for shape in qwen3-8b smollm2; do
       BB=(python3 scripts/bench_big.py --shape "$shape" --blocks 1,16)
       [ "$shape" = smollm2 ] && BB+=(--prompt-len 160) || BB+=(--steps 16)
-      timeout 200 "${BB[@]}" --out "/tmp/bb-$shape-lin" > "$OUT/bb-$shape-lin.log" 2>&1
+      DFLASH_LINEAR=triton timeout 200 "${BB[@]}" --out "/tmp/bb-$shape-lin" > "$OUT/bb-$shape-lin.log" 2>&1
       cp "/tmp/bb-$shape-lin/bench_big.json" "$OUT/bench_big-$shape-lin.json"; tail -n 2 "$OUT/bb-$shape-lin.log"
       if [ "$shape" = qwen3-8b ]; then
         DFLASH_LINEAR=torch timeout 170 "${BB[@]}" --out /tmp/bb8-torch > "$OUT/bb-$shape-torch.log" 2>&1
@@ -61,7 +61,7 @@ bench)
   ;;
 kernels)  # random SmolLM2-shaped pair: fused linears on/off side by side, then the config sweep
   BB=(python3 scripts/bench_big.py --shape smollm2 --prompt-len 160 --blocks 1,16)
-  timeout 200 "${BB[@]}" --profile --out /tmp/bb-lin > "$OUT/bb-smol-lin.log" 2>&1
+  DFLASH_LINEAR=triton timeout 200 "${BB[@]}" --profile --out /tmp/bb-lin > "$OUT/bb-smol-lin.log" 2>&1
   cp /tmp/bb-lin/bench_big.json "$OUT/bench_big-smol-lin.json"; tail -n 2 "$OUT/bb-smol-lin.log"
   DFLASH_LINEAR=torch timeout 150 "${BB[@]}" --out /tmp/bb-torch > "$OUT/bb-smol-torch.log" 2>&1
   cp /tmp/bb-torch/bench_big.json "$OUT/bench_big-smol-torch.json"; tail -n 2 "$OUT/bb-smol-torch.log"
@@ -70,7 +70,7 @@ kernels)  # random SmolLM2-shaped pair: fused linears on/off side by side, then 
   ;;
 big8b)  # Qwen3-8B-shaped pair: fused linears on/off
   BB=(python3 scripts/bench_big.py --shape qwen3-8b --blocks 1,16 --steps 16)
-  timeout 280 "${BB[@]}" --profile --out /tmp/bb8-lin > "$OUT/bb-q8b-lin.log" 2>&1
+  DFLASH_LINEAR=triton timeout 280 "${BB[@]}" --profile --out /tmp/bb8-lin > "$OUT/bb-q8b-lin.log" 2>&1
   cp /tmp/bb8-lin/bench_big.json "$OUT/bench_big-q8b-lin.json"; tail -n 2 "$OUT/bb-q8b-lin.log"
   DFLASH_LINEAR=torch timeout 250 "${BB[@]}" --out /tmp/bb8-torch > "$OUT/bb-q8b-torch.log" 2>&1
   cp /tmp/bb8-torch/bench_big.json "$OUT/bench_big-q8b-torch.json"; tail -n 2 "$OUT/bb-q8b-torch.log"

@@ -34,7 +34,7 @@ def test_reference_rounds_like_the_modules(dtype):
 def test_switches_and_configs(monkeypatch):
     assert sl.linear_mode(torch.device("cpu")) == "torch"
     monkeypatch.setenv("DFLASH_LINEAR", "cublas")
-    with pytest.raises(InputError, match="DFLASH_LINEAR must be auto or torch"):
+    with pytest.raises(InputError, match="DFLASH_LINEAR must be torch or triton"):
         sl.linear_mode(torch.device("cuda"))
     monkeypatch.delenv("DFLASH_LINEAR")
     assert sl.kernel_config(1, 576, 576) == (16, 16, 128, 4, 4)
@@ -59,11 +59,11 @@ def test_static_backend_with_fused_linears_decodes_greedy(tiny_target):
     for device_loop in (False, True):
         for block in (1, 16):
             runs = []
-            for linear in ("torch", "auto"):
+            for linear in ("torch", "triton"):
                 be = StaticBackend(tiny_target, draft, torch.device("cpu"), use_graphs=False,
                                    device_loop=device_loop)  # fmt: skip
                 assert be.linear == "torch" and not be.draft_linear  # CPU default
-                be.linear, be.draft_linear = linear, linear == "auto"
+                be.linear, be.draft_linear = linear, linear == "triton"
                 rounds = list(speculative_generate(be, PROMPT, block_size=block, max_new_tokens=40))
                 runs.append(([t for r in rounds for t in r.tokens], [r.accepted for r in rounds[1:]]))
             assert runs[1][0] == truth
@@ -106,7 +106,7 @@ KERNEL_CHECK = textwrap.dedent("""
                       tie_word_embeddings=False, initializer_range=0.3)
     target = LlamaForCausalLM(cfg).eval()
     be = StaticBackend(target, make_draft(target), torch.device("cpu"), use_graphs=False, device_loop=True)
-    be.linear, be.draft_linear = "auto", True
+    be.linear, be.draft_linear = "triton", True
     truth = greedy_reference(target, PROMPT, 24)
     for block in (1, 16):
         toks = [t for r in speculative_generate(be, PROMPT, block_size=block, max_new_tokens=24)

@@ -200,7 +200,7 @@ def target_forward_fused(be, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tens
     packed = be.pack_gqa and be.heads != be.kv_heads and not split
     if packed:
         mask = pack_mask(mask, be.heads // be.kv_heads, t)  # [1, 1, G*T, S], once
-    lin = t <= LINEAR_MAX_ROWS and getattr(be, "linear", "torch") == "auto"  # residual adds fused in
+    lin = t <= LINEAR_MAX_ROWS and getattr(be, "linear", "torch") == "triton"  # residual adds fused in
     slots: list[torch.Tensor] = [None] * len(be.layer_ids)  # type: ignore[list-item]
     for i, layer in enumerate(be.target.model.layers):
         a, (qkv, gate_up) = layer.self_attn, be.fused_target[i]

@@ -144,7 +144,7 @@ class StaticBackend(TransformersBackend):
         # residual add fused in, or torch (see dflash.backends.small_linear)
         fits = self.fused_target is not None and small_linear_fits(target)
         self.linear = linear_mode(device) if fits else "torch"
-        self.draft_linear = (self.fused_draft is not None and linear_mode(device) == "auto"
+        self.draft_linear = (self.fused_draft is not None and linear_mode(device) == "triton"
                              and draft_small_linear_fits(draft))  # fmt: skip
         self.capacity = 0
         if device_loop is None:
