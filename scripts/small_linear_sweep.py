@@ -21,35 +21,13 @@ import torch
 import torch.nn.functional as F
 
 from dflash.backends import small_linear as sl
+from scripts.split_attention_check import graph_time_us
 
 SHAPES = {  # name -> (N, K): the projections followed by a residual add
     "smollm2": {"o": (576, 576), "down": (576, 1536)},
     "qwen3-8b": {"o": (4096, 4096), "down": (4096, 12288)},
 }
 CONFIGS = [(bn, bk, w, st) for bn in (16, 32, 64) for bk in (128, 256, 512) for w, st in ((4, 2), (4, 4), (8, 3))]
-
-
-def time_us(fn, calls: int = 50, reps: int = 10) -> float:
-    """Mean microseconds per call of ``fn`` replayed in a CUDA graph of ``calls`` calls."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(reps):
-        g.replay()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) * 1000 / (calls * reps)
 
 
 def main() -> None:
@@ -70,16 +48,16 @@ def main() -> None:
                 r = torch.randn(m, n, device=dev, dtype=dt)
                 call = functools.partial(sl._launch, x, w, None, r)
                 row = {"shape": shape, "name": name, "m": m, "n": n, "k": k,
-                       "cublas_us": time_us(functools.partial(F.linear, x, w))}  # fmt: skip
+                       "cublas_us": graph_time_us(functools.partial(F.linear, x, w), 50)}  # fmt: skip
                 os.environ.pop(sl.CONFIG_ENV, None)
                 row["max_err"] = (call().float() - sl.small_linear_reference(x, w, None, r).float()).abs().max().item()
                 row["default_cfg"] = sl.kernel_config(m, n, k)[1:]
-                row["default_us"] = time_us(call)
+                row["default_us"] = graph_time_us(call, 50)
                 sweep = []
                 for cfg in CONFIGS:
                     os.environ[sl.CONFIG_ENV] = ",".join(map(str, cfg))
                     try:
-                        sweep.append((time_us(call), cfg))
+                        sweep.append((graph_time_us(call, 50), cfg))
                     except Exception as e:  # noqa: BLE001 - a config may not fit (registers, smem)
                         sweep.append((float("inf"), cfg))
                         print(f"{name} m={m} {cfg}: {type(e).__name__}", flush=True)

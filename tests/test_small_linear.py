@@ -95,23 +95,8 @@ KERNEL_CHECK = textwrap.dedent("""
             err = (got - want).abs().max().item()
             assert got.shape == want.shape and err < 1e-4, (m, n, k, err)
     # the fused static forward with the kernel: plain greedy tokens
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from dflash.backends.static_torch import StaticBackend
-    from dflash.loop import speculative_generate
-    from tests.conftest import make_draft
-    from tests.test_loop_scripted import PROMPT, greedy_reference
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      tie_word_embeddings=False, initializer_range=0.3)
-    target = LlamaForCausalLM(cfg).eval()
-    be = StaticBackend(target, make_draft(target), torch.device("cpu"), use_graphs=False, device_loop=True)
-    be.linear, be.draft_linear = "triton", True
-    truth = greedy_reference(target, PROMPT, 24)
-    for block in (1, 16):
-        toks = [t for r in speculative_generate(be, PROMPT, block_size=block, max_new_tokens=24)
-                for t in r.tokens]
-        assert toks == truth, (block, toks, truth)
+    from tests.test_split_attention import assert_static_greedy
+    assert_static_greedy(linear="triton", draft_linear=True)
     print("ok")
 """)
 

@@ -77,14 +77,36 @@ def test_reference_any_split_size(split):
     assert torch.allclose(got, masked_sdpa(q, k, v, pos, 0.1), atol=2e-6, rtol=1e-5)
 
 
+def assert_static_greedy(layers: int = 4, **attrs) -> None:
+    """A tiny Llama pair on the static backend (device loop, no graphs) with ``attrs`` set on the
+    backend decodes exactly plain greedy at block 1 and 16 (the Triton kernels' interpreter
+    checks run it with their path switched on)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from dflash.backends.static_torch import StaticBackend
+    from dflash.loop import speculative_generate
+    from tests.conftest import make_draft
+    from tests.test_loop_scripted import PROMPT, greedy_reference
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      tie_word_embeddings=False, initializer_range=0.3)  # fmt: skip
+    target = LlamaForCausalLM(cfg).eval()
+    be = StaticBackend(target, make_draft(target), torch.device("cpu"), use_graphs=False, device_loop=True)
+    for name, value in attrs.items():
+        setattr(be, name, value)
+    truth = greedy_reference(target, PROMPT, 24)
+    for block in (1, 16):
+        toks = [t for r in speculative_generate(be, PROMPT, block_size=block, max_new_tokens=24)
+                for t in r.tokens]  # fmt: skip
+        assert toks == truth, (block, toks, truth)
+
+
 KERNEL_CHECK = textwrap.dedent("""
     import torch
     from dflash.backends import split_attention as sa
-    from dflash.backends.static_torch import StaticBackend
-    from dflash.loop import speculative_generate
     from tests.test_split_attention import SHAPES, _inputs, masked_sdpa
-    from tests.conftest import make_draft
-    from tests.test_loop_scripted import PROMPT, greedy_reference
 
     import os
     for split in ("128", "64", "4096"):  # several slices, one slice (no merge)
@@ -96,20 +118,8 @@ KERNEL_CHECK = textwrap.dedent("""
             assert err < 1e-5, (split, shape, err)
     del os.environ["DFLASH_ATTN_SPLIT"]
     # the fused static forward with the kernel: plain greedy tokens
-    from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      tie_word_embeddings=False, initializer_range=0.3)
-    target = LlamaForCausalLM(cfg).eval()
-    be = StaticBackend(target, make_draft(target), torch.device("cpu"), use_graphs=False,
-                       device_loop=True)
-    be.attention = "split"
-    truth = greedy_reference(target, PROMPT, 24)
-    for block in (1, 16):
-        toks = [t for r in speculative_generate(be, PROMPT, block_size=block, max_new_tokens=24)
-                for t in r.tokens]
-        assert toks == truth, (block, toks, truth)
+    from tests.test_split_attention import assert_static_greedy
+    assert_static_greedy(6, attention="split")
     print("ok")
 """)
 

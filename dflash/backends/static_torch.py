@@ -142,9 +142,9 @@ class StaticBackend(TransformersBackend):
         self.attention = attention_mode(device) if self.fused_target is not None else "sdpa"
         # o_proj/down_proj of the fused forwards for <= 32 rows: one Triton kernel each with the
         # residual add fused in, or torch (see dflash.backends.small_linear)
-        fits = self.fused_target is not None and small_linear_fits(target)
-        self.linear = linear_mode(device) if fits else "torch"
-        self.draft_linear = (self.fused_draft is not None and linear_mode(device) == "triton"
+        linear = linear_mode(device) if self.fused_target is not None else "torch"
+        self.linear = linear if small_linear_fits(target) else "torch"
+        self.draft_linear = (self.fused_draft is not None and linear == "triton"
                              and draft_small_linear_fits(draft))  # fmt: skip
         self.capacity = 0
         if device_loop is None:
