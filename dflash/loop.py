@@ -149,10 +149,10 @@ def _device_greedy(backend, prompt_ids: list[int], block_size: int, max_new_toke
     if finish is not None:
         return
     loop.begin(first_dev, len(prompt_ids), block_size, max_new_tokens)
-    in_flight = [loop.launch(block_size, first_draft=True)]
+    in_flight = [loop.launch(block_size)]
     while finish is None:
         if len(in_flight) == 1 and n + 1 < max_new_tokens:  # the step in flight may not be the
-            in_flight.append(loop.launch(block_size, first_draft=False))  # last: queue the next
+            in_flight.append(loop.launch(block_size))  # last: queue the next
         length = min(block_size, max_new_tokens - n)  # as the host loop trims the last block
         new = loop.read(in_flight.pop(0))  # sync: the one host copy of this step
         new, n, finish = _commit(new, stops, n, max_new_tokens)

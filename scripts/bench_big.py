@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> dict:
               "dtype": str(dtype).split(".")[-1], "tiny": args.tiny, "compile": be.compile,
               "cuda_graphs": be.use_graphs, "device_loop": be.device_loop is not None,
               "attention": be.attention, "attn_split": os.environ.get("DFLASH_ATTN_SPLIT", "256"),
-              "linear": be.linear,
+              "linear": be.linear, "compile_glue": os.environ.get("DFLASH_COMPILE_GLUE", "1"),
               "shape": "tiny" if args.tiny else args.shape, "init_std": init_std, "prompt_len": args.prompt_len, "build_s": built_s,
               "target_bytes": tgt, "draft_step_bytes": drf, "kv_bytes": kv,
               "copy_bandwidth_GBps": bw / 1e9, "results": []}  # fmt: skip

@@ -5,11 +5,12 @@
 #   .stage/t5/{aa..ae}/part (the demo GGUF cut in 20 MB parts), .stage/data, .stage/whl (gguf)
 # Calls (carry in brackets):
 #   1 stage1 [lin]  [.stage/t5/aa .stage/whl]   (lin: bench_big with/without the fused linears too)
-#   2-4 stage ab|ac|ad  [.stage/t5/<part>]
+#   1' glue        [.stage/t5/aa]  stage1's copy, then smollm2 bench_big: glue compiled / eager / triton linear
+#   2-4 stage ab|ac|ad [torch|triton]  [.stage/t5/<part>]  (with an 8B-shaped bench_big meanwhile)
 #   5 bench      [.stage/t5/ae .stage/data]  gsm8k 64 (bf16, compile, parity) and one single generate;
 #                results in $OUT (b-gsm8k.jsonl / .txt, generate.json)
 set -u
-phase=${1:?usage: h200_speed_session.sh stage1|stage PART|bench|kernels|big8b}
+phase=${1:?usage: h200_speed_session.sh stage1|glue|stage PART [torch|triton]|bench [full]|kernels|big8b}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 DFLASH_CACHE=/tmp/dflash-cache
 OUT=${OUT:-/tmp/h200-out}; mkdir -p "$OUT"
 W=/tmp/demo; mkdir -p "$W/stage"
@@ -36,8 +37,23 @@ stage1)
     done
   fi
   ;;
-stage)
+stage)  # optional: one 8B-shaped bench_big with DFLASH_LINEAR=$3 (torch|triton) meanwhile
   cp ".stage/t5/$2/part" "$W/stage/$2.part" && ls -la "$W/stage"
+  if [ -n "${3:-}" ]; then
+    DFLASH_LINEAR=$3 timeout 250 python3 scripts/bench_big.py --shape qwen3-8b --blocks 1,16 --steps 16 \
+      --out "/tmp/bb8-$3" > "$OUT/bb-q8b-$3.log" 2>&1
+    cp "/tmp/bb8-$3/bench_big.json" "$OUT/bench_big-q8b-$3.json"; tail -n 2 "$OUT/bb-q8b-$3.log"
+  fi
+  ;;
+glue)  # random SmolLM2-shaped pair: compiled device-loop glue on/off, fused linears, side by side
+  cp .stage/t5/aa/part "$W/stage/aa.part"
+  BB=(python3 scripts/bench_big.py --shape smollm2 --prompt-len 160 --blocks 1,16)
+  for v in on off lin; do
+    case $v in on) E=(env) ;; off) E=(env DFLASH_COMPILE_GLUE=0) ;; lin) E=(env DFLASH_LINEAR=triton) ;; esac
+    [ $v = on ] && P=(--profile) || P=()
+    "${E[@]}" timeout 170 "${BB[@]}" "${P[@]}" --out "/tmp/bb-$v" > "$OUT/bb-smol-$v.log" 2>&1
+    cp "/tmp/bb-$v/bench_big.json" "$OUT/bench_big-smol-$v.json"; grep ms_per_step "$OUT/bb-smol-$v.log" | cut -c1-90
+  done
   ;;
 bench)
   cat "$W"/stage/{aa,ab,ac,ad}.part .stage/t5/ae/part > "$GGUF"

@@ -112,3 +112,59 @@ def test_sampling_and_auto_use_the_host_loop(both):
     toks, _, _ = _run(dev, PROMPT, block_size=16, max_new_tokens=12,
                       sampling=SamplingParams(temperature=0.8, seed=3))  # fmt: skip
     assert len(toks) == 12 and dev.device_loop.launched == launched
+
+
+def _commit_case(seed: int, width: int):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(width, 4, generator=g)  # 4 ids: long accepted runs are common
+    state = dict(props=torch.randint(0, 4, (15,), generator=g), tok=torch.tensor([3]),
+                 pos=torch.tensor([40]), n=torch.tensor([7]),
+                 budget=torch.randint(5, 30, (1,), generator=g), lim=torch.tensor([width - 1]),
+                 last=torch.zeros(17, dtype=torch.long), arange=torch.arange(17))  # fmt: skip
+    return logits, state
+
+
+@pytest.mark.parametrize("width", [1, 16])
+def test_commit_glue_is_greedy_acceptance(width):
+    """The device loop's commit equals accept_greedy trimmed to the budget, on 50 random steps
+    (budgets below, at and above the tokens committed so far)."""
+    from dflash.accept import accept_greedy
+    from dflash.backends.static_loop import commit
+
+    for seed in range(50):
+        logits, s = _commit_case(seed, width)
+        before = {k: v.clone() for k, v in s.items()}
+        commit(logits, **s)
+        target = logits.argmax(-1).tolist()
+        a, bonus = accept_greedy(before["props"][: width - 1].tolist(), target)
+        left = int(before["budget"] - before["n"])
+        a = min(a, max(left - 1, 0))
+        new = (before["props"][:a].tolist() + [target[a]]) if left > 0 else []
+        assert s["last"][0].item() == len(new) and s["last"][1 : 1 + len(new)].tolist() == new
+        assert s["n"].item() == 7 + len(new) and s["pos"].item() == 40 + len(new)
+        assert s["tok"].item() == (new[-1] if new else 3)
+
+
+def test_compiled_glue_equals_eager():
+    """What the CUDA graphs run with --compile (Inductor; here its CPU backend): the same state
+    after every step as the eager glue."""
+    from dflash.backends.static_loop import commit, draft_inputs, verify_inputs
+
+    try:
+        compiled = torch.compile(commit, dynamic=False)
+        compiled(*_commit_case(0, 1)[:1], **_commit_case(0, 1)[1])
+    except Exception as e:  # noqa: BLE001 - no C++ compiler for Inductor's CPU backend
+        pytest.skip(f"torch.compile unavailable here: {type(e).__name__}")
+    for seed in range(20):
+        width = (1, 16)[seed % 2]
+        logits, s = _commit_case(seed, width)
+        s2 = {k: v.clone() for k, v in s.items()}
+        commit(logits, **s)
+        compiled(logits, **s2)
+        for key in s:
+            assert torch.equal(s[key], s2[key]), (seed, key)
+    tok, pos, arange = torch.tensor([5]), torch.tensor([9]), torch.arange(17)
+    props, masks = torch.arange(100, 115), torch.full((15,), 7)
+    for fn, args in ((verify_inputs, (tok, props, pos, arange, 16)), (draft_inputs, (tok, masks, pos, arange))):
+        for x, y in zip(fn(*args), torch.compile(fn, dynamic=False)(*args), strict=True):
+            assert torch.equal(x, y)

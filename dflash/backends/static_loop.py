@@ -32,12 +32,55 @@ import torch
 
 DEVICE_LOOP_ENV = "DFLASH_DEVICE_LOOP"
 RING = 4  # pinned host slots: at most two steps are in flight
+GLUE_ENV = "DFLASH_COMPILE_GLUE"
+OFF = ("0", "false", "no", "off")
 
 
 def device_loop_default() -> bool:
     """Whether the graph path runs greedy requests through the device loop
     (``DFLASH_DEVICE_LOOP``, default on; ``0`` runs the host loop, for side-by-side timing)."""
-    return os.environ.get(DEVICE_LOOP_ENV, "").strip().lower() not in ("0", "false", "no", "off")
+    return os.environ.get(DEVICE_LOOP_ENV, "").strip().lower() not in OFF
+
+
+def verify_inputs(tok, props, pos, arange, width: int):
+    """The verify forward's inputs: ids [1, W] = [anchor, props[:W-1]], positions [1, W]."""
+    return torch.cat((tok, props[: width - 1]))[None], (pos + arange[:width])[None]
+
+
+def draft_inputs(tok, mask_ids, pos, arange):
+    """The draft's block [1, L] = [anchor, mask * (L-1)] and its default context rows [L]: the
+    last L committed rows, clamped at 0 for short prompts."""
+    length = mask_ids.shape[0] + 1
+    return torch.cat((tok, mask_ids))[None], (pos - length + arange[:length]).clamp(min=0)
+
+
+def commit(logits, props, tok, pos, n, budget, lim, last, arange) -> None:
+    """Greedy acceptance and commit of one verify step, in place (paper §4 / brief §3.3).
+
+    logits [W, V] of the rows [anchor, props[:W-1]]; the longest prefix of proposals equal to
+    the target's argmax, capped by ``lim`` and the budget left, plus the bonus token. Writes
+    ``last`` [1 + L] (count, tokens, zero-padded), moves ``tok``/``pos``/``n`` [1]; a step with
+    no budget left commits nothing and moves nothing."""
+    width = logits.shape[0]
+    target = logits.argmax(-1)  # [W]
+    remaining = budget - n  # [1] tokens still allowed
+    if width > 1:
+        drafted = props[: width - 1]
+        run = (drafted == target[:-1]).long().cumprod(0).sum()[None]  # [1] accepted prefix
+        accepted = torch.minimum(run, torch.minimum(lim, (remaining - 1).clamp(min=0)))  # [1]
+        rows = torch.cat((drafted, drafted[-1:]))  # [W]; row a gets the bonus below
+    else:
+        accepted = torch.zeros_like(n)
+        rows = target
+    bonus = target.gather(0, accepted)  # [1]
+    live = remaining > 0
+    committed = torch.where(arange[:width] < accepted, rows, 0).scatter(0, accepted, bonus)  # [W]
+    step = torch.where(live, accepted + 1, 0)  # [1] tokens committed by this step
+    last[:1].copy_(step)
+    last[1 : 1 + width].copy_(committed)
+    tok.copy_(torch.where(live, bonus, tok))
+    pos.add_(step)
+    n.add_(step)
 
 
 class DeviceLoop:
@@ -68,47 +111,35 @@ class DeviceLoop:
         self.host = [torch.zeros(1 + width, dtype=torch.long, pin_memory=pin) for _ in range(RING)]
         self.events = [torch.cuda.Event() for _ in range(RING)] if pin else None
         self.launched = 0
+        self._compiled: dict[str, Any] = {}
 
     # -- glue captured in the graphs --------------------------------------------------------
     def verify_step(self, width: int, verify_fn) -> None:
         """Verify [anchor, props[:width-1]] at ``pos``, accept the longest greedy prefix (capped
         by ``lim`` and the budget), commit it plus the bonus token; writes ``last`` and moves the
         state. No host sync."""
-        ids = torch.cat((self.tok, self.props[: width - 1]))[None]  # [1, W]
-        pos = (self.pos + self.arange[:width])[None]  # [1, W]
+        ids, pos = self._glue("verify_inputs", verify_inputs)(self.tok, self.props, self.pos, self.arange, width)
         logits = verify_fn(ids, pos)  # [W, V]
-        target = logits.argmax(-1)  # [W]
-        remaining = self.budget - self.n  # [1] tokens still allowed
-        if width > 1:
-            props = self.props[: width - 1]
-            run = (props == target[:-1]).long().cumprod(0).sum()[None]  # [1] accepted prefix
-            cap = torch.minimum(self.lim, (remaining - 1).clamp(min=0))
-            accepted = torch.minimum(run, cap)  # [1]
-            rows = torch.cat((props, props[-1:]))  # [W]; row a gets the bonus below
-        else:
-            accepted = torch.zeros_like(self.n)
-            rows = target
-        bonus = target.gather(0, accepted)  # [1]
-        live = remaining > 0
-        committed = torch.where(self.arange[:width] < accepted, rows, 0)
-        committed = committed.scatter(0, accepted, bonus)  # [W]
-        step = torch.where(live, accepted + 1, 0)  # [1] tokens committed by this step
-        self.last[:1].copy_(step)
-        self.last[1 : 1 + width].copy_(committed)
-        self.tok.copy_(torch.where(live, bonus, self.tok))
-        self.pos.add_(step)
-        self.n.add_(step)
+        self._glue("commit", commit)(logits, self.props, self.tok, self.pos, self.n, self.budget,
+                                     self.lim, self.last, self.arange)  # fmt: skip
 
     def draft_step(self, draft_fn, ctx_pos: torch.Tensor | None = None) -> None:
         """Draft a block of width L at ``pos`` from the anchor ``tok``; proposals go to
         ``props``. The draft reads the context rows ``ctx_pos``, by default the last L committed
         rows (clamped at 0 for short prompts: a row written twice gets the same values)."""
-        be = self.be
-        block = torch.cat((self.tok, self.mask_ids))[None]  # [1, L]
-        if ctx_pos is None:
-            ctx_pos = (self.pos - be.draft_block_size + self.arange[: be.draft_block_size]).clamp(min=0)
-        proposals, _ = draft_fn(block, self.pos, ctx_pos)
+        block, window = self._glue("draft_inputs", draft_inputs)(self.tok, self.mask_ids, self.pos, self.arange)
+        proposals, _ = draft_fn(block, self.pos, window if ctx_pos is None else ctx_pos)
         self.props.copy_(self.proposals_hook(proposals))
+
+    def _glue(self, name: str, fn):
+        """``fn`` as it runs in the graphs: compiled with the backend's forwards (one or two
+        fused kernels instead of about 25 small ones per step, ~2.5 us each in a graph), else
+        eager. ``DFLASH_COMPILE_GLUE=0`` keeps it eager (side-by-side timing)."""
+        if not (self.be.compile and os.environ.get(GLUE_ENV, "1").strip().lower() not in OFF):
+            return fn
+        if name not in self._compiled:
+            self._compiled[name] = torch.compile(fn, dynamic=False)
+        return self._compiled[name]
 
     def proposals_hook(self, proposals: torch.Tensor) -> torch.Tensor:
         """The draft's proposals [L-1] as verified (identity; a benchmark may script them)."""
@@ -132,18 +163,19 @@ class DeviceLoop:
         self.budget.zero_()
         self.lim.zero_()
 
-    def launch(self, block_size: int, first_draft: bool) -> int:
+    def launch(self, block_size: int) -> int:
         """Queue one step (draft at L when ``block_size`` > 1, then verify and commit) and the
         copy of what it commits to pinned memory; returns the slot to :meth:`read`.
 
-        ``first_draft``: the draft's first call after prefill reads every prompt row (eager)."""
+        The prefill wrote the prompt's draft context, so the first step too drafts from the
+        last L rows only, in the same graph as every later step."""
         be = self.be
         if block_size > 1:
-            if be.use_graphs and not first_draft:
+            if be.use_graphs:
                 be._device_graph("ddraft", self.width)[0].replay()
-            else:  # eager; the first call after prefill reads every prompt row
+            else:
                 with torch.inference_mode():
-                    self.draft_step(be._draft_forward, be.key_pos[: be._prompt_len] if first_draft else None)
+                    self.draft_step(be._draft_forward)
         width = be.plan.verify_width(block_size)
         if be.use_graphs:
             be._device_graph("dverify", width)[0].replay()

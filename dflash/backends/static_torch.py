@@ -366,7 +366,12 @@ class StaticBackend(TransformersBackend):
         pos = torch.arange(len(prompt_ids), device=self.device)[None]
         with torch.inference_mode():
             logits = self._target_forward(ids, pos)
-        self._prompt_len, self._draft_seen = len(prompt_ids), 0
+            seen = 0
+            if with_features and self.draft_model is not None:  # the prompt's draft context K/V:
+                self.dcache.write_pos = pos[0]  # the first draft call then reads only its window
+                self.draft_model.write_context(self.feats[: len(prompt_ids)][None], pos, self.dcache)
+                seen = len(prompt_ids)
+        self._prompt_len, self._draft_seen = len(prompt_ids), seen
         return logits[-1], (self.feats[: len(prompt_ids)] if with_features else None)
 
     def verify(self, anchor: int, proposals, start: int, with_features: bool):
@@ -392,14 +397,14 @@ class StaticBackend(TransformersBackend):
     def draft(self, anchor: int, context, start: int, length: int):
         """Propose a block; reads context features by position (``context`` is not needed).
 
-        The first call after prefill reads every prompt row; later calls re-read the last
-        ``draft_block_size`` committed rows, which covers all rows committed since (after plain
-        steps of ``--block-size auto`` every row since the last draft call, eagerly).
+        A prefill with features wrote the prompt's draft context, so every call re-reads the
+        last ``draft_block_size`` committed rows, which covers all rows committed since (after
+        plain steps of ``--block-size auto`` every row since the last draft call, eagerly).
         """
         dev, window = self.device, self.draft_block_size
         seen, self._draft_seen = self._draft_seen, start  # rows < seen are in the draft cache
-        if start == self._prompt_len or start < window or not self.use_graphs or start - seen > window:
-            lo = 0 if start == self._prompt_len else max(0, min(start - window, seen))
+        if start < window or not self.use_graphs or start - seen > window:
+            lo = max(0, min(start - window, seen))
             block = torch.full((1, length), self.mask_token_id, dtype=torch.long, device=dev)
             block[0, 0] = anchor
             with torch.inference_mode():

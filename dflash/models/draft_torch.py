@@ -324,6 +324,30 @@ class DFlashDraft(nn.Module):
             cache.positions = new_pos
         return self.norm(h)
 
+    @torch.no_grad()
+    def write_context(self, target_hidden: torch.Tensor, ctx_pos: torch.Tensor, cache) -> None:
+        """Append the context K/V of ``target_hidden`` to ``cache`` without running a block.
+
+        The draft's context keys/values depend on the target features only (projected by
+        ``fc``, normed, then each layer's k/v projections; paper §3, brief §2.3), so a prompt's
+        rows can be written once at prefill; the next :meth:`forward` then only needs the
+        rows committed since. The same K/V as :meth:`forward` writes for those rows.
+
+        Args:
+            target_hidden: [B, Tc, F] concatenated target features of the rows.
+            ctx_pos: [B, Tc] int64 absolute positions of the rows.
+            cache: a :class:`DraftCache`, or a static cache with ``append(i, k, v)`` whose
+                write positions the caller has set.
+        """
+        ctx = self.hidden_norm(self.fc(target_hidden))  # [B, Tc, H]
+        cos, sin = rope_cos_sin(ctx_pos, self.inv_freq, self.rope_scale, ctx.dtype)
+        for i, layer in enumerate(self.layers):
+            a = layer.self_attn
+            k = apply_rope(a.k_norm(a._heads(a.k_proj(ctx), a.kv_heads)), cos, sin)  # [B, Hkv, Tc, D]
+            cache.append(i, k, a._heads(a.v_proj(ctx), a.kv_heads))
+        if isinstance(cache, DraftCache):
+            cache.positions = ctx_pos if cache.positions is None else torch.cat((cache.positions, ctx_pos), 1)
+
     def inference_masks(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> dict:
         """Masks from absolute positions: causal and/or windowed per layer type (brief §2.5).
 
