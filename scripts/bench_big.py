@@ -211,7 +211,7 @@ def kernel_summary(prof, steps: int, cuda: bool) -> dict:
     10 kernels with the most device time per step [name, calls per step, us per step]."""
     from scripts.kernel_count import kernel_table
 
-    count, rows = kernel_table(prof, cuda, width=100)
+    count, rows = kernel_table(prof, cuda, width=240)
     busy = sum(r[2] for r in rows)
     return {"busy_ms_per_step": busy / 1000 / max(steps, 1), "kernels_per_step": count / max(steps, 1),
             "top_kernels": [[n, round(c / steps, 2), round(t / steps, 1)] for n, c, t in rows[:10]]}  # fmt: skip

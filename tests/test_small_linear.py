@@ -37,6 +37,12 @@ def test_switches_and_configs(monkeypatch):
     with pytest.raises(InputError, match="DFLASH_LINEAR must be torch or triton"):
         sl.linear_mode(torch.device("cuda"))
     monkeypatch.delenv("DFLASH_LINEAR")
+    monkeypatch.setattr(sl, "triton", object())  # as on a CUDA machine with Triton
+    assert sl.linear_mode(torch.device("cuda")) == "triton"  # the default there
+    assert sl.linear_mode(torch.device("cpu")) == "torch"
+    monkeypatch.setenv("DFLASH_LINEAR", "torch")
+    assert sl.linear_mode(torch.device("cuda")) == "torch"
+    monkeypatch.delenv("DFLASH_LINEAR")
     assert sl.kernel_config(1, 576, 576) == (16, 16, 128, 4, 4)
     assert sl.kernel_config(20, 4096, 12288) == (32, 32, 512, 4, 4)
     monkeypatch.setenv("DFLASH_LINEAR_CONFIG", "32,128,8,4")
