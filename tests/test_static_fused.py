@@ -139,3 +139,17 @@ def test_kernel_count_script_tiny(tmp_path):
     runs = json.loads((tmp_path / "k.json").read_text())["runs"]
     for label in ("verify-1", "verify-16", "draft-16"):
         assert runs["fused"][label]["kernels"] < runs["unfused"][label]["kernels"], label
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [49152, 4096, 1000])  # 1000: not a multiple of 64, plain argmax
+def test_row_argmax_is_argmax_with_ties(dtype, vocab):
+    from dflash.backends.static_fused import row_argmax
+
+    g = torch.Generator().manual_seed(vocab)
+    for _ in range(20):
+        x = torch.randint(0, 6, (16, vocab), generator=g).to(dtype)  # many tied maxima per row
+        assert torch.equal(row_argmax(x), x.argmax(-1))
+    x = torch.zeros(3, vocab, dtype=dtype)  # every entry tied: index 0
+    x[1, -1] = 1.0  # the max in the last slice
+    assert row_argmax(x).tolist() == [0, vocab - 1, 0]

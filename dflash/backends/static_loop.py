@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from dflash.backends.static_fused import row_argmax
+
 DEVICE_LOOP_ENV = "DFLASH_DEVICE_LOOP"
 RING = 4  # pinned host slots: at most two steps are in flight
 GLUE_ENV = "DFLASH_COMPILE_GLUE"
@@ -62,7 +64,7 @@ def commit(logits, props, tok, pos, n, budget, lim, last, arange) -> None:
     ``last`` [1 + L] (count, tokens, zero-padded), moves ``tok``/``pos``/``n`` [1]; a step with
     no budget left commits nothing and moves nothing."""
     width = logits.shape[0]
-    target = logits.argmax(-1)  # [W]
+    target = row_argmax(logits)  # [W]
     remaining = budget - n  # [1] tokens still allowed
     if width > 1:
         drafted = props[: width - 1]

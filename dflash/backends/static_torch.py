@@ -33,6 +33,7 @@ from dflash.backends.static_fused import (
     fuse_draft,
     fuse_target,
     pack_gqa_default,
+    row_argmax,
     small_linear_fits,
     target_forward_fused,
 )
@@ -274,7 +275,7 @@ class StaticBackend(TransformersBackend):
         else:
             h = self.draft_model(embeds, ctx, q_pos, ctx_pos[None], cache=self.dcache, masks=masks)
         logits = self.lm_head(h[0, 1:])  # [L-1, V]
-        return logits.argmax(-1), logits
+        return row_argmax(logits), logits
 
     # -- graphs ---------------------------------------------------------------------------
     def _fn(self, kind: str, width: int = 0):
