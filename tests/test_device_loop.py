@@ -168,3 +168,10 @@ def test_compiled_glue_equals_eager():
     for fn, args in ((verify_inputs, (tok, props, pos, arange, 16)), (draft_inputs, (tok, masks, pos, arange))):
         for x, y in zip(fn(*args), torch.compile(fn, dynamic=False)(*args), strict=True):
             assert torch.equal(x, y)
+    from dflash.backends.static_fused import row_argmax  # its two-pass path (V >= 256), compiled
+
+    fast = torch.compile(row_argmax, dynamic=False)
+    g = torch.Generator().manual_seed(3)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randint(0, 5, (16, 1024), generator=g).to(dtype)  # tied maxima in most rows
+        assert torch.equal(fast(x), x.argmax(-1))

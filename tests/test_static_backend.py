@@ -166,3 +166,38 @@ def test_graph_path_plan_padding_and_no_capture_while_decoding(tiny_target, bloc
     assert set(be.graphs) == want
     first_prefill = events.index("prefill")
     assert all(not e.startswith("capture") for e in events[first_prefill:]), events
+
+
+def test_capture_failures_fall_back_one_piece_at_a_time(tiny_target, capsys):
+    """A failed capture turns off the Triton projections, then the split-KV kernel, then
+    compile, one warning line each, and retries; with nothing left it raises."""
+    be = StaticBackend(tiny_target, make_draft(tiny_target), torch.device("cpu"), use_graphs=False)
+    be.linear, be.draft_linear, be.attention, be.compile = "triton", True, "auto", True
+    seen = []
+
+    def capture_fails_with_triton_linear(fn, inputs):
+        seen.append((be.linear, be.attention, be.compile))
+        if be.linear == "triton":
+            raise RuntimeError("triton: out of resources\nmore detail")
+        return "graph", "out", inputs
+
+    be._capture = capture_fails_with_triton_linear
+    assert be._graph("verify", 1, lambda: ("ids", "pos"))[1] == "out"
+    assert seen == [("triton", "auto", True), ("torch", "auto", True)]
+    assert (be.linear, be.draft_linear, be.attention, be.compile) == ("torch", False, "auto", True)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["dflash: the Triton projection kernel failed (RuntimeError: triton: out of resources); "
+                   "continuing with cuBLAS (DFLASH_LINEAR=torch silences this)."]  # fmt: skip
+
+    def always_fails(fn, inputs):
+        raise RuntimeError("boom")
+
+    be._capture = always_fails
+    be.linear = "triton"
+    with pytest.raises(RuntimeError, match="boom"):
+        be._graph("verify", 16, lambda: ("ids", "pos"))
+    assert (be.linear, be.attention, be.compile) == ("torch", "sdpa", False)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert [line.split(" failed")[0] for line in err] == [
+        "dflash: the Triton projection kernel", "dflash: the split-KV attention kernel", "dflash: torch.compile"]
+    assert ("verify", 16) not in be.graphs

@@ -309,16 +309,37 @@ class StaticBackend(TransformersBackend):
         try:
             self.graphs[key] = self._capture(self._fn(kind, width), static_inputs)
         except Exception as e:  # noqa: BLE001 - Inductor/Triton raise many types
-            if not self.compile:
+            if not self._fall_back(e):
                 raise
-            mode = os.environ.get("DFLASH_COMPILE_MODE")
-            fix = f"check DFLASH_COMPILE_MODE={mode!r}, or " if mode else ""
-            print(f"dflash: torch.compile failed ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
-                  f"continuing without it ({fix}--no-compile silences this).", file=sys.stderr)  # fmt: skip
-            self.compile = False
-            torch.cuda.synchronize(self.device)
-            self.graphs[key] = self._capture(self._fn(kind, width), static_inputs)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            return self._graph(kind, width, make_inputs)
         return self.graphs[key]
+
+    def _fall_back(self, error: Exception) -> bool:
+        """After a failed capture, turn off the next optional piece, with one line on stderr:
+        the Triton projections (cuBLAS instead), then the split-KV kernel (SDPA), then
+        ``torch.compile`` (eager ops). Returns False when nothing is left to turn off.
+
+        The forwards read these switches while tracing, so the next capture traces again;
+        graphs captured before keep what they had (every variant gives the target's tokens)."""
+        why = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:200]}"
+        if self.linear == "triton" or self.draft_linear:
+            self.linear, self.draft_linear = "torch", False
+            what, fix = "the Triton projection kernel", "cuBLAS (DFLASH_LINEAR=torch silences this)"
+        elif self.attention != "sdpa":
+            self.attention = "sdpa"
+            what, fix = "the split-KV attention kernel", "SDPA (DFLASH_ATTN=sdpa silences this)"
+        elif self.compile:
+            self.compile = False
+            mode = os.environ.get("DFLASH_COMPILE_MODE")
+            what = "torch.compile"
+            fix = f"eager ops (check DFLASH_COMPILE_MODE={mode!r}, or --no-compile)" if mode else \
+                "eager ops (--no-compile silences this)"
+        else:
+            return False
+        print(f"dflash: {what} failed ({why}); continuing with {fix}.", file=sys.stderr)
+        return True
 
     def _capture(self, fn, static_inputs):
         """Warm ``fn`` up, then capture it into a new graph with its own memory pool."""
