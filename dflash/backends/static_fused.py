@@ -169,8 +169,12 @@ def small_linear_fits(target) -> bool:
     """Whether the fused target forward can run o_proj and down_proj (with their residual adds)
     through :func:`~dflash.backends.small_linear.small_linear`: dense row-major linears of the
     activations' dtype."""
-    dtype = target.get_input_embeddings().weight.dtype
-    mods = [m for layer in target.model.layers for m in (layer.self_attn.o_proj, layer.mlp.down_proj)]
+    return _out_projs_fit(target.model.layers, target.get_input_embeddings().weight.dtype)
+
+
+def _out_projs_fit(layers, dtype: torch.dtype) -> bool:
+    """Every layer's o_proj and down_proj is a dense row-major linear of ``dtype``."""
+    mods = [m for layer in layers for m in (layer.self_attn.o_proj, layer.mlp.down_proj)]
     return all(fusable(m) and m.weight.dtype == dtype and m.weight.stride(-1) == 1 for m in mods)
 
 
@@ -304,6 +308,4 @@ def draft_forward_fused(draft, fused, block_embeds, target_hidden, q_pos, ctx_po
 def draft_small_linear_fits(draft) -> bool:
     """Whether :func:`draft_forward_fused` can run with ``lin`` (dense row-major o_proj and
     down_proj of the draft's dtype)."""
-    dtype = draft.norm.weight.dtype
-    mods = [m for layer in draft.layers for m in (layer.self_attn.o_proj, layer.mlp.down_proj)]
-    return all(fusable(m) and m.weight.dtype == dtype and m.weight.stride(-1) == 1 for m in mods)
+    return _out_projs_fit(draft.layers, draft.norm.weight.dtype)

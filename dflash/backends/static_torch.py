@@ -393,7 +393,7 @@ class StaticBackend(TransformersBackend):
                 self.dcache.write_pos = pos[0]  # the first draft call then reads only its window
                 self.draft_model.write_context(self.feats[: len(prompt_ids)][None], pos, self.dcache)
                 seen = len(prompt_ids)
-        self._prompt_len, self._draft_seen = len(prompt_ids), seen
+        self._draft_seen = seen
         return logits[-1], (self.feats[: len(prompt_ids)] if with_features else None)
 
     def verify(self, anchor: int, proposals, start: int, with_features: bool):

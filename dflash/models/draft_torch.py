@@ -169,6 +169,12 @@ class DraftAttention(nn.Module):
         b, t, _ = x.shape
         return x.view(b, t, n, self.head_dim).transpose(1, 2)  # [B, n, T, D]
 
+    def key_values(self, x: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor]:
+        """K (k-normed, rotated by the (cos, sin) tables ``rope``) and V [B, Hkv, T, D] of the
+        rows x [B, T, H]."""
+        k = apply_rope(self.k_norm(self._heads(self.k_proj(x), self.kv_heads)), *rope)
+        return k, self._heads(self.v_proj(x), self.kv_heads)
+
     def forward(self, x, ctx, q_rope, ctx_rope, mask, cache: DraftCache | None, idx: int):
         """x [B, Lq, H] normed block states; ctx [B, Tc, H] projected context (Tc may be 0).
 
@@ -180,10 +186,8 @@ class DraftAttention(nn.Module):
         """
         b, lq, _ = x.shape
         q = apply_rope(self.q_norm(self._heads(self.q_proj(x), self.heads)), *q_rope)
-        kb = apply_rope(self.k_norm(self._heads(self.k_proj(x), self.kv_heads)), *q_rope)
-        vb = self._heads(self.v_proj(x), self.kv_heads)
-        kc = apply_rope(self.k_norm(self._heads(self.k_proj(ctx), self.kv_heads)), *ctx_rope)
-        vc = self._heads(self.v_proj(ctx), self.kv_heads)
+        kb, vb = self.key_values(x, q_rope)
+        kc, vc = self.key_values(ctx, ctx_rope)
         if cache is not None:
             kc, vc = cache.append(idx, kc, vc)
         k = torch.cat((kc, kb), dim=2)  # [B, Hkv, Tk, D]
@@ -340,11 +344,9 @@ class DFlashDraft(nn.Module):
                 write positions the caller has set.
         """
         ctx = self.hidden_norm(self.fc(target_hidden))  # [B, Tc, H]
-        cos, sin = rope_cos_sin(ctx_pos, self.inv_freq, self.rope_scale, ctx.dtype)
+        rope = rope_cos_sin(ctx_pos, self.inv_freq, self.rope_scale, ctx.dtype)
         for i, layer in enumerate(self.layers):
-            a = layer.self_attn
-            k = apply_rope(a.k_norm(a._heads(a.k_proj(ctx), a.kv_heads)), cos, sin)  # [B, Hkv, Tc, D]
-            cache.append(i, k, a._heads(a.v_proj(ctx), a.kv_heads))
+            cache.append(i, *layer.self_attn.key_values(ctx, rope))  # [B, Hkv, Tc, D] each
         if isinstance(cache, DraftCache):
             cache.positions = ctx_pos if cache.positions is None else torch.cat((cache.positions, ctx_pos), 1)
 
