@@ -7,11 +7,12 @@
 #   1 stage1 [lin]  [.stage/t5/aa .stage/whl]   (lin: bench_big with/without the fused linears too)
 #   1' glue        [.stage/t5/aa]  stage1's copy, then smollm2 bench_big: glue compiled / eager / triton linear
 #   attn           (no carry)  one-slice split-KV attention against the default, bench_big smollm2
+#   merge          [.stage/old]  split-KV with the in-kernel merge against the previous tree
 #   2-4 stage ab|ac|ad [torch|triton]  [.stage/t5/<part>]  (with an 8B-shaped bench_big meanwhile)
 #   5 bench      [.stage/t5/ae .stage/data]  gsm8k 64 (bf16, compile, parity) and one single generate;
 #                results in $OUT (b-gsm8k.jsonl / .txt, generate.json)
 set -u
-phase=${1:?usage: h200_speed_session.sh stage1|glue|stage PART [torch|triton]|bench [full]|kernels|attn|big8b}
+phase=${1:?usage: h200_speed_session.sh stage1|glue|stage PART [torch|triton]|bench [full]|kernels|attn|merge|big8b}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 DFLASH_CACHE=/tmp/dflash-cache
 OUT=${OUT:-/tmp/h200-out}; mkdir -p "$OUT"
 W=/tmp/demo; mkdir -p "$W/stage"
@@ -86,14 +87,32 @@ kernels)  # random SmolLM2-shaped pair: fused linears on/off side by side, then 
   cp /tmp/sweep/small_linear_sweep.json "$OUT/"; tail -n 3 "$OUT/sweep.log"
   ;;
 attn)  # random SmolLM2-shaped pair: default split-KV (256 keys/program, SDPA at width 1) against one
-  # slice (no merge kernel) at widths >= 2 and at every width, interleaved twice
+  # slice (no merge kernel) at widths >= 2 and at every width; profiled, then base/one again
   BB=(python3 scripts/bench_big.py --shape smollm2 --prompt-len 160 --blocks 1,16)
-  for v in base one all base2 one2 all2; do
+  for v in base one all base2 one2; do
     case ${v%2} in base) E=(env) ;; one) E=(env DFLASH_ATTN_SPLIT=8192) ;;
       all) E=(env DFLASH_ATTN=split DFLASH_ATTN_SPLIT=8192) ;; esac
-    "${E[@]}" timeout 150 "${BB[@]}" --out "/tmp/bb-$v" > "$OUT/bb-attn-$v.log" 2>&1
+    [ "$v" = "${v%2}" ] && P=(--profile) || P=()
+    "${E[@]}" timeout 170 "${BB[@]}" "${P[@]}" --out "/tmp/bb-$v" > "/tmp/bb-attn-$v.log" 2>&1
     cp "/tmp/bb-$v/bench_big.json" "$OUT/bench_big-attn-$v.json"
-    echo "$v $(grep -o '"ms_per_step": [0-9.]*' "$OUT/bb-attn-$v.log" | cut -d' ' -f2 | tr '\n' ' ')"
+    echo "$v $(grep -o '"ms_per_step": [0-9.]*' "/tmp/bb-attn-$v.log" | cut -d' ' -f2 | tr '\n' ' ')"
+    tail -n 3 "/tmp/bb-attn-$v.log" | cut -c1-200
+  done
+  ;;
+merge)  # random SmolLM2-shaped pair: split-KV with the merge inside the kernel (this tree) at
+  # widths >= 2 (auto), at every width (256 and 128 keys/program, one slice), against the best
+  # variant of the tree before it (carry .stage/old: git archive of that commit, one slice everywhere)
+  BB=(scripts/bench_big.py --shape smollm2 --prompt-len 160 --blocks 1,16)
+  for v in auto split s128 one old; do
+    case $v in auto) E=(env) ;; split) E=(env DFLASH_ATTN=split) ;;
+      s128) E=(env DFLASH_ATTN=split DFLASH_ATTN_SPLIT=128) ;;
+      one|old) E=(env DFLASH_ATTN=split DFLASH_ATTN_SPLIT=8192) ;; esac
+    [ $v = old ] && E+=(PYTHONPATH="/tmp/site:$PWD/.stage/old") && R=.stage/old || R=.
+    [ $v = auto ] || [ $v = split ] && P=(--profile) || P=()
+    (cd $R && "${E[@]}" timeout 170 python3 "${BB[@]}" "${P[@]}" --out "/tmp/bb-$v") > "/tmp/bb-merge-$v.log" 2>&1
+    cp "/tmp/bb-$v/bench_big.json" "$OUT/bench_big-merge-$v.json"
+    echo "$v $(grep -o '"ms_per_step": [0-9.]*' "/tmp/bb-merge-$v.log" | cut -d' ' -f2 | tr '\n' ' ')"
+    grep -v '^{' "/tmp/bb-merge-$v.log" | tail -n 3 | cut -c1-300
   done
   ;;
 big8b)  # Qwen3-8B-shaped pair: fused linears on/off

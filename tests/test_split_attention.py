@@ -116,6 +116,10 @@ KERNEL_CHECK = textwrap.dedent("""
             got = sa.split_attention(q, k, v, pos, 0.1)
             err = (got - masked_sdpa(q, k, v, pos, 0.1)).abs().max().item()
             assert err < 1e-5, (split, shape, err)
+            # laid out [1, T, H, D]: the forward's reshape to [1, T, H*D] is a view
+            assert got.transpose(1, 2).is_contiguous(), got.stride()
+            # the last slice to finish reset the merge counters for the next launch
+            assert int(sa._COUNTERS[("cpu", None)].abs().sum()) == 0
     del os.environ["DFLASH_ATTN_SPLIT"]
     # the fused static forward with the kernel: plain greedy tokens
     from tests.test_split_attention import assert_static_greedy
