@@ -49,10 +49,12 @@ def available() -> bool:
 
 
 def attention_mode(device: torch.device) -> str:
-    """Which attention the static target forward uses (``DFLASH_ATTN``): ``auto`` (default: the
-    split kernel for forwards of 2+ query rows, SDPA for 1 row, where cuDNN's decode kernel is
-    as fast and needs no merge), ``split`` (every width) or ``sdpa`` (never). Without CUDA or
-    Triton it is always ``sdpa``.
+    """Which attention the static forwards use (``DFLASH_ATTN``): ``auto`` (default) or ``split``
+    (the split kernel for every forward of up to ``SPLIT_MAX_ROWS`` query rows, block 1
+    included; SDPA for prefill), or ``sdpa`` (never the kernel). Without CUDA or Triton it is
+    always ``sdpa``. On the H200 (random demo-shaped pair, one run side by side) the kernel at
+    width 1 took 0.921 ms per block-1 step against 0.993 ms with cuDNN's SDPA, which needs a
+    mask and a reduction kernel per layer.
 
     Raises:
         InputError: another value.

@@ -266,8 +266,7 @@ class StaticBackend(TransformersBackend):
                  for kind, rule in rules.items()}  # fmt: skip
         embeds, ctx = F.embedding(block, self.embed_weight), self.feats[ctx_pos][None]
         if self.fused_draft is not None:
-            split = length <= SPLIT_MAX_ROWS and (self.attention == "split" or
-                                                  (self.attention == "auto" and length > 1))  # fmt: skip
+            split = length <= SPLIT_MAX_ROWS and self.attention != "sdpa"
             kinds = frozenset(kind for kind, rule in rules.items() if rule is None) if split else frozenset()
             lin = self.draft_linear and length <= MAX_ROWS  # residual adds fused in
             h = draft_forward_fused(self.draft_model, self.fused_draft, embeds, ctx, q_pos, ctx_pos[None],
