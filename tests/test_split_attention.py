@@ -62,6 +62,9 @@ def test_attention_switches(monkeypatch):
         sa.attention_mode(torch.device("cuda"))
     monkeypatch.delenv("DFLASH_ATTN")
     assert sa.attention_mode(torch.device("cpu")) == "sdpa"  # CPU: SDPA
+    monkeypatch.setattr(sa, "available", lambda: True)  # as on a CUDA machine with Triton
+    assert sa.attention_mode(torch.device("cuda"), torch.bfloat16) == "auto"
+    assert sa.attention_mode(torch.device("cuda"), torch.float32) == "sdpa"  # exact reference
     assert sa.split_size(1024) == 256
     monkeypatch.setenv("DFLASH_ATTN_SPLIT", "4096")
     assert sa.split_size(1024) == 1024  # one slice

@@ -48,11 +48,14 @@ def available() -> bool:
     return triton is not None
 
 
-def attention_mode(device: torch.device) -> str:
+def attention_mode(device: torch.device, dtype: torch.dtype | None = None) -> str:
     """Which attention the static forwards use (``DFLASH_ATTN``): ``auto`` (default) or ``split``
     (the split kernel for every forward of up to ``SPLIT_MAX_ROWS`` query rows, block 1
     included; SDPA for prefill), or ``sdpa`` (never the kernel). Without CUDA or Triton it is
-    always ``sdpa``. On the H200 (random demo-shaped pair, one run side by side) the kernel at
+    always ``sdpa``, and for float32 weights too: the kernel's exact fp32 dots (no tensor cores)
+    took 600-740 us per 16-row call on the H200 against about 91 us before its slices were
+    merged inside it (a register-pressure suspect, unresolved), so float32 runs, the parity
+    reference, use exact SDPA. On the H200 (random demo-shaped pair, one run side by side) the kernel at
     width 1 took 0.921 ms per block-1 step against 0.993 ms with cuDNN's SDPA, which needs a
     mask and a reduction kernel per layer.
 
@@ -65,7 +68,7 @@ def attention_mode(device: torch.device) -> str:
     if raw not in ("auto", "split", "sdpa"):
         raise InputError(f"{ATTN_ENV} must be auto, split or sdpa, got {raw!r}.",
                          hint="unset it for the default (auto)")  # fmt: skip
-    return raw if device.type == "cuda" and available() else "sdpa"
+    return raw if device.type == "cuda" and available() and dtype != torch.float32 else "sdpa"
 
 
 def split_size(capacity: int) -> int:
@@ -92,7 +95,8 @@ if triton is not None:
     def _split_kernel(Q, K, V, POS, OUT, PO, PL, CNT, scale_log2,
                       s_qh, s_qt, s_kh, s_ks, s_vh, s_vs, s_oh, s_ot, s_ph, s_ps, s_pr, s_lh, s_ls,
                       T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr,
-                      SPLIT_N: tl.constexpr, BLOCK: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
+                      SPLIT_N: tl.constexpr, BLOCK: tl.constexpr, IEEE: tl.constexpr,
+                      MERGE: tl.constexpr):  # fmt: skip
         kvh = tl.program_id(0)
         sp = tl.program_id(1)
         r = tl.arange(0, ROWS)
@@ -104,7 +108,6 @@ if triton is not None:
         filled = tl.load(POS + T - 1) + 1  # keys at positions < filled exist
         slices = (filled + SPLIT_N - 1) // SPLIT_N  # slices holding keys; later programs idle
         lo = sp * SPLIT_N
-        out_ptr = OUT + (kvh * G + g)[:, None] * s_oh + t[:, None] * s_ot + d[None, :]
         if lo < filled:
             m_i = tl.full([ROWS], float("-inf"), tl.float32)
             l_i = tl.zeros([ROWS], tl.float32)
@@ -132,31 +135,37 @@ if triton is not None:
                     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
                 m_i = m_new
             l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-            if slices == 1:  # one slice: the result is final
+            if MERGE:  # several slices at this capacity (a constexpr: fp32 launches have one)
+                if slices == 1:  # one slice holds every key: the result is final
+                    out_ptr = OUT + (kvh * G + g)[:, None] * s_oh + t[:, None] * s_ot + d[None, :]
+                    tl.store(out_ptr, (acc / l_safe[:, None]).to(OUT.dtype.element_ty), mask=live[:, None])
+                else:  # publish this slice; the last slice of this KV head to finish merges
+                    lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
+                    tl.store(PO + kvh * s_ph + sp * s_ps + r[:, None] * s_pr + d[None, :],
+                             acc / l_safe[:, None])  # fmt: skip
+                    tl.store(PL + kvh * s_lh + sp * s_ls + r, lse)
+                    tl.debug_barrier()  # every thread's stores precede the release below
+                    done = tl.atomic_add(CNT + kvh, 1, sem="acq_rel")
+                    if done == slices - 1:
+                        m = tl.full([ROWS], float("-inf"), tl.float32)
+                        for j in range(0, slices):
+                            m = tl.maximum(m, tl.load(PL + kvh * s_lh + j * s_ls + r, cache_modifier=".cg"))
+                        m = tl.where(m == float("-inf"), 0.0, m)
+                        num = tl.zeros([ROWS, D], tl.float32)
+                        den = tl.zeros([ROWS], tl.float32)
+                        for j in range(0, slices):  # L2 reads (.cg): other SMs wrote these rows
+                            w = tl.exp2(tl.load(PL + kvh * s_lh + j * s_ls + r, cache_modifier=".cg") - m)
+                            o = tl.load(PO + kvh * s_ph + j * s_ps + r[:, None] * s_pr + d[None, :],
+                                        cache_modifier=".cg")  # fmt: skip
+                            num += o * w[:, None]
+                            den += w
+                        den = tl.where(den == 0.0, 1.0, den)
+                        out_ptr = OUT + (kvh * G + g)[:, None] * s_oh + t[:, None] * s_ot + d[None, :]
+                        tl.store(out_ptr, (num / den[:, None]).to(OUT.dtype.element_ty), mask=live[:, None])
+                        tl.atomic_xchg(CNT + kvh, 0)  # ready for the next launch (and graph replay)
+            else:
+                out_ptr = OUT + (kvh * G + g)[:, None] * s_oh + t[:, None] * s_ot + d[None, :]
                 tl.store(out_ptr, (acc / l_safe[:, None]).to(OUT.dtype.element_ty), mask=live[:, None])
-            else:  # publish this slice; the last slice of this KV head to finish merges them
-                lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
-                tl.store(PO + kvh * s_ph + sp * s_ps + r[:, None] * s_pr + d[None, :],
-                         acc / l_safe[:, None])  # fmt: skip
-                tl.store(PL + kvh * s_lh + sp * s_ls + r, lse)
-                tl.debug_barrier()  # every thread's stores precede the release below
-                done = tl.atomic_add(CNT + kvh, 1, sem="acq_rel")
-                if done == slices - 1:
-                    m = tl.full([ROWS], float("-inf"), tl.float32)
-                    for j in range(0, slices):
-                        m = tl.maximum(m, tl.load(PL + kvh * s_lh + j * s_ls + r, cache_modifier=".cg"))
-                    m = tl.where(m == float("-inf"), 0.0, m)
-                    num = tl.zeros([ROWS, D], tl.float32)
-                    den = tl.zeros([ROWS], tl.float32)
-                    for j in range(0, slices):  # L2 reads (.cg): other SMs wrote these rows
-                        w = tl.exp2(tl.load(PL + kvh * s_lh + j * s_ls + r, cache_modifier=".cg") - m)
-                        o = tl.load(PO + kvh * s_ph + j * s_ps + r[:, None] * s_pr + d[None, :],
-                                    cache_modifier=".cg")  # fmt: skip
-                        num += o * w[:, None]
-                        den += w
-                    den = tl.where(den == 0.0, 1.0, den)
-                    tl.store(out_ptr, (num / den[:, None]).to(OUT.dtype.element_ty), mask=live[:, None])
-                    tl.atomic_xchg(CNT + kvh, 0)  # ready for the next launch (and graph replay)
 
 
 def _rows(groups: int, t: int) -> int:
@@ -213,7 +222,7 @@ def split_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
         out.stride(1), out.stride(2), po.stride(0), po.stride(1), po.stride(2),
         pl.stride(0), pl.stride(1),
         T=t, G=groups, D=dim, ROWS=rows, SPLIT_N=split, BLOCK=min(BLOCK_N, split),
-        IEEE=q.dtype == torch.float32,
+        IEEE=q.dtype == torch.float32, MERGE=nsplit > 1,
     )  # fmt: skip
     return out
 

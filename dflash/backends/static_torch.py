@@ -140,7 +140,7 @@ class StaticBackend(TransformersBackend):
         # the fused forwards' attention (target; the draft's all-visible layers when the draft is
         # fused too): split-KV kernel over the filled rows or SDPA with a position mask (see
         # dflash.backends.split_attention.attention_mode)
-        self.attention = attention_mode(device) if self.fused_target is not None else "sdpa"
+        self.attention = attention_mode(device, self.dtype) if self.fused_target is not None else "sdpa"
         # o_proj/down_proj of the fused forwards for <= 32 rows: one Triton kernel each with the
         # residual add fused in, or torch (see dflash.backends.small_linear)
         linear = linear_mode(device) if self.fused_target is not None else "torch"
