@@ -8,11 +8,12 @@
 #   1' glue        [.stage/t5/aa]  stage1's copy, then smollm2 bench_big: glue compiled / eager / triton linear
 #   attn           (no carry)  one-slice split-KV attention against the default, bench_big smollm2
 #   merge          [.stage/old]  split-KV with the in-kernel merge against the previous tree
+#   next           (no carry)  fp32 kernel time, 8B shape, split 512 vs 256 (the tenth session's first call)
 #   2-4 stage ab|ac|ad [torch|triton]  [.stage/t5/<part>]  (with an 8B-shaped bench_big meanwhile)
 #   5 bench      [.stage/t5/ae .stage/data]  gsm8k 64 (bf16, compile, parity) and one single generate;
 #                results in $OUT (b-gsm8k.jsonl / .txt, generate.json)
 set -u
-phase=${1:?usage: h200_speed_session.sh stage1|glue|stage PART [torch|triton]|bench [full]|kernels|attn|merge|big8b}
+phase=${1:?usage: h200_speed_session.sh stage1|glue|stage PART [torch|triton]|bench [full]|kernels|attn|merge|next|big8b}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 DFLASH_CACHE=/tmp/dflash-cache
 OUT=${OUT:-/tmp/h200-out}; mkdir -p "$OUT"
 W=/tmp/demo; mkdir -p "$W/stage"
@@ -113,6 +114,17 @@ merge)  # random SmolLM2-shaped pair: split-KV with the merge inside the kernel 
     cp "/tmp/bb-$v/bench_big.json" "$OUT/bench_big-merge-$v.json"
     echo "$v $(grep -o '"ms_per_step": [0-9.]*' "/tmp/bb-merge-$v.log" | cut -d' ' -f2 | tr '\n' ' ')"
     grep -v '^{' "/tmp/bb-merge-$v.log" | tail -n 3 | cut -c1-300
+  done
+  ;;
+next)  # no carry: the ninth session's open questions. float32 16-row kernel time (MERGE
+  # constexpr), 8B shape with the split kernel at width 1, split 512 against 256 on the demo shape
+  timeout 120 python3 scripts/split_attention_check.py --out "$OUT" > /tmp/sac.log 2>&1; tail -n 2 /tmp/sac.log
+  timeout 200 python3 scripts/bench_big.py --shape qwen3-8b --blocks 1,16 --steps 16 --out /tmp/bb8 \
+    > /tmp/bb8.log 2>&1; cp /tmp/bb8/bench_big.json "$OUT/bench_big-q8b.json"; grep ms_per_step /tmp/bb8.log | cut -c1-120
+  for v in 256 512; do
+    DFLASH_ATTN_SPLIT=$v timeout 150 python3 scripts/bench_big.py --shape smollm2 --prompt-len 300 --blocks 1,16 \
+      --out "/tmp/bb-s$v" > "/tmp/bb-s$v.log" 2>&1; cp "/tmp/bb-s$v/bench_big.json" "$OUT/bench_big-split$v.json"
+    echo "split $v $(grep -o '"ms_per_step": [0-9.]*' "/tmp/bb-s$v.log" | cut -d' ' -f2 | tr '\n' ' ')"
   done
   ;;
 big8b)  # Qwen3-8B-shaped pair: fused linears on/off
