@@ -65,9 +65,14 @@ def test_attention_switches(monkeypatch):
     monkeypatch.setattr(sa, "available", lambda: True)  # as on a CUDA machine with Triton
     assert sa.attention_mode(torch.device("cuda"), torch.bfloat16) == "auto"
     assert sa.attention_mode(torch.device("cuda"), torch.float32) == "sdpa"  # exact reference
+    monkeypatch.setenv("DFLASH_ATTN", "split")  # asked for: the kernel in float32 too
+    assert sa.attention_mode(torch.device("cuda"), torch.float32) == "split"
+    monkeypatch.delenv("DFLASH_ATTN")
     assert sa.split_size(1024) == 256
     monkeypatch.setenv("DFLASH_ATTN_SPLIT", "4096")
     assert sa.split_size(1024) == 1024  # one slice
+    monkeypatch.setenv("DFLASH_ATTN_SPLIT", "99968")
+    assert sa.split_size(1024) == 1024  # one slice, whatever multiple of 64 is asked for
     monkeypatch.setenv("DFLASH_ATTN_SPLIT", "100")
     with pytest.raises(InputError, match="multiple of 64"):
         sa.split_size(1024)
@@ -123,6 +128,17 @@ KERNEL_CHECK = textwrap.dedent("""
             assert got.transpose(1, 2).is_contiguous(), got.stride()
             # the last slice to finish reset the merge counters for the next launch
             assert int(sa._COUNTERS[("cpu", None)].abs().sum()) == 0
+    # a position past the cache (the backends never pass one) must not break later calls, and
+    # rows past the filled length are never read (inf/NaN there change nothing)
+    q, k, v, _ = _inputs(4, 2, 1, 16, 256, 0)
+    os.environ["DFLASH_ATTN_SPLIT"] = "64"
+    sa.split_attention(q, k, v, torch.tensor([256]), 0.1)
+    assert int(sa._COUNTERS[("cpu", None)].abs().sum()) == 0
+    q, k, v, pos = _inputs(4, 2, 16, 16, 256, 100)
+    want = masked_sdpa(q, k, v, pos, 0.1)
+    k[:, :, 116:], v[:, :, 116:] = float("inf"), float("nan")
+    err = (sa.split_attention(q, k, v, pos, 0.1) - want).abs().max().item()
+    assert err < 1e-5, err
     del os.environ["DFLASH_ATTN_SPLIT"]
     # the fused static forward with the kernel: plain greedy tokens
     from tests.test_split_attention import assert_static_greedy

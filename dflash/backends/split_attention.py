@@ -49,15 +49,19 @@ def available() -> bool:
 
 
 def attention_mode(device: torch.device, dtype: torch.dtype | None = None) -> str:
-    """Which attention the static forwards use (``DFLASH_ATTN``): ``auto`` (default) or ``split``
-    (the split kernel for every forward of up to ``SPLIT_MAX_ROWS`` query rows, block 1
-    included; SDPA for prefill), or ``sdpa`` (never the kernel). Without CUDA or Triton it is
-    always ``sdpa``, and for float32 weights too: the kernel's exact fp32 dots (no tensor cores)
-    took 600-740 us per 16-row call on the H200 against about 91 us before its slices were
-    merged inside it (a register-pressure suspect, unresolved), so float32 runs, the parity
-    reference, use exact SDPA. On the H200 (random demo-shaped pair, one run side by side) the kernel at
-    width 1 took 0.921 ms per block-1 step against 0.993 ms with cuDNN's SDPA, which needs a
-    mask and a reduction kernel per layer.
+    """Which attention the static forwards use (``DFLASH_ATTN``).
+
+    - ``auto`` (default): the split kernel for every forward of up to ``SPLIT_MAX_ROWS`` query
+      rows, block 1 included (longer prefills use SDPA), with bf16/fp16 weights; exact SDPA with
+      float32 weights. The kernel's exact fp32 dots (no tensor cores) took 600-740 us per 16-row
+      call on the H200, against about 91 us before its slices were merged inside it (cause not
+      found), so float32 runs, the parity reference, use SDPA.
+    - ``split``: the kernel at those widths whatever the dtype (float32 checks of the kernel).
+    - ``sdpa``: never the kernel.
+
+    Without CUDA or Triton it is always ``sdpa``. On the H200 (random demo-shaped pair, one run
+    side by side) the kernel at width 1 took 0.921 ms per block-1 step against 0.993 ms with
+    cuDNN's SDPA, which needs a mask and a reduction kernel per layer.
 
     Raises:
         InputError: another value.
@@ -68,7 +72,9 @@ def attention_mode(device: torch.device, dtype: torch.dtype | None = None) -> st
     if raw not in ("auto", "split", "sdpa"):
         raise InputError(f"{ATTN_ENV} must be auto, split or sdpa, got {raw!r}.",
                          hint="unset it for the default (auto)")  # fmt: skip
-    return raw if device.type == "cuda" and available() and dtype != torch.float32 else "sdpa"
+    if device.type != "cuda" or not available() or (raw == "auto" and dtype == torch.float32):
+        return "sdpa"
+    return raw
 
 
 def split_size(capacity: int) -> int:
@@ -86,13 +92,15 @@ def split_size(capacity: int) -> int:
     if value <= 0 or value % BLOCK_N:
         raise InputError(f"{SPLIT_ENV} must be a positive multiple of {BLOCK_N}, got {raw!r}.",
                          hint=f"unset it for the default of {SPLIT}")  # fmt: skip
+    if value >= capacity:  # one slice
+        return capacity
     return math.gcd(value, capacity)  # slices tile the capacity (a multiple of 64)
 
 
 if triton is not None:
 
     @triton.jit
-    def _split_kernel(Q, K, V, POS, OUT, PO, PL, CNT, scale_log2,
+    def _split_kernel(Q, K, V, POS, OUT, PO, PL, CNT, scale_log2, cap,
                       s_qh, s_qt, s_kh, s_ks, s_vh, s_vs, s_oh, s_ot, s_ph, s_ps, s_pr, s_lh, s_ls,
                       T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr,
                       SPLIT_N: tl.constexpr, BLOCK: tl.constexpr, IEEE: tl.constexpr,
@@ -105,7 +113,9 @@ if triton is not None:
         t = r % T
         d = tl.arange(0, D)
         qpos = tl.load(POS + t, mask=live, other=-1)  # [ROWS] position of each query row
-        filled = tl.load(POS + T - 1) + 1  # keys at positions < filled exist
+        # keys at positions < filled exist; clamped so that a position past the cache can never
+        # leave a slice counter unreset (every slice counted then exists)
+        filled = tl.minimum(tl.load(POS + T - 1) + 1, cap)
         slices = (filled + SPLIT_N - 1) // SPLIT_N  # slices holding keys; later programs idle
         lo = sp * SPLIT_N
         if lo < filled:
@@ -117,7 +127,9 @@ if triton is not None:
             hi = tl.minimum(lo + SPLIT_N, filled)
             for start in range(lo, hi, BLOCK):
                 n = start + tl.arange(0, BLOCK)
-                k = tl.load(K + kvh * s_kh + n[None, :] * s_ks + d[:, None])  # [D, BLOCK]
+                inside = n < filled  # rows past the filled length are never read
+                k = tl.load(K + kvh * s_kh + n[None, :] * s_ks + d[:, None], mask=inside[None, :],
+                            other=0.0)  # [D, BLOCK]  # fmt: skip
                 if IEEE:
                     s = tl.dot(q, k, input_precision="ieee")
                 else:
@@ -128,14 +140,15 @@ if triton is not None:
                 p = tl.exp2(s - m_safe[:, None])
                 alpha = tl.exp2(m_i - m_safe)
                 l_i = l_i * alpha + tl.sum(p, 1)
-                v = tl.load(V + kvh * s_vh + n[:, None] * s_vs + d[None, :])  # [BLOCK, D]
+                v = tl.load(V + kvh * s_vh + n[:, None] * s_vs + d[None, :], mask=inside[:, None],
+                            other=0.0)  # [BLOCK, D]  # fmt: skip
                 if IEEE:
                     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
                 else:
                     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
                 m_i = m_new
             l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-            if MERGE:  # several slices at this capacity (a constexpr: fp32 launches have one)
+            if MERGE:  # the capacity holds several slices (a constexpr: no merge code otherwise)
                 if slices == 1:  # one slice holds every key: the result is final
                     out_ptr = OUT + (kvh * G + g)[:, None] * s_oh + t[:, None] * s_ot + d[None, :]
                     tl.store(out_ptr, (acc / l_safe[:, None]).to(OUT.dtype.element_ty), mask=live[:, None])
@@ -173,12 +186,24 @@ def _rows(groups: int, t: int) -> int:
 
 
 _COUNTERS: dict = {}  # device -> int32 slice counters, zero between launches (the kernel resets them)
+_RETIRED: list = []  # outgrown counters: graphs captured before may still point at them
 
 
 def _counters(device: torch.device, n: int) -> torch.Tensor:
+    """The per-KV-head slice counters of ``device`` (at least ``n``), made outside graph capture.
+
+    Raises:
+        RuntimeError: first use (or growth) while a CUDA graph is being captured; run the
+            attention once before capturing (the static backend warms every graph up first).
+    """
     key = (device.type, device.index)
     c = _COUNTERS.get(key)
     if c is None or c.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("split_attention: call it once before capturing a CUDA graph "
+                               "(its counters must be allocated and zeroed outside the graph)")  # fmt: skip
+        if c is not None:
+            _RETIRED.append(c)
         c = _COUNTERS[key] = torch.zeros(max(n, 256), dtype=torch.int32, device=device)
     return c
 
@@ -217,7 +242,7 @@ def split_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
     po = torch.empty(hkv, nsplit, rows, dim, dtype=torch.float32, device=q.device)
     pl = torch.empty(hkv, nsplit, rows, dtype=torch.float32, device=q.device)
     _split_kernel[(hkv, nsplit)](
-        q, k, v, pos, out, po, pl, _counters(q.device, hkv), scale * math.log2(math.e),
+        q, k, v, pos, out, po, pl, _counters(q.device, hkv), scale * math.log2(math.e), cap,
         q.stride(1), q.stride(2), k.stride(1), k.stride(2), v.stride(1), v.stride(2),
         out.stride(1), out.stride(2), po.stride(0), po.stride(1), po.stride(2),
         pl.stride(0), pl.stride(1),

@@ -217,7 +217,7 @@ def target_forward_fused(be, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tens
     x = F.embedding(ids, be.embed_weight)  # [1, T, H]
     cos, sin = rope_cos_sin(pos, be.inv_freq, be.rope_scale, be.dtype)  # [1, 1, T, D], once
     mode = getattr(be, "attention", "sdpa")  # split-KV kernel: reads filled rows, no mask
-    split = t <= SPLIT_MAX_ROWS and mode != "sdpa"  # not prefill
+    split = t <= SPLIT_MAX_ROWS and mode != "sdpa"  # prefills of <= 32 rows too
     mask = None if split else (be.key_pos[None, :] <= pos[0, :, None])[None, None]  # [1, 1, T, S]
     packed = be.pack_gqa and be.heads != be.kv_heads and not split
     if packed:
