@@ -55,3 +55,38 @@ def test_warm_replays_env(monkeypatch):
         monkeypatch.setenv(WARM_ENV, bad)
         with pytest.raises(InputError, match=WARM_ENV):
             warm_replays()
+
+
+def test_allow_recompiles_keeps_every_width_compiled():
+    """Dynamo keeps one cache per code object: past its recompile limit (8) further widths run
+    eagerly without a word. allow_recompiles raises the limit so every width stays compiled."""
+    import torch._dynamo
+    import torch._dynamo.config as dynamo_config
+
+    from dflash.backends.graph_plan import RECOMPILE_LIMIT, allow_recompiles
+
+    name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
+
+    def compiled_widths(n: int) -> int:
+        graphs = []
+
+        def backend(gm, inputs):
+            graphs.append(gm)
+            return gm.forward
+
+        def step(x):
+            return x * 2 + 1
+
+        torch._dynamo.reset()
+        fn = torch.compile(step, backend=backend, dynamic=False)
+        for width in range(1, n + 1):
+            assert torch.equal(fn(torch.ones(width)), torch.full((width,), 3.0))
+        return len(graphs)
+
+    with dynamo_config.patch(**{name: 8}):  # Dynamo's default; the config is restored after
+        assert compiled_widths(12) == 8  # widths 9-12 ran eagerly
+        assert allow_recompiles() == RECOMPILE_LIMIT
+        assert compiled_widths(12) == 12
+    with dynamo_config.patch(**{name: 100}):
+        assert allow_recompiles() == 100  # never lowered
+    torch._dynamo.reset()

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from dflash.backends.graph_plan import inductor_cache_dir
+from dflash.backends.graph_plan import allow_recompiles, inductor_cache_dir
 from dflash.errors import InputError
 from dflash.models.draft_torch import apply_rope, rope_cos_sin
 
@@ -299,6 +299,7 @@ class BatchedGenerator:
             return self._forward
         if self.kv_lengths not in self._compiled:
             inductor_cache_dir()
+            allow_recompiles()  # one code object for every backend and shape in the process
             self._compiled[self.kv_lengths] = torch.compile(self._forward, dynamic=False)
         return self._compiled[self.kv_lengths]
 
@@ -369,6 +370,8 @@ class BatchedGenerator:
 
     def _capture(self, width: int):
         """Warm up (twice: compile, lazy inits) on a side stream, then capture the steps."""
+        if self.compile:
+            allow_recompiles()  # Dynamo's config is per thread; it compiles here
 
         def body():
             for _ in range(self.steps):

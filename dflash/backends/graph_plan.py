@@ -96,6 +96,26 @@ def inductor_cache_dir() -> Path:
     return Path(os.environ[COMPILE_ENV])
 
 
+RECOMPILE_LIMIT = 64
+
+
+def allow_recompiles(limit: int = RECOMPILE_LIMIT) -> int:
+    """Raise Dynamo's per-function recompile limit to at least ``limit`` (never lowers it);
+    returns the limit in force.
+
+    Dynamo keeps one cache per code object, shared by every ``torch.compile`` wrapper of it:
+    each backend instance and each width adds an entry. Past the limit (8 by default) Dynamo
+    silently runs the function eagerly, so a process with several backends or many widths
+    (``--block-size auto``, ``scripts/bench_big.py``) would time eager steps as compiled ones.
+    Called before every ``torch.compile`` of the graph paths and before each capture: the
+    setting holds in the calling thread only (torch keeps config overrides per context)."""
+    import torch._dynamo.config as dynamo_config
+
+    name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
+    setattr(dynamo_config, name, max(getattr(dynamo_config, name), limit))
+    return getattr(dynamo_config, name)
+
+
 WARM_ENV = "DFLASH_GRAPH_WARM"
 
 

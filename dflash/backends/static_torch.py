@@ -23,7 +23,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from dflash.backends.graph_plan import inductor_cache_dir, plan_graphs, warm_replays
+from dflash.backends.graph_plan import (
+    allow_recompiles,
+    inductor_cache_dir,
+    plan_graphs,
+    warm_replays,
+)
 from dflash.backends.small_linear import MAX_ROWS, linear_mode
 from dflash.backends.split_attention import SPLIT_MAX_ROWS, attention_mode
 from dflash.backends.static_fused import (
@@ -289,6 +294,7 @@ class StaticBackend(TransformersBackend):
             return eager
         if kind not in self._compiled:
             inductor_cache_dir()
+            allow_recompiles()  # one code object for every backend and width in the process
             # DFLASH_COMPILE_MODE (e.g. max-autotune-no-cudagraphs: Triton GEMM templates tuned
             # per shape, minutes the first time) is an experiment; the default mode is measured.
             mode = os.environ.get("DFLASH_COMPILE_MODE") or None
@@ -305,6 +311,8 @@ class StaticBackend(TransformersBackend):
         if key in self.graphs:
             return self.graphs[key]
         static_inputs = make_inputs()  # allocated once per graph, not per step
+        if self.compile:  # Dynamo compiles in this thread, during the warm-up (its config is
+            allow_recompiles()  # per thread: a server captures in its worker thread)
         try:
             self.graphs[key] = self._capture(self._fn(kind, width), static_inputs)
         except Exception as e:  # noqa: BLE001 - Inductor/Triton raise many types
