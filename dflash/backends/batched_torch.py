@@ -299,7 +299,6 @@ class BatchedGenerator:
             return self._forward
         if self.kv_lengths not in self._compiled:
             inductor_cache_dir()
-            allow_recompiles()  # one code object for every backend and shape in the process
             self._compiled[self.kv_lengths] = torch.compile(self._forward, dynamic=False)
         return self._compiled[self.kv_lengths]
 

@@ -107,8 +107,9 @@ def allow_recompiles(limit: int = RECOMPILE_LIMIT) -> int:
     each backend instance and each width adds an entry. Past the limit (8 by default) Dynamo
     silently runs the function eagerly, so a process with several backends or many widths
     (``--block-size auto``, ``scripts/bench_big.py``) would time eager steps as compiled ones.
-    Called before every ``torch.compile`` of the graph paths and before each capture: the
-    setting holds in the calling thread only (torch keeps config overrides per context)."""
+    Called before each graph capture (whose warm-up is where Dynamo compiles the forwards and
+    the device loop's glue): the setting holds in the calling thread only (torch keeps config
+    overrides per context), and a server captures in its worker thread."""
     import torch._dynamo.config as dynamo_config
 
     name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"

@@ -77,6 +77,12 @@ def attention_mode(device: torch.device, dtype: torch.dtype | None = None) -> st
     return raw
 
 
+def uses_kernel(mode: str, rows: int) -> bool:
+    """Whether a static forward of ``rows`` query rows runs the split kernel under ``mode``
+    (:func:`attention_mode`): every forward of up to ``SPLIT_MAX_ROWS`` rows unless ``sdpa``."""
+    return rows <= SPLIT_MAX_ROWS and mode != "sdpa"
+
+
 def split_size(capacity: int) -> int:
     """Keys per program (``DFLASH_ATTN_SPLIT``, default 256; one slice when >= capacity, then
     no merge is needed); the greatest common divisor of the setting and ``capacity`` (a multiple
@@ -98,6 +104,13 @@ def split_size(capacity: int) -> int:
 
 
 if triton is not None:
+
+    @triton.jit
+    def _store_rows(OUT, x, head, t, d, live, s_oh, s_ot):
+        """Store the final rows x [ROWS, D] (row r: query head ``head[r]`` at position ``t[r]``)
+        in OUT's dtype; the pointers are made here, after the key loop, not held through it."""
+        tl.store(OUT + head[:, None] * s_oh + t[:, None] * s_ot + d[None, :], x.to(OUT.dtype.element_ty),
+                 mask=live[:, None])  # fmt: skip
 
     @triton.jit
     def _split_kernel(Q, K, V, POS, OUT, PO, PL, CNT, scale_log2, cap,
@@ -150,8 +163,7 @@ if triton is not None:
             l_safe = tl.where(l_i == 0.0, 1.0, l_i)
             if MERGE:  # the capacity holds several slices (a constexpr: no merge code otherwise)
                 if slices == 1:  # one slice holds every key: the result is final
-                    out_ptr = OUT + (kvh * G + g)[:, None] * s_oh + t[:, None] * s_ot + d[None, :]
-                    tl.store(out_ptr, (acc / l_safe[:, None]).to(OUT.dtype.element_ty), mask=live[:, None])
+                    _store_rows(OUT, acc / l_safe[:, None], kvh * G + g, t, d, live, s_oh, s_ot)
                 else:  # publish this slice; the last slice of this KV head to finish merges
                     lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
                     tl.store(PO + kvh * s_ph + sp * s_ps + r[:, None] * s_pr + d[None, :],
@@ -173,12 +185,10 @@ if triton is not None:
                             num += o * w[:, None]
                             den += w
                         den = tl.where(den == 0.0, 1.0, den)
-                        out_ptr = OUT + (kvh * G + g)[:, None] * s_oh + t[:, None] * s_ot + d[None, :]
-                        tl.store(out_ptr, (num / den[:, None]).to(OUT.dtype.element_ty), mask=live[:, None])
+                        _store_rows(OUT, num / den[:, None], kvh * G + g, t, d, live, s_oh, s_ot)
                         tl.atomic_xchg(CNT + kvh, 0)  # ready for the next launch (and graph replay)
             else:
-                out_ptr = OUT + (kvh * G + g)[:, None] * s_oh + t[:, None] * s_ot + d[None, :]
-                tl.store(out_ptr, (acc / l_safe[:, None]).to(OUT.dtype.element_ty), mask=live[:, None])
+                _store_rows(OUT, acc / l_safe[:, None], kvh * G + g, t, d, live, s_oh, s_ot)
 
 
 def _rows(groups: int, t: int) -> int:

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from dflash.backends.small_linear import MAX_ROWS as LINEAR_MAX_ROWS
 from dflash.backends.small_linear import small_linear
-from dflash.backends.split_attention import SPLIT_MAX_ROWS, split_attention
+from dflash.backends.split_attention import split_attention, uses_kernel
 from dflash.models.draft_torch import rope_cos_sin
 
 NO_FUSE_ENV = "DFLASH_NO_FUSE"
@@ -217,7 +217,7 @@ def target_forward_fused(be, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tens
     x = F.embedding(ids, be.embed_weight)  # [1, T, H]
     cos, sin = rope_cos_sin(pos, be.inv_freq, be.rope_scale, be.dtype)  # [1, 1, T, D], once
     mode = getattr(be, "attention", "sdpa")  # split-KV kernel: reads filled rows, no mask
-    split = t <= SPLIT_MAX_ROWS and mode != "sdpa"  # prefills of <= 32 rows too
+    split = uses_kernel(mode, t)  # prefills of <= 32 rows too
     mask = None if split else (be.key_pos[None, :] <= pos[0, :, None])[None, None]  # [1, 1, T, S]
     packed = be.pack_gqa and be.heads != be.kv_heads and not split
     if packed:

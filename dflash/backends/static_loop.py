@@ -140,9 +140,6 @@ class DeviceLoop:
         if not (self.be.compile and os.environ.get(GLUE_ENV, "1").strip().lower() not in OFF):
             return fn
         if name not in self._compiled:
-            from dflash.backends.graph_plan import allow_recompiles
-
-            allow_recompiles()  # every width and backend shares fn's Dynamo cache
             self._compiled[name] = torch.compile(fn, dynamic=False)
         return self._compiled[name]
 

@@ -30,7 +30,7 @@ from dflash.backends.graph_plan import (
     warm_replays,
 )
 from dflash.backends.small_linear import MAX_ROWS, linear_mode
-from dflash.backends.split_attention import SPLIT_MAX_ROWS, attention_mode
+from dflash.backends.split_attention import attention_mode, uses_kernel
 from dflash.backends.static_fused import (
     draft_forward_fused,
     draft_small_linear_fits,
@@ -271,7 +271,7 @@ class StaticBackend(TransformersBackend):
                  for kind, rule in rules.items()}  # fmt: skip
         embeds, ctx = F.embedding(block, self.embed_weight), self.feats[ctx_pos][None]
         if self.fused_draft is not None:
-            split = length <= SPLIT_MAX_ROWS and self.attention != "sdpa"
+            split = uses_kernel(self.attention, length)
             kinds = frozenset(kind for kind, rule in rules.items() if rule is None) if split else frozenset()
             lin = self.draft_linear and length <= MAX_ROWS  # residual adds fused in
             h = draft_forward_fused(self.draft_model, self.fused_draft, embeds, ctx, q_pos, ctx_pos[None],
@@ -294,7 +294,6 @@ class StaticBackend(TransformersBackend):
             return eager
         if kind not in self._compiled:
             inductor_cache_dir()
-            allow_recompiles()  # one code object for every backend and width in the process
             # DFLASH_COMPILE_MODE (e.g. max-autotune-no-cudagraphs: Triton GEMM templates tuned
             # per shape, minutes the first time) is an experiment; the default mode is measured.
             mode = os.environ.get("DFLASH_COMPILE_MODE") or None
