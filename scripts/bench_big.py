@@ -27,6 +27,7 @@ tests. Writes ``bench_big.json`` to --out (default: $OUT or ./bench_big_out).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -208,13 +209,13 @@ def _profiler(device: torch.device):
 
 def kernel_summary(prof, steps: int, cuda: bool) -> dict:
     """Device-busy ms per step (CUDA kernels, copies, memsets; on CPU top-level aten ops) and the
-    10 kernels with the most device time per step [name, calls per step, us per step]."""
+    16 kernels with the most device time per step [name, calls per step, us per step]."""
     from scripts.kernel_count import kernel_table
 
     count, rows = kernel_table(prof, cuda, width=240)
     busy = sum(r[2] for r in rows)
     return {"busy_ms_per_step": busy / 1000 / max(steps, 1), "kernels_per_step": count / max(steps, 1),
-            "top_kernels": [[n, round(c / steps, 2), round(t / steps, 1)] for n, c, t in rows[:10]]}  # fmt: skip
+            "top_kernels": [[n, round(c / steps, 2), round(t / steps, 1)] for n, c, t in rows[:16]]}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -268,6 +269,8 @@ def main(argv: list[str] | None = None) -> dict:
               "cuda_graphs": be.use_graphs, "device_loop": be.device_loop is not None,
               "attention": be.attention, "attn_split": os.environ.get("DFLASH_ATTN_SPLIT", "256"),
               "linear": be.linear, "compile_glue": os.environ.get("DFLASH_COMPILE_GLUE", "1"),
+              "pdl": os.environ.get("DFLASH_PDL", "0"),
+              "truth_sha1": hashlib.sha1(str(truth_ids).encode()).hexdigest(),  # same across variants
               "shape": "tiny" if args.tiny else args.shape, "init_std": init_std, "prompt_len": args.prompt_len, "build_s": built_s,
               "target_bytes": tgt, "draft_step_bytes": drf, "kv_bytes": kv,
               "copy_bandwidth_GBps": bw / 1e9, "results": []}  # fmt: skip

@@ -13,7 +13,7 @@
 #   5 bench      [.stage/t5/ae .stage/data]  gsm8k 64 (bf16, compile, parity) and one single generate;
 #                results in $OUT (b-gsm8k.jsonl / .txt, generate.json)
 set -u
-phase=${1:?usage: h200_speed_session.sh stage1|glue|stage PART [torch|triton]|bench [full]|kernels|attn|merge|next|big8b}
+phase=${1:?usage: h200_speed_session.sh stage1|glue|stage PART [torch|triton]|bench [full]|kernels|attn|merge|next|pdl|pdl2|pdlprof|pdlk|big8b}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 DFLASH_CACHE=/tmp/dflash-cache
 OUT=${OUT:-/tmp/h200-out}; mkdir -p "$OUT"
 W=/tmp/demo; mkdir -p "$W/stage"
@@ -126,6 +126,49 @@ next)  # no carry: the ninth session's open questions. float32 16-row kernel tim
       --out "/tmp/bb-s$v" > "/tmp/bb-s$v.log" 2>&1; cp "/tmp/bb-s$v/bench_big.json" "$OUT/bench_big-split$v.json"
     echo "split $v $(grep -o '"ms_per_step": [0-9.]*' "/tmp/bb-s$v.log" | cut -d' ' -f2 | tr '\n' ' ')"
   done
+  ;;
+pdl)  # no carry: programmatic dependent launch (DFLASH_PDL=1) and small_linear for every
+  # projection (DFLASH_LINEAR=all), 8B shape at block 1 (profiled) and the demo shape at 1 and 16
+  python3 -c "import torch._inductor.config as c; print('inductor enable_pdl:', hasattr(c.triton, 'enable_pdl'))"
+  for v in base pdl pdlall; do
+    case $v in base) E=();; pdl) E=(DFLASH_PDL=1);; pdlall) E=(DFLASH_PDL=1 DFLASH_LINEAR=all);; esac
+    env "${E[@]}" timeout 125 python3 scripts/bench_big.py --shape qwen3-8b --blocks 1 --steps 16 --profile \
+      --out "/tmp/bb8-$v" > "/tmp/bb8-$v.log" 2>&1; cp "/tmp/bb8-$v/bench_big.json" "$OUT/bench_big-q8b-$v.json"
+    echo "8b $v $(grep -o '"ms_per_step": [0-9.]*' "/tmp/bb8-$v.log" | cut -d' ' -f2 | tr '\n' ' ') $(tail -n 1 "/tmp/bb8-$v.log" | cut -c1-200)"
+  done
+  for v in base pdlall; do
+    case $v in base) E=();; pdlall) E=(DFLASH_PDL=1 DFLASH_LINEAR=all);; esac
+    env "${E[@]}" timeout 110 python3 scripts/bench_big.py --shape smollm2 --prompt-len 160 --blocks 1,16 \
+      --out "/tmp/bbs-$v" > "/tmp/bbs-$v.log" 2>&1; cp "/tmp/bbs-$v/bench_big.json" "$OUT/bench_big-smol-$v.json"
+    echo "smol $v $(grep -o '"ms_per_step": [0-9.]*' "/tmp/bbs-$v.log" | cut -d' ' -f2 | tr '\n' ' ') $(tail -n 1 "/tmp/bbs-$v.log" | cut -c1-200)"
+  done
+  ;;
+pdl2)  # no carry: PDL on the demo shape (blocks 1 and 16, a hang shows as a timeout), and the
+  # split size at block 1 on the 8B shape
+  for v in base pdl; do
+    case $v in base) E=();; pdl) E=(DFLASH_PDL=1);; esac
+    env "${E[@]}" timeout 150 python3 scripts/bench_big.py --shape smollm2 --prompt-len 160 --blocks 1,16 \
+      --out "/tmp/bbs-$v" > "/tmp/bbs-$v.log" 2>&1; echo "rc $?"; cp "/tmp/bbs-$v/bench_big.json" "$OUT/bench_big-smol-$v.json"
+    echo "smol $v $(grep -o '"ms_per_step": [0-9.]*' "/tmp/bbs-$v.log" | cut -d' ' -f2 | tr '\n' ' ')"
+  done
+  for sp in 128 64; do
+    DFLASH_ATTN_SPLIT=$sp timeout 110 python3 scripts/bench_big.py --shape qwen3-8b --blocks 1 --steps 16 \
+      --out "/tmp/bb8-s$sp" > "/tmp/bb8-s$sp.log" 2>&1; cp "/tmp/bb8-s$sp/bench_big.json" "$OUT/bench_big-q8b-split$sp.json"
+    echo "8b split $sp $(grep -o '"ms_per_step": [0-9.]*' "/tmp/bb8-s$sp.log" | cut -d' ' -f2 | tr '\n' ' ')"
+  done
+  ;;
+pdlprof)  # no carry: where PDL loses at block 16 on the demo shape (profiled, side by side)
+  for v in base pdl; do
+    case $v in base) E=();; pdl) E=(DFLASH_PDL=1);; esac
+    env "${E[@]}" timeout 140 python3 scripts/bench_big.py --shape smollm2 --prompt-len 160 --blocks 16 --steps 16 \
+      --profile --out "/tmp/bbp-$v" > "/tmp/bbp-$v.log" 2>&1; cp "/tmp/bbp-$v/bench_big.json" "$OUT/bench_big-smol-prof-$v.json"
+    echo "smol $v $(grep -o '"ms_per_step": [0-9.]*' "/tmp/bbp-$v.log" | cut -d' ' -f2 | tr '\n' ' ')"
+  done
+  ;;
+pdlk)  # no carry: PDL for this project's kernels only (DFLASH_PDL=kernels), demo shape 1 and 16
+  DFLASH_PDL=kernels timeout 150 python3 scripts/bench_big.py --shape smollm2 --prompt-len 160 --blocks 1,16 \
+    --out /tmp/bbs-k > /tmp/bbs-k.log 2>&1; cp /tmp/bbs-k/bench_big.json "$OUT/bench_big-smol-pdlk.json"
+  echo "smol kernels $(grep -o '"ms_per_step": [0-9.]*' /tmp/bbs-k.log | cut -d' ' -f2 | tr '\n' ' ')"
   ;;
 big8b)  # Qwen3-8B-shaped pair: fused linears on/off
   BB=(python3 scripts/bench_big.py --shape qwen3-8b --blocks 1,16 --steps 16)

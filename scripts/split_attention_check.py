@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -132,6 +133,9 @@ def stress(dev: torch.device, launches: int = 500) -> dict:
             "graph_mismatches": graph_bad, "max_err": (first.float() - ref).abs().max().item(),
             "counters_zero": int(sa._COUNTERS[(q.device.type, q.device.index)].abs().sum()) == 0,
             "ptx_atom_acq_rel": ptx.count("atom.acq_rel") + ptx.count("atom.global.acq_rel"),
+            # LLVM may lower an acq_rel atomic as fences around a relaxed atom: count both
+            "ptx_atom": len(re.findall(r"\batom\.", ptx)), "ptx_fence": len(re.findall(r"\bfence\.", ptx)),
+            "ptx_atom_lines": sorted({ln.strip() for ln in ptx.splitlines() if "atom." in ln})[:8],
             "ptx_bar_sync": ptx.count("bar.sync"), "ptx_chars": len(ptx)}  # fmt: skip
 
 

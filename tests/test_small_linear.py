@@ -34,7 +34,7 @@ def test_reference_rounds_like_the_modules(dtype):
 def test_switches_and_configs(monkeypatch):
     assert sl.linear_mode(torch.device("cpu")) == "torch"
     monkeypatch.setenv("DFLASH_LINEAR", "cublas")
-    with pytest.raises(InputError, match="DFLASH_LINEAR must be torch or triton"):
+    with pytest.raises(InputError, match="DFLASH_LINEAR must be torch, triton or all"):
         sl.linear_mode(torch.device("cuda"))
     monkeypatch.delenv("DFLASH_LINEAR")
     monkeypatch.setattr(sl, "triton", object())  # as on a CUDA machine with Triton
@@ -42,6 +42,9 @@ def test_switches_and_configs(monkeypatch):
     assert sl.linear_mode(torch.device("cpu")) == "torch"
     monkeypatch.setenv("DFLASH_LINEAR", "torch")
     assert sl.linear_mode(torch.device("cuda")) == "torch"
+    monkeypatch.setenv("DFLASH_LINEAR", "all")
+    assert sl.linear_mode(torch.device("cuda")) == "all"
+    assert sl.linear_mode(torch.device("cpu")) == "torch"
     monkeypatch.delenv("DFLASH_LINEAR")
     assert sl.kernel_config(1, 576, 576) == (16, 16, 128, 4, 4)
     assert sl.kernel_config(20, 4096, 12288) == (32, 32, 512, 4, 4)
@@ -65,15 +68,34 @@ def test_static_backend_with_fused_linears_decodes_greedy(tiny_target):
     for device_loop in (False, True):
         for block in (1, 16):
             runs = []
-            for linear in ("torch", "triton"):
+            for linear in ("torch", "triton", "all"):
                 be = StaticBackend(tiny_target, draft, torch.device("cpu"), use_graphs=False,
                                    device_loop=device_loop)  # fmt: skip
                 assert be.linear == "torch" and not be.draft_linear  # CPU default
-                be.linear, be.draft_linear = linear, linear == "triton"
+                be.linear, be.draft_linear = linear, linear != "torch"
+                be.draft_linear_in = linear == "all"
                 rounds = list(speculative_generate(be, PROMPT, block_size=block, max_new_tokens=40))
                 runs.append(([t for r in rounds for t in r.tokens], [r.accepted for r in rounds[1:]]))
             assert runs[1][0] == truth
-            assert runs[1] == runs[0]
+            assert runs[1] == runs[0] and runs[2] == runs[0]
+
+
+def test_pdl_switch(monkeypatch):
+    """DFLASH_PDL is off by default and never on without CUDA; on a Hopper GPU it is on when set."""
+    assert not sl.pdl_enabled(torch.device("cpu"))
+    monkeypatch.setenv("DFLASH_PDL", "1")
+    assert not sl.pdl_enabled(torch.device("cpu"))
+    monkeypatch.setattr(sl, "triton", object())
+    monkeypatch.setattr(sl, "_CAPABILITY", {0: 9})
+    assert sl.pdl_enabled(torch.device("cuda", 0)) and sl.pdl_enabled(torch.device("cuda", 0), inductor=True)
+    monkeypatch.setenv("DFLASH_PDL", "kernels")  # this project's kernels only
+    assert sl.pdl_enabled(torch.device("cuda", 0)) and not sl.pdl_enabled(torch.device("cuda", 0), inductor=True)
+    monkeypatch.setenv("DFLASH_PDL", "1")
+    sl._CAPABILITY[0] = 8  # Ampere: no programmatic dependent launch
+    assert not sl.pdl_enabled(torch.device("cuda", 0))
+    monkeypatch.setenv("DFLASH_PDL", "0")
+    sl._CAPABILITY[0] = 9
+    assert not sl.pdl_enabled(torch.device("cuda", 0))
 
 
 def test_fits_only_plain_row_major_linears(tiny_target):
@@ -103,6 +125,7 @@ KERNEL_CHECK = textwrap.dedent("""
     # the fused static forward with the kernel: plain greedy tokens
     from tests.test_split_attention import assert_static_greedy
     assert_static_greedy(linear="triton", draft_linear=True)
+    assert_static_greedy(linear="all", draft_linear=True, draft_linear_in=True)  # qkv, gate+up too
     print("ok")
 """)
 

@@ -30,6 +30,8 @@ import os
 
 import torch
 
+from dflash.backends.small_linear import pdl_enabled
+
 ATTN_ENV = "DFLASH_ATTN"
 SPLIT_ENV = "DFLASH_ATTN_SPLIT"
 SPLIT = 256  # keys per program (default; 128 measured 3% slower on the demo pair, H200)
@@ -117,7 +119,10 @@ if triton is not None:
                       s_qh, s_qt, s_kh, s_ks, s_vh, s_vs, s_oh, s_ot, s_ph, s_ps, s_pr, s_lh, s_ls,
                       T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr,
                       SPLIT_N: tl.constexpr, BLOCK: tl.constexpr, IEEE: tl.constexpr,
-                      MERGE: tl.constexpr):  # fmt: skip
+                      MERGE: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+        if PDL:  # programmatic dependent launch: wait for the previous kernel before any access
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         kvh = tl.program_id(0)
         sp = tl.program_id(1)
         r = tl.arange(0, ROWS)
@@ -249,6 +254,7 @@ def split_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
     q = q if q.stride(-1) == 1 else q.contiguous()
     k, v, pos = k.contiguous(), v.contiguous(), pos.contiguous()  # no-ops for the caches
     out = _out_like(q)
+    pdl = pdl_enabled(q.device)
     po = torch.empty(hkv, nsplit, rows, dim, dtype=torch.float32, device=q.device)
     pl = torch.empty(hkv, nsplit, rows, dtype=torch.float32, device=q.device)
     _split_kernel[(hkv, nsplit)](
@@ -257,7 +263,7 @@ def split_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
         out.stride(1), out.stride(2), po.stride(0), po.stride(1), po.stride(2),
         pl.stride(0), pl.stride(1),
         T=t, G=groups, D=dim, ROWS=rows, SPLIT_N=split, BLOCK=min(BLOCK_N, split),
-        IEEE=q.dtype == torch.float32, MERGE=nsplit > 1,
+        IEEE=q.dtype == torch.float32, MERGE=nsplit > 1, PDL=pdl, **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
     return out
 

@@ -208,6 +208,13 @@ def _out_proj(lin: bool, proj, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor
     return x + proj(h)
 
 
+def _in_proj(lin: bool, fused: FusedLinear, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """fused(x) for [1, T, in] activations: one small_linear kernel when ``lin`` (and T fits)."""
+    if lin and x.shape[1] <= LINEAR_MAX_ROWS:
+        return small_linear(x[0], fused.weight, fused.bias)[None].split(fused.sizes, dim=-1)
+    return fused(x)
+
+
 def target_forward_fused(be, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     """The static target forward of ``be`` (a StaticBackend) with fused projections.
 
@@ -222,11 +229,12 @@ def target_forward_fused(be, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tens
     packed = be.pack_gqa and be.heads != be.kv_heads and not split
     if packed:
         mask = pack_mask(mask, be.heads // be.kv_heads, t)  # [1, 1, G*T, S], once
-    lin = t <= LINEAR_MAX_ROWS and getattr(be, "linear", "torch") == "triton"  # residual adds fused in
+    lin = t <= LINEAR_MAX_ROWS and getattr(be, "linear", "torch") in ("triton", "all")  # residual adds fused in
+    lin_in = lin and be.linear == "all"  # the qkv and gate+up projections too
     slots: list[torch.Tensor] = [None] * len(be.layer_ids)  # type: ignore[list-item]
     for i, layer in enumerate(be.target.model.layers):
         a, (qkv, gate_up) = layer.self_attn, be.fused_target[i]
-        q, k, v = qkv(layer.input_layernorm(x))
+        q, k, v = _in_proj(lin_in, qkv, layer.input_layernorm(x))
         q, k = q.view(1, t, be.heads, hd), k.view(1, t, be.kv_heads, hd)
         if hasattr(a, "q_norm"):  # Qwen3
             q, k = a.q_norm(q), a.k_norm(k)
@@ -240,7 +248,7 @@ def target_forward_fused(be, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tens
             o = attend(q, be.k[i], be.v[i], mask, a.scaling, packed)
         o = o.transpose(1, 2).reshape(1, t, be.heads * hd)
         x = _out_proj(lin, a.o_proj, o, x)
-        g, u = gate_up(layer.post_attention_layernorm(x))
+        g, u = _in_proj(lin_in, gate_up, layer.post_attention_layernorm(x))
         x = _out_proj(lin, layer.mlp.down_proj, layer.mlp.act_fn(g) * u, x)
         if i < be.n_layers - 1:
             for n in be.feature_layers.get(i, ()):
@@ -255,7 +263,8 @@ def target_forward_fused(be, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tens
 
 
 def draft_forward_fused(draft, fused, block_embeds, target_hidden, q_pos, ctx_pos, cache, masks,
-                        pack_gqa: bool = False, split_kinds=frozenset(), lin: bool = False):  # fmt: skip
+                        pack_gqa: bool = False, split_kinds=frozenset(), lin: bool = False,
+                        lin_in: bool = False):  # fmt: skip
     """:meth:`DFlashDraft.forward` for the static cache with fused projections.
 
     Context and block rows go through one QKV matmul ([Tc + L] rows; the context rows' Q is
@@ -270,7 +279,8 @@ def draft_forward_fused(draft, fused, block_embeds, target_hidden, q_pos, ctx_po
     the whole capacity with a mask (:mod:`dflash.backends.split_attention`).
 
     ``lin``: o_proj and down_proj with their residual adds run as
-    :func:`~dflash.backends.small_linear.small_linear` kernels.
+    :func:`~dflash.backends.small_linear.small_linear` kernels; ``lin_in``: the fused qkv and
+    gate+up projections too.
     """
     cfg, tc, lq = draft.config, target_hidden.shape[1], block_embeds.shape[1]
     groups = cfg.num_attention_heads // cfg.num_key_value_heads
@@ -285,7 +295,7 @@ def draft_forward_fused(draft, fused, block_embeds, target_hidden, q_pos, ctx_po
     for i, layer in enumerate(draft.layers):
         a, (qkv, gate_up) = layer.self_attn, fused[i]
         d = a.head_dim
-        q, k, v = qkv(torch.cat((ctx, layer.input_layernorm(h)), 1))  # [1, Tc + L, *]
+        q, k, v = _in_proj(lin_in, qkv, torch.cat((ctx, layer.input_layernorm(h)), 1))  # [1, Tc + L, *]
         q = _rotate(a.q_norm(q[:, tc:].view(1, lq, a.heads, d).transpose(1, 2)),
                     cos[:, :, tc:], sin[:, :, tc:])  # fmt: skip
         k = _rotate(a.k_norm(k.view(1, tc + lq, a.kv_heads, d).transpose(1, 2)), cos, sin)
@@ -300,7 +310,7 @@ def draft_forward_fused(draft, fused, block_embeds, target_hidden, q_pos, ctx_po
             out = attend(q, k, v, masks[cfg.layer_types[i]], None, packed)
         out = out.transpose(1, 2).reshape(1, lq, a.heads * d)
         h = _out_proj(lin, a.o_proj, out, h)
-        g, u = gate_up(layer.post_attention_layernorm(h))
+        g, u = _in_proj(lin_in, gate_up, layer.post_attention_layernorm(h))
         h = _out_proj(lin, layer.mlp.down_proj, F.silu(g) * u, h)
     return draft.norm(h)
 

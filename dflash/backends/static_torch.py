@@ -29,7 +29,7 @@ from dflash.backends.graph_plan import (
     plan_graphs,
     warm_replays,
 )
-from dflash.backends.small_linear import MAX_ROWS, linear_mode
+from dflash.backends.small_linear import MAX_ROWS, linear_mode, pdl_enabled
 from dflash.backends.split_attention import attention_mode, uses_kernel
 from dflash.backends.static_fused import (
     draft_forward_fused,
@@ -150,8 +150,14 @@ class StaticBackend(TransformersBackend):
         # residual add fused in, or torch (see dflash.backends.small_linear)
         linear = linear_mode(device) if self.fused_target is not None else "torch"
         self.linear = linear if small_linear_fits(target) else "torch"
-        self.draft_linear = (self.fused_draft is not None and linear == "triton"
+        self.draft_linear = (self.fused_draft is not None and linear in ("triton", "all")
                              and draft_small_linear_fits(draft))  # fmt: skip
+        self.draft_linear_in = self.draft_linear and linear == "all"  # qkv, gate+up too
+        if pdl_enabled(device, inductor=True):  # Inductor's kernels launch with PDL (DFLASH_PDL=1)
+            import torch._inductor.config as inductor_config
+
+            if hasattr(inductor_config.triton, "enable_pdl"):
+                inductor_config.triton.enable_pdl = True
         self.capacity = 0
         if device_loop is None:
             device_loop = device_loop_default() and self.use_graphs
@@ -275,7 +281,8 @@ class StaticBackend(TransformersBackend):
             kinds = frozenset(kind for kind, rule in rules.items() if rule is None) if split else frozenset()
             lin = self.draft_linear and length <= MAX_ROWS  # residual adds fused in
             h = draft_forward_fused(self.draft_model, self.fused_draft, embeds, ctx, q_pos, ctx_pos[None],
-                                    self.dcache, masks, self.pack_gqa, kinds, lin)  # fmt: skip
+                                    self.dcache, masks, self.pack_gqa, kinds, lin,
+                                    lin and self.draft_linear_in)  # fmt: skip
         else:
             h = self.draft_model(embeds, ctx, q_pos, ctx_pos[None], cache=self.dcache, masks=masks)
         logits = self.lm_head(h[0, 1:])  # [L-1, V]
@@ -330,8 +337,8 @@ class StaticBackend(TransformersBackend):
         The forwards read these switches while tracing, so the next capture traces again;
         graphs captured before keep what they had (every variant gives the target's tokens)."""
         why = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:200]}"
-        if self.linear == "triton" or self.draft_linear:
-            self.linear, self.draft_linear = "torch", False
+        if self.linear != "torch" or self.draft_linear:
+            self.linear, self.draft_linear, self.draft_linear_in = "torch", False, False
             what, fix = "the Triton projection kernel", "cuBLAS (DFLASH_LINEAR=torch silences this)"
         elif self.attention != "sdpa":
             self.attention = "sdpa"
