@@ -9,11 +9,13 @@
 #   attn           (no carry)  one-slice split-KV attention against the default, bench_big smollm2
 #   merge          [.stage/old]  split-KV with the in-kernel merge against the previous tree
 #   next           (no carry)  fp32 kernel time, 8B shape, split 512 vs 256 (the tenth session's first call)
+#   pdl|pdl2|pdlprof|pdlk (no carry)  DFLASH_PDL and DFLASH_LINEAR=all experiments (tenth session)
+#   pdlgraphs      (no carry)  per-graph replay times with and without DFLASH_PDL=1 (eleventh session)
 #   2-4 stage ab|ac|ad [torch|triton]  [.stage/t5/<part>]  (with an 8B-shaped bench_big meanwhile)
 #   5 bench      [.stage/t5/ae .stage/data]  gsm8k 64 (bf16, compile, parity) and one single generate;
 #                results in $OUT (b-gsm8k.jsonl / .txt, generate.json)
 set -u
-phase=${1:?usage: h200_speed_session.sh stage1|glue|stage PART [torch|triton]|bench [full]|kernels|attn|merge|next|pdl|pdl2|pdlprof|pdlk|big8b}
+phase=${1:?usage: h200_speed_session.sh stage1|glue|stage PART [torch|triton]|bench [full]|kernels|attn|merge|next|pdl|pdl2|pdlprof|pdlk|pdlgraphs|big8b}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 DFLASH_CACHE=/tmp/dflash-cache
 OUT=${OUT:-/tmp/h200-out}; mkdir -p "$OUT"
 W=/tmp/demo; mkdir -p "$W/stage"
@@ -169,6 +171,14 @@ pdlk)  # no carry: PDL for this project's kernels only (DFLASH_PDL=kernels), dem
   DFLASH_PDL=kernels timeout 150 python3 scripts/bench_big.py --shape smollm2 --prompt-len 160 --blocks 1,16 \
     --out /tmp/bbs-k > /tmp/bbs-k.log 2>&1; cp /tmp/bbs-k/bench_big.json "$OUT/bench_big-smol-pdlk.json"
   echo "smol kernels $(grep -o '"ms_per_step": [0-9.]*' /tmp/bbs-k.log | cut -d' ' -f2 | tr '\n' ' ')"
+  ;;
+pdlgraphs)  # no carry: which graph loses under DFLASH_PDL=1 at width 16 (the eleventh session's
+  # first call): verify-1, verify-16 and draft-16 replay times and kernels, PDL off and on
+  for v in base pdl; do
+    case $v in base) E=();; pdl) E=(DFLASH_PDL=1);; esac
+    env "${E[@]}" timeout 200 python3 scripts/kernel_count.py --random-target --variants fused --prompt-len 160 \
+      --out "$OUT/kernels-pdl-$v.json" > "/tmp/kc-$v.log" 2>&1; echo "$v rc $?"; tail -n 6 "/tmp/kc-$v.log"
+  done
   ;;
 big8b)  # Qwen3-8B-shaped pair: fused linears on/off
   BB=(python3 scripts/bench_big.py --shape qwen3-8b --blocks 1,16 --steps 16)

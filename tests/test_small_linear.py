@@ -96,6 +96,9 @@ def test_pdl_switch(monkeypatch):
     monkeypatch.setenv("DFLASH_PDL", "0")
     sl._CAPABILITY[0] = 9
     assert not sl.pdl_enabled(torch.device("cuda", 0))
+    monkeypatch.setenv("DFLASH_PDL", "kernel")  # a typo is an error, not a silent "on"
+    with pytest.raises(InputError, match="DFLASH_PDL must be 0, 1 or kernels"):
+        sl.pdl_enabled(torch.device("cpu"))
 
 
 def test_fits_only_plain_row_major_linears(tiny_target):

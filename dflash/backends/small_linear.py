@@ -74,9 +74,17 @@ def pdl_enabled(device: torch.device, inductor: bool = False) -> bool:
     H200 (``scripts/bench_big.py``, 2026-12-01): ``1`` made a block-1 step of the demo shape
     10.7% faster (0.824 against 0.923 ms) and of the Qwen3-8B shape 1.3% faster (4.405 against
     4.464 ms), but a block-16 step of the demo shape 12% slower (1.315 against 1.176 ms).
+
+    Raises:
+        InputError: another value.
     """
     raw = os.environ.get(PDL_ENV, "").strip().lower()
-    on = raw not in ("", "0", "false", "no") and not (inductor and raw == "kernels")
+    if raw not in ("", "0", "1", "kernels"):
+        from dflash.errors import InputError
+
+        raise InputError(f"{PDL_ENV} must be 0, 1 or kernels, got {raw!r}.",
+                         hint="unset it for the default (0)")  # fmt: skip
+    on = raw == "1" or (raw == "kernels" and not inductor)
     if not (on and triton is not None and device.type == "cuda"):
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
