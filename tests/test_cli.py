@@ -18,6 +18,22 @@ def run(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
                           env=ENV, timeout=timeout)  # fmt: skip
 
 
+def run_many(*calls, timeout: int = 300) -> list[subprocess.CompletedProcess]:
+    """Independent CLI calls at the same time (one torch thread each: CI has two cores). Each
+    call is a list of arguments, or (arguments, extra environment)."""
+    procs = []
+    for call in calls:
+        args, extra = call if isinstance(call, tuple) else (call, {})
+        procs.append(subprocess.Popen([sys.executable, "-m", "dflash", *args], stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True,
+                                      env={**ENV, "OMP_NUM_THREADS": "1", **extra}))  # fmt: skip
+    done = []
+    for p in procs:
+        out, err = p.communicate(timeout=timeout)
+        done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    return done
+
+
 def assert_one_line_error(p: subprocess.CompletedProcess, fragment: str) -> None:
     assert p.returncode == 1, (p.returncode, p.stderr)
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
@@ -70,37 +86,46 @@ def pair(demo_gguf, untrained_draft):
     return ["--model", str(demo_gguf), "--draft", str(untrained_draft)]
 
 
-def test_block_size_above_trained(pair):
-    assert_one_line_error(run("generate", "transformers", "hi", *pair, "--block-size", "17"),
-                          "exceeds the draft's trained block size 16")  # fmt: skip
-
-
-def test_reasoning_without_switch(pair):
-    assert_one_line_error(run("generate", "transformers", "hi", *pair, "--reasoning", "on"),
-                          "no reasoning switch")  # fmt: skip
-
-
-def test_prompt_longer_than_context(pair):
-    assert_one_line_error(run("generate", "transformers", "word " * 9000, *pair), "context is 8192")
-
-
-def test_draft_for_another_target(pair, tmp_path, tiny_target):
+@pytest.fixture(scope="module")
+def loaded_errors(pair, tmp_path_factory, tiny_target):
+    """Errors found only once the pair is loaded, each from its own CLI run (run side by side)."""
     from tests.conftest import make_draft
 
-    make_draft(tiny_target).save(tmp_path / "other")
-    assert_one_line_error(run("generate", "transformers", "hi", pair[0], pair[1], "--draft",
-                              str(tmp_path / "other")), "hidden_size")  # fmt: skip
+    other = tmp_path_factory.mktemp("other") / "draft"
+    make_draft(tiny_target).save(other)
+    names = ("block_size", "reasoning", "long_prompt", "other_target")
+    runs = run_many(["generate", "transformers", "hi", *pair, "--block-size", "17"],
+                    ["generate", "transformers", "hi", *pair, "--reasoning", "on"],
+                    ["generate", "transformers", "word " * 9000, *pair],
+                    ["generate", "transformers", "hi", pair[0], pair[1], "--draft", str(other)])  # fmt: skip
+    return dict(zip(names, runs, strict=True))
+
+
+def test_block_size_above_trained(loaded_errors):
+    assert_one_line_error(loaded_errors["block_size"], "exceeds the draft's trained block size 16")
+
+
+def test_reasoning_without_switch(loaded_errors):
+    assert_one_line_error(loaded_errors["reasoning"], "no reasoning switch")
+
+
+def test_prompt_longer_than_context(loaded_errors):
+    assert_one_line_error(loaded_errors["long_prompt"], "context is 8192")
+
+
+def test_draft_for_another_target(loaded_errors):
+    assert_one_line_error(loaded_errors["other_target"], "hidden_size")
 
 
 def test_generate_json_and_stream(pair):
-    p = run("generate", "transformers", "Name three primary colors.", *pair, "--max-new-tokens", "12", "--json")
+    args = ["generate", "transformers", "Name three primary colors.", *pair, "--max-new-tokens", "12"]
+    p, p2 = run_many([*args, "--json"], args)
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout)
     assert out["new_tokens"] == len(out["token_ids"]) <= 12
     assert out["finish_reason"] == "stop" or out["new_tokens"] == 12
     assert sum(out["acceptance_lengths"]) == out["new_tokens"] - 1
     assert out["text_truncated_mid_character"] is False  # 12 tokens of English end cleanly
-    p2 = run("generate", "transformers", "Name three primary colors.", *pair, "--max-new-tokens", "12")
     assert p2.returncode == 0, p2.stderr
     assert p2.stdout.strip() == out["text"].strip()
     assert "new tokens" in p2.stderr and "tok/s" in p2.stderr and "acceptance length" in p2.stderr
@@ -131,12 +156,12 @@ def test_sampling_values_rejected_before_loading(args, fragment):
 def test_paths_that_are_files_or_folders(tmp_path):
     f = tmp_path / "file.txt"
     f.write_text("x")
-    assert_one_line_error(run("init-draft", "--out", str(f)), "is a file")
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "config.json").write_text("{}")
-    assert_one_line_error(run("init-draft", "--out", str(tmp_path / "d")), "already holds a draft")
-    assert_one_line_error(run("benchmark", "transformers", "--dataset", "gsm8k", "--output", str(tmp_path)),
-                          "is a folder")  # fmt: skip
-    p = subprocess.run([sys.executable, "-m", "dflash", "generate", "transformers", "hi"], capture_output=True,
-                       text=True, env={**ENV, "DFLASH_CACHE": str(f)}, timeout=300)  # fmt: skip
-    assert_one_line_error(p, "Cannot create the cache folder")
+    a, b, c, d = run_many(["init-draft", "--out", str(f)], ["init-draft", "--out", str(tmp_path / "d")],
+                          ["benchmark", "transformers", "--dataset", "gsm8k", "--output", str(tmp_path)],
+                          (["generate", "transformers", "hi"], {"DFLASH_CACHE": str(f)}))  # fmt: skip
+    assert_one_line_error(a, "is a file")
+    assert_one_line_error(b, "already holds a draft")
+    assert_one_line_error(c, "is a folder")
+    assert_one_line_error(d, "Cannot create the cache folder")

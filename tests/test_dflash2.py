@@ -335,7 +335,7 @@ def test_cli_init_draft_dflash2_and_generate(tmp_path, demo_gguf):
     import subprocess
     import sys
 
-    from tests.test_cli import ENV, assert_one_line_error
+    from tests.test_cli import ENV, assert_one_line_error, run_many
 
     def run(*args: str) -> subprocess.CompletedProcess:  # one thread: fast on a busy CPU
         return subprocess.run([sys.executable, "-m", "dflash", *args], capture_output=True,
@@ -352,11 +352,11 @@ def test_cli_init_draft_dflash2_and_generate(tmp_path, demo_gguf):
     args = ["generate", "transformers", "Name three primary colors.", "--model", str(demo_gguf),
             "--block-size", "6",
             "--draft", str(out), "--max-new-tokens", "16", "--device", "cpu", "--json"]  # fmt: skip
-    spec, plain = run(*args), run(*args[:-1], "--block-size", "1", "--json")
+    spec, plain, graphs, arch = run_many(args, [*args[:-1], "--block-size", "1", "--json"],
+                                         [*args, "--cuda-graphs"],
+                                         ["init-draft", "--out", str(tmp_path / "x"), "--arch", "eagle"])  # fmt: skip
     assert spec.returncode == 0 and plain.returncode == 0, spec.stderr + plain.stderr
     a, b = json.loads(spec.stdout), json.loads(plain.stdout)
     assert a["token_ids"] == b["token_ids"] and a["block_size"] == 6
-    assert_one_line_error(run(*args, "--cuda-graphs"), "DFlash2")
-    assert_one_line_error(
-        run("init-draft", "--out", str(tmp_path / "x"), "--arch", "eagle"), "--arch"
-    )
+    assert_one_line_error(graphs, "DFlash2")
+    assert_one_line_error(arch, "--arch")

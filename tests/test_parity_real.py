@@ -57,5 +57,5 @@ def test_stream_equals_generate_and_reset_between_requests(demo_pipe, references
     """Two requests in a row give the same ids as fresh ones: nothing leaks between them."""
     (ids_a, _), (ids_b, ref_b) = references[0], references[1]
     demo_pipe.generate(ids_a, max_new_tokens=16)
-    toks = [t for r in demo_pipe.stream(ids_b, max_new_tokens=64) for t in r.tokens]
-    assert toks == ref_b
+    toks = [t for r in demo_pipe.stream(ids_b, max_new_tokens=32) for t in r.tokens]
+    assert toks == ref_b[:32]
