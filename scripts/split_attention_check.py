@@ -87,8 +87,55 @@ def main(argv=None) -> list[dict]:
     Path(args.out).mkdir(parents=True, exist_ok=True)
     rows.append(stress(dev))
     print(json.dumps(rows[-1]), flush=True)
+    try:  # new in the tenth session, not yet run on a GPU: never lose the rows above
+        rows.append(pdl_check(dev))
+    except Exception as e:  # noqa: BLE001 - diagnostics only
+        rows.append({"pdl_check_error": f"{type(e).__name__}: {e}"[:500]})
+    print(json.dumps(rows[-1]), flush=True)
     (Path(args.out) / "split_attention_check.json").write_text(json.dumps(rows, indent=1))
     return rows
+
+
+def pdl_check(dev: torch.device) -> dict:
+    """``DFLASH_PDL=kernels`` against unset: small_linear (the demo's and the 8B shape's o_proj,
+    with the residual; K below and above the first tile) and split attention (1 and 16 rows,
+    several slices), each eager and inside a graph of 20 back-to-back calls, must give the same
+    bits (PDL changes when a kernel starts, never its maths)."""
+    from dflash.backends import small_linear as sl
+    from dflash.backends.split_attention import split_attention
+
+    g = torch.Generator(device=dev).manual_seed(0)
+    cases = []
+    for m, n, k in ((1, 576, 576), (16, 576, 1536), (1, 4096, 4096), (16, 4096, 12288), (3, 100, 96)):
+        x, w = (torch.randn(*shape, device=dev, generator=g).bfloat16() for shape in ((m, k), (n, k)))
+        res = torch.randn(m, n, device=dev, generator=g).bfloat16()
+        cases.append(("small_linear", (x, w, None, res), sl.small_linear))
+    for t in (1, 16):
+        q = torch.randn(1, t, 32, 128, device=dev, generator=g).bfloat16().transpose(1, 2)
+        kv = [torch.randn(1, 8, 4096, 128, device=dev, generator=g).bfloat16() for _ in range(2)]
+        pos = torch.arange(1500, 1500 + t, device=dev)
+        cases.append(("split_attention", (q, *kv, pos, 0.088), split_attention))
+    bad = []
+    for name, args, fn in cases:
+        outs = {}
+        for mode in ("", "kernels"):
+            os.environ[sl.PDL_ENV] = mode
+            eager = fn(*args)
+            torch.cuda.synchronize()
+            keep = torch.empty(20, *eager.shape, dtype=eager.dtype, device=dev)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for i in range(20):
+                    keep[i].copy_(fn(*args))
+            graph.replay()
+            torch.cuda.synchronize()
+            outs[mode] = (eager, keep)
+        (e0, g0), (e1, g1) = outs[""], outs["kernels"]
+        same = torch.equal(e0, e1) and torch.equal(g0, g1) and bool((g1 == e0.unsqueeze(0)).all())
+        if not same:
+            bad.append(name + str(tuple(args[0].shape)))
+    os.environ.pop(sl.PDL_ENV, None)
+    return {"pdl_cases": len(cases), "pdl_mismatches": bad}
 
 
 def stress(dev: torch.device, launches: int = 500) -> dict:

@@ -18,19 +18,27 @@ def run(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
                           env=ENV, timeout=timeout)  # fmt: skip
 
 
-def run_many(*calls, timeout: int = 300) -> list[subprocess.CompletedProcess]:
-    """Independent CLI calls at the same time (one torch thread each: CI has two cores). Each
-    call is a list of arguments, or (arguments, extra environment)."""
-    procs = []
-    for call in calls:
-        args, extra = call if isinstance(call, tuple) else (call, {})
-        procs.append(subprocess.Popen([sys.executable, "-m", "dflash", *args], stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True,
-                                      env={**ENV, "OMP_NUM_THREADS": "1", **extra}))  # fmt: skip
-    done = []
-    for p in procs:
-        out, err = p.communicate(timeout=timeout)
-        done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+def run_many(*calls, timeout: int = 300, at_once: int = 2) -> list[subprocess.CompletedProcess]:
+    """Independent CLI calls, ``at_once`` at a time (one torch thread each: CI has two cores and
+    each call loads a model). Each call is a list of arguments, or (arguments, extra environment).
+    A call that fails to finish in ``timeout`` seconds is killed with every other one."""
+    done: list[subprocess.CompletedProcess] = []
+    for i in range(0, len(calls), at_once):
+        procs = []
+        try:
+            for call in calls[i : i + at_once]:
+                args, extra = call if isinstance(call, tuple) else (call, {})
+                procs.append(subprocess.Popen([sys.executable, "-m", "dflash", *args], stdout=subprocess.PIPE,
+                                              stderr=subprocess.PIPE, text=True,
+                                              env={**ENV, "OMP_NUM_THREADS": "1", **extra}))  # fmt: skip
+            for p in procs:
+                out, err = p.communicate(timeout=timeout)
+                done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.communicate()
     return done
 
 

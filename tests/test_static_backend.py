@@ -201,3 +201,29 @@ def test_capture_failures_fall_back_one_piece_at_a_time(tiny_target, capsys):
     assert [line.split(" failed")[0] for line in err] == [
         "dflash: the Triton projection kernel", "dflash: the split-KV attention kernel", "dflash: torch.compile"]
     assert ("verify", 16) not in be.graphs
+
+
+def test_capture_failure_with_pdl_turns_pdl_off_first(tiny_target, capsys, monkeypatch):
+    """DFLASH_PDL=1: the first fall-back after a failed capture is plain launches (one line naming
+    it), the compiled forwards are dropped so they compile again, and PDL stays off afterwards."""
+    from dflash.backends import small_linear as sl
+
+    monkeypatch.setattr(sl, "_PDL_OFF", False)
+    monkeypatch.setenv("DFLASH_PDL", "1")
+    be = StaticBackend(tiny_target, make_draft(tiny_target), torch.device("cpu"), use_graphs=False)
+    be._compiled["verify"] = "stale"
+    tries = []
+
+    def fails_once(fn, inputs):
+        tries.append(sl._PDL_OFF)
+        if len(tries) == 1:
+            raise RuntimeError("CUDA error: launch failed")
+        return "graph", "out", inputs
+
+    be._capture = fails_once
+    assert be._graph("verify", 1, lambda: ("ids", "pos"))[1] == "out"
+    assert tries == [False, True] and "verify" not in be._compiled
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["dflash: programmatic dependent launch failed (RuntimeError: CUDA error: launch failed); "
+                   "continuing with plain launches (DFLASH_PDL=0 silences this)."]  # fmt: skip
+    assert not sl.pdl_enabled(torch.device("cpu")) and not sl.disable_pdl()  # off for good

@@ -79,6 +79,8 @@ def pdl_enabled(device: torch.device, inductor: bool = False) -> bool:
         InputError: another value.
     """
     raw = os.environ.get(PDL_ENV, "").strip().lower()
+    if _PDL_OFF:
+        return False
     if raw not in ("", "0", "1", "kernels"):
         from dflash.errors import InputError
 
@@ -94,6 +96,16 @@ def pdl_enabled(device: torch.device, inductor: bool = False) -> bool:
 
 
 _CAPABILITY: dict[int, int] = {}  # CUDA device index -> compute capability major
+_PDL_OFF = False  # set by disable_pdl (a capture failed with PDL on)
+
+
+def disable_pdl() -> bool:
+    """Turn PDL off for the rest of the process (the static path's fall-back after a failed
+    capture); returns whether it was on (``DFLASH_PDL`` set to 1 or kernels)."""
+    global _PDL_OFF
+    was = not _PDL_OFF and os.environ.get(PDL_ENV, "").strip().lower() in ("1", "kernels")
+    _PDL_OFF = _PDL_OFF or was
+    return was
 
 
 def kernel_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
@@ -134,16 +146,16 @@ if triton is not None:
         acc = tl.zeros([BM, BN], tl.float32)
         k_first = 0
         if PDL:  # the first weight tile does not depend on the previous kernel: load it first
-            rk = tl.arange(0, BK)
-            k_ok = rk < K
-            w = tl.load(W + rn[:, None] * s_wn + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            rk0 = tl.arange(0, BK)  # own names: the loop's values are not carried from here
+            k_ok0 = rk0 < K
+            w0 = tl.load(W + rn[:, None] * s_wn + rk0[None, :], mask=n_ok[:, None] & k_ok0[None, :], other=0.0)
             tl.extra.cuda.gdc_wait()  # the previous kernel is done: x and the residual are ready
             tl.extra.cuda.gdc_launch_dependents()
-            x = tl.load(X + rm[:, None] * s_xm + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            x0 = tl.load(X + rm[:, None] * s_xm + rk0[None, :], mask=m_ok[:, None] & k_ok0[None, :], other=0.0)
             if IEEE:
-                acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+                acc += tl.dot(x0, tl.trans(w0), input_precision="ieee")
             else:
-                acc += tl.dot(x, tl.trans(w))
+                acc += tl.dot(x0, tl.trans(w0))
             k_first = BK
         for k0 in range(k_first, K, BK):
             rk = k0 + tl.arange(0, BK)

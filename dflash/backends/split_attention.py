@@ -245,8 +245,9 @@ def split_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
     Returns:
         [1, H, T, D] in q's dtype (memory laid out as [1, T, H, D]).
 
-    Launches on one device must not overlap in time (they share the counters): true of one
-    stream, and of graphs replayed on one stream.
+    Launches on one device must not touch the counters at the same time: true of one stream and
+    of graphs replayed on one stream. With PDL (``DFLASH_PDL``) a launch may start while the
+    kernel before it finishes, but it waits for that kernel before any memory access.
     """
     _, h, t, dim = q.shape
     hkv, cap = k.shape[1], k.shape[2]

@@ -29,7 +29,7 @@ from dflash.backends.graph_plan import (
     plan_graphs,
     warm_replays,
 )
-from dflash.backends.small_linear import MAX_ROWS, linear_mode, pdl_enabled
+from dflash.backends.small_linear import MAX_ROWS, disable_pdl, linear_mode, pdl_enabled
 from dflash.backends.split_attention import attention_mode, uses_kernel
 from dflash.backends.static_fused import (
     draft_forward_fused,
@@ -93,6 +93,15 @@ class StaticDraftCache:
         return self.keys[i], self.values[i]
 
 
+def _set_inductor_pdl(on: bool) -> None:
+    """Inductor's PDL code (``torch._inductor.config.triton.enable_pdl``, a process-wide
+    setting read when a forward compiles) on or off, where this torch has it."""
+    import torch._inductor.config as inductor_config
+
+    if hasattr(inductor_config.triton, "enable_pdl"):
+        inductor_config.triton.enable_pdl = on
+
+
 class StaticBackend(TransformersBackend):
     """TransformersBackend with static caches and (on CUDA) CUDA-graph replay.
 
@@ -153,11 +162,9 @@ class StaticBackend(TransformersBackend):
         self.draft_linear = (self.fused_draft is not None and linear in ("triton", "all")
                              and draft_small_linear_fits(draft))  # fmt: skip
         self.draft_linear_in = self.draft_linear and linear == "all"  # qkv, gate+up too
-        if pdl_enabled(device, inductor=True):  # Inductor's kernels launch with PDL (DFLASH_PDL=1)
-            import torch._inductor.config as inductor_config
-
-            if hasattr(inductor_config.triton, "enable_pdl"):
-                inductor_config.triton.enable_pdl = True
+        pdl = pdl_enabled(device, inductor=True)  # (also checks DFLASH_PDL's value)
+        if device.type == "cuda":  # Inductor's kernels launch with PDL iff DFLASH_PDL=1
+            _set_inductor_pdl(pdl)
         self.capacity = 0
         if device_loop is None:
             device_loop = device_loop_default() and self.use_graphs
@@ -331,13 +338,21 @@ class StaticBackend(TransformersBackend):
 
     def _fall_back(self, error: Exception) -> bool:
         """After a failed capture, turn off the next optional piece, with one line on stderr:
-        the Triton projections (cuBLAS instead), then the split-KV kernel (SDPA), then
+        programmatic dependent launch (when ``DFLASH_PDL`` turned it on; the forwards compile
+        again), then the Triton projections (cuBLAS instead), then the split-KV kernel (SDPA), then
         ``torch.compile`` (eager ops). Returns False when nothing is left to turn off.
 
         The forwards read these switches while tracing, so the next capture traces again;
         graphs captured before keep what they had (every variant gives the target's tokens)."""
         why = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:200]}"
-        if self.linear != "torch" or self.draft_linear:
+        if disable_pdl():
+            _set_inductor_pdl(False)  # compiled code has no guard on it: compile again
+            self._compiled.clear()
+            if self.device_loop is not None:
+                self.device_loop._compiled.clear()
+            torch._dynamo.reset()
+            what, fix = "programmatic dependent launch", "plain launches (DFLASH_PDL=0 silences this)"
+        elif self.linear != "torch" or self.draft_linear:
             self.linear, self.draft_linear, self.draft_linear_in = "torch", False, False
             what, fix = "the Triton projection kernel", "cuBLAS (DFLASH_LINEAR=torch silences this)"
         elif self.attention != "sdpa":
