@@ -332,18 +332,11 @@ def test_settings_defaults_are_published_values():
 def test_cli_init_draft_dflash2_and_generate(tmp_path, demo_gguf):
     """`dflash init-draft --arch dflash2` then `dflash generate transformers --draft` on the demo
     target: greedy output equals plain decoding (--block-size 1)."""
-    import subprocess
-    import sys
-
-    from tests.test_cli import ENV, assert_one_line_error, run_many
-
-    def run(*args: str) -> subprocess.CompletedProcess:  # one thread: fast on a busy CPU
-        return subprocess.run([sys.executable, "-m", "dflash", *args], capture_output=True,
-                              text=True, env={**ENV, "OMP_NUM_THREADS": "1"}, timeout=300)  # fmt: skip
+    from tests.test_cli import assert_one_line_error, run_many  # one torch thread per process
 
     out = tmp_path / "d2"
-    p = run("init-draft", "--target", str(demo_gguf), "--out", str(out), "--arch", "dflash2",
-            "--layers", "2", "--block-size", "6", "--dtype", "float32")  # fmt: skip
+    (p,) = run_many(["init-draft", "--target", str(demo_gguf), "--out", str(out), "--arch", "dflash2",
+                     "--layers", "2", "--block-size", "6", "--dtype", "float32"])  # fmt: skip
     assert p.returncode == 0, p.stderr
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["architectures"] == ["DFlash2DraftModel"]
