@@ -11,11 +11,13 @@
 #   next           (no carry)  fp32 kernel time, 8B shape, split 512 vs 256 (the tenth session's first call)
 #   pdl|pdl2|pdlprof|pdlk (no carry)  DFLASH_PDL and DFLASH_LINEAR=all experiments (tenth session)
 #   pdlgraphs      (no carry)  per-graph replay times with and without DFLASH_PDL=1 (eleventh session)
+#   pdlloop        (no carry)  the device loop's graphs, steps and host launch times, PDL off/on
+#   benchpdl [VARIANTS] [.stage/t5/ae .stage/data] after stage1..ad: gsm8k 64, DFLASH_PDL unset/draft/1
 #   2-4 stage ab|ac|ad [torch|triton]  [.stage/t5/<part>]  (with an 8B-shaped bench_big meanwhile)
 #   5 bench      [.stage/t5/ae .stage/data]  gsm8k 64 (bf16, compile, parity) and one single generate;
 #                results in $OUT (b-gsm8k.jsonl / .txt, generate.json)
 set -u
-phase=${1:?usage: h200_speed_session.sh stage1|glue|stage PART [torch|triton]|bench [full]|kernels|attn|merge|next|pdl|pdl2|pdlprof|pdlk|pdlgraphs|big8b}
+phase=${1:?usage: h200_speed_session.sh stage1|glue|stage PART [torch|triton]|bench [full]|kernels|attn|merge|next|pdl|pdl2|pdlprof|pdlk|pdlgraphs|pdlloop|benchpdl|big8b}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 DFLASH_CACHE=/tmp/dflash-cache
 OUT=${OUT:-/tmp/h200-out}; mkdir -p "$OUT"
 W=/tmp/demo; mkdir -p "$W/stage"
@@ -79,6 +81,19 @@ bench)
     timeout 150 python3 scripts/hf_baseline.py --model "$GGUF" --draft "$D" --data-dir "$W/datasets" --n 4 \
       --out "$OUT" > /dev/null 2>&1; tail -c 600 "$OUT/hf_baseline.json"
   fi
+  ;;
+benchpdl)  # [.stage/t5/ae .stage/data] gsm8k 64 on the real pair with DFLASH_PDL unset, draft, 1
+  # (each a whole benchmark run: its baseline and DFlash side by side); $2 = the variants
+  cat "$W"/stage/{aa,ab,ac,ad}.part .stage/t5/ae/part > "$GGUF"
+  rm -rf "$W/datasets" && cp -r .stage/data "$W/datasets"
+  B=(python3 -m dflash benchmark transformers --model "$GGUF" --draft "$D" --max-new-tokens 256
+     --data-dir "$W/datasets" --dataset gsm8k --max-samples 64 --block-size 16 --check-parity)
+  for v in ${2:-unset draft 1}; do
+    [ "$SECONDS" -gt "${BENCH_STOP:-400}" ] && { echo "skip $v at ${SECONDS}s"; continue; }
+    [ "$v" = unset ] && E=(env -u DFLASH_PDL) || E=(env DFLASH_PDL=$v)
+    "${E[@]}" timeout "${BENCH_S:-200}" "${B[@]}" --output "$OUT/b-gsm8k-pdl-$v.jsonl" > "$OUT/b-gsm8k-pdl-$v.txt" 2>&1
+    echo "$v rc $? at ${SECONDS}s"; grep -E "tok/s|speedup|τ|unexplained" "$OUT/b-gsm8k-pdl-$v.txt" | grep -v "━" | cut -c1-80
+  done
   ;;
 kernels)  # random SmolLM2-shaped pair: fused linears on/off side by side, then the config sweep
   BB=(python3 scripts/bench_big.py --shape smollm2 --prompt-len 160 --blocks 1,16)
@@ -178,6 +193,14 @@ pdlgraphs)  # no carry: which graph loses under DFLASH_PDL=1 at width 16 (the el
     case $v in base) E=();; pdl) E=(DFLASH_PDL=1);; esac
     env "${E[@]}" timeout 200 python3 scripts/kernel_count.py --random-target --variants fused --prompt-len 160 \
       --out "$OUT/kernels-pdl-$v.json" > "/tmp/kc-$v.log" 2>&1; echo "$v rc $?"; tail -n 6 "/tmp/kc-$v.log"
+  done
+  ;;
+pdlloop)  # no carry: the device loop's graphs alone, a step's two replays, a whole loop step
+  # (launch + late read) and the host time of the launches, PDL off and on (eleventh session)
+  for v in base pdl; do
+    case $v in base) E=();; pdl) E=(DFLASH_PDL=1);; esac
+    env "${E[@]}" timeout 250 python3 scripts/kernel_count.py --random-target --variants fused --prompt-len 160 \
+      --out "$OUT/kernels-loop-$v.json" > "/tmp/kl-$v.log" 2>&1; echo "$v rc $?"; grep -v Warn "/tmp/kl-$v.log" | tail -n 9
   done
   ;;
 big8b)  # Qwen3-8B-shaped pair: fused linears on/off

@@ -103,6 +103,40 @@ def calls(be, prompt_len: int, length: int) -> dict:
                     fn(*inputs)
 
             out[name] = run
+    if be.use_graphs and be.device_loop is not None:
+        out.update(loop_calls(be, prompt_len, length))
+    return out
+
+
+def loop_calls(be, prompt_len: int, length: int) -> dict:
+    """The device loop's graphs (with their glue) as the greedy loop replays them, state held
+    at ``prompt_len`` with no budget (nothing moves, every call computes the same): each graph
+    alone (``dverify-1``, ``dverify-L``, ``ddraft-L``), a step's two replays back to back
+    (``step-L``) and a whole loop step as :func:`dflash.loop.speculative_generate` runs it
+    (``loop-L``/``loop-1``: launch, copy to pinned memory, then wait for the step before)."""
+    lp = be.device_loop
+    lp.begin(torch.zeros(1, dtype=torch.long, device=be.device), prompt_len, length, 0)
+    out: dict = {}
+    for kind, width in (("dverify", 1), ("dverify", length), ("ddraft", length)):
+        graph = be._device_graph(kind, width)[0]
+        out[f"{kind}-{width}"] = lambda graphed=True, g=graph: g.replay()
+    g_draft, g_verify = be._device_graph("ddraft", length)[0], be._device_graph("dverify", length)[0]
+
+    def step(graphed=True):
+        g_draft.replay()
+        g_verify.replay()
+
+    out[f"step-{length}"] = step
+    for block in (length, 1):
+        prev: list = []
+
+        def loop(graphed=True, block=block, prev=prev):
+            slot = lp.launch(block)
+            if prev:
+                lp.read(prev.pop())
+            prev.append(slot)
+
+        out[f"loop-{block}"] = loop
     return out
 
 
@@ -141,14 +175,16 @@ def measure(fn, device: torch.device, iters: int) -> dict:
     for _ in range(3):
         fn()
     sync(device)
-    per = []
+    per, host = [], []
     for _ in range(5):
         n = max(1, iters // 5)
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
+            t0 = time.perf_counter()
             for _ in range(n):
                 fn()
+            host.append((time.perf_counter() - t0) * 1e6 / n)
             end.record()
             sync(device)
             per.append(start.elapsed_time(end) / n)
@@ -159,6 +195,8 @@ def measure(fn, device: torch.device, iters: int) -> dict:
             per.append((time.perf_counter() - t0) * 1000 / n)
     kernels, top = count_kernels(fn, device)
     out = {"ms": sorted(per)[2], "kernels": kernels, "top": top}
+    if host:  # host time of the launches alone (us per call): above the device time = host-bound
+        out["host_us"] = round(sorted(host)[2], 1)
     if device.type == "cuda":
         fn(graphed=False)  # warm (no compilation: the same compiled code as the capture)
         out["kernels_direct"], out["top_direct"] = count_kernels(lambda: fn(graphed=False), device)
@@ -209,7 +247,8 @@ def main(argv: list[str] | None = None) -> dict:
         run = {"setup_s": round(setup_s, 1), "compiled": be.compile}
         for label, fn in calls(be, args.prompt_len, be.draft_block_size).items():
             run[label] = measure(fn, device, args.iters)
-            print(f"{name:8s} {label:10s} {run[label]['ms']:8.3f} ms  {run[label]['kernels']:5d} kernels",
+            print(f"{name:8s} {label:10s} {run[label]['ms']:8.3f} ms  {run[label]['kernels']:5d} kernels"
+                  f"  host {run[label].get('host_us', 0):7.1f} us",
                   flush=True)  # fmt: skip
         result["runs"][name] = run
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -96,8 +96,17 @@ def test_pdl_switch(monkeypatch):
     monkeypatch.setenv("DFLASH_PDL", "0")
     sl._CAPABILITY[0] = 9
     assert not sl.pdl_enabled(torch.device("cuda", 0))
+    monkeypatch.setenv("DFLASH_PDL", "draft")  # both kinds, in the draft's forward only
+    cuda = torch.device("cuda", 0)
+    assert not sl.pdl_enabled(cuda) and not sl.pdl_enabled(cuda, inductor=True)
+    with sl.pdl_part("draft"):
+        assert sl.pdl_enabled(cuda) and sl.pdl_enabled(cuda, inductor=True)
+        with sl.pdl_part("target"):
+            assert not sl.pdl_enabled(cuda) and not sl.pdl_enabled(cuda, inductor=True)
+        assert sl.pdl_enabled(cuda)
+    assert not sl.pdl_enabled(cuda)
     monkeypatch.setenv("DFLASH_PDL", "kernel")  # a typo is an error, not a silent "on"
-    with pytest.raises(InputError, match="DFLASH_PDL must be 0, 1 or kernels"):
+    with pytest.raises(InputError, match="DFLASH_PDL must be 0, 1, kernels or draft"):
         sl.pdl_enabled(torch.device("cpu"))
 
 

@@ -227,3 +227,21 @@ def test_capture_failure_with_pdl_turns_pdl_off_first(tiny_target, capsys, monke
     assert err == ["dflash: programmatic dependent launch failed (RuntimeError: CUDA error: launch failed); "
                    "continuing with plain launches (DFLASH_PDL=0 silences this)."]  # fmt: skip
     assert not sl.pdl_enabled(torch.device("cpu")) and not sl.disable_pdl()  # off for good
+
+
+def test_captures_mark_draft_and_target_forwards(tiny_target, monkeypatch):
+    """DFLASH_PDL=draft turns PDL on in the draft's graphs only: each capture runs inside
+    pdl_part("draft") for the draft kinds and pdl_part("target") for the verify kinds."""
+    from dflash.backends import small_linear as sl
+
+    be = StaticBackend(tiny_target, make_draft(tiny_target), torch.device("cpu"), use_graphs=False)
+    parts = {}
+
+    def record(fn, inputs):
+        parts[len(parts)] = sl._PART[0]
+        return "graph", "out", inputs
+
+    be._capture = record
+    for kind in ("verify", "draft", "verify"):
+        be._graph(kind, len(parts) + 1, lambda: ())
+    assert parts == {0: "target", 1: "draft", 2: "target"} and sl._PART[0] is None

@@ -26,6 +26,7 @@ runs the kernel on CPU.
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -67,9 +68,10 @@ def pdl_enabled(device: torch.device, inductor: bool = False) -> bool:
     kernel starts, every kernel but the one just before it has finished.
 
     ``DFLASH_PDL``: ``1`` for this project's Triton kernels and Inductor's
-    (``torch._inductor.config.triton.enable_pdl``), ``kernels`` for this project's only, unset or
-    ``0`` for none. ``inductor``: ask about Inductor's kernels. Needs CUDA with compute
-    capability >= 9 (Hopper) and Triton.
+    (``torch._inductor.config.triton.enable_pdl``), ``kernels`` for this project's only,
+    ``draft`` for both but only in the draft's forward (what :func:`pdl_part` marks as
+    ``"draft"`` while it is captured), unset or ``0`` for none. ``inductor``: ask about
+    Inductor's kernels. Needs CUDA with compute capability >= 9 (Hopper) and Triton.
 
     H200 (``scripts/bench_big.py``, 2026-12-01): ``1`` made a block-1 step of the demo shape
     10.7% faster (0.824 against 0.923 ms) and of the Qwen3-8B shape 1.3% faster (4.405 against
@@ -81,12 +83,12 @@ def pdl_enabled(device: torch.device, inductor: bool = False) -> bool:
     raw = os.environ.get(PDL_ENV, "").strip().lower()
     if _PDL_OFF:
         return False
-    if raw not in ("", "0", "1", "kernels"):
+    if raw not in PDL_VALUES:
         from dflash.errors import InputError
 
-        raise InputError(f"{PDL_ENV} must be 0, 1 or kernels, got {raw!r}.",
+        raise InputError(f"{PDL_ENV} must be 0, 1, kernels or draft, got {raw!r}.",
                          hint="unset it for the default (0)")  # fmt: skip
-    on = raw == "1" or (raw == "kernels" and not inductor)
+    on = raw == "1" or (raw == "kernels" and not inductor) or (raw == "draft" and _PART[0] == "draft")
     if not (on and triton is not None and device.type == "cuda"):
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -97,13 +99,26 @@ def pdl_enabled(device: torch.device, inductor: bool = False) -> bool:
 
 _CAPABILITY: dict[int, int] = {}  # CUDA device index -> compute capability major
 _PDL_OFF = False  # set by disable_pdl (a capture failed with PDL on)
+_PART: list[str | None] = [None]  # the forward being captured ("draft", "target"), see pdl_part
+PDL_VALUES = ("", "0", "1", "kernels", "draft")
+
+
+@contextmanager
+def pdl_part(part: str | None):
+    """Mark the forward whose kernels are traced or captured meanwhile (``"draft"`` or
+    ``"target"``) for :func:`pdl_enabled` under ``DFLASH_PDL=draft``."""
+    before, _PART[0] = _PART[0], part
+    try:
+        yield
+    finally:
+        _PART[0] = before
 
 
 def disable_pdl() -> bool:
     """Turn PDL off for the rest of the process (the static path's fall-back after a failed
     capture); returns whether it was on (``DFLASH_PDL`` set to 1 or kernels)."""
     global _PDL_OFF
-    was = not _PDL_OFF and os.environ.get(PDL_ENV, "").strip().lower() in ("1", "kernels")
+    was = not _PDL_OFF and os.environ.get(PDL_ENV, "").strip().lower() in ("1", "kernels", "draft")
     _PDL_OFF = _PDL_OFF or was
     return was
 

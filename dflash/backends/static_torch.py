@@ -29,7 +29,7 @@ from dflash.backends.graph_plan import (
     plan_graphs,
     warm_replays,
 )
-from dflash.backends.small_linear import MAX_ROWS, disable_pdl, linear_mode, pdl_enabled
+from dflash.backends.small_linear import MAX_ROWS, disable_pdl, linear_mode, pdl_enabled, pdl_part
 from dflash.backends.split_attention import attention_mode, uses_kernel
 from dflash.backends.static_fused import (
     draft_forward_fused,
@@ -326,8 +326,12 @@ class StaticBackend(TransformersBackend):
         static_inputs = make_inputs()  # allocated once per graph, not per step
         if self.compile:  # Dynamo compiles in this thread, during the warm-up (its config is
             allow_recompiles()  # per thread: a server captures in its worker thread)
+        part = "draft" if kind in ("draft", "ddraft") else "target"
         try:
-            self.graphs[key] = self._capture(self._fn(kind, width), static_inputs)
+            with pdl_part(part):  # DFLASH_PDL=draft: PDL in the draft's graphs only
+                if self.device.type == "cuda":  # Inductor reads it when the forward compiles
+                    _set_inductor_pdl(pdl_enabled(self.device, inductor=True))
+                self.graphs[key] = self._capture(self._fn(kind, width), static_inputs)
         except Exception as e:  # noqa: BLE001 - Inductor/Triton raise many types
             if not self._fall_back(e):
                 raise
