@@ -12,12 +12,13 @@
 #   pdl|pdl2|pdlprof|pdlk (no carry)  DFLASH_PDL and DFLASH_LINEAR=all experiments (tenth session)
 #   pdlgraphs      (no carry)  per-graph replay times with and without DFLASH_PDL=1 (eleventh session)
 #   pdlloop        (no carry)  the device loop's graphs, steps and host launch times, PDL off/on
-#   benchpdl [VARIANTS] [.stage/t5/ae .stage/data] after stage1..ad: gsm8k 64, DFLASH_PDL unset/draft/1
+#   benchpdl [VARIANTS] [.stage/t5/ae .stage/data] after stage1..ad: gsm8k 64, DFLASH_PDL 0/draft/1
+#   pdldefault     (no carry)  PDL bit-for-bit check, 8B shape with PDL (the default since then) and without
 #   2-4 stage ab|ac|ad [torch|triton]  [.stage/t5/<part>]  (with an 8B-shaped bench_big meanwhile)
 #   5 bench      [.stage/t5/ae .stage/data]  gsm8k 64 (bf16, compile, parity) and one single generate;
 #                results in $OUT (b-gsm8k.jsonl / .txt, generate.json)
 set -u
-phase=${1:?usage: h200_speed_session.sh stage1|glue|stage PART [torch|triton]|bench [full]|kernels|attn|merge|next|pdl|pdl2|pdlprof|pdlk|pdlgraphs|pdlloop|benchpdl|big8b}
+phase=${1:?usage: h200_speed_session.sh stage1|glue|stage PART [torch|triton]|bench [full]|kernels|attn|merge|next|pdl|pdl2|pdlprof|pdlk|pdlgraphs|pdlloop|benchpdl|pdldefault|big8b}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 DFLASH_CACHE=/tmp/dflash-cache
 OUT=${OUT:-/tmp/h200-out}; mkdir -p "$OUT"
 W=/tmp/demo; mkdir -p "$W/stage"
@@ -82,15 +83,15 @@ bench)
       --out "$OUT" > /dev/null 2>&1; tail -c 600 "$OUT/hf_baseline.json"
   fi
   ;;
-benchpdl)  # [.stage/t5/ae .stage/data] gsm8k 64 on the real pair with DFLASH_PDL unset, draft, 1
+benchpdl)  # [.stage/t5/ae .stage/data] gsm8k 64 on the real pair with DFLASH_PDL 0, draft, 1
   # (each a whole benchmark run: its baseline and DFlash side by side); $2 = the variants
   cat "$W"/stage/{aa,ab,ac,ad}.part .stage/t5/ae/part > "$GGUF"
   rm -rf "$W/datasets" && cp -r .stage/data "$W/datasets"
   B=(python3 -m dflash benchmark transformers --model "$GGUF" --draft "$D" --max-new-tokens 256
      --data-dir "$W/datasets" --dataset gsm8k --max-samples 64 --block-size 16 --check-parity)
-  for v in ${2:-unset draft 1}; do
+  for v in ${2:-0 draft 1}; do
     [ "$SECONDS" -gt "${BENCH_STOP:-400}" ] && { echo "skip $v at ${SECONDS}s"; continue; }
-    [ "$v" = unset ] && E=(env -u DFLASH_PDL) || E=(env DFLASH_PDL=$v)
+    E=(env DFLASH_PDL=$v)
     "${E[@]}" timeout "${BENCH_S:-200}" "${B[@]}" --output "$OUT/b-gsm8k-pdl-$v.jsonl" > "$OUT/b-gsm8k-pdl-$v.txt" 2>&1
     echo "$v rc $? at ${SECONDS}s"; grep -E "tok/s|speedup|τ|unexplained" "$OUT/b-gsm8k-pdl-$v.txt" | grep -v "━" | cut -c1-80
   done
@@ -148,13 +149,13 @@ pdl)  # no carry: programmatic dependent launch (DFLASH_PDL=1) and small_linear 
   # projection (DFLASH_LINEAR=all), 8B shape at block 1 (profiled) and the demo shape at 1 and 16
   python3 -c "import torch._inductor.config as c; print('inductor enable_pdl:', hasattr(c.triton, 'enable_pdl'))"
   for v in base pdl pdlall; do
-    case $v in base) E=();; pdl) E=(DFLASH_PDL=1);; pdlall) E=(DFLASH_PDL=1 DFLASH_LINEAR=all);; esac
+    case $v in base) E=(DFLASH_PDL=0);; pdl) E=(DFLASH_PDL=1);; pdlall) E=(DFLASH_PDL=1 DFLASH_LINEAR=all);; esac
     env "${E[@]}" timeout 125 python3 scripts/bench_big.py --shape qwen3-8b --blocks 1 --steps 16 --profile \
       --out "/tmp/bb8-$v" > "/tmp/bb8-$v.log" 2>&1; cp "/tmp/bb8-$v/bench_big.json" "$OUT/bench_big-q8b-$v.json"
     echo "8b $v $(grep -o '"ms_per_step": [0-9.]*' "/tmp/bb8-$v.log" | cut -d' ' -f2 | tr '\n' ' ') $(tail -n 1 "/tmp/bb8-$v.log" | cut -c1-200)"
   done
   for v in base pdlall; do
-    case $v in base) E=();; pdlall) E=(DFLASH_PDL=1 DFLASH_LINEAR=all);; esac
+    case $v in base) E=(DFLASH_PDL=0);; pdlall) E=(DFLASH_PDL=1 DFLASH_LINEAR=all);; esac
     env "${E[@]}" timeout 110 python3 scripts/bench_big.py --shape smollm2 --prompt-len 160 --blocks 1,16 \
       --out "/tmp/bbs-$v" > "/tmp/bbs-$v.log" 2>&1; cp "/tmp/bbs-$v/bench_big.json" "$OUT/bench_big-smol-$v.json"
     echo "smol $v $(grep -o '"ms_per_step": [0-9.]*' "/tmp/bbs-$v.log" | cut -d' ' -f2 | tr '\n' ' ') $(tail -n 1 "/tmp/bbs-$v.log" | cut -c1-200)"
@@ -163,7 +164,7 @@ pdl)  # no carry: programmatic dependent launch (DFLASH_PDL=1) and small_linear 
 pdl2)  # no carry: PDL on the demo shape (blocks 1 and 16, a hang shows as a timeout), and the
   # split size at block 1 on the 8B shape
   for v in base pdl; do
-    case $v in base) E=();; pdl) E=(DFLASH_PDL=1);; esac
+    case $v in base) E=(DFLASH_PDL=0);; pdl) E=(DFLASH_PDL=1);; esac
     env "${E[@]}" timeout 150 python3 scripts/bench_big.py --shape smollm2 --prompt-len 160 --blocks 1,16 \
       --out "/tmp/bbs-$v" > "/tmp/bbs-$v.log" 2>&1; echo "rc $?"; cp "/tmp/bbs-$v/bench_big.json" "$OUT/bench_big-smol-$v.json"
     echo "smol $v $(grep -o '"ms_per_step": [0-9.]*' "/tmp/bbs-$v.log" | cut -d' ' -f2 | tr '\n' ' ')"
@@ -176,7 +177,7 @@ pdl2)  # no carry: PDL on the demo shape (blocks 1 and 16, a hang shows as a tim
   ;;
 pdlprof)  # no carry: where PDL loses at block 16 on the demo shape (profiled, side by side)
   for v in base pdl; do
-    case $v in base) E=();; pdl) E=(DFLASH_PDL=1);; esac
+    case $v in base) E=(DFLASH_PDL=0);; pdl) E=(DFLASH_PDL=1);; esac
     env "${E[@]}" timeout 140 python3 scripts/bench_big.py --shape smollm2 --prompt-len 160 --blocks 16 --steps 16 \
       --profile --out "/tmp/bbp-$v" > "/tmp/bbp-$v.log" 2>&1; cp "/tmp/bbp-$v/bench_big.json" "$OUT/bench_big-smol-prof-$v.json"
     echo "smol $v $(grep -o '"ms_per_step": [0-9.]*' "/tmp/bbp-$v.log" | cut -d' ' -f2 | tr '\n' ' ')"
@@ -190,7 +191,7 @@ pdlk)  # no carry: PDL for this project's kernels only (DFLASH_PDL=kernels), dem
 pdlgraphs)  # no carry: which graph loses under DFLASH_PDL=1 at width 16 (the eleventh session's
   # first call): verify-1, verify-16 and draft-16 replay times and kernels, PDL off and on
   for v in base pdl; do
-    case $v in base) E=();; pdl) E=(DFLASH_PDL=1);; esac
+    case $v in base) E=(DFLASH_PDL=0);; pdl) E=(DFLASH_PDL=1);; esac
     env "${E[@]}" timeout 200 python3 scripts/kernel_count.py --random-target --variants fused --prompt-len 160 \
       --out "$OUT/kernels-pdl-$v.json" > "/tmp/kc-$v.log" 2>&1; echo "$v rc $?"; tail -n 6 "/tmp/kc-$v.log"
   done
@@ -198,9 +199,19 @@ pdlgraphs)  # no carry: which graph loses under DFLASH_PDL=1 at width 16 (the el
 pdlloop)  # no carry: the device loop's graphs alone, a step's two replays, a whole loop step
   # (launch + late read) and the host time of the launches, PDL off and on (eleventh session)
   for v in base pdl; do
-    case $v in base) E=();; pdl) E=(DFLASH_PDL=1);; esac
+    case $v in base) E=(DFLASH_PDL=0);; pdl) E=(DFLASH_PDL=1);; esac
     env "${E[@]}" timeout 250 python3 scripts/kernel_count.py --random-target --variants fused --prompt-len 160 \
       --out "$OUT/kernels-loop-$v.json" > "/tmp/kl-$v.log" 2>&1; echo "$v rc $?"; grep -v Warn "/tmp/kl-$v.log" | tail -n 9
+  done
+  ;;
+pdldefault)  # no carry: PDL on by default: the bit-for-bit PDL check of this project's kernels, then
+  # the 8B shape with the default (PDL on) and with DFLASH_PDL=0, side by side
+  timeout 150 python3 scripts/split_attention_check.py --pdl-only --out "$OUT" > /tmp/pdlc.log 2>&1; echo "check rc $?"; tail -n 2 /tmp/pdlc.log
+  for v in on 0; do
+    [ $v = on ] && E=(env) || E=(env DFLASH_PDL=0)
+    "${E[@]}" timeout 200 python3 scripts/bench_big.py --shape qwen3-8b --blocks 1,16 --steps 16 --out "/tmp/bb8-$v" \
+      > "/tmp/bb8-$v.log" 2>&1; cp "/tmp/bb8-$v/bench_big.json" "$OUT/bench_big-q8b-pdl-$v.json"
+    echo "$v $(grep -o '"ms_per_step": [0-9.]*' "/tmp/bb8-$v.log" | cut -d' ' -f2 | tr '\n' ' ')"; grep -o '"x_floor": [0-9.]*' "/tmp/bb8-$v.log" | tr '\n' ' '; echo
   done
   ;;
 big8b)  # Qwen3-8B-shaped pair: fused linears on/off

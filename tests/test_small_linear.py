@@ -81,12 +81,18 @@ def test_static_backend_with_fused_linears_decodes_greedy(tiny_target):
 
 
 def test_pdl_switch(monkeypatch):
-    """DFLASH_PDL is off by default and never on without CUDA; on a Hopper GPU it is on when set."""
+    """DFLASH_PDL is on by default on a Hopper GPU with Triton, never without CUDA, and 0 turns
+    it off; a failed capture turns it off for good (disable_pdl says whether it was on)."""
+    monkeypatch.delenv("DFLASH_PDL", raising=False)
+    monkeypatch.setattr(sl, "_PDL_OFF", False)
     assert not sl.pdl_enabled(torch.device("cpu"))
     monkeypatch.setenv("DFLASH_PDL", "1")
     assert not sl.pdl_enabled(torch.device("cpu"))
     monkeypatch.setattr(sl, "triton", object())
     monkeypatch.setattr(sl, "_CAPABILITY", {0: 9})
+    monkeypatch.delenv("DFLASH_PDL")
+    assert sl.pdl_enabled(torch.device("cuda", 0)) and sl.pdl_enabled(torch.device("cuda", 0), inductor=True)
+    monkeypatch.setenv("DFLASH_PDL", "1")
     assert sl.pdl_enabled(torch.device("cuda", 0)) and sl.pdl_enabled(torch.device("cuda", 0), inductor=True)
     monkeypatch.setenv("DFLASH_PDL", "kernels")  # this project's kernels only
     assert sl.pdl_enabled(torch.device("cuda", 0)) and not sl.pdl_enabled(torch.device("cuda", 0), inductor=True)
@@ -108,6 +114,11 @@ def test_pdl_switch(monkeypatch):
     monkeypatch.setenv("DFLASH_PDL", "kernel")  # a typo is an error, not a silent "on"
     with pytest.raises(InputError, match="DFLASH_PDL must be 0, 1, kernels or draft"):
         sl.pdl_enabled(torch.device("cpu"))
+    monkeypatch.setenv("DFLASH_PDL", "draft")
+    assert not sl.disable_pdl(torch.device("cpu")) and sl._PDL_OFF  # was off on the CPU
+    monkeypatch.setattr(sl, "_PDL_OFF", False)
+    assert sl.disable_pdl(torch.device("cuda", 0))  # on in the draft's graphs: was on
+    assert not sl.pdl_enabled(torch.device("cuda", 0)) and not sl.disable_pdl(torch.device("cuda", 0))
 
 
 def test_fits_only_plain_row_major_linears(tiny_target):

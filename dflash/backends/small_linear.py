@@ -61,21 +61,22 @@ def linear_mode(device: torch.device) -> str:
 
 
 def pdl_enabled(device: torch.device, inductor: bool = False) -> bool:
-    """Whether the static path's kernels launch with programmatic dependent launch (PDL; an
-    experiment, off by default): a kernel may start while the previous one finishes, streams
-    weights that do not depend on it, and waits (``griddepcontrol.wait``) before it reads or
-    writes anything else. Every PDL kernel waits before it lets its dependents start, so when a
-    kernel starts, every kernel but the one just before it has finished.
+    """Whether the static path's kernels launch with programmatic dependent launch (PDL, on
+    by default on Hopper and newer GPUs): a kernel may start while the previous one finishes,
+    streams weights that do not depend on it, and waits (``griddepcontrol.wait``) before it
+    reads or writes anything else. Every PDL kernel waits before it lets its dependents start,
+    so when a kernel starts, every kernel but the one just before it has finished.
 
-    ``DFLASH_PDL``: ``1`` for this project's Triton kernels and Inductor's
+    ``DFLASH_PDL``: unset or ``1`` for this project's Triton kernels and Inductor's
     (``torch._inductor.config.triton.enable_pdl``), ``kernels`` for this project's only,
     ``draft`` for both but only in the draft's forward (what :func:`pdl_part` marks as
-    ``"draft"`` while it is captured), unset or ``0`` for none. ``inductor``: ask about
-    Inductor's kernels. Needs CUDA with compute capability >= 9 (Hopper) and Triton.
+    ``"draft"`` while it is captured), ``0`` for none. ``inductor``: ask about Inductor's
+    kernels. Needs CUDA with compute capability >= 9 (Hopper) and Triton.
 
-    H200 (``scripts/bench_big.py``, 2026-12-01): ``1`` made a block-1 step of the demo shape
-    10.7% faster (0.824 against 0.923 ms) and of the Qwen3-8B shape 1.3% faster (4.405 against
-    4.464 ms), but a block-16 step of the demo shape 12% slower (1.315 against 1.176 ms).
+    H200, real demo pair (``dflash benchmark``, gsm8k 64, 2026-12-01, one machine): DFlash
+    3,693.8 tok/s with ``1`` against 3,277.2 with ``0``, the block-1 baseline 1,167.6 against
+    1,055.7; the same tokens and acceptance lengths on all 64 prompts. ``draft``: 3,438.3 and
+    1,056.3.
 
     Raises:
         InputError: another value.
@@ -87,8 +88,8 @@ def pdl_enabled(device: torch.device, inductor: bool = False) -> bool:
         from dflash.errors import InputError
 
         raise InputError(f"{PDL_ENV} must be 0, 1, kernels or draft, got {raw!r}.",
-                         hint="unset it for the default (0)")  # fmt: skip
-    on = raw == "1" or (raw == "kernels" and not inductor) or (raw == "draft" and _PART[0] == "draft")
+                         hint="unset it for the default (1)")  # fmt: skip
+    on = raw in ("", "1") or (raw == "kernels" and not inductor) or (raw == "draft" and _PART[0] == "draft")
     if not (on and triton is not None and device.type == "cuda"):
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -114,12 +115,13 @@ def pdl_part(part: str | None):
         _PART[0] = before
 
 
-def disable_pdl() -> bool:
+def disable_pdl(device: torch.device) -> bool:
     """Turn PDL off for the rest of the process (the static path's fall-back after a failed
-    capture); returns whether it was on (``DFLASH_PDL`` set to 1 or kernels)."""
+    capture); returns whether it was on for ``device`` (this project's kernels or Inductor's)."""
     global _PDL_OFF
-    was = not _PDL_OFF and os.environ.get(PDL_ENV, "").strip().lower() in ("1", "kernels", "draft")
-    _PDL_OFF = _PDL_OFF or was
+    with pdl_part("draft"):  # DFLASH_PDL=draft counts as on
+        was = pdl_enabled(device) or pdl_enabled(device, inductor=True)
+    _PDL_OFF = True
     return was
 
 

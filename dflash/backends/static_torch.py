@@ -349,7 +349,7 @@ class StaticBackend(TransformersBackend):
         The forwards read these switches while tracing, so the next capture traces again;
         graphs captured before keep what they had (every variant gives the target's tokens)."""
         why = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:200]}"
-        if disable_pdl():
+        if disable_pdl(self.device):
             _set_inductor_pdl(False)  # compiled code has no guard on it: compile again
             self._compiled.clear()
             if self.device_loop is not None:
