@@ -88,7 +88,7 @@ def test_pdl_switch(monkeypatch):
     assert not sl.pdl_enabled(torch.device("cpu"))
     monkeypatch.setenv("DFLASH_PDL", "1")
     assert not sl.pdl_enabled(torch.device("cpu"))
-    monkeypatch.setattr(sl, "triton", object())
+    monkeypatch.setattr(sl, "_HAS_GDC", True)
     monkeypatch.setattr(sl, "_CAPABILITY", {0: 9})
     monkeypatch.delenv("DFLASH_PDL")
     assert sl.pdl_enabled(torch.device("cuda", 0)) and sl.pdl_enabled(torch.device("cuda", 0), inductor=True)

@@ -41,6 +41,8 @@ try:
     import triton.language as tl
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
+# PDL needs Triton's griddepcontrol intrinsics (with its ``launch_pdl`` launch option)
+_HAS_GDC = triton is not None and hasattr(getattr(getattr(tl, "extra", None), "cuda", None), "gdc_wait")
 
 
 def linear_mode(device: torch.device) -> str:
@@ -71,7 +73,8 @@ def pdl_enabled(device: torch.device, inductor: bool = False) -> bool:
     (``torch._inductor.config.triton.enable_pdl``), ``kernels`` for this project's only,
     ``draft`` for both but only in the draft's forward (what :func:`pdl_part` marks as
     ``"draft"`` while it is captured), ``0`` for none. ``inductor``: ask about Inductor's
-    kernels. Needs CUDA with compute capability >= 9 (Hopper) and Triton.
+    kernels. Needs CUDA with compute capability >= 9 (Hopper) and a Triton with
+    ``tl.extra.cuda.gdc_wait`` (Triton 3.6 on the H200); otherwise it is off whatever the setting.
 
     H200, real demo pair (``dflash benchmark``, gsm8k 64, 2026-12-01, one machine): DFlash
     3,693.8 tok/s with ``1`` against 3,277.2 with ``0``, the block-1 baseline 1,167.6 against
@@ -90,7 +93,7 @@ def pdl_enabled(device: torch.device, inductor: bool = False) -> bool:
         raise InputError(f"{PDL_ENV} must be 0, 1, kernels or draft, got {raw!r}.",
                          hint="unset it for the default (1)")  # fmt: skip
     on = raw in ("", "1") or (raw == "kernels" and not inductor) or (raw == "draft" and _PART[0] == "draft")
-    if not (on and triton is not None and device.type == "cuda"):
+    if not (on and _HAS_GDC and device.type == "cuda"):
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _CAPABILITY:
