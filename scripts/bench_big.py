@@ -264,12 +264,15 @@ def main(argv: list[str] | None = None) -> dict:
     kv_per_pos = 2 * c.num_hidden_layers * c.num_key_value_heads * be.head_dim * be.dtype.itemsize
     kv = kv_per_pos * (args.prompt_len + args.steps * max(blocks) // 2)
     bw = copy_bandwidth(device, 1 << (22 if args.tiny else 32))
+    from dflash.backends.small_linear import pdl_enabled
+
     report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "dtype": str(dtype).split(".")[-1], "tiny": args.tiny, "compile": be.compile,
               "cuda_graphs": be.use_graphs, "device_loop": be.device_loop is not None,
               "attention": be.attention, "attn_split": os.environ.get("DFLASH_ATTN_SPLIT", "256"),
               "linear": be.linear, "compile_glue": os.environ.get("DFLASH_COMPILE_GLUE", "1"),
-              "pdl": os.environ.get("DFLASH_PDL", "0"),
+              "pdl": os.environ.get("DFLASH_PDL", "") or "default (1)",
+              "pdl_on": pdl_enabled(device),
               "truth_sha1": hashlib.sha1(str(truth_ids).encode()).hexdigest(),  # same across variants
               "shape": "tiny" if args.tiny else args.shape, "init_std": init_std, "prompt_len": args.prompt_len, "build_s": built_s,
               "target_bytes": tgt, "draft_step_bytes": drf, "kv_bytes": kv,

@@ -14,11 +14,12 @@
 #   pdlloop        (no carry)  the device loop's graphs, steps and host launch times, PDL off/on
 #   benchpdl [VARIANTS] [.stage/t5/ae .stage/data] after stage1..ad: gsm8k 64, DFLASH_PDL 0/draft/1
 #   pdldefault     (no carry)  PDL bit-for-bit check, 8B shape with PDL (the default since then) and without
+#   seq            (no carry)  every kernel of the loop's graphs in launch order (the twelfth session's first call)
 #   2-4 stage ab|ac|ad [torch|triton]  [.stage/t5/<part>]  (with an 8B-shaped bench_big meanwhile)
 #   5 bench      [.stage/t5/ae .stage/data]  gsm8k 64 (bf16, compile, parity) and one single generate;
 #                results in $OUT (b-gsm8k.jsonl / .txt, generate.json)
 set -u
-phase=${1:?usage: h200_speed_session.sh stage1|glue|stage PART [torch|triton]|bench [full]|kernels|attn|merge|next|pdl|pdl2|pdlprof|pdlk|pdlgraphs|pdlloop|benchpdl|pdldefault|big8b}
+phase=${1:?usage: h200_speed_session.sh stage1|glue|stage PART [torch|triton]|bench [full]|kernels|attn|merge|next|pdl|pdl2|pdlprof|pdlk|pdlgraphs|pdlloop|benchpdl|pdldefault|seq|big8b}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 DFLASH_CACHE=/tmp/dflash-cache
 OUT=${OUT:-/tmp/h200-out}; mkdir -p "$OUT"
 W=/tmp/demo; mkdir -p "$W/stage"
@@ -213,6 +214,11 @@ pdldefault)  # no carry: PDL on by default: the bit-for-bit PDL check of this pr
       > "/tmp/bb8-$v.log" 2>&1; cp "/tmp/bb8-$v/bench_big.json" "$OUT/bench_big-q8b-pdl-$v.json"
     echo "$v $(grep -o '"ms_per_step": [0-9.]*' "/tmp/bb8-$v.log" | cut -d' ' -f2 | tr '\n' ' ')"; grep -o '"x_floor": [0-9.]*' "/tmp/bb8-$v.log" | tr '\n' ' '; echo
   done
+  ;;
+seq)  # no carry: every kernel of the device loop's graphs in launch order, PDL off (true
+  # durations: with PDL a kernel's time includes its wait), to plan fusions in the draft
+  DFLASH_PDL=0 timeout 250 python3 scripts/kernel_count.py --random-target --variants fused --prompt-len 160 \
+    --sequence --out "$OUT/kernels-seq.json" > /tmp/kseq.log 2>&1; echo "rc $?"; grep -v Warn /tmp/kseq.log | tail -n 9
   ;;
 big8b)  # Qwen3-8B-shaped pair: fused linears on/off
   BB=(python3 scripts/bench_big.py --shape qwen3-8b --blocks 1,16 --steps 16)

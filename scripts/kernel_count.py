@@ -8,10 +8,14 @@ For each variant - unfused (``fuse=False``, what ``DFLASH_NO_FUSE=1`` runs), fus
 packed (fused + ``pack_gqa``, what ``DFLASH_GQA_PACK=1`` runs) - one StaticBackend is built on
 the same target, its graphs are captured (CUDA; with ``--compile`` the forwards are
 compiled first), a prompt is prefilled, then verify-1, verify-16 and draft-16 are each:
-timed over ``--iters`` replays (CUDA events; on CPU the eager forward, wall clock) and profiled
+timed over ``--iters`` replays (CUDA events, plus the host time of the launches; on CPU the
+eager forward, wall clock) and profiled
 once with torch.profiler (``kernels``: CUDA kernel/memcpy/memset events of one replay, ``top``:
 the kernels with the most device time, e.g. to see what attention over the whole allocated
-KV capacity costs; on CPU aten ops of one eager call). JSON to ``--out``; a table on stdout.
+KV capacity costs; on CPU aten ops of one eager call; ``--sequence``: every kernel in launch
+order). With the device loop on CUDA also its own graphs (``dverify-1``, ``dverify-16``,
+``ddraft-16``), a step's two replays and a whole loop step (see :func:`loop_calls`).
+JSON to ``--out``; a table on stdout.
 """
 
 from __future__ import annotations
@@ -113,7 +117,8 @@ def loop_calls(be, prompt_len: int, length: int) -> dict:
     at ``prompt_len`` with no budget (nothing moves, every call computes the same): each graph
     alone (``dverify-1``, ``dverify-L``, ``ddraft-L``), a step's two replays back to back
     (``step-L``) and a whole loop step as :func:`dflash.loop.speculative_generate` runs it
-    (``loop-L``/``loop-1``: launch, copy to pinned memory, then wait for the step before)."""
+    (``loop-L``/``loop-1``: launch, copy to pinned memory, then wait for the step before; their
+    ``host_us`` includes that wait, so it is about the device time, not the launch cost)."""
     lp = be.device_loop
     lp.begin(torch.zeros(1, dtype=torch.long, device=be.device), prompt_len, length, 0)
     out: dict = {}
@@ -140,9 +145,10 @@ def loop_calls(be, prompt_len: int, length: int) -> dict:
     return out
 
 
-def count_kernels(fn, device: torch.device) -> tuple[int, list]:
-    """Kernels (CUDA kernel/memcpy/memset events) of one call, and the 12 kernel names with the
-    most device time [name, count, total us]; on CPU top-level aten ops (times: CPU us)."""
+def count_kernels(fn, device: torch.device, sequence: bool = False) -> tuple[int, list, list | None]:
+    """Kernels (CUDA kernel/memcpy/memset events) of one call, the 12 kernel names with the
+    most device time [name, count, total us] (on CPU top-level aten ops, times: CPU us), and
+    with ``sequence`` every event of the call in launch order [name, us] (where to fuse)."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -150,7 +156,16 @@ def count_kernels(fn, device: torch.device) -> tuple[int, list]:
         fn()
         sync(device)
     count, rows = kernel_table(prof, device.type == "cuda")
-    return count, [[n, c, round(t, 1)] for n, c, t in rows[:12]]
+    seq = kernel_sequence(prof, device.type == "cuda") if sequence else None
+    return count, [[n, c, round(t, 1)] for n, c, t in rows[:12]], seq
+
+
+def kernel_sequence(prof, cuda: bool, width: int = 90) -> list[list]:
+    """The events :func:`kernel_table` groups, one by one in start order: [name, us]."""
+    events = [e for e in prof.events() if (e.device_type == torch.autograd.DeviceType.CUDA if cuda
+              else e.name.startswith("aten::") and e.cpu_parent is None)]  # fmt: skip
+    events.sort(key=lambda e: e.time_range.start)
+    return [[e.name[:width], round(e.time_range.elapsed_us(), 1)] for e in events]
 
 
 def kernel_table(prof, cuda: bool, width: int = 120) -> tuple[int, list[list]]:
@@ -168,7 +183,7 @@ def kernel_table(prof, cuda: bool, width: int = 120) -> tuple[int, list[list]]:
     return len(events), sorted(by_name.values(), key=lambda r: -r[2])
 
 
-def measure(fn, device: torch.device, iters: int) -> dict:
+def measure(fn, device: torch.device, iters: int, sequence: bool = False) -> dict:
     """ms per call (median of 5 batches of iters/5) and kernels of one call (profiler); on
     CUDA also ``kernels_direct``: the captured function run outside its graph (a cross-check
     in case the profiler does not see kernels inside graph replays)."""
@@ -193,13 +208,15 @@ def measure(fn, device: torch.device, iters: int) -> dict:
             for _ in range(n):
                 fn()
             per.append((time.perf_counter() - t0) * 1000 / n)
-    kernels, top = count_kernels(fn, device)
+    kernels, top, seq = count_kernels(fn, device, sequence)
     out = {"ms": sorted(per)[2], "kernels": kernels, "top": top}
+    if seq is not None:
+        out["sequence"] = seq
     if host:  # host time of the launches alone (us per call): above the device time = host-bound
         out["host_us"] = round(sorted(host)[2], 1)
     if device.type == "cuda":
         fn(graphed=False)  # warm (no compilation: the same compiled code as the capture)
-        out["kernels_direct"], out["top_direct"] = count_kernels(lambda: fn(graphed=False), device)
+        out["kernels_direct"], out["top_direct"], _ = count_kernels(lambda: fn(graphed=False), device)
     return out
 
 
@@ -218,6 +235,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--variants", default="unfused,fused,packed",
                     help="unfused (DFLASH_NO_FUSE=1), fused (default path), packed (DFLASH_GQA_PACK=1), "
                          "autotune (fused, DFLASH_COMPILE_MODE=max-autotune-no-cudagraphs)")
+    ap.add_argument("--sequence", action="store_true",
+                    help="store every kernel of each profiled call in launch order (name, us)")
     args = ap.parse_args(argv)
     from dflash.backends.static_torch import StaticBackend
 
@@ -246,7 +265,7 @@ def main(argv: list[str] | None = None) -> dict:
             be.prefill(prompt, True)
         run = {"setup_s": round(setup_s, 1), "compiled": be.compile}
         for label, fn in calls(be, args.prompt_len, be.draft_block_size).items():
-            run[label] = measure(fn, device, args.iters)
+            run[label] = measure(fn, device, args.iters, args.sequence)
             print(f"{name:8s} {label:10s} {run[label]['ms']:8.3f} ms  {run[label]['kernels']:5d} kernels"
                   f"  host {run[label].get('host_us', 0):7.1f} us",
                   flush=True)  # fmt: skip

@@ -123,6 +123,9 @@ def pdl_check(dev: torch.device) -> dict:
         pos = torch.arange(1500, 1500 + t, device=dev)
         cases.append(("split_attention", (q, *kv, pos, 0.088), split_attention))
     bad = []
+    before = os.environ.get(sl.PDL_ENV)
+    os.environ[sl.PDL_ENV] = "kernels"
+    enabled = sl.pdl_enabled(dev)  # False: the check below compares off with off
     for name, args, fn in cases:
         outs = {}
         for mode in ("0", "kernels"):
@@ -141,8 +144,11 @@ def pdl_check(dev: torch.device) -> dict:
         same = torch.equal(e0, e1) and torch.equal(g0, g1) and bool((g1 == e0.unsqueeze(0)).all())
         if not same:
             bad.append(name + str(tuple(args[0].shape)))
-    os.environ.pop(sl.PDL_ENV, None)
-    return {"pdl_cases": len(cases), "pdl_mismatches": bad}
+    if before is None:
+        os.environ.pop(sl.PDL_ENV, None)
+    else:
+        os.environ[sl.PDL_ENV] = before
+    return {"pdl_enabled": enabled, "pdl_cases": len(cases), "pdl_mismatches": bad}
 
 
 def stress(dev: torch.device, launches: int = 500) -> dict:

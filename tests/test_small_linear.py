@@ -115,10 +115,12 @@ def test_pdl_switch(monkeypatch):
     with pytest.raises(InputError, match="DFLASH_PDL must be 0, 1, kernels or draft"):
         sl.pdl_enabled(torch.device("cpu"))
     monkeypatch.setenv("DFLASH_PDL", "draft")
-    assert not sl.disable_pdl(torch.device("cpu")) and sl._PDL_OFF  # was off on the CPU
-    monkeypatch.setattr(sl, "_PDL_OFF", False)
-    assert sl.disable_pdl(torch.device("cuda", 0))  # on in the draft's graphs: was on
-    assert not sl.pdl_enabled(torch.device("cuda", 0)) and not sl.disable_pdl(torch.device("cuda", 0))
+    assert not sl.disable_pdl(torch.device("cpu"), "draft") and not sl._PDL_OFF  # was off on the CPU
+    assert not sl.disable_pdl(cuda, "target") and not sl._PDL_OFF  # a target capture had it off
+    assert sl.disable_pdl(cuda, "draft") and sl._PDL_OFF  # on in the draft's graphs: was on
+    with sl.pdl_part("draft"):
+        assert not sl.pdl_enabled(cuda)  # off for good
+    assert not sl.disable_pdl(cuda, "draft")
 
 
 def test_fits_only_plain_row_major_linears(tiny_target):

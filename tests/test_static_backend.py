@@ -246,3 +246,21 @@ def test_captures_mark_draft_and_target_forwards(tiny_target, monkeypatch):
     for kind in ("verify", "draft", "verify"):
         be._graph(kind, len(parts) + 1, lambda: ())
     assert parts == {0: "target", 1: "draft", 2: "target"} and sl._PART[0] is None
+
+
+def test_inductor_pdl_setting_is_restored_after_each_capture():
+    """Inductor's process-wide PDL setting is set for one capture only and restored after it,
+    also when the capture raises; off CUDA it is never touched."""
+    import torch._inductor.config as inductor_config
+
+    from dflash.backends.static_torch import _inductor_pdl
+
+    if not hasattr(inductor_config.triton, "enable_pdl"):
+        pytest.skip("this torch has no Inductor PDL setting")
+    before = inductor_config.triton.enable_pdl
+    with _inductor_pdl(not before, torch.device("cpu")):
+        assert inductor_config.triton.enable_pdl == before
+    with pytest.raises(RuntimeError), _inductor_pdl(not before, torch.device("cuda")):
+        assert inductor_config.triton.enable_pdl == (not before)
+        raise RuntimeError("capture failed")
+    assert inductor_config.triton.enable_pdl == before

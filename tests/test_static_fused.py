@@ -135,10 +135,11 @@ def test_kernel_count_script_tiny(tmp_path):
     spec = importlib.util.spec_from_file_location("kernel_count", script)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    mod.main(["--tiny", "--prompt-len", "32", "--iters", "5", "--out", str(tmp_path / "k.json")])
+    mod.main(["--tiny", "--prompt-len", "32", "--iters", "5", "--sequence", "--out", str(tmp_path / "k.json")])
     runs = json.loads((tmp_path / "k.json").read_text())["runs"]
     for label in ("verify-1", "verify-16", "draft-16"):
         assert runs["fused"][label]["kernels"] < runs["unfused"][label]["kernels"], label
+        assert len(runs["fused"][label]["sequence"]) == runs["fused"][label]["kernels"], label  # one row per op
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

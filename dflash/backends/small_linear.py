@@ -118,13 +118,14 @@ def pdl_part(part: str | None):
         _PART[0] = before
 
 
-def disable_pdl(device: torch.device) -> bool:
+def disable_pdl(device: torch.device, part: str | None = None) -> bool:
     """Turn PDL off for the rest of the process (the static path's fall-back after a failed
-    capture); returns whether it was on for ``device`` (this project's kernels or Inductor's)."""
+    capture of ``part``'s forward, see :func:`pdl_part`) when it was on for that capture on
+    ``device`` (this project's kernels or Inductor's); returns whether it was."""
     global _PDL_OFF
-    with pdl_part("draft"):  # DFLASH_PDL=draft counts as on
+    with pdl_part(part):
         was = pdl_enabled(device) or pdl_enabled(device, inductor=True)
-    _PDL_OFF = True
+    _PDL_OFF = _PDL_OFF or was
     return was
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import sys
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -93,13 +94,25 @@ class StaticDraftCache:
         return self.keys[i], self.values[i]
 
 
-def _set_inductor_pdl(on: bool) -> None:
-    """Inductor's PDL code (``torch._inductor.config.triton.enable_pdl``, a process-wide
-    setting read when a forward compiles) on or off, where this torch has it."""
+@contextmanager
+def _inductor_pdl(on: bool, device: torch.device):
+    """Inductor's PDL code (``torch._inductor.config.triton.enable_pdl``, a process-wide setting
+    read when a forward compiles) set to ``on`` meanwhile, on CUDA where this torch has it, and
+    restored afterwards (other ``torch.compile`` users in the process keep their setting).
+
+    Dynamo does not guard compiled code on it: a frame shared by the draft's and the target's
+    forwards keeps the setting of its first compile under ``DFLASH_PDL=draft``; both are exact."""
     import torch._inductor.config as inductor_config
 
-    if hasattr(inductor_config.triton, "enable_pdl"):
-        inductor_config.triton.enable_pdl = on
+    if device.type != "cuda" or not hasattr(inductor_config.triton, "enable_pdl"):
+        yield
+        return
+    before = inductor_config.triton.enable_pdl
+    inductor_config.triton.enable_pdl = on
+    try:
+        yield
+    finally:
+        inductor_config.triton.enable_pdl = before
 
 
 class StaticBackend(TransformersBackend):
@@ -162,9 +175,7 @@ class StaticBackend(TransformersBackend):
         self.draft_linear = (self.fused_draft is not None and linear in ("triton", "all")
                              and draft_small_linear_fits(draft))  # fmt: skip
         self.draft_linear_in = self.draft_linear and linear == "all"  # qkv, gate+up too
-        pdl = pdl_enabled(device, inductor=True)  # (also checks DFLASH_PDL's value)
-        if device.type == "cuda":  # Inductor's kernels launch with PDL iff DFLASH_PDL=1
-            _set_inductor_pdl(pdl)
+        pdl_enabled(device, inductor=True)  # a bad DFLASH_PDL is an error before any capture
         self.capacity = 0
         if device_loop is None:
             device_loop = device_loop_default() and self.use_graphs
@@ -329,28 +340,27 @@ class StaticBackend(TransformersBackend):
         part = "draft" if kind in ("draft", "ddraft") else "target"
         try:
             with pdl_part(part):  # DFLASH_PDL=draft: PDL in the draft's graphs only
-                if self.device.type == "cuda":  # Inductor reads it when the forward compiles
-                    _set_inductor_pdl(pdl_enabled(self.device, inductor=True))
-                self.graphs[key] = self._capture(self._fn(kind, width), static_inputs)
+                with _inductor_pdl(pdl_enabled(self.device, inductor=True), self.device):
+                    self.graphs[key] = self._capture(self._fn(kind, width), static_inputs)
         except Exception as e:  # noqa: BLE001 - Inductor/Triton raise many types
-            if not self._fall_back(e):
+            if not self._fall_back(e, part):
                 raise
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             return self._graph(kind, width, make_inputs)
         return self.graphs[key]
 
-    def _fall_back(self, error: Exception) -> bool:
+    def _fall_back(self, error: Exception, part: str | None = None) -> bool:
         """After a failed capture, turn off the next optional piece, with one line on stderr:
-        programmatic dependent launch (when ``DFLASH_PDL`` turned it on; the forwards compile
-        again), then the Triton projections (cuBLAS instead), then the split-KV kernel (SDPA), then
-        ``torch.compile`` (eager ops). Returns False when nothing is left to turn off.
+        programmatic dependent launch (when it was on for the failed capture of ``part``, "draft"
+        or "target"; the forwards compile again), then the Triton projections (cuBLAS instead),
+        then the split-KV kernel (SDPA), then ``torch.compile`` (eager ops). Returns False when
+        nothing is left to turn off.
 
         The forwards read these switches while tracing, so the next capture traces again;
         graphs captured before keep what they had (every variant gives the target's tokens)."""
         why = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:200]}"
-        if disable_pdl(self.device):
-            _set_inductor_pdl(False)  # compiled code has no guard on it: compile again
+        if disable_pdl(self.device, part):  # compiled code has no guard on it: compile again
             self._compiled.clear()
             if self.device_loop is not None:
                 self.device_loop._compiled.clear()
