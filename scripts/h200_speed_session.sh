@@ -15,11 +15,12 @@
 #   benchpdl [VARIANTS] [.stage/t5/ae .stage/data] after stage1..ad: gsm8k 64, DFLASH_PDL 0/draft/1
 #   pdldefault     (no carry)  PDL bit-for-bit check, 8B shape with PDL (the default since then) and without
 #   seq            (no carry)  every kernel of the loop's graphs in launch order (the twelfth session's first call)
+#   silu           (no carry)  DFLASH_FUSE_SILU=1 against 0: bf16 error, loop timings, 8B block 1
 #   2-4 stage ab|ac|ad [torch|triton]  [.stage/t5/<part>]  (with an 8B-shaped bench_big meanwhile)
 #   5 bench      [.stage/t5/ae .stage/data]  gsm8k 64 (bf16, compile, parity) and one single generate;
 #                results in $OUT (b-gsm8k.jsonl / .txt, generate.json)
 set -u
-phase=${1:?usage: h200_speed_session.sh stage1|glue|stage PART [torch|triton]|bench [full]|kernels|attn|merge|next|pdl|pdl2|pdlprof|pdlk|pdlgraphs|pdlloop|benchpdl|pdldefault|seq|big8b}
+phase=${1:?usage: h200_speed_session.sh stage1|glue|stage PART [torch|triton]|bench [full]|kernels|attn|merge|next|pdl|pdl2|pdlprof|pdlk|pdlgraphs|pdlloop|benchpdl|pdldefault|seq|silu|big8b}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 DFLASH_CACHE=/tmp/dflash-cache
 OUT=${OUT:-/tmp/h200-out}; mkdir -p "$OUT"
 W=/tmp/demo; mkdir -p "$W/stage"
@@ -219,6 +220,26 @@ seq)  # no carry: every kernel of the device loop's graphs in launch order, PDL 
   # durations: with PDL a kernel's time includes its wait), to plan fusions in the draft
   DFLASH_PDL=0 timeout 250 python3 scripts/kernel_count.py --random-target --variants fused --prompt-len 160 \
     --sequence --out "$OUT/kernels-seq.json" > /tmp/kseq.log 2>&1; echo "rc $?"; grep -v Warn /tmp/kseq.log | tail -n 9
+  ;;
+silu)  # no carry: DFLASH_FUSE_SILU (SiLU-mul inside the down projection's kernel) against off:
+  # bf16 error against torch on the demo and 8B shapes, loop timings (demo shape), 8B block 1
+  python3 -c "
+import torch, torch.nn.functional as F
+from dflash.backends import small_linear as sl
+for m, n, k in ((1, 576, 1536), (16, 576, 1536), (1, 4096, 12288), (16, 4096, 12288)):
+    gu, w, r = torch.randn(m, 2 * k, device='cuda').bfloat16(), (torch.randn(n, k, device='cuda') / k**0.5).bfloat16(), torch.randn(m, n, device='cuda').bfloat16()
+    ref = sl.small_linear_reference(F.silu(gu[:, :k]) * gu[:, k:], w, None, r)
+    print('gated', m, n, k, 'max err', (sl.small_linear_gated(gu, w, None, r).float() - ref.float()).abs().max().item())
+"
+  for v in 0 1; do
+    DFLASH_FUSE_SILU=$v timeout 200 python3 scripts/kernel_count.py --random-target --variants fused --prompt-len 160 \
+      --out "$OUT/kernels-silu-$v.json" > "/tmp/ks-$v.log" 2>&1; echo "silu $v rc $?"; grep -v Warn "/tmp/ks-$v.log" | tail -n 9
+  done
+  for v in 0 1; do
+    DFLASH_FUSE_SILU=$v timeout 150 python3 scripts/bench_big.py --shape qwen3-8b --blocks 1 --steps 16 --out "/tmp/bb8s-$v" \
+      > "/tmp/bb8s-$v.log" 2>&1; cp "/tmp/bb8s-$v/bench_big.json" "$OUT/bench_big-q8b-silu-$v.json"
+    echo "silu $v $(grep -o '"ms_per_step": [0-9.]*' "/tmp/bb8s-$v.log" | cut -d' ' -f2 | tr '\n' ' ') $(grep -o '"truth_sha1": "[0-9a-f]*' "/tmp/bb8s-$v.log" | head -1)"
+  done
   ;;
 big8b)  # Qwen3-8B-shaped pair: fused linears on/off
   BB=(python3 scripts/bench_big.py --shape qwen3-8b --blocks 1,16 --steps 16)

@@ -68,16 +68,17 @@ def test_static_backend_with_fused_linears_decodes_greedy(tiny_target):
     for device_loop in (False, True):
         for block in (1, 16):
             runs = []
-            for linear in ("torch", "triton", "all"):
+            for linear in ("torch", "triton", "all", "triton+silu"):
                 be = StaticBackend(tiny_target, draft, torch.device("cpu"), use_graphs=False,
                                    device_loop=device_loop)  # fmt: skip
-                assert be.linear == "torch" and not be.draft_linear  # CPU default
-                be.linear, be.draft_linear = linear, linear != "torch"
+                assert be.linear == "torch" and not be.draft_linear and not be.fuse_silu  # CPU default
+                be.linear, be.draft_linear = linear.split("+")[0], linear != "torch"
                 be.draft_linear_in = linear == "all"
+                be.fuse_silu = linear.endswith("+silu")
                 rounds = list(speculative_generate(be, PROMPT, block_size=block, max_new_tokens=40))
                 runs.append(([t for r in rounds for t in r.tokens], [r.accepted for r in rounds[1:]]))
             assert runs[1][0] == truth
-            assert runs[1] == runs[0] and runs[2] == runs[0]
+            assert runs[1] == runs[0] and runs[2] == runs[0] and runs[3] == runs[0]
 
 
 def test_pdl_switch(monkeypatch):
@@ -136,6 +137,7 @@ def test_fits_only_plain_row_major_linears(tiny_target):
 
 KERNEL_CHECK = textwrap.dedent("""
     import torch
+    import torch.nn.functional as F
     from dflash.backends import small_linear as sl
 
     g = torch.Generator().manual_seed(0)
@@ -147,10 +149,17 @@ KERNEL_CHECK = textwrap.dedent("""
             got, want = sl.small_linear(*args), sl.small_linear_reference(*args)
             err = (got - want).abs().max().item()
             assert got.shape == want.shape and err < 1e-4, (m, n, k, err)
+        gate_up = torch.randn(m, 2 * k, generator=g)  # SiLU(gate) * up inside the kernel
+        for bias, res_ in ((None, None), (b, res)):
+            got = sl.small_linear_gated(gate_up, w, bias, res_)
+            want = sl.small_linear_reference(F.silu(gate_up[:, :k]) * gate_up[:, k:], w, bias, res_)
+            err = (got - want).abs().max().item()
+            assert got.shape == want.shape and err < 1e-4, ("gated", m, n, k, err)
     # the fused static forward with the kernel: plain greedy tokens
     from tests.test_split_attention import assert_static_greedy
     assert_static_greedy(linear="triton", draft_linear=True)
     assert_static_greedy(linear="all", draft_linear=True, draft_linear_in=True)  # qkv, gate+up too
+    assert_static_greedy(linear="triton", draft_linear=True, fuse_silu=True)  # SiLU-mul in the down kernel
     print("ok")
 """)
 
@@ -180,3 +189,23 @@ def test_draft_logits_with_fused_linears_match(tiny_target):
         outs.append(_draft_twice(be, PROMPT * 3))
     for a, b in zip(*outs, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_fuse_silu_switch(monkeypatch):
+    """DFLASH_FUSE_SILU is off by default, 1 turns it on, anything else is a one-line error."""
+    monkeypatch.delenv("DFLASH_FUSE_SILU", raising=False)
+    assert not sl.fuse_silu_default()
+    monkeypatch.setenv("DFLASH_FUSE_SILU", "1")
+    assert sl.fuse_silu_default()
+    monkeypatch.setenv("DFLASH_FUSE_SILU", "yes")
+    with pytest.raises(InputError, match="DFLASH_FUSE_SILU must be 0 or 1"):
+        sl.fuse_silu_default()
+
+
+def test_gated_reference_off_cuda_is_the_unfused_maths():
+    """Off CUDA small_linear_gated runs torch ops: exactly down(silu(gate) * up) + residual."""
+    g = torch.Generator().manual_seed(1)
+    gate_up, w = torch.randn(5, 2 * 24, generator=g), torch.randn(7, 24, generator=g)
+    res = torch.randn(5, 7, generator=g)
+    want = res + F.linear(F.silu(gate_up[:, :24]) * gate_up[:, 24:], w)
+    assert torch.equal(sl.small_linear_gated(gate_up, w, residual=res), want)

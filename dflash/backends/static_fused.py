@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash.backends.small_linear import MAX_ROWS as LINEAR_MAX_ROWS
-from dflash.backends.small_linear import small_linear
+from dflash.backends.small_linear import small_linear, small_linear_gated
 from dflash.backends.split_attention import split_attention, uses_kernel
 from dflash.models.draft_torch import rope_cos_sin
 
@@ -215,6 +215,26 @@ def _in_proj(lin: bool, fused: FusedLinear, x: torch.Tensor) -> tuple[torch.Tens
     return fused(x)
 
 
+def _mlp(lin: bool, lin_in: bool, gated: bool, gate_up: FusedLinear, down, act, h: torch.Tensor,
+         x: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """x + down(act(gate) * up) for the normed [1, T, H] activations ``h``; ``gated``: the
+    activation inside the down projection's kernel (:func:`small_linear_gated`, SiLU only)."""
+    if gated:
+        if lin_in and h.shape[1] <= LINEAR_MAX_ROWS:
+            gu = small_linear(h[0], gate_up.weight, gate_up.bias)  # [T, 2I]
+        else:
+            gu = F.linear(h[0], gate_up.weight, gate_up.bias)
+        return small_linear_gated(gu, down.weight, down.bias, residual=x[0])[None]
+    g, u = _in_proj(lin_in, gate_up, h)
+    return _out_proj(lin, down, act(g) * u, x)
+
+
+def gated_fits(gate_up: FusedLinear, act) -> bool:
+    """Whether :func:`small_linear_gated` can run this MLP: SiLU, gate and up of equal widths."""
+    silu = isinstance(act, torch.nn.SiLU) or act is F.silu
+    return silu and len(gate_up.sizes) == 2 and gate_up.sizes[0] == gate_up.sizes[1]
+
+
 def target_forward_fused(be, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     """The static target forward of ``be`` (a StaticBackend) with fused projections.
 
@@ -231,6 +251,7 @@ def target_forward_fused(be, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tens
         mask = pack_mask(mask, be.heads // be.kv_heads, t)  # [1, 1, G*T, S], once
     lin = t <= LINEAR_MAX_ROWS and getattr(be, "linear", "torch") in ("triton", "all")  # residual adds fused in
     lin_in = lin and be.linear == "all"  # the qkv and gate+up projections too
+    silu = lin and getattr(be, "fuse_silu", False)  # DFLASH_FUSE_SILU: SiLU-mul in the down kernel
     slots: list[torch.Tensor] = [None] * len(be.layer_ids)  # type: ignore[list-item]
     for i, layer in enumerate(be.target.model.layers):
         a, (qkv, gate_up) = layer.self_attn, be.fused_target[i]
@@ -248,8 +269,9 @@ def target_forward_fused(be, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tens
             o = attend(q, be.k[i], be.v[i], mask, a.scaling, packed)
         o = o.transpose(1, 2).reshape(1, t, be.heads * hd)
         x = _out_proj(lin, a.o_proj, o, x)
-        g, u = _in_proj(lin_in, gate_up, layer.post_attention_layernorm(x))
-        x = _out_proj(lin, layer.mlp.down_proj, layer.mlp.act_fn(g) * u, x)
+        gated = silu and gated_fits(gate_up, layer.mlp.act_fn)
+        x = _mlp(lin, lin_in, gated, gate_up, layer.mlp.down_proj, layer.mlp.act_fn,
+                 layer.post_attention_layernorm(x), x)  # fmt: skip
         if i < be.n_layers - 1:
             for n in be.feature_layers.get(i, ()):
                 slots[n] = x[0]
@@ -264,7 +286,7 @@ def target_forward_fused(be, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tens
 
 def draft_forward_fused(draft, fused, block_embeds, target_hidden, q_pos, ctx_pos, cache, masks,
                         pack_gqa: bool = False, split_kinds=frozenset(), lin: bool = False,
-                        lin_in: bool = False):  # fmt: skip
+                        lin_in: bool = False, silu: bool = False):  # fmt: skip
     """:meth:`DFlashDraft.forward` for the static cache with fused projections.
 
     Context and block rows go through one QKV matmul ([Tc + L] rows; the context rows' Q is
@@ -280,7 +302,8 @@ def draft_forward_fused(draft, fused, block_embeds, target_hidden, q_pos, ctx_po
 
     ``lin``: o_proj and down_proj with their residual adds run as
     :func:`~dflash.backends.small_linear.small_linear` kernels; ``lin_in``: the fused qkv and
-    gate+up projections too.
+    gate+up projections too; ``silu`` (with ``lin``): SiLU(gate) * up inside the down
+    projection's kernel (``DFLASH_FUSE_SILU``).
     """
     cfg, tc, lq = draft.config, target_hidden.shape[1], block_embeds.shape[1]
     groups = cfg.num_attention_heads // cfg.num_key_value_heads
@@ -310,8 +333,8 @@ def draft_forward_fused(draft, fused, block_embeds, target_hidden, q_pos, ctx_po
             out = attend(q, k, v, masks[cfg.layer_types[i]], None, packed)
         out = out.transpose(1, 2).reshape(1, lq, a.heads * d)
         h = _out_proj(lin, a.o_proj, out, h)
-        g, u = _in_proj(lin_in, gate_up, layer.post_attention_layernorm(h))
-        h = _out_proj(lin, layer.mlp.down_proj, F.silu(g) * u, h)
+        gated = lin and silu and gated_fits(gate_up, F.silu)
+        h = _mlp(lin, lin_in, gated, gate_up, layer.mlp.down_proj, F.silu, layer.post_attention_layernorm(h), h)
     return draft.norm(h)
 
 

@@ -30,7 +30,14 @@ from dflash.backends.graph_plan import (
     plan_graphs,
     warm_replays,
 )
-from dflash.backends.small_linear import MAX_ROWS, disable_pdl, linear_mode, pdl_enabled, pdl_part
+from dflash.backends.small_linear import (
+    MAX_ROWS,
+    disable_pdl,
+    fuse_silu_default,
+    linear_mode,
+    pdl_enabled,
+    pdl_part,
+)
 from dflash.backends.split_attention import attention_mode, uses_kernel
 from dflash.backends.static_fused import (
     draft_forward_fused,
@@ -175,6 +182,7 @@ class StaticBackend(TransformersBackend):
         self.draft_linear = (self.fused_draft is not None and linear in ("triton", "all")
                              and draft_small_linear_fits(draft))  # fmt: skip
         self.draft_linear_in = self.draft_linear and linear == "all"  # qkv, gate+up too
+        self.fuse_silu = fuse_silu_default()  # SiLU-mul inside the down kernels (an experiment)
         pdl_enabled(device, inductor=True)  # a bad DFLASH_PDL is an error before any capture
         self.capacity = 0
         if device_loop is None:
@@ -300,7 +308,7 @@ class StaticBackend(TransformersBackend):
             lin = self.draft_linear and length <= MAX_ROWS  # residual adds fused in
             h = draft_forward_fused(self.draft_model, self.fused_draft, embeds, ctx, q_pos, ctx_pos[None],
                                     self.dcache, masks, self.pack_gqa, kinds, lin,
-                                    lin and self.draft_linear_in)  # fmt: skip
+                                    lin and self.draft_linear_in, lin and self.fuse_silu)  # fmt: skip
         else:
             h = self.draft_model(embeds, ctx, q_pos, ctx_pos[None], cache=self.dcache, masks=masks)
         logits = self.lm_head(h[0, 1:])  # [L-1, V]
@@ -491,4 +499,5 @@ class StaticBackend(TransformersBackend):
                 "verify_widths": list(self.plan.verify_widths),
                 "device_loop": self.device_loop is not None,
                 "attention": self.attention, "linear": self.linear,
-                "draft_linear": self.draft_linear}  # fmt: skip
+                "draft_linear": self.draft_linear,
+                **({"fuse_silu": True} if self.fuse_silu and self.linear != "torch" else {})}  # fmt: skip
