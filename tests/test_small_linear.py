@@ -209,3 +209,32 @@ def test_gated_reference_off_cuda_is_the_unfused_maths():
     res = torch.randn(5, 7, generator=g)
     want = res + F.linear(F.silu(gate_up[:, :24]) * gate_up[:, 24:], w)
     assert torch.equal(sl.small_linear_gated(gate_up, w, residual=res), want)
+
+
+def test_fuse_silu_runs_gated_kernel_in_target_and_draft(tiny_target, monkeypatch):
+    """With fuse_silu (and the Triton projections) every MLP of the target and of the draft goes
+    through small_linear_gated, gate then up, and decoding gives the plain tokens."""
+    from dflash.backends import static_fused
+    from dflash.backends.static_torch import StaticBackend
+    from dflash.loop import speculative_generate
+    from tests.conftest import make_draft
+    from tests.test_loop_scripted import PROMPT, greedy_reference
+
+    draft = make_draft(tiny_target)
+    seen = []
+    real = static_fused.small_linear_gated
+
+    def spy(gate_up, weight, bias=None, residual=None):
+        seen.append(weight.data_ptr())
+        return real(gate_up, weight, bias, residual)
+
+    monkeypatch.setattr(static_fused, "small_linear_gated", spy)
+    be = StaticBackend(tiny_target, draft, torch.device("cpu"), use_graphs=False, device_loop=True)
+    be.linear, be.draft_linear, be.fuse_silu = "triton", True, True
+    toks = [t for r in speculative_generate(be, PROMPT, block_size=16, max_new_tokens=24) for t in r.tokens]
+    assert toks == greedy_reference(tiny_target, PROMPT, 24)
+    target_down = {m.mlp.down_proj.weight.data_ptr() for m in tiny_target.model.layers}
+    draft_down = {m.mlp.down_proj.weight.data_ptr() for m in draft.layers}
+    assert target_down <= set(seen) and draft_down <= set(seen)
+    with pytest.raises(ValueError, match="gated: 2K columns"):  # a gate+up of the wrong width
+        sl._launch(torch.zeros(2, 10), torch.zeros(4, 6), None, None, gated=True)

@@ -264,3 +264,24 @@ def test_inductor_pdl_setting_is_restored_after_each_capture():
         assert inductor_config.triton.enable_pdl == (not before)
         raise RuntimeError("capture failed")
     assert inductor_config.triton.enable_pdl == before
+
+
+def test_capture_failure_with_fused_silu_turns_it_off_first(tiny_target, capsys):
+    """DFLASH_FUSE_SILU: the first fall-back after a failed capture is the separate SiLU-mul
+    kernel, the Triton projections stay on."""
+    be = StaticBackend(tiny_target, make_draft(tiny_target), torch.device("cpu"), use_graphs=False)
+    be.linear, be.draft_linear, be.fuse_silu = "triton", True, True
+    seen = []
+
+    def fails_with_silu(fn, inputs):
+        seen.append((be.fuse_silu, be.linear))
+        if be.fuse_silu:
+            raise RuntimeError("gated kernel failed")
+        return "graph", "out", inputs
+
+    be._capture = fails_with_silu
+    assert be._graph("verify", 1, lambda: ("ids", "pos"))[1] == "out"
+    assert seen == [(True, "triton"), (False, "triton")] and be.draft_linear
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["dflash: the fused SiLU-mul down projection failed (RuntimeError: gated kernel failed); "
+                   "continuing with separate kernels (unset DFLASH_FUSE_SILU)."]  # fmt: skip

@@ -231,6 +231,9 @@ if triton is not None:
 def _launch(x, weight, bias, residual, gated: bool = False) -> torch.Tensor:
     m = x.shape[0]
     n, k = weight.shape  # gated: x is [m, 2k], gate then up
+    if x.shape[1] != (2 * k if gated else k) or x.stride(1) != 1:
+        raise ValueError(f"small_linear: input {tuple(x.shape)} (strides {x.stride()}) does not fit "
+                         f"weight {tuple(weight.shape)}{' (gated: 2K columns)' if gated else ''}")  # fmt: skip
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     bm, bn, bk, warps, stages = kernel_config(m, n, k)
     pdl = pdl_enabled(x.device)

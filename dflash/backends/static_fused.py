@@ -229,10 +229,13 @@ def _mlp(lin: bool, lin_in: bool, gated: bool, gate_up: FusedLinear, down, act, 
     return _out_proj(lin, down, act(g) * u, x)
 
 
-def gated_fits(gate_up: FusedLinear, act) -> bool:
-    """Whether :func:`small_linear_gated` can run this MLP: SiLU, gate and up of equal widths."""
-    silu = isinstance(act, torch.nn.SiLU) or act is F.silu
-    return silu and len(gate_up.sizes) == 2 and gate_up.sizes[0] == gate_up.sizes[1]
+def gated_fits(gate_up: FusedLinear, down, act) -> bool:
+    """Whether :func:`small_linear_gated` can run this MLP: SiLU (``F.silu``, ``nn.SiLU`` or
+    transformers' ``SiLUActivation``), gate and up of equal widths, the down projection's input
+    that wide."""
+    silu = act is F.silu or type(act).__name__ in ("SiLU", "SiLUActivation")
+    sizes = gate_up.sizes
+    return silu and len(sizes) == 2 and sizes[0] == sizes[1] == down.weight.shape[-1]
 
 
 def target_forward_fused(be, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -269,7 +272,7 @@ def target_forward_fused(be, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tens
             o = attend(q, be.k[i], be.v[i], mask, a.scaling, packed)
         o = o.transpose(1, 2).reshape(1, t, be.heads * hd)
         x = _out_proj(lin, a.o_proj, o, x)
-        gated = silu and gated_fits(gate_up, layer.mlp.act_fn)
+        gated = silu and gated_fits(gate_up, layer.mlp.down_proj, layer.mlp.act_fn)
         x = _mlp(lin, lin_in, gated, gate_up, layer.mlp.down_proj, layer.mlp.act_fn,
                  layer.post_attention_layernorm(x), x)  # fmt: skip
         if i < be.n_layers - 1:
@@ -333,7 +336,7 @@ def draft_forward_fused(draft, fused, block_embeds, target_hidden, q_pos, ctx_po
             out = attend(q, k, v, masks[cfg.layer_types[i]], None, packed)
         out = out.transpose(1, 2).reshape(1, lq, a.heads * d)
         h = _out_proj(lin, a.o_proj, out, h)
-        gated = lin and silu and gated_fits(gate_up, F.silu)
+        gated = lin and silu and gated_fits(gate_up, layer.mlp.down_proj, F.silu)
         h = _mlp(lin, lin_in, gated, gate_up, layer.mlp.down_proj, F.silu, layer.post_attention_layernorm(h), h)
     return draft.norm(h)
 

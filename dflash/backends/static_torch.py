@@ -361,7 +361,8 @@ class StaticBackend(TransformersBackend):
     def _fall_back(self, error: Exception, part: str | None = None) -> bool:
         """After a failed capture, turn off the next optional piece, with one line on stderr:
         programmatic dependent launch (when it was on for the failed capture of ``part``, "draft"
-        or "target"; the forwards compile again), then the Triton projections (cuBLAS instead),
+        or "target"; the forwards compile again), then the SiLU-mul inside the down projection
+        (``DFLASH_FUSE_SILU``), then the Triton projections (cuBLAS instead),
         then the split-KV kernel (SDPA), then ``torch.compile`` (eager ops). Returns False when
         nothing is left to turn off.
 
@@ -374,6 +375,9 @@ class StaticBackend(TransformersBackend):
                 self.device_loop._compiled.clear()
             torch._dynamo.reset()
             what, fix = "programmatic dependent launch", "plain launches (DFLASH_PDL=0 silences this)"
+        elif self.fuse_silu and (self.linear != "torch" or self.draft_linear):
+            self.fuse_silu = False
+            what, fix = "the fused SiLU-mul down projection", "separate kernels (unset DFLASH_FUSE_SILU)"
         elif self.linear != "torch" or self.draft_linear:
             self.linear, self.draft_linear, self.draft_linear_in = "torch", False, False
             what, fix = "the Triton projection kernel", "cuBLAS (DFLASH_LINEAR=torch silences this)"
@@ -500,4 +504,5 @@ class StaticBackend(TransformersBackend):
                 "device_loop": self.device_loop is not None,
                 "attention": self.attention, "linear": self.linear,
                 "draft_linear": self.draft_linear,
-                **({"fuse_silu": True} if self.fuse_silu and self.linear != "torch" else {})}  # fmt: skip
+                **({"fuse_silu": True} if self.fuse_silu and (self.linear != "torch" or self.draft_linear)
+                   else {})}  # fmt: skip
