@@ -10,28 +10,29 @@ PROMPTS = [
     "Write a Python function that reverses a string.",
     "Name three primary colors.",
 ]
+REF_TOKENS = 48  # the longest comparison below (CI time: 64 before)
 
 
 @pytest.fixture(scope="module")
 def references(demo_pipe):
-    """HF ``generate`` (do_sample=False) token ids for each prompt, 64 new tokens."""
+    """HF ``generate`` (do_sample=False) token ids for each prompt, REF_TOKENS new tokens."""
     refs = []
     for p in PROMPTS:
         ids = demo_pipe.chat_prompt([{"role": "user", "content": p}])
         out = demo_pipe.backend.target.generate(
             torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            max_new_tokens=64, do_sample=False, eos_token_id=demo_pipe.stop_ids,
+            max_new_tokens=REF_TOKENS, do_sample=False, eos_token_id=demo_pipe.stop_ids,
             pad_token_id=demo_pipe.stop_ids[0],
         )  # fmt: skip
         refs.append((ids, out[0, len(ids) :].tolist()))
     return refs
 
 
-@pytest.mark.parametrize("block_size,new_tokens", [(2, 64), (16, 32)])  # smallest and trained block
+@pytest.mark.parametrize("block_size,new_tokens", [(2, 48), (16, 32)])  # smallest and trained block
 def test_greedy_parity_with_hf_generate(demo_pipe, references, block_size, new_tokens):
     """The untrained draft is rejected at almost every position: every step rolls back."""
     for ids, full in references:
-        ref = full[:new_tokens]  # greedy is a prefix property: the first n of 64 reference tokens
+        ref = full[:new_tokens]  # greedy is a prefix property: the first n reference tokens
         got = demo_pipe.generate(ids, block_size=block_size, max_new_tokens=new_tokens).token_ids
         first_diff = next((i for i, (a, b) in enumerate(zip(got, ref, strict=False)) if a != b), None)
         assert got == ref, f"block {block_size}: first mismatch at {first_diff}: {got[first_diff:first_diff+3] if first_diff is not None else got[len(ref):]} vs {ref[first_diff:first_diff+3] if first_diff is not None else ref[len(got):]}"
