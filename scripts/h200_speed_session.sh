@@ -15,12 +15,12 @@
 #   benchpdl [VARIANTS] [.stage/t5/ae .stage/data] after stage1..ad: gsm8k 64, DFLASH_PDL 0/draft/1
 #   pdldefault     (no carry)  PDL bit-for-bit check, 8B shape with PDL (the default since then) and without
 #   seq            (no carry)  every kernel of the loop's graphs in launch order (the twelfth session's first call)
-#   silu           (no carry)  DFLASH_FUSE_SILU=1 against 0: bf16 error, loop timings, 8B block 1
+#   rope           (no carry)  DFLASH_ROPE=1 against 0: bf16 error, loop timings, 8B block 1 (twelfth session)
 #   2-4 stage ab|ac|ad [torch|triton]  [.stage/t5/<part>]  (with an 8B-shaped bench_big meanwhile)
 #   5 bench      [.stage/t5/ae .stage/data]  gsm8k 64 (bf16, compile, parity) and one single generate;
 #                results in $OUT (b-gsm8k.jsonl / .txt, generate.json)
 set -u
-phase=${1:?usage: h200_speed_session.sh stage1|glue|stage PART [torch|triton]|bench [full]|kernels|attn|merge|next|pdl|pdl2|pdlprof|pdlk|pdlgraphs|pdlloop|benchpdl|pdldefault|seq|silu|big8b}
+phase=${1:?usage: h200_speed_session.sh stage1|glue|stage PART [torch|triton]|bench [full]|kernels|attn|merge|next|pdl|pdl2|pdlprof|pdlk|pdlgraphs|pdlloop|benchpdl|pdldefault|seq|rope|big8b}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 DFLASH_CACHE=/tmp/dflash-cache
 OUT=${OUT:-/tmp/h200-out}; mkdir -p "$OUT"
 W=/tmp/demo; mkdir -p "$W/stage"
@@ -32,7 +32,7 @@ GGUF=$W/smollm2.gguf
 D=dflash/assets/smollm2-135m-instruct-dflash
 case $phase in
 stage1)
-  cp .stage/t5/aa/part "$W/stage/aa.part"
+  for t in t5 t6; do [ -d ".stage/$t/aa" ] && cp ".stage/$t/aa/part" "$W/stage/aa.part"; done
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
   if [ "${2:-}" = lin ]; then  # the fused-linear kernels on/off on both random shapes meanwhile
     for shape in qwen3-8b smollm2; do
@@ -48,7 +48,7 @@ stage1)
   fi
   ;;
 stage)  # optional: one 8B-shaped bench_big with DFLASH_LINEAR=$3 (torch|triton) meanwhile
-  cp ".stage/t5/$2/part" "$W/stage/$2.part" && ls -la "$W/stage"
+  for t in t5 t6; do [ -d ".stage/$t/$2" ] && cp ".stage/$t/$2/part" "$W/stage/$2.part"; done; ls -la "$W/stage"
   if [ -n "${3:-}" ]; then
     DFLASH_LINEAR=$3 timeout 250 python3 scripts/bench_big.py --shape qwen3-8b --blocks 1,16 --steps 16 \
       --out "/tmp/bb8-$3" > "$OUT/bb-q8b-$3.log" 2>&1
@@ -65,8 +65,9 @@ glue)  # random SmolLM2-shaped pair: compiled device-loop glue on/off, fused lin
     cp "/tmp/bb-$v/bench_big.json" "$OUT/bench_big-smol-$v.json"; grep ms_per_step "$OUT/bb-smol-$v.log" | cut -c1-90
   done
   ;;
-bench)
-  cat "$W"/stage/{aa,ab,ac,ad}.part .stage/t5/ae/part > "$GGUF"
+bench)  # the last part carried: .stage/t5/ae (20 MB parts) or .stage/t6/af (16.5 MB parts, twelfth session)
+  if [ -d .stage/t6/af ]; then cat "$W"/stage/{aa,ab,ac,ad,ae}.part .stage/t6/af/part > "$GGUF"
+  else cat "$W"/stage/{aa,ab,ac,ad}.part .stage/t5/ae/part > "$GGUF"; fi
   rm -rf "$W/datasets" && cp -r .stage/data "$W/datasets"
   B=(python3 -m dflash benchmark transformers --model "$GGUF" --draft "$D" --max-new-tokens 256
      --data-dir "$W/datasets")
@@ -221,24 +222,32 @@ seq)  # no carry: every kernel of the device loop's graphs in launch order, PDL 
   DFLASH_PDL=0 timeout 250 python3 scripts/kernel_count.py --random-target --variants fused --prompt-len 160 \
     --sequence --out "$OUT/kernels-seq.json" > /tmp/kseq.log 2>&1; echo "rc $?"; grep -v Warn /tmp/kseq.log | tail -n 9
   ;;
-silu)  # no carry: DFLASH_FUSE_SILU (SiLU-mul inside the down projection's kernel) against off:
-  # bf16 error against torch on the demo and 8B shapes, loop timings (demo shape), 8B block 1
+rope)  # no carry: DFLASH_ROPE (q/k norm + RoPE + cache writes in one kernel) 0 against 1: bf16
+  # error against the torch ops, loop timings (demo shape, PDL default) with each graph's kernel
+  # sequence, then the 8B shape's block-1 step
   python3 -c "
-import torch, torch.nn.functional as F
-from dflash.backends import small_linear as sl
-for m, n, k in ((1, 576, 1536), (16, 576, 1536), (1, 4096, 12288), (16, 4096, 12288)):
-    gu, w, r = torch.randn(m, 2 * k, device='cuda').bfloat16(), (torch.randn(n, k, device='cuda') / k**0.5).bfloat16(), torch.randn(m, n, device='cuda').bfloat16()
-    ref = sl.small_linear_reference(F.silu(gu[:, :k]) * gu[:, k:], w, None, r)
-    print('gated', m, n, k, 'max err', (sl.small_linear_gated(gu, w, None, r).float() - ref.float()).abs().max().item())
+import torch
+from dflash.backends import rope_cache as rc
+from tests.test_rope_cache import _case
+for args in ((32, 16, 9, 3, 64), (32, 16, 32, 8, 128), (16, 0, 32, 8, 128, 128, 0, False)):
+    qkv, qn, kn, cos, sin, pos, kc, vc, tc, h, hkv = _case(*args) if len(args) > 5 else _case(*args, cap=128)
+    qkv, cos, sin, pos, kc, vc = (t.cuda() for t in (qkv, cos, sin, pos, kc, vc))
+    qkv, cos, sin, kc, vc = (t.bfloat16() for t in (qkv, cos, sin, kc, vc))
+    if qn is not None:
+        qn, kn = qn.cuda().bfloat16(), kn.cuda().bfloat16()
+    kr, vr = kc.clone(), vc.clone()
+    want = rc.rope_cache_reference(qkv, qn, kn, cos, sin, pos, kr, vr, tc, h, hkv)
+    got = rc.rope_cache(qkv, qn, kn, cos, sin, pos, kc, vc, tc, h, hkv)
+    print('rope', args, 'max err q', (got.float() - want.float()).abs().max().item(), 'k', (kc.float() - kr.float()).abs().max().item(), 'v equal', torch.equal(vc, vr), 'max |q|', want.float().abs().max().item())
 "
   for v in 0 1; do
-    DFLASH_FUSE_SILU=$v timeout 200 python3 scripts/kernel_count.py --random-target --variants fused --prompt-len 160 \
-      --out "$OUT/kernels-silu-$v.json" > "/tmp/ks-$v.log" 2>&1; echo "silu $v rc $?"; grep -v Warn "/tmp/ks-$v.log" | tail -n 9
+    DFLASH_ROPE=$v timeout 200 python3 scripts/kernel_count.py --random-target --variants fused --prompt-len 160 \
+      --sequence --out "$OUT/kernels-rope-$v.json" > "/tmp/kr-$v.log" 2>&1; echo "rope $v rc $?"; grep -v Warn "/tmp/kr-$v.log" | tail -n 9
   done
   for v in 0 1; do
-    DFLASH_FUSE_SILU=$v timeout 150 python3 scripts/bench_big.py --shape qwen3-8b --blocks 1 --steps 16 --out "/tmp/bb8s-$v" \
-      > "/tmp/bb8s-$v.log" 2>&1; cp "/tmp/bb8s-$v/bench_big.json" "$OUT/bench_big-q8b-silu-$v.json"
-    echo "silu $v $(grep -o '"ms_per_step": [0-9.]*' "/tmp/bb8s-$v.log" | cut -d' ' -f2 | tr '\n' ' ') $(grep -o '"truth_sha1": "[0-9a-f]*' "/tmp/bb8s-$v.log" | head -1)"
+    DFLASH_ROPE=$v timeout 150 python3 scripts/bench_big.py --shape qwen3-8b --blocks 1 --steps 16 --out "/tmp/bb8r-$v" \
+      > "/tmp/bb8r-$v.log" 2>&1; cp "/tmp/bb8r-$v/bench_big.json" "$OUT/bench_big-q8b-rope-$v.json"
+    echo "rope $v $(grep -o '"ms_per_step": [0-9.]*' "/tmp/bb8r-$v.log" | cut -d' ' -f2 | tr '\n' ' ') $(grep -o '"x_floor": [0-9.]*' "/tmp/bb8r-$v.log" | tr '\n' ' ')"
   done
   ;;
 big8b)  # Qwen3-8B-shaped pair: fused linears on/off

@@ -68,17 +68,16 @@ def test_static_backend_with_fused_linears_decodes_greedy(tiny_target):
     for device_loop in (False, True):
         for block in (1, 16):
             runs = []
-            for linear in ("torch", "triton", "all", "triton+silu"):
+            for linear in ("torch", "triton", "all"):
                 be = StaticBackend(tiny_target, draft, torch.device("cpu"), use_graphs=False,
                                    device_loop=device_loop)  # fmt: skip
-                assert be.linear == "torch" and not be.draft_linear and not be.fuse_silu  # CPU default
-                be.linear, be.draft_linear = linear.split("+")[0], linear != "torch"
+                assert be.linear == "torch" and not be.draft_linear and not be.draft_rope  # CPU default
+                be.linear, be.draft_linear = linear, linear != "torch"
                 be.draft_linear_in = linear == "all"
-                be.fuse_silu = linear.endswith("+silu")
                 rounds = list(speculative_generate(be, PROMPT, block_size=block, max_new_tokens=40))
                 runs.append(([t for r in rounds for t in r.tokens], [r.accepted for r in rounds[1:]]))
             assert runs[1][0] == truth
-            assert runs[1] == runs[0] and runs[2] == runs[0] and runs[3] == runs[0]
+            assert runs[1] == runs[0] and runs[2] == runs[0]
 
 
 def test_pdl_switch(monkeypatch):
@@ -149,17 +148,10 @@ KERNEL_CHECK = textwrap.dedent("""
             got, want = sl.small_linear(*args), sl.small_linear_reference(*args)
             err = (got - want).abs().max().item()
             assert got.shape == want.shape and err < 1e-4, (m, n, k, err)
-        gate_up = torch.randn(m, 2 * k, generator=g)  # SiLU(gate) * up inside the kernel
-        for bias, res_ in ((None, None), (b, res)):
-            got = sl.small_linear_gated(gate_up, w, bias, res_)
-            want = sl.small_linear_reference(F.silu(gate_up[:, :k]) * gate_up[:, k:], w, bias, res_)
-            err = (got - want).abs().max().item()
-            assert got.shape == want.shape and err < 1e-4, ("gated", m, n, k, err)
     # the fused static forward with the kernel: plain greedy tokens
     from tests.test_split_attention import assert_static_greedy
     assert_static_greedy(linear="triton", draft_linear=True)
     assert_static_greedy(linear="all", draft_linear=True, draft_linear_in=True)  # qkv, gate+up too
-    assert_static_greedy(linear="triton", draft_linear=True, fuse_silu=True)  # SiLU-mul in the down kernel
     print("ok")
 """)
 
@@ -191,50 +183,3 @@ def test_draft_logits_with_fused_linears_match(tiny_target):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
-def test_fuse_silu_switch(monkeypatch):
-    """DFLASH_FUSE_SILU is off by default, 1 turns it on, anything else is a one-line error."""
-    monkeypatch.delenv("DFLASH_FUSE_SILU", raising=False)
-    assert not sl.fuse_silu_default()
-    monkeypatch.setenv("DFLASH_FUSE_SILU", "1")
-    assert sl.fuse_silu_default()
-    monkeypatch.setenv("DFLASH_FUSE_SILU", "yes")
-    with pytest.raises(InputError, match="DFLASH_FUSE_SILU must be 0 or 1"):
-        sl.fuse_silu_default()
-
-
-def test_gated_reference_off_cuda_is_the_unfused_maths():
-    """Off CUDA small_linear_gated runs torch ops: exactly down(silu(gate) * up) + residual."""
-    g = torch.Generator().manual_seed(1)
-    gate_up, w = torch.randn(5, 2 * 24, generator=g), torch.randn(7, 24, generator=g)
-    res = torch.randn(5, 7, generator=g)
-    want = res + F.linear(F.silu(gate_up[:, :24]) * gate_up[:, 24:], w)
-    assert torch.equal(sl.small_linear_gated(gate_up, w, residual=res), want)
-
-
-def test_fuse_silu_runs_gated_kernel_in_target_and_draft(tiny_target, monkeypatch):
-    """With fuse_silu (and the Triton projections) every MLP of the target and of the draft goes
-    through small_linear_gated, gate then up, and decoding gives the plain tokens."""
-    from dflash.backends import static_fused
-    from dflash.backends.static_torch import StaticBackend
-    from dflash.loop import speculative_generate
-    from tests.conftest import make_draft
-    from tests.test_loop_scripted import PROMPT, greedy_reference
-
-    draft = make_draft(tiny_target)
-    seen = []
-    real = static_fused.small_linear_gated
-
-    def spy(gate_up, weight, bias=None, residual=None):
-        seen.append(weight.data_ptr())
-        return real(gate_up, weight, bias, residual)
-
-    monkeypatch.setattr(static_fused, "small_linear_gated", spy)
-    be = StaticBackend(tiny_target, draft, torch.device("cpu"), use_graphs=False, device_loop=True)
-    be.linear, be.draft_linear, be.fuse_silu = "triton", True, True
-    toks = [t for r in speculative_generate(be, PROMPT, block_size=16, max_new_tokens=24) for t in r.tokens]
-    assert toks == greedy_reference(tiny_target, PROMPT, 24)
-    target_down = {m.mlp.down_proj.weight.data_ptr() for m in tiny_target.model.layers}
-    draft_down = {m.mlp.down_proj.weight.data_ptr() for m in draft.layers}
-    assert target_down <= set(seen) and draft_down <= set(seen)
-    with pytest.raises(ValueError, match="gated: 2K columns"):  # a gate+up of the wrong width
-        sl._launch(torch.zeros(2, 10), torch.zeros(4, 6), None, None, gated=True)

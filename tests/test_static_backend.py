@@ -266,22 +266,22 @@ def test_inductor_pdl_setting_is_restored_after_each_capture():
     assert inductor_config.triton.enable_pdl == before
 
 
-def test_capture_failure_with_fused_silu_turns_it_off_first(tiny_target, capsys):
-    """DFLASH_FUSE_SILU: the first fall-back after a failed capture is the separate SiLU-mul
-    kernel, the Triton projections stay on."""
+def test_capture_failure_with_draft_rope_turns_it_off_first(tiny_target, capsys):
+    """DFLASH_ROPE: the first fall-back after a failed capture is the torch q/k norm + RoPE
+    ops (draft and target), the Triton projections stay on."""
     be = StaticBackend(tiny_target, make_draft(tiny_target), torch.device("cpu"), use_graphs=False)
-    be.linear, be.draft_linear, be.fuse_silu = "triton", True, True
+    be.linear, be.draft_linear, be.draft_rope, be.target_rope = "triton", True, True, True
     seen = []
 
-    def fails_with_silu(fn, inputs):
-        seen.append((be.fuse_silu, be.linear))
-        if be.fuse_silu:
-            raise RuntimeError("gated kernel failed")
+    def fails_with_rope(fn, inputs):
+        seen.append((be.draft_rope, be.linear))
+        if be.draft_rope:
+            raise RuntimeError("rope kernel failed")
         return "graph", "out", inputs
 
-    be._capture = fails_with_silu
-    assert be._graph("verify", 1, lambda: ("ids", "pos"))[1] == "out"
-    assert seen == [(True, "triton"), (False, "triton")] and be.draft_linear
+    be._capture = fails_with_rope
+    assert be._graph("draft", 16, lambda: ("ids", "pos"))[1] == "out"
+    assert seen == [(True, "triton"), (False, "triton")] and be.draft_linear and not be.target_rope
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["dflash: the fused SiLU-mul down projection failed (RuntimeError: gated kernel failed); "
-                   "continuing with separate kernels (unset DFLASH_FUSE_SILU)."]  # fmt: skip
+    assert err == ["dflash: the RoPE + cache-write kernel failed (RuntimeError: rope kernel failed); "
+                   "continuing with torch ops (DFLASH_ROPE=0 silences this)."]  # fmt: skip

@@ -12,6 +12,9 @@ Measured on the H200 (``scripts/small_linear_sweep.py``, bf16, CUDA graphs of 50
 26.8 vs 29.7 us. Fusing more was tried and removed: an RMSNorm prologue (two-pass, or one pass
 with the norm as a row scale) and a SwiGLU epilogue made qkv and gate+up 1.5-2.5x slower than
 cuBLAS plus Inductor's fused norm kernel, and a whole block-1 step 8-30% slower.
+SiLU(gate) * up computed while loading the down projection's input (``DFLASH_FUSE_SILU``, twelfth
+session) made the demo-shaped loop steps 2.2x slower and an 8B-shaped block-1 step 12.7 against
+4.5 ms; removed.
 
 Rounding is the unfused ops': the product rounded to the input dtype, then added to the residual
 (float32 inputs use exact fp32 dots, no TF32). On by default on CUDA with Triton for forwards
@@ -32,7 +35,6 @@ import torch
 import torch.nn.functional as F
 
 LINEAR_ENV = "DFLASH_LINEAR"
-SILU_ENV = "DFLASH_FUSE_SILU"  # experiment: SiLU(gate) * up inside the down projection's kernel
 PDL_ENV = "DFLASH_PDL"
 CONFIG_ENV = "DFLASH_LINEAR_CONFIG"  # "BN,BK,warps,stages" for every shape (benchmark sweeps)
 MAX_ROWS = 32  # rows (M) the kernel takes; longer forwards (prefill) use torch
@@ -61,23 +63,6 @@ def linear_mode(device: torch.device) -> str:
         raise InputError(f"{LINEAR_ENV} must be torch, triton or all, got {raw!r}.",
                          hint="unset it for the default (triton)")  # fmt: skip
     return raw if device.type == "cuda" and triton is not None else "torch"
-
-
-def fuse_silu_default() -> bool:
-    """``DFLASH_FUSE_SILU``: ``1`` computes SiLU(gate) * up inside the down projection's
-    ``small_linear`` kernel (:func:`small_linear_gated`) wherever that kernel runs the down
-    projection, one kernel less per layer; unset or ``0`` (the default) keeps Inductor's fused
-    SiLU-mul kernel. An experiment, not yet measured on a GPU.
-
-    Raises:
-        InputError: another value.
-    """
-    raw = os.environ.get(SILU_ENV, "").strip().lower()
-    if raw not in ("", "0", "1"):
-        from dflash.errors import InputError
-
-        raise InputError(f"{SILU_ENV} must be 0 or 1, got {raw!r}.", hint="unset it for the default (0)")
-    return raw == "1"
 
 
 def pdl_enabled(device: torch.device, inductor: bool = False) -> bool:
@@ -175,22 +160,9 @@ def kernel_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
 if triton is not None:
 
     @triton.jit
-    def _load_x(X, rm, rk, s_xm, mask, K, GATED: tl.constexpr):
-        """A [BM, BK] tile of the input; GATED: rows hold [gate | up] (2K wide), the tile is
-        SiLU(gate) * up computed in float32 and rounded once (as Inductor's fused kernel)."""
-        ptr = X + rm[:, None] * s_xm + rk[None, :]
-        x = tl.load(ptr, mask=mask, other=0.0)
-        if GATED:
-            g = x.to(tl.float32)
-            u = tl.load(ptr + K, mask=mask, other=0.0).to(tl.float32)
-            x = (g * tl.sigmoid(g) * u).to(X.dtype.element_ty)
-        return x
-
-    @triton.jit
     def _small_linear_kernel(X, W, B, RES, Y, M, N, K, s_xm, s_wn, s_rm, s_ym, HAS_BIAS: tl.constexpr,
                              HAS_RES: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr,
-                             BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr,
-                             GATED: tl.constexpr):  # fmt: skip
+                             BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
         rn = tl.program_id(0) * BN + tl.arange(0, BN)  # output columns of this program
         rm = tl.arange(0, BM)
         m_ok = rm < M
@@ -203,7 +175,7 @@ if triton is not None:
             w0 = tl.load(W + rn[:, None] * s_wn + rk0[None, :], mask=n_ok[:, None] & k_ok0[None, :], other=0.0)
             tl.extra.cuda.gdc_wait()  # the previous kernel is done: x and the residual are ready
             tl.extra.cuda.gdc_launch_dependents()
-            x0 = _load_x(X, rm, rk0, s_xm, m_ok[:, None] & k_ok0[None, :], K, GATED)
+            x0 = tl.load(X + rm[:, None] * s_xm + rk0[None, :], mask=m_ok[:, None] & k_ok0[None, :], other=0.0)
             if IEEE:
                 acc += tl.dot(x0, tl.trans(w0), input_precision="ieee")
             else:
@@ -212,7 +184,7 @@ if triton is not None:
         for k0 in range(k_first, K, BK):
             rk = k0 + tl.arange(0, BK)
             k_ok = rk < K
-            x = _load_x(X, rm, rk, s_xm, m_ok[:, None] & k_ok[None, :], K, GATED)
+            x = tl.load(X + rm[:, None] * s_xm + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(W + rn[:, None] * s_wn + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             if IEEE:
                 acc += tl.dot(x, tl.trans(w), input_precision="ieee")
@@ -228,12 +200,12 @@ if triton is not None:
         tl.store(Y + rm[:, None] * s_ym + rn[None, :], y, mask=ym)
 
 
-def _launch(x, weight, bias, residual, gated: bool = False) -> torch.Tensor:
+def _launch(x, weight, bias, residual) -> torch.Tensor:
     m = x.shape[0]
-    n, k = weight.shape  # gated: x is [m, 2k], gate then up
-    if x.shape[1] != (2 * k if gated else k) or x.stride(1) != 1:
+    n, k = weight.shape
+    if x.shape[1] != k or x.stride(1) != 1:
         raise ValueError(f"small_linear: input {tuple(x.shape)} (strides {x.stride()}) does not fit "
-                         f"weight {tuple(weight.shape)}{' (gated: 2K columns)' if gated else ''}")  # fmt: skip
+                         f"weight {tuple(weight.shape)}")  # fmt: skip
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     bm, bn, bk, warps, stages = kernel_config(m, n, k)
     pdl = pdl_enabled(x.device)
@@ -241,21 +213,10 @@ def _launch(x, weight, bias, residual, gated: bool = False) -> torch.Tensor:
         x, weight, bias if bias is not None else y, residual if residual is not None else y, y, m, n, k,
         x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0),
         HAS_BIAS=bias is not None, HAS_RES=residual is not None, IEEE=x.dtype == torch.float32,
-        BM=bm, BN=bn, BK=bk, PDL=pdl, GATED=gated, num_warps=warps, num_stages=stages,
+        BM=bm, BN=bn, BK=bk, PDL=pdl, num_warps=warps, num_stages=stages,
         **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
     return y
-
-
-@torch.library.custom_op("dflash::small_linear_gated", mutates_args=())
-def _small_linear_gated_op(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                           residual: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
-    return _launch(gate_up, weight, bias, residual, gated=True)
-
-
-@_small_linear_gated_op.register_fake
-def _(gate_up, weight, bias, residual):
-    return gate_up.new_empty(gate_up.shape[0], weight.shape[0])
 
 
 @torch.library.custom_op("dflash::small_linear", mutates_args=())
@@ -290,24 +251,3 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     if triton is None or (x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1"):
         return small_linear_reference(x, weight, bias, residual)
     return _small_linear_op(x, weight, bias, residual)
-
-
-def small_linear_gated(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                       residual: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-    """``residual + linear(silu(gate) * up, weight, bias)`` in one kernel: a SwiGLU MLP's down
-    projection reading the fused gate+up projection's output.
-
-    Args:
-        gate_up: [M, 2K], unit last stride: gate = ``gate_up[:, :K]``, up = ``gate_up[:, K:]``;
-            M <= :data:`MAX_ROWS`.
-        weight: [N, K] row-major (the down projection's weight); bias: [N] or None.
-        residual: [M, N] added to the result, or None.
-    Returns:
-        [M, N] in gate_up's dtype. SiLU(gate) * up is rounded once to that dtype, as Inductor's
-        fused kernel does (eager torch rounds SiLU's output too). Off CUDA (or Triton absent and
-        not interpreting) the torch ops run instead.
-    """
-    if triton is None or (gate_up.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1"):
-        g, u = gate_up.chunk(2, dim=-1)
-        return small_linear_reference(F.silu(g) * u, weight, bias, residual)
-    return _small_linear_gated_op(gate_up, weight, bias, residual)

@@ -29,8 +29,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from dflash.backends.rope_cache import rope_cache, rope_cache_fits
 from dflash.backends.small_linear import MAX_ROWS as LINEAR_MAX_ROWS
-from dflash.backends.small_linear import small_linear, small_linear_gated
+from dflash.backends.small_linear import small_linear
 from dflash.backends.split_attention import split_attention, uses_kernel
 from dflash.models.draft_torch import rope_cos_sin
 
@@ -215,27 +216,10 @@ def _in_proj(lin: bool, fused: FusedLinear, x: torch.Tensor) -> tuple[torch.Tens
     return fused(x)
 
 
-def _mlp(lin: bool, lin_in: bool, gated: bool, gate_up: FusedLinear, down, act, h: torch.Tensor,
-         x: torch.Tensor) -> torch.Tensor:  # fmt: skip
-    """x + down(act(gate) * up) for the normed [1, T, H] activations ``h``; ``gated``: the
-    activation inside the down projection's kernel (:func:`small_linear_gated`, SiLU only)."""
-    if gated:
-        if lin_in and h.shape[1] <= LINEAR_MAX_ROWS:
-            gu = small_linear(h[0], gate_up.weight, gate_up.bias)  # [T, 2I]
-        else:
-            gu = F.linear(h[0], gate_up.weight, gate_up.bias)
-        return small_linear_gated(gu, down.weight, down.bias, residual=x[0])[None]
+def _mlp(lin: bool, lin_in: bool, gate_up: FusedLinear, down, act, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """x + down(act(gate) * up) for the normed [1, T, H] activations ``h``."""
     g, u = _in_proj(lin_in, gate_up, h)
     return _out_proj(lin, down, act(g) * u, x)
-
-
-def gated_fits(gate_up: FusedLinear, down, act) -> bool:
-    """Whether :func:`small_linear_gated` can run this MLP: SiLU (``F.silu``, ``nn.SiLU`` or
-    transformers' ``SiLUActivation``), gate and up of equal widths, the down projection's input
-    that wide."""
-    silu = act is F.silu or type(act).__name__ in ("SiLU", "SiLUActivation")
-    sizes = gate_up.sizes
-    return silu and len(sizes) == 2 and sizes[0] == sizes[1] == down.weight.shape[-1]
 
 
 def target_forward_fused(be, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -254,27 +238,32 @@ def target_forward_fused(be, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tens
         mask = pack_mask(mask, be.heads // be.kv_heads, t)  # [1, 1, G*T, S], once
     lin = t <= LINEAR_MAX_ROWS and getattr(be, "linear", "torch") in ("triton", "all")  # residual adds fused in
     lin_in = lin and be.linear == "all"  # the qkv and gate+up projections too
-    silu = lin and getattr(be, "fuse_silu", False)  # DFLASH_FUSE_SILU: SiLU-mul in the down kernel
+    rope = split and getattr(be, "target_rope", False)  # q/k (norm +) RoPE + cache writes: one kernel
     slots: list[torch.Tensor] = [None] * len(be.layer_ids)  # type: ignore[list-item]
     for i, layer in enumerate(be.target.model.layers):
         a, (qkv, gate_up) = layer.self_attn, be.fused_target[i]
-        q, k, v = _in_proj(lin_in, qkv, layer.input_layernorm(x))
-        q, k = q.view(1, t, be.heads, hd), k.view(1, t, be.kv_heads, hd)
-        if hasattr(a, "q_norm"):  # Qwen3
-            q, k = a.q_norm(q), a.k_norm(k)
-        q = _rotate(q.transpose(1, 2), cos, sin)  # [1, H, T, D]
-        k = _rotate(k.transpose(1, 2), cos, sin)
-        be.k[i].index_copy_(2, pos[0], k)
-        be.v[i].index_copy_(2, pos[0], v.view(1, t, be.kv_heads, hd).transpose(1, 2))
-        if split:
+        h = layer.input_layernorm(x)
+        if rope:
+            raw = small_linear(h[0], qkv.weight, qkv.bias) if lin_in else F.linear(h[0], qkv.weight, qkv.bias)
+            norms = (a.q_norm, a.k_norm) if hasattr(a, "q_norm") else (None, None)  # Qwen3
+            q = rope_cache(raw, *norms, cos, sin, pos[0], be.k[i], be.v[i], 0, be.heads, be.kv_heads)
             o = split_attention(q, be.k[i], be.v[i], pos[0], a.scaling)
         else:
-            o = attend(q, be.k[i], be.v[i], mask, a.scaling, packed)
+            q, k, v = _in_proj(lin_in, qkv, h)
+            q, k = q.view(1, t, be.heads, hd), k.view(1, t, be.kv_heads, hd)
+            if hasattr(a, "q_norm"):  # Qwen3
+                q, k = a.q_norm(q), a.k_norm(k)
+            q = _rotate(q.transpose(1, 2), cos, sin)  # [1, H, T, D]
+            k = _rotate(k.transpose(1, 2), cos, sin)
+            be.k[i].index_copy_(2, pos[0], k)
+            be.v[i].index_copy_(2, pos[0], v.view(1, t, be.kv_heads, hd).transpose(1, 2))
+            if split:
+                o = split_attention(q, be.k[i], be.v[i], pos[0], a.scaling)
+            else:
+                o = attend(q, be.k[i], be.v[i], mask, a.scaling, packed)
         o = o.transpose(1, 2).reshape(1, t, be.heads * hd)
         x = _out_proj(lin, a.o_proj, o, x)
-        gated = silu and gated_fits(gate_up, layer.mlp.down_proj, layer.mlp.act_fn)
-        x = _mlp(lin, lin_in, gated, gate_up, layer.mlp.down_proj, layer.mlp.act_fn,
-                 layer.post_attention_layernorm(x), x)  # fmt: skip
+        x = _mlp(lin, lin_in, gate_up, layer.mlp.down_proj, layer.mlp.act_fn, layer.post_attention_layernorm(x), x)
         if i < be.n_layers - 1:
             for n in be.feature_layers.get(i, ()):
                 slots[n] = x[0]
@@ -289,7 +278,7 @@ def target_forward_fused(be, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tens
 
 def draft_forward_fused(draft, fused, block_embeds, target_hidden, q_pos, ctx_pos, cache, masks,
                         pack_gqa: bool = False, split_kinds=frozenset(), lin: bool = False,
-                        lin_in: bool = False, silu: bool = False):  # fmt: skip
+                        lin_in: bool = False, rope: bool = False):  # fmt: skip
     """:meth:`DFlashDraft.forward` for the static cache with fused projections.
 
     Context and block rows go through one QKV matmul ([Tc + L] rows; the context rows' Q is
@@ -305,8 +294,9 @@ def draft_forward_fused(draft, fused, block_embeds, target_hidden, q_pos, ctx_po
 
     ``lin``: o_proj and down_proj with their residual adds run as
     :func:`~dflash.backends.small_linear.small_linear` kernels; ``lin_in``: the fused qkv and
-    gate+up projections too; ``silu`` (with ``lin``): SiLU(gate) * up inside the down
-    projection's kernel (``DFLASH_FUSE_SILU``).
+    gate+up projections too; ``rope``: in ``split_kinds`` layers (that fit,
+    :func:`~dflash.backends.rope_cache.rope_cache_fits`) the q/k norm, RoPE and the context and
+    block rows' cache writes run as one :func:`~dflash.backends.rope_cache.rope_cache` kernel.
     """
     cfg, tc, lq = draft.config, target_hidden.shape[1], block_embeds.shape[1]
     groups = cfg.num_attention_heads // cfg.num_key_value_heads
@@ -317,27 +307,37 @@ def draft_forward_fused(draft, fused, block_embeds, target_hidden, q_pos, ctx_po
     cos, sin = rope_cos_sin(torch.cat((ctx_pos, q_pos), 1), draft.inv_freq, draft.rope_scale,
                             block_embeds.dtype)  # [1, 1, Tc + L, D], shared by layers  # fmt: skip
     h = block_embeds
-    see = q_pos[0, -1:].expand(lq) if split_kinds else None  # [L] every row sees keys < start + L
+    # [L] every row sees keys < start + L; contiguous (clone), so the split kernel's .contiguous()
+    # copies nothing (Inductor still materialises it once per layer: ~1 us each on the H200)
+    see = q_pos[0, -1:].expand(lq).clone() if split_kinds else None
+    wpos = torch.cat((cache.write_pos, q_pos[0])) if rope and split_kinds else None  # [Tc + L] cache rows
     for i, layer in enumerate(draft.layers):
         a, (qkv, gate_up) = layer.self_attn, fused[i]
-        d = a.head_dim
-        q, k, v = _in_proj(lin_in, qkv, torch.cat((ctx, layer.input_layernorm(h)), 1))  # [1, Tc + L, *]
-        q = _rotate(a.q_norm(q[:, tc:].view(1, lq, a.heads, d).transpose(1, 2)),
-                    cos[:, :, tc:], sin[:, :, tc:])  # fmt: skip
-        k = _rotate(a.k_norm(k.view(1, tc + lq, a.kv_heads, d).transpose(1, 2)), cos, sin)
-        v = v.view(1, tc + lq, a.kv_heads, d).transpose(1, 2)
-        kc, vc = cache.append(i, k[:, :, :tc], v[:, :, :tc])
-        if cfg.layer_types[i] in split_kinds:
-            kc.index_copy_(2, q_pos[0], k[:, :, tc:])
-            vc.index_copy_(2, q_pos[0], v[:, :, tc:])
+        d, kind = a.head_dim, cfg.layer_types[i]
+        x = torch.cat((ctx, layer.input_layernorm(h)), 1)  # [1, Tc + L, H]
+        if wpos is not None and kind in split_kinds and rope_cache_fits(a, x.dtype):
+            raw = small_linear(x[0], qkv.weight, qkv.bias) if lin_in and tc + lq <= LINEAR_MAX_ROWS \
+                else F.linear(x[0], qkv.weight, qkv.bias)  # [Tc + L, (H + 2 Hkv) D]
+            kc, vc = cache.keys[i], cache.values[i]
+            q = rope_cache(raw, a.q_norm, a.k_norm, cos, sin, wpos, kc, vc, tc, a.heads, a.kv_heads)
             out = split_attention(q, kc, vc, see, None)
         else:
-            k, v = torch.cat((kc, k[:, :, tc:]), 2), torch.cat((vc, v[:, :, tc:]), 2)
-            out = attend(q, k, v, masks[cfg.layer_types[i]], None, packed)
+            q, k, v = _in_proj(lin_in, qkv, x)  # [1, Tc + L, *]
+            q = _rotate(a.q_norm(q[:, tc:].view(1, lq, a.heads, d).transpose(1, 2)),
+                        cos[:, :, tc:], sin[:, :, tc:])  # fmt: skip
+            k = _rotate(a.k_norm(k.view(1, tc + lq, a.kv_heads, d).transpose(1, 2)), cos, sin)
+            v = v.view(1, tc + lq, a.kv_heads, d).transpose(1, 2)
+            kc, vc = cache.append(i, k[:, :, :tc], v[:, :, :tc])
+            if kind in split_kinds:
+                kc.index_copy_(2, q_pos[0], k[:, :, tc:])
+                vc.index_copy_(2, q_pos[0], v[:, :, tc:])
+                out = split_attention(q, kc, vc, see, None)
+            else:
+                k, v = torch.cat((kc, k[:, :, tc:]), 2), torch.cat((vc, v[:, :, tc:]), 2)
+                out = attend(q, k, v, masks[kind], None, packed)
         out = out.transpose(1, 2).reshape(1, lq, a.heads * d)
         h = _out_proj(lin, a.o_proj, out, h)
-        gated = lin and silu and gated_fits(gate_up, layer.mlp.down_proj, F.silu)
-        h = _mlp(lin, lin_in, gated, gate_up, layer.mlp.down_proj, F.silu, layer.post_attention_layernorm(h), h)
+        h = _mlp(lin, lin_in, gate_up, layer.mlp.down_proj, F.silu, layer.post_attention_layernorm(h), h)
     return draft.norm(h)
 
 

@@ -30,10 +30,10 @@ from dflash.backends.graph_plan import (
     plan_graphs,
     warm_replays,
 )
+from dflash.backends.rope_cache import rope_cache_fits, rope_parts
 from dflash.backends.small_linear import (
     MAX_ROWS,
     disable_pdl,
-    fuse_silu_default,
     linear_mode,
     pdl_enabled,
     pdl_part,
@@ -182,7 +182,12 @@ class StaticBackend(TransformersBackend):
         self.draft_linear = (self.fused_draft is not None and linear in ("triton", "all")
                              and draft_small_linear_fits(draft))  # fmt: skip
         self.draft_linear_in = self.draft_linear and linear == "all"  # qkv, gate+up too
-        self.fuse_silu = fuse_silu_default()  # SiLU-mul inside the down kernels (an experiment)
+        # q/k (norm +) RoPE + cache writes as one kernel (see dflash.backends.rope_cache)
+        parts = rope_parts()  # a bad DFLASH_ROPE errs on CPU too
+        self.draft_rope = "draft" in parts and self.draft_linear
+        attn = target.model.layers[0].self_attn
+        self.target_rope = ("target" in parts and self.linear != "torch"
+                            and rope_cache_fits(attn, self.dtype, norms=hasattr(attn, "q_norm")))  # fmt: skip
         pdl_enabled(device, inductor=True)  # a bad DFLASH_PDL is an error before any capture
         self.capacity = 0
         if device_loop is None:
@@ -308,7 +313,7 @@ class StaticBackend(TransformersBackend):
             lin = self.draft_linear and length <= MAX_ROWS  # residual adds fused in
             h = draft_forward_fused(self.draft_model, self.fused_draft, embeds, ctx, q_pos, ctx_pos[None],
                                     self.dcache, masks, self.pack_gqa, kinds, lin,
-                                    lin and self.draft_linear_in, lin and self.fuse_silu)  # fmt: skip
+                                    lin and self.draft_linear_in, lin and self.draft_rope)  # fmt: skip
         else:
             h = self.draft_model(embeds, ctx, q_pos, ctx_pos[None], cache=self.dcache, masks=masks)
         logits = self.lm_head(h[0, 1:])  # [L-1, V]
@@ -361,8 +366,8 @@ class StaticBackend(TransformersBackend):
     def _fall_back(self, error: Exception, part: str | None = None) -> bool:
         """After a failed capture, turn off the next optional piece, with one line on stderr:
         programmatic dependent launch (when it was on for the failed capture of ``part``, "draft"
-        or "target"; the forwards compile again), then the SiLU-mul inside the down projection
-        (``DFLASH_FUSE_SILU``), then the Triton projections (cuBLAS instead),
+        or "target"; the forwards compile again), then the RoPE + cache-write kernel
+        (``DFLASH_ROPE``), then the Triton projections (cuBLAS instead),
         then the split-KV kernel (SDPA), then ``torch.compile`` (eager ops). Returns False when
         nothing is left to turn off.
 
@@ -375,11 +380,12 @@ class StaticBackend(TransformersBackend):
                 self.device_loop._compiled.clear()
             torch._dynamo.reset()
             what, fix = "programmatic dependent launch", "plain launches (DFLASH_PDL=0 silences this)"
-        elif self.fuse_silu and (self.linear != "torch" or self.draft_linear):
-            self.fuse_silu = False
-            what, fix = "the fused SiLU-mul down projection", "separate kernels (unset DFLASH_FUSE_SILU)"
+        elif self.draft_rope or self.target_rope:
+            self.draft_rope = self.target_rope = False
+            what, fix = "the RoPE + cache-write kernel", "torch ops (DFLASH_ROPE=0 silences this)"
         elif self.linear != "torch" or self.draft_linear:
             self.linear, self.draft_linear, self.draft_linear_in = "torch", False, False
+            self.draft_rope = self.target_rope = False
             what, fix = "the Triton projection kernel", "cuBLAS (DFLASH_LINEAR=torch silences this)"
         elif self.attention != "sdpa":
             self.attention = "sdpa"
@@ -503,6 +509,5 @@ class StaticBackend(TransformersBackend):
                 "verify_widths": list(self.plan.verify_widths),
                 "device_loop": self.device_loop is not None,
                 "attention": self.attention, "linear": self.linear,
-                "draft_linear": self.draft_linear,
-                **({"fuse_silu": True} if self.fuse_silu and (self.linear != "torch" or self.draft_linear)
-                   else {})}  # fmt: skip
+                "draft_linear": self.draft_linear, "rope_kernel": {"draft": self.draft_rope,
+                                                                   "target": self.target_rope}}  # fmt: skip

@@ -1,0 +1,204 @@
+"""A layer's q/k norm, RoPE and K/V cache writes in one kernel (static path, draft and target).
+
+After its fused qkv projection a draft layer (the static path, layers whose block rows see the
+whole context and block: :func:`~dflash.backends.static_fused.draft_forward_fused`'s
+``split_kinds``) normalises and rotates the block's queries and every row's keys, and writes the
+keys and values of the context rows and of the block rows into its position-indexed cache. Under
+``torch.compile`` that was seven small kernels per layer on the H200 (the query norm + RoPE kernel
+alone 9.9 us, about 18 us in all of the draft's ~40 us per layer, ``scripts/kernel_count.py
+--sequence``, twelfth session). This Triton kernel does it in one launch: grid (rows, H + 2 Hkv),
+one program per (row, head) of the projection's output, reading the head's D values once.
+
+The target's layers (forwards of up to 32 rows, with the split-KV attention) take the same
+kernel with no context rows, and without the norms unless the target has them (Qwen3): there it
+replaces two or three Inductor kernels per layer.
+
+Maths as the module path: RMSNorm in float32 (``x * rsqrt(mean(x^2) + eps)``), rounded to the
+activations' dtype, times the norm's weight and rounded again; RoPE (half-split) on that with the
+caller's cos/sin tables in float32, rounded once (Inductor's fused kernel rounds once too; eager
+torch rounds each product). Values are copied as they are.
+
+Off CUDA (or without Triton, unless ``TRITON_INTERPRET=1``) :func:`rope_cache_reference` runs
+the same steps in torch ops. ``DFLASH_ROPE=0`` keeps the torch ops on CUDA too, ``draft`` uses
+the kernel in the draft only (side-by-side timing).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from dflash.backends.small_linear import pdl_enabled
+
+ROPE_ENV = "DFLASH_ROPE"
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+
+
+def rope_parts() -> frozenset[str]:
+    """``DFLASH_ROPE``: where the q/k norm + RoPE + cache-write kernel runs when the Triton
+    projections do (CUDA): unset or ``1`` in the draft and the target, ``draft`` in the draft
+    only, ``0`` nowhere (Inductor's kernels).
+
+    Raises:
+        InputError: another value.
+    """
+    raw = os.environ.get(ROPE_ENV, "").strip().lower()
+    if raw not in ("", "0", "1", "draft"):
+        from dflash.errors import InputError
+
+        raise InputError(f"{ROPE_ENV} must be 0, 1 or draft, got {raw!r}.", hint="unset it for the default (1)")
+    return frozenset() if raw == "0" else frozenset({"draft"}) if raw == "draft" else frozenset({"draft", "target"})
+
+
+def _eps(norm) -> float:
+    """An RMSNorm module's epsilon (ours: ``eps``; transformers': ``variance_epsilon``)."""
+    return float(norm.eps if hasattr(norm, "eps") else norm.variance_epsilon)
+
+
+def rope_cache_fits(attn, dtype: torch.dtype, norms: bool = True) -> bool:
+    """Whether :func:`rope_cache` can run an attention module ``attn`` (its ``head_dim``): a
+    power-of-two head size of 16 to 256, 16-bit or 32-bit activations, and with ``norms``
+    q_norm and k_norm with a weight of the head size (``eps`` or ``variance_epsilon``)."""
+    d = getattr(attn, "head_dim", 0)
+    ok = 16 <= d <= 256 and d & (d - 1) == 0 and dtype in (torch.float32, torch.bfloat16, torch.float16)
+    if norms:
+        mods = [getattr(attn, n, None) for n in ("q_norm", "k_norm")]
+        ok = ok and all(getattr(m, "weight", None) is not None and m.weight.numel() == d
+                        and (hasattr(m, "eps") or hasattr(m, "variance_epsilon")) for m in mods)  # fmt: skip
+    return ok
+
+
+if triton is not None:
+
+    @triton.jit
+    def _norm_rope(x1, x2, W, COS, SIN, row, s_cos, d, eps, HALF: tl.constexpr, DT: tl.constexpr,
+                   NORM: tl.constexpr):  # fmt: skip
+        """RMSNorm (weight W; NORM) then RoPE of one head's halves x1, x2 [HALF] (float32)."""
+        n1, n2 = x1, x2
+        if NORM:
+            r = tl.math.rsqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / (2 * HALF) + eps)
+            n1 = (x1 * r).to(DT).to(tl.float32) * tl.load(W + d).to(tl.float32)
+            n2 = (x2 * r).to(DT).to(tl.float32) * tl.load(W + HALF + d).to(tl.float32)
+            n1, n2 = n1.to(DT).to(tl.float32), n2.to(DT).to(tl.float32)
+        c1 = tl.load(COS + row * s_cos + d).to(tl.float32)
+        c2 = tl.load(COS + row * s_cos + HALF + d).to(tl.float32)
+        s1 = tl.load(SIN + row * s_cos + d).to(tl.float32)
+        s2 = tl.load(SIN + row * s_cos + HALF + d).to(tl.float32)
+        return n1 * c1 - n2 * s1, n2 * c2 + n1 * s2
+
+    @triton.jit
+    def _rope_cache_kernel(QKV, QW, KW, COS, SIN, POS, QO, KC, VC, TC, s_row, s_cos, s_qh, s_qt,
+                           s_kh, s_ks, s_vh, s_vs, eps_q, eps_k, H: tl.constexpr, KV: tl.constexpr,
+                           HALF: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+        row = tl.program_id(0)
+        head = tl.program_id(1)
+        if PDL:  # everything read here but the norm weights comes from the kernels before
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        d = tl.arange(0, HALF)
+        base = QKV + row * s_row + head * (2 * HALF)
+        dt = QKV.dtype.element_ty
+        if head < H:  # a query head: block rows only (the context rows' queries are dropped)
+            if row >= TC:
+                x1 = tl.load(base + d).to(tl.float32)
+                x2 = tl.load(base + HALF + d).to(tl.float32)
+                y1, y2 = _norm_rope(x1, x2, QW, COS, SIN, row, s_cos, d, eps_q, HALF, dt, NORM)
+                out = QO + head * s_qh + (row - TC) * s_qt
+                tl.store(out + d, y1.to(QO.dtype.element_ty))
+                tl.store(out + HALF + d, y2.to(QO.dtype.element_ty))
+        elif head < H + KV:  # a key head: into the cache at the row's position
+            x1 = tl.load(base + d).to(tl.float32)
+            x2 = tl.load(base + HALF + d).to(tl.float32)
+            y1, y2 = _norm_rope(x1, x2, KW, COS, SIN, row, s_cos, d, eps_k, HALF, dt, NORM)
+            out = KC + (head - H) * s_kh + tl.load(POS + row) * s_ks
+            tl.store(out + d, y1.to(KC.dtype.element_ty))
+            tl.store(out + HALF + d, y2.to(KC.dtype.element_ty))
+        else:  # a value head, as it is
+            out = VC + (head - H - KV) * s_vh + tl.load(POS + row) * s_vs
+            tl.store(out + d, tl.load(base + d))
+            tl.store(out + HALF + d, tl.load(base + HALF + d))
+
+
+def _launch(qkv, q_w, k_w, eps_q, eps_k, cos, sin, pos, kc, vc, tc, heads, kv_heads) -> torch.Tensor:
+    t, width = qkv.shape
+    d = kc.shape[-1]
+    cos, sin = cos[0, 0], sin[0, 0]  # [T, D]: sliced here, inside the op (see rope_cache)
+    if width != (heads + 2 * kv_heads) * d or qkv.stride(1) != 1 or cos.stride(-1) != 1 \
+            or sin.stride() != cos.stride():
+        raise ValueError(f"rope_cache: qkv {tuple(qkv.shape)} (strides {qkv.stride()}) does not fit "
+                         f"{heads} + 2 x {kv_heads} heads of {d}, or cos/sin are not row-major")  # fmt: skip
+    q = qkv.new_empty(1, t - tc, heads, d).transpose(1, 2)  # [1, H, L, D]
+    pdl = pdl_enabled(qkv.device)
+    norm = q_w is not None
+    _rope_cache_kernel[(t, heads + 2 * kv_heads)](
+        qkv, q_w if norm else qkv, k_w if norm else qkv, cos, sin, pos, q, kc, vc, tc, qkv.stride(0),
+        cos.stride(-2), q.stride(1), q.stride(2), kc.stride(1), kc.stride(2), vc.stride(1), vc.stride(2),
+        eps_q, eps_k, H=heads, KV=kv_heads, HALF=d // 2, NORM=norm, PDL=pdl, num_warps=1,
+        **({"launch_pdl": True} if pdl else {}),
+    )  # fmt: skip
+    return q
+
+
+@torch.library.custom_op("dflash::rope_cache", mutates_args=("kc", "vc"))
+def _rope_cache_op(qkv: torch.Tensor, q_w: torch.Tensor | None, k_w: torch.Tensor | None, eps_q: float, eps_k: float,
+                   cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor, kc: torch.Tensor,
+                   vc: torch.Tensor, tc: int, heads: int, kv_heads: int) -> torch.Tensor:  # fmt: skip
+    return _launch(qkv, q_w, k_w, eps_q, eps_k, cos, sin, pos, kc, vc, tc, heads, kv_heads)
+
+
+@_rope_cache_op.register_fake
+def _(qkv, q_w, k_w, eps_q, eps_k, cos, sin, pos, kc, vc, tc, heads, kv_heads):
+    return qkv.new_empty(1, qkv.shape[0] - tc, heads, kc.shape[-1]).transpose(1, 2)
+
+
+def rope_cache_reference(qkv, q_norm, k_norm, cos, sin, pos, kc, vc, tc: int, heads: int,
+                         kv_heads: int) -> torch.Tensor:  # fmt: skip
+    """The module path's torch ops for :func:`rope_cache` (same args); writes kc/vc, returns q."""
+    from dflash.models.draft_torch import apply_rope
+
+    t, d = qkv.shape[0], kc.shape[-1]
+    q, k, v = qkv[None].split((heads * d, kv_heads * d, kv_heads * d), dim=-1)
+    q, k = q[:, tc:].view(1, t - tc, heads, d).transpose(1, 2), k.view(1, t, kv_heads, d).transpose(1, 2)
+    if q_norm is not None:
+        q, k = q_norm(q), k_norm(k)
+    q, k = apply_rope(q, cos[:, :, tc:], sin[:, :, tc:]), apply_rope(k, cos, sin)
+    kc.index_copy_(2, pos, k)
+    vc.index_copy_(2, pos, v.view(1, t, kv_heads, d).transpose(1, 2))
+    return q
+
+
+def rope_cache(qkv: torch.Tensor, q_norm, k_norm, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
+               kc: torch.Tensor, vc: torch.Tensor, tc: int, heads: int, kv_heads: int) -> torch.Tensor:  # fmt: skip
+    """One draft layer's q/k RMSNorm + RoPE and K/V cache writes.
+
+    Args:
+        qkv: [T, (H + 2 Hkv) * D] the fused qkv projection of T = Tc context rows then L block
+            rows (unit last stride): queries, keys, values, head after head.
+        q_norm, k_norm: the layer's RMSNorm modules (``weight`` [D], ``eps`` or
+            ``variance_epsilon``), or both None (no norms: Llama, Qwen2).
+        cos, sin: [1, 1, T, D] RoPE tables of the T rows (row-major last two dims).
+        pos: [T] int64 cache positions of the rows; rows sharing a position must hold the same
+            values (the static loop's clamped context rows do), and no context row may share
+            one with a block row.
+        kc, vc: [1, Hkv, S, D] the layer's caches, written at ``pos`` (keys normed and rotated).
+        tc: context rows Tc; heads, kv_heads: H and Hkv.
+
+    Pass whole tensors, not views of computed ones: Inductor materialises a view of an unrealised
+    tensor once per custom-op call (the cos/sin tables were recomputed by two kernels in every
+    layer on the H200); the tensor itself once per graph.
+
+    Returns:
+        q: [1, H, L, D] the block's queries, normed and rotated (laid out as [1, L, H, D]).
+    """
+    if triton is None or (qkv.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1"):
+        return rope_cache_reference(qkv, q_norm, k_norm, cos, sin, pos, kc, vc, tc, heads, kv_heads)
+    if q_norm is None:
+        return _rope_cache_op(qkv, None, None, 0.0, 0.0, cos, sin, pos, kc, vc, tc, heads, kv_heads)
+    return _rope_cache_op(qkv, q_norm.weight, k_norm.weight, _eps(q_norm), _eps(k_norm),
+                          cos, sin, pos, kc, vc, tc, heads, kv_heads)  # fmt: skip

@@ -1,0 +1,173 @@
+"""The draft layer's q/k norm + RoPE + cache-write kernel (dflash.backends.rope_cache): the torch
+reference is the module path's maths, the draft's logits are the same with it on and off, and
+the Triton kernel (Triton's CPU interpreter, float32) equals the reference."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash.backends import rope_cache as rc
+from dflash.errors import InputError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_switch(monkeypatch, tiny_target):
+    """DFLASH_ROPE: draft and target by default, ``draft`` the draft only, 0 none, anything else
+    a one-line error when a backend is built (on CPU too); off CPU's cuBLAS/torch path it is off."""
+    from dflash.backends.static_torch import StaticBackend
+    from tests.conftest import make_draft
+
+    monkeypatch.delenv("DFLASH_ROPE", raising=False)
+    assert rc.rope_parts() == {"draft", "target"}
+    monkeypatch.setenv("DFLASH_ROPE", "draft")
+    assert rc.rope_parts() == {"draft"}
+    monkeypatch.setenv("DFLASH_ROPE", "0")
+    assert rc.rope_parts() == frozenset()
+    monkeypatch.setenv("DFLASH_ROPE", "yes")
+    with pytest.raises(InputError, match="DFLASH_ROPE must be 0, 1 or draft"):
+        StaticBackend(tiny_target, make_draft(tiny_target), torch.device("cpu"), use_graphs=False)
+    monkeypatch.delenv("DFLASH_ROPE")
+    be = StaticBackend(tiny_target, make_draft(tiny_target), torch.device("cpu"), use_graphs=False)
+    assert not be.draft_rope and not be.target_rope  # CPU: no Triton projections
+
+
+def test_fits(tiny_target):
+    from tests.test_static_backend import _custom_draft
+
+    attn = _custom_draft(tiny_target).layers[0].self_attn
+    assert rc.rope_cache_fits(attn, torch.bfloat16) and rc.rope_cache_fits(attn, torch.float32)
+    assert not rc.rope_cache_fits(attn, torch.float64)
+    attn.head_dim = 24  # not a power of two
+    assert not rc.rope_cache_fits(attn, torch.float32)
+    target_attn = tiny_target.model.layers[0].self_attn  # Llama: no q/k norms
+    assert rc.rope_cache_fits(target_attn, torch.float32, norms=False)
+    assert not rc.rope_cache_fits(target_attn, torch.float32)
+
+
+def _case(t=20, tc=4, heads=4, kv_heads=2, d=16, cap=64, seed=0, norms=True):
+    """Random qkv rows, norms (or None), tables, positions (context rows 8.., block rows 40..)
+    and caches."""
+    from dflash.models.draft_torch import RMSNorm, rope_cos_sin
+
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * d, generator=g)
+    qn, kn = RMSNorm(d, 1e-6), RMSNorm(d, 1e-5)
+    with torch.no_grad():
+        qn.weight.copy_(torch.rand(d, generator=g) + 0.5)
+        kn.weight.copy_(torch.rand(d, generator=g) + 0.5)
+    pos = torch.cat((torch.arange(8, 8 + tc), torch.arange(40, 40 + t - tc)))
+    cos, sin = rope_cos_sin(pos[None], 1.0 / 10000 ** (torch.arange(0, d, 2) / d), 1.0, torch.float32)
+    kc, vc = torch.randn(1, kv_heads, cap, d, generator=g), torch.randn(1, kv_heads, cap, d, generator=g)
+    if not norms:
+        qn = kn = None
+    return qkv, qn, kn, cos, sin, pos, kc, vc, tc, heads, kv_heads
+
+
+def test_reference_is_the_module_maths():
+    """The reference applies the draft's own q_norm/k_norm and apply_rope: queries of the block
+    rows, keys and values at their positions, every other cache row untouched."""
+    from dflash.models.draft_torch import apply_rope
+
+    qkv, qn, kn, cos, sin, pos, kc, vc, tc, h, hkv = _case()
+    k0, v0 = kc.clone(), vc.clone()
+    q = rc.rope_cache(qkv, qn, kn, cos, sin, pos, kc, vc, tc, h, hkv)
+    d = kc.shape[-1]
+    heads = qkv.view(qkv.shape[0], h + 2 * hkv, d).transpose(0, 1)[None]  # [1, H + 2Hkv, T, D]
+    assert torch.equal(q, apply_rope(qn(heads[:, :h, tc:]), cos[:, :, tc:], sin[:, :, tc:]))
+    assert torch.equal(kc[:, :, pos], apply_rope(kn(heads[:, h:h + hkv]), cos, sin))
+    assert torch.equal(vc[:, :, pos], heads[:, h + hkv:])
+    other = torch.ones(kc.shape[2], dtype=torch.bool)
+    other[pos] = False
+    assert torch.equal(kc[:, :, other], k0[:, :, other]) and torch.equal(vc[:, :, other], v0[:, :, other])
+
+
+def test_draft_logits_with_rope_kernel_path_match(tiny_target):
+    """The static draft's logits with the kernel's path (its torch reference off CUDA: the write
+    positions and caches as the kernel gets them) equal the module path's at two steps."""
+    from dflash.backends.static_torch import StaticBackend
+    from tests.test_static_backend import PROMPT, _custom_draft, _draft_twice
+
+    draft = _custom_draft(tiny_target)
+    outs, calls = [], []
+    real = rc.rope_cache_reference
+    for rope in (False, True):
+        be = StaticBackend(tiny_target, draft, torch.device("cpu"), use_graphs=False)
+        be.attention, be.draft_linear, be.draft_rope = "split", True, rope
+        rc.rope_cache_reference = lambda *a, **k: calls.append(1) or real(*a, **k)
+        try:
+            outs.append(_draft_twice(be, PROMPT * 3))
+        finally:
+            rc.rope_cache_reference = real
+    assert len(calls) == 2 * len(draft.layers)  # every layer, both steps, only with the switch on
+    for a, b in zip(*outs, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("qwen3", [False, True])
+def test_target_with_rope_kernel_path_decodes_greedy(qwen3, monkeypatch):
+    """The target's forwards through the kernel's path (its torch reference off CUDA) in every
+    layer, with q/k norms (Qwen3) and without (Llama): plain greedy tokens at block 1 and 16."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    from dflash.backends.static_torch import StaticBackend
+    from dflash.loop import speculative_generate
+    from tests.conftest import make_draft
+    from tests.test_loop_scripted import PROMPT, greedy_reference
+
+    torch.manual_seed(0)
+    kw = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False, initializer_range=0.3)
+    target = (Qwen3ForCausalLM(Qwen3Config(head_dim=16, **kw)) if qwen3 else LlamaForCausalLM(LlamaConfig(**kw))).eval()
+    calls = []
+    real = rc.rope_cache_reference
+    monkeypatch.setattr(rc, "rope_cache_reference", lambda *a: calls.append(a[1] is not None) or real(*a))
+    be = StaticBackend(target, make_draft(target), torch.device("cpu"), use_graphs=False, device_loop=True)
+    be.attention, be.target_rope = "split", True
+    truth = greedy_reference(target, PROMPT, 20)
+    for block in (1, 16):
+        toks = [t for r in speculative_generate(be, PROMPT, block_size=block, max_new_tokens=20) for t in r.tokens]
+        assert toks == truth, (block, toks, truth)
+    assert calls and set(calls) == {qwen3}  # the norms went in exactly when the target has them
+
+
+KERNEL_CHECK = textwrap.dedent("""
+    import torch
+    from dflash.backends import rope_cache as rc
+    from tests.test_rope_cache import _case
+
+    for args in ((20, 4, 4, 2, 16), (17, 16, 9, 3, 64), (3, 1, 2, 2, 32), (5, 0, 4, 2, 16, 64, 1, False)):
+        case = _case(*args) if len(args) > 5 else _case(*args, cap=128)  # odd counts, GQA 3, no norms
+        qkv, qn, kn, cos, sin, pos, kc, vc, tc, h, hkv = case
+        kr, vr = kc.clone(), vc.clone()
+        want = rc.rope_cache_reference(qkv, qn, kn, cos, sin, pos, kr, vr, tc, h, hkv)
+        got = rc.rope_cache(qkv, qn, kn, cos, sin, pos, kc, vc, tc, h, hkv)
+        assert got.shape == want.shape and got.transpose(1, 2).is_contiguous()
+        for a, b in ((got, want), (kc, kr), (vc, vr)):
+            err = (a - b).abs().max().item()
+            assert err < 1e-5, (args, err)
+    from tests.test_split_attention import assert_static_greedy
+    assert_static_greedy(attention="split", draft_linear=True, draft_rope=True, target_rope=True)
+    print("ok")
+""")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+def test_triton_kernel_in_interpreter():
+    """The kernel (Triton interpreter, float32) equals the reference: queries, keys and values
+    at their cache rows, the rest of the caches untouched, with norms and without; the static
+    backend with it in the draft and the target (and the split attention kernel) decodes plain
+    greedy."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(
+        [str(REPO), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", KERNEL_CHECK], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=600)  # fmt: skip
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
