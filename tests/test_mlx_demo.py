@@ -9,7 +9,7 @@ import pytest
 mx = pytest.importorskip("mlx.core")
 pytest.importorskip("mlx_lm")
 
-PROMPTS = ["What is 12 times 7?", "Name three primary colors."]
+PROMPTS = ["Name three primary colors."]  # one prompt: MLX's CPU decode costs ~18 s per prompt here
 N = 16
 
 

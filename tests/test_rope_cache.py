@@ -40,6 +40,15 @@ def test_switch(monkeypatch, tiny_target):
     assert not be.draft_rope and not be.target_rope  # CPU: no Triton projections
 
 
+def test_launch_checks_shapes():
+    """A qkv, table, position vector or cache that does not fit is a ValueError before launch."""
+    qkv, qn, kn, cos, sin, pos, kc, vc, tc, h, hkv = _case()
+    args = (qkv, qn.weight, kn.weight, 1e-6, 1e-6, cos, sin, pos, kc, vc, tc, h, hkv)
+    for i, bad in ((0, qkv[:, :-1]), (7, pos[:-1]), (5, cos[:, :, :-1]), (9, vc[:, :1])):
+        with pytest.raises(ValueError, match="rope_cache"):
+            rc._launch(*args[:i], bad, *args[i + 1:])
+
+
 def test_fits(tiny_target):
     from tests.test_static_backend import _custom_draft
 
@@ -156,6 +165,32 @@ KERNEL_CHECK = textwrap.dedent("""
             assert err < 1e-5, (args, err)
     from tests.test_split_attention import assert_static_greedy
     assert_static_greedy(attention="split", draft_linear=True, draft_rope=True, target_rope=True)
+    # the draft's logits with the kernel equal the torch ops' (tokens alone cannot show a draft error)
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from dflash.backends.static_torch import StaticBackend
+    from tests.test_static_backend import PROMPT, _custom_draft, _draft_twice
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+        initializer_range=0.3)).eval()
+    outs = []
+    for rope in (False, True):
+        be = StaticBackend(target, _custom_draft(target), torch.device("cpu"), use_graphs=False)
+        be.attention, be.draft_linear, be.draft_rope = "split", True, rope
+        outs.append(_draft_twice(be, PROMPT * 3))
+    for a, b in zip(*outs):
+        err = (a - b).abs().max().item()
+        assert err < 1e-4, err
+    with torch.no_grad():  # a Qwen3-style norm (variance_epsilon) through the kernel
+        from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+        qkv, qn, kn, cos, sin, pos, kc, vc, tc, h, hkv = _case(12, 4, 4, 2, 16, cap=64)
+        qn3, kn3 = Qwen3RMSNorm(16, eps=1e-6), Qwen3RMSNorm(16, eps=1e-5)
+        qn3.weight.copy_(qn.weight)
+        kn3.weight.copy_(kn.weight)
+        kr, vr = kc.clone(), vc.clone()
+        want = rc.rope_cache_reference(qkv, qn, kn, cos, sin, pos, kr, vr, tc, h, hkv)
+        got = rc.rope_cache(qkv, qn3, kn3, cos, sin, pos, kc, vc, tc, h, hkv)
+        assert (got - want).abs().max().item() < 1e-5 and (kc - kr).abs().max().item() < 1e-5
     print("ok")
 """)
 

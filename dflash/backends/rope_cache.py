@@ -130,9 +130,11 @@ def _launch(qkv, q_w, k_w, eps_q, eps_k, cos, sin, pos, kc, vc, tc, heads, kv_he
     d = kc.shape[-1]
     cos, sin = cos[0, 0], sin[0, 0]  # [T, D]: sliced here, inside the op (see rope_cache)
     if width != (heads + 2 * kv_heads) * d or qkv.stride(1) != 1 or cos.stride(-1) != 1 \
-            or sin.stride() != cos.stride():
+            or sin.stride() != cos.stride() or cos.shape[0] != t or pos.shape != (t,) or pos.stride(0) != 1 \
+            or kc.shape[1] != kv_heads or vc.shape != kc.shape or kc.stride(-1) != 1 or vc.stride(-1) != 1:
         raise ValueError(f"rope_cache: qkv {tuple(qkv.shape)} (strides {qkv.stride()}) does not fit "
-                         f"{heads} + 2 x {kv_heads} heads of {d}, or cos/sin are not row-major")  # fmt: skip
+                         f"{heads} + 2 x {kv_heads} heads of {d}, cos/sin {tuple(cos.shape)}, positions "
+                         f"{tuple(pos.shape)} and caches {tuple(kc.shape)} / {tuple(vc.shape)}")  # fmt: skip
     q = qkv.new_empty(1, t - tc, heads, d).transpose(1, 2)  # [1, H, L, D]
     pdl = pdl_enabled(qkv.device)
     norm = q_w is not None

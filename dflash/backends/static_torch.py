@@ -184,9 +184,10 @@ class StaticBackend(TransformersBackend):
         self.draft_linear_in = self.draft_linear and linear == "all"  # qkv, gate+up too
         # q/k (norm +) RoPE + cache writes as one kernel (see dflash.backends.rope_cache)
         parts = rope_parts()  # a bad DFLASH_ROPE errs on CPU too
-        self.draft_rope = "draft" in parts and self.draft_linear
+        split = self.attention != "sdpa"  # the kernel feeds the split-KV attention only
+        self.draft_rope = "draft" in parts and self.draft_linear and split
         attn = target.model.layers[0].self_attn
-        self.target_rope = ("target" in parts and self.linear != "torch"
+        self.target_rope = ("target" in parts and self.linear != "torch" and split
                             and rope_cache_fits(attn, self.dtype, norms=hasattr(attn, "q_norm")))  # fmt: skip
         pdl_enabled(device, inductor=True)  # a bad DFLASH_PDL is an error before any capture
         self.capacity = 0
