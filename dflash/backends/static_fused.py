@@ -209,10 +209,19 @@ def _out_proj(lin: bool, proj, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor
     return x + proj(h)
 
 
-def _in_proj(lin: bool, fused: FusedLinear, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """fused(x) for [1, T, in] activations: one small_linear kernel when ``lin`` (and T fits)."""
+def _in_proj_joint(lin: bool, fused: FusedLinear, x: torch.Tensor) -> torch.Tensor:
+    """The fused projection of [1, T, in] activations, unsplit: [T, sum(out_i)]; one
+    small_linear kernel when ``lin`` (and T fits)."""
     if lin and x.shape[1] <= LINEAR_MAX_ROWS:
-        return small_linear(x[0], fused.weight, fused.bias)[None].split(fused.sizes, dim=-1)
+        return small_linear(x[0], fused.weight, fused.bias)
+    return F.linear(x[0], fused.weight, fused.bias)
+
+
+def _in_proj(lin: bool, fused: FusedLinear, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """fused(x) for [1, T, in] activations, one [1, T, out_i] view per part (as
+    :func:`_in_proj_joint`; off the kernel the 3-D matmul, fewer eager ops)."""
+    if lin and x.shape[1] <= LINEAR_MAX_ROWS:
+        return _in_proj_joint(lin, fused, x)[None].split(fused.sizes, dim=-1)
     return fused(x)
 
 
@@ -244,7 +253,7 @@ def target_forward_fused(be, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tens
         a, (qkv, gate_up) = layer.self_attn, be.fused_target[i]
         h = layer.input_layernorm(x)
         if rope:
-            raw = small_linear(h[0], qkv.weight, qkv.bias) if lin_in else F.linear(h[0], qkv.weight, qkv.bias)
+            raw = _in_proj_joint(lin_in, qkv, h)  # [T, (H + 2 Hkv) D]
             norms = (a.q_norm, a.k_norm) if hasattr(a, "q_norm") else (None, None)  # Qwen3
             q = rope_cache(raw, *norms, cos, sin, pos[0], be.k[i], be.v[i], 0, be.heads, be.kv_heads)
             o = split_attention(q, be.k[i], be.v[i], pos[0], a.scaling)
@@ -294,9 +303,9 @@ def draft_forward_fused(draft, fused, block_embeds, target_hidden, q_pos, ctx_po
 
     ``lin``: o_proj and down_proj with their residual adds run as
     :func:`~dflash.backends.small_linear.small_linear` kernels; ``lin_in``: the fused qkv and
-    gate+up projections too; ``rope``: in ``split_kinds`` layers (that fit,
-    :func:`~dflash.backends.rope_cache.rope_cache_fits`) the q/k norm, RoPE and the context and
-    block rows' cache writes run as one :func:`~dflash.backends.rope_cache.rope_cache` kernel.
+    gate+up projections too; ``rope``: in ``split_kinds`` layers the q/k norm, RoPE and the
+    context and block rows' cache writes run as one :func:`~dflash.backends.rope_cache.rope_cache`
+    kernel (the caller checks :func:`draft_rope_fits`).
     """
     cfg, tc, lq = draft.config, target_hidden.shape[1], block_embeds.shape[1]
     groups = cfg.num_attention_heads // cfg.num_key_value_heads
@@ -315,9 +324,8 @@ def draft_forward_fused(draft, fused, block_embeds, target_hidden, q_pos, ctx_po
         a, (qkv, gate_up) = layer.self_attn, fused[i]
         d, kind = a.head_dim, cfg.layer_types[i]
         x = torch.cat((ctx, layer.input_layernorm(h)), 1)  # [1, Tc + L, H]
-        if wpos is not None and kind in split_kinds and rope_cache_fits(a, x.dtype):
-            raw = small_linear(x[0], qkv.weight, qkv.bias) if lin_in and tc + lq <= LINEAR_MAX_ROWS \
-                else F.linear(x[0], qkv.weight, qkv.bias)  # [Tc + L, (H + 2 Hkv) D]
+        if wpos is not None and kind in split_kinds:
+            raw = _in_proj_joint(lin_in, qkv, x)  # [Tc + L, (H + 2 Hkv) D]
             kc, vc = cache.keys[i], cache.values[i]
             q = rope_cache(raw, a.q_norm, a.k_norm, cos, sin, wpos, kc, vc, tc, a.heads, a.kv_heads)
             out = split_attention(q, kc, vc, see, None)
@@ -339,6 +347,13 @@ def draft_forward_fused(draft, fused, block_embeds, target_hidden, q_pos, ctx_po
         h = _out_proj(lin, a.o_proj, out, h)
         h = _mlp(lin, lin_in, gate_up, layer.mlp.down_proj, F.silu, layer.post_attention_layernorm(h), h)
     return draft.norm(h)
+
+
+def draft_rope_fits(draft) -> bool:
+    """Whether :func:`draft_forward_fused` can run with ``rope`` (every layer's attention fits
+    :func:`~dflash.backends.rope_cache.rope_cache_fits` in the draft's dtype)."""
+    dtype = draft.norm.weight.dtype
+    return all(rope_cache_fits(layer.self_attn, dtype) for layer in draft.layers)
 
 
 def draft_small_linear_fits(draft) -> bool:

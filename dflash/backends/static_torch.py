@@ -41,6 +41,7 @@ from dflash.backends.small_linear import (
 from dflash.backends.split_attention import attention_mode, uses_kernel
 from dflash.backends.static_fused import (
     draft_forward_fused,
+    draft_rope_fits,
     draft_small_linear_fits,
     fuse_default,
     fuse_draft,
@@ -185,7 +186,7 @@ class StaticBackend(TransformersBackend):
         # q/k (norm +) RoPE + cache writes as one kernel (see dflash.backends.rope_cache)
         parts = rope_parts()  # a bad DFLASH_ROPE errs on CPU too
         split = self.attention != "sdpa"  # the kernel feeds the split-KV attention only
-        self.draft_rope = "draft" in parts and self.draft_linear and split
+        self.draft_rope = "draft" in parts and self.draft_linear and split and draft_rope_fits(draft)
         attn = target.model.layers[0].self_attn
         self.target_rope = ("target" in parts and self.linear != "torch" and split
                             and rope_cache_fits(attn, self.dtype, norms=hasattr(attn, "q_norm")))  # fmt: skip
