@@ -54,6 +54,20 @@ def test_reference_algorithm_equals_masked_sdpa(shape):
     assert torch.equal(sa.split_attention_reference(q, k2, v2, pos, 0.1), got)
 
 
+def test_one_position_for_every_row():
+    """pos [1] gives every query row that position (a draft block that sees all of itself): the
+    same result as the expanded [T] positions; any other length is a ValueError at launch."""
+    q, k, v, pos = _inputs(9, 3, 16, 64, 256, 100)
+    last = pos[-1:]
+    assert torch.equal(sa.split_attention_reference(q, k, v, last, 0.1),
+                       sa.split_attention_reference(q, k, v, last.expand(16).clone(), 0.1))  # fmt: skip
+    assert torch.allclose(sa.split_attention_reference(q, k, v, last, 0.1),
+                          masked_sdpa(q, k, v, last.expand(16), 0.1), atol=2e-6, rtol=1e-5)  # fmt: skip
+    if sa.triton is not None:
+        with pytest.raises(ValueError, match="positions"):
+            sa.split_attention_kernel(q, k, v, pos[:3], 0.1, 64)
+
+
 def test_attention_switches(monkeypatch):
     monkeypatch.setenv("DFLASH_ATTN", "sdpa")
     assert sa.attention_mode(torch.device("cuda")) == "sdpa"
@@ -138,6 +152,12 @@ KERNEL_CHECK = textwrap.dedent("""
     want = masked_sdpa(q, k, v, pos, 0.1)
     k[:, :, 116:], v[:, :, 116:] = float("inf"), float("nan")
     err = (sa.split_attention(q, k, v, pos, 0.1) - want).abs().max().item()
+    assert err < 1e-5, err
+    # one position for every row, as a [1] view into a longer tensor (the draft's block rows)
+    q, k, v, _ = _inputs(9, 3, 16, 64, 256, 100)
+    full = torch.arange(80, 140)
+    want = masked_sdpa(q, k, v, full[35:36].expand(16), 0.1)
+    err = (sa.split_attention(q, k, v, full[35:36], 0.1) - want).abs().max().item()
     assert err < 1e-5, err
     del os.environ["DFLASH_ATTN_SPLIT"]
     # the fused static forward with the kernel: plain greedy tokens

@@ -115,7 +115,7 @@ if triton is not None:
                  mask=live[:, None])  # fmt: skip
 
     @triton.jit
-    def _split_kernel(Q, K, V, POS, OUT, PO, PL, CNT, scale_log2, cap,
+    def _split_kernel(Q, K, V, POS, OUT, PO, PL, CNT, scale_log2, cap, s_pos,
                       s_qh, s_qt, s_kh, s_ks, s_vh, s_vs, s_oh, s_ot, s_ph, s_ps, s_pr, s_lh, s_ls,
                       T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr,
                       SPLIT_N: tl.constexpr, BLOCK: tl.constexpr, IEEE: tl.constexpr,
@@ -130,10 +130,10 @@ if triton is not None:
         g = r // T
         t = r % T
         d = tl.arange(0, D)
-        qpos = tl.load(POS + t, mask=live, other=-1)  # [ROWS] position of each query row
+        qpos = tl.load(POS + t * s_pos, mask=live, other=-1)  # [ROWS] position of each query row
         # keys at positions < filled exist; clamped so that a position past the cache can never
         # leave a slice counter unreset (every slice counted then exists)
-        filled = tl.minimum(tl.load(POS + T - 1) + 1, cap)
+        filled = tl.minimum(tl.load(POS + (T - 1) * s_pos) + 1, cap)
         slices = (filled + SPLIT_N - 1) // SPLIT_N  # slices holding keys; later programs idle
         lo = sp * SPLIT_N
         if lo < filled:
@@ -239,11 +239,15 @@ def split_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
         q: [1, H, T, D] queries (any strides with a unit last stride).
         k, v: [1, Hkv, S, D] contiguous caches; S a multiple of ``split``.
         pos: [T] int64 positions of the query rows, ascending (the last is the largest); row t
-            sees keys at positions <= pos[t].
+            sees keys at positions <= pos[t]. [1]: one position for every row (read in place,
+            any stride: a view of a longer tensor costs no copy).
         scale: softmax scale (e.g. 1/sqrt(D)).
         split: keys per program (a multiple of 64).
     Returns:
         [1, H, T, D] in q's dtype (memory laid out as [1, T, H, D]).
+
+    Raises:
+        ValueError: ``pos`` is neither [T] nor [1].
 
     Launches on one device must not touch the counters at the same time: true of one stream and
     of graphs replayed on one stream. With PDL (``DFLASH_PDL``) a launch may start while the
@@ -252,14 +256,17 @@ def split_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
     _, h, t, dim = q.shape
     hkv, cap = k.shape[1], k.shape[2]
     groups, nsplit, rows = h // hkv, cap // split, _rows(h // hkv, t)
+    if pos.dim() != 1 or pos.shape[0] not in (1, t):
+        raise ValueError(f"split_attention: positions {tuple(pos.shape)} for {t} query rows (want [{t}] or [1])")
     q = q if q.stride(-1) == 1 else q.contiguous()
-    k, v, pos = k.contiguous(), v.contiguous(), pos.contiguous()  # no-ops for the caches
+    k, v = k.contiguous(), v.contiguous()  # no-ops for the caches
+    s_pos = 0 if pos.shape[0] == 1 else pos.stride(0)  # [1]: every row reads the one position
     out = _out_like(q)
     pdl = pdl_enabled(q.device)
     po = torch.empty(hkv, nsplit, rows, dim, dtype=torch.float32, device=q.device)
     pl = torch.empty(hkv, nsplit, rows, dtype=torch.float32, device=q.device)
     _split_kernel[(hkv, nsplit)](
-        q, k, v, pos, out, po, pl, _counters(q.device, hkv), scale * math.log2(math.e), cap,
+        q, k, v, pos, out, po, pl, _counters(q.device, hkv), scale * math.log2(math.e), cap, s_pos,
         q.stride(1), q.stride(2), k.stride(1), k.stride(2), v.stride(1), v.stride(2),
         out.stride(1), out.stride(2), po.stride(0), po.stride(1), po.stride(2),
         pl.stride(0), pl.stride(1),
@@ -302,7 +309,7 @@ def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torc
         the split size, :func:`split_size`); pos: [T] int64 positions of the query rows
         (ascending; the last is the largest: keys at positions > pos[-1] are never read);
         scale: None = 1/sqrt(D). Non-causal rows (a draft block that sees all of itself):
-        give every row the block's last position.
+        give every row the block's last position, e.g. as a [1] view (``pos[-1:]``).
     Returns:
         [1, H, T, D] in q's dtype.
 
@@ -322,6 +329,7 @@ def split_attention_reference(q, k, v, pos, scale, split: int = SPLIT) -> torch.
     For tests on machines without Triton; same arguments as :func:`split_attention`."""
     _, h, t, dim = q.shape
     hkv, cap = k.shape[1], k.shape[2]
+    pos = pos.expand(t) if pos.shape[0] == 1 else pos  # [1]: one position for every row
     groups, filled, split = h // hkv, int(pos[-1]) + 1, math.gcd(split, cap)
     scale = dim**-0.5 if scale is None else scale
     rows = _rows(groups, t)

@@ -316,9 +316,9 @@ def draft_forward_fused(draft, fused, block_embeds, target_hidden, q_pos, ctx_po
     cos, sin = rope_cos_sin(torch.cat((ctx_pos, q_pos), 1), draft.inv_freq, draft.rope_scale,
                             block_embeds.dtype)  # [1, 1, Tc + L, D], shared by layers  # fmt: skip
     h = block_embeds
-    # [L] every row sees keys < start + L; contiguous (clone), so the split kernel's .contiguous()
-    # copies nothing (Inductor still materialises it once per layer: ~1 us each on the H200)
-    see = q_pos[0, -1:].expand(lq).clone() if split_kinds else None
+    # [1] every block row sees the keys < start + L: a view the split kernel reads in place (an
+    # expanded [L] copy was materialised once per layer by Inductor: ~1 us each on the H200)
+    see = q_pos[0, -1:] if split_kinds else None
     wpos = torch.cat((cache.write_pos, q_pos[0])) if rope and split_kinds else None  # [Tc + L] cache rows
     for i, layer in enumerate(draft.layers):
         a, (qkv, gate_up) = layer.self_attn, fused[i]
