@@ -222,6 +222,22 @@ seq)  # no carry: every kernel of the device loop's graphs in launch order, PDL 
   DFLASH_PDL=0 timeout 250 python3 scripts/kernel_count.py --random-target --variants fused --prompt-len 160 \
     --sequence --out "$OUT/kernels-seq.json" > /tmp/kseq.log 2>&1; echo "rc $?"; grep -v Warn /tmp/kseq.log | tail -n 9
   ;;
+prefetch)  # no carry: DFLASH_PREFETCH (L2 prefetch of a layer's weights after its qkv projection,
+  # side stream): a GEMV after a prefetch against cold, then the 8B shape's block-1 step per budget
+  timeout 150 python3 scripts/l2_prefetch_check.py --out "$OUT/l2_check.json" 2>&1 | grep -v Warn | tail -n 8
+  for v in ${PREFETCH_MIB:-0 16 32 48}; do
+    DFLASH_PREFETCH=$v timeout 150 python3 scripts/bench_big.py --shape qwen3-8b --blocks 1 --steps 16 --out "/tmp/bbp-$v" \
+      > "/tmp/bbp-$v.log" 2>&1; echo "prefetch $v rc $?"; cp "/tmp/bbp-$v/bench_big.json" "$OUT/bench_big-q8b-prefetch-$v.json"
+    echo "prefetch $v $(grep -o '"ms_per_step": [0-9.]*' "/tmp/bbp-$v.log" | cut -d' ' -f2 | tr '\n' ' ') $(grep -o '"x_floor": [0-9.]*' "/tmp/bbp-$v.log" | tr '\n' ' ')"
+    grep -i "error\|failed" "/tmp/bbp-$v.log" | grep -v Warn | head -n 3
+  done
+  ;;
+prefetchdemo)  # no carry: DFLASH_PREFETCH 0 against ${PREFETCH_MIB:-8} on the demo shape's loop timings
+  for v in 0 ${PREFETCH_MIB:-8}; do
+    DFLASH_PREFETCH=$v timeout 200 python3 scripts/kernel_count.py --random-target --variants fused --prompt-len 160 \
+      --out "$OUT/kernels-prefetch-$v.json" > "/tmp/kp-$v.log" 2>&1; echo "prefetch $v rc $?"; grep -v Warn "/tmp/kp-$v.log" | tail -n 9
+  done
+  ;;
 rope)  # no carry: DFLASH_ROPE (q/k norm + RoPE + cache writes in one kernel) 0 against 1: bf16
   # error against the torch ops, loop timings (demo shape, PDL default) with each graph's kernel
   # sequence, then the 8B shape's block-1 step

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from dflash.backends import l2_prefetch
 from dflash.backends.rope_cache import rope_cache, rope_cache_fits
 from dflash.backends.small_linear import MAX_ROWS as LINEAR_MAX_ROWS
 from dflash.backends.small_linear import small_linear
@@ -231,6 +232,11 @@ def _mlp(lin: bool, lin_in: bool, gate_up: FusedLinear, down, act, h: torch.Tens
     return _out_proj(lin, down, act(g) * u, x)
 
 
+def _after_qkv(attn, gate_up: FusedLinear, mlp) -> tuple[torch.Tensor, ...]:
+    """The weights a layer reads after its qkv projection, in order: o_proj, gate+up, down_proj."""
+    return attn.o_proj.weight, gate_up.weight, mlp.down_proj.weight
+
+
 def target_forward_fused(be, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     """The static target forward of ``be`` (a StaticBackend) with fused projections.
 
@@ -248,17 +254,22 @@ def target_forward_fused(be, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tens
     lin = t <= LINEAR_MAX_ROWS and getattr(be, "linear", "torch") in ("triton", "all")  # residual adds fused in
     lin_in = lin and be.linear == "all"  # the qkv and gate+up projections too
     rope = split and getattr(be, "target_rope", False)  # q/k (norm +) RoPE + cache writes: one kernel
+    pf = t <= LINEAR_MAX_ROWS and getattr(be, "prefetch", 0)  # L2 prefetch bytes per layer
     slots: list[torch.Tensor] = [None] * len(be.layer_ids)  # type: ignore[list-item]
     for i, layer in enumerate(be.target.model.layers):
         a, (qkv, gate_up) = layer.self_attn, be.fused_target[i]
         h = layer.input_layernorm(x)
         if rope:
             raw = _in_proj_joint(lin_in, qkv, h)  # [T, (H + 2 Hkv) D]
+            if pf:
+                l2_prefetch.prefetch(be.l2_sink, raw, _after_qkv(a, gate_up, layer.mlp), pf)
             norms = (a.q_norm, a.k_norm) if hasattr(a, "q_norm") else (None, None)  # Qwen3
             q = rope_cache(raw, *norms, cos, sin, pos[0], be.k[i], be.v[i], 0, be.heads, be.kv_heads)
             o = split_attention(q, be.k[i], be.v[i], pos[0], a.scaling)
         else:
             q, k, v = _in_proj(lin_in, qkv, h)
+            if pf:
+                l2_prefetch.prefetch(be.l2_sink, q, _after_qkv(a, gate_up, layer.mlp), pf)
             q, k = q.view(1, t, be.heads, hd), k.view(1, t, be.kv_heads, hd)
             if hasattr(a, "q_norm"):  # Qwen3
                 q, k = a.q_norm(q), a.k_norm(k)
@@ -276,6 +287,8 @@ def target_forward_fused(be, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tens
         if i < be.n_layers - 1:
             for n in be.feature_layers.get(i, ()):
                 slots[n] = x[0]
+    if pf:
+        l2_prefetch.join(be.l2_sink)
     x = be.target.model.norm(x)
     for n in be.feature_layers.get(be.n_layers - 1, ()):  # HF's hidden_states[N] is final-normed
         slots[n] = x[0]
@@ -287,7 +300,7 @@ def target_forward_fused(be, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tens
 
 def draft_forward_fused(draft, fused, block_embeds, target_hidden, q_pos, ctx_pos, cache, masks,
                         pack_gqa: bool = False, split_kinds=frozenset(), lin: bool = False,
-                        lin_in: bool = False, rope: bool = False):  # fmt: skip
+                        lin_in: bool = False, rope: bool = False, prefetch=None):  # fmt: skip
     """:meth:`DFlashDraft.forward` for the static cache with fused projections.
 
     Context and block rows go through one QKV matmul ([Tc + L] rows; the context rows' Q is
@@ -305,7 +318,9 @@ def draft_forward_fused(draft, fused, block_embeds, target_hidden, q_pos, ctx_po
     :func:`~dflash.backends.small_linear.small_linear` kernels; ``lin_in``: the fused qkv and
     gate+up projections too; ``rope``: in ``split_kinds`` layers the q/k norm, RoPE and the
     context and block rows' cache writes run as one :func:`~dflash.backends.rope_cache.rope_cache`
-    kernel (the caller checks :func:`draft_rope_fits`).
+    kernel (the caller checks :func:`draft_rope_fits`); ``prefetch``: (sink, bytes) for an L2
+    prefetch of each layer's o_proj, gate+up and down_proj weights after its qkv projection
+    (:mod:`dflash.backends.l2_prefetch`), or None.
     """
     cfg, tc, lq = draft.config, target_hidden.shape[1], block_embeds.shape[1]
     groups = cfg.num_attention_heads // cfg.num_key_value_heads
@@ -326,11 +341,15 @@ def draft_forward_fused(draft, fused, block_embeds, target_hidden, q_pos, ctx_po
         x = torch.cat((ctx, layer.input_layernorm(h)), 1)  # [1, Tc + L, H]
         if wpos is not None and kind in split_kinds:
             raw = _in_proj_joint(lin_in, qkv, x)  # [Tc + L, (H + 2 Hkv) D]
+            if prefetch:
+                l2_prefetch.prefetch(prefetch[0], raw, _after_qkv(a, gate_up, layer.mlp), prefetch[1])
             kc, vc = cache.keys[i], cache.values[i]
             q = rope_cache(raw, a.q_norm, a.k_norm, cos, sin, wpos, kc, vc, tc, a.heads, a.kv_heads)
             out = split_attention(q, kc, vc, see, None)
         else:
             q, k, v = _in_proj(lin_in, qkv, x)  # [1, Tc + L, *]
+            if prefetch:
+                l2_prefetch.prefetch(prefetch[0], q, _after_qkv(a, gate_up, layer.mlp), prefetch[1])
             q = _rotate(a.q_norm(q[:, tc:].view(1, lq, a.heads, d).transpose(1, 2)),
                         cos[:, :, tc:], sin[:, :, tc:])  # fmt: skip
             k = _rotate(a.k_norm(k.view(1, tc + lq, a.kv_heads, d).transpose(1, 2)), cos, sin)
@@ -346,6 +365,8 @@ def draft_forward_fused(draft, fused, block_embeds, target_hidden, q_pos, ctx_po
         out = out.transpose(1, 2).reshape(1, lq, a.heads * d)
         h = _out_proj(lin, a.o_proj, out, h)
         h = _mlp(lin, lin_in, gate_up, layer.mlp.down_proj, F.silu, layer.post_attention_layernorm(h), h)
+    if prefetch:
+        l2_prefetch.join(prefetch[0])
     return draft.norm(h)
 
 

@@ -30,6 +30,7 @@ from dflash.backends.graph_plan import (
     plan_graphs,
     warm_replays,
 )
+from dflash.backends.l2_prefetch import prefetch_budget
 from dflash.backends.rope_cache import rope_cache_fits, rope_parts
 from dflash.backends.small_linear import (
     MAX_ROWS,
@@ -191,6 +192,10 @@ class StaticBackend(TransformersBackend):
         self.target_rope = ("target" in parts and self.linear != "torch" and split
                             and rope_cache_fits(attn, self.dtype, norms=hasattr(attn, "q_norm")))  # fmt: skip
         pdl_enabled(device, inductor=True)  # a bad DFLASH_PDL is an error before any capture
+        # L2 prefetch of each layer's weights after its qkv projection (dflash.backends.l2_prefetch)
+        budget = prefetch_budget(device)  # a bad DFLASH_PREFETCH errs on CPU too
+        self.prefetch = budget if self.fused_target is not None and self.use_graphs else 0
+        self.l2_sink = torch.zeros(1, device=device)  # orders the prefetches before their join
         self.capacity = 0
         if device_loop is None:
             device_loop = device_loop_default() and self.use_graphs
@@ -315,7 +320,8 @@ class StaticBackend(TransformersBackend):
             lin = self.draft_linear and length <= MAX_ROWS  # residual adds fused in
             h = draft_forward_fused(self.draft_model, self.fused_draft, embeds, ctx, q_pos, ctx_pos[None],
                                     self.dcache, masks, self.pack_gqa, kinds, lin,
-                                    lin and self.draft_linear_in, lin and self.draft_rope)  # fmt: skip
+                                    lin and self.draft_linear_in, lin and self.draft_rope,
+                                    (self.l2_sink, self.prefetch) if self.prefetch and lin else None)  # fmt: skip
         else:
             h = self.draft_model(embeds, ctx, q_pos, ctx_pos[None], cache=self.dcache, masks=masks)
         logits = self.lm_head(h[0, 1:])  # [L-1, V]
@@ -367,7 +373,7 @@ class StaticBackend(TransformersBackend):
 
     def _fall_back(self, error: Exception, part: str | None = None) -> bool:
         """After a failed capture, turn off the next optional piece, with one line on stderr:
-        programmatic dependent launch (when it was on for the failed capture of ``part``, "draft"
+        the L2 weight prefetch (``DFLASH_PREFETCH``), then programmatic dependent launch (when it was on for the failed capture of ``part``, "draft"
         or "target"; the forwards compile again), then the RoPE + cache-write kernel
         (``DFLASH_ROPE``), then the Triton projections (cuBLAS instead),
         then the split-KV kernel (SDPA), then ``torch.compile`` (eager ops). Returns False when
@@ -376,7 +382,10 @@ class StaticBackend(TransformersBackend):
         The forwards read these switches while tracing, so the next capture traces again;
         graphs captured before keep what they had (every variant gives the target's tokens)."""
         why = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:200]}"
-        if disable_pdl(self.device, part):  # compiled code has no guard on it: compile again
+        if self.prefetch:
+            self.prefetch = 0
+            what, fix = "the L2 weight prefetch", "no prefetch (DFLASH_PREFETCH=0 silences this)"
+        elif disable_pdl(self.device, part):  # compiled code has no guard on it: compile again
             self._compiled.clear()
             if self.device_loop is not None:
                 self.device_loop._compiled.clear()
@@ -511,5 +520,5 @@ class StaticBackend(TransformersBackend):
                 "verify_widths": list(self.plan.verify_widths),
                 "device_loop": self.device_loop is not None,
                 "attention": self.attention, "linear": self.linear,
-                "draft_linear": self.draft_linear, "rope_kernel": {"draft": self.draft_rope,
-                                                                   "target": self.target_rope}}  # fmt: skip
+                "draft_linear": self.draft_linear, "l2_prefetch_bytes": self.prefetch,
+                "rope_kernel": {"draft": self.draft_rope, "target": self.target_rope}}  # fmt: skip

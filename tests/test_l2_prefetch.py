@@ -1,0 +1,139 @@
+"""L2 weight prefetch on a side stream (dflash.backends.l2_prefetch): the switch, the byte plan,
+where the static forwards ask for it (every layer after its qkv projection, one join per forward;
+tokens unchanged) and the capture fall-back. The kernel itself (PTX prefetches) needs a GPU:
+``scripts/l2_prefetch_check.py`` and ``scripts/h200_speed_session.sh prefetch``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash.backends import l2_prefetch as lp
+from dflash.errors import InputError
+
+
+def test_budget_switch(monkeypatch, tiny_target):
+    """DFLASH_PREFETCH is MiB per layer (default off); a bad value is a one-line error when a
+    backend is built, on CPU too; off CUDA (or without Triton) the budget is 0."""
+    from dflash.backends.static_torch import StaticBackend
+    from tests.conftest import make_draft
+
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(lp, "triton", object())  # as with Triton installed
+    monkeypatch.delenv("DFLASH_PREFETCH", raising=False)
+    assert lp.prefetch_budget(cuda) == lp.DEFAULT_MIB << 20
+    monkeypatch.setenv("DFLASH_PREFETCH", "24")
+    assert lp.prefetch_budget(cuda) == 24 << 20 and lp.prefetch_budget(torch.device("cpu")) == 0
+    monkeypatch.setenv("DFLASH_PREFETCH", "0")
+    assert lp.prefetch_budget(cuda) == 0
+    monkeypatch.setenv("DFLASH_PREFETCH", "lots")
+    with pytest.raises(InputError, match="DFLASH_PREFETCH must be a whole number of MiB"):
+        StaticBackend(tiny_target, make_draft(tiny_target), torch.device("cpu"), use_graphs=False)
+    monkeypatch.setenv("DFLASH_PREFETCH", "24")
+    be = StaticBackend(tiny_target, make_draft(tiny_target), torch.device("cpu"), use_graphs=False)
+    assert be.prefetch == 0 and be.describe()["l2_prefetch_bytes"] == 0
+
+
+def test_plan_takes_weights_in_order_up_to_the_budget():
+    a, b, c = torch.zeros(100, dtype=torch.bfloat16), torch.zeros(50, dtype=torch.bfloat16), torch.zeros(30)
+    assert [(w is x, n) for (w, n), x in zip(lp.plan((a, b, c), 250), (a, b), strict=True)] == [(True, 100), (True, 25)]
+    assert [n for _, n in lp.plan((a, b, c), 10_000)] == [100, 50, 30]
+    assert lp.plan((a, b), 1) == [] and lp.plan((a,), 0) == []
+
+
+def test_forwards_prefetch_each_layer_after_qkv_and_join_once(tiny_target, monkeypatch):
+    """With a budget, every layer of the target's forwards (up to 32 rows) and of the draft's asks
+    for its o_proj, gate+up and down_proj weights, in that order, after its qkv projection, and
+    each such forward joins once at its end; greedy tokens are plain greedy decoding's."""
+    from dflash.backends import static_fused
+    from dflash.backends.static_torch import StaticBackend
+    from dflash.loop import speculative_generate
+    from tests.conftest import make_draft
+    from tests.test_loop_scripted import PROMPT, greedy_reference
+
+    draft = make_draft(tiny_target)
+    be = StaticBackend(tiny_target, draft, torch.device("cpu"), use_graphs=False, device_loop=True)
+    be.draft_linear, be.prefetch = True, 3 << 20
+    events = []
+
+    def spy(sink, after, weights, budget):
+        assert sink is be.l2_sink and budget == 3 << 20 and after.shape[-1] > 0
+        events.append(tuple(weights))
+
+    monkeypatch.setattr(static_fused.l2_prefetch, "prefetch", spy)
+    monkeypatch.setattr(static_fused.l2_prefetch, "join", lambda sink: events.append("join"))
+    truth = greedy_reference(tiny_target, PROMPT, 24)
+    toks = [t for r in speculative_generate(be, PROMPT, block_size=16, max_new_tokens=24) for t in r.tokens]
+    assert toks == truth
+    t_layers = [(lay.self_attn.o_proj.weight, fu[1].weight, lay.mlp.down_proj.weight)
+                for lay, fu in zip(tiny_target.model.layers, be.fused_target, strict=True)]  # fmt: skip
+    d_layers = [(lay.self_attn.o_proj.weight, fu[1].weight, lay.mlp.down_proj.weight)
+                for lay, fu in zip(draft.layers, be.fused_draft, strict=True)]  # fmt: skip
+    forwards, cur = [], []
+    for e in events:
+        if e == "join":
+            forwards.append(cur)
+            cur = []
+        else:
+            cur.append(e)
+    assert not cur and len(forwards) >= 4
+    kinds = set()
+    for fw in forwards:
+        want = t_layers if len(fw) == len(t_layers) else d_layers
+        assert all(all(x is y for x, y in zip(got, exp, strict=True)) for got, exp in zip(fw, want, strict=True))
+        kinds.add(len(fw))
+    assert kinds == {len(t_layers), len(d_layers)}  # both the target's and the draft's forwards
+
+
+def test_capture_failure_with_prefetch_turns_it_off_first(tiny_target, capsys):
+    from dflash.backends.static_torch import StaticBackend
+    from tests.conftest import make_draft
+
+    be = StaticBackend(tiny_target, make_draft(tiny_target), torch.device("cpu"), use_graphs=False)
+    be.prefetch, be.linear, be.draft_linear = 1 << 20, "triton", True
+    seen = []
+
+    def fails_with_prefetch(fn, inputs):
+        seen.append(be.prefetch)
+        if be.prefetch:
+            raise RuntimeError("side stream not joined")
+        return "graph", "out", inputs
+
+    be._capture = fails_with_prefetch
+    assert be._graph("verify", 1, lambda: ("ids", "pos"))[1] == "out"
+    assert seen == [1 << 20, 0] and be.linear == "triton" and be.draft_linear
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["dflash: the L2 weight prefetch failed (RuntimeError: side stream not joined); "
+                   "continuing with no prefetch (DFLASH_PREFETCH=0 silences this)."]  # fmt: skip
+
+
+@pytest.mark.skipif(lp.triton is None, reason="Triton is not installed")
+def test_kernel_compiles_to_prefetches_for_hopper(tmp_path):
+    """The kernel compiles for sm_90 (the H200) without a GPU, and its machine code issues L2
+    prefetches (``CCTL.E.PF2``), 8 per thread for 1,024 lines over 128 threads. (The Triton
+    interpreter cannot run inline PTX.)"""
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig = {"A": "*bf16", "B": "*bf16", "C": "*bf16", "NA": "i32", "NB": "i32", "NC": "i32",
+           "STEP": "constexpr", "BLOCK": "constexpr"}  # fmt: skip
+    src = ASTSource(fn=lp._prefetch_kernel, signature=sig, constexprs={"STEP": 64, "BLOCK": lp.BLOCK})
+    try:
+        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32))
+    except RuntimeError as e:  # no ptxas in this Triton install
+        pytest.skip(f"cannot compile for sm_90 here: {e}")
+    ptx = kernel.asm["ptx"]
+    assert ptx.count("prefetch.global.L2 [") == lp.BLOCK // 128
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not tool.exists() and shutil.which("cuobjdump") is None:
+        return
+    cubin = tmp_path / "k.cubin"
+    cubin.write_bytes(kernel.asm["cubin"])
+    sass = subprocess.run([str(tool if tool.exists() else "cuobjdump"), "-sass", str(cubin)],
+                          capture_output=True, text=True, timeout=60).stdout  # fmt: skip
+    assert sass.count("CCTL.E.PF2") == lp.BLOCK // 128
