@@ -16,11 +16,14 @@
 #   pdldefault     (no carry)  PDL bit-for-bit check, 8B shape with PDL (the default since then) and without
 #   seq            (no carry)  every kernel of the loop's graphs in launch order (the twelfth session's first call)
 #   rope           (no carry)  DFLASH_ROPE=1 against 0: bf16 error, loop timings, 8B block 1 (twelfth session)
+#   prefetch       (no carry)  DFLASH_PREFETCH: L2 check, 8B block 1 per budget (thirteenth session, unmeasured)
+#   prefetchdemo   (no carry)  DFLASH_PREFETCH 0 against 8 MiB: demo-shape loop timings
 #   2-4 stage ab|ac|ad [torch|triton]  [.stage/t5/<part>]  (with an 8B-shaped bench_big meanwhile)
 #   5 bench      [.stage/t5/ae .stage/data]  gsm8k 64 (bf16, compile, parity) and one single generate;
-#                results in $OUT (b-gsm8k.jsonl / .txt, generate.json)
+#                results in $OUT (b-gsm8k.jsonl / .txt, generate.json, step_profile.json: GPU busy
+#                against wall per step on 4 real requests, PROFILE=0 skips it)
 set -u
-phase=${1:?usage: h200_speed_session.sh stage1|glue|stage PART [torch|triton]|bench [full]|kernels|attn|merge|next|pdl|pdl2|pdlprof|pdlk|pdlgraphs|pdlloop|benchpdl|pdldefault|seq|rope|big8b}
+phase=${1:?usage: h200_speed_session.sh stage1|glue|stage PART [torch|triton]|bench [full]|kernels|attn|merge|next|pdl|pdl2|pdlprof|pdlk|pdlgraphs|pdlloop|benchpdl|pdldefault|seq|rope|prefetch|prefetchdemo|big8b}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 DFLASH_CACHE=/tmp/dflash-cache
 OUT=${OUT:-/tmp/h200-out}; mkdir -p "$OUT"
 W=/tmp/demo; mkdir -p "$W/stage"
@@ -78,6 +81,10 @@ bench)  # the last part carried: .stage/t5/ae (20 MB parts) or .stage/t6/af (16.
   timeout 90 python3 -m dflash generate transformers --model "$GGUF" --draft "$D" "$P" --block-size 16 \
     --max-new-tokens 256 --json > "$OUT/generate.json" 2> "$OUT/generate.err"
   python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print({k: r[k] for k in ('decode_tok_per_s','decode_s','ttft_s','warmup_s','verify_steps','new_tokens')})" "$OUT/generate.json" || tail -n 3 "$OUT/generate.err"
+  if [ "${PROFILE:-1}" = 1 ]; then  # real requests: GPU busy against wall per step (thirteenth session)
+    timeout "${PROFILE_S:-150}" python3 scripts/step_profile.py --model "$GGUF" --draft "$D" --data-dir "$W/datasets" \
+      --n 4 --out "$OUT/step_profile.json" 2>&1 | grep '^{' | cut -c1-230
+  fi
   if [ "${2:-}" = full ]; then  # float32 parity on 16 prompts; HF generate in the same process
     timeout 150 "${B[@]}" --dataset gsm8k --max-samples 16 --block-size 16 --check-parity --dtype float32 \
       --output "$OUT/b-fp32.jsonl" > "$OUT/b-fp32.txt" 2>&1
