@@ -18,12 +18,13 @@
 #   rope           (no carry)  DFLASH_ROPE=1 against 0: bf16 error, loop timings, 8B block 1 (twelfth session)
 #   prefetch       (no carry)  DFLASH_PREFETCH: L2 check, 8B block 1 per budget (thirteenth session, unmeasured)
 #   prefetchdemo   (no carry)  DFLASH_PREFETCH 0 against 8 MiB: demo-shape loop timings
+#   exp13          (no carry)  default / DFLASH_STEP_COMPILE=1 / DFLASH_PREFETCH=8 / both: loop timings
 #   2-4 stage ab|ac|ad [torch|triton]  [.stage/t5/<part>]  (with an 8B-shaped bench_big meanwhile)
 #   5 bench      [.stage/t5/ae .stage/data]  gsm8k 64 (bf16, compile, parity) and one single generate;
 #                results in $OUT (b-gsm8k.jsonl / .txt, generate.json, step_profile.json: GPU busy
 #                against wall per step on 4 real requests, PROFILE=0 skips it)
 set -u
-phase=${1:?usage: h200_speed_session.sh stage1|glue|stage PART [torch|triton]|bench [full]|kernels|attn|merge|next|pdl|pdl2|pdlprof|pdlk|pdlgraphs|pdlloop|benchpdl|pdldefault|seq|rope|prefetch|prefetchdemo|big8b}
+phase=${1:?usage: h200_speed_session.sh stage1|glue|stage PART [torch|triton]|bench [full]|kernels|attn|merge|next|pdl|pdl2|pdlprof|pdlk|pdlgraphs|pdlloop|benchpdl|pdldefault|seq|rope|prefetch|prefetchdemo|exp13|big8b}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 DFLASH_CACHE=/tmp/dflash-cache
 OUT=${OUT:-/tmp/h200-out}; mkdir -p "$OUT"
 W=/tmp/demo; mkdir -p "$W/stage"
@@ -237,6 +238,17 @@ prefetch)  # no carry: DFLASH_PREFETCH (L2 prefetch of a layer's weights after i
       > "/tmp/bbp-$v.log" 2>&1; echo "prefetch $v rc $?"; cp "/tmp/bbp-$v/bench_big.json" "$OUT/bench_big-q8b-prefetch-$v.json"
     echo "prefetch $v $(grep -o '"ms_per_step": [0-9.]*' "/tmp/bbp-$v.log" | cut -d' ' -f2 | tr '\n' ' ') $(grep -o '"x_floor": [0-9.]*' "/tmp/bbp-$v.log" | tr '\n' ' ')"
     grep -i "error\|failed" "/tmp/bbp-$v.log" | grep -v Warn | head -n 3
+  done
+  ;;
+exp13)  # no carry: the thirteenth session's experiments on the demo shape's loop timings, side by
+  # side: the default (with --sequence: the draft graph without the per-layer position copies
+  # should have 59 kernels, was 64), DFLASH_STEP_COMPILE=1, DFLASH_PREFETCH=8, both
+  for v in base step pf8 both; do
+    case $v in base) E=(env); Q=(--sequence) ;; step) E=(env DFLASH_STEP_COMPILE=1); Q=() ;;
+      pf8) E=(env DFLASH_PREFETCH=8); Q=() ;; both) E=(env DFLASH_STEP_COMPILE=1 DFLASH_PREFETCH=8); Q=() ;; esac
+    "${E[@]}" timeout 170 python3 scripts/kernel_count.py --random-target --variants fused --prompt-len 160 \
+      "${Q[@]}" --out "$OUT/kernels-exp13-$v.json" > "/tmp/ke-$v.log" 2>&1; echo "$v rc $? at ${SECONDS}s"
+    grep -v Warn "/tmp/ke-$v.log" | grep -E "verify|draft|loop|step|fall" | cut -c1-120
   done
   ;;
 prefetchdemo)  # no carry: DFLASH_PREFETCH 0 against ${PREFETCH_MIB:-8} on the demo shape's loop timings

@@ -35,7 +35,26 @@ from dflash.backends.static_fused import row_argmax
 DEVICE_LOOP_ENV = "DFLASH_DEVICE_LOOP"
 RING = 4  # pinned host slots: at most two steps are in flight
 GLUE_ENV = "DFLASH_COMPILE_GLUE"
+STEP_ENV = "DFLASH_STEP_COMPILE"
 OFF = ("0", "false", "no", "off")
+
+
+def step_compile_default() -> bool:
+    """``DFLASH_STEP_COMPILE=1``: compile each device-loop graph's glue and forward as one
+    function (Inductor may fuse the glue into the forward's first and last kernels: the block's
+    ids into the embedding gather, the proposals' copy into the argmax) instead of the forward
+    and the glue apart; off by default until measured on a GPU. The forwards are compiled once
+    more for these graphs (the host loop's graphs keep theirs).
+
+    Raises:
+        InputError: another value than 0/1 (or unset).
+    """
+    raw = os.environ.get(STEP_ENV, "").strip().lower()
+    if raw not in ("", "0", "1"):
+        from dflash.errors import InputError
+
+        raise InputError(f"{STEP_ENV} must be 0 or 1, got {raw!r}.", hint="unset it for the default (0)")
+    return raw == "1"
 
 
 def device_loop_default() -> bool:
@@ -116,28 +135,30 @@ class DeviceLoop:
         self._compiled: dict[str, Any] = {}
 
     # -- glue captured in the graphs --------------------------------------------------------
-    def verify_step(self, width: int, verify_fn) -> None:
+    def verify_step(self, width: int, verify_fn, whole: bool = False) -> None:
         """Verify [anchor, props[:width-1]] at ``pos``, accept the longest greedy prefix (capped
         by ``lim`` and the budget), commit it plus the bonus token; writes ``last`` and moves the
-        state. No host sync."""
-        ids, pos = self._glue("verify_inputs", verify_inputs)(self.tok, self.props, self.pos, self.arange, width)
+        state. No host sync. ``whole``: the caller compiles this whole step (glue run as is)."""
+        ids, pos = self._glue("verify_inputs", verify_inputs, whole)(self.tok, self.props, self.pos, self.arange, width)
         logits = verify_fn(ids, pos)  # [W, V]
-        self._glue("commit", commit)(logits, self.props, self.tok, self.pos, self.n, self.budget,
-                                     self.lim, self.last, self.arange)  # fmt: skip
+        self._glue("commit", commit, whole)(logits, self.props, self.tok, self.pos, self.n, self.budget,
+                                            self.lim, self.last, self.arange)  # fmt: skip
 
-    def draft_step(self, draft_fn, ctx_pos: torch.Tensor | None = None) -> None:
+    def draft_step(self, draft_fn, ctx_pos: torch.Tensor | None = None, whole: bool = False) -> None:
         """Draft a block of width L at ``pos`` from the anchor ``tok``; proposals go to
         ``props``. The draft reads the context rows ``ctx_pos``, by default the last L committed
-        rows (clamped at 0 for short prompts: a row written twice gets the same values)."""
-        block, window = self._glue("draft_inputs", draft_inputs)(self.tok, self.mask_ids, self.pos, self.arange)
+        rows (clamped at 0 for short prompts: a row written twice gets the same values).
+        ``whole`` as :meth:`verify_step`."""
+        block, window = self._glue("draft_inputs", draft_inputs, whole)(self.tok, self.mask_ids, self.pos, self.arange)
         proposals, _ = draft_fn(block, self.pos, window if ctx_pos is None else ctx_pos)
         self.props.copy_(self.proposals_hook(proposals))
 
-    def _glue(self, name: str, fn):
+    def _glue(self, name: str, fn, whole: bool = False):
         """``fn`` as it runs in the graphs: compiled with the backend's forwards (one or two
         fused kernels instead of about 25 small ones per step, ~2.5 us each in a graph), else
-        eager. ``DFLASH_COMPILE_GLUE=0`` keeps it eager (side-by-side timing)."""
-        if not (self.be.compile and os.environ.get(GLUE_ENV, "1").strip().lower() not in OFF):
+        eager. ``DFLASH_COMPILE_GLUE=0`` keeps it eager (side-by-side timing); ``whole``: as is
+        (the caller compiles the step around it)."""
+        if whole or not (self.be.compile and os.environ.get(GLUE_ENV, "1").strip().lower() not in OFF):
             return fn
         if name not in self._compiled:
             self._compiled[name] = torch.compile(fn, dynamic=False)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import sys
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 import torch
@@ -52,7 +53,7 @@ from dflash.backends.static_fused import (
     small_linear_fits,
     target_forward_fused,
 )
-from dflash.backends.static_loop import DeviceLoop, device_loop_default
+from dflash.backends.static_loop import DeviceLoop, device_loop_default, step_compile_default
 from dflash.backends.transformers import TransformersBackend
 from dflash.errors import BackendError
 from dflash.models.draft_torch import DFlashDraft, rope_cos_sin
@@ -200,6 +201,7 @@ class StaticBackend(TransformersBackend):
         if device_loop is None:
             device_loop = device_loop_default() and self.use_graphs
         self.device_loop = DeviceLoop(self) if device_loop else None
+        self.step_compile = step_compile_default()  # a bad DFLASH_STEP_COMPILE errs on CPU too
         self.graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, Any, tuple]] = {}
         # --block-size auto picks among these widths (graphs captured when costs are timed).
         b = self.draft_block_size
@@ -331,6 +333,15 @@ class StaticBackend(TransformersBackend):
     def _fn(self, kind: str, width: int = 0):
         """The forward a graph captures: eager, or once wrapped in ``torch.compile``; for the
         device loop's kinds (``dverify``, ``ddraft``) its glue around that forward."""
+        if kind in ("dverify", "ddraft") and self.compile and self.step_compile:
+            key = f"{kind}-{width}"  # glue and forward traced as one function (DFLASH_STEP_COMPILE)
+            if key not in self._compiled:
+                inductor_cache_dir()
+                lp = self.device_loop
+                step = (partial(lp.verify_step, width, self._target_forward, whole=True) if kind == "dverify"
+                        else partial(lp.draft_step, self._draft_forward, whole=True))  # fmt: skip
+                self._compiled[key] = torch.compile(step, dynamic=False)
+            return self._compiled[key]
         if kind == "dverify":
             return lambda: self.device_loop.verify_step(width, self._fn("verify"))
         if kind == "ddraft":
@@ -373,7 +384,8 @@ class StaticBackend(TransformersBackend):
 
     def _fall_back(self, error: Exception, part: str | None = None) -> bool:
         """After a failed capture, turn off the next optional piece, with one line on stderr:
-        the L2 weight prefetch (``DFLASH_PREFETCH``), then programmatic dependent launch (when it was on for the failed capture of ``part``, "draft"
+        the L2 weight prefetch (``DFLASH_PREFETCH``), then the whole-step compile
+        (``DFLASH_STEP_COMPILE``), then programmatic dependent launch (when it was on for the failed capture of ``part``, "draft"
         or "target"; the forwards compile again), then the RoPE + cache-write kernel
         (``DFLASH_ROPE``), then the Triton projections (cuBLAS instead),
         then the split-KV kernel (SDPA), then ``torch.compile`` (eager ops). Returns False when
@@ -385,6 +397,9 @@ class StaticBackend(TransformersBackend):
         if self.prefetch:
             self.prefetch = 0
             what, fix = "the L2 weight prefetch", "no prefetch (DFLASH_PREFETCH=0 silences this)"
+        elif self.step_compile and self.compile and self.device_loop is not None:
+            self.step_compile = False
+            what, fix = "the whole-step compile", "forward and glue compiled apart (unset DFLASH_STEP_COMPILE)"
         elif disable_pdl(self.device, part):  # compiled code has no guard on it: compile again
             self._compiled.clear()
             if self.device_loop is not None:
@@ -521,4 +536,5 @@ class StaticBackend(TransformersBackend):
                 "device_loop": self.device_loop is not None,
                 "attention": self.attention, "linear": self.linear,
                 "draft_linear": self.draft_linear, "l2_prefetch_bytes": self.prefetch,
+                "step_compile": self.step_compile and self.compile and self.device_loop is not None,
                 "rope_kernel": {"draft": self.draft_rope, "target": self.target_rope}}  # fmt: skip
