@@ -233,7 +233,7 @@ seq)  # no carry: every kernel of the device loop's graphs in launch order, PDL 
 prefetch)  # no carry: DFLASH_PREFETCH (L2 prefetch of a layer's weights after its qkv projection,
   # side stream): a GEMV after a prefetch against cold, then the 8B shape's block-1 step per budget
   timeout 150 python3 scripts/l2_prefetch_check.py --out "$OUT/l2_check.json" 2>&1 | grep -v Warn | tail -n 8
-  for v in ${PREFETCH_MIB:-0 16 32 48}; do
+  for v in ${PREFETCH_MIB:-0 24 40 24,early}; do
     DFLASH_PREFETCH=$v timeout 150 python3 scripts/bench_big.py --shape qwen3-8b --blocks 1 --steps 16 --out "/tmp/bbp-$v" \
       > "/tmp/bbp-$v.log" 2>&1; echo "prefetch $v rc $?"; cp "/tmp/bbp-$v/bench_big.json" "$OUT/bench_big-q8b-prefetch-$v.json"
     echo "prefetch $v $(grep -o '"ms_per_step": [0-9.]*' "/tmp/bbp-$v.log" | cut -d' ' -f2 | tr '\n' ' ') $(grep -o '"x_floor": [0-9.]*' "/tmp/bbp-$v.log" | tr '\n' ' ')"

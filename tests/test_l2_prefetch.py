@@ -26,6 +26,11 @@ def test_budget_switch(monkeypatch, tiny_target):
     assert lp.prefetch_budget(cuda) == 24 << 20 and lp.prefetch_budget(torch.device("cpu")) == 0
     monkeypatch.setenv("DFLASH_PREFETCH", "0")
     assert lp.prefetch_budget(cuda) == 0
+    monkeypatch.setenv("DFLASH_PREFETCH", "24,early")
+    assert lp.prefetch_setting(cuda) == (24 << 20, True) and lp.prefetch_setting(torch.device("cpu")) == (0, False)
+    monkeypatch.setenv("DFLASH_PREFETCH", "24,late")
+    with pytest.raises(InputError, match="optionally with ',early'"):
+        lp.prefetch_setting(cuda)
     monkeypatch.setenv("DFLASH_PREFETCH", "lots")
     with pytest.raises(InputError, match="DFLASH_PREFETCH must be a whole number of MiB"):
         StaticBackend(tiny_target, make_draft(tiny_target), torch.device("cpu"), use_graphs=False)
@@ -41,10 +46,12 @@ def test_plan_takes_weights_in_order_up_to_the_budget():
     assert lp.plan((a, b), 1) == [] and lp.plan((a,), 0) == []
 
 
-def test_forwards_prefetch_each_layer_after_qkv_and_join_once(tiny_target, monkeypatch):
+@pytest.mark.parametrize("early", [False, True])
+def test_forwards_prefetch_each_layer_after_qkv_and_join_once(tiny_target, monkeypatch, early):
     """With a budget, every layer of the target's forwards (up to 32 rows) and of the draft's asks
-    for its o_proj, gate+up and down_proj weights, in that order, after its qkv projection, and
-    each such forward joins once at its end; greedy tokens are plain greedy decoding's."""
+    for its o_proj, gate+up and down_proj weights, in that order, after its qkv projection (the
+    target's before it with ``,early``: after its normed input), and each such forward joins once
+    at its end; greedy tokens are plain greedy decoding's."""
     from dflash.backends import static_fused
     from dflash.backends.static_torch import StaticBackend
     from dflash.loop import speculative_generate
@@ -53,13 +60,23 @@ def test_forwards_prefetch_each_layer_after_qkv_and_join_once(tiny_target, monke
 
     draft = make_draft(tiny_target)
     be = StaticBackend(tiny_target, draft, torch.device("cpu"), use_graphs=False, device_loop=True)
-    be.draft_linear, be.prefetch = True, 3 << 20
-    events = []
+    be.draft_linear, be.prefetch, be.prefetch_early = True, 3 << 20, early
+    events, order = [], []
+    qkvs = {id(fu[0]): "target" for fu in be.fused_target} | {id(fu[0]): "draft" for fu in be.fused_draft}
+    real_in_proj = static_fused._in_proj
+
+    def in_proj(lin, fused, x):
+        if id(fused) in qkvs:
+            order.append(("qkv", qkvs[id(fused)]))
+        return real_in_proj(lin, fused, x)
 
     def spy(sink, after, weights, budget):
-        assert sink is be.l2_sink and budget == 3 << 20 and after.shape[-1] > 0
+        assert sink is be.l2_sink and budget == 3 << 20
+        targets = any(weights[0] is lay.self_attn.o_proj.weight for lay in tiny_target.model.layers)
+        order.append(("prefetch", "target" if targets else "draft"))
         events.append(tuple(weights))
 
+    monkeypatch.setattr(static_fused, "_in_proj", in_proj)
     monkeypatch.setattr(static_fused.l2_prefetch, "prefetch", spy)
     monkeypatch.setattr(static_fused.l2_prefetch, "join", lambda sink: events.append("join"))
     truth = greedy_reference(tiny_target, PROMPT, 24)
@@ -83,6 +100,12 @@ def test_forwards_prefetch_each_layer_after_qkv_and_join_once(tiny_target, monke
         assert all(all(x is y for x, y in zip(got, exp, strict=True)) for got, exp in zip(fw, want, strict=True))
         kinds.add(len(fw))
     assert kinds == {len(t_layers), len(d_layers)}  # both the target's and the draft's forwards
+    # each prefetch sits next to its layer's qkv projection: before it for the target's layers
+    # with ,early, after it otherwise (the draft's always after)
+    for part in ("target", "draft"):
+        seq = [kind for kind, p in order if p == part]
+        pair = ["prefetch", "qkv"] if part == "target" and early else ["qkv", "prefetch"]
+        assert seq == pair * (len(seq) // 2) and seq, (part, seq[:6])
 
 
 def test_capture_failure_with_prefetch_turns_it_off_first(tiny_target, capsys):

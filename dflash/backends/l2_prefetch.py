@@ -12,7 +12,7 @@ last op joins the side stream back (CUDA graph capture needs every fork joined),
 ended. Tokens do not change: a prefetch reads weights and writes nothing.
 
 ``DFLASH_PREFETCH``: the byte budget per layer in MiB (default :data:`DEFAULT_MIB`; ``0`` turns
-it off). CUDA with Triton only; a failed capture turns it off first (see
+it off); ``<MiB>,early`` forks the target's prefetch before the qkv projection instead. CUDA with Triton only; a failed capture turns it off first (see
 :meth:`~dflash.backends.static_torch.StaticBackend._fall_back`).
 """
 
@@ -34,23 +34,30 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
 
-def prefetch_budget(device: torch.device) -> int:
-    """``DFLASH_PREFETCH``: bytes of a layer's weights to prefetch into L2 after its qkv
-    projection (MiB in the variable; default :data:`DEFAULT_MIB`); 0 off CUDA or without Triton.
+def prefetch_setting(device: torch.device) -> tuple[int, bool]:
+    """``DFLASH_PREFETCH``: (bytes of a layer's weights to prefetch into L2, early). The variable
+    holds MiB (default :data:`DEFAULT_MIB`), optionally followed by ``,early``: the target's
+    layers then fork the prefetch before their qkv projection instead of after it (HBM has room
+    beside cuBLAS's qkv GEMV on an 8B shape). (0, False) off CUDA or without Triton.
 
     Raises:
-        InputError: not a whole number >= 0.
+        InputError: not a whole number >= 0, optionally with ``,early``.
     """
-    raw = os.environ.get(PREFETCH_ENV, "").strip()
-    if raw and not raw.isdigit():
+    raw = os.environ.get(PREFETCH_ENV, "").strip().lower()
+    mib, _, flag = raw.partition(",")
+    if (mib and not mib.isdigit()) or flag not in ("", "early"):
         from dflash.errors import InputError
 
-        raise InputError(f"{PREFETCH_ENV} must be a whole number of MiB (0 = off), got {raw!r}.",
-                         hint=f"unset it for the default ({DEFAULT_MIB})")  # fmt: skip
-    mib = int(raw) if raw else DEFAULT_MIB
+        raise InputError(f"{PREFETCH_ENV} must be a whole number of MiB (0 = off), optionally with "
+                         f"',early', got {raw!r}.", hint=f"unset it for the default ({DEFAULT_MIB})")  # fmt: skip
     if device.type != "cuda" or triton is None:
-        return 0
-    return mib << 20
+        return 0, False
+    return (int(mib) if mib else DEFAULT_MIB) << 20, flag == "early"
+
+
+def prefetch_budget(device: torch.device) -> int:
+    """Bytes per layer of :func:`prefetch_setting` (0 = off)."""
+    return prefetch_setting(device)[0]
 
 
 def plan(weights, budget: int) -> list[tuple[torch.Tensor, int]]:

@@ -255,20 +255,23 @@ def target_forward_fused(be, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tens
     lin_in = lin and be.linear == "all"  # the qkv and gate+up projections too
     rope = split and getattr(be, "target_rope", False)  # q/k (norm +) RoPE + cache writes: one kernel
     pf = t <= LINEAR_MAX_ROWS and getattr(be, "prefetch", 0)  # L2 prefetch bytes per layer
+    early = pf and getattr(be, "prefetch_early", False)  # forked before the qkv projection
     slots: list[torch.Tensor] = [None] * len(be.layer_ids)  # type: ignore[list-item]
     for i, layer in enumerate(be.target.model.layers):
         a, (qkv, gate_up) = layer.self_attn, be.fused_target[i]
         h = layer.input_layernorm(x)
+        if early:
+            l2_prefetch.prefetch(be.l2_sink, h, _after_qkv(a, gate_up, layer.mlp), pf)
         if rope:
             raw = _in_proj_joint(lin_in, qkv, h)  # [T, (H + 2 Hkv) D]
-            if pf:
+            if pf and not early:
                 l2_prefetch.prefetch(be.l2_sink, raw, _after_qkv(a, gate_up, layer.mlp), pf)
             norms = (a.q_norm, a.k_norm) if hasattr(a, "q_norm") else (None, None)  # Qwen3
             q = rope_cache(raw, *norms, cos, sin, pos[0], be.k[i], be.v[i], 0, be.heads, be.kv_heads)
             o = split_attention(q, be.k[i], be.v[i], pos[0], a.scaling)
         else:
             q, k, v = _in_proj(lin_in, qkv, h)
-            if pf:
+            if pf and not early:
                 l2_prefetch.prefetch(be.l2_sink, q, _after_qkv(a, gate_up, layer.mlp), pf)
             q, k = q.view(1, t, be.heads, hd), k.view(1, t, be.kv_heads, hd)
             if hasattr(a, "q_norm"):  # Qwen3

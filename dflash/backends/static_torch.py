@@ -31,7 +31,7 @@ from dflash.backends.graph_plan import (
     plan_graphs,
     warm_replays,
 )
-from dflash.backends.l2_prefetch import prefetch_budget
+from dflash.backends.l2_prefetch import prefetch_setting
 from dflash.backends.rope_cache import rope_cache_fits, rope_parts
 from dflash.backends.small_linear import (
     MAX_ROWS,
@@ -194,7 +194,7 @@ class StaticBackend(TransformersBackend):
                             and rope_cache_fits(attn, self.dtype, norms=hasattr(attn, "q_norm")))  # fmt: skip
         pdl_enabled(device, inductor=True)  # a bad DFLASH_PDL is an error before any capture
         # L2 prefetch of each layer's weights after its qkv projection (dflash.backends.l2_prefetch)
-        budget = prefetch_budget(device)  # a bad DFLASH_PREFETCH errs on CPU too
+        budget, self.prefetch_early = prefetch_setting(device)  # a bad DFLASH_PREFETCH errs on CPU too
         self.prefetch = budget if self.fused_target is not None and self.use_graphs else 0
         self.l2_sink = torch.zeros(1, device=device)  # orders the prefetches before their join
         self.capacity = 0
