@@ -234,10 +234,12 @@ prefetch)  # no carry: DFLASH_PREFETCH (L2 prefetch of a layer's weights after i
   # side stream): a GEMV after a prefetch against cold, then the 8B shape's block-1 step per budget
   timeout 150 python3 scripts/l2_prefetch_check.py --out "$OUT/l2_check.json" 2>&1 | grep -v Warn | tail -n 8
   for v in ${PREFETCH_MIB:-0 24 40 24,early}; do
-    DFLASH_PREFETCH=$v timeout 150 python3 scripts/bench_big.py --shape qwen3-8b --blocks 1 --steps 16 --out "/tmp/bbp-$v" \
-      > "/tmp/bbp-$v.log" 2>&1; echo "prefetch $v rc $?"; cp "/tmp/bbp-$v/bench_big.json" "$OUT/bench_big-q8b-prefetch-$v.json"
-    echo "prefetch $v $(grep -o '"ms_per_step": [0-9.]*' "/tmp/bbp-$v.log" | cut -d' ' -f2 | tr '\n' ' ') $(grep -o '"x_floor": [0-9.]*' "/tmp/bbp-$v.log" | tr '\n' ' ')"
-    grep -i "error\|failed" "/tmp/bbp-$v.log" | grep -v Warn | head -n 3
+    [ "$SECONDS" -gt "${PREFETCH_STOP:-440}" ] && { echo "skip $v at ${SECONDS}s"; continue; }
+    f=${v/,/-}  # file names without commas
+    DFLASH_PREFETCH=$v timeout 150 python3 scripts/bench_big.py --shape qwen3-8b --blocks 1 --steps 16 --out "/tmp/bbp-$f" \
+      > "/tmp/bbp-$f.log" 2>&1; echo "prefetch $v rc $? at ${SECONDS}s"; cp "/tmp/bbp-$f/bench_big.json" "$OUT/bench_big-q8b-prefetch-$f.json"
+    echo "prefetch $v $(grep -o '"ms_per_step": [0-9.]*' "/tmp/bbp-$f.log" | cut -d' ' -f2 | tr '\n' ' ') $(grep -o '"x_floor": [0-9.]*' "/tmp/bbp-$f.log" | tr '\n' ' ')"
+    grep -i "error\|failed" "/tmp/bbp-$f.log" | grep -v Warn | head -n 3
   done
   ;;
 exp13)  # no carry: the thirteenth session's experiments on the demo shape's loop timings, side by
