@@ -246,6 +246,7 @@ exp13)  # no carry: the thirteenth session's experiments on the demo shape's loo
   # side: the default (with --sequence: the draft graph without the per-layer position copies
   # should have 59 kernels, was 64), DFLASH_STEP_COMPILE=1, DFLASH_PREFETCH=8, both
   for v in base step pf8 both; do
+    [ "$SECONDS" -gt "${EXP_STOP:-420}" ] && { echo "skip $v at ${SECONDS}s"; continue; }
     case $v in base) E=(env); Q=(--sequence) ;; step) E=(env DFLASH_STEP_COMPILE=1); Q=() ;;
       pf8) E=(env DFLASH_PREFETCH=8); Q=() ;; both) E=(env DFLASH_STEP_COMPILE=1 DFLASH_PREFETCH=8); Q=() ;; esac
     "${E[@]}" timeout 170 python3 scripts/kernel_count.py --random-target --variants fused --prompt-len 160 \
