@@ -18,7 +18,7 @@
 #   rope           (no carry)  DFLASH_ROPE=1 against 0: bf16 error, loop timings, 8B block 1 (twelfth session)
 #   prefetch       (no carry)  DFLASH_PREFETCH: L2 check, 8B block 1 per budget (thirteenth session, unmeasured)
 #   prefetchdemo   (no carry)  DFLASH_PREFETCH 0 against 8 MiB: demo-shape loop timings
-#   exp13          (no carry)  default / DFLASH_STEP_COMPILE=1 / DFLASH_PREFETCH=8 / both: loop timings
+#   exp13          (no carry)  default / DFLASH_STEP_COMPILE=1 / DFLASH_HEAD_ARGMAX=1 / DFLASH_PREFETCH=8 / all: loop timings
 #   2-4 stage ab|ac|ad [torch|triton]  [.stage/t5/<part>]  (with an 8B-shaped bench_big meanwhile)
 #   5 bench      [.stage/t5/ae .stage/data]  gsm8k 64 (bf16, compile, parity) and one single generate;
 #                results in $OUT (b-gsm8k.jsonl / .txt, generate.json, step_profile.json: GPU busy
@@ -244,11 +244,25 @@ prefetch)  # no carry: DFLASH_PREFETCH (L2 prefetch of a layer's weights after i
   ;;
 exp13)  # no carry: the thirteenth session's experiments on the demo shape's loop timings, side by
   # side: the default (with --sequence: the draft graph without the per-layer position copies
-  # should have 59 kernels, was 64), DFLASH_STEP_COMPILE=1, DFLASH_PREFETCH=8, both
-  for v in base step pf8 both; do
+  # should have 59 kernels, was 64), DFLASH_STEP_COMPILE=1, DFLASH_HEAD_ARGMAX=1 (after a bf16
+  # check of its ids), DFLASH_PREFETCH=8, all three
+  python3 -c "
+import torch, torch.nn.functional as F
+from dflash.backends.head_argmax import head_argmax
+g = torch.Generator(device='cuda').manual_seed(0)
+for m, n, k in ((1, 49152, 576), (16, 49152, 576), (15, 151936, 4096)):
+    x = torch.randn(m, k, device='cuda', generator=g).bfloat16()
+    w = (torch.randn(n, k, device='cuda', generator=g) * 0.05).bfloat16()
+    logits = F.linear(x, w).float()
+    want, got = logits.argmax(-1), head_argmax(x, w)
+    bad = (want != got).nonzero()[:, 0]
+    print('head_argmax', (m, n, k), 'rows differing', bad.numel(), 'their cuBLAS logit gaps', (logits[bad, want[bad]] - logits[bad, got[bad]]).tolist()[:4])
+"
+  for v in ${EXP13:-base step head pf8 all}; do
     [ "$SECONDS" -gt "${EXP_STOP:-420}" ] && { echo "skip $v at ${SECONDS}s"; continue; }
     case $v in base) E=(env); Q=(--sequence) ;; step) E=(env DFLASH_STEP_COMPILE=1); Q=() ;;
-      pf8) E=(env DFLASH_PREFETCH=8); Q=() ;; both) E=(env DFLASH_STEP_COMPILE=1 DFLASH_PREFETCH=8); Q=() ;; esac
+      head) E=(env DFLASH_HEAD_ARGMAX=1); Q=(--sequence) ;; pf8) E=(env DFLASH_PREFETCH=8); Q=() ;;
+      all) E=(env DFLASH_STEP_COMPILE=1 DFLASH_HEAD_ARGMAX=1 DFLASH_PREFETCH=8); Q=() ;; esac
     "${E[@]}" timeout 170 python3 scripts/kernel_count.py --random-target --variants fused --prompt-len 160 \
       "${Q[@]}" --out "$OUT/kernels-exp13-$v.json" > "/tmp/ke-$v.log" 2>&1; echo "$v rc $? at ${SECONDS}s"
     grep -v Warn "/tmp/ke-$v.log" | grep -E "verify|draft|loop|step|fall" | cut -c1-120

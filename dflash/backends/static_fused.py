@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash.backends import l2_prefetch
+from dflash.backends.head_argmax import head_argmax
 from dflash.backends.rope_cache import rope_cache, rope_cache_fits
 from dflash.backends.small_linear import MAX_ROWS as LINEAR_MAX_ROWS
 from dflash.backends.small_linear import small_linear
@@ -237,10 +238,12 @@ def _after_qkv(attn, gate_up: FusedLinear, mlp) -> tuple[torch.Tensor, ...]:
     return attn.o_proj.weight, gate_up.weight, mlp.down_proj.weight
 
 
-def target_forward_fused(be, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+def target_forward_fused(be, ids: torch.Tensor, pos: torch.Tensor, argmax: bool = False) -> torch.Tensor:
     """The static target forward of ``be`` (a StaticBackend) with fused projections.
 
-    ids, pos [1, T] -> logits [T, V]; writes K/V and features at ``pos`` like the unfused one.
+    ids, pos [1, T] -> logits [T, V] (``argmax``: the greedy ids [T] from
+    :func:`~dflash.backends.head_argmax.head_argmax`, no logits); writes K/V and features at
+    ``pos`` like the unfused one.
     """
     t, hd = ids.shape[-1], be.head_dim
     x = F.embedding(ids, be.embed_weight)  # [1, T, H]
@@ -295,10 +298,11 @@ def target_forward_fused(be, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tens
     x = be.target.model.norm(x)
     for n in be.feature_layers.get(be.n_layers - 1, ()):  # HF's hidden_states[N] is final-normed
         slots[n] = x[0]
-    logits = be.lm_head(x)[0]  # [T, V]
     if be.layer_ids:
         be.feats.index_copy_(0, pos[0], torch.cat(slots, dim=-1))
-    return logits
+    if argmax:
+        return head_argmax(x[0], be.lm_head.weight)  # [T]
+    return be.lm_head(x)[0]  # [T, V]
 
 
 def draft_forward_fused(draft, fused, block_embeds, target_hidden, q_pos, ctx_pos, cache, masks,

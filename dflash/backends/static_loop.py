@@ -26,6 +26,7 @@ hide them and the next request overwrites them.
 from __future__ import annotations
 
 import os
+from functools import partial
 from typing import Any
 
 import torch
@@ -78,12 +79,13 @@ def draft_inputs(tok, mask_ids, pos, arange):
 def commit(logits, props, tok, pos, n, budget, lim, last, arange) -> None:
     """Greedy acceptance and commit of one verify step, in place (paper §4 / brief §3.3).
 
-    logits [W, V] of the rows [anchor, props[:W-1]]; the longest prefix of proposals equal to
+    logits [W, V] of the rows [anchor, props[:W-1]] (or already their argmax ids [W]: the
+    verify forward with ``DFLASH_HEAD_ARGMAX``); the longest prefix of proposals equal to
     the target's argmax, capped by ``lim`` and the budget left, plus the bonus token. Writes
     ``last`` [1 + L] (count, tokens, zero-padded), moves ``tok``/``pos``/``n`` [1]; a step with
     no budget left commits nothing and moves nothing."""
     width = logits.shape[0]
-    target = row_argmax(logits)  # [W]
+    target = row_argmax(logits) if logits.dim() == 2 else logits  # [W]
     remaining = budget - n  # [1] tokens still allowed
     if width > 1:
         drafted = props[: width - 1]
@@ -140,7 +142,7 @@ class DeviceLoop:
         by ``lim`` and the budget), commit it plus the bonus token; writes ``last`` and moves the
         state. No host sync. ``whole``: the caller compiles this whole step (glue run as is)."""
         ids, pos = self._glue("verify_inputs", verify_inputs, whole)(self.tok, self.props, self.pos, self.arange, width)
-        logits = verify_fn(ids, pos)  # [W, V]
+        logits = verify_fn(ids, pos)  # [W, V], or the greedy ids [W] (DFLASH_HEAD_ARGMAX)
         self._glue("commit", commit, whole)(logits, self.props, self.tok, self.pos, self.n, self.budget,
                                             self.lim, self.last, self.arange)  # fmt: skip
 
@@ -193,18 +195,19 @@ class DeviceLoop:
         The prefill wrote the prompt's draft context, so the first step too drafts from the
         last L rows only, in the same graph as every later step."""
         be = self.be
+        head = {"argmax": True} if getattr(be, "head_argmax", False) else {}  # as in the graphs
         if block_size > 1:
             if be.use_graphs:
                 be._device_graph("ddraft", self.width)[0].replay()
             else:
                 with torch.inference_mode():
-                    self.draft_step(be._draft_forward)
+                    self.draft_step(partial(be._draft_forward, **head))
         width = be.plan.verify_width(block_size)
         if be.use_graphs:
             be._device_graph("dverify", width)[0].replay()
         else:
             with torch.inference_mode():
-                self.verify_step(width, be._target_forward)
+                self.verify_step(width, partial(be._target_forward, **head))
         slot = self.launched % RING
         self.launched += 1
         self.host[slot].copy_(self.last, non_blocking=self.events is not None)

@@ -31,6 +31,7 @@ from dflash.backends.graph_plan import (
     plan_graphs,
     warm_replays,
 )
+from dflash.backends.head_argmax import head_argmax, head_argmax_default, head_fits
 from dflash.backends.l2_prefetch import prefetch_setting
 from dflash.backends.rope_cache import rope_cache_fits, rope_parts
 from dflash.backends.small_linear import (
@@ -202,6 +203,9 @@ class StaticBackend(TransformersBackend):
             device_loop = device_loop_default() and self.use_graphs
         self.device_loop = DeviceLoop(self) if device_loop else None
         self.step_compile = step_compile_default()  # a bad DFLASH_STEP_COMPILE errs on CPU too
+        # the device loop's LM head + greedy argmax in one kernel (dflash.backends.head_argmax)
+        self.head_argmax = (head_argmax_default() and self.device_loop is not None and self.linear != "torch"
+                            and head_fits(self.lm_head, self.dtype))  # fmt: skip
         self.graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, Any, tuple]] = {}
         # --block-size auto picks among these widths (graphs captured when costs are timed).
         b = self.draft_block_size
@@ -264,10 +268,11 @@ class StaticBackend(TransformersBackend):
         self.graphs.clear()
 
     # -- target forward -------------------------------------------------------------------
-    def _target_forward(self, ids: torch.Tensor, pos: torch.Tensor):
-        """ids, pos [1, T] -> logits [T, V]; writes K/V and features at pos."""
+    def _target_forward(self, ids: torch.Tensor, pos: torch.Tensor, argmax: bool = False):
+        """ids, pos [1, T] -> logits [T, V] (``argmax``: the greedy ids [T] instead, through
+        :func:`~dflash.backends.head_argmax.head_argmax`); writes K/V and features at pos."""
         if self.fused_target is not None:
-            return target_forward_fused(self, ids, pos)
+            return target_forward_fused(self, ids, pos, argmax)
         t = ids.shape[-1]
         x = F.embedding(ids, self.embed_weight)  # [1, T, H]
         cos, sin = rope_cos_sin(pos, self.inv_freq, self.rope_scale, self.dtype)  # [1, 1, T, D]
@@ -296,16 +301,19 @@ class StaticBackend(TransformersBackend):
         x = self.target.model.norm(x)
         for n in self.feature_layers.get(self.n_layers - 1, ()):  # HF's hidden_states[N] is
             slots[n] = x[0]  # final-normed
-        logits = self.lm_head(x)[0]  # [T, V]
         if self.layer_ids:
             self.feats.index_copy_(0, pos[0], torch.cat(slots, dim=-1))
-        return logits
+        if argmax:
+            return head_argmax(x[0], self.lm_head.weight)  # [T]
+        return self.lm_head(x)[0]  # [T, V]
 
     # -- draft forward --------------------------------------------------------------------
-    def _draft_forward(self, block: torch.Tensor, start: torch.Tensor, ctx_pos: torch.Tensor):
+    def _draft_forward(self, block: torch.Tensor, start: torch.Tensor, ctx_pos: torch.Tensor,
+                       argmax: bool = False):  # fmt: skip
         """block [1, L] ids, start [1] position of the anchor, ctx_pos [Tc] context rows.
 
-        Returns (proposals [L-1] int64, logits [L-1, V])."""
+        Returns (proposals [L-1] int64, logits [L-1, V]); ``argmax``: (proposals, None), the
+        proposals through :func:`~dflash.backends.head_argmax.head_argmax` (no logits)."""
         length = block.shape[-1]
         q_pos = (start + torch.arange(length, device=self.device))[None]  # [1, L]
         self.dcache.write_pos = ctx_pos
@@ -326,6 +334,8 @@ class StaticBackend(TransformersBackend):
                                     (self.l2_sink, self.prefetch) if self.prefetch and lin else None)  # fmt: skip
         else:
             h = self.draft_model(embeds, ctx, q_pos, ctx_pos[None], cache=self.dcache, masks=masks)
+        if argmax:
+            return head_argmax(h[0, 1:], self.lm_head.weight), None
         logits = self.lm_head(h[0, 1:])  # [L-1, V]
         return row_argmax(logits), logits
 
@@ -333,19 +343,21 @@ class StaticBackend(TransformersBackend):
     def _fn(self, kind: str, width: int = 0):
         """The forward a graph captures: eager, or once wrapped in ``torch.compile``; for the
         device loop's kinds (``dverify``, ``ddraft``) its glue around that forward."""
+        head = {"argmax": True} if self.head_argmax else {}  # DFLASH_HEAD_ARGMAX: no logits
         if kind in ("dverify", "ddraft") and self.compile and self.step_compile:
             key = f"{kind}-{width}"  # glue and forward traced as one function (DFLASH_STEP_COMPILE)
             if key not in self._compiled:
                 inductor_cache_dir()
                 lp = self.device_loop
-                step = (partial(lp.verify_step, width, self._target_forward, whole=True) if kind == "dverify"
-                        else partial(lp.draft_step, self._draft_forward, whole=True))  # fmt: skip
+                step = (partial(lp.verify_step, width, partial(self._target_forward, **head), whole=True)
+                        if kind == "dverify" else partial(lp.draft_step, partial(self._draft_forward, **head),
+                                                          whole=True))  # fmt: skip
                 self._compiled[key] = torch.compile(step, dynamic=False)
             return self._compiled[key]
         if kind == "dverify":
-            return lambda: self.device_loop.verify_step(width, self._fn("verify"))
+            return lambda: self.device_loop.verify_step(width, partial(self._fn("verify"), **head))
         if kind == "ddraft":
-            return lambda: self.device_loop.draft_step(self._fn("draft"))
+            return lambda: self.device_loop.draft_step(partial(self._fn("draft"), **head))
         eager = self._target_forward if kind == "verify" else self._draft_forward
         if not self.compile:
             return eager
@@ -385,7 +397,8 @@ class StaticBackend(TransformersBackend):
     def _fall_back(self, error: Exception, part: str | None = None) -> bool:
         """After a failed capture, turn off the next optional piece, with one line on stderr:
         the L2 weight prefetch (``DFLASH_PREFETCH``), then the whole-step compile
-        (``DFLASH_STEP_COMPILE``), then programmatic dependent launch (when it was on for the failed capture of ``part``, "draft"
+        (``DFLASH_STEP_COMPILE``), then the LM head + argmax kernel (``DFLASH_HEAD_ARGMAX``),
+        then programmatic dependent launch (when it was on for the failed capture of ``part``, "draft"
         or "target"; the forwards compile again), then the RoPE + cache-write kernel
         (``DFLASH_ROPE``), then the Triton projections (cuBLAS instead),
         then the split-KV kernel (SDPA), then ``torch.compile`` (eager ops). Returns False when
@@ -400,6 +413,9 @@ class StaticBackend(TransformersBackend):
         elif self.step_compile and self.compile and self.device_loop is not None:
             self.step_compile = False
             what, fix = "the whole-step compile", "forward and glue compiled apart (unset DFLASH_STEP_COMPILE)"
+        elif self.head_argmax:
+            self.head_argmax = False
+            what, fix = "the LM head + argmax kernel", "the logits and an argmax (unset DFLASH_HEAD_ARGMAX)"
         elif disable_pdl(self.device, part):  # compiled code has no guard on it: compile again
             self._compiled.clear()
             if self.device_loop is not None:
@@ -537,4 +553,5 @@ class StaticBackend(TransformersBackend):
                 "attention": self.attention, "linear": self.linear,
                 "draft_linear": self.draft_linear, "l2_prefetch_bytes": self.prefetch,
                 "step_compile": self.step_compile and self.compile and self.device_loop is not None,
+                "head_argmax": self.head_argmax,
                 "rope_kernel": {"draft": self.draft_rope, "target": self.target_rope}}  # fmt: skip
