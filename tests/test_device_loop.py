@@ -175,3 +175,35 @@ def test_compiled_glue_equals_eager():
     for dtype in (torch.float32, torch.bfloat16):
         x = torch.randint(0, 5, (16, 1024), generator=g).to(dtype)  # tied maxima in most rows
         assert torch.equal(fast(x), x.argmax(-1))
+
+
+def test_whole_step_compile_traces_each_graph_as_one(tiny_target, monkeypatch):
+    """DFLASH_STEP_COMPILE: each device-loop step (glue + forward) traces as one graph
+    (``fullgraph=True``: no break, so Inductor sees the glue beside the forward) and decodes plain
+    greedy tokens; a bad value is a one-line error when the backend is built."""
+    from functools import partial
+
+    from dflash.errors import InputError
+
+    monkeypatch.setenv("DFLASH_STEP_COMPILE", "yes")
+    with pytest.raises(InputError, match="DFLASH_STEP_COMPILE must be 0 or 1"):
+        StaticBackend(tiny_target, make_draft(tiny_target), torch.device("cpu"), use_graphs=False)
+    monkeypatch.setenv("DFLASH_STEP_COMPILE", "1")
+    be = StaticBackend(tiny_target, make_draft(tiny_target), torch.device("cpu"), use_graphs=False, device_loop=True)
+    assert be.step_compile and not be.describe()["step_compile"]  # no compile on CPU
+    torch._dynamo.reset()
+    lp, traced = be.device_loop, []
+
+    def compiled(fn):
+        return torch.compile(fn, backend=lambda gm, ex: traced.append(gm) or gm.forward, fullgraph=True, dynamic=False)
+
+    drafts = compiled(partial(DeviceLoop.draft_step, lp, be._draft_forward, whole=True))
+    verifies = {w: compiled(partial(DeviceLoop.verify_step, lp, w, be._target_forward, whole=True)) for w in (1, 16)}
+    monkeypatch.setattr(lp, "draft_step", lambda fn, ctx_pos=None: drafts())
+    monkeypatch.setattr(lp, "verify_step", lambda width, fn: verifies[width]())
+    truth = greedy_reference(tiny_target, PROMPT, 24)
+    for block in (16, 1):
+        toks = [t for r in speculative_generate(be, PROMPT, block_size=block, max_new_tokens=24) for t in r.tokens]
+        assert toks == truth, (block, toks, truth)
+    assert len(traced) == 3  # draft-16, verify-16, verify-1: one graph each
+    torch._dynamo.reset()

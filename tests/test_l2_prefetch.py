@@ -79,8 +79,8 @@ def test_forwards_prefetch_each_layer_after_qkv_and_join_once(tiny_target, monke
     monkeypatch.setattr(static_fused, "_in_proj", in_proj)
     monkeypatch.setattr(static_fused.l2_prefetch, "prefetch", spy)
     monkeypatch.setattr(static_fused.l2_prefetch, "join", lambda sink: events.append("join"))
-    truth = greedy_reference(tiny_target, PROMPT, 24)
-    toks = [t for r in speculative_generate(be, PROMPT, block_size=16, max_new_tokens=24) for t in r.tokens]
+    truth = greedy_reference(tiny_target, PROMPT, 16)
+    toks = [t for r in speculative_generate(be, PROMPT, block_size=16, max_new_tokens=16) for t in r.tokens]
     assert toks == truth
     t_layers = [(lay.self_attn.o_proj.weight, fu[1].weight, lay.mlp.down_proj.weight)
                 for lay, fu in zip(tiny_target.model.layers, be.fused_target, strict=True)]  # fmt: skip
