@@ -397,6 +397,26 @@ def _check_port_free(host: str, port: int) -> None:
                              hint="pick another --port or stop what uses it") from None  # fmt: skip
 
 
+def _check_pair(model: str | None, draft: str | None, width: int | None) -> None:
+    """The checks of ``dflash.load`` that read no weights, before the server binds its port: the
+    target path exists, the draft resolves to a folder (a hub id is downloaded now rather than
+    after binding) and ``--block-size`` fits the draft's trained block size.
+
+    Raises:
+        CheckpointError: a missing model path or draft; InputError: a block size too large.
+    """
+    from dflash.models.config import DraftConfig
+    from dflash.models.target_torch import check_model_path, resolve_draft  # torch-free helpers
+
+    if model is not None:
+        check_model_path(model)
+    folder = resolve_draft(draft, model)
+    trained = DraftConfig.load(folder).block_size
+    if width is not None and width > trained:
+        raise InputError(f"--block-size {width} exceeds the draft's trained block size {trained}.",
+                         hint=f"use --block-size {trained} or less, or auto")  # fmt: skip
+
+
 def serve(
     model: Annotated[str | None, typer.Option("--model", "-m", help="Target: hub id, folder or .gguf (default: demo SmolLM2-135M-Instruct).")] = None,
     draft: Annotated[str | None, typer.Option("--draft", "-d", help="DFlash draft: hub id or folder (default: the shipped demo draft).")] = None,
@@ -427,6 +447,12 @@ def serve(
     except ImportError:
         raise BackendError("dflash serve needs fastapi and uvicorn.",
                            hint='pip install "dflash[serve]"') from None  # fmt: skip
+    from uvicorn.config import LOG_LEVELS
+
+    if log_level.lower() not in LOG_LEVELS:
+        raise InputError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {log_level!r}.",
+                         hint="info (the default) logs each request; warning only problems")  # fmt: skip
+    _check_pair(model, draft, width)  # before the port is bound: a bad path fails here, at once
     _check_port_free(host, port)
     api_key = api_key or os.environ.get("DFLASH_API_KEY") or None
     names = [served_model_name or (DEMO_NAME if model is None else Path(model).name or model)]
@@ -441,7 +467,7 @@ def serve(
 
     engine = Engine(load, names, width)
     app = build_app(engine, api_key)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(),
                                            timeout_graceful_shutdown=5))  # fmt: skip
     engine.on_failure = lambda: setattr(server, "should_exit", True)
     if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:

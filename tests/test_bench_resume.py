@@ -186,6 +186,9 @@ def test_cli_prints_tables_upstream_lines_and_a_final_json_line(cli, tmp_path):
         (["transformers", "--dataset", "gsm8k", "--max-new-tokens", "0"], InputError),
         (["transformers", "--dataset", "gsm8k", "--max-samples", "0"], InputError),
         (["transformers", "--dataset", "gsm8k", "--top-p", "0"], InputError),
+        (["transformers", "--dataset", "gsm8k", "--plot", "hist.xyz"], InputError),  # no such format
+        (["transformers", "--dataset", "gsm8k", "--plot", os.devnull + "/hist.png"], InputError),  # no folder
+        (["openai", "--dataset", "gsm8k", "--base-url", "http://127.0.0.1:9", "--plot", "hist.xyz"], InputError),
     ],
 )
 def test_bad_input_raises_one_line_dflash_errors(cli, args, error):

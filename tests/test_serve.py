@@ -312,3 +312,24 @@ def test_cli_block_size_takes_auto_or_an_integer(value, message):
 
     res = CliRunner().invoke(app, ["serve", "--block-size", value])
     assert res.exit_code != 0 and message in str(res.exception)
+
+
+@pytest.mark.parametrize("args, error, message", [
+    (["--log-level", "loud"], "InputError", "--log-level must be one of"),
+    (["--model", "/nonexistent/model.gguf", "--draft", "/nonexistent"], "CheckpointError", "no such file or folder"),
+    (["--draft", "/nonexistent/draft"], "CheckpointError", "does not exist"),
+    (["--draft", os.devnull], "CheckpointError", "is a file; a draft is a folder"),
+    (["--block-size", "99"], "InputError", "exceeds the draft's trained block size 16"),
+])
+def test_cli_checks_before_binding_the_port(args, error, message, monkeypatch):
+    """A bad log level, a missing model or draft, or a block size over the draft's trained one is
+    a one-line error before the server starts (before it binds its port and loads)."""
+    import uvicorn
+
+    from dflash.cli import app
+
+    started = []
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self, *a, **k: started.append(1))
+    res = CliRunner().invoke(app, ["serve", "--port", str(free_port()), *args])
+    assert res.exit_code != 0 and type(res.exception).__name__ == error and message in str(res.exception)
+    assert "\n" not in str(res.exception) and not started

@@ -75,10 +75,8 @@ def _check_options(
         raise InputError("--resume needs --output FILE to resume from.")
     if output is not None and output.is_dir():
         raise InputError(f"--output {output} is a folder; pass a .jsonl file path.")
-    if plot is not None and (plot.is_dir() or str(plot).endswith(("/", "\\"))):
-        raise InputError(f"--plot {plot} is a folder; pass a .png file path.")
     if plot is not None:
-        report.check_plot_available()
+        report.check_plot(plot)
 
 
 def benchmark(

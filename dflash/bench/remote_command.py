@@ -55,9 +55,7 @@ def benchmark_openai(*, dataset: str, base_url: str, model: str | None, api_key:
     if output is not None and output.is_dir():
         raise InputError(f"--output {output} is a folder; pass a .jsonl file path.")
     if plot is not None:
-        if plot.is_dir() or str(plot).endswith(("/", "\\")):
-            raise InputError(f"--plot {plot} is a folder; pass a .png file path.")
-        report.check_plot_available()
+        report.check_plot(plot)
     endpoints = [Endpoint("dflash", base_url, model)]
     api_root(base_url)
     if baseline_url:

@@ -200,16 +200,36 @@ class BenchProgress:
         self._progress.update(self._task, advance=1, tau=_fmt(tau, ".2f"), tps=_fmt(tps, ".1f"))
 
 
-def check_plot_available() -> None:
-    """Raise before any work when ``--plot`` is asked for but matplotlib is missing.
+def check_plot(path: Path) -> None:
+    """Raise before any work when ``--plot`` cannot be written: a folder, matplotlib missing, an
+    image format matplotlib cannot write (from the suffix), or a folder that cannot hold it
+    (created if missing, as ``--output`` does).
 
     Raises:
-        InputError: matplotlib cannot be imported.
+        InputError: with the fix in its hint.
     """
+    if path.is_dir() or str(path).endswith(("/", "\\")):
+        raise InputError(f"--plot {path} is a folder; pass a .png file path.")
     if importlib.util.find_spec("matplotlib") is None:
         raise InputError(
             "--plot needs matplotlib, which is not installed.", hint="pip install matplotlib"
         )
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    kinds = FigureCanvasBase.get_supported_filetypes()  # {"png": "Portable Network Graphics", ...}
+    suffix = path.suffix.lower().lstrip(".")
+    if suffix not in kinds:
+        raise InputError(f"--plot {path}: matplotlib cannot write {('.' + suffix) if suffix else 'a file without a suffix'}.",
+                         hint=f"end the name with one of {', '.join('.' + k for k in sorted(kinds))}")  # fmt: skip
+    try:  # find out now, not after the whole benchmark (no empty file left behind)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        existed = path.exists()
+        with open(path, "ab"):
+            pass
+        if not existed:
+            path.unlink()
+    except OSError as e:
+        raise InputError(f"--plot {path} cannot be written: {e.strerror}.", hint="choose a writable --plot file") from e
 
 
 def save_plot(path: str | Path, summaries: dict[str, dict[str, Any]]) -> Path:

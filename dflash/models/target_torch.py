@@ -261,7 +261,10 @@ def resolve_draft(draft: str | None, model: str | None) -> Path:
     p = Path(draft).expanduser()
     if p.is_dir():
         return p
-    if p.exists() or draft.startswith((".", "/", "~")) or draft.count("/") != 1:
+    if p.exists():
+        raise CheckpointError(f"--draft {draft} is a file; a draft is a folder.",
+                              hint="pass the folder holding its config.json and model.safetensors, or a hub id")  # fmt: skip
+    if draft.startswith((".", "/", "~")) or draft.count("/") != 1:
         raise CheckpointError(f"Draft folder {draft} does not exist.",
                               hint="pass a folder holding config.json and model.safetensors")  # fmt: skip
     try:
