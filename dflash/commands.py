@@ -22,6 +22,8 @@ TimeoutOpt = Annotated[float, typer.Option(help="openai: HTTP timeout per connec
 DraftOpt = Annotated[str | None, typer.Option("--draft", "-d",
                      help="DFlash draft: hub id or folder (default: the shipped demo draft, only without --model).")]  # fmt: skip
 
+BASE_URL_DEFAULT = "http://127.0.0.1:30000"  # SGLang's default port
+TIMEOUT_DEFAULT = 3600.0
 DraftBitsOpt = Annotated[int | None, typer.Option(help="mlx: quantize the draft to 4 or 8 bits at load (group size 64).")]
 DraftWindowOpt = Annotated[int | None, typer.Option(help="mlx: keep at most N context rows in the draft's KV cache (tokens).")]
 
@@ -44,9 +46,9 @@ def generate(
     cuda_graphs: Annotated[bool | None, typer.Option("--cuda-graphs/--no-cuda-graphs", help="Static caches + CUDA graphs (default: on for CUDA with Llama/Qwen-style targets).")] = None,
     compile: Annotated[bool | None, typer.Option("--compile/--no-compile", help="torch.compile the CUDA-graph forwards (default: on with CUDA graphs; ~30 s per graph the first time, then cached on disk).")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object (text, token ids, stats) instead of streaming.")] = False,
-    base_url: BaseUrlOpt = "http://127.0.0.1:30000",
+    base_url: BaseUrlOpt = BASE_URL_DEFAULT,
     api_key: ApiKeyOpt = None,
-    timeout_s: TimeoutOpt = 3600.0,
+    timeout_s: TimeoutOpt = TIMEOUT_DEFAULT,
     draft_bits: DraftBitsOpt = None,
     draft_window: DraftWindowOpt = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Print each step's block size with the predicted τ and cost (auto) to stderr.")] = False,
@@ -55,6 +57,18 @@ def generate(
     import os
     import time
 
+    local, remote = LOCAL_ONLY, ("openai",)
+    refuse_foreign_options(backend, {
+        "--block-size": str(block_size).strip().lower() != "auto", "--draft": draft is not None,
+        "--device": device != "auto", "--dtype": dtype != "auto",
+        "--cuda-graphs/--no-cuda-graphs": cuda_graphs is not None, "--compile/--no-compile": compile is not None,
+        "--draft-bits": draft_bits is not None, "--draft-window": draft_window is not None,
+        "--verbose": verbose, "--base-url": base_url != BASE_URL_DEFAULT, "--api-key": api_key is not None,
+        "--timeout-s": timeout_s != TIMEOUT_DEFAULT,
+    }, {"--block-size": local, "--draft": local, "--device": local, "--dtype": local,
+        "--cuda-graphs/--no-cuda-graphs": ("transformers",), "--compile/--no-compile": ("transformers",),
+        "--draft-bits": ("mlx",), "--draft-window": ("mlx",), "--verbose": local,
+        "--base-url": remote, "--api-key": remote, "--timeout-s": remote})  # fmt: skip
     if backend == "openai":  # torch-free path: the server does the speculative decoding
         from dflash.backends.openai_generate import generate_openai
 
@@ -129,6 +143,33 @@ def generate(
     sys.stdout.flush()  # the summary on stderr must come after the text
     decode = t2 - (t1 or t0)
     print(summary_line(n, steps, decode, (t1 or t0) - t0), file=sys.stderr)
+
+
+# options that only some backends read: option -> (backends that read it, what it does there)
+LOCAL_ONLY = ("transformers", "mlx")
+SERVER_SIDE = ("--block-size", "--draft", "--device", "--dtype", "--cuda-graphs/--no-cuda-graphs")
+
+
+def refuse_foreign_options(backend: str, given: dict[str, bool], readers: dict[str, tuple[str, ...]]) -> None:
+    """Refuse an option the chosen backend would silently ignore (``--block-size`` on ``openai``:
+    the server picks its own; ``--base-url`` on a local backend), naming the option.
+
+    Args:
+        backend: the chosen backend.
+        given: option flag (e.g. ``"--block-size"``) -> whether the user set it (not its default).
+        readers: option flag -> the backends that read it.
+
+    Raises:
+        InputError: the first option set that ``backend`` does not read.
+    """
+    for flag, was_set in given.items():
+        if was_set and backend not in readers[flag]:
+            many = len(readers[flag]) > 1
+            where = " and ".join(readers[flag]) + (" backends read" if many else " backend reads")
+            server = backend == "openai" and flag in SERVER_SIDE  # a setting of the server's
+            raise InputError(f"{flag} does not apply to the {backend} backend; only the {where} it.",
+                             hint=f"drop {flag}" + (" (the server decodes with its own settings: give it "
+                                                    "to the server, e.g. dflash serve)" if server else ""))  # fmt: skip
 
 
 def same_stream(a, b) -> bool:

@@ -173,3 +173,31 @@ def test_paths_that_are_files_or_folders(tmp_path):
     assert_one_line_error(b, "already holds a draft")
     assert_one_line_error(c, "is a folder")
     assert_one_line_error(d, "Cannot create the cache folder")
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["generate", "openai", "--block-size", "4", "hi"], "--block-size"),
+    (["generate", "openai", "--draft", "d", "hi"], "--draft"),
+    (["generate", "openai", "--no-cuda-graphs", "hi"], "--cuda-graphs/--no-cuda-graphs"),
+    (["generate", "transformers", "--base-url", "http://x", "hi"], "--base-url"),
+    (["generate", "transformers", "--api-key", "k", "hi"], "--api-key"),
+    (["generate", "transformers", "--draft-bits", "4", "hi"], "--draft-bits"),
+    (["generate", "mlx", "--compile", "hi"], "--compile/--no-compile"),
+    (["benchmark", "openai", "--dataset", "gsm8k", "--check-parity"], "--check-parity"),
+    (["benchmark", "openai", "--dataset", "gsm8k", "--block-size", "4"], "--block-size"),
+    (["benchmark", "openai", "--dataset", "gsm8k", "--resume"], "--resume"),
+    (["benchmark", "transformers", "--dataset", "gsm8k", "--concurrency", "4"], "--concurrency"),
+    (["benchmark", "mlx", "--dataset", "gsm8k", "--baseline-url", "http://x"], "--baseline-url"),
+])
+def test_options_of_another_backend_are_refused(args, flag):
+    """An option the chosen backend would silently ignore is a one-line InputError naming it,
+    before anything loads or connects (no model here, no server)."""
+    from typer.testing import CliRunner
+
+    from dflash.cli import app
+    from dflash.errors import InputError
+
+    res = CliRunner().invoke(app, args)
+    assert isinstance(res.exception, InputError), (res.output, res.exception)
+    assert res.exception.message.startswith(f"{flag} does not apply to the {args[1]} backend")
+    assert "\n" not in res.exception.message and flag in res.exception.hint

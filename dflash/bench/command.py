@@ -28,6 +28,7 @@ BACKENDS = ("transformers", "mlx", "openai")
 LOCAL_BACKENDS = ("transformers", "mlx")
 # --help groups the options that only one backend reads under a panel of their own.
 OPENAI_PANEL = "openai backend only"
+BASE_URL_DEFAULT, TIMEOUT_DEFAULT, RETRIES_DEFAULT = "http://127.0.0.1:30000", 3600.0, 3
 
 
 def _load_pipeline(backend: str, model: str | None, draft: str | None, device: str, dtype: str,
@@ -166,7 +167,7 @@ def benchmark(
     ] = None,
     base_url: Annotated[
         str, typer.Option(rich_help_panel=OPENAI_PANEL, help="server URL, with or without /v1.")
-    ] = "http://127.0.0.1:30000",
+    ] = BASE_URL_DEFAULT,
     num_prompts: Annotated[
         int | None,
         typer.Option(
@@ -177,7 +178,7 @@ def benchmark(
     concurrency: Annotated[int, typer.Option(rich_help_panel=OPENAI_PANEL, help="parallel requests.")] = 1,
     timeout_s: Annotated[
         float, typer.Option(rich_help_panel=OPENAI_PANEL, help="HTTP timeout per connect/read, s.")
-    ] = 3600.0,
+    ] = TIMEOUT_DEFAULT,
     api_key: Annotated[
         str | None,
         typer.Option(
@@ -194,18 +195,37 @@ def benchmark(
     ] = None,
     max_retries: Annotated[
         int, typer.Option(rich_help_panel=OPENAI_PANEL, help="retries on 429/502/503/504 (with backoff).")
-    ] = 3,
+    ] = RETRIES_DEFAULT,
 ) -> None:
     """Benchmark DFlash against plain decoding (block size 1; on mlx also mlx_lm's own
     stream_generate) on prompt datasets."""
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    from dflash.commands import LOCAL_ONLY, refuse_foreign_options
+
+    local, remote = LOCAL_ONLY, ("openai",)
+    refuse_foreign_options(backend, {
+        "--draft": draft is not None, "--block-size": block_size is not None, "--device": device != "auto",
+        "--dtype": dtype != "auto", "--cuda-graphs/--no-cuda-graphs": cuda_graphs is not None,
+        "--compile/--no-compile": compile is not None, "--uniform-width": uniform_width,
+        "--draft-bits": draft_bits is not None, "--draft-window": draft_window is not None,
+        "--check-parity": check_parity, "--resume": resume,
+        "--base-url": base_url != BASE_URL_DEFAULT, "--num-prompts": num_prompts is not None,
+        "--concurrency": concurrency != 1, "--timeout-s": timeout_s != TIMEOUT_DEFAULT,
+        "--api-key": api_key is not None, "--baseline-url": baseline_url is not None,
+        "--baseline-model": baseline_model is not None, "--max-retries": max_retries != RETRIES_DEFAULT,
+    } if backend in BACKENDS else {}, {
+        **dict.fromkeys(("--draft", "--block-size", "--device", "--dtype", "--check-parity", "--resume"), local),
+        **dict.fromkeys(("--cuda-graphs/--no-cuda-graphs", "--compile/--no-compile", "--uniform-width"),
+                        ("transformers",)),
+        "--draft-bits": ("mlx",), "--draft-window": ("mlx",),
+        **dict.fromkeys(("--base-url", "--num-prompts", "--concurrency", "--timeout-s", "--api-key",
+                         "--baseline-url", "--baseline-model", "--max-retries"), remote),
+    })  # fmt: skip
     if backend == "openai":  # torch-free path: the server does the speculative decoding
         import os
 
         from dflash.bench.remote_command import benchmark_openai
 
-        if resume:
-            raise InputError("--resume is not supported by the openai backend.")
         benchmark_openai(
             dataset=dataset, base_url=base_url, model=model,
             api_key=api_key or os.environ.get("OPENAI_API_KEY"), baseline_url=baseline_url,
