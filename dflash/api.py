@@ -408,6 +408,7 @@ def load(model: str | None = None, draft: str | None = None, *, backend: str = "
     except ImportError as e:
         raise BackendError("The transformers backend needs torch and transformers.",
                            hint='pip install "dflash[torch]"') from e  # fmt: skip
+    from dflash.backends.static_torch import StaticBackend, check_env, supports_static
     from dflash.backends.transformers import (
         TransformersBackend,
         check_pair,
@@ -421,6 +422,7 @@ def load(model: str | None = None, draft: str | None = None, *, backend: str = "
 
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
+    check_env()  # the CUDA path's DFLASH_* switches, checked on every device
     if model is not None:
         check_model_path(model)
     draft_dir = resolve_draft(draft, model)
@@ -435,7 +437,6 @@ def load(model: str | None = None, draft: str | None = None, *, backend: str = "
     rows = target_model.get_input_embeddings().weight.shape[0]
     check_pair(draft_cfg, target_model.config, rows, stops)
     draft_model = load_draft(draft_dir, dev, dt)
-    from dflash.backends.static_torch import StaticBackend, supports_static
 
     fast = dev.type == "cuda" and supports_static(target_model) and cuda_graphs is not False
     fast = fast and not draft_cfg.is_dflash2  # DFlash2 runs on the plain path

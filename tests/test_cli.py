@@ -201,3 +201,19 @@ def test_options_of_another_backend_are_refused(args, flag):
     assert isinstance(res.exception, InputError), (res.output, res.exception)
     assert res.exception.message.startswith(f"{flag} does not apply to the {args[1]} backend")
     assert "\n" not in res.exception.message and flag in res.exception.hint
+
+
+@pytest.mark.parametrize("name, value", [("DFLASH_ATTN", "bogus"), ("DFLASH_PDL", "2"), ("DFLASH_ROPE", "x"),
+                                         ("DFLASH_LINEAR", "cublas"), ("DFLASH_ATTN_SPLIT", "100"),
+                                         ("DFLASH_PREFETCH", "lots"), ("DFLASH_HEAD_ARGMAX", "yes"),
+                                         ("DFLASH_GRAPH_WARM", "-1")])  # fmt: skip
+def test_cuda_path_switches_are_checked_on_every_device(name, value, monkeypatch):
+    """A bad value of a CUDA-path switch is a one-line InputError naming it when the transformers
+    backend loads on a CPU too (before any weight loads), not first on the GPU machine."""
+    import dflash
+    from dflash.errors import InputError
+
+    monkeypatch.setenv(name, value)
+    with pytest.raises(InputError, match=name) as err:
+        dflash.load("/nonexistent/model.gguf", "/nonexistent/draft", device="cpu")  # paths checked later
+    assert "\n" not in err.value.message

@@ -87,14 +87,9 @@ def pdl_enabled(device: torch.device, inductor: bool = False) -> bool:
     Raises:
         InputError: another value.
     """
-    raw = os.environ.get(PDL_ENV, "").strip().lower()
+    raw = pdl_setting()
     if _PDL_OFF:
         return False
-    if raw not in PDL_VALUES:
-        from dflash.errors import InputError
-
-        raise InputError(f"{PDL_ENV} must be 0, 1, kernels or draft, got {raw!r}.",
-                         hint="unset it for the default (1)")  # fmt: skip
     on = raw in ("", "1") or (raw == "kernels" and not inductor) or (raw == "draft" and _PART[0] == "draft")
     if not (on and _HAS_GDC and device.type == "cuda"):
         return False
@@ -102,6 +97,21 @@ def pdl_enabled(device: torch.device, inductor: bool = False) -> bool:
     if index not in _CAPABILITY:
         _CAPABILITY[index] = torch.cuda.get_device_capability(index)[0]
     return _CAPABILITY[index] >= 9
+
+
+def pdl_setting() -> str:
+    """``DFLASH_PDL`` as given ("" when unset), checked.
+
+    Raises:
+        InputError: not one of 0, 1, kernels, draft.
+    """
+    raw = os.environ.get(PDL_ENV, "").strip().lower()
+    if raw not in PDL_VALUES:
+        from dflash.errors import InputError
+
+        raise InputError(f"{PDL_ENV} must be 0, 1, kernels or draft, got {raw!r}.",
+                         hint="unset it for the default (1)")  # fmt: skip
+    return raw
 
 
 _CAPABILITY: dict[int, int] = {}  # CUDA device index -> compute capability major

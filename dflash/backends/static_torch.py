@@ -37,11 +37,13 @@ from dflash.backends.rope_cache import rope_cache_fits, rope_parts
 from dflash.backends.small_linear import (
     MAX_ROWS,
     disable_pdl,
+    kernel_config,
     linear_mode,
     pdl_enabled,
     pdl_part,
+    pdl_setting,
 )
-from dflash.backends.split_attention import attention_mode, uses_kernel
+from dflash.backends.split_attention import attention_mode, split_size, uses_kernel
 from dflash.backends.static_fused import (
     draft_forward_fused,
     draft_rope_fits,
@@ -61,6 +63,28 @@ from dflash.models.draft_torch import DFlashDraft, rope_cos_sin
 
 SUPPORTED_TYPES = ("llama", "qwen2", "qwen3")
 AUTO_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16)  # widths --block-size auto may use on the graph path
+
+
+def check_env() -> None:
+    """Check every switch of the static path (``DFLASH_ATTN``, ``DFLASH_ATTN_SPLIT``,
+    ``DFLASH_LINEAR``, ``DFLASH_LINEAR_CONFIG``, ``DFLASH_PDL``, ``DFLASH_ROPE``,
+    ``DFLASH_PREFETCH``, ``DFLASH_STEP_COMPILE``, ``DFLASH_HEAD_ARGMAX``, ``DFLASH_GRAPH_WARM``)
+    on any device: a typo fails at load on a laptop too, not first on the GPU machine.
+
+    Raises:
+        InputError: the first bad value, naming the variable.
+    """
+    cpu = torch.device("cpu")
+    attention_mode(cpu)
+    split_size(1 << 30)
+    linear_mode(cpu)
+    kernel_config(16, 1024, 1024)
+    pdl_setting()
+    rope_parts()
+    prefetch_setting(cpu)
+    step_compile_default()
+    head_argmax_default()
+    warm_replays()
 
 
 def supports_static(target: Any) -> bool:
