@@ -158,6 +158,12 @@ def test_draft_bits_4_loads_and_keeps_parity(dense, tmp_path):
     q = dflash.load(str(target), str(draft), backend="mlx", draft_bits=4, draft_window=8)
     assert "scales" in q.backend.draft_model.fc
     assert q.generate(PROMPT, max_new_tokens=24, stop_ids=[]).token_ids == truth[:24]
+    # --block-size auto reads this draft's acceptance.json; measured costs are cached per
+    # device, dtype, target, draft and its quantization (not one table for every mlx pair)
+    assert str(q.draft_dir) == str(draft) and str(pipe.draft_dir) != str(draft)
+    key, plain = q.cost_key, pipe.cost_key
+    assert key["draft_bits"] == 4 and key["draft_window"] == 8 and plain["draft_bits"] is None
+    assert key["draft"] == str(draft) and key["target"] and key["dtype"] and key["device"]
 
 
 def test_reference_generate_is_mlx_lm_greedy_and_benchmark_records_it(dense):

@@ -238,7 +238,8 @@ def load_pipeline(model: str | None, draft: str | None, *, device: str = "auto",
     check_draft_options(draft_bits, draft_window)
     draft_dir = resolve_draft(draft, model)
     draft_cfg = DraftConfig.load(draft_dir)  # cheap checks before loading any weights
-    target, tokenizer, config = load_target(resolve_target(model))
+    target_path = resolve_target(model)
+    target, tokenizer, config = load_target(target_path)
     text = _text_config(config)
     stops = sorted(int(i) for i in tokenizer.eos_token_ids)
     inner, layers, _ = model_parts(target)
@@ -249,7 +250,13 @@ def load_pipeline(model: str | None, draft: str | None, *, device: str = "auto",
     draft_model = load_draft_mlx(draft_dir, dtype=dt, bits=draft_bits, window=draft_window)
     context = int(text.get("max_position_embeddings") or (1 << 30))
     backend = MLXBackend(target, draft_model, max_context=context)
-    return MLXPipeline(backend, tokenizer, stops, name=str(model or "demo"))
+    from dflash.api import device_name
+
+    # measured step costs are kept per device, dtype, target, draft (and its quantization/window)
+    cost_key = {"backend": "MLXBackend", "device": f"{mx.default_device()} {device_name(None)}", "dtype": str(dt),
+                "target": str(target_path), "draft": str(draft_dir), "draft_bits": draft_bits,
+                "draft_window": draft_window}  # fmt: skip
+    return MLXPipeline(backend, tokenizer, stops, name=str(model or "demo"), draft_dir=draft_dir, cost_key=cost_key)
 
 
 class MLXPipeline(Pipeline):
@@ -257,11 +264,15 @@ class MLXPipeline(Pipeline):
     as the benchmark's reference (brief §5.5).
 
     Args:
-        backend: the MLX backend; tokenizer: mlx-lm's TokenizerWrapper; stop_ids: its EOS ids.
+        backend: the MLX backend; tokenizer: mlx-lm's TokenizerWrapper; stop_ids: its EOS ids;
+        draft_dir, cost_key: as :class:`dflash.api.Pipeline` (the draft's ``acceptance.json``
+        seeds ``--block-size auto``; measured costs are cached under ``cost_key``).
     """
 
-    def __init__(self, backend: MLXBackend, tokenizer: Any, stop_ids: list[int], name: str = ""):
-        super().__init__(backend, getattr(tokenizer, "_tokenizer", tokenizer), stop_ids, name)
+    def __init__(self, backend: MLXBackend, tokenizer: Any, stop_ids: list[int], name: str = "", *,
+                 draft_dir: Any = None, cost_key: dict[str, Any] | None = None):  # fmt: skip
+        super().__init__(backend, getattr(tokenizer, "_tokenizer", tokenizer), stop_ids, name,
+                         draft_dir=draft_dir, cost_key=cost_key)  # fmt: skip
         self.mlx_tokenizer = tokenizer
 
     def reference_generate(self, prompt_ids: list[int], *, max_new_tokens: int = 2048,
