@@ -5,10 +5,12 @@
 
 Endpoints: ``POST /v1/chat/completions`` and ``/v1/completions`` (streamed over SSE or not),
 ``GET /v1/models``, ``/health`` (503 while the model loads) and ``/metrics`` (Prometheus text,
-vLLM's spec-decode counter names). ``"return_meta_info": true`` adds SGLang-style per-choice
-``meta_info`` (τ, verify steps, histogram). Requests are queued and served one generation at a
-time (no batching); each generation runs in one worker thread and streams back through an
-asyncio queue; a client that disconnects cancels its generation at the next verify step.
+vLLM's spec-decode counter names, plus ``num_drafts_per_pos``). ``"return_meta_info": true``
+adds SGLang-style per-choice ``meta_info`` (τ, verify steps, histogram, and each step's τ and
+proposals: :func:`dflash.serve_protocol.meta_info`). Requests are queued and served one
+generation at a time (no batching); each generation runs in one worker thread and streams back
+through an asyncio queue; a client that disconnects cancels its generation at the next verify
+step.
 
 FastAPI and uvicorn are imported only when the server starts (``pip install "dflash[serve]"``).
 """

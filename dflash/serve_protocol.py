@@ -3,8 +3,13 @@ here, so it is testable on its own).
 
 Shapes follow the OpenAI API; ``meta_info`` follows SGLang (brief §7.5): ``spec_accept_length``
 (τ, bonus included), ``spec_verify_ct`` (verify steps) and ``spec_correct_drafts_histogram``
-(``[k]`` = verify steps that accepted k drafts, k = 0..L-1). ``/metrics`` uses vLLM's counter
-names (``vllm:spec_decode_*``) so scrapers written for vLLM read it unchanged.
+(``[k]`` = verify steps that accepted k drafts, k = 0..L-1), plus two dflash lists that pair each
+verify step's τ with its own number of proposals (``spec_accept_length_per_step``,
+``spec_proposed_drafts_per_step``): under ``--block-size auto`` the width varies per step (1 = a
+plain step that proposes nothing), so the histogram alone cannot tell how many drafts reached a
+position. ``/metrics`` uses vLLM's counter names (``vllm:spec_decode_*``) so scrapers written for
+vLLM read it unchanged, plus ``vllm:spec_decode_num_drafts_per_pos_total{position}`` (drafts that
+reached a position), the denominator of the per-position acceptance when widths vary.
 """
 
 from __future__ import annotations
@@ -212,9 +217,18 @@ def meta_info(accepted: list[int], proposed: list[int], block_size: int, prompt_
     """SGLang-style per-choice statistics of one generation.
 
     Args:
-        accepted: τ per verify step (tokens committed, bonus included), 1..L.
-        proposed: draft tokens proposed per verify step.
-        block_size: L.
+        accepted: τ per verify step (tokens committed, bonus included), 1..proposed + 1.
+        proposed: draft tokens proposed per verify step (its width - 1; 0 for a plain step).
+        block_size: L, the largest width (the draft's trained block size under auto).
+
+    Returns:
+        The SGLang fields (``spec_accept_length``, ``spec_verify_ct``, ``spec_accept_rate``,
+        ``spec_num_correct_drafts``, ``spec_num_proposed_drafts``, the histogram under both of
+        its names: L counts, ``[k]`` = steps that accepted k drafts), ``block_size``, token
+        counts, ``e2e_latency`` (s), and ``spec_accept_length_per_step`` /
+        ``spec_proposed_drafts_per_step``: ``accepted`` and ``proposed`` as given (one int per
+        verify step each), so a client can compute per-position acceptance exactly when the
+        width varies per step.
     """
     steps = len(accepted)
     correct = sum(a - 1 for a in accepted)
@@ -230,6 +244,8 @@ def meta_info(accepted: list[int], proposed: list[int], block_size: int, prompt_
         "spec_num_proposed_drafts": total_proposed,
         "spec_correct_drafts_histogram": hist,
         "spec_accept_histogram": hist,
+        "spec_accept_length_per_step": list(accepted),
+        "spec_proposed_drafts_per_step": list(proposed),
         "block_size": block_size,
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
@@ -283,8 +299,13 @@ class ServerMetrics:
     """Counters and gauges of the server, rendered in Prometheus text format (thread-safe).
 
     Spec-decode counters follow vLLM: a draft = a verify step that checked >= 1 proposal;
-    accepted tokens per position p = drafts whose first p+1 proposals were all accepted; so
-    τ = 1 + accepted / drafts and per-position rates come out as a vLLM scraper expects.
+    accepted tokens per position p (0-based) = drafts whose first p+1 proposals were all
+    accepted; so τ = 1 + accepted / drafts as a vLLM scraper expects. vLLM divides the
+    per-position counts by ``num_drafts``, right only when every draft has the same width; with
+    ``--block-size auto`` the width varies per step, so ``num_drafts_per_pos`` (a dflash
+    addition under vLLM's prefix) counts the drafts that reached position p: proposed a token
+    there with the first p all accepted. Per-position acceptance P(p accepted | 0..p-1 accepted)
+    = ``num_accepted_tokens_per_pos[p] / num_drafts_per_pos[p]``.
     """
 
     def __init__(self, model: str, block_size: int):
@@ -292,6 +313,7 @@ class ServerMetrics:
         self.lock = threading.Lock()
         self.drafts = self.draft_tokens = self.accepted = 0
         self.per_pos = [0] * max(block_size - 1, 0)
+        self.reached = [0] * max(block_size - 1, 0)
         self.prompt_tokens = self.generation_tokens = 0
         self.finished: dict[str, int] = {}
         self.running = self.waiting = 0
@@ -306,6 +328,9 @@ class ServerMetrics:
                 self.accepted += accepted - 1
                 while len(self.per_pos) < proposed:
                     self.per_pos.append(0)
+                    self.reached.append(0)
+                for p in range(min(accepted, proposed)):  # 0..accepted-1: the accepted ones
+                    self.reached[p] += 1  # and the first rejected one, if it was proposed
                 for p in range(accepted - 1):
                     self.per_pos[p] += 1
 
@@ -338,6 +363,10 @@ class ServerMetrics:
             metric(p + "num_accepted_tokens_per_pos_total", "counter",
                    "Drafts whose proposals up to this position were all accepted.",
                    [(f'{label},position="{i}"', n) for i, n in enumerate(self.per_pos)])  # fmt: skip
+            metric(p + "num_drafts_per_pos_total", "counter",
+                   "Drafts that proposed a token at this position after all earlier ones were "
+                   "accepted (the per-position acceptance's denominator when widths vary).",
+                   [(f'{label},position="{i}"', n) for i, n in enumerate(self.reached)])  # fmt: skip
             metric("vllm:prompt_tokens_total", "counter", "Prompt tokens processed.",
                    [(label, self.prompt_tokens)])  # fmt: skip
             metric("vllm:generation_tokens_total", "counter", "Tokens generated.",

@@ -111,8 +111,10 @@ def test_meta_stats_shapes():
     from dflash.backends.openai_stats import extract_meta
 
     s = meta_stats(extract_meta(chat))
-    assert s == {"tau": 3.0, "verify_ct": 3, "histogram": [1, 0, 1, 0, 1] + [0] * 11}
-    assert meta_stats(extract_meta(top)) == {"tau": 2.0, "verify_ct": 2, "histogram": None}
+    assert s == {"tau": 3.0, "verify_ct": 3, "histogram": [1, 0, 1, 0, 1] + [0] * 11,
+                 "accept_lengths": None, "proposed": None}  # fmt: skip
+    assert meta_stats(extract_meta(top)) == {"tau": 2.0, "verify_ct": 2, "histogram": None,
+                                             "accept_lengths": None, "proposed": None}  # fmt: skip
     assert meta_stats(None) is None and meta_stats({"spec_verify_ct": 3}) is None
 
 

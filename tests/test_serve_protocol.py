@@ -87,6 +87,14 @@ def test_meta_info_and_metrics_agree_and_round_trip_through_the_client_parsers()
     assert (counters.drafts, counters.draft_tokens, counters.accepted) == (4, 60, 18)
     assert counters.per_pos[:4] == [3, 2, 1, 1] and sum(counters.per_pos) == 18
     assert counters.stats()["tau"] == pytest.approx(1 + 18 / 4)
+    assert meta["spec_accept_length_per_step"] == accepted
+    assert meta["spec_proposed_drafts_per_step"] == proposed
+    # one width: drafts reaching a position = drafts that accepted the one before (vLLM's reading)
+    assert counters.reached[:4] == [4, 3, 2, 1] and counters.reached[4:] == [1] * 11
+    vllm_reading = SpecCounters(counters.drafts, counters.draft_tokens, counters.accepted,
+                                counters.per_pos).stats()["per_position_acceptance"]  # fmt: skip
+    assert counters.stats()["per_position_acceptance"] == pytest.approx(vllm_reading)
+    assert vllm_reading[:4] == pytest.approx([3 / 4, 2 / 3, 1 / 2, 1.0])
     rows = parse_prometheus(metrics.render())
     assert rows["vllm:generation_tokens_total"][0][1] == 24
     assert rows["vllm:request_success_total"][0][0]["finished_reason"] == "length"

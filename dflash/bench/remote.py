@@ -10,7 +10,11 @@ time (asyncio + one httpx.AsyncClient); ``concurrency`` warm-up requests of min(
 go first, untimed. Failed requests (HTTP errors after bounded retries, timeouts, broken streams)
 are counted and listed apart and never enter the speed figures. Acceptance comes from SGLang-style
 ``meta_info`` and/or vLLM ``/metrics`` counters scraped before and after each dataset
-(brief §7.5); "not reported by server" when neither exists. ``--baseline-url`` runs the same
+(brief §7.5); "not reported by server" when neither exists. Per-position acceptance is the
+local benchmark's P(k accepted | 1..k-1 accepted), counted over the verify steps that proposed
+draft k after accepting drafts 1..k-1; it is exact where the server says how many drafts each
+step proposed (``dflash serve``, whose ``--block-size auto`` varies the width per step) and
+assumes one width for every step otherwise (SGLang, vLLM). ``--baseline-url`` runs the same
 prompts against a second server (speculation off) first, for a speedup.
 """
 
@@ -91,6 +95,10 @@ class RemoteRecord:
         ttft_s, e2e_s: seconds; tpot_s derived.
         tau, verify_ct, histogram: from the server's meta_info (None when not reported);
             ``histogram[k]`` = verify steps that accepted k drafts.
+        accept_lengths, proposed: per verify step, τ (tokens committed, bonus included) and
+            draft tokens proposed (0 for a plain step), from meta_info's
+            ``spec_accept_length_per_step`` / ``spec_proposed_drafts_per_step`` (``dflash
+            serve``); None when the server does not send them (SGLang, vLLM).
     """
 
     dataset: str
@@ -111,6 +119,8 @@ class RemoteRecord:
     tau: float | None = None
     verify_ct: int | None = None
     histogram: list[int] | None = None
+    accept_lengths: list[int] | None = None
+    proposed: list[int] | None = None
     text: str = ""
     reasoning: str = ""
     config: dict[str, Any] = field(default_factory=dict)
@@ -132,7 +142,9 @@ class RemoteRecord:
                    usage_reported=r.completion_tokens is not None, ttft_s=r.ttft_s, e2e_s=r.e2e_s,
                    finish_reason=r.finish_reason, tau=stats["tau"] if stats else None,
                    verify_ct=stats["verify_ct"] if stats else None,
-                   histogram=stats["histogram"] if stats else None, text=r.text,
+                   histogram=stats["histogram"] if stats else None,
+                   accept_lengths=stats["accept_lengths"] if stats else None,
+                   proposed=stats["proposed"] if stats else None, text=r.text,
                    reasoning=r.reasoning, config=config)  # fmt: skip
 
 
@@ -264,21 +276,46 @@ def percentiles(values: list[float]) -> dict[str, float | None]:
 
 
 def _as_response_records(records: list[RemoteRecord]) -> list[ResponseRecord]:
-    """Meta histograms expanded into per-step τ lists so the local metrics apply unchanged."""
+    """Per-step τ and proposal lists of each record as local ``ResponseRecord``s, so the local
+    metrics (histogram, :func:`per_position_acceptance`) apply unchanged.
+
+    Where the server sent each step's τ and proposals (``accept_lengths`` / ``proposed``, from
+    ``dflash serve``) they are used as they are: exact under ``--block-size auto``, whose steps
+    have different widths (a plain step proposes 0 tokens and counts at no position). Otherwise
+    the meta histogram is expanded and every step is assumed to have proposed
+    ``len(histogram) - 1`` drafts: right for servers that draft at one fixed width (SGLang,
+    vLLM; only a last step narrowed by the budget is miscounted), biased for varying widths.
+    The block size of a record is ``len(histogram)`` (the server's L), at least the widest step.
+    Records without a histogram or per-step lists are left out.
+    """
     out = []
     for r in records:
+        stats = RunStats(r.new_tokens, r.ttft_s or 0.0, 0.0)
+        if r.accept_lengths is not None and r.proposed is not None:
+            size = max([len(r.histogram or [])] + [p + 1 for p in r.proposed] + [1])
+            out.append(ResponseRecord(r.dataset, r.id, r.turn, r.prompt_tokens or 0, size, stats,
+                                      acceptance_lengths=list(r.accept_lengths),
+                                      proposed=list(r.proposed)))  # fmt: skip
+            continue
         if r.histogram is None:
             continue
         size = len(r.histogram)
         taus = [k + 1 for k, c in enumerate(r.histogram) for _ in range(c)]
-        out.append(ResponseRecord(r.dataset, r.id, r.turn, r.prompt_tokens or 0, size,
-                                  RunStats(r.new_tokens, r.ttft_s or 0.0, 0.0),
+        out.append(ResponseRecord(r.dataset, r.id, r.turn, r.prompt_tokens or 0, size, stats,
                                   acceptance_lengths=taus, proposed=[size - 1] * len(taus)))  # fmt: skip
     return out
 
 
 def side_summary(run: dict[str, Any]) -> dict[str, Any]:
-    """Speed and acceptance of one server on one dataset (JSON-ready; seconds, tok/s)."""
+    """Speed and acceptance of one server on one dataset (JSON-ready; seconds, tok/s).
+
+    ``per_position_acceptance[k-1]`` (k = 1..L-1) is P(draft k accepted | drafts 1..k-1
+    accepted) pooled over the verify steps that proposed draft k: those that accepted k over
+    those that accepted 1..k-1 (see :func:`_as_response_records`; None where no step proposed
+    draft k after accepting 1..k-1), from meta_info, else from
+    ``/metrics`` (:meth:`SpecCounters.stats`). ``histogram[k-1]`` counts verify steps of τ = k,
+    plain steps (τ = 1) included.
+    """
     records: list[RemoteRecord] = run["records"]
     ok = [r for r in records if r.ok]
     errors = [r for r in records if not r.ok]
