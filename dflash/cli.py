@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Annotated
 
 import typer
 
@@ -38,6 +39,22 @@ from dflash.serve import serve  # noqa: E402  (fastapi/uvicorn are imported when
 app.command("serve")(serve)
 app.command("train")(train)
 app.add_typer(data_app, name="data")
+
+
+def _version(value: bool) -> None:
+    if value:
+        from dflash import __version__
+
+        print(f"dflash {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                          help="Print the version and exit.")] = False,
+) -> None:
+    """Lossless speculative decoding with block-diffusion (DFlash) drafts."""
 
 
 def report_error(err: DflashError) -> None:

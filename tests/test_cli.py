@@ -217,3 +217,13 @@ def test_cuda_path_switches_are_checked_on_every_device(name, value, monkeypatch
     with pytest.raises(InputError, match=name) as err:
         dflash.load("/nonexistent/model.gguf", "/nonexistent/draft", device="cpu")  # paths checked later
     assert "\n" not in err.value.message
+
+
+def test_version_flag_prints_the_package_version():
+    from typer.testing import CliRunner
+
+    import dflash
+    from dflash.cli import app
+
+    res = CliRunner().invoke(app, ["--version"])
+    assert res.exit_code == 0 and res.stdout.strip() == f"dflash {dflash.__version__}"
