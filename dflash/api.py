@@ -193,10 +193,11 @@ class Pipeline:
             if text == "auto":
                 return "auto" if self.block_size > 1 else 1
             if not text.isdigit():
-                raise InputError(f"--block-size must be auto or an integer >= 1, got {bs!r}.")
+                raise InputError(f"--block-size must be auto or an integer >= 1, got {bs!r}.",
+                                 hint="auto picks it per step; 1 decodes without a draft")  # fmt: skip
             bs = int(text)
         if bs < 1:
-            raise InputError(f"--block-size must be >= 1, got {bs}.")
+            raise InputError(f"--block-size must be >= 1, got {bs}.", hint="auto picks it per step; 1 decodes without a draft")
         if bs > self.block_size:
             raise InputError(f"--block-size {bs} exceeds the draft's trained block size "
                              f"{self.block_size}.", hint=f"use --block-size {self.block_size} or less")  # fmt: skip
@@ -219,7 +220,7 @@ class Pipeline:
         self.last_policy = policy
         bs = self.block_size if bs == "auto" else bs
         if max_new_tokens < 1:
-            raise InputError(f"--max-new-tokens must be >= 1, got {max_new_tokens}.")
+            raise InputError(f"--max-new-tokens must be >= 1, got {max_new_tokens}.", hint="e.g. --max-new-tokens 256")
         self.check_prompt(prompt_ids)
         budget = min(max_new_tokens, self.backend.max_context - len(prompt_ids))
         stops = self.stop_ids if stop_ids is None else stop_ids

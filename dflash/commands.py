@@ -85,7 +85,7 @@ def generate(
     if not prompt.strip():
         raise InputError("The prompt is empty.", hint="pass a question or instruction as PROMPT")
     if max_new_tokens < 1:
-        raise InputError(f"--max-new-tokens must be >= 1, got {max_new_tokens}.")
+        raise InputError(f"--max-new-tokens must be >= 1, got {max_new_tokens}.", hint="e.g. --max-new-tokens 256")
     block_size = parse_block_size(block_size)
     warm_tokens = warmup_tokens()  # a bad DFLASH_GENERATE_WARMUP fails before loading
     pipe = dflash.load(model, draft, backend=backend, device=device, dtype=dtype, cuda_graphs=cuda_graphs,
@@ -206,9 +206,11 @@ def parse_block_size(value: str | int | None) -> int | str:
     if text == "auto":
         return "auto"
     if not text.lstrip("-").isdigit():
-        raise InputError(f"--block-size must be auto or an integer >= 1, got {value!r}.")
+        raise InputError(f"--block-size must be auto or an integer >= 1, got {value!r}.",
+                         hint="auto picks it per step; 1 decodes without a draft; the draft's trained size drafts most")  # fmt: skip
     if int(text) < 1:
-        raise InputError(f"--block-size must be >= 1, got {int(text)}.")
+        raise InputError(f"--block-size must be >= 1, got {int(text)}.",
+                         hint="auto picks it per step; 1 decodes without a draft")  # fmt: skip
     return int(text)
 
 

@@ -33,11 +33,12 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if not (0 <= self.temperature < float("inf")):
-            raise InputError(f"--temperature must be a finite number >= 0, got {self.temperature}.")
+            raise InputError(f"--temperature must be a finite number >= 0, got {self.temperature}.",
+                             hint="0 decodes greedily; 0.6-1.0 samples")  # fmt: skip
         if self.top_k < 0:
-            raise InputError(f"--top-k must be >= 0 (0 disables it), got {self.top_k}.")
+            raise InputError(f"--top-k must be >= 0 (0 disables it), got {self.top_k}.", hint="e.g. --top-k 50, or 0")
         if not (0.0 < self.top_p <= 1.0):
-            raise InputError(f"--top-p must be in (0, 1], got {self.top_p}.")
+            raise InputError(f"--top-p must be in (0, 1], got {self.top_p}.", hint="e.g. --top-p 0.95; 1 disables it")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise InputError(f"--seed must be an integer in [0, 2^63), got {self.seed}.")
 

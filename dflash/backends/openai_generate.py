@@ -64,7 +64,7 @@ def generate_openai(
         ServerError: the server cannot be reached or answers with an error.
     """
     if max_new_tokens < 1:
-        raise InputError(f"--max-new-tokens must be >= 1, got {max_new_tokens}.")
+        raise InputError(f"--max-new-tokens must be >= 1, got {max_new_tokens}.", hint="e.g. --max-new-tokens 256")
     if not timeout_s > 0:
         raise InputError(f"--timeout-s must be > 0, got {timeout_s}.")
     root = api_root(base_url)

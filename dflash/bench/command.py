@@ -63,7 +63,7 @@ def _check_options(
     if backend not in LOCAL_BACKENDS:
         raise BackendError(f"dflash benchmark cannot drive the '{backend}' backend yet.")
     if max_new_tokens < 1:
-        raise InputError(f"--max-new-tokens must be >= 1, got {max_new_tokens}.")
+        raise InputError(f"--max-new-tokens must be >= 1, got {max_new_tokens}.", hint="e.g. --max-new-tokens 256")
     if len(block_sizes) > 1 and resume:
         raise InputError("--resume continues one block size, not a sweep.",
                          hint="resume each value with its own --block-size and --output")  # fmt: skip

@@ -271,7 +271,7 @@ def select(items: list[PromptItem], max_samples: int | None) -> list[PromptItem]
         InputError: ``max_samples`` < 1.
     """
     if max_samples is not None and max_samples < 1:
-        raise InputError(f"--max-samples must be >= 1, got {max_samples}.")
+        raise InputError(f"--max-samples must be >= 1, got {max_samples}.", hint="drop it to use every prompt")
     order = list(range(len(items)))
     random.Random(SELECT_SEED).shuffle(order)
     if max_samples is not None:
