@@ -118,7 +118,8 @@ class Pipeline:
         """Time verify/draft forwards per width once (or read them from the dflash cache).
 
         Done on the first ``block_size="auto"`` request; a server calls it at startup so no
-        request pays for it. Seconds on a CPU, well under a second on a GPU.
+        request pays for it. About (widths x 6) verify and draft forwards: well under a second on
+        a GPU, a minute or two for the demo pair on a 2-core CPU (one line on stderr says so).
         """
         if self.costs is None:
             widths = ladder(self.block_size, getattr(self.backend, "auto_widths", None))
@@ -387,6 +388,7 @@ def load(model: str | None = None, draft: str | None = None, *, backend: str = "
     if backend not in BACKENDS:
         raise BackendError(f"Unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}.")
     if backend == "mlx":
+        _check_mlx_options(model, draft, device, dtype, draft_bits, draft_window)  # before mlx's ~7 s import
         try:
             import mlx.core  # noqa: F401
             import mlx_lm  # noqa: F401
@@ -409,7 +411,8 @@ def load(model: str | None = None, draft: str | None = None, *, backend: str = "
     except ImportError as e:
         raise BackendError("The transformers backend needs torch and transformers.",
                            hint='pip install "dflash[torch]"') from e  # fmt: skip
-    from dflash.backends.static_torch import StaticBackend, check_env, supports_static
+    from dflash.backends.static_switches import check_env
+    from dflash.backends.static_torch import StaticBackend, supports_static
     from dflash.backends.transformers import (
         TransformersBackend,
         check_pair,
@@ -459,6 +462,29 @@ def load(model: str | None = None, draft: str | None = None, *, backend: str = "
                 "threads": torch.get_num_threads() if dev.type == "cpu" else None}  # fmt: skip
     return Pipeline(impl, tokenizer, stops, name=str(model or "demo"), draft_dir=draft_dir,
                     cost_key=cost_key)  # fmt: skip
+
+
+def _check_mlx_options(model: str | None, draft: str | None, device: str, dtype: str,
+                       draft_bits: int | None, draft_window: int | None) -> None:  # fmt: skip
+    """The mlx backend's option checks that need neither mlx nor any weight (importing mlx-lm
+    takes seconds): device, dtype, draft quantization and window, the model path, the draft.
+
+    Raises:
+        InputError, CheckpointError: one-sentence reasons.
+    """
+    from dflash.models.target_torch import check_model_path, resolve_draft  # torch-free helpers
+
+    if device not in ("auto", "cpu", "gpu", "metal", "cuda"):
+        raise InputError(f"Unknown --device {device!r} for the mlx backend; use auto, cpu or gpu.")
+    if dtype not in ("auto", "bfloat16", "float16", "float32"):
+        raise InputError(f"Unknown --dtype {dtype!r}; use auto, bfloat16, float16 or float32.")
+    if draft_bits not in (None, 4, 8):
+        raise InputError(f"--draft-bits must be 4 or 8, got {draft_bits}.", hint="4 is smaller and faster, 8 closer")
+    if draft_window is not None and draft_window < 1:
+        raise InputError(f"--draft-window must be >= 1 token, got {draft_window}.", hint="e.g. --draft-window 1024")
+    if model is not None:
+        check_model_path(model)
+    resolve_draft(draft, model)
 
 
 def device_name(dev: Any) -> str:

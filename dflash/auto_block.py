@@ -332,6 +332,10 @@ def load_or_measure_costs(backend: Any, key: dict[str, Any], widths: list[int]) 
                 return table
         except (OSError, ValueError, KeyError, TypeError):
             pass
+    import sys
+
+    print(f"dflash: measuring step costs at widths {', '.join(map(str, widths))} for --block-size auto "
+          f"(once per device, dtype, target and draft; cached in {path.parent})", file=sys.stderr, flush=True)  # fmt: skip
     table = measure_costs(backend, widths)
     table.key = key
     try:

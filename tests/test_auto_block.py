@@ -359,7 +359,7 @@ def test_static_path_after_plain_steps_matches_the_dynamic_one(tiny_target, tiny
     assert runs[0] == runs[1]
 
 
-def test_measure_costs_and_cache(tiny_backend, tmp_path, monkeypatch):
+def test_measure_costs_and_cache(tiny_backend, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("DFLASH_CACHE", str(tmp_path))
     monkeypatch.delenv("DFLASH_RECALIBRATE", raising=False)
     widths = [1, 2, 4, 16]
@@ -372,8 +372,10 @@ def test_measure_costs_and_cache(tiny_backend, tmp_path, monkeypatch):
     files = list((tmp_path / "costs").glob("*.json"))
     assert first.source == "measured" and len(files) == 1
     assert json.loads(files[0].read_text())["key"]["widths"] == widths
+    assert capsys.readouterr().err.count("dflash: measuring step costs at widths 1, 2, 4, 16") == 1
     again = load_or_measure_costs(tiny_backend, key, widths)
     assert again.source == "cache" and again.verify_s == first.verify_s
+    assert "measuring" not in capsys.readouterr().err  # read from the cache: silent
     assert (
         load_or_measure_costs(tiny_backend, {**key, "device": "other"}, widths).source == "measured"
     )

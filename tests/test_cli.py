@@ -227,3 +227,17 @@ def test_version_flag_prints_the_package_version():
 
     res = CliRunner().invoke(app, ["--version"])
     assert res.exit_code == 0 and res.stdout.strip() == f"dflash {dflash.__version__}"
+
+
+def test_mlx_option_errors_come_before_importing_mlx():
+    """A bad mlx option is refused before mlx/mlx-lm are imported (seconds); a fresh process shows
+    neither in sys.modules after the error."""
+    code = ("import sys, dflash\nfrom dflash.errors import InputError\n"
+            "for kw in ({'device': 'tpu'}, {'dtype': 'int8'}, {'draft_bits': 3}, {'draft_window': 0}):\n"
+            "    try:\n        dflash.load(backend='mlx', **kw)\n    except InputError as e:\n        print(e.message)\n"
+            "print('imported', 'mlx_lm' in sys.modules or 'mlx.core' in sys.modules)\n")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"})  # fmt: skip
+    lines = out.stdout.strip().splitlines()
+    assert out.returncode == 0 and lines[-1] == "imported False", (out.stdout, out.stderr[-2000:])
+    assert [ln.split()[0] for ln in lines[:-1]] == ["Unknown", "Unknown", "--draft-bits", "--draft-window"]

@@ -253,7 +253,7 @@ def test_inductor_pdl_setting_is_restored_after_each_capture():
     also when the capture raises; off CUDA it is never touched."""
     import torch._inductor.config as inductor_config
 
-    from dflash.backends.static_torch import _inductor_pdl
+    from dflash.backends.static_switches import inductor_pdl as _inductor_pdl
 
     if not hasattr(inductor_config.triton, "enable_pdl"):
         pytest.skip("this torch has no Inductor PDL setting")

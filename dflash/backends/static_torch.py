@@ -17,8 +17,6 @@ in ``torch.compile`` (Inductor, kernels cached on disk), which fuses the small k
 from __future__ import annotations
 
 import os
-import sys
-from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
@@ -36,14 +34,11 @@ from dflash.backends.l2_prefetch import prefetch_setting
 from dflash.backends.rope_cache import rope_cache_fits, rope_parts
 from dflash.backends.small_linear import (
     MAX_ROWS,
-    disable_pdl,
-    kernel_config,
     linear_mode,
     pdl_enabled,
     pdl_part,
-    pdl_setting,
 )
-from dflash.backends.split_attention import attention_mode, split_size, uses_kernel
+from dflash.backends.split_attention import attention_mode, uses_kernel
 from dflash.backends.static_fused import (
     draft_forward_fused,
     draft_rope_fits,
@@ -57,34 +52,13 @@ from dflash.backends.static_fused import (
     target_forward_fused,
 )
 from dflash.backends.static_loop import DeviceLoop, device_loop_default, step_compile_default
+from dflash.backends.static_switches import fall_back, inductor_pdl
 from dflash.backends.transformers import TransformersBackend
 from dflash.errors import BackendError
 from dflash.models.draft_torch import DFlashDraft, rope_cos_sin
 
 SUPPORTED_TYPES = ("llama", "qwen2", "qwen3")
 AUTO_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16)  # widths --block-size auto may use on the graph path
-
-
-def check_env() -> None:
-    """Check every switch of the static path (``DFLASH_ATTN``, ``DFLASH_ATTN_SPLIT``,
-    ``DFLASH_LINEAR``, ``DFLASH_LINEAR_CONFIG``, ``DFLASH_PDL``, ``DFLASH_ROPE``,
-    ``DFLASH_PREFETCH``, ``DFLASH_STEP_COMPILE``, ``DFLASH_HEAD_ARGMAX``, ``DFLASH_GRAPH_WARM``)
-    on any device: a typo fails at load on a laptop too, not first on the GPU machine.
-
-    Raises:
-        InputError: the first bad value, naming the variable.
-    """
-    cpu = torch.device("cpu")
-    attention_mode(cpu)
-    split_size(1 << 30)
-    linear_mode(cpu)
-    kernel_config(16, 1024, 1024)
-    pdl_setting()
-    rope_parts()
-    prefetch_setting(cpu)
-    step_compile_default()
-    head_argmax_default()
-    warm_replays()
 
 
 def supports_static(target: Any) -> bool:
@@ -127,27 +101,6 @@ class StaticDraftCache:
         self.keys[i].index_copy_(2, self.write_pos, k)
         self.values[i].index_copy_(2, self.write_pos, v)
         return self.keys[i], self.values[i]
-
-
-@contextmanager
-def _inductor_pdl(on: bool, device: torch.device):
-    """Inductor's PDL code (``torch._inductor.config.triton.enable_pdl``, a process-wide setting
-    read when a forward compiles) set to ``on`` meanwhile, on CUDA where this torch has it, and
-    restored afterwards (other ``torch.compile`` users in the process keep their setting).
-
-    Dynamo does not guard compiled code on it: a frame shared by the draft's and the target's
-    forwards keeps the setting of its first compile under ``DFLASH_PDL=draft``; both are exact."""
-    import torch._inductor.config as inductor_config
-
-    if device.type != "cuda" or not hasattr(inductor_config.triton, "enable_pdl"):
-        yield
-        return
-    before = inductor_config.triton.enable_pdl
-    inductor_config.triton.enable_pdl = on
-    try:
-        yield
-    finally:
-        inductor_config.triton.enable_pdl = before
 
 
 class StaticBackend(TransformersBackend):
@@ -408,7 +361,7 @@ class StaticBackend(TransformersBackend):
         part = "draft" if kind in ("draft", "ddraft") else "target"
         try:
             with pdl_part(part):  # DFLASH_PDL=draft: PDL in the draft's graphs only
-                with _inductor_pdl(pdl_enabled(self.device, inductor=True), self.device):
+                with inductor_pdl(pdl_enabled(self.device, inductor=True), self.device):
                     self.graphs[key] = self._capture(self._fn(kind, width), static_inputs)
         except Exception as e:  # noqa: BLE001 - Inductor/Triton raise many types
             if not self._fall_back(e, part):
@@ -419,53 +372,9 @@ class StaticBackend(TransformersBackend):
         return self.graphs[key]
 
     def _fall_back(self, error: Exception, part: str | None = None) -> bool:
-        """After a failed capture, turn off the next optional piece, with one line on stderr:
-        the L2 weight prefetch (``DFLASH_PREFETCH``), then the whole-step compile
-        (``DFLASH_STEP_COMPILE``), then the LM head + argmax kernel (``DFLASH_HEAD_ARGMAX``),
-        then programmatic dependent launch (when it was on for the failed capture of ``part``, "draft"
-        or "target"; the forwards compile again), then the RoPE + cache-write kernel
-        (``DFLASH_ROPE``), then the Triton projections (cuBLAS instead),
-        then the split-KV kernel (SDPA), then ``torch.compile`` (eager ops). Returns False when
-        nothing is left to turn off.
-
-        The forwards read these switches while tracing, so the next capture traces again;
-        graphs captured before keep what they had (every variant gives the target's tokens)."""
-        why = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:200]}"
-        if self.prefetch:
-            self.prefetch = 0
-            what, fix = "the L2 weight prefetch", "no prefetch (DFLASH_PREFETCH=0 silences this)"
-        elif self.step_compile and self.compile and self.device_loop is not None:
-            self.step_compile = False
-            what, fix = "the whole-step compile", "forward and glue compiled apart (unset DFLASH_STEP_COMPILE)"
-        elif self.head_argmax:
-            self.head_argmax = False
-            what, fix = "the LM head + argmax kernel", "the logits and an argmax (unset DFLASH_HEAD_ARGMAX)"
-        elif disable_pdl(self.device, part):  # compiled code has no guard on it: compile again
-            self._compiled.clear()
-            if self.device_loop is not None:
-                self.device_loop._compiled.clear()
-            torch._dynamo.reset()
-            what, fix = "programmatic dependent launch", "plain launches (DFLASH_PDL=0 silences this)"
-        elif self.draft_rope or self.target_rope:
-            self.draft_rope = self.target_rope = False
-            what, fix = "the RoPE + cache-write kernel", "torch ops (DFLASH_ROPE=0 silences this)"
-        elif self.linear != "torch" or self.draft_linear:
-            self.linear, self.draft_linear, self.draft_linear_in = "torch", False, False
-            self.draft_rope = self.target_rope = False
-            what, fix = "the Triton projection kernel", "cuBLAS (DFLASH_LINEAR=torch silences this)"
-        elif self.attention != "sdpa":
-            self.attention = "sdpa"
-            what, fix = "the split-KV attention kernel", "SDPA (DFLASH_ATTN=sdpa silences this)"
-        elif self.compile:
-            self.compile = False
-            mode = os.environ.get("DFLASH_COMPILE_MODE")
-            what = "torch.compile"
-            fix = f"eager ops (check DFLASH_COMPILE_MODE={mode!r}, or --no-compile)" if mode else \
-                "eager ops (--no-compile silences this)"
-        else:
-            return False
-        print(f"dflash: {what} failed ({why}); continuing with {fix}.", file=sys.stderr)
-        return True
+        """After a failed capture, turn off the next optional piece (see
+        :func:`~dflash.backends.static_switches.fall_back`); False when nothing is left."""
+        return fall_back(self, error, part)
 
     def _capture(self, fn, static_inputs):
         """Warm ``fn`` up, then capture it into a new graph with its own memory pool."""

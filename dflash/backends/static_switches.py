@@ -1,0 +1,112 @@
+"""The static path's switches: checked on any device, and turned off one at a time after a failed
+CUDA-graph capture (:meth:`dflash.backends.static_torch.StaticBackend._fall_back`)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from contextlib import contextmanager
+
+import torch
+
+from dflash.backends.graph_plan import warm_replays
+from dflash.backends.head_argmax import head_argmax_default
+from dflash.backends.l2_prefetch import prefetch_setting
+from dflash.backends.rope_cache import rope_parts
+from dflash.backends.small_linear import disable_pdl, kernel_config, linear_mode, pdl_setting
+from dflash.backends.split_attention import attention_mode, split_size
+from dflash.backends.static_loop import step_compile_default
+
+
+def check_env() -> None:
+    """Check every switch of the static path (``DFLASH_ATTN``, ``DFLASH_ATTN_SPLIT``,
+    ``DFLASH_LINEAR``, ``DFLASH_LINEAR_CONFIG``, ``DFLASH_PDL``, ``DFLASH_ROPE``,
+    ``DFLASH_PREFETCH``, ``DFLASH_STEP_COMPILE``, ``DFLASH_HEAD_ARGMAX``, ``DFLASH_GRAPH_WARM``)
+    on any device: a typo fails at load on a laptop too, not first on the GPU machine.
+
+    Raises:
+        InputError: the first bad value, naming the variable.
+    """
+    cpu = torch.device("cpu")
+    attention_mode(cpu)
+    split_size(1 << 30)
+    linear_mode(cpu)
+    kernel_config(16, 1024, 1024)
+    pdl_setting()
+    rope_parts()
+    prefetch_setting(cpu)
+    step_compile_default()
+    head_argmax_default()
+    warm_replays()
+
+
+@contextmanager
+def inductor_pdl(on: bool, device: torch.device):
+    """Inductor's PDL code (``torch._inductor.config.triton.enable_pdl``, a process-wide setting
+    read when a forward compiles) set to ``on`` meanwhile, on CUDA where this torch has it, and
+    restored afterwards (other ``torch.compile`` users in the process keep their setting).
+
+    Dynamo does not guard compiled code on it: a frame shared by the draft's and the target's
+    forwards keeps the setting of its first compile under ``DFLASH_PDL=draft``; both are exact."""
+    import torch._inductor.config as inductor_config
+
+    if device.type != "cuda" or not hasattr(inductor_config.triton, "enable_pdl"):
+        yield
+        return
+    before = inductor_config.triton.enable_pdl
+    inductor_config.triton.enable_pdl = on
+    try:
+        yield
+    finally:
+        inductor_config.triton.enable_pdl = before
+
+
+def fall_back(be, error: Exception, part: str | None = None) -> bool:
+    """After a failed capture of a :class:`~dflash.backends.static_torch.StaticBackend` (``be``)
+    graph, turn off the next optional piece, with one line on stderr:
+    the L2 weight prefetch (``DFLASH_PREFETCH``), then the whole-step compile
+    (``DFLASH_STEP_COMPILE``), then the LM head + argmax kernel (``DFLASH_HEAD_ARGMAX``),
+    then programmatic dependent launch (when it was on for the failed capture of ``part``, "draft"
+    or "target"; the forwards compile again), then the RoPE + cache-write kernel
+    (``DFLASH_ROPE``), then the Triton projections (cuBLAS instead),
+    then the split-KV kernel (SDPA), then ``torch.compile`` (eager ops). Returns False when
+    nothing is left to turn off.
+
+    The forwards read these switches while tracing, so the next capture traces again;
+    graphs captured before keep what they had (every variant gives the target's tokens)."""
+    why = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:200]}"
+    if be.prefetch:
+        be.prefetch = 0
+        what, fix = "the L2 weight prefetch", "no prefetch (DFLASH_PREFETCH=0 silences this)"
+    elif be.step_compile and be.compile and be.device_loop is not None:
+        be.step_compile = False
+        what, fix = "the whole-step compile", "forward and glue compiled apart (unset DFLASH_STEP_COMPILE)"
+    elif be.head_argmax:
+        be.head_argmax = False
+        what, fix = "the LM head + argmax kernel", "the logits and an argmax (unset DFLASH_HEAD_ARGMAX)"
+    elif disable_pdl(be.device, part):  # compiled code has no guard on it: compile again
+        be._compiled.clear()
+        if be.device_loop is not None:
+            be.device_loop._compiled.clear()
+        torch._dynamo.reset()
+        what, fix = "programmatic dependent launch", "plain launches (DFLASH_PDL=0 silences this)"
+    elif be.draft_rope or be.target_rope:
+        be.draft_rope = be.target_rope = False
+        what, fix = "the RoPE + cache-write kernel", "torch ops (DFLASH_ROPE=0 silences this)"
+    elif be.linear != "torch" or be.draft_linear:
+        be.linear, be.draft_linear, be.draft_linear_in = "torch", False, False
+        be.draft_rope = be.target_rope = False
+        what, fix = "the Triton projection kernel", "cuBLAS (DFLASH_LINEAR=torch silences this)"
+    elif be.attention != "sdpa":
+        be.attention = "sdpa"
+        what, fix = "the split-KV attention kernel", "SDPA (DFLASH_ATTN=sdpa silences this)"
+    elif be.compile:
+        be.compile = False
+        mode = os.environ.get("DFLASH_COMPILE_MODE")
+        what = "torch.compile"
+        fix = f"eager ops (check DFLASH_COMPILE_MODE={mode!r}, or --no-compile)" if mode else \
+            "eager ops (--no-compile silences this)"
+    else:
+        return False
+    print(f"dflash: {what} failed ({why}); continuing with {fix}.", file=sys.stderr)
+    return True
