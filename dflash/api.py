@@ -388,6 +388,12 @@ def load(model: str | None = None, draft: str | None = None, *, backend: str = "
     if backend not in BACKENDS:
         raise BackendError(f"Unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}.")
     if backend == "mlx":
+        import importlib.util
+
+        missing = [m for m in ("mlx", "mlx_lm") if importlib.util.find_spec(m) is None]
+        if missing:  # before any draft download
+            raise BackendError(f"The mlx backend needs mlx and mlx-lm ({', '.join(missing)} missing).",
+                               hint='pip install "dflash[mlx]"')  # fmt: skip
         _check_mlx_options(model, draft, device, dtype, draft_bits, draft_window)  # before mlx's ~7 s import
         try:
             import mlx.core  # noqa: F401

@@ -399,16 +399,26 @@ def _check_port_free(host: str, port: int) -> None:
                              hint="pick another --port or stop what uses it") from None  # fmt: skip
 
 
-def _check_pair(model: str | None, draft: str | None, width: int | None) -> None:
+def _check_pair(model: str | None, draft: str | None, width: int | None, backend: str = "transformers") -> None:
     """The checks of ``dflash.load`` that read no weights, before the server binds its port: the
-    target path exists, the draft resolves to a folder (a hub id is downloaded now rather than
-    after binding) and ``--block-size`` fits the draft's trained block size.
+    CUDA path's ``DFLASH_*`` switches (transformers), the target path exists, the draft resolves
+    to a folder (a hub id is downloaded now rather than after binding) and ``--block-size`` fits
+    the draft's trained block size.
 
     Raises:
-        CheckpointError: a missing model path or draft; InputError: a block size too large.
+        CheckpointError: a missing model path or draft; InputError: a bad switch or a block size
+            too large.
     """
     from dflash.models.config import DraftConfig
     from dflash.models.target_torch import check_model_path, resolve_draft  # torch-free helpers
+
+    if backend == "transformers":
+        try:
+            from dflash.backends.static_switches import check_env
+        except ImportError:  # no torch: dflash.load says what to install
+            pass
+        else:
+            check_env()
 
     if model is not None:
         check_model_path(model)
@@ -454,7 +464,7 @@ def serve(
     if log_level.lower() not in LOG_LEVELS:
         raise InputError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {log_level!r}.",
                          hint="info (the default) logs each request; warning only problems")  # fmt: skip
-    _check_pair(model, draft, width)  # before the port is bound: a bad path fails here, at once
+    _check_pair(model, draft, width, backend)  # before the port is bound: a bad path fails here, at once
     _check_port_free(host, port)
     api_key = api_key or os.environ.get("DFLASH_API_KEY") or None
     names = [served_model_name or (DEMO_NAME if model is None else Path(model).name or model)]

@@ -122,3 +122,60 @@ def test_kernel_compiles_for_hopper(pdl):
         pytest.skip(f"cannot compile for sm_90 here: {e}")
     ptx = kernel.asm["ptx"]
     assert "mma" in ptx and ptx.count("griddepcontrol") == (2 if pdl else 0)
+
+
+def test_fall_back_order_and_the_failed_graphs_kind(tiny_target, capsys):
+    """After a failed capture: the L2 prefetch goes first, then (device-loop graphs only) the
+    whole-step compile, then the fused head; a host-loop graph's failure skips those two."""
+    from dflash.backends.static_torch import StaticBackend
+    from tests.conftest import make_draft
+
+    be = StaticBackend(tiny_target, make_draft(tiny_target), torch.device("cpu"), use_graphs=False, device_loop=True)
+    be.compile, be.step_compile, be.head_argmax, be.prefetch = True, True, True, 1 << 20
+    err = RuntimeError("capture failed")
+    assert be._fall_back(err, "target", "verify") and be.prefetch == 0
+    assert be._fall_back(err, "target", "verify") and not be.compile  # skipped the two device-loop pieces
+    assert be.step_compile and be.head_argmax
+    be.compile = True
+    assert be._fall_back(err, "draft", "ddraft") and not be.step_compile and be.head_argmax
+    assert be._fall_back(err, "target", "dverify") and not be.head_argmax
+    lines = [ln.split(" failed")[0] for ln in capsys.readouterr().err.strip().splitlines()]
+    assert lines == ["dflash: the L2 weight prefetch", "dflash: torch.compile", "dflash: the whole-step compile",
+                     "dflash: the LM head + argmax kernel"]  # fmt: skip
+
+
+@pytest.mark.parametrize("head", [False, True])
+def test_step_compile_wraps_glue_and_forward_once_per_graph(tiny_target, monkeypatch, head):
+    """DFLASH_STEP_COMPILE: ``_fn`` compiles the device loop's step (glue as is, ``whole``) around
+    the forward, with the fused head when it is on, the forwards' compile mode, once per graph;
+    the compiled step (run here as is) commits greedy tokens."""
+    from functools import partial
+
+    from dflash.backends.static_torch import StaticBackend
+    from tests.conftest import make_draft
+
+    monkeypatch.setenv("DFLASH_COMPILE_MODE", "max-autotune-no-cudagraphs")
+    seen = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.append((fn, kw)) or fn)
+    be = StaticBackend(tiny_target, make_draft(tiny_target), torch.device("cpu"), use_graphs=False, device_loop=True)
+    be.compile, be.step_compile, be.head_argmax = True, True, head
+    lp = be.device_loop
+    verify, draft = be._fn("dverify", 16), be._fn("ddraft", 16)
+    assert be._fn("dverify", 16) is verify and len(seen) == 2  # cached per (kind, width)
+    for (fn, kw), method, forward in ((seen[0], lp.verify_step, be._target_forward),
+                                      (seen[1], lp.draft_step, be._draft_forward)):  # fmt: skip
+        assert isinstance(fn, partial) and fn.func == method and fn.keywords == {"whole": True}
+        inner = fn.args[-1]
+        assert inner.func == forward and inner.keywords == ({"argmax": True} if head else {})
+        assert kw == {"dynamic": False, "mode": "max-autotune-no-cudagraphs"}
+    from tests.test_loop_scripted import PROMPT, greedy_reference
+
+    truth = greedy_reference(tiny_target, PROMPT, 6)
+    be.reset(64)
+    with torch.inference_mode():
+        logits, _ = be.prefill(PROMPT, True)
+        lp.begin(logits.argmax().reshape(1), len(PROMPT), 16, 6)
+        draft()
+        verify()
+    got = lp.last.tolist()
+    assert [logits.argmax().item()] + got[1 : 1 + got[0]] == truth[: 1 + got[0]] and got[0] >= 1

@@ -78,7 +78,13 @@ def test_forwards_prefetch_each_layer_after_qkv_and_join_once(tiny_target, monke
 
     monkeypatch.setattr(static_fused, "_in_proj", in_proj)
     monkeypatch.setattr(static_fused.l2_prefetch, "prefetch", spy)
-    monkeypatch.setattr(static_fused.l2_prefetch, "join", lambda sink: events.append("join"))
+    hidden = {tiny_target.config.hidden_size, draft.config.hidden_size}
+
+    def join(sink, after):  # after: the last layer's output [1, T, H], so Inductor keeps the join last
+        assert sink is be.l2_sink and after.dim() == 3 and after.shape[-1] in hidden
+        events.append("join")
+
+    monkeypatch.setattr(static_fused.l2_prefetch, "join", join)
     truth = greedy_reference(tiny_target, PROMPT, 16)
     toks = [t for r in speculative_generate(be, PROMPT, block_size=16, max_new_tokens=16) for t in r.tokens]
     assert toks == truth

@@ -320,6 +320,7 @@ def test_cli_block_size_takes_auto_or_an_integer(value, message):
     (["--draft", "/nonexistent/draft"], "CheckpointError", "does not exist"),
     (["--draft", os.devnull], "CheckpointError", "is a file; a draft is a folder"),
     (["--block-size", "99"], "InputError", "exceeds the draft's trained block size 16"),
+    (["--no-cuda-graphs"], "InputError", "DFLASH_ATTN must be"),  # with DFLASH_ATTN=bogus below
 ])
 def test_cli_checks_before_binding_the_port(args, error, message, monkeypatch):
     """A bad log level, a missing model or draft, or a block size over the draft's trained one is
@@ -330,6 +331,8 @@ def test_cli_checks_before_binding_the_port(args, error, message, monkeypatch):
 
     started = []
     monkeypatch.setattr(uvicorn.Server, "run", lambda self, *a, **k: started.append(1))
+    if "--no-cuda-graphs" in args:
+        monkeypatch.setenv("DFLASH_ATTN", "bogus")
     res = CliRunner().invoke(app, ["serve", "--port", str(free_port()), *args])
     assert res.exit_code != 0 and type(res.exception).__name__ == error and message in str(res.exception)
     assert "\n" not in str(res.exception) and not started

@@ -47,7 +47,8 @@ def test_switches_and_configs(monkeypatch):
     assert sl.linear_mode(torch.device("cpu")) == "torch"
     monkeypatch.delenv("DFLASH_LINEAR")
     assert sl.kernel_config(1, 576, 576) == (16, 16, 128, 4, 4)
-    assert sl.kernel_config(20, 4096, 12288) == (32, 32, 512, 4, 4)
+    assert sl.kernel_config(16, 4096, 12288) == (16, 32, 512, 4, 4)  # (16 + 32) x 512 x 2 B x 4 = 192 KiB
+    assert sl.kernel_config(20, 4096, 12288) == (32, 32, 512, 4, 3)  # 4 stages would need 256 KiB
     monkeypatch.setenv("DFLASH_LINEAR_CONFIG", "32,128,8,4")
     assert sl.kernel_config(1, 960, 576) == (16, 32, 128, 8, 4)
     monkeypatch.setenv("DFLASH_LINEAR_CONFIG", "32,128")

@@ -7,8 +7,11 @@ with cuBLAS, against about 13 us to stream the weight), and the argmax after it 
 kernels (``row_argmax``). Here each program computes ``BN`` logits of every row (rounded to the
 activations' dtype, as the unfused head's output is) and writes each row's largest value in its
 slice and the first column holding it; a small reduction over the slices then picks the first
-slice holding the row's maximum. Same index as ``argmax(x @ W^T)`` on the rounded logits (the
-first maximal column, ties included); NaN logits are not handled (torch's argmax picks a NaN).
+slice holding the row's maximum. Same index as ``argmax`` over the logits this kernel computes
+(fp32 sums rounded to the activations' dtype; the first maximal column, ties included). cuBLAS
+sums in another order, so on a near-tie (logits a rounding step apart) the two heads can pick
+different tokens, as any two GEMM kernels can; NaN logits are not handled (torch's argmax picks
+a NaN).
 
 ``DFLASH_HEAD_ARGMAX=1`` (experiment, off by default until measured on a GPU) uses it in the
 device loop's graphs (CUDA with Triton; rows <= :data:`MAX_ROWS`); the host loop's graphs keep

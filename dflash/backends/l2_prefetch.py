@@ -7,9 +7,9 @@ layer on the H200 for a Qwen3-8B shape, ``scripts/bench_big.py``), while HBM idl
 static forwards fork a side stream right after the qkv projection and issue PTX
 ``prefetch.global.L2`` for the next weights of the layer (o_proj, then gate+up, then down_proj, up
 to a byte budget), so the following GEMVs find their first bytes in L2. The prefetch kernel
-holds no data (fire-and-forget prefetches) and the main stream never waits for it: the forward's
-last op joins the side stream back (CUDA graph capture needs every fork joined), long after it
-ended. Tokens do not change: a prefetch reads weights and writes nothing.
+holds no data (fire-and-forget prefetches) and the main stream never waits for it: a join
+after the last layer's output (CUDA graph capture needs every fork joined) brings the side
+stream back long after it ended. Tokens do not change: a prefetch reads weights and writes nothing.
 
 ``DFLASH_PREFETCH``: the byte budget per layer in MiB (default :data:`DEFAULT_MIB`; ``0`` turns
 it off); ``<MiB>,early`` forks the target's prefetch before the qkv projection instead. CUDA with Triton only; a failed capture turns it off first (see
@@ -135,12 +135,14 @@ def _(sink, after, a, b, c, na, nb, nc):
 
 
 @torch.library.custom_op("dflash::l2_join", mutates_args=("sink",))
-def _join_op(sink: torch.Tensor) -> None:
-    torch.cuda.current_stream(sink.device).wait_stream(_side(sink.device))
+def _join_op(sink: torch.Tensor, after: torch.Tensor) -> None:
+    cur, side = torch.cuda.current_stream(sink.device), _side(sink.device)
+    side.wait_stream(cur)  # fork first: a join with no prefetch forked meanwhile is still legal
+    cur.wait_stream(side)  # under CUDA graph capture (no event from outside the capture)
 
 
 @_join_op.register_fake
-def _(sink):
+def _(sink, after):
     return None
 
 
@@ -158,8 +160,10 @@ def prefetch(sink: torch.Tensor, after: torch.Tensor, weights, budget: int) -> N
     _prefetch_op(sink, after, ws[0], ws[1], ws[2], ns[0], ns[1], ns[2])
 
 
-def join(sink: torch.Tensor) -> None:
-    """Make the current stream wait for the side stream's prefetches (each forward's last op:
-    a CUDA graph capture must end joined)."""
+def join(sink: torch.Tensor, after: torch.Tensor) -> None:
+    """Make the current stream wait for the side stream's prefetches; a CUDA graph capture must
+    end joined. ``after``: a tensor of the forward's last layer (its output), so a compiler
+    keeps the join at the end: with ``sink`` alone Inductor ran it right after the last
+    prefetch, and the last layer's main stream waited for its own prefetch."""
     if sink.device.type == "cuda":
-        _join_op(sink)
+        _join_op(sink, after)

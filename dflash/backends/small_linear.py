@@ -38,6 +38,7 @@ LINEAR_ENV = "DFLASH_LINEAR"
 PDL_ENV = "DFLASH_PDL"
 CONFIG_ENV = "DFLASH_LINEAR_CONFIG"  # "BN,BK,warps,stages" for every shape (benchmark sweeps)
 MAX_ROWS = 32  # rows (M) the kernel takes; longer forwards (prefill) use torch
+SMEM_BUDGET = 200 * 1024  # bytes of shared memory the pipelined tiles may take
 
 try:
     import triton
@@ -164,7 +165,10 @@ def kernel_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
         return bm, bn, bk, warps, stages
     bn = 16 if n <= 1024 else 32  # best in the H200 sweep (2026-12-01), o_proj and down_proj
     bk = 128 if k <= 1024 else 512
-    return bm, bn, bk, 4, 4
+    # pipelined stages of the x and weight tiles must fit shared memory (~227 KiB on Hopper):
+    # 32 rows x 512 of K would take 256 KiB at 4 stages
+    stages = max(2, min(4, SMEM_BUDGET // ((bm + bn) * bk * 2)))
+    return bm, bn, bk, 4, stages
 
 
 if triton is not None:

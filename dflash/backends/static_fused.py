@@ -294,7 +294,7 @@ def target_forward_fused(be, ids: torch.Tensor, pos: torch.Tensor, argmax: bool 
             for n in be.feature_layers.get(i, ()):
                 slots[n] = x[0]
     if pf:
-        l2_prefetch.join(be.l2_sink)
+        l2_prefetch.join(be.l2_sink, x)
     x = be.target.model.norm(x)
     for n in be.feature_layers.get(be.n_layers - 1, ()):  # HF's hidden_states[N] is final-normed
         slots[n] = x[0]
@@ -373,7 +373,7 @@ def draft_forward_fused(draft, fused, block_embeds, target_hidden, q_pos, ctx_po
         h = _out_proj(lin, a.o_proj, out, h)
         h = _mlp(lin, lin_in, gate_up, layer.mlp.down_proj, F.silu, layer.post_attention_layernorm(h), h)
     if prefetch:
-        l2_prefetch.join(prefetch[0])
+        l2_prefetch.join(prefetch[0], h)
     return draft.norm(h)
 
 

@@ -61,7 +61,7 @@ def inductor_pdl(on: bool, device: torch.device):
         inductor_config.triton.enable_pdl = before
 
 
-def fall_back(be, error: Exception, part: str | None = None) -> bool:
+def fall_back(be, error: Exception, part: str | None = None, kind: str | None = None) -> bool:
     """After a failed capture of a :class:`~dflash.backends.static_torch.StaticBackend` (``be``)
     graph, turn off the next optional piece, with one line on stderr:
     the L2 weight prefetch (``DFLASH_PREFETCH``), then the whole-step compile
@@ -72,16 +72,19 @@ def fall_back(be, error: Exception, part: str | None = None) -> bool:
     then the split-KV kernel (SDPA), then ``torch.compile`` (eager ops). Returns False when
     nothing is left to turn off.
 
+    The whole-step compile and the LM head + argmax kernel are skipped when the failed graph
+    (``kind``) is not one of the device loop's (``dverify``, ``ddraft``), which use neither.
     The forwards read these switches while tracing, so the next capture traces again;
     graphs captured before keep what they had (every variant gives the target's tokens)."""
     why = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:200]}"
+    device_graph = kind is None or kind.startswith("d")
     if be.prefetch:
         be.prefetch = 0
         what, fix = "the L2 weight prefetch", "no prefetch (DFLASH_PREFETCH=0 silences this)"
-    elif be.step_compile and be.compile and be.device_loop is not None:
+    elif device_graph and be.step_compile and be.compile and be.device_loop is not None:
         be.step_compile = False
         what, fix = "the whole-step compile", "forward and glue compiled apart (unset DFLASH_STEP_COMPILE)"
-    elif be.head_argmax:
+    elif device_graph and be.head_argmax:
         be.head_argmax = False
         what, fix = "the LM head + argmax kernel", "the logits and an argmax (unset DFLASH_HEAD_ARGMAX)"
     elif disable_pdl(be.device, part):  # compiled code has no guard on it: compile again

@@ -329,7 +329,8 @@ class StaticBackend(TransformersBackend):
                 step = (partial(lp.verify_step, width, partial(self._target_forward, **head), whole=True)
                         if kind == "dverify" else partial(lp.draft_step, partial(self._draft_forward, **head),
                                                           whole=True))  # fmt: skip
-                self._compiled[key] = torch.compile(step, dynamic=False)
+                mode = os.environ.get("DFLASH_COMPILE_MODE") or None  # as the forwards below
+                self._compiled[key] = torch.compile(step, dynamic=False, mode=mode)
             return self._compiled[key]
         if kind == "dverify":
             return lambda: self.device_loop.verify_step(width, partial(self._fn("verify"), **head))
@@ -364,17 +365,17 @@ class StaticBackend(TransformersBackend):
                 with inductor_pdl(pdl_enabled(self.device, inductor=True), self.device):
                     self.graphs[key] = self._capture(self._fn(kind, width), static_inputs)
         except Exception as e:  # noqa: BLE001 - Inductor/Triton raise many types
-            if not self._fall_back(e, part):
+            if not self._fall_back(e, part, kind):
                 raise
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             return self._graph(kind, width, make_inputs)
         return self.graphs[key]
 
-    def _fall_back(self, error: Exception, part: str | None = None) -> bool:
-        """After a failed capture, turn off the next optional piece (see
+    def _fall_back(self, error: Exception, part: str | None = None, kind: str | None = None) -> bool:
+        """After a failed capture (of a ``kind`` graph), turn off the next optional piece (see
         :func:`~dflash.backends.static_switches.fall_back`); False when nothing is left."""
-        return fall_back(self, error, part)
+        return fall_back(self, error, part, kind)
 
     def _capture(self, fn, static_inputs):
         """Warm ``fn`` up, then capture it into a new graph with its own memory pool."""

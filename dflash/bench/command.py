@@ -204,7 +204,8 @@ def benchmark(
 
     local, remote = LOCAL_ONLY, ("openai",)
     refuse_foreign_options(backend, {
-        "--draft": draft is not None, "--block-size": block_size is not None, "--device": device != "auto",
+        "--draft": draft is not None, "--device": device != "auto",
+        "--block-size": block_size is not None and block_size.strip().lower() != "auto",  # auto: as generate
         "--dtype": dtype != "auto", "--cuda-graphs/--no-cuda-graphs": cuda_graphs is not None,
         "--compile/--no-compile": compile is not None, "--uniform-width": uniform_width,
         "--draft-bits": draft_bits is not None, "--draft-window": draft_window is not None,

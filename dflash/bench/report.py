@@ -5,6 +5,7 @@ optional matplotlib figure (``--plot hist.png``; matplotlib is an optional depen
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 from typing import Any
 
@@ -218,18 +219,17 @@ def check_plot(path: Path) -> None:
 
     kinds = FigureCanvasBase.get_supported_filetypes()  # {"png": "Portable Network Graphics", ...}
     suffix = path.suffix.lower().lstrip(".")
-    if suffix not in kinds:
-        raise InputError(f"--plot {path}: matplotlib cannot write {('.' + suffix) if suffix else 'a file without a suffix'}.",
+    if suffix and suffix not in kinds:  # no suffix: PNG (see save_plot)
+        raise InputError(f"--plot {path}: matplotlib cannot write .{suffix}.",
                          hint=f"end the name with one of {', '.join('.' + k for k in sorted(kinds))}")  # fmt: skip
-    try:  # find out now, not after the whole benchmark (no empty file left behind)
+    try:  # find out now, not after the whole benchmark (and create no file: ranks may race)
         path.parent.mkdir(parents=True, exist_ok=True)
-        existed = path.exists()
-        with open(path, "ab"):
-            pass
-        if not existed:
-            path.unlink()
     except OSError as e:
         raise InputError(f"--plot {path} cannot be written: {e.strerror}.", hint="choose a writable --plot file") from e
+    target = path if path.exists() else path.parent
+    if not os.access(target, os.W_OK):
+        raise InputError(f"--plot {path} cannot be written: {target} is not writable.",
+                         hint="choose a writable --plot file")  # fmt: skip
 
 
 def save_plot(path: str | Path, summaries: dict[str, dict[str, Any]]) -> Path:
@@ -244,6 +244,8 @@ def save_plot(path: str | Path, summaries: dict[str, dict[str, Any]]) -> Path:
     """
     import matplotlib
 
+    path = Path(path)
+    path = path if path.suffix else path.with_suffix(".png")  # matplotlib's default format
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
