@@ -250,7 +250,7 @@ exp13)  # no carry: the thirteenth session's experiments on the demo shape's loo
 import torch, torch.nn.functional as F
 from dflash.backends.head_argmax import head_argmax
 g = torch.Generator(device='cuda').manual_seed(0)
-for m, n, k in ((1, 49152, 576), (16, 49152, 576), (15, 151936, 4096)):
+for m, n, k in ((1, 49152, 576), (16, 49152, 576), (15, 151936, 4096), (32, 151936, 4096)):
     x = torch.randn(m, k, device='cuda', generator=g).bfloat16()
     w = (torch.randn(n, k, device='cuda', generator=g) * 0.05).bfloat16()
     logits = F.linear(x, w).float()
