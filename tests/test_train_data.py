@@ -119,6 +119,9 @@ def test_regenerate_writes_responses_and_resumes_after_a_crash(
     assert again["tokens"] == 0 and len(read_shards(out)) == 5
     with pytest.raises(InputError, match="other settings"):
         regenerate(str(tiny_chat_target), [str(prompt_file)], out, max_new_tokens=7, device="cpu")
+    with pytest.raises(InputError, match="max_prompt_tokens"):  # it selects the prompts the cursor counts
+        regenerate(str(tiny_chat_target), [str(prompt_file)], out, max_new_tokens=6, device="cpu",
+                   max_prompt_tokens=12)  # fmt: skip
 
 
 def test_read_shards_errors_and_gzip(tmp_path):

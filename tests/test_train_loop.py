@@ -280,3 +280,64 @@ def test_flex_bucketing_and_host_rows_leave_loss_and_gradients_unchanged(setup, 
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
     for key in ("accuracy", "accept", "weight"):
         torch.testing.assert_close(getattr(pad, key), getattr(ref, key))
+
+
+def test_resume_refuses_other_data_and_guards_the_out_folder(setup, tmp_path):
+    """A resume that reads other data is refused (it crashed or trained on the wrong data); --out
+    that is a file, or a draft folder no run of ours is training, is refused before any step."""
+    import shutil
+
+    from dflash.errors import InputError
+
+    target, root, _ = setup
+    Trainer(config(root, tmp_path / "a", max_steps=2), target).run(until_step=1)
+    other = tmp_path / "other-data"
+    shutil.copytree(root / "data", other)
+    with pytest.raises(InputError, match="other settings") as err:
+        Trainer(config(root, tmp_path / "a", max_steps=2, data=str(other)), target)
+    assert "data" in err.value.message and str(other) in err.value.message
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    with pytest.raises(InputError, match="is a file"):
+        config(root, afile).check()
+    with pytest.raises(InputError, match="already holds a draft") as err:
+        config(root, root / "init").check()  # the --init draft itself: training would replace it
+    assert "--init" in err.value.hint
+    config(root, tmp_path / "a").check()  # our own run's folder resumes
+
+
+def test_first_interrupt_pauses_at_the_step_end_saved(setup, tmp_path):
+    """Ctrl-C (SIGINT) during training pauses after the current step with the state saved, as
+    --pause-after does; the next run resumes to the same weights as a straight run."""
+    import os
+    import signal
+
+    target, root, _ = setup
+    straight = Trainer(config(root, tmp_path / "s", max_steps=4, log_every=1), target)
+    straight.run()
+    sent = []
+
+    def on_log(rec):
+        if "loss" in rec and not sent:
+            sent.append(rec["step"])
+            os.kill(os.getpid(), signal.SIGINT)  # the handler only sets a flag
+
+    tr = Trainer(config(root, tmp_path / "i", max_steps=4, log_every=1), target, on_log=on_log)
+    tr.run()
+    # the signal came while step n was logged (after its stop check): step n + 1 at the latest
+    assert tr.interrupted and sent[0] <= tr.cursor["step"] <= sent[0] + 1 < 4
+    assert (tmp_path / "i" / "state" / "trainer_state.json").is_file()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
+    again = Trainer(config(root, tmp_path / "i", max_steps=4, log_every=1), target)
+    again.run()
+    assert not again.interrupted and again.cursor["step"] == 4
+    for k, v in straight.draft.state_dict().items():
+        assert torch.equal(v, again.draft.state_dict()[k]), k
+
+
+def test_no_step_trains_at_learning_rate_zero(setup, tmp_path):
+    target, root, _ = setup
+    tr = Trainer(config(root, tmp_path / "lr", max_steps=3, log_every=1, warmup=0.3), target)
+    tr.run()
+    lrs = [r["lr"] for r in tr.cursor["log"] if "loss" in r]
+    assert len(lrs) == 3 and min(lrs) > 0

@@ -196,7 +196,9 @@ def _train(cfg, info, pause_after: float | None) -> None:
         last = trainer.run(pause_after=pause_after)
     if not rank0:
         return
-    state = "finished" if trainer.finished() else "paused (run again to resume)"
+    state = ("finished" if trainer.finished() else
+             "interrupted, saved (run the same command to resume)" if trainer.interrupted else
+             "paused (run again to resume)")  # fmt: skip
     speed = trainer.speed
     rate = (f", {speed['samples'] / speed['seconds']:.2f} samples/s "
             f"({speed['tokens'] / speed['seconds']:,.0f} tok/s, {info.world} process(es))"
@@ -204,3 +206,5 @@ def _train(cfg, info, pause_after: float | None) -> None:
     console.print(f"wrote {out}: step {base + trainer.cursor['step']}/{base + trainer.total_steps} {state}, "
                   f"held-out τ {tau_text(heldout['tau'], 3)}, loss {tau_text(last.get('loss', math.nan), 3)}"
                   + rate)  # fmt: skip
+    if trainer.interrupted:
+        raise typer.Exit(130)  # as an interrupted program; the state is saved

@@ -318,6 +318,8 @@ def regenerate(
             "max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed}  # fmt: skip
     if samples > 1:
         meta.update(samples=samples, sample_temperature=sample_temperature)
+    if max_prompt_tokens != 1024:  # it selects the prompts, so a resume must keep it (the default
+        meta["max_prompt_tokens"] = max_prompt_tokens  # is left out: folders made before agree)
     if eval_only:
         meta["eval_only"] = True
     writer = ShardWriter(out, meta)

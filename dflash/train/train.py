@@ -32,6 +32,15 @@ from dflash.train.objective import FrozenTarget, batch_loss, estimate_acceptance
 # settings that must match for a resume to continue the same run (max_steps may grow)
 RESUME_KEYS = ("block_size", "layers", "anchors", "epochs", "lr", "max_len", "batch_tokens",
                "seed", "gamma", "warmup", "resume_from")  # fmt: skip
+DATA_KEYS = ("target", "data", "eval_data")  # what the run reads (absolute paths or hub ids)
+
+
+def _where(value: str | None) -> str | None:
+    """A path or hub id as stored in the resume settings: local paths made absolute."""
+    if value is None:
+        return None
+    p = Path(value).expanduser()
+    return str(p.resolve()) if p.exists() else value
 
 
 @dataclass
@@ -110,6 +119,15 @@ class TrainConfig:
         for ok, msg in rules:
             if not ok:
                 raise InputError(msg + ".")
+        out = Path(self.out).expanduser()
+        if out.exists() and not out.is_dir():
+            raise InputError(f"--out {self.out} is a file; pass a folder for the trained draft.")
+        state = Path(self.state_dir) if self.state_dir else out / "state"
+        if (out / "config.json").is_file() and not (state / "trainer_state.json").is_file() \
+                and self.resume_from is None:  # a draft that no run of ours is training
+            raise InputError(f"--out {self.out} already holds a draft that training would replace.",
+                             hint=f"start from it with --init {self.out} --out NEW_FOLDER, or continue a "
+                                  "'dflash train' output with --resume-from, or choose another --out")  # fmt: skip
 
 
 def lr_at(progress: float, base: float, warmup: float) -> float:
@@ -190,11 +208,14 @@ class Trainer:
         total = sum(len(b) for b in self.epoch_batches)
         self.cursor = {"step": 0, "epoch": 0, "batch": 0, "elapsed": 0.0, "log": prior_log,
                        "base_step": self.base_step, "max_steps": cfg.max_steps,
-                       "settings": {**{k: getattr(cfg, k) for k in RESUME_KEYS}, "world": world}}  # fmt: skip
+                       "settings": {**{k: getattr(cfg, k) for k in RESUME_KEYS}, "world": world,
+                                    **{k: _where(getattr(cfg, k)) for k in DATA_KEYS}}}  # fmt: skip
         if resume:
             cur = load_state(self.state_dir, self.draft, self.opt)
             cur["settings"].pop("max_steps", None)  # states of older versions kept it
             cur["settings"].setdefault("resume_from", None)
+            for k in DATA_KEYS:  # states of older versions did not record them
+                cur["settings"].setdefault(k, self.cursor["settings"][k])
             was = cur["settings"].setdefault("world", 1)
             if was != world:
                 raise InputError(f"{self.state_dir} holds a run of {was} process(es) and this run has "
@@ -389,6 +410,9 @@ class Trainer:
             until_step: pause (save and return) at this optimizer step; a later run resumes.
             pause_after: pause after this many seconds of this call (the schedule is unchanged).
 
+        A first Ctrl-C or SIGTERM (single process) also pauses at the end of the current step,
+        saved, with :attr:`interrupted` set; a second one stops at once.
+
         Wall time between steps (evals and saves included) counts towards ``time_limit``. Log
         records carry ``samples_per_s`` and ``tokens_per_s``: sequences and their (unpadded)
         tokens trained per second of training steps since the previous record, over all ranks
@@ -405,14 +429,44 @@ class Trainer:
         seen = [0, 0, time.perf_counter()]  # sequences, tokens, start of the interval
 
         def paused() -> bool:
-            if until_step is not None and cur["step"] >= until_step:
+            if until_step is not None and cur["step"] >= until_step or self.interrupted:
                 return True
             return pause_after is not None and time.perf_counter() - t_call >= pause_after
 
+        restore = self._catch_interrupts()
+        try:
+            self._train_loop(cur, cfg, paused, pending, t_mark, clocked, seen)
+        finally:
+            restore()
+        self.save()
+        return cur["log"][-1] if cur["log"] else {}
+
+    def _catch_interrupts(self) -> Callable[[], None]:
+        """Single process in the main thread: the first Ctrl-C or SIGTERM pauses the run at the
+        end of the current step (saved, ``interrupted`` set; run again to resume), a second one
+        stops at once. Returns the function restoring the previous handlers."""
+        import signal
+        import threading
+
+        self.interrupted = False
+        if self.dist.world > 1 or threading.current_thread() is not threading.main_thread():
+            return lambda: None
+
+        def on_signal(signum, frame):
+            if self.interrupted:
+                raise KeyboardInterrupt
+            self.interrupted = True
+
+        before = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        return lambda: [signal.signal(sig, h) for sig, h in before.items()] and None
+
+    def _train_loop(self, cur, cfg, paused, pending, t_mark, clocked, seen) -> None:
         stop = paused()
         while not self.finished() and not stop:
             batches = self.epoch_batches[cur["epoch"]]
-            p = max((cur["step"] + 1) / self.total_steps, self._progress())
+            # progress at the middle of this step: neither the first step (warmup) nor the last
+            # (cosine end) trains at a learning rate of 0
+            p = max((cur["step"] + 0.5) / self.total_steps, self._progress())
             lr = lr_at(min(1.0, p), cfg.lr, cfg.warmup)
             idx = batches[cur["batch"]]
             part, empty = ddp.rank_part(idx, self.dist)
@@ -451,9 +505,7 @@ class Trainer:
                 self.save()
                 seen[2] += time.perf_counter() - t_save
             if gstep % cfg.log_every == 0 or last or stop or do_eval:
-                seen = [0, 0, time.perf_counter()]  # evals and saves are not training time
-        self.save()
-        return cur["log"][-1] if cur["log"] else {}
+                seen[:] = [0, 0, time.perf_counter()]  # evals and saves are not training time
 
     def _guarded_step(self, batch: dict, lr: float):
         """With ``--attention auto``, a flex step that fails (a compile error on an odd setup)
