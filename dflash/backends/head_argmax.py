@@ -62,6 +62,7 @@ def head_fits(head, dtype: torch.dtype) -> bool:
 
 
 if triton is not None:
+    from dflash.backends.small_linear import _rows_times_weight
 
     @triton.jit
     def _head_argmax_kernel(X, W, PV, PI, M, N, K, s_xm, s_wn, s_pm, IEEE: tl.constexpr, BM: tl.constexpr,
@@ -71,29 +72,7 @@ if triton is not None:
         rm = tl.arange(0, BM)
         m_ok = rm < M
         n_ok = rn < N
-        acc = tl.zeros([BM, BN], tl.float32)
-        k_first = 0
-        if PDL:  # the first weight tile does not depend on the previous kernel: load it first
-            rk0 = tl.arange(0, BK)
-            k_ok0 = rk0 < K
-            w0 = tl.load(W + rn[:, None] * s_wn + rk0[None, :], mask=n_ok[:, None] & k_ok0[None, :], other=0.0)
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
-            x0 = tl.load(X + rm[:, None] * s_xm + rk0[None, :], mask=m_ok[:, None] & k_ok0[None, :], other=0.0)
-            if IEEE:
-                acc += tl.dot(x0, tl.trans(w0), input_precision="ieee")
-            else:
-                acc += tl.dot(x0, tl.trans(w0))
-            k_first = BK
-        for k0 in range(k_first, K, BK):
-            rk = k0 + tl.arange(0, BK)
-            k_ok = rk < K
-            x = tl.load(X + rm[:, None] * s_xm + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(W + rn[:, None] * s_wn + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            if IEEE:
-                acc += tl.dot(x, tl.trans(w), input_precision="ieee")
-            else:
-                acc += tl.dot(x, tl.trans(w))
+        acc = _rows_times_weight(X, W, rm, rn, m_ok, n_ok, K, s_xm, s_wn, IEEE, BM, BN, BK, PDL)
         y = acc.to(X.dtype.element_ty).to(tl.float32)  # the logits as the unfused head rounds them
         y = tl.where(n_ok[None, :], y, float("-inf"))
         best = tl.max(y, 1)  # [BM]

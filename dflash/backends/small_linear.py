@@ -174,20 +174,18 @@ def kernel_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
 if triton is not None:
 
     @triton.jit
-    def _small_linear_kernel(X, W, B, RES, Y, M, N, K, s_xm, s_wn, s_rm, s_ym, HAS_BIAS: tl.constexpr,
-                             HAS_RES: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr,
-                             BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
-        rn = tl.program_id(0) * BN + tl.arange(0, BN)  # output columns of this program
-        rm = tl.arange(0, BM)
-        m_ok = rm < M
-        n_ok = rn < N
+    def _rows_times_weight(X, W, rm, rn, m_ok, n_ok, K, s_xm, s_wn, IEEE: tl.constexpr, BM: tl.constexpr,
+                           BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+        """x[rm, :] @ W[rn, :]^T in float32 ([BM, BN]), streaming the weight rows along K; with
+        PDL the first weight tile is loaded before waiting for the previous kernel (shared by
+        this module's kernel and :mod:`dflash.backends.head_argmax`)."""
         acc = tl.zeros([BM, BN], tl.float32)
         k_first = 0
         if PDL:  # the first weight tile does not depend on the previous kernel: load it first
             rk0 = tl.arange(0, BK)  # own names: the loop's values are not carried from here
             k_ok0 = rk0 < K
             w0 = tl.load(W + rn[:, None] * s_wn + rk0[None, :], mask=n_ok[:, None] & k_ok0[None, :], other=0.0)
-            tl.extra.cuda.gdc_wait()  # the previous kernel is done: x and the residual are ready
+            tl.extra.cuda.gdc_wait()  # the previous kernel is done: x (and a residual) are ready
             tl.extra.cuda.gdc_launch_dependents()
             x0 = tl.load(X + rm[:, None] * s_xm + rk0[None, :], mask=m_ok[:, None] & k_ok0[None, :], other=0.0)
             if IEEE:
@@ -204,6 +202,17 @@ if triton is not None:
                 acc += tl.dot(x, tl.trans(w), input_precision="ieee")
             else:
                 acc += tl.dot(x, tl.trans(w))
+        return acc
+
+    @triton.jit
+    def _small_linear_kernel(X, W, B, RES, Y, M, N, K, s_xm, s_wn, s_rm, s_ym, HAS_BIAS: tl.constexpr,
+                             HAS_RES: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr,
+                             BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+        rn = tl.program_id(0) * BN + tl.arange(0, BN)  # output columns of this program
+        rm = tl.arange(0, BM)
+        m_ok = rm < M
+        n_ok = rn < N
+        acc = _rows_times_weight(X, W, rm, rn, m_ok, n_ok, K, s_xm, s_wn, IEEE, BM, BN, BK, PDL)
         if HAS_BIAS:
             acc += tl.load(B + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         y = acc.to(Y.dtype.element_ty)
