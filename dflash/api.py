@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import numbers
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -144,9 +145,14 @@ class Pipeline:
         ``chat_template_kwargs``); a template ignores the ones it does not use.
 
         Raises:
-            InputError: an empty user message, a bad ``reasoning`` value, or a prompt longer
-                than the context.
+            InputError: messages not a list of ``{"role", "content"}`` dicts, an empty user
+                message, a bad ``reasoning`` value, or a prompt longer than the context.
         """
+        if not isinstance(messages, (list, tuple)) or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m for m in messages
+        ):
+            raise InputError("chat_prompt takes a list of chat messages.",
+                             hint='e.g. pipe.chat_prompt([{"role": "user", "content": "Hi"}])')  # fmt: skip
         for m in messages:
             if m.get("role") == "user" and not str(m.get("content") or "").strip():
                 raise InputError("The prompt is empty.", hint="pass a question or instruction")
@@ -189,6 +195,11 @@ class Pipeline:
             InputError: not "auto" nor an integer in 1..trained block size.
         """
         bs = "auto" if block_size is None else block_size
+        if isinstance(bs, bool) or not isinstance(bs, (numbers.Integral, str)):
+            raise InputError(f"--block-size must be auto or an integer >= 1, got {bs!r}.",
+                             hint="auto picks it per step; 1 decodes without a draft")  # fmt: skip
+        if isinstance(bs, numbers.Integral):
+            bs = int(bs)
         if isinstance(bs, str):
             text = bs.strip().lower()
             if text == "auto":
@@ -214,14 +225,14 @@ class Pipeline:
         choices are in ``self.last_policy.history``.
 
         Raises:
-            InputError: bad block size, budget < 1, or a prompt too long for the context.
+            InputError: bad block size, budget < 1, ``sampling`` not a ``SamplingParams``, or a
+                prompt too long for the context.
         """
         bs = self.resolve_block_size(block_size)
+        check_run_args(max_new_tokens, sampling)
         policy = self.block_policy() if bs == "auto" else None
         self.last_policy = policy
         bs = self.block_size if bs == "auto" else bs
-        if max_new_tokens < 1:
-            raise InputError(f"--max-new-tokens must be >= 1, got {max_new_tokens}.", hint="e.g. --max-new-tokens 256")
         self.check_prompt(prompt_ids)
         budget = min(max_new_tokens, self.backend.max_context - len(prompt_ids))
         stops = self.stop_ids if stop_ids is None else stop_ids
@@ -279,6 +290,7 @@ class Pipeline:
         Under ``block_size="auto"`` (the default) costs are measured before the clock starts.
         """
         bs = self.resolve_block_size(kwargs.get("block_size", "auto"))
+        check_run_args(kwargs.get("max_new_tokens", 2048), kwargs.get("sampling", SamplingParams()))
         if bs == "auto":
             self.calibrate()
         tokens: list[int] = []
@@ -317,6 +329,19 @@ class Pipeline:
     def decode(self, ids: list[int]) -> str:
         """Token ids -> text, special tokens skipped."""
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def check_run_args(max_new_tokens: Any, sampling: Any) -> None:
+    """Raise InputError unless ``max_new_tokens`` is an integer >= 1 and ``sampling`` a
+    ``SamplingParams`` (a dict is the common mistake)."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral):
+        raise InputError(f"--max-new-tokens must be an integer, got {max_new_tokens!r}.",
+                         hint="e.g. --max-new-tokens 256")  # fmt: skip
+    if max_new_tokens < 1:
+        raise InputError(f"--max-new-tokens must be >= 1, got {max_new_tokens}.", hint="e.g. --max-new-tokens 256")
+    if not isinstance(sampling, SamplingParams):
+        raise InputError(f"sampling must be a dflash.SamplingParams, got {type(sampling).__name__}.",
+                         hint="e.g. sampling=dflash.SamplingParams(temperature=0.7, top_p=0.9)")  # fmt: skip
 
 
 def warmup_tokens() -> int:

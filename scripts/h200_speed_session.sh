@@ -18,13 +18,14 @@
 #   rope           (no carry)  DFLASH_ROPE=1 against 0: bf16 error, loop timings, 8B block 1 (twelfth session)
 #   prefetch       (no carry)  DFLASH_PREFETCH: L2 check, 8B block 1 per budget (thirteenth session, unmeasured)
 #   prefetchdemo   (no carry)  DFLASH_PREFETCH 0 against 8 MiB: demo-shape loop timings
+#   benchvar "V1 V2" [.stage/t6/af .stage/data] after stage1..ae: gsm8k 64 per env variant (default, DFLASH_ATTN_SPLIT=128 ...)
 #   exp13          (no carry)  default / DFLASH_STEP_COMPILE=1 / DFLASH_HEAD_ARGMAX=1 / DFLASH_PREFETCH=8 / all: loop timings
 #   2-4 stage ab|ac|ad [torch|triton]  [.stage/t5/<part>]  (with an 8B-shaped bench_big meanwhile)
 #   5 bench      [.stage/t5/ae .stage/data]  gsm8k 64 (bf16, compile, parity) and one single generate;
 #                results in $OUT (b-gsm8k.jsonl / .txt, generate.json, step_profile.json: GPU busy
 #                against wall per step on 4 real requests, PROFILE=0 skips it)
 set -u
-phase=${1:?usage: h200_speed_session.sh stage1|glue|stage PART [torch|triton]|bench [full]|kernels|attn|merge|next|pdl|pdl2|pdlprof|pdlk|pdlgraphs|pdlloop|benchpdl|pdldefault|seq|rope|prefetch|prefetchdemo|exp13|big8b}
+phase=${1:?usage: h200_speed_session.sh stage1|glue|stage PART [torch|triton]|bench [full]|benchvar [VARIANTS]|kernels|attn|merge|next|pdl|pdl2|pdlprof|pdlk|pdlgraphs|pdlloop|benchpdl|pdldefault|seq|rope|prefetch|prefetchdemo|exp13|big8b}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 DFLASH_CACHE=/tmp/dflash-cache
 OUT=${OUT:-/tmp/h200-out}; mkdir -p "$OUT"
 W=/tmp/demo; mkdir -p "$W/stage"
@@ -105,6 +106,21 @@ benchpdl)  # [.stage/t5/ae .stage/data] gsm8k 64 on the real pair with DFLASH_PD
     E=(env DFLASH_PDL=$v)
     "${E[@]}" timeout "${BENCH_S:-200}" "${B[@]}" --output "$OUT/b-gsm8k-pdl-$v.jsonl" > "$OUT/b-gsm8k-pdl-$v.txt" 2>&1
     echo "$v rc $? at ${SECONDS}s"; grep -E "tok/s|speedup|τ|unexplained" "$OUT/b-gsm8k-pdl-$v.txt" | grep -v "━" | cut -c1-80
+  done
+  ;;
+benchvar)  # [.stage/t6/af .stage/data] after stage1..ae: gsm8k 64 on the real pair once per
+  # variant in $2 (space-separated; each a comma-separated list of VAR=value, "default" for none),
+  # e.g. "default DFLASH_ATTN_SPLIT=128 DFLASH_ATTN_SPLIT=64" (fourteenth session's next step)
+  if [ -d .stage/t6/af ]; then cat "$W"/stage/{aa,ab,ac,ad,ae}.part .stage/t6/af/part > "$GGUF"
+  else cat "$W"/stage/{aa,ab,ac,ad}.part .stage/t5/ae/part > "$GGUF"; fi
+  rm -rf "$W/datasets" && cp -r .stage/data "$W/datasets"
+  B=(python3 -m dflash benchmark transformers --model "$GGUF" --draft "$D" --max-new-tokens 256
+     --data-dir "$W/datasets" --dataset gsm8k --max-samples 64 --block-size 16 --check-parity)
+  for v in ${2:-default DFLASH_ATTN_SPLIT=128 DFLASH_ATTN_SPLIT=64}; do
+    [ "$SECONDS" -gt "${BENCH_STOP:-400}" ] && { echo "skip $v at ${SECONDS}s"; continue; }
+    E=(env); [ "$v" = default ] || E+=(${v//,/ }); f=${v//[=,]/-}
+    "${E[@]}" timeout "${BENCH_S:-200}" "${B[@]}" --output "$OUT/b-gsm8k-$f.jsonl" > "$OUT/b-gsm8k-$f.txt" 2>&1
+    echo "$v rc $? at ${SECONDS}s"; grep -E "throughput|speedup:|unexplained" "$OUT/b-gsm8k-$f.txt" | grep -v "━" | cut -c1-80
   done
   ;;
 kernels)  # random SmolLM2-shaped pair: fused linears on/off side by side, then the config sweep

@@ -444,6 +444,32 @@ def test_pipeline_default_is_auto(tiny_backend, truth, tmp_path, monkeypatch):
         pipe.resolve_block_size("fast")
 
 
+def test_python_api_misuse_raises_input_errors(tiny_backend, truth, tmp_path, monkeypatch):
+    """Common Python API mistakes give one InputError naming the fix, before any work."""
+    import numpy as np
+
+    from dflash.api import Pipeline
+    from dflash.errors import InputError
+
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path))
+    pipe = Pipeline(tiny_backend, FakeTokenizer(), [], "tiny", cost_key={"test": "tiny"})
+    pipe.costs = linear_costs(1.0, 0.05, 0.3, 0.0)
+    for bad in (4.5, True, [4]):
+        with pytest.raises(InputError, match="auto or an integer"):
+            pipe.generate(PROMPT, max_new_tokens=8, block_size=bad)
+    with pytest.raises(InputError, match="SamplingParams"):
+        pipe.generate(PROMPT, max_new_tokens=8, block_size=4, sampling={"temperature": 0.7})
+    with pytest.raises(InputError, match="must be an integer"):
+        pipe.generate(PROMPT, max_new_tokens=8.0, block_size=4)
+    with pytest.raises(InputError, match="must be >= 1"):
+        list(pipe.stream(PROMPT, max_new_tokens=0, block_size=4))
+    for bad in ("Hi", ["Hi"], [{"content": "Hi"}]):
+        with pytest.raises(InputError, match="list of chat messages"):
+            pipe.chat_prompt(bad)
+    # numpy integers are integers
+    assert pipe.generate(PROMPT, max_new_tokens=np.int64(6), block_size=np.int64(4)).token_ids == truth[:6]
+
+
 def test_benchmark_block_size_list():
     from dflash.bench.command import parse_block_sizes
     from dflash.errors import InputError

@@ -135,6 +135,18 @@ def test_records_summary_and_multi_turn_feeding(tmp_path):
                                           "unexplained": 0, "mismatches": []}  # fmt: skip
 
 
+def test_system_message_of_a_prompt_file_reaches_every_turn(tmp_path):
+    fake = FakePipeline()
+    items = {"toy": [PromptItem("s", ["turn one", "turn two"], system="be brief")]}
+    records = run_benchmark(fake, items, BenchConfig(max_new_tokens=12))["toy"]
+    system = {"role": "system", "content": "be brief"}
+    assert fake.prompts[0] == [system, {"role": "user", "content": "turn one"}]  # the warm-up
+    assert all(p[0] == system for p in fake.prompts)
+    assert fake.prompts[-1] == [system, {"role": "user", "content": "turn one"},
+                                {"role": "assistant", "content": records[0].text},
+                                {"role": "user", "content": "turn two"}]  # fmt: skip
+
+
 def test_parity_mismatch_is_reported_with_id_and_position(cli, tmp_path):
     prompts = tmp_path / "mine.jsonl"
     prompts.write_text('{"prompt": "fine"}\n{"id": "bad", "prompt": "Janet"}\n{"prompt": "ok"}\n')

@@ -129,11 +129,23 @@ def test_jsonl_prompt_files(tmp_path):
     ]
     path.write_text("\n".join(json.dumps(x) for x in lines) + "\n\n")
     items = load_prompts(str(path))
-    assert [(i.id, i.turns) for i in items] == [
-        ("mine/1", ["Hello"]),
-        ("two", ["a", "b"]),
-        ("mine/3", ["q1", "q2"]),
+    assert [(i.id, i.turns, i.system) for i in items] == [
+        ("mine/1", ["Hello"], None),
+        ("two", ["a", "b"], None),
+        ("mine/3", ["q1", "q2"], "be brief"),
     ]
+    assert items[2].first_messages() == [{"role": "system", "content": "be brief"},
+                                         {"role": "user", "content": "q1"}]  # fmt: skip
+    assert items[0].first_messages() == [{"role": "user", "content": "Hello"}]
+
+
+def test_jsonl_system_field(tmp_path):
+    path = tmp_path / "sys.jsonl"
+    path.write_text(json.dumps({"prompt": "Hi", "system": "You are terse."}) + "\n"
+                    + json.dumps({"turns": ["a", "b"], "system": "S"}) + "\n")  # fmt: skip
+    items = load_prompts(str(path))
+    assert [(i.turns, i.system) for i in items] == [(["Hi"], "You are terse."), (["a", "b"], "S")]
+    assert items[1].start_messages() == [{"role": "system", "content": "S"}]
 
 
 @pytest.mark.parametrize(
@@ -143,6 +155,14 @@ def test_jsonl_prompt_files(tmp_path):
         ('{"text": "a"}\n', "no 'prompt' string"),
         ('{"id": 1, "prompt": "a"}\n{"id": 1, "prompt": "b"}\n', "repeats the id"),
         ("\n", "holds no prompts"),
+        ('{"prompt": "a", "system": 3}\n', "'system' field that is not a string"),
+        ('{"prompt": "a", "system": " "}\n', "empty system message"),
+        ('{"messages": [{"role": "user", "content": "q"}, {"role": "system", "content": "s"}]}\n',
+         "system message that is not the first"),
+        ('{"messages": [{"role": "system", "content": "s"}, {"role": "system", "content": "t"},'
+         ' {"role": "user", "content": "q"}]}\n', "or several"),
+        ('{"system": "s", "messages": [{"role": "system", "content": "t"},'
+         ' {"role": "user", "content": "q"}]}\n', "both a 'system' field"),
     ],
 )
 def test_bad_jsonl_files_raise_dataset_errors(tmp_path, content, match):

@@ -259,6 +259,24 @@ def test_benchmark_with_a_baseline_server_reports_a_speedup(tmp_path):
     assert summary["baseline"]["acceptance_source"] == "meta_info"
 
 
+def test_benchmark_sends_a_prompt_files_system_message(tmp_path):
+    from dflash.cli import app
+
+    path = tmp_path / "sys.jsonl"
+    path.write_text(json.dumps({"id": "s", "messages": [{"role": "system", "content": "be brief"},
+                                                          {"role": "user", "content": "q"}]}) + "\n")  # fmt: skip
+    routes = {"GET /v1/models": [MODELS],
+              "POST /v1/chat/completions": lambda b: sse_reply("sglang_stream.txt")}  # fmt: skip
+    with ReplayServer(routes) as srv:
+        res = CliRunner().invoke(app, ["benchmark", "openai", "--base-url", srv.url, "--dataset",
+                                       str(path), "--max-new-tokens", "8"])  # fmt: skip
+        assert res.exit_code == 0, res.output
+        sent = [body["messages"] for method, _, _, body in srv.requests if method == "POST"]
+    assert len(sent) == 2  # warm-up, then the measured request
+    assert all(m == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "q"}]
+               for m in sent)  # fmt: skip
+
+
 def test_benchmark_fails_with_one_line_when_every_request_fails(tmp_path):
     from dflash.cli import app
 

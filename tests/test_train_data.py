@@ -72,6 +72,10 @@ def test_encode_chat_matches_the_pipeline(tiny_chat_target):
     pipe = Pipeline(_Backend(), tok, [2])
     for p in PROMPTS:
         assert encode_chat(tok, p) == pipe.chat_prompt([{"role": "user", "content": p}])
+        with_system = encode_chat(tok, p, "Answer briefly.")
+        assert with_system == pipe.chat_prompt([{"role": "user", "content": p}],
+                                               system="Answer briefly.")  # fmt: skip
+        assert with_system != encode_chat(tok, p)
 
 
 def test_regenerate_writes_responses_and_resumes_after_a_crash(

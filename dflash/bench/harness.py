@@ -294,7 +294,7 @@ def run_item(
     Turns are fed cumulatively: the DFlash answer of turn t is appended as the assistant message
     before turn t+1. A turn already in ``done`` is not measured again; its stored text is reused.
     """
-    messages: list[dict] = []
+    messages: list[dict] = item.start_messages()
     for turn, text in enumerate(item.turns):
         messages.append({"role": "user", "content": text})
         record = done.get((dataset, item.id, turn))
@@ -371,9 +371,7 @@ def _config_diff(old: dict, new: dict) -> str:
 
 def warm_up(pipeline: BenchPipeline, item: PromptItem, config: BenchConfig, block_size: int | str):
     """Untimed warm-up on the first prompt: min(64, budget) tokens at block 1 and at L, no stops."""
-    ids = pipeline.chat_prompt(
-        [{"role": "user", "content": item.turns[0]}], reasoning=config.reasoning
-    )
+    ids = pipeline.chat_prompt(item.first_messages(), reasoning=config.reasoning)
     n = min(WARMUP_TOKENS, config.max_new_tokens)
     reference = getattr(pipeline, "reference_generate", None)
     if reference is not None:

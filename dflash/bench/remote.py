@@ -178,7 +178,7 @@ def take_prompts(items: list[PromptItem], count: int | None, extra: int) -> tupl
     for i in range(n + extra):
         item = items[i % len(items)]
         rounds = i // len(items)
-        out.append(item if rounds == 0 else PromptItem(f"{item.id}#{rounds}", item.turns))
+        out.append(item if rounds == 0 else PromptItem(f"{item.id}#{rounds}", item.turns, item.system))
     return out[:n], out[n:]
 
 
@@ -187,7 +187,7 @@ async def _run_item(client: httpx.AsyncClient, endpoint: Endpoint, dataset: str,
                     sem: asyncio.Semaphore, sink: Any) -> None:  # fmt: skip
     """All turns of one prompt in order (the server's answer feeds the next turn)."""
     async with sem:
-        messages: list[dict] = []
+        messages: list[dict] = item.start_messages()
         for turn, text in enumerate(item.turns):
             messages.append({"role": "user", "content": text})
             body = chat_body(endpoint.model or "", messages, cfg.max_new_tokens, cfg.sampling,
@@ -207,7 +207,7 @@ async def warm_up(client: httpx.AsyncClient, endpoint: Endpoint, items: list[Pro
     n = min(WARMUP_TOKENS, cfg.max_new_tokens)
 
     async def one(item: PromptItem) -> ChatResult:
-        body = chat_body(endpoint.model or "", [{"role": "user", "content": item.turns[0]}], n,
+        body = chat_body(endpoint.model or "", item.first_messages(), n,
                          cfg.sampling, reasoning=cfg.reasoning)  # fmt: skip
         return await chat_completion(client, endpoint.root, body, api_key=api_key, retry=cfg.retry)
 

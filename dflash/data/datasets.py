@@ -37,10 +37,20 @@ class PromptItem:
     Attributes:
         id: stable identifier, unique within its dataset (used to resume benchmark runs).
         turns: user turns in order; one for single-turn prompts, two for MT-Bench.
+        system: an optional system message sent before the first user turn (prompt files only).
     """
 
     id: str
     turns: list[str] = field(default_factory=list)
+    system: str | None = None
+
+    def start_messages(self) -> list[dict]:
+        """The chat messages before the first user turn: the system message, if any."""
+        return [{"role": "system", "content": self.system}] if self.system else []
+
+    def first_messages(self) -> list[dict]:
+        """The system message (if any) and the first user turn, as chat messages."""
+        return [*self.start_messages(), {"role": "user", "content": self.turns[0]}]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -228,7 +238,8 @@ def load_prompts(spec: str, data_dir: str | Path | None = None) -> list[PromptIt
         spec: a name from :func:`available_datasets` (``name`` or ``name:split``, e.g. ``gsm8k``,
             ``gsm8k:train``, ``mbpp:train``, ``mmlu``), or a path to a ``.jsonl`` file whose lines
             hold ``prompt`` (string), ``turns`` (list of strings) or ``messages`` (chat list; the
-            user turns are kept), plus an optional ``id``.
+            user turns are answered in order, the file's assistant turns are not used, and one
+            leading system message is kept), plus an optional ``id`` and ``system`` (string).
         data_dir: folder laid out like ``shared/datasets``; None falls back to
             ``$DFLASH_DATA_DIR``, then to the hub (cached as JSONL, see module docstring).
 
@@ -306,24 +317,33 @@ def load_jsonl_prompts(path: str | Path) -> list[PromptItem]:
             )
         if not all(turn.strip() for turn in turns):
             raise DatasetError(f"{path}:{lineno} has an empty prompt.")
+        system = _system_of(row, f"{path}:{lineno}")
         rid = str(row["id"]) if isinstance(row.get("id"), (str, int)) else f"{path.stem}/{lineno}"
         if rid in seen:
             raise DatasetError(f"{path}:{lineno} repeats the id '{rid}'.")
         seen.add(rid)
-        items.append(PromptItem(rid, turns))
+        items.append(PromptItem(rid, turns, system))
     if not items:
         raise DatasetError(f"Prompt file {path} holds no prompts.")
     return items
 
 
-def _turns_of(row: object) -> list[str] | None:
-    if not isinstance(row, dict):
-        return None
+def _plain_turns(row: dict) -> list[str] | None:
+    """The turns of a ``prompt`` string or a ``turns`` list (these win over ``messages``)."""
     if isinstance(row.get("prompt"), str):
         return [row["prompt"]]
     turns = row.get("turns")
     if isinstance(turns, list) and turns and all(isinstance(t, str) for t in turns):
         return list(turns)
+    return None
+
+
+def _turns_of(row: object) -> list[str] | None:
+    if not isinstance(row, dict):
+        return None
+    turns = _plain_turns(row)
+    if turns is not None:
+        return turns
     messages = row.get("messages")
     if isinstance(messages, list):
         user = [
@@ -333,6 +353,30 @@ def _turns_of(row: object) -> list[str] | None:
         ]
         return user or None
     return None
+
+
+def _system_of(row: dict, where: str) -> str | None:
+    """A row's system message: a ``system`` string, or one ``system`` message leading
+    ``messages``. Anything else that could be a system message is refused, never dropped."""
+    system = row.get("system")
+    if system is not None and not isinstance(system, str):
+        raise DatasetError(f"{where} has a 'system' field that is not a string.")
+    messages = row.get("messages")
+    if isinstance(messages, list) and not _plain_turns(row):
+        roles = [m.get("role") if isinstance(m, dict) else None for m in messages]
+        where_sys = [i for i, r in enumerate(roles) if r == "system"]
+        if where_sys:
+            if where_sys != [0] or not isinstance(messages[0].get("content"), str):
+                raise DatasetError(
+                    f"{where} has a system message that is not the first message, or several.",
+                    hint="keep one system message with string content, first in 'messages'",
+                )
+            if system is not None:
+                raise DatasetError(f"{where} has both a 'system' field and a system message.")
+            system = messages[0]["content"]
+    if system is not None and not system.strip():
+        raise DatasetError(f"{where} has an empty system message.", hint="remove it or fill it")
+    return system
 
 
 def _looks_like_path(spec: str) -> bool:

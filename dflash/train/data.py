@@ -60,13 +60,15 @@ def parse_prompt_spec(spec: str, data_dir: str | Path | None = None) -> list:
     return select(items, int(count)) if count else items
 
 
-def encode_chat(tokenizer: Any, user_turn: str) -> list[int]:
-    """Chat-template one user message with the generation prompt, exactly as ``dflash.load``'s
-    ``Pipeline.chat_prompt`` does (no BOS added twice). Returns prompt token ids."""
+def encode_chat(tokenizer: Any, user_turn: str, system: str | None = None) -> list[int]:
+    """Chat-template one user message (after an optional system message) with the generation
+    prompt, exactly as ``dflash.load``'s ``Pipeline.chat_prompt`` does (no BOS added twice).
+    Returns prompt token ids."""
     template = getattr(tokenizer, "chat_template", None)
-    messages = [{"role": "user", "content": user_turn}]
+    messages = ([{"role": "system", "content": system}] if system else []) + [
+        {"role": "user", "content": user_turn}]
     if not template:
-        return list(tokenizer(user_turn)["input_ids"])
+        return list(tokenizer("\n".join(m["content"] for m in messages))["input_ids"])
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     bos = tokenizer.bos_token or ""
     return list(tokenizer(text, add_special_tokens=not (bos and text.startswith(bos)))["input_ids"])
@@ -262,7 +264,8 @@ def regenerate(
 
     Args:
         target: target hub id, folder or .gguf (None: the demo target).
-        specs: prompt specs (see :func:`parse_prompt_spec`), answered in this order.
+        specs: prompt specs (see :func:`parse_prompt_spec`), answered in this order; each
+            prompt's first user turn is answered, after its system message if it has one.
         out: data folder; an existing one made with the same settings is resumed.
         max_new_tokens: response budget per prompt (tokens).
         batch_size: rows decoded together (``batched`` engine) or prompts per ``generate`` call.
@@ -309,7 +312,7 @@ def regenerate(
     model, tok = load_target(resolve_target(target), dev, pick_dtype(dtype, dev))
     stops = stop_token_ids(getattr(model, "generation_config", None), tok)
     pad = tok.pad_token_id if tok.pad_token_id is not None else (stops[0] if stops else 0)
-    prompts = [encode_chat(tok, it.turns[0]) for it in items]
+    prompts = [encode_chat(tok, it.turns[0], it.system) for it in items]
     jobs = [(i, s) for s in range(samples) for i in range(len(items))
             if len(prompts[i]) <= max_prompt_tokens]  # fmt: skip
     skipped = len(items) - len({i for i, _ in jobs})
