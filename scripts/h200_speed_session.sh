@@ -17,6 +17,7 @@
 #   seq            (no carry)  every kernel of the loop's graphs in launch order (the twelfth session's first call)
 #   rope           (no carry)  DFLASH_ROPE=1 against 0: bf16 error, loop timings, 8B block 1 (twelfth session)
 #   prefetch       (no carry)  DFLASH_PREFETCH: L2 check, 8B block 1 per budget (thirteenth session, unmeasured)
+#   pdlpre         (no carry)  DFLASH_PDL_PREFETCH: 8B block 1 per budget, demo loop timings at prompt 300 (next session's first call)
 #   prefetchdemo   (no carry)  DFLASH_PREFETCH 0 against 8 MiB: demo-shape loop timings
 #   benchvar "V1 V2" [.stage/t6/af .stage/data] after stage1..ae: gsm8k 64 per env variant (default, DFLASH_ATTN_SPLIT=128 ...)
 #   exp13          (no carry)  default / DFLASH_STEP_COMPILE=1 / DFLASH_HEAD_ARGMAX=1 / DFLASH_PREFETCH=8 / all: loop timings
@@ -25,7 +26,7 @@
 #                results in $OUT (b-gsm8k.jsonl / .txt, generate.json, step_profile.json: GPU busy
 #                against wall per step on 4 real requests, PROFILE=0 skips it)
 set -u
-phase=${1:?usage: h200_speed_session.sh stage1|glue|stage PART [torch|triton]|bench [full]|benchvar [VARIANTS]|kernels|attn|merge|next|pdl|pdl2|pdlprof|pdlk|pdlgraphs|pdlloop|benchpdl|pdldefault|seq|rope|prefetch|prefetchdemo|exp13|big8b}
+phase=${1:?usage: h200_speed_session.sh stage1|glue|stage PART [torch|triton]|bench [full]|benchvar [VARIANTS]|kernels|attn|merge|next|pdl|pdl2|pdlprof|pdlk|pdlgraphs|pdlloop|benchpdl|pdldefault|seq|rope|prefetch|prefetchdemo|pdlpre|exp13|big8b}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 DFLASH_CACHE=/tmp/dflash-cache
 OUT=${OUT:-/tmp/h200-out}; mkdir -p "$OUT"
 W=/tmp/demo; mkdir -p "$W/stage"
@@ -282,6 +283,23 @@ for m, n, k in ((1, 49152, 576), (16, 49152, 576), (15, 151936, 4096), (32, 1519
     "${E[@]}" timeout 170 python3 scripts/kernel_count.py --random-target --variants fused --prompt-len 160 \
       "${Q[@]}" --out "$OUT/kernels-exp13-$v.json" > "/tmp/ke-$v.log" 2>&1; echo "$v rc $? at ${SECONDS}s"
     grep -v Warn "/tmp/ke-$v.log" | grep -E "verify|draft|loop|step|fall" | cut -c1-120
+  done
+  ;;
+pdlpre)  # no carry: DFLASH_PDL_PREFETCH (small_linear sends its weight rows to L2 before its PDL
+  # wait, fourteenth session, unmeasured): the 8B shape's block-1 step per budget, then the demo
+  # shape's loop timings at prompt 300 (past the 256-key split, as real requests are) 0 against 8
+  for v in ${PRE_MIB:-0 16 32 64}; do
+    [ "$SECONDS" -gt "${PRE_STOP:-330}" ] && { echo "skip $v at ${SECONDS}s"; continue; }
+    DFLASH_PDL_PREFETCH=$v timeout 150 python3 scripts/bench_big.py --shape qwen3-8b --blocks 1 --steps 16 \
+      --out "/tmp/bbq-$v" > "/tmp/bbq-$v.log" 2>&1; echo "pdl-prefetch $v rc $? at ${SECONDS}s"
+    cp "/tmp/bbq-$v/bench_big.json" "$OUT/bench_big-q8b-pdlpre-$v.json"
+    echo "pdl-prefetch $v $(grep -o '"ms_per_step": [0-9.]*' "/tmp/bbq-$v.log" | cut -d' ' -f2 | tr '\n' ' ') $(grep -o '"x_floor": [0-9.]*' "/tmp/bbq-$v.log" | tr '\n' ' ')"
+  done
+  for v in 0 8; do
+    [ "$SECONDS" -gt "${PRE_STOP2:-440}" ] && { echo "skip demo $v at ${SECONDS}s"; continue; }
+    DFLASH_PDL_PREFETCH=$v timeout 150 python3 scripts/kernel_count.py --random-target --variants fused --prompt-len 300 \
+      --out "$OUT/kernels-pdlpre-$v.json" > "/tmp/kq-$v.log" 2>&1; echo "demo pdl-prefetch $v rc $?"
+    grep -v Warn "/tmp/kq-$v.log" | grep -E "loop|draft-16|verify-1 " | cut -c1-100
   done
   ;;
 prefetchdemo)  # no carry: DFLASH_PREFETCH 0 against ${PREFETCH_MIB:-8} on the demo shape's loop timings

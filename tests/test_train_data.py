@@ -79,7 +79,7 @@ def test_encode_chat_matches_the_pipeline(tiny_chat_target):
 
 
 def test_regenerate_writes_responses_and_resumes_after_a_crash(
-    tiny_chat_target, prompt_file, tmp_path
+    tiny_chat_target, prompt_file, tmp_path, monkeypatch
 ):
     out = tmp_path / "data"
     calls = []
@@ -117,10 +117,17 @@ def test_regenerate_writes_responses_and_resumes_after_a_crash(
         ref = model.generate(torch.tensor([s.prompt_ids]), max_new_tokens=6, do_sample=False,
                              eos_token_id=2, pad_token_id=2)[0, len(s.prompt_ids) :].tolist()  # fmt: skip
     assert s.response_ids == ref[: len(s.response_ids)]
-    # a finished folder is not redone, and other settings are refused
+    # a finished folder is not redone (the target is not even loaded), and other settings are
+    # refused before the target loads
+    import dflash.backends.transformers as tb
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the target was loaded")
+
+    monkeypatch.setattr(tb, "load_target", no_load)
     again = regenerate(str(tiny_chat_target), [str(prompt_file)], out, max_new_tokens=6, batch_size=3,
                        device="cpu")  # fmt: skip
-    assert again["tokens"] == 0 and len(read_shards(out)) == 5
+    assert again["tokens"] == 0 and again["done"] == 5 and again["finished"] and len(read_shards(out)) == 5
     with pytest.raises(InputError, match="other settings"):
         regenerate(str(tiny_chat_target), [str(prompt_file)], out, max_new_tokens=7, device="cpu")
     with pytest.raises(InputError, match="max_prompt_tokens"):  # it selects the prompts the cursor counts
@@ -207,6 +214,12 @@ def test_cli_train_and_regenerate(tiny_chat_target, prompt_file, tmp_path):
                             str(prompt_file), "--out", str(data), "--max-new-tokens", "8",
                             "--device", "cpu"])  # fmt: skip
     assert r.exit_code == 0, r.output
+    assert "responses" in r.output and "already complete" not in r.output
+    r = runner.invoke(app, ["data", "regenerate", "--target", str(tiny_chat_target), "--prompts",
+                            str(prompt_file), "--out", str(data), "--max-new-tokens", "8",
+                            "--device", "cpu"])  # fmt: skip
+    assert r.exit_code == 0 and "5/5 responses, already complete" in r.output, r.output
+    assert "regenerating" not in r.output  # no progress bar when there is nothing to do
     out = tmp_path / "draft"
     r = runner.invoke(app, ["train", "--target", str(tiny_chat_target), "--data", str(data), "--out",
                             str(out), "--layers", "1", "--block-size", "4", "--max-steps", "2",

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 LINEAR_ENV = "DFLASH_LINEAR"
 PDL_ENV = "DFLASH_PDL"
 CONFIG_ENV = "DFLASH_LINEAR_CONFIG"  # "BN,BK,warps,stages" for every shape (benchmark sweeps)
+PRELOAD_ENV = "DFLASH_PDL_PREFETCH"  # MiB of a projection's weight sent to L2 before its PDL wait
 MAX_ROWS = 32  # rows (M) the kernel takes; longer forwards (prefill) use torch
 SMEM_BUDGET = 200 * 1024  # bytes of shared memory the pipelined tiles may take
 
@@ -143,6 +144,34 @@ def disable_pdl(device: torch.device, part: str | None = None) -> bool:
     return was
 
 
+def preload_bytes() -> int:
+    """``DFLASH_PDL_PREFETCH``: MiB of each ``small_linear`` call's weight (every program its own
+    rows, from the second K tile on, up to this total) that the kernel sends to L2 with PTX
+    ``prefetch.global.L2`` before it waits for the previous kernel under PDL. The weights do not
+    depend on that kernel, so the bytes stream in while it (attention, an activation) still runs.
+    Default 0 (off, until measured on a GPU); nothing without PDL.
+
+    Raises:
+        InputError: not a whole number >= 0.
+    """
+    raw = os.environ.get(PRELOAD_ENV, "").strip()
+    if raw and not raw.isdigit():
+        from dflash.errors import InputError
+
+        raise InputError(f"{PRELOAD_ENV} must be a whole number of MiB (0 = off), got {raw!r}.",
+                         hint="unset it for the default (0)")  # fmt: skip
+    return int(raw or 0) << 20
+
+
+def preload_columns(n: int, k: int, bk: int, elem: int, budget: int) -> int:
+    """The K column up to which each of the ``n`` weight rows is prefetched (a multiple of a
+    128-byte line past the first ``bk`` tile, at most ``k``): ``budget`` bytes spread over the
+    rows. 0 when the budget is 0 or covers no line past the first tile."""
+    line = 128 // elem
+    cols = (budget // (n * elem)) // line * line
+    return min(k, bk + cols) if budget and cols else 0
+
+
 def kernel_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
     """(BM, BN, BK, num_warps, num_stages) for an [m, k] x [n, k]^T product (n output columns).
 
@@ -174,17 +203,32 @@ def kernel_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
 if triton is not None:
 
     @triton.jit
+    def _prefetch_rows(W, rn, n_ok, k_from, k_to, s_wn, LINE: tl.constexpr, LINES: tl.constexpr):
+        """PTX ``prefetch.global.L2`` of weight rows ``rn``, columns k_from..k_to, one per
+        128-byte line (``LINE`` elements), ``LINES`` lines of every row per pass."""
+        rows = tl.where(n_ok, rn, 0)  # rows past N prefetch row 0 again (harmless)
+        for k0 in range(k_from, k_to, LINE * LINES):
+            col = tl.minimum(k0 + tl.arange(0, LINES) * LINE, k_to - 1)
+            ptr = W + rows[:, None] * s_wn + col[None, :]
+            tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptr],
+                                      dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip
+
+    @triton.jit
     def _rows_times_weight(X, W, rm, rn, m_ok, n_ok, K, s_xm, s_wn, IEEE: tl.constexpr, BM: tl.constexpr,
-                           BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+                           BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr, PRE_K=0,
+                           LINE: tl.constexpr = 64):  # fmt: skip
         """x[rm, :] @ W[rn, :]^T in float32 ([BM, BN]), streaming the weight rows along K; with
-        PDL the first weight tile is loaded before waiting for the previous kernel (shared by
-        this module's kernel and :mod:`dflash.backends.head_argmax`)."""
+        PDL the first weight tile is loaded before waiting for the previous kernel, and (``PRE_K``
+        > 0, ``DFLASH_PDL_PREFETCH``) columns BK..PRE_K of the rows are sent to L2 meanwhile
+        (shared by this module's kernel and :mod:`dflash.backends.head_argmax`)."""
         acc = tl.zeros([BM, BN], tl.float32)
         k_first = 0
         if PDL:  # the first weight tile does not depend on the previous kernel: load it first
             rk0 = tl.arange(0, BK)  # own names: the loop's values are not carried from here
             k_ok0 = rk0 < K
             w0 = tl.load(W + rn[:, None] * s_wn + rk0[None, :], mask=n_ok[:, None] & k_ok0[None, :], other=0.0)
+            if PRE_K > BK:
+                _prefetch_rows(W, rn, n_ok, BK, PRE_K, s_wn, LINE, 16)  # 16 lines a pass
             tl.extra.cuda.gdc_wait()  # the previous kernel is done: x (and a residual) are ready
             tl.extra.cuda.gdc_launch_dependents()
             x0 = tl.load(X + rm[:, None] * s_xm + rk0[None, :], mask=m_ok[:, None] & k_ok0[None, :], other=0.0)
@@ -205,14 +249,15 @@ if triton is not None:
         return acc
 
     @triton.jit
-    def _small_linear_kernel(X, W, B, RES, Y, M, N, K, s_xm, s_wn, s_rm, s_ym, HAS_BIAS: tl.constexpr,
+    def _small_linear_kernel(X, W, B, RES, Y, M, N, K, s_xm, s_wn, s_rm, s_ym, PRE_K, HAS_BIAS: tl.constexpr,
                              HAS_RES: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr,
-                             BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+                             BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr,
+                             LINE: tl.constexpr):  # fmt: skip
         rn = tl.program_id(0) * BN + tl.arange(0, BN)  # output columns of this program
         rm = tl.arange(0, BM)
         m_ok = rm < M
         n_ok = rn < N
-        acc = _rows_times_weight(X, W, rm, rn, m_ok, n_ok, K, s_xm, s_wn, IEEE, BM, BN, BK, PDL)
+        acc = _rows_times_weight(X, W, rm, rn, m_ok, n_ok, K, s_xm, s_wn, IEEE, BM, BN, BK, PDL, PRE_K, LINE)
         if HAS_BIAS:
             acc += tl.load(B + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         y = acc.to(Y.dtype.element_ty)
@@ -232,11 +277,13 @@ def _launch(x, weight, bias, residual) -> torch.Tensor:
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     bm, bn, bk, warps, stages = kernel_config(m, n, k)
     pdl = pdl_enabled(x.device)
+    elem = weight.element_size()
+    pre_k = preload_columns(n, k, bk, elem, preload_bytes()) if pdl else 0
     _small_linear_kernel[(triton.cdiv(n, bn),)](
         x, weight, bias if bias is not None else y, residual if residual is not None else y, y, m, n, k,
-        x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0),
+        x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0), pre_k,
         HAS_BIAS=bias is not None, HAS_RES=residual is not None, IEEE=x.dtype == torch.float32,
-        BM=bm, BN=bn, BK=bk, PDL=pdl, num_warps=warps, num_stages=stages,
+        BM=bm, BN=bn, BK=bk, PDL=pdl, LINE=128 // elem, num_warps=warps, num_stages=stages,
         **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
     return y

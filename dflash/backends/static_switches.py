@@ -13,14 +13,14 @@ from dflash.backends.graph_plan import warm_replays
 from dflash.backends.head_argmax import head_argmax_default
 from dflash.backends.l2_prefetch import prefetch_setting
 from dflash.backends.rope_cache import rope_parts
-from dflash.backends.small_linear import disable_pdl, kernel_config, linear_mode, pdl_setting
+from dflash.backends.small_linear import disable_pdl, kernel_config, linear_mode, pdl_setting, preload_bytes
 from dflash.backends.split_attention import attention_mode, split_size
 from dflash.backends.static_loop import step_compile_default
 
 
 def check_env() -> None:
     """Check every switch of the static path (``DFLASH_ATTN``, ``DFLASH_ATTN_SPLIT``,
-    ``DFLASH_LINEAR``, ``DFLASH_LINEAR_CONFIG``, ``DFLASH_PDL``, ``DFLASH_ROPE``,
+    ``DFLASH_LINEAR``, ``DFLASH_LINEAR_CONFIG``, ``DFLASH_PDL``, ``DFLASH_PDL_PREFETCH``, ``DFLASH_ROPE``,
     ``DFLASH_PREFETCH``, ``DFLASH_STEP_COMPILE``, ``DFLASH_HEAD_ARGMAX``, ``DFLASH_GRAPH_WARM``)
     on any device: a typo fails at load on a laptop too, not first on the GPU machine.
 
@@ -33,6 +33,7 @@ def check_env() -> None:
     linear_mode(cpu)
     kernel_config(16, 1024, 1024)
     pdl_setting()
+    preload_bytes()
     rope_parts()
     prefetch_setting(cpu)
     step_compile_default()

@@ -37,6 +37,7 @@ from dflash.backends.small_linear import (
     linear_mode,
     pdl_enabled,
     pdl_part,
+    preload_bytes,
 )
 from dflash.backends.split_attention import attention_mode, uses_kernel
 from dflash.backends.static_fused import (
@@ -479,7 +480,9 @@ class StaticBackend(TransformersBackend):
 
     def describe(self) -> dict[str, Any]:
         """What runs the forwards (stored with benchmark records)."""
-        return {**super().describe(), "impl": "static", "cuda_graphs": self.use_graphs,
+        preload = preload_bytes() if self.linear != "torch" and pdl_enabled(self.device) else 0
+        return {**super().describe(), **({"pdl_prefetch_bytes": preload} if preload else {}),
+                "impl": "static", "cuda_graphs": self.use_graphs,
                 "compile": self.compile, "fused": self.fused_target is not None,
                 "pack_gqa": self.pack_gqa and self.fused_target is not None,
                 "verify_widths": list(self.plan.verify_widths),

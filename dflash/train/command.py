@@ -56,23 +56,30 @@ def regenerate(
 
     check_regenerate_options(max_new_tokens, batch_size, samples, temperature, sample_temperature, engine)
     console = Console(stderr=True)
-    with Progress(TextColumn("regenerating"), BarColumn(), MofNCompleteColumn(),
-                  TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), console=console) as bar:  # fmt: skip
-        task = bar.add_task("gen", total=None, rate="")
+    # the bar starts with the first written batch: argument, prompt and folder errors (found
+    # before the target loads) print as one line, with no bar in front of them
+    bar = Progress(TextColumn("regenerating"), BarColumn(), MofNCompleteColumn(),
+                   TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), console=console)  # fmt: skip
+    task = None
 
-        def on_batch(done: int, total: int, new_tokens: int, seconds: float) -> None:
-            bar.update(
-                task,
-                completed=done,
-                total=total,
-                rate=f"{new_tokens / max(seconds, 1e-9):,.0f} tok/s",
-            )
+    def on_batch(done: int, total: int, new_tokens: int, seconds: float) -> None:
+        nonlocal task
+        if task is None:
+            bar.start()
+            task = bar.add_task("gen", total=None, rate="")
+        bar.update(task, completed=done, total=total, rate=f"{new_tokens / max(seconds, 1e-9):,.0f} tok/s")
 
+    try:
         res = run(target, specs, out, max_new_tokens=max_new_tokens, batch_size=batch_size,
                   temperature=temperature, samples=samples, sample_temperature=sample_temperature,
                   eval_only=eval_only, engine=engine, max_prompt_tokens=max_prompt_tokens,
                   data_dir=data_dir, device=device, dtype=dtype, time_limit=time_limit, seed=seed,
                   on_batch=on_batch)  # fmt: skip
+    finally:
+        bar.stop()
+    if res["engine"] is None:
+        console.print(f"{out}: {res['done']}/{res['total']} responses, already complete (nothing to do)")
+        return
     state = "complete" if res["finished"] else "stopped early (run again to resume)"
     rate = res["tokens"] / max(res["seconds"], 1e-9)
     skipped = f", {res['skipped']} long prompts skipped" if res["skipped"] else ""

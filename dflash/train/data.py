@@ -111,13 +111,7 @@ class ShardWriter:
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
         meta_path = self.folder / "meta.json"
-        if meta_path.is_file():
-            old = json.loads(meta_path.read_text())
-            if old != meta:
-                diff = sorted(k for k in set(old) | set(meta) if old.get(k) != meta.get(k))
-                raise InputError(f"{self.folder} holds data made with other settings ({', '.join(diff)}).",
-                                 hint="use a new --out folder or the same settings to resume")  # fmt: skip
-        else:
+        if not ShardWriter.check(self.folder, meta):
             meta_path.write_text(json.dumps(meta, indent=2) + "\n")
         prog = self.folder / "progress.json"
         self.state = json.loads(prog.read_text()) if prog.is_file() else {
@@ -127,6 +121,32 @@ class ShardWriter:
         if path.exists() and path.stat().st_size > self.state["offset"]:
             with path.open("r+b") as f:  # drop anything written after the last cursor update
                 f.truncate(self.state["offset"])
+
+    @staticmethod
+    def check(folder: str | Path, meta: dict) -> bool:
+        """Whether ``folder`` already holds data with these settings (nothing is written).
+
+        Raises:
+            InputError: it holds data made with other settings.
+        """
+        meta_path = Path(folder) / "meta.json"
+        if not meta_path.is_file():
+            return False
+        old = json.loads(meta_path.read_text())
+        if old != meta:
+            diff = sorted(k for k in set(old) | set(meta) if old.get(k) != meta.get(k))
+            raise InputError(f"{folder} holds data made with other settings ({', '.join(diff)}).",
+                             hint="use a new --out folder or the same settings to resume")  # fmt: skip
+        return True
+
+    @staticmethod
+    def finished_count(folder: str | Path) -> int | None:
+        """The number of responses of a folder whose run finished, else None."""
+        prog = Path(folder) / "progress.json"
+        if not prog.is_file():
+            return None
+        state = json.loads(prog.read_text())
+        return int(state["done"]) + len(state.get("extra", [])) if state.get("finished") else None
 
     @property
     def shard_path(self) -> Path:
@@ -288,7 +308,9 @@ def regenerate(
 
     Returns:
         dict with ``done``, ``total`` (jobs = prompts x samples), ``tokens`` (generated and
-        written this run), ``seconds``, ``finished``, ``skipped``, ``engine``.
+        written this run), ``seconds``, ``finished``, ``skipped``, ``engine``. A folder already
+        complete with these settings returns at once (target not loaded; ``engine`` and
+        ``skipped`` None).
 
     Raises:
         InputError: bad numbers, a folder made with other settings, or a benchmark test split
@@ -308,6 +330,17 @@ def regenerate(
         raise InputError(f"{', '.join(bench)} is a benchmark test split: never train on it.",
                          hint="pass --eval-only to regenerate held-out evaluation data")  # fmt: skip
     items = [it for spec in specs for it in parse_prompt_spec(spec, data_dir)]
+    meta = {"target": str(target or "demo"), "prompts": list(specs), "count": len(items),
+            "max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed}  # fmt: skip
+    if samples > 1:
+        meta.update(samples=samples, sample_temperature=sample_temperature)
+    if max_prompt_tokens != 1024:  # it selects the prompts, so a resume must keep it (the default
+        meta["max_prompt_tokens"] = max_prompt_tokens  # is left out: folders made before agree)
+    if eval_only:
+        meta["eval_only"] = True
+    if ShardWriter.check(out, meta) and (n := ShardWriter.finished_count(out)) is not None:
+        return {"done": n, "total": n, "tokens": 0, "seconds": 0.0, "finished": True,
+                "skipped": None, "engine": None}  # complete: the target is not even loaded  # fmt: skip
     dev = pick_device(device)
     model, tok = load_target(resolve_target(target), dev, pick_dtype(dtype, dev))
     stops = stop_token_ids(getattr(model, "generation_config", None), tok)
@@ -317,14 +350,6 @@ def regenerate(
             if len(prompts[i]) <= max_prompt_tokens]  # fmt: skip
     skipped = len(items) - len({i for i, _ in jobs})
     order = generation_order([len(prompts[i]) for i, _ in jobs])
-    meta = {"target": str(target or "demo"), "prompts": list(specs), "count": len(items),
-            "max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed}  # fmt: skip
-    if samples > 1:
-        meta.update(samples=samples, sample_temperature=sample_temperature)
-    if max_prompt_tokens != 1024:  # it selects the prompts, so a resume must keep it (the default
-        meta["max_prompt_tokens"] = max_prompt_tokens  # is left out: folders made before agree)
-    if eval_only:
-        meta["eval_only"] = True
     writer = ShardWriter(out, meta)
     from dflash.backends.static_torch import supports_static
 
