@@ -230,15 +230,20 @@ class Pipeline:
         """
         bs = self.resolve_block_size(block_size)
         check_run_args(max_new_tokens, sampling)
-        policy = self.block_policy() if bs == "auto" else None
+        self.check_prompt(prompt_ids)
+        budget = self._budget(prompt_ids, max_new_tokens)
+        # one token comes from the prefill alone: no step to choose a block size for
+        policy = self.block_policy() if bs == "auto" and budget > 1 else None
         self.last_policy = policy
         bs = self.block_size if bs == "auto" else bs
-        self.check_prompt(prompt_ids)
-        budget = min(max_new_tokens, self.backend.max_context - len(prompt_ids))
         stops = self.stop_ids if stop_ids is None else stop_ids
         yield from speculative_generate(self.backend, prompt_ids, block_size=bs,
                                         max_new_tokens=budget, sampling=sampling,
                                         stop_ids=stops, policy=policy)  # fmt: skip
+
+    def _budget(self, prompt_ids: list[int], max_new_tokens: int) -> int:
+        """New tokens a request can have: ``max_new_tokens`` capped by the context left."""
+        return min(max_new_tokens, self.backend.max_context - len(prompt_ids))
 
     def warm_up(self, prompt_ids: list[int], *, max_new_tokens: int = 2048,
                 sampling: SamplingParams = SamplingParams(), tokens: int = 64) -> float:  # fmt: skip
@@ -290,8 +295,10 @@ class Pipeline:
         Under ``block_size="auto"`` (the default) costs are measured before the clock starts.
         """
         bs = self.resolve_block_size(kwargs.get("block_size", "auto"))
-        check_run_args(kwargs.get("max_new_tokens", 2048), kwargs.get("sampling", SamplingParams()))
-        if bs == "auto":
+        max_new_tokens = kwargs.get("max_new_tokens", 2048)
+        check_run_args(max_new_tokens, kwargs.get("sampling", SamplingParams()))
+        self.check_prompt(prompt_ids)  # bad input fails before the (slow) first calibration
+        if bs == "auto" and self._budget(prompt_ids, max_new_tokens) > 1:
             self.calibrate()
         tokens: list[int] = []
         accepted: list[int] = []

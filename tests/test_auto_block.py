@@ -470,6 +470,26 @@ def test_python_api_misuse_raises_input_errors(tiny_backend, truth, tmp_path, mo
     assert pipe.generate(PROMPT, max_new_tokens=np.int64(6), block_size=np.int64(4)).token_ids == truth[:6]
 
 
+def test_auto_does_not_calibrate_for_one_token_or_bad_input(tiny_backend, truth, tmp_path, monkeypatch):
+    """One new token comes from the prefill (no step, so no block size to choose), and a bad
+    prompt fails before the costs are measured (a minute on a small CPU)."""
+    from dflash.api import Pipeline
+    from dflash.errors import InputError
+
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path))
+    pipe = Pipeline(tiny_backend, FakeTokenizer(), [], "tiny", cost_key={"test": "tiny"})
+
+    def no_calibration():
+        raise AssertionError("calibrated")
+
+    monkeypatch.setattr(pipe, "calibrate", no_calibration)
+    res = pipe.generate(PROMPT, max_new_tokens=1)
+    assert res.token_ids == truth[:1] and res.verify_steps == 0 and res.block_policy is None
+    assert [r.tokens for r in pipe.stream(PROMPT, max_new_tokens=1)] == [truth[:1]]
+    with pytest.raises(InputError, match="empty"):
+        pipe.generate([], max_new_tokens=8)
+
+
 def test_benchmark_block_size_list():
     from dflash.bench.command import parse_block_sizes
     from dflash.errors import InputError

@@ -127,7 +127,7 @@ def test_draft_for_another_target(loaded_errors):
 
 def test_generate_json_and_stream(pair):
     args = ["generate", "transformers", "Name three primary colors.", *pair, "--max-new-tokens", "12"]
-    p, p2 = run_many([*args, "--json"], args)
+    p, p2 = run_many([*args, "--json"], [*args, "--block-size", "16"])  # auto, then a fixed L: same text
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout)
     assert out["new_tokens"] == len(out["token_ids"]) <= 12
