@@ -13,7 +13,13 @@ from dflash.backends.graph_plan import warm_replays
 from dflash.backends.head_argmax import head_argmax_default
 from dflash.backends.l2_prefetch import prefetch_setting
 from dflash.backends.rope_cache import rope_parts
-from dflash.backends.small_linear import disable_pdl, kernel_config, linear_mode, pdl_setting, preload_bytes
+from dflash.backends.small_linear import (
+    disable_pdl,
+    kernel_config,
+    linear_mode,
+    pdl_setting,
+    preload_bytes,
+)
 from dflash.backends.split_attention import attention_mode, split_size
 from dflash.backends.static_loop import step_compile_default
 
