@@ -149,7 +149,7 @@ class Pipeline:
                 message, a bad ``reasoning`` value, or a prompt longer than the context.
         """
         if not isinstance(messages, (list, tuple)) or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m for m in messages
+            isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages
         ):
             raise InputError("chat_prompt takes a list of chat messages.",
                              hint='e.g. pipe.chat_prompt([{"role": "user", "content": "Hi"}])')  # fmt: skip
@@ -161,8 +161,7 @@ class Pipeline:
         kwargs = reasoning_kwargs(template if isinstance(template, str) else None, reasoning)
         kwargs.update(template_kwargs or {})
         if template:
-            text = self.tokenizer.apply_chat_template(msgs, tokenize=False,
-                                                      add_generation_prompt=True, **kwargs)  # fmt: skip
+            text = apply_template(self.tokenizer, msgs, **kwargs)
             bos = self.tokenizer.bos_token or ""
             add_special = not (bos and text.startswith(bos))
             ids = self.tokenizer(text, add_special_tokens=add_special)["input_ids"]
@@ -336,6 +335,21 @@ class Pipeline:
     def decode(self, ids: list[int]) -> str:
         """Token ids -> text, special tokens skipped."""
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def apply_template(tokenizer: Any, messages: list[dict], **kwargs: Any) -> str:
+    """The tokenizer's chat template applied to ``messages`` with the generation prompt (text).
+
+    Raises:
+        InputError: the template refuses the messages (e.g. a system message for a model
+            whose template has no system role).
+    """
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+    except Exception as err:  # noqa: BLE001 - jinja2.TemplateError and what templates raise
+        roles = ", ".join(dict.fromkeys(str(m.get("role")) for m in messages))
+        raise InputError(f"The model's chat template refuses these messages (roles: {roles}): {err}",
+                         hint="a model without a system role needs prompts without a system message") from None  # fmt: skip
 
 
 def check_run_args(max_new_tokens: Any, sampling: Any) -> None:

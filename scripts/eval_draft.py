@@ -61,7 +61,7 @@ def real(target: str, draft: str, spec: str, max_new: int, block: int, seconds: 
     for it in items:
         if time.perf_counter() - t0 > seconds:
             break
-        ids = pipe.chat_prompt([{"role": "user", "content": it.turns[0]}])
+        ids = pipe.chat_prompt(it.first_messages())
         r = pipe.generate(ids, max_new_tokens=max_new, block_size=block)
         rows.append({"id": it.id, "tau": r.mean_acceptance_length, "tokens": r.num_new_tokens,
                      "decode_tok_per_s": r.decode_tok_per_s})  # fmt: skip

@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> dict:
     target = pipe.backend.target
     dev = pipe.backend.device
     items = select(load_prompts("gsm8k", args.data_dir), args.n)
-    prompts = [pipe.chat_prompt([{"role": "user", "content": it.turns[0]}]) for it in items]
+    prompts = [pipe.chat_prompt(it.first_messages()) for it in items]
     new = args.max_new_tokens
 
     def sync():

@@ -66,7 +66,7 @@ def main(argv=None) -> dict:
 
     pipe = load(args.model, args.draft)
     prompts = select(load_prompts(args.dataset, args.data_dir), args.n)
-    ids = [pipe.chat_prompt([{"role": "user", "content": p.turns[0]}]) for p in prompts]
+    ids = [pipe.chat_prompt(p.first_messages()) for p in prompts]
     cuda = torch.cuda.is_available()
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])

@@ -163,6 +163,8 @@ def test_jsonl_system_field(tmp_path):
          ' {"role": "user", "content": "q"}]}\n', "or several"),
         ('{"system": "s", "messages": [{"role": "system", "content": "t"},'
          ' {"role": "user", "content": "q"}]}\n', "both a 'system' field"),
+        ('{"messages": [{"role": "developer", "content": "d"}, {"role": "user", "content": "q"}]}\n',
+         "'developer' message"),
     ],
 )
 def test_bad_jsonl_files_raise_dataset_errors(tmp_path, content, match):

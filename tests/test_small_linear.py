@@ -193,7 +193,7 @@ def test_preload_switch_and_columns(monkeypatch):
     assert sl.preload_bytes() == 0
     monkeypatch.setenv("DFLASH_PDL_PREFETCH", "16")
     assert sl.preload_bytes() == 16 << 20
-    for bad in ("-1", "1.5", "on"):
+    for bad in ("-1", "1.5", "on", "\u00b2"):
         monkeypatch.setenv("DFLASH_PDL_PREFETCH", bad)
         with pytest.raises(InputError, match="DFLASH_PDL_PREFETCH must be a whole number"):
             sl.preload_bytes()

@@ -76,6 +76,15 @@ def test_encode_chat_matches_the_pipeline(tiny_chat_target):
         assert with_system == pipe.chat_prompt([{"role": "user", "content": p}],
                                                system="Answer briefly.")  # fmt: skip
         assert with_system != encode_chat(tok, p)
+    # a template without a system role (Gemma-2's kind) refuses in one line, both ways
+    tok.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}"
+                         "{{ raise_exception('System role not supported') }}{% endif %}"
+                         "{{ m['content'] }}{% endfor %}")  # fmt: skip
+    with pytest.raises(InputError, match="refuses these messages .roles: system, user.: System role"):
+        encode_chat(tok, "q", "s")
+    with pytest.raises(InputError, match="refuses these messages"):
+        pipe.chat_prompt([{"role": "user", "content": "q"}], system="s")
+    assert encode_chat(tok, "q") == pipe.chat_prompt([{"role": "user", "content": "q"}])
 
 
 def test_regenerate_writes_responses_and_resumes_after_a_crash(
@@ -218,7 +227,7 @@ def test_cli_train_and_regenerate(tiny_chat_target, prompt_file, tmp_path):
     r = runner.invoke(app, ["data", "regenerate", "--target", str(tiny_chat_target), "--prompts",
                             str(prompt_file), "--out", str(data), "--max-new-tokens", "8",
                             "--device", "cpu"])  # fmt: skip
-    assert r.exit_code == 0 and "5/5 responses, already complete" in r.output, r.output
+    assert r.exit_code == 0 and "5/5 responses, already complete" in " ".join(r.output.split()), r.output
     assert "regenerating" not in r.output  # no progress bar when there is nothing to do
     out = tmp_path / "draft"
     r = runner.invoke(app, ["train", "--target", str(tiny_chat_target), "--data", str(data), "--out",

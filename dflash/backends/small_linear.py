@@ -155,7 +155,7 @@ def preload_bytes() -> int:
         InputError: not a whole number >= 0.
     """
     raw = os.environ.get(PRELOAD_ENV, "").strip()
-    if raw and not raw.isdigit():
+    if raw and not (raw.isascii() and raw.isdigit()):
         from dflash.errors import InputError
 
         raise InputError(f"{PRELOAD_ENV} must be a whole number of MiB (0 = off), got {raw!r}.",

@@ -357,13 +357,17 @@ def _turns_of(row: object) -> list[str] | None:
 
 def _system_of(row: dict, where: str) -> str | None:
     """A row's system message: a ``system`` string, or one ``system`` message leading
-    ``messages``. Anything else that could be a system message is refused, never dropped."""
+    ``messages``. Any other system or developer message in ``messages`` is refused, never
+    dropped (``messages`` is not read at all when the row has ``prompt`` or ``turns``)."""
     system = row.get("system")
     if system is not None and not isinstance(system, str):
         raise DatasetError(f"{where} has a 'system' field that is not a string.")
     messages = row.get("messages")
     if isinstance(messages, list) and not _plain_turns(row):
         roles = [m.get("role") if isinstance(m, dict) else None for m in messages]
+        if "developer" in roles:
+            raise DatasetError(f"{where} has a 'developer' message; chat templates know 'system'.",
+                               hint="rename its role to system (first message)")  # fmt: skip
         where_sys = [i for i, r in enumerate(roles) if r == "system"]
         if where_sys:
             if where_sys != [0] or not isinstance(messages[0].get("content"), str):

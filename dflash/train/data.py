@@ -69,7 +69,9 @@ def encode_chat(tokenizer: Any, user_turn: str, system: str | None = None) -> li
         {"role": "user", "content": user_turn}]
     if not template:
         return list(tokenizer("\n".join(m["content"] for m in messages))["input_ids"])
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    from dflash.api import apply_template
+
+    text = apply_template(tokenizer, messages)
     bos = tokenizer.bos_token or ""
     return list(tokenizer(text, add_special_tokens=not (bos and text.startswith(bos)))["input_ids"])
 
@@ -338,6 +340,8 @@ def regenerate(
         meta["max_prompt_tokens"] = max_prompt_tokens  # is left out: folders made before agree)
     if eval_only:
         meta["eval_only"] = True
+    if any(it.system for it in items):  # prompts made before system messages were kept differ
+        meta["system_prompts"] = True
     if ShardWriter.check(out, meta) and (n := ShardWriter.finished_count(out)) is not None:
         return {"done": n, "total": n, "tokens": 0, "seconds": 0.0, "finished": True,
                 "skipped": None, "engine": None}  # complete: the target is not even loaded  # fmt: skip
