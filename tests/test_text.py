@@ -38,3 +38,31 @@ def test_reasoning_kwargs():
         reasoning_kwargs("plain template", "on")
     with pytest.raises(InputError, match="Unknown --reasoning level"):
         reasoning_kwargs(qwen, "turbo")
+
+
+def test_gguf_conversion_parses_the_file_once(tmp_path):
+    """During a conversion, readers of one GGUF file and gguf's tensor-name maps are shared
+    (transformers parses the file once per step otherwise), and both are restored after."""
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+
+    from dflash.models.target_torch import _gguf_read_once
+
+    path = tmp_path / "t.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(2)
+    w.add_tensor("token_embd.weight", np.ones((4, 8), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    reader_cls, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    with _gguf_read_once():
+        a, b = gguf.GGUFReader(path), gguf.GGUFReader(str(path))
+        assert a is b and isinstance(a, reader_cls)
+        assert [t.name for t in a.tensors] == ["token_embd.weight"]
+        m1 = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2)
+        assert m1 is gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2)
+        assert m1 is not gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 3)
+    assert gguf.GGUFReader is reader_cls and gguf.get_tensor_name_map is name_map
+    assert gguf.GGUFReader(path) is not gguf.GGUFReader(path)
