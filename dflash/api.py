@@ -160,15 +160,9 @@ class Pipeline:
         template = getattr(self.tokenizer, "chat_template", None)
         kwargs = reasoning_kwargs(template if isinstance(template, str) else None, reasoning)
         kwargs.update(template_kwargs or {})
-        if template:
-            text = apply_template(self.tokenizer, msgs, **kwargs)
-            bos = self.tokenizer.bos_token or ""
-            add_special = not (bos and text.startswith(bos))
-            ids = self.tokenizer(text, add_special_tokens=add_special)["input_ids"]
-        else:
-            ids = self.tokenizer("\n".join(m["content"] for m in msgs))["input_ids"]
+        ids = encode_messages(self.tokenizer, msgs, **kwargs)
         self.check_prompt(ids)
-        return list(ids)
+        return ids
 
     def check_prompt(self, ids: list[int]) -> None:
         """Raise InputError unless ids is a non-empty list of in-vocabulary token ids that fits
@@ -240,6 +234,18 @@ class Pipeline:
                                         max_new_tokens=budget, sampling=sampling,
                                         stop_ids=stops, policy=policy)  # fmt: skip
 
+    def calibrate_for(self, prompt_ids: list[int], block_size: int | str | None, max_new_tokens: int) -> None:
+        """Measure (or read) the ``auto`` costs when this request will use them: under
+        ``block_size="auto"`` with room for more than one new token (the first comes from the
+        prefill alone, with no step to choose a block size for). Callers run it before their
+        clock starts.
+
+        Raises:
+            InputError: a bad block size.
+        """
+        if self.resolve_block_size(block_size) == "auto" and self._budget(prompt_ids, max_new_tokens) > 1:
+            self.calibrate()
+
     def _budget(self, prompt_ids: list[int], max_new_tokens: int) -> int:
         """New tokens a request can have: ``max_new_tokens`` capped by the context left."""
         return min(max_new_tokens, self.backend.max_context - len(prompt_ids))
@@ -297,8 +303,7 @@ class Pipeline:
         max_new_tokens = kwargs.get("max_new_tokens", 2048)
         check_run_args(max_new_tokens, kwargs.get("sampling", SamplingParams()))
         self.check_prompt(prompt_ids)  # bad input fails before the (slow) first calibration
-        if bs == "auto" and self._budget(prompt_ids, max_new_tokens) > 1:
-            self.calibrate()
+        self.calibrate_for(prompt_ids, bs, max_new_tokens)
         tokens: list[int] = []
         accepted: list[int] = []
         proposed: list[int] = []
@@ -337,19 +342,26 @@ class Pipeline:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
 
-def apply_template(tokenizer: Any, messages: list[dict], **kwargs: Any) -> str:
-    """The tokenizer's chat template applied to ``messages`` with the generation prompt (text).
+def encode_messages(tokenizer: Any, messages: list[dict], **template_kwargs: Any) -> list[int]:
+    """Prompt token ids of chat ``messages``: the tokenizer's chat template with the generation
+    prompt (no BOS added twice), or the contents joined by newlines when it has no template.
+    Shared by :meth:`Pipeline.chat_prompt` and training-data regeneration.
 
     Raises:
         InputError: the template refuses the messages (e.g. a system message for a model
             whose template has no system role).
     """
+    if not getattr(tokenizer, "chat_template", None):
+        return list(tokenizer("\n".join(str(m.get("content") or "") for m in messages))["input_ids"])
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                             **template_kwargs)  # fmt: skip
     except Exception as err:  # noqa: BLE001 - jinja2.TemplateError and what templates raise
         roles = ", ".join(dict.fromkeys(str(m.get("role")) for m in messages))
         raise InputError(f"The model's chat template refuses these messages (roles: {roles}): {err}",
                          hint="a model without a system role needs prompts without a system message") from None  # fmt: skip
+    bos = tokenizer.bos_token or ""
+    return list(tokenizer(text, add_special_tokens=not (bos and text.startswith(bos)))["input_ids"])
 
 
 def check_run_args(max_new_tokens: Any, sampling: Any) -> None:

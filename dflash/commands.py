@@ -92,8 +92,7 @@ def generate(
                        compile=compile, draft_bits=draft_bits, draft_window=draft_window)  # fmt: skip
     ids = pipe.chat_prompt([{"role": "user", "content": prompt}], system=system, reasoning=reasoning)
     kwargs = dict(block_size=block_size, max_new_tokens=max_new_tokens, sampling=sampling)
-    if pipe.resolve_block_size(block_size) == "auto" and max_new_tokens > 1:  # (1 token: no step)
-        pipe.calibrate()  # before the clock: measured once per device and model, then cached
+    pipe.calibrate_for(ids, block_size, max_new_tokens)  # before the clock; cached per device and pair
     warmup_s = 0.0  # untimed warm-up as the benchmark does before it measures (graph path only)
     if getattr(pipe.backend, "use_graphs", False):
         warmup_s = pipe.warm_up(ids, max_new_tokens=max_new_tokens, sampling=sampling, tokens=warm_tokens)

@@ -62,18 +62,13 @@ def parse_prompt_spec(spec: str, data_dir: str | Path | None = None) -> list:
 
 def encode_chat(tokenizer: Any, user_turn: str, system: str | None = None) -> list[int]:
     """Chat-template one user message (after an optional system message) with the generation
-    prompt, exactly as ``dflash.load``'s ``Pipeline.chat_prompt`` does (no BOS added twice).
-    Returns prompt token ids."""
-    template = getattr(tokenizer, "chat_template", None)
+    prompt, exactly as ``dflash.load``'s ``Pipeline.chat_prompt`` does (the same
+    :func:`dflash.api.encode_messages`). Returns prompt token ids."""
+    from dflash.api import encode_messages
+
     messages = ([{"role": "system", "content": system}] if system else []) + [
         {"role": "user", "content": user_turn}]
-    if not template:
-        return list(tokenizer("\n".join(m["content"] for m in messages))["input_ids"])
-    from dflash.api import apply_template
-
-    text = apply_template(tokenizer, messages)
-    bos = tokenizer.bos_token or ""
-    return list(tokenizer(text, add_special_tokens=not (bos and text.startswith(bos)))["input_ids"])
+    return encode_messages(tokenizer, messages)
 
 
 def generation_order(lengths: list[int]) -> list[int]:
