@@ -137,7 +137,8 @@ def _device_greedy(backend, prompt_ids: list[int], block_size: int, max_new_toke
     """:func:`speculative_generate` for greedy decoding at a fixed block size on a backend with
     a device loop (``backend.device_loop``, see :mod:`dflash.backends.static_loop`): acceptance
     and commit run on the device, and the host reads each step's committed tokens while the
-    next step is already queued. Same tokens and results as the host loop."""
+    next step's draft (``DFLASH_QUEUE_AHEAD=step`` and block size 1: the whole next step) is
+    already queued. Same tokens and results as the host loop."""
     loop = backend.device_loop
     stops = set(stop_ids)
     backend.reset(len(prompt_ids) + max_new_tokens + block_size)
@@ -149,11 +150,18 @@ def _device_greedy(backend, prompt_ids: list[int], block_size: int, max_new_toke
     if finish is not None:
         return
     loop.begin(first_dev, len(prompt_ids), block_size, max_new_tokens)
+    drafts_ahead = block_size > 1 and loop.ahead == "draft"  # else whole steps (block 1 too)
     in_flight = [loop.launch(block_size)]
+    if drafts_ahead and n + 1 < max_new_tokens:
+        loop.launch_draft()  # the next step's draft runs while the host reads this step
     while finish is None:
-        if len(in_flight) == 1 and n + 1 < max_new_tokens:  # the step in flight may not be the
-            in_flight.append(loop.launch(block_size))  # last: queue the next
+        if not drafts_ahead and len(in_flight) == 1 and n + 1 < max_new_tokens:  # the step in
+            in_flight.append(loop.launch(block_size))  # flight may not be the last: queue the next
         length = min(block_size, max_new_tokens - n)  # as the host loop trims the last block
         new = loop.read(in_flight.pop(0))  # sync: the one host copy of this step
         new, n, finish = _commit(new, stops, n, max_new_tokens)
+        if drafts_ahead and finish is None:  # its draft is queued: verify it, draft the next
+            in_flight.append(loop.launch_verify(block_size))  # before the consumer runs
+            if n + 1 < max_new_tokens:  # else that verify commits the last token
+                loop.launch_draft()
         yield RoundResult(tokens=new, accepted=len(new), proposed=length - 1, finish_reason=finish)

@@ -18,6 +18,7 @@
 #   rope           (no carry)  DFLASH_ROPE=1 against 0: bf16 error, loop timings, 8B block 1 (twelfth session)
 #   prefetch       (no carry)  DFLASH_PREFETCH: L2 check, 8B block 1 per budget (thirteenth session, unmeasured)
 #   pdlpre         (no carry)  DFLASH_PDL_PREFETCH: 8B block 1 per budget, demo loop timings at prompt 300 (next session's first call)
+#   k300           (no carry)  demo loop timings at prompt 300 and the 8B shape's block 1 (fifteenth session)
 #   prefetchdemo   (no carry)  DFLASH_PREFETCH 0 against 8 MiB: demo-shape loop timings
 #   benchvar "V1 V2" [.stage/t6/af .stage/data] after stage1..ae: gsm8k 64 per env variant (default, DFLASH_ATTN_SPLIT=128 ...)
 #   exp13          (no carry)  default / DFLASH_STEP_COMPILE=1 / DFLASH_HEAD_ARGMAX=1 / DFLASH_PREFETCH=8 / all: loop timings
@@ -26,7 +27,7 @@
 #                results in $OUT (b-gsm8k.jsonl / .txt, generate.json, step_profile.json: GPU busy
 #                against wall per step on 4 real requests, PROFILE=0 skips it)
 set -u
-phase=${1:?usage: h200_speed_session.sh stage1|glue|stage PART [torch|triton]|bench [full]|benchvar [VARIANTS]|kernels|attn|merge|next|pdl|pdl2|pdlprof|pdlk|pdlgraphs|pdlloop|benchpdl|pdldefault|seq|rope|prefetch|prefetchdemo|pdlpre|exp13|big8b}
+phase=${1:?usage: h200_speed_session.sh stage1|glue|stage PART [torch|triton]|bench [full]|benchvar [VARIANTS]|kernels|attn|merge|next|pdl|pdl2|pdlprof|pdlk|pdlgraphs|pdlloop|benchpdl|pdldefault|seq|rope|prefetch|prefetchdemo|pdlpre|k300|exp13|big8b}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 DFLASH_CACHE=/tmp/dflash-cache
 OUT=${OUT:-/tmp/h200-out}; mkdir -p "$OUT"
 W=/tmp/demo; mkdir -p "$W/stage"
@@ -301,6 +302,15 @@ pdlpre)  # no carry: DFLASH_PDL_PREFETCH (small_linear sends its weight rows to 
       --out "$OUT/kernels-pdlpre-$v.json" > "/tmp/kq-$v.log" 2>&1; echo "demo pdl-prefetch $v rc $?"
     grep -v Warn "/tmp/kq-$v.log" | grep -E "loop|draft-16|verify-1 " | cut -c1-100
   done
+  ;;
+k300)  # no carry (fifteenth session): demo-shape loop timings at prompt 300 (draft graph kernels
+  # without the per-layer position/RoPE copies, fc through small_linear) and the 8B shape's block 1
+  timeout 150 python3 scripts/kernel_count.py --random-target --variants fused --prompt-len 300 \
+    --out "$OUT/kernels-v15-p300.json" > /tmp/k300.log 2>&1; echo "k300 rc $?"
+  grep -v Warn /tmp/k300.log | grep -E "loop|draft-16|verify-1 " | cut -c1-100
+  timeout 150 python3 scripts/bench_big.py --shape qwen3-8b --blocks 1 --steps 16 --out /tmp/bbq-v15 > /tmp/bbq-v15.log 2>&1
+  echo "8b rc $?"; cp /tmp/bbq-v15/bench_big.json "$OUT/bench_big-q8b-v15.json"
+  grep -o '"ms_per_step": [0-9.]*\|"x_floor": [0-9.]*' /tmp/bbq-v15.log | tr '\n' ' '; echo
   ;;
 prefetchdemo)  # no carry: DFLASH_PREFETCH 0 against ${PREFETCH_MIB:-8} on the demo shape's loop timings
   for v in 0 ${PREFETCH_MIB:-8}; do

@@ -207,3 +207,39 @@ def test_whole_step_compile_traces_each_graph_as_one(tiny_target, monkeypatch):
         assert toks == truth, (block, toks, truth)
     assert len(traced) == 3  # draft-16, verify-16, verify-1: one graph each
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("ahead", ["draft", "step"])
+@pytest.mark.parametrize("budget", [2, 3, 23, 40])
+def test_queue_ahead_same_tokens_and_exact_waste(tiny_target, monkeypatch, ahead, budget):
+    """DFLASH_QUEUE_AHEAD=draft (default) and step give the host loop's tokens and steps; a
+    request launches exactly one verify per step it reads plus, under ``step``, at most one
+    more, and under ``draft`` no extra verify and at most one extra draft."""
+    monkeypatch.setenv("DFLASH_QUEUE_AHEAD", ahead)
+    host = _pair(tiny_target, False)
+    truth = greedy_reference(tiny_target, PROMPT, 30)
+    stop = truth[11]
+    for stops in ([], [stop]):
+        dev = _pair(tiny_target, True)
+        assert dev.device_loop.ahead == ahead
+        a, acc_a, _ = _run(host, PROMPT, block_size=16, max_new_tokens=budget, stop_ids=stops)
+        b, acc_b, rb = _run(dev, PROMPT, block_size=16, max_new_tokens=budget, stop_ids=stops)
+        assert b == a and acc_b == acc_a
+        steps, lp = len(acc_b), dev.device_loop
+        if ahead == "draft":
+            assert lp.launched == steps
+            assert lp.drafted in (steps, steps + 1)
+        else:
+            assert lp.launched in (steps, steps + 1) and lp.drafted == lp.launched
+        assert _run(dev, PROMPT, block_size=16, max_new_tokens=30)[0] == truth  # next request
+
+
+def test_queue_ahead_checked(monkeypatch):
+    from dflash.backends.static_loop import queue_ahead
+    from dflash.errors import InputError
+
+    monkeypatch.setenv("DFLASH_QUEUE_AHEAD", "verify")
+    with pytest.raises(InputError, match="DFLASH_QUEUE_AHEAD"):
+        queue_ahead()
+    monkeypatch.delenv("DFLASH_QUEUE_AHEAD")
+    assert queue_ahead() == "draft"

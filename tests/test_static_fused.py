@@ -154,3 +154,20 @@ def test_row_argmax_is_argmax_with_ties(dtype, vocab):
     x = torch.zeros(3, vocab, dtype=dtype)  # every entry tied: index 0
     x[1, -1] = 1.0  # the max in the last slice
     assert row_argmax(x).tolist() == [0, vocab - 1, 0]
+
+
+def test_realized_is_an_identity_eager_and_compiled():
+    """realized(): the same tensors outside torch.compile (no copy), equal values inside it
+    (Inductor's force-stride-order prim, traced here without codegen)."""
+    from dflash.backends.static_fused import realized
+
+    a, b = torch.arange(6.0).reshape(2, 3), torch.arange(4)
+    assert all(x is y for x, y in zip(realized(a, b), (a, b), strict=True))
+
+    def f(pos, x):
+        q, = realized(pos + torch.arange(3))
+        return q[-1:] * x, q * 2
+
+    got = torch.compile(f, backend="aot_eager", fullgraph=True)(b[:1], a)
+    want = f(b[:1], a)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))

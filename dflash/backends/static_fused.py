@@ -178,7 +178,12 @@ def small_linear_fits(target) -> bool:
 def _out_projs_fit(layers, dtype: torch.dtype) -> bool:
     """Every layer's o_proj and down_proj is a dense row-major linear of ``dtype``."""
     mods = [m for layer in layers for m in (layer.self_attn.o_proj, layer.mlp.down_proj)]
-    return all(fusable(m) and m.weight.dtype == dtype and m.weight.stride(-1) == 1 for m in mods)
+    return all(_plain(m, dtype) for m in mods)
+
+
+def _plain(linear, dtype: torch.dtype) -> bool:
+    """A dense row-major linear of ``dtype`` (what small_linear takes)."""
+    return fusable(linear) and linear.weight.dtype == dtype and linear.weight.stride(-1) == 1
 
 
 def row_argmax(logits: torch.Tensor, chunks: int = 64) -> torch.Tensor:
@@ -197,6 +202,26 @@ def row_argmax(logits: torch.Tensor, chunks: int = 64) -> torch.Tensor:
     best, where = logits.view(rows, chunks, width).max(-1)  # [R, C]; first max of each slice
     pick = best.argmax(-1, keepdim=True)  # [R, 1] first slice with the row's max
     return pick[:, 0] * width + where.gather(1, pick)[:, 0]
+
+
+def realized(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The tensors unchanged, made one buffer each when Inductor compiles the forward.
+
+    Inductor passes a custom op (``rope_cache``, ``split_attention``) a tensor computed in the
+    graph as a buffer of fixed strides, and when the tensor is still an unrealised expression
+    (the RoPE tables, the block's positions) it computes that buffer again for every call: on
+    the H200 one or two extra kernels per layer (~1.2 us each), e.g. 5-8 in the demo draft's
+    16-wide graph. Inductor's own ``force_stride_order`` prim here makes one buffer that every
+    call reads. An identity outside ``torch.compile`` and where this torch lacks the prim."""
+    if not torch.compiler.is_compiling():
+        return tensors
+    try:
+        from torch._inductor import inductor_prims  # noqa: F401  (registers the prim)
+
+        force = torch.ops.prims.inductor_force_stride_order
+    except (ImportError, AttributeError):  # pragma: no cover - older or newer torch
+        return tensors
+    return tuple(force(t, t.stride()) for t in tensors)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -247,7 +272,7 @@ def target_forward_fused(be, ids: torch.Tensor, pos: torch.Tensor, argmax: bool 
     """
     t, hd = ids.shape[-1], be.head_dim
     x = F.embedding(ids, be.embed_weight)  # [1, T, H]
-    cos, sin = rope_cos_sin(pos, be.inv_freq, be.rope_scale, be.dtype)  # [1, 1, T, D], once
+    cos, sin = realized(*rope_cos_sin(pos, be.inv_freq, be.rope_scale, be.dtype))  # [1, 1, T, D], once
     mode = getattr(be, "attention", "sdpa")  # split-KV kernel: reads filled rows, no mask
     split = uses_kernel(mode, t)  # prefills of <= 32 rows too
     mask = None if split else (be.key_pos[None, :] <= pos[0, :, None])[None, None]  # [1, 1, T, S]
@@ -321,7 +346,8 @@ def draft_forward_fused(draft, fused, block_embeds, target_hidden, q_pos, ctx_po
     context) and attend with the split-KV kernel over the rows < start + L, instead of SDPA over
     the whole capacity with a mask (:mod:`dflash.backends.split_attention`).
 
-    ``lin``: o_proj and down_proj with their residual adds run as
+    ``lin``: o_proj and down_proj with their residual adds, and the context projection ``fc``
+    (up to ``MAX_ROWS`` context rows), run as
     :func:`~dflash.backends.small_linear.small_linear` kernels; ``lin_in``: the fused qkv and
     gate+up projections too; ``rope``: in ``split_kinds`` layers the q/k norm, RoPE and the
     context and block rows' cache writes run as one :func:`~dflash.backends.rope_cache.rope_cache`
@@ -334,9 +360,14 @@ def draft_forward_fused(draft, fused, block_embeds, target_hidden, q_pos, ctx_po
     packed = pack_gqa and groups > 1
     if packed:
         masks = {kind: pack_mask(m, groups, lq) for kind, m in masks.items()}
-    ctx = draft.hidden_norm(draft.fc(target_hidden))  # [1, Tc, H]
+    fc = draft.fc
+    if lin and tc <= LINEAR_MAX_ROWS and _plain(fc, target_hidden.dtype):  # one kernel, not
+        ctx = draft.hidden_norm(small_linear(target_hidden[0].contiguous(), fc.weight, fc.bias)[None])
+    else:  # cuBLAS's split-K GEMM and its reduction (two, ~7 us on the H200)
+        ctx = draft.hidden_norm(fc(target_hidden))  # [1, Tc, H]
     cos, sin = rope_cos_sin(torch.cat((ctx_pos, q_pos), 1), draft.inv_freq, draft.rope_scale,
                             block_embeds.dtype)  # [1, 1, Tc + L, D], shared by layers  # fmt: skip
+    cos, sin, q_pos = realized(cos, sin, q_pos)  # not once per layer
     h = block_embeds
     # [1] every block row sees the keys < start + L: a view the split kernel reads in place (an
     # expanded [L] copy was materialised once per layer by Inductor: ~1 us each on the H200)

@@ -21,13 +21,14 @@ from dflash.backends.small_linear import (
     preload_bytes,
 )
 from dflash.backends.split_attention import attention_mode, split_size
-from dflash.backends.static_loop import step_compile_default
+from dflash.backends.static_loop import queue_ahead, step_compile_default
 
 
 def check_env() -> None:
     """Check every switch of the static path (``DFLASH_ATTN``, ``DFLASH_ATTN_SPLIT``,
     ``DFLASH_LINEAR``, ``DFLASH_LINEAR_CONFIG``, ``DFLASH_PDL``, ``DFLASH_PDL_PREFETCH``, ``DFLASH_ROPE``,
-    ``DFLASH_PREFETCH``, ``DFLASH_STEP_COMPILE``, ``DFLASH_HEAD_ARGMAX``, ``DFLASH_GRAPH_WARM``)
+    ``DFLASH_PREFETCH``, ``DFLASH_STEP_COMPILE``, ``DFLASH_HEAD_ARGMAX``, ``DFLASH_GRAPH_WARM``,
+    ``DFLASH_QUEUE_AHEAD``)
     on any device: a typo fails at load on a laptop too, not first on the GPU machine.
 
     Raises:
@@ -43,6 +44,7 @@ def check_env() -> None:
     rope_parts()
     prefetch_setting(cpu)
     step_compile_default()
+    queue_ahead()
     head_argmax_default()
     warm_replays()
 

@@ -481,7 +481,9 @@ class StaticBackend(TransformersBackend):
     def describe(self) -> dict[str, Any]:
         """What runs the forwards (stored with benchmark records)."""
         preload = preload_bytes() if self.linear != "torch" and pdl_enabled(self.device) else 0
+        ahead = self.device_loop.ahead if self.device_loop is not None else "draft"
         return {**super().describe(), **({"pdl_prefetch_bytes": preload} if preload else {}),
+                **({"queue_ahead": ahead} if ahead != "draft" else {}),  # DFLASH_QUEUE_AHEAD=step
                 "impl": "static", "cuda_graphs": self.use_graphs,
                 "compile": self.compile, "fused": self.fused_target is not None,
                 "pack_gqa": self.pack_gqa and self.fused_target is not None,
