@@ -269,6 +269,7 @@ def main(argv: list[str] | None = None) -> dict:
     report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "dtype": str(dtype).split(".")[-1], "tiny": args.tiny, "compile": be.compile,
               "cuda_graphs": be.use_graphs, "device_loop": be.device_loop is not None,
+              "queue_ahead": be.device_loop.ahead if be.device_loop is not None else None,
               "attention": be.attention, "attn_split": os.environ.get("DFLASH_ATTN_SPLIT", "256"),
               "linear": be.linear, "compile_glue": os.environ.get("DFLASH_COMPILE_GLUE", "1"),
               "pdl": os.environ.get("DFLASH_PDL", "") or "default (1)",

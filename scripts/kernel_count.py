@@ -116,9 +116,12 @@ def loop_calls(be, prompt_len: int, length: int) -> dict:
     """The device loop's graphs (with their glue) as the greedy loop replays them, state held
     at ``prompt_len`` with no budget (nothing moves, every call computes the same): each graph
     alone (``dverify-1``, ``dverify-L``, ``ddraft-L``), a step's two replays back to back
-    (``step-L``) and a whole loop step as :func:`dflash.loop.speculative_generate` runs it
+    (``step-L``) and a whole loop step with the whole next step queued ahead, as
+    :func:`dflash.loop.speculative_generate` runs block 1 and ``DFLASH_QUEUE_AHEAD=step``
     (``loop-L``/``loop-1``: launch, copy to pinned memory, then wait for the step before; their
-    ``host_us`` includes that wait, so it is about the device time, not the launch cost)."""
+    ``host_us`` includes that wait, so it is about the device time, not the launch cost), and
+    with only the next draft queued ahead, the default at block L (``loopd-L``: wait for the
+    step before, then queue its successor's verify and the draft after it)."""
     lp = be.device_loop
     lp.begin(torch.zeros(1, dtype=torch.long, device=be.device), prompt_len, length, 0)
     out: dict = {}
@@ -142,6 +145,19 @@ def loop_calls(be, prompt_len: int, length: int) -> dict:
             prev.append(slot)
 
         out[f"loop-{block}"] = loop
+    ahead: list = []
+
+    def loop_draft_ahead(graphed=True, prev=ahead):
+        if not prev:  # the first call: a draft, its verify
+            lp.launch_draft()
+            prev.append(lp.launch_verify(length))
+            lp.launch_draft()  # the next step's draft, queued ahead
+            return
+        lp.read(prev.pop())
+        prev.append(lp.launch_verify(length))
+        lp.launch_draft()
+
+    out[f"loopd-{length}"] = loop_draft_ahead
     return out
 
 

@@ -206,7 +206,8 @@ def test_options_of_another_backend_are_refused(args, flag):
 @pytest.mark.parametrize("name, value", [("DFLASH_ATTN", "bogus"), ("DFLASH_PDL", "2"), ("DFLASH_ROPE", "x"),
                                          ("DFLASH_LINEAR", "cublas"), ("DFLASH_ATTN_SPLIT", "100"),
                                          ("DFLASH_PREFETCH", "lots"), ("DFLASH_HEAD_ARGMAX", "yes"),
-                                         ("DFLASH_GRAPH_WARM", "-1"), ("DFLASH_STEP_COMPILE", "on")])  # fmt: skip
+                                         ("DFLASH_GRAPH_WARM", "-1"), ("DFLASH_STEP_COMPILE", "on"),
+                                         ("DFLASH_QUEUE_AHEAD", "verify")])  # fmt: skip
 def test_cuda_path_switches_are_checked_on_every_device(name, value, monkeypatch):
     """A bad value of a CUDA-path switch is a one-line InputError naming it when the transformers
     backend loads on a CPU too (before any weight loads), not first on the GPU machine."""

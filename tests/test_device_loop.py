@@ -209,29 +209,46 @@ def test_whole_step_compile_traces_each_graph_as_one(tiny_target, monkeypatch):
     torch._dynamo.reset()
 
 
+def _scripted_steps(k: int, budget: int, stop_at: int | None) -> list[int]:
+    """Tokens each step commits when k proposals per step are right: k + 1, trimmed by the
+    budget and cut after the stop token at new-token index ``stop_at``."""
+    steps, n = [], 1  # the first token came from the prefill
+    while n < budget and (stop_at is None or n <= stop_at):
+        c = min(k + 1, budget - n)
+        if stop_at is not None and n <= stop_at < n + c:
+            c = stop_at - n + 1
+        steps.append(c)
+        n += c
+    return steps
+
+
 @pytest.mark.parametrize("ahead", ["draft", "step"])
 @pytest.mark.parametrize("budget", [2, 3, 23, 40])
 def test_queue_ahead_same_tokens_and_exact_waste(tiny_target, monkeypatch, ahead, budget):
-    """DFLASH_QUEUE_AHEAD=draft (default) and step give the host loop's tokens and steps; a
-    request launches exactly one verify per step it reads plus, under ``step``, at most one
-    more, and under ``draft`` no extra verify and at most one extra draft."""
+    """DFLASH_QUEUE_AHEAD=draft (default) and step: with k = 5 right proposals per step (a verify
+    reading another step's proposals would accept other counts) every step commits exactly what
+    plain greedy decoding dictates, budget and stop token included, and so does the next
+    request. A request launches one verify per step it reads plus, under ``step``, at most one
+    more; under ``draft`` no extra verify and at most one extra draft."""
     monkeypatch.setenv("DFLASH_QUEUE_AHEAD", ahead)
-    host = _pair(tiny_target, False)
-    truth = greedy_reference(tiny_target, PROMPT, 30)
+    k = 5
+    truth = greedy_reference(tiny_target, PROMPT, budget + 40)
     stop = truth[11]
     for stops in ([], [stop]):
-        dev = _pair(tiny_target, True)
-        assert dev.device_loop.ahead == ahead
-        a, acc_a, _ = _run(host, PROMPT, block_size=16, max_new_tokens=budget, stop_ids=stops)
-        b, acc_b, rb = _run(dev, PROMPT, block_size=16, max_new_tokens=budget, stop_ids=stops)
-        assert b == a and acc_b == acc_a
-        steps, lp = len(acc_b), dev.device_loop
+        be = _pair(tiny_target, True)
+        be.device_loop = lp = ScriptedLoop(be, truth, len(PROMPT), k)
+        assert lp.ahead == ahead
+        toks, accepted, _ = _run(be, PROMPT, block_size=16, max_new_tokens=budget, stop_ids=stops)
+        stop_at = truth.index(stop) if stops and truth.index(stop) < budget else None
+        assert toks == truth[: budget if stop_at is None else stop_at + 1]
+        assert accepted == _scripted_steps(k, budget, stop_at)
+        steps = len(accepted)
         if ahead == "draft":
-            assert lp.launched == steps
-            assert lp.drafted in (steps, steps + 1)
+            assert lp.launched == steps and lp.drafted in (steps, steps + 1)
         else:
             assert lp.launched in (steps, steps + 1) and lp.drafted == lp.launched
-        assert _run(dev, PROMPT, block_size=16, max_new_tokens=30)[0] == truth  # next request
+        toks, accepted, _ = _run(be, PROMPT, block_size=16, max_new_tokens=30)  # the next request
+        assert toks == truth[:30] and accepted == _scripted_steps(k, 30, None)
 
 
 def test_queue_ahead_checked(monkeypatch):

@@ -237,3 +237,20 @@ def test_kernel_compiles_for_hopper_with_l2_preload(tmp_path, pre_k):
         assert ptx.count("prefetch.global.L2 [") >= 1
     else:
         assert "prefetch.global.L2" not in ptx
+
+
+def test_describe_records_pdl_prefetch_for_the_draft_only_setting(tiny_target, monkeypatch):
+    """DFLASH_PDL_PREFETCH is recorded when PDL reaches some small_linear call, including PDL in
+    the draft's graphs only (DFLASH_PDL=draft), and not when no call has PDL."""
+    from dflash.backends import small_linear as sl
+    from dflash.backends import static_torch
+    from dflash.backends.static_torch import StaticBackend
+    from tests.conftest import make_draft
+
+    be = StaticBackend(tiny_target, make_draft(tiny_target), torch.device("cpu"), use_graphs=False)
+    monkeypatch.setenv("DFLASH_PDL_PREFETCH", "16")
+    monkeypatch.setattr(static_torch, "pdl_enabled", lambda device: sl._PART[0] == "draft")
+    be.linear, be.draft_linear = "triton", True
+    assert be.describe()["pdl_prefetch_bytes"] == 16 << 20
+    be.draft_linear = False  # PDL only in the draft's graphs, and the draft has no small_linear
+    assert "pdl_prefetch_bytes" not in be.describe()

@@ -168,6 +168,13 @@ def test_realized_is_an_identity_eager_and_compiled():
         q, = realized(pos + torch.arange(3))
         return q[-1:] * x, q * 2
 
-    got = torch.compile(f, backend="aot_eager", fullgraph=True)(b[:1], a)
+    graphs = []
+
+    def capture(gm, example_inputs):  # a Dynamo backend that keeps the traced graph
+        graphs.append(gm.code)
+        return gm.forward
+
+    got = torch.compile(f, backend=capture, fullgraph=True)(b[:1], a)
     want = f(b[:1], a)
     assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    assert len(graphs) == 1 and "inductor_force_stride_order" in graphs[0]  # one buffer for Inductor

@@ -5,7 +5,7 @@ over a 0.7 MB weight took ~3.1 us while the weight streams in ~0.2 us. This Trit
 computes ``residual + x @ W^T (+ bias)`` in one launch; each program owns ``BN`` output columns
 and streams their weight rows along K (row major, coalesced), with the few input rows padded to
 a 16-row tensor-core tile. The static forwards use it for each layer's o_proj and down_proj
-(the two projections followed by a residual add).
+(the two projections followed by a residual add) and for the draft's context projection fc.
 
 Measured on the H200 (``scripts/small_linear_sweep.py``, bf16, CUDA graphs of 50 calls): o_proj
 2.9 vs 3.1 us (demo) and 7.8 vs 10.3 us (Qwen3-8B shape); down_proj 3.8-4.4 vs 4.7 us and

@@ -478,12 +478,22 @@ class StaticBackend(TransformersBackend):
     def rollback(self, length: int) -> None:
         """Nothing to do: rows >= length are masked by position and overwritten later."""
 
+    def _pdl_linear(self) -> bool:
+        """Whether some ``small_linear`` call of the graphs launches with PDL: the target's
+        (``linear`` not torch) or the draft's (``draft_linear``), each under its own part for
+        ``DFLASH_PDL=draft``."""
+        for part, on in (("target", self.linear != "torch"), ("draft", self.draft_linear)):
+            with pdl_part(part):
+                if on and pdl_enabled(self.device):
+                    return True
+        return False
+
     def describe(self) -> dict[str, Any]:
         """What runs the forwards (stored with benchmark records)."""
-        preload = preload_bytes() if self.linear != "torch" and pdl_enabled(self.device) else 0
-        ahead = self.device_loop.ahead if self.device_loop is not None else "draft"
+        preload = preload_bytes() if self._pdl_linear() else 0
+        loop = self.device_loop
         return {**super().describe(), **({"pdl_prefetch_bytes": preload} if preload else {}),
-                **({"queue_ahead": ahead} if ahead != "draft" else {}),  # DFLASH_QUEUE_AHEAD=step
+                **({"queue_ahead": loop.ahead} if loop is not None else {}),  # DFLASH_QUEUE_AHEAD
                 "impl": "static", "cuda_graphs": self.use_graphs,
                 "compile": self.compile, "fused": self.fused_target is not None,
                 "pack_gqa": self.pack_gqa and self.fused_target is not None,
