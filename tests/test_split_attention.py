@@ -90,6 +90,31 @@ def test_attention_switches(monkeypatch):
     monkeypatch.setenv("DFLASH_ATTN_SPLIT", "100")
     with pytest.raises(InputError, match="multiple of 64"):
         sa.split_size(1024)
+    monkeypatch.setenv("DFLASH_ATTN_SPLIT", "128")
+    assert sa.split_size(1024, draft=True) == 128  # the draft follows the target unless told
+    monkeypatch.setenv("DFLASH_DRAFT_ATTN_SPLIT", "512")
+    assert (sa.split_size(1024), sa.split_size(1024, draft=True)) == (128, 512)
+    monkeypatch.setenv("DFLASH_DRAFT_ATTN_SPLIT", "96")
+    with pytest.raises(InputError, match="DFLASH_DRAFT_ATTN_SPLIT must be a positive multiple of 64"):
+        sa.split_size(1024, draft=True)
+    assert sa.split_size(1024) == 128
+
+
+def test_draft_split_reaches_only_the_draft(monkeypatch):
+    """DFLASH_DRAFT_ATTN_SPLIT: the draft's split-KV calls take it, the target's keep
+    DFLASH_ATTN_SPLIT, and decoding stays plain greedy (reference maths on CPU)."""
+    seen = {}
+    real = sa.split_attention_reference
+
+    def spy(q, k, v, pos, scale, split=sa.SPLIT):
+        seen.setdefault(q.shape[2] > 1 and pos.shape[0] == 1, set()).add(split)  # draft: block, one position
+        return real(q, k, v, pos, scale, split)
+
+    monkeypatch.setattr(sa, "split_attention_reference", spy)
+    monkeypatch.setenv("DFLASH_ATTN_SPLIT", "128")
+    monkeypatch.setenv("DFLASH_DRAFT_ATTN_SPLIT", "64")
+    assert_static_greedy(attention="split")
+    assert seen[True] == {64} and seen[False] == {128}
 
 
 @pytest.mark.parametrize("split", [64, 128, 256])

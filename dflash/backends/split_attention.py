@@ -34,6 +34,7 @@ from dflash.backends.small_linear import pdl_enabled
 
 ATTN_ENV = "DFLASH_ATTN"
 SPLIT_ENV = "DFLASH_ATTN_SPLIT"
+DRAFT_SPLIT_ENV = "DFLASH_DRAFT_ATTN_SPLIT"  # the draft's own, when set (an experiment)
 SPLIT = 256  # keys per program (default; 128 measured 3% slower on the demo pair, H200)
 SPLIT_MAX_ROWS = 32  # query rows (T) the kernel takes; prefill and longer forwards use SDPA
 BLOCK_N = 64  # keys per inner iteration
@@ -85,20 +86,25 @@ def uses_kernel(mode: str, rows: int) -> bool:
     return rows <= SPLIT_MAX_ROWS and mode != "sdpa"
 
 
-def split_size(capacity: int) -> int:
+def split_size(capacity: int, draft: bool = False) -> int:
     """Keys per program (``DFLASH_ATTN_SPLIT``, default 256; one slice when >= capacity, then
     no merge is needed); the greatest common divisor of the setting and ``capacity`` (a multiple
-    of 64), so the slices tile the cache.
+    of 64), so the slices tile the cache. ``draft``: the draft's attention, which takes
+    ``DFLASH_DRAFT_ATTN_SPLIT`` when that is set (an experiment, unset by default: on the H200's
+    real demo pair at gsm8k's lengths, under 512 keys, 512 and 1024 keys per program for both
+    forwards made each side about 0.9% faster, and the draft's graph is the only cost DFlash
+    adds to a target step) and the same value as the target otherwise.
 
     Raises:
         InputError: not a positive multiple of 64.
     """
     from dflash.errors import InputError
 
-    raw = os.environ.get(SPLIT_ENV, "").strip()
+    name = DRAFT_SPLIT_ENV if draft and os.environ.get(DRAFT_SPLIT_ENV, "").strip() else SPLIT_ENV
+    raw = os.environ.get(name, "").strip()
     value = int(raw) if raw.isdigit() else (SPLIT if not raw else -1)
     if value <= 0 or value % BLOCK_N:
-        raise InputError(f"{SPLIT_ENV} must be a positive multiple of {BLOCK_N}, got {raw!r}.",
+        raise InputError(f"{name} must be a positive multiple of {BLOCK_N}, got {raw!r}.",
                          hint=f"unset it for the default of {SPLIT}")  # fmt: skip
     if value >= capacity:  # one slice
         return capacity
@@ -301,7 +307,7 @@ def _(q, k, v, pos, scale, split):
 
 
 def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
-                    scale: float | None) -> torch.Tensor:  # fmt: skip
+                    scale: float | None, draft: bool = False) -> torch.Tensor:  # fmt: skip
     """softmax(q k^T * scale) v over the keys at positions <= pos[t], per query row t.
 
     Args:
@@ -310,17 +316,18 @@ def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torc
         (ascending; the last is the largest: keys at positions > pos[-1] are never read);
         scale: None = 1/sqrt(D). Non-causal rows (a draft block that sees all of itself):
         give every row the block's last position, e.g. as a [1] view (``pos[-1:]``).
+        draft: the draft's attention (its split size: :func:`split_size`).
     Returns:
         [1, H, T, D] in q's dtype.
 
     Raises:
-        InputError: a bad ``DFLASH_ATTN_SPLIT``.
+        InputError: a bad ``DFLASH_ATTN_SPLIT`` (or ``DFLASH_DRAFT_ATTN_SPLIT`` for the draft).
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if triton is None or (q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1"):
         # no kernel here (CPU, Triton absent or not interpreting): the same algorithm in torch
-        return split_attention_reference(q, k, v, pos, scale, split_size(k.shape[2]))
-    return _attention_op(q, k, v, pos, float(scale), split_size(k.shape[2]))
+        return split_attention_reference(q, k, v, pos, scale, split_size(k.shape[2], draft))
+    return _attention_op(q, k, v, pos, float(scale), split_size(k.shape[2], draft))
 
 
 def split_attention_reference(q, k, v, pos, scale, split: int = SPLIT) -> torch.Tensor:

@@ -383,7 +383,7 @@ def draft_forward_fused(draft, fused, block_embeds, target_hidden, q_pos, ctx_po
                 l2_prefetch.prefetch(prefetch[0], raw, _after_qkv(a, gate_up, layer.mlp), prefetch[1])
             kc, vc = cache.keys[i], cache.values[i]
             q = rope_cache(raw, a.q_norm, a.k_norm, cos, sin, wpos, kc, vc, tc, a.heads, a.kv_heads)
-            out = split_attention(q, kc, vc, see, None)
+            out = split_attention(q, kc, vc, see, None, draft=True)
         else:
             q, k, v = _in_proj(lin_in, qkv, x)  # [1, Tc + L, *]
             if prefetch:
@@ -396,7 +396,7 @@ def draft_forward_fused(draft, fused, block_embeds, target_hidden, q_pos, ctx_po
             if kind in split_kinds:
                 kc.index_copy_(2, q_pos[0], k[:, :, tc:])
                 vc.index_copy_(2, q_pos[0], v[:, :, tc:])
-                out = split_attention(q, kc, vc, see, None)
+                out = split_attention(q, kc, vc, see, None, draft=True)
             else:
                 k, v = torch.cat((kc, k[:, :, tc:]), 2), torch.cat((vc, v[:, :, tc:]), 2)
                 out = attend(q, k, v, masks[kind], None, packed)

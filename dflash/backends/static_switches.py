@@ -28,7 +28,7 @@ def check_env() -> None:
     """Check every switch of the static path (``DFLASH_ATTN``, ``DFLASH_ATTN_SPLIT``,
     ``DFLASH_LINEAR``, ``DFLASH_LINEAR_CONFIG``, ``DFLASH_PDL``, ``DFLASH_PDL_PREFETCH``, ``DFLASH_ROPE``,
     ``DFLASH_PREFETCH``, ``DFLASH_STEP_COMPILE``, ``DFLASH_HEAD_ARGMAX``, ``DFLASH_GRAPH_WARM``,
-    ``DFLASH_QUEUE_AHEAD``)
+    ``DFLASH_QUEUE_AHEAD``, ``DFLASH_DRAFT_ATTN_SPLIT``)
     on any device: a typo fails at load on a laptop too, not first on the GPU machine.
 
     Raises:
@@ -37,6 +37,7 @@ def check_env() -> None:
     cpu = torch.device("cpu")
     attention_mode(cpu)
     split_size(1 << 30)
+    split_size(1 << 30, draft=True)
     linear_mode(cpu)
     kernel_config(16, 1024, 1024)
     pdl_setting()
