@@ -245,3 +245,17 @@ def test_static_split_draft_logits_match_sdpa(tiny_target):
         got = _draft_twice(_static(tiny_target, draft, True), prompt)
         for a, b in zip(got, want, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_describe_records_split_settings(tiny_target, monkeypatch):
+    """Benchmark records carry the split-KV settings where the kernel runs (a resumed run under
+    other settings is refused), and nothing with SDPA."""
+    from dflash.backends.static_torch import StaticBackend
+    from tests.conftest import make_draft
+
+    be = StaticBackend(tiny_target, make_draft(tiny_target), torch.device("cpu"), use_graphs=False)
+    assert be.attention == "sdpa" and "attn_split" not in be.describe()
+    be.attention = "split"
+    assert be.describe()["attn_split"] == {"target": 256, "draft": 256}
+    monkeypatch.setenv("DFLASH_DRAFT_ATTN_SPLIT", "1024")
+    assert be.describe()["attn_split"] == {"target": 256, "draft": 1024}

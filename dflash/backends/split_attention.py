@@ -86,6 +86,25 @@ def uses_kernel(mode: str, rows: int) -> bool:
     return rows <= SPLIT_MAX_ROWS and mode != "sdpa"
 
 
+def split_setting(draft: bool = False) -> int:
+    """The keys per program asked for (``DFLASH_ATTN_SPLIT``, or for the draft
+    ``DFLASH_DRAFT_ATTN_SPLIT`` when set; default 256), before :func:`split_size` fits it to a
+    cache; recorded with benchmark results.
+
+    Raises:
+        InputError: not a positive multiple of 64.
+    """
+    from dflash.errors import InputError
+
+    name = DRAFT_SPLIT_ENV if draft and os.environ.get(DRAFT_SPLIT_ENV, "").strip() else SPLIT_ENV
+    raw = os.environ.get(name, "").strip()
+    value = int(raw) if raw.isascii() and raw.isdigit() else (SPLIT if not raw else -1)
+    if value <= 0 or value % BLOCK_N:
+        raise InputError(f"{name} must be a positive multiple of {BLOCK_N}, got {raw!r}.",
+                         hint=f"unset it for the default of {SPLIT}")  # fmt: skip
+    return value
+
+
 def split_size(capacity: int, draft: bool = False) -> int:
     """Keys per program (``DFLASH_ATTN_SPLIT``, default 256; one slice when >= capacity, then
     no merge is needed); the greatest common divisor of the setting and ``capacity`` (a multiple
@@ -98,14 +117,7 @@ def split_size(capacity: int, draft: bool = False) -> int:
     Raises:
         InputError: not a positive multiple of 64.
     """
-    from dflash.errors import InputError
-
-    name = DRAFT_SPLIT_ENV if draft and os.environ.get(DRAFT_SPLIT_ENV, "").strip() else SPLIT_ENV
-    raw = os.environ.get(name, "").strip()
-    value = int(raw) if raw.isdigit() else (SPLIT if not raw else -1)
-    if value <= 0 or value % BLOCK_N:
-        raise InputError(f"{name} must be a positive multiple of {BLOCK_N}, got {raw!r}.",
-                         hint=f"unset it for the default of {SPLIT}")  # fmt: skip
+    value = split_setting(draft)
     if value >= capacity:  # one slice
         return capacity
     return math.gcd(value, capacity)  # slices tile the capacity (a multiple of 64)

@@ -39,7 +39,7 @@ from dflash.backends.small_linear import (
     pdl_part,
     preload_bytes,
 )
-from dflash.backends.split_attention import attention_mode, uses_kernel
+from dflash.backends.split_attention import attention_mode, split_setting, uses_kernel
 from dflash.backends.static_fused import (
     draft_forward_fused,
     draft_rope_fits,
@@ -500,6 +500,8 @@ class StaticBackend(TransformersBackend):
                 "verify_widths": list(self.plan.verify_widths),
                 "device_loop": self.device_loop is not None,
                 "attention": self.attention, "linear": self.linear,
+                **({"attn_split": {"target": split_setting(), "draft": split_setting(draft=True)}}
+                   if self.attention != "sdpa" else {}),  # keys per program of the split-KV kernel
                 "draft_linear": self.draft_linear, "l2_prefetch_bytes": self.prefetch,
                 "step_compile": self.step_compile and self.compile and self.device_loop is not None,
                 "head_argmax": self.head_argmax,
