@@ -148,10 +148,9 @@ def loop_calls(be, prompt_len: int, length: int) -> dict:
     ahead: list = []
 
     def loop_draft_ahead(graphed=True, prev=ahead):
-        if not prev:  # the first call: a draft, its verify
+        if not prev:  # the first call: a whole step, then the next step's draft queued ahead
+            prev.append(lp.launch(length))
             lp.launch_draft()
-            prev.append(lp.launch_verify(length))
-            lp.launch_draft()  # the next step's draft, queued ahead
             return
         lp.read(prev.pop())
         prev.append(lp.launch_verify(length))

@@ -239,9 +239,8 @@ class DeviceLoop:
         if be.use_graphs:
             be._device_graph("ddraft", self.width)[0].replay()
         else:
-            head = {"argmax": True} if getattr(be, "head_argmax", False) else {}  # as in the graphs
             with torch.inference_mode():
-                self.draft_step(partial(be._draft_forward, **head))
+                self.draft_step(partial(be._draft_forward, **self._head()))
 
     def launch_verify(self, block_size: int) -> int:
         """Queue the verify and commit of the step whose draft is queued (width 1 for
@@ -255,15 +254,18 @@ class DeviceLoop:
         if be.use_graphs:
             be._device_graph("dverify", width)[0].replay()
         else:
-            head = {"argmax": True} if getattr(be, "head_argmax", False) else {}
             with torch.inference_mode():
-                self.verify_step(width, partial(be._target_forward, **head))
+                self.verify_step(width, partial(be._target_forward, **self._head()))
         slot = self.launched % RING
         self.launched += 1
         self.host[slot].copy_(self.last, non_blocking=self.events is not None)
         if self.events is not None:
             self.events[slot].record()
         return slot
+
+    def _head(self) -> dict:
+        """The forwards' head argument as the graphs capture them (``DFLASH_HEAD_ARGMAX``)."""
+        return {"argmax": True} if getattr(self.be, "head_argmax", False) else {}
 
     def read(self, slot: int) -> list[int]:
         """Tokens committed by the step in ``slot`` (waits for that step only)."""

@@ -20,7 +20,7 @@ from dflash.backends.small_linear import (
     pdl_setting,
     preload_bytes,
 )
-from dflash.backends.split_attention import attention_mode, split_size
+from dflash.backends.split_attention import attention_mode, split_setting
 from dflash.backends.static_loop import queue_ahead, step_compile_default
 
 
@@ -36,8 +36,8 @@ def check_env() -> None:
     """
     cpu = torch.device("cpu")
     attention_mode(cpu)
-    split_size(1 << 30)
-    split_size(1 << 30, draft=True)
+    split_setting()
+    split_setting(draft=True)
     linear_mode(cpu)
     kernel_config(16, 1024, 1024)
     pdl_setting()
