@@ -19,6 +19,7 @@
 #   prefetch       (no carry)  DFLASH_PREFETCH: L2 check, 8B block 1 per budget (thirteenth session, unmeasured)
 #   pdlpre         (no carry)  DFLASH_PDL_PREFETCH: 8B block 1 per budget, demo loop timings at prompt 300 (next session's first call)
 #   k300           (no carry)  demo loop timings at prompt 300 and the 8B shape's block 1 (fifteenth session)
+#   v16a [VARIANTS] [.stage/t6/aa .stage/whl]  stage1's copy, attn_sweep.py, demo loop timings at prompt 300 per variant
 #   prefetchdemo   (no carry)  DFLASH_PREFETCH 0 against 8 MiB: demo-shape loop timings
 #   benchvar "V1 V2" [.stage/t6/af .stage/data] after stage1..ae: gsm8k 64 per env variant (default, DFLASH_ATTN_SPLIT=128 ...)
 #   exp13          (no carry)  default / DFLASH_STEP_COMPILE=1 / DFLASH_HEAD_ARGMAX=1 / DFLASH_PREFETCH=8 / all: loop timings
@@ -27,7 +28,7 @@
 #                results in $OUT (b-gsm8k.jsonl / .txt, generate.json, step_profile.json: GPU busy
 #                against wall per step on 4 real requests, PROFILE=0 skips it)
 set -u
-phase=${1:?usage: h200_speed_session.sh stage1|glue|stage PART [torch|triton]|bench [full]|benchvar [VARIANTS]|kernels|attn|merge|next|pdl|pdl2|pdlprof|pdlk|pdlgraphs|pdlloop|benchpdl|pdldefault|seq|rope|prefetch|prefetchdemo|pdlpre|k300|exp13|big8b}
+phase=${1:?usage: h200_speed_session.sh stage1|glue|stage PART [torch|triton]|bench [full]|benchvar [VARIANTS]|kernels|attn|merge|next|pdl|pdl2|pdlprof|pdlk|pdlgraphs|pdlloop|benchpdl|pdldefault|seq|rope|prefetch|prefetchdemo|pdlpre|k300|v16a|exp13|big8b}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 DFLASH_CACHE=/tmp/dflash-cache
 OUT=${OUT:-/tmp/h200-out}; mkdir -p "$OUT"
 W=/tmp/demo; mkdir -p "$W/stage"
@@ -311,6 +312,19 @@ k300)  # no carry (fifteenth session): demo-shape loop timings at prompt 300 (dr
   timeout 150 python3 scripts/bench_big.py --shape qwen3-8b --blocks 1 --steps 16 --out /tmp/bbq-v15 > /tmp/bbq-v15.log 2>&1
   echo "8b rc $?"; cp /tmp/bbq-v15/bench_big.json "$OUT/bench_big-q8b-v15.json"
   grep -o '"ms_per_step": [0-9.]*\|"x_floor": [0-9.]*' /tmp/bbq-v15.log | tr '\n' ' '; echo
+  ;;
+v16a)  # [.stage/t6/aa .stage/whl] (sixteenth session's first call): stage1's copy, the split-KV
+  # attention's launch settings swept, then demo loop timings at prompt 300 per env variant
+  cp .stage/t6/aa/part "$W/stage/aa.part"
+  timeout 230 python3 scripts/attn_sweep.py --budget-s 190 --out "$OUT" > /tmp/attn_sweep.log 2>&1
+  echo "sweep rc $? at ${SECONDS}s"; grep '"case"' /tmp/attn_sweep.log | cut -c1-400
+  for v in ${2:-default DFLASH_DRAFT_ATTN_SPLIT=1024 DFLASH_LINEAR=all}; do
+    [ "$SECONDS" -gt "${K_STOP:-480}" ] && { echo "skip $v at ${SECONDS}s"; continue; }
+    E=(env); [ "$v" = default ] || E+=(${v//,/ }); f=${v//[=,]/-}
+    "${E[@]}" timeout 140 python3 scripts/kernel_count.py --random-target --variants fused --prompt-len 300 \
+      --out "$OUT/kernels-p300-$f.json" > "/tmp/k-$f.log" 2>&1; echo "$v rc $? at ${SECONDS}s"
+    grep -v Warn "/tmp/k-$f.log" | grep -E "loop|draft-16|verify-1 " | cut -c1-100
+  done
   ;;
 prefetchdemo)  # no carry: DFLASH_PREFETCH 0 against ${PREFETCH_MIB:-8} on the demo shape's loop timings
   for v in 0 ${PREFETCH_MIB:-8}; do

@@ -135,17 +135,18 @@ if triton is not None:
     @triton.jit
     def _split_kernel(Q, K, V, POS, OUT, PO, PL, CNT, scale_log2, cap, s_pos,
                       s_qh, s_qt, s_kh, s_ks, s_vh, s_vs, s_oh, s_ot, s_ph, s_ps, s_pr, s_lh, s_ls,
-                      T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr,
-                      SPLIT_N: tl.constexpr, BLOCK: tl.constexpr, IEEE: tl.constexpr,
-                      MERGE: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+                      T: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+                      ROWS: tl.constexpr, SPLIT_N: tl.constexpr, BLOCK: tl.constexpr,
+                      IEEE: tl.constexpr, MERGE: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
         if PDL:  # programmatic dependent launch: wait for the previous kernel before any access
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
-        kvh = tl.program_id(0)
+        unit = tl.program_id(0)  # GP query heads of one KV head: G // GP units per KV head
+        kvh = unit // (G // GP)
         sp = tl.program_id(1)
         r = tl.arange(0, ROWS)
-        live = r < G * T
-        g = r // T
+        live = r < GP * T
+        g = (unit % (G // GP)) * GP + r // T  # query head within the KV head's group
         t = r % T
         d = tl.arange(0, D)
         qpos = tl.load(POS + t * s_pos, mask=live, other=-1)  # [ROWS] position of each query row
@@ -189,27 +190,27 @@ if triton is not None:
                     _store_rows(OUT, acc / l_safe[:, None], kvh * G + g, t, d, live, s_oh, s_ot)
                 else:  # publish this slice; the last slice of this KV head to finish merges
                     lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
-                    tl.store(PO + kvh * s_ph + sp * s_ps + r[:, None] * s_pr + d[None, :],
+                    tl.store(PO + unit * s_ph + sp * s_ps + r[:, None] * s_pr + d[None, :],
                              acc / l_safe[:, None])  # fmt: skip
-                    tl.store(PL + kvh * s_lh + sp * s_ls + r, lse)
+                    tl.store(PL + unit * s_lh + sp * s_ls + r, lse)
                     tl.debug_barrier()  # every thread's stores precede the release below
-                    done = tl.atomic_add(CNT + kvh, 1, sem="acq_rel")
+                    done = tl.atomic_add(CNT + unit, 1, sem="acq_rel")
                     if done == slices - 1:
                         m = tl.full([ROWS], float("-inf"), tl.float32)
                         for j in range(0, slices):
-                            m = tl.maximum(m, tl.load(PL + kvh * s_lh + j * s_ls + r, cache_modifier=".cg"))
+                            m = tl.maximum(m, tl.load(PL + unit * s_lh + j * s_ls + r, cache_modifier=".cg"))
                         m = tl.where(m == float("-inf"), 0.0, m)
                         num = tl.zeros([ROWS, D], tl.float32)
                         den = tl.zeros([ROWS], tl.float32)
                         for j in range(0, slices):  # L2 reads (.cg): other SMs wrote these rows
-                            w = tl.exp2(tl.load(PL + kvh * s_lh + j * s_ls + r, cache_modifier=".cg") - m)
-                            o = tl.load(PO + kvh * s_ph + j * s_ps + r[:, None] * s_pr + d[None, :],
+                            w = tl.exp2(tl.load(PL + unit * s_lh + j * s_ls + r, cache_modifier=".cg") - m)
+                            o = tl.load(PO + unit * s_ph + j * s_ps + r[:, None] * s_pr + d[None, :],
                                         cache_modifier=".cg")  # fmt: skip
                             num += o * w[:, None]
                             den += w
                         den = tl.where(den == 0.0, 1.0, den)
                         _store_rows(OUT, num / den[:, None], kvh * G + g, t, d, live, s_oh, s_ot)
-                        tl.atomic_xchg(CNT + kvh, 0)  # ready for the next launch (and graph replay)
+                        tl.atomic_xchg(CNT + unit, 0)  # ready for the next launch (and graph replay)
             else:
                 _store_rows(OUT, acc / l_safe[:, None], kvh * G + g, t, d, live, s_oh, s_ot)
 
@@ -249,7 +250,8 @@ def _out_like(q: torch.Tensor) -> torch.Tensor:
 
 
 def split_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
-                           scale: float, split: int) -> torch.Tensor:  # fmt: skip
+                           scale: float, split: int, heads_per_program: int = 0, block: int = 0,
+                           warps: int = 0, stages: int = 0) -> torch.Tensor:  # fmt: skip
     """Run the kernel: one launch, slices merged inside it (the last slice of each KV head to
     finish merges, counted by an atomic counter that it resets).
 
@@ -261,6 +263,11 @@ def split_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
             any stride: a view of a longer tensor costs no copy).
         scale: softmax scale (e.g. 1/sqrt(D)).
         split: keys per program (a multiple of 64).
+        heads_per_program: query heads of one KV head that a program takes (a divisor of the
+            group size G; 0 = all G, one program per KV head and slice). Fewer heads: more
+            programs, fewer padded rows (the rows are padded to a power of two >= 16).
+        block, warps, stages: keys per inner iteration (0 = min(64, split)), Triton's
+            num_warps and num_stages (0 = Triton's defaults); for tuning sweeps.
     Returns:
         [1, H, T, D] in q's dtype (memory laid out as [1, T, H, D]).
 
@@ -273,7 +280,9 @@ def split_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
     """
     _, h, t, dim = q.shape
     hkv, cap = k.shape[1], k.shape[2]
-    groups, nsplit, rows = h // hkv, cap // split, _rows(h // hkv, t)
+    groups, nsplit = h // hkv, cap // split
+    gp = math.gcd(heads_per_program, groups) if heads_per_program > 0 else groups
+    units, rows = hkv * (groups // gp), _rows(gp, t)  # programs per slice, rows per program
     if pos.dim() != 1 or pos.shape[0] not in (1, t):
         raise ValueError(f"split_attention: positions {tuple(pos.shape)} for {t} query rows (want [{t}] or [1])")
     q = q if q.stride(-1) == 1 else q.contiguous()
@@ -281,15 +290,17 @@ def split_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
     s_pos = 0 if pos.shape[0] == 1 else pos.stride(0)  # [1]: every row reads the one position
     out = _out_like(q)
     pdl = pdl_enabled(q.device)
-    po = torch.empty(hkv, nsplit, rows, dim, dtype=torch.float32, device=q.device)
-    pl = torch.empty(hkv, nsplit, rows, dtype=torch.float32, device=q.device)
-    _split_kernel[(hkv, nsplit)](
-        q, k, v, pos, out, po, pl, _counters(q.device, hkv), scale * math.log2(math.e), cap, s_pos,
+    po = torch.empty(units, nsplit, rows, dim, dtype=torch.float32, device=q.device)
+    pl = torch.empty(units, nsplit, rows, dtype=torch.float32, device=q.device)
+    tune = {k: v for k, v in (("num_warps", warps), ("num_stages", stages)) if v}
+    _split_kernel[(units, nsplit)](
+        q, k, v, pos, out, po, pl, _counters(q.device, units), scale * math.log2(math.e), cap, s_pos,
         q.stride(1), q.stride(2), k.stride(1), k.stride(2), v.stride(1), v.stride(2),
         out.stride(1), out.stride(2), po.stride(0), po.stride(1), po.stride(2),
         pl.stride(0), pl.stride(1),
-        T=t, G=groups, D=dim, ROWS=rows, SPLIT_N=split, BLOCK=min(BLOCK_N, split),
+        T=t, G=groups, GP=gp, D=dim, ROWS=rows, SPLIT_N=split, BLOCK=min(block or BLOCK_N, split),
         IEEE=q.dtype == torch.float32, MERGE=nsplit > 1, PDL=pdl, **({"launch_pdl": True} if pdl else {}),
+        **tune,
     )  # fmt: skip
     return out
 

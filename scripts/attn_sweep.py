@@ -1,0 +1,128 @@
+"""Launch settings of the split-KV attention kernel, timed on the GPU: which ones are fastest.
+
+    PYTHONPATH=. python3 scripts/attn_sweep.py [--out DIR] [--budget-s 240]
+
+For the demo pair's head layout (target and draft: 9 query heads, 3 KV heads, head dim 64) and
+Qwen3-8B's (32, 8, 128), 1 and 16 query rows, several filled lengths: the time of one
+:func:`~dflash.backends.split_attention.split_attention_kernel` call (CUDA graphs of 20 calls,
+launch overhead excluded) for each keys-per-program split, query heads per program, keys per
+inner iteration and num_warps, then num_stages for the best of each case. The 16-row draft call
+(``non_causal``) gives every row the block's last position, as the draft does. Each result is
+checked against SDPA with the position mask (max abs error, bf16) and printed as one JSON line
+as it comes, so a timeout loses nothing; ``attn_sweep.json`` in ``--out`` at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+LAYOUTS = {"smollm2": (9, 3, 64), "qwen3-8b": (32, 8, 128)}  # heads, kv heads, head dim
+CAPACITY = 2048
+
+
+def graph_time_us(fn, reps: int = 20) -> float:
+    """Mean time of one ``fn()`` replayed inside a CUDA graph of ``reps`` calls (microseconds)."""
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        g.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / (20 * reps)
+
+
+def cases():
+    """(layout, T, filled, non_causal) to time: the demo's verify/draft widths at gsm8k lengths,
+    the 8B shape's block 1 at its bench_big prompt length."""
+    for filled in (160, 300, 460):
+        yield "smollm2", 1, filled, False
+        yield "smollm2", 16, filled, False
+        yield "smollm2", 16, filled, True
+    yield "qwen3-8b", 1, 512, False
+    yield "qwen3-8b", 1, 1024, False
+
+
+def main(argv=None) -> list[dict]:
+    from dflash.backends.split_attention import split_attention_kernel
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--budget-s", type=float, default=240.0, help="stop starting new cases after this")
+    args = ap.parse_args(argv)
+    dev, t0, rows = torch.device("cuda"), time.time(), []
+    for layout, t, filled, non_causal in cases():
+        if time.time() - t0 > args.budget_s:
+            print(json.dumps({"skipped": [layout, t, filled, non_causal]}), flush=True)
+            continue
+        h, hkv, d = LAYOUTS[layout]
+        groups = h // hkv
+        g = torch.Generator(device=dev).manual_seed(0)
+        q = torch.randn(1, t, h, d, device=dev, generator=g).bfloat16().transpose(1, 2)
+        k, v = (torch.randn(1, hkv, CAPACITY, d, device=dev, generator=g).bfloat16() for _ in range(2))
+        pos = torch.arange(filled - t, filled, device=dev)
+        qpos = pos[-1:] if non_causal else pos
+        mask = (torch.arange(CAPACITY, device=dev)[None, :] <= qpos.expand(t)[:, None])[None, None]
+        ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, scale=d**-0.5,
+                                             enable_gqa=True)  # fmt: skip
+        best: dict = {}
+        heads = [x for x in (1, 2, 4, groups) if groups % x == 0]
+        for split, gp, block, warps in itertools.product((256, 512, CAPACITY), sorted(set(heads)), (32, 64, 128),
+                                                          (2, 4, 8)):  # fmt: skip
+            a = (q, k, v, qpos, d**-0.5, split, gp, block, warps, 0)
+            try:
+                err = (split_attention_kernel(*a).float() - ref).abs().max().item()
+                us = graph_time_us(lambda a=a: split_attention_kernel(*a))
+            except Exception as e:  # noqa: BLE001 - a setting that does not compile is a result too
+                err, us = None, None
+                print(json.dumps({"error": f"{type(e).__name__}: {e}"[:200]}), flush=True)
+            row = {"layout": layout, "T": t, "filled": filled, "non_causal": non_causal, "split": split,
+                   "heads_per_program": gp, "block": block, "warps": warps, "stages": 0, "us": us,
+                   "max_err": err}  # fmt: skip
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            if us is not None and (not best or us < best["us"]):
+                best = row
+        for stages in (1, 2, 3, 4):  # the best setting with explicit pipelining depths
+            if not best:
+                break
+            a = (q, k, v, qpos, d**-0.5, best["split"], best["heads_per_program"], best["block"], best["warps"], stages)
+            try:
+                us = graph_time_us(lambda a=a: split_attention_kernel(*a))
+            except Exception as e:  # noqa: BLE001
+                us = None
+                print(json.dumps({"error": f"{type(e).__name__}: {e}"[:200]}), flush=True)
+            row = {**best, "stages": stages, "us": us}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        default = next(r for r in rows if r["layout"] == layout and r["T"] == t and r["filled"] == filled
+                       and r["non_causal"] == non_causal and r["split"] == 256 and r["heads_per_program"] == groups
+                       and r["block"] == 64 and r["warps"] == 4)  # fmt: skip
+        print(json.dumps({"case": [layout, t, filled, non_causal], "default_us": default["us"],
+                          "best": best}), flush=True)  # fmt: skip
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "attn_sweep.json").write_text(json.dumps(rows, indent=1))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
