@@ -20,6 +20,7 @@
 #   pdlpre         (no carry)  DFLASH_PDL_PREFETCH: 8B block 1 per budget, demo loop timings at prompt 300 (next session's first call)
 #   k300           (no carry)  demo loop timings at prompt 300 and the 8B shape's block 1 (fifteenth session)
 #   v16a [VARIANTS] [.stage/t6/aa .stage/whl]  stage1's copy, attn_sweep.py, demo loop timings at prompt 300 per variant
+#   v16b [VARIANTS [8B VARIANTS]] [.stage/t6/aa .stage/whl]  stage1's copy, demo loop timings at prompt 300 and 8B block 1 per variant
 #   prefetchdemo   (no carry)  DFLASH_PREFETCH 0 against 8 MiB: demo-shape loop timings
 #   benchvar "V1 V2" [.stage/t6/af .stage/data] after stage1..ae: gsm8k 64 per env variant (default, DFLASH_ATTN_SPLIT=128 ...)
 #   exp13          (no carry)  default / DFLASH_STEP_COMPILE=1 / DFLASH_HEAD_ARGMAX=1 / DFLASH_PREFETCH=8 / all: loop timings
@@ -28,7 +29,7 @@
 #                results in $OUT (b-gsm8k.jsonl / .txt, generate.json, step_profile.json: GPU busy
 #                against wall per step on 4 real requests, PROFILE=0 skips it)
 set -u
-phase=${1:?usage: h200_speed_session.sh stage1|glue|stage PART [torch|triton]|bench [full]|benchvar [VARIANTS]|kernels|attn|merge|next|pdl|pdl2|pdlprof|pdlk|pdlgraphs|pdlloop|benchpdl|pdldefault|seq|rope|prefetch|prefetchdemo|pdlpre|k300|v16a|exp13|big8b}
+phase=${1:?usage: h200_speed_session.sh stage1|glue|stage PART [torch|triton]|bench [full]|benchvar [VARIANTS]|kernels|attn|merge|next|pdl|pdl2|pdlprof|pdlk|pdlgraphs|pdlloop|benchpdl|pdldefault|seq|rope|prefetch|prefetchdemo|pdlpre|k300|v16a|v16b|exp13|big8b}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 DFLASH_CACHE=/tmp/dflash-cache
 OUT=${OUT:-/tmp/h200-out}; mkdir -p "$OUT"
 W=/tmp/demo; mkdir -p "$W/stage"
@@ -324,6 +325,24 @@ v16a)  # [.stage/t6/aa .stage/whl] (sixteenth session's first call): stage1's co
     "${E[@]}" timeout 140 python3 scripts/kernel_count.py --random-target --variants fused --prompt-len 300 \
       --out "$OUT/kernels-p300-$f.json" > "/tmp/k-$f.log" 2>&1; echo "$v rc $? at ${SECONDS}s"
     grep -v Warn "/tmp/k-$f.log" | grep -E "loop|draft-16|verify-1 " | cut -c1-100
+  done
+  ;;
+v16b)  # [.stage/t6/aa .stage/whl] stage1's copy; demo loop timings at prompt 300 with the new split-KV
+  # launch settings against the old ones and DFLASH_LINEAR=all; Qwen3-8B block 1 likewise
+  cp .stage/t6/aa/part "$W/stage/aa.part"
+  for v in ${2:-default DFLASH_ATTN_SPLIT=256,DFLASH_ATTN_BLOCK=64 DFLASH_LINEAR=all}; do
+    [ "$SECONDS" -gt "${K_STOP:-300}" ] && { echo "skip $v at ${SECONDS}s"; continue; }
+    E=(env); [ "$v" = default ] || E+=(${v//,/ }); f=${v//[=,]/-}
+    "${E[@]}" timeout 140 python3 scripts/kernel_count.py --random-target --variants fused --prompt-len 300 \
+      --out "$OUT/kernels-p300-$f.json" > "/tmp/k-$f.log" 2>&1; echo "$v rc $? at ${SECONDS}s"
+    grep -v Warn "/tmp/k-$f.log" | grep -E "loop|draft-16|verify-1 " | cut -c1-100
+  done
+  for v in ${3:-default DFLASH_LINEAR=all DFLASH_ATTN_BLOCK=64}; do
+    [ "$SECONDS" -gt "${B_STOP:-470}" ] && { echo "skip 8b $v at ${SECONDS}s"; continue; }
+    E=(env); [ "$v" = default ] || E+=(${v//,/ }); f=${v//[=,]/-}
+    "${E[@]}" timeout 120 python3 scripts/bench_big.py --shape qwen3-8b --blocks 1 --steps 16 --out "/tmp/bb8-$f" \
+      > "/tmp/bb8-$f.log" 2>&1; echo "8b $v rc $? at ${SECONDS}s"; cp "/tmp/bb8-$f/bench_big.json" "$OUT/bench_big-q8b-$f.json"
+    grep -o '"ms_per_step": [0-9.]*\|"x_floor": [0-9.]*' "/tmp/bb8-$f.log" | tr '\n' ' '; echo
   done
   ;;
 prefetchdemo)  # no carry: DFLASH_PREFETCH 0 against ${PREFETCH_MIB:-8} on the demo shape's loop timings

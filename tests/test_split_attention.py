@@ -83,6 +83,9 @@ def test_attention_switches(monkeypatch):
     assert sa.attention_mode(torch.device("cuda"), torch.float32) == "split"
     monkeypatch.delenv("DFLASH_ATTN")
     assert sa.split_size(1024) == 256
+    # the default by head dim: one slice of up to 1024 keys for <= 64, 256 keys above
+    assert (sa.split_size(1024, head_dim=64), sa.split_size(4096, head_dim=64)) == (1024, 1024)
+    assert (sa.split_size(1024, head_dim=128), sa.split_size(1024, draft=True, head_dim=32)) == (256, 1024)
     monkeypatch.setenv("DFLASH_ATTN_SPLIT", "4096")
     assert sa.split_size(1024) == 1024  # one slice
     monkeypatch.setenv("DFLASH_ATTN_SPLIT", "99968")
@@ -98,6 +101,20 @@ def test_attention_switches(monkeypatch):
     with pytest.raises(InputError, match="DFLASH_DRAFT_ATTN_SPLIT must be a positive multiple of 64"):
         sa.split_size(1024, draft=True)
     assert sa.split_size(1024) == 128
+
+
+def test_launch_settings(monkeypatch):
+    """Keys per iteration (DFLASH_ATTN_BLOCK, checked) and query heads per program: one 16-row
+    tile per program, the whole group for a 1-row step."""
+    assert sa.iter_keys() == 128
+    monkeypatch.setenv("DFLASH_ATTN_BLOCK", "64")
+    assert sa.iter_keys() == 64
+    monkeypatch.setenv("DFLASH_ATTN_BLOCK", "100")
+    with pytest.raises(InputError, match="DFLASH_ATTN_BLOCK must be 32, 64, 128 or 256"):
+        sa.iter_keys()
+    cases = {(3, 1): 3, (3, 16): 1, (4, 1): 4, (4, 4): 4, (4, 8): 2, (3, 8): 1, (6, 2): 6, (6, 4): 3,
+             (1, 16): 1, (8, 32): 1, (16, 1): 16}  # fmt: skip
+    assert {c: sa.heads_per_program(*c) for c in cases} == cases
 
 
 def test_draft_split_reaches_only_the_draft(monkeypatch):
@@ -185,6 +202,15 @@ KERNEL_CHECK = textwrap.dedent("""
     err = (sa.split_attention(q, k, v, full[35:36], 0.1) - want).abs().max().item()
     assert err < 1e-5, err
     del os.environ["DFLASH_ATTN_SPLIT"]
+    # every launch setting: query heads per program, keys per iteration (tiling each slice)
+    for shape in ((9, 3, 16, 64, 512, 300), (8, 2, 1, 32, 256, 200), (8, 2, 4, 32, 256, 130)):
+        q, k, v, pos = _inputs(*shape)
+        want = masked_sdpa(q, k, v, pos, 0.1)
+        for split, heads, block in ((512, 1, 128), (128, 2, 128), (64, 0, 128), (256, 1, 32)):
+            got = sa.split_attention_kernel(q, k, v, pos, 0.1, min(split, k.shape[2]), heads, block)
+            err = (got - want).abs().max().item()
+            assert err < 1e-5, (shape, split, heads, block, err)
+            assert int(sa._COUNTERS[("cpu", None)].abs().sum()) == 0
     # the fused static forward with the kernel: plain greedy tokens
     from tests.test_split_attention import assert_static_greedy
     assert_static_greedy(6, attention="split")
@@ -256,6 +282,9 @@ def test_describe_records_split_settings(tiny_target, monkeypatch):
     be = StaticBackend(tiny_target, make_draft(tiny_target), torch.device("cpu"), use_graphs=False)
     assert be.attention == "sdpa" and "attn_split" not in be.describe()
     be.attention = "split"
-    assert be.describe()["attn_split"] == {"target": 256, "draft": 256}
+    assert be.head_dim <= 64 and be.draft_model.config.head_dim <= 64
+    assert be.describe()["attn_split"] == {"target": 1024, "draft": 1024}  # the default for such heads
+    assert be.describe()["attn_block"] == 128
+    monkeypatch.setenv("DFLASH_ATTN_SPLIT", "256")
     monkeypatch.setenv("DFLASH_DRAFT_ATTN_SPLIT", "1024")
     assert be.describe()["attn_split"] == {"target": 256, "draft": 1024}

@@ -6,14 +6,16 @@ reads all S rows every layer, and on the H200 the demo pair spent about half of 
 verify in attention: a cuDNN kernel with one thread block per head walking all S keys, plus
 building the [T, S] mask bias. This module is a split-KV ("flash-decoding") kernel instead:
 
-- grid (KV heads, S / ``split``): each program takes the G*T query rows that share one KV head
-  (GQA: G query heads per KV head, T query positions) and one slice of ``split`` keys;
+- grid (KV heads x G / GP, S / ``split``): each program takes the GP*T query rows of GP of the
+  G query heads that share one KV head (GQA; T query positions; :func:`heads_per_program`: one
+  head for a 16-row block, the whole group for a 1-row step) and one slice of ``split`` keys
+  (:func:`default_split`: 1,024 for head dims <= 64, 256 above), walked 128 keys at a time;
 - the filled length is read on the device (the last query position + 1), so programs whose
   slice starts past it return at once and the others stop at it: cost follows the filled
   length, not the capacity, with no host sync and one graph for every length;
 - causal by position: query row t sees keys at positions <= pos[t]; online softmax per slice
   (base 2); when the filled length spans several slices, each program publishes its partial
-  output and log-sum-exp and the last one of its KV head to finish (an atomic counter) merges
+  output and log-sum-exp and the last one of its heads to finish (an atomic counter) merges
   them, so one launch does the whole attention: no merge kernels (which, fused by Inductor
   with the next layer's ops, cost up to 9.5 us per layer on the H200).
 
@@ -35,9 +37,12 @@ from dflash.backends.small_linear import pdl_enabled
 ATTN_ENV = "DFLASH_ATTN"
 SPLIT_ENV = "DFLASH_ATTN_SPLIT"
 DRAFT_SPLIT_ENV = "DFLASH_DRAFT_ATTN_SPLIT"  # the draft's own, when set (an experiment)
-SPLIT = 256  # keys per program (default; 128 measured 3% slower on the demo pair, H200)
+BLOCK_ENV = "DFLASH_ATTN_BLOCK"
+SPLIT = 256  # keys per program for head dims > 64 (Qwen3-8B's 128: 256 beat 512 and one slice)
+SPLIT_SMALL_HEADS = 1024  # for head dims <= 64 (the demo pair: one slice beat 256 up to 460 keys)
 SPLIT_MAX_ROWS = 32  # query rows (T) the kernel takes; prefill and longer forwards use SDPA
-BLOCK_N = 64  # keys per inner iteration
+BLOCK_N = 64  # granularity of the split sizes (keys)
+ITER_KEYS = 128  # keys per inner iteration (default; was 64 before the sixteenth session)
 
 try:  # Triton ships with CUDA builds of torch; CPU installs usually lack it
     import triton
@@ -86,10 +91,24 @@ def uses_kernel(mode: str, rows: int) -> bool:
     return rows <= SPLIT_MAX_ROWS and mode != "sdpa"
 
 
-def split_setting(draft: bool = False) -> int:
+def default_split(head_dim: int | None) -> int:
+    """Keys per program when ``DFLASH_ATTN_SPLIT`` is unset: 1,024 for head dims <= 64, 256
+    above (None: 256).
+
+    Measured on the H200 (``scripts/attn_sweep.py``, bf16, 2026-12-02): in one launch, merging
+    slices costs about 1.9 us (the demo's layout) to 2.4 us (Qwen3-8B's), and one more inner
+    iteration of 128 keys 0.77 us (head dim 64, 3 KV heads) to 1.37 us (128, 8 KV heads). So a
+    second slice pays off past about 630 keys for head dim 64 (the demo pair: 4.4 us at 300 keys
+    in one slice against 5.8 us in two of 256) and past about 450 for 128 (Qwen3-8B's block 1 at
+    512 keys: 7.4 us in two slices against 7.7 us in one).
+    """
+    return SPLIT_SMALL_HEADS if head_dim is not None and head_dim <= 64 else SPLIT
+
+
+def split_setting(draft: bool = False, head_dim: int | None = None) -> int:
     """The keys per program asked for (``DFLASH_ATTN_SPLIT``, or for the draft
-    ``DFLASH_DRAFT_ATTN_SPLIT`` when set; default 256), before :func:`split_size` fits it to a
-    cache; recorded with benchmark results.
+    ``DFLASH_DRAFT_ATTN_SPLIT`` when set; default :func:`default_split` of ``head_dim``), before
+    :func:`split_size` fits it to a cache; recorded with benchmark results.
 
     Raises:
         InputError: not a positive multiple of 64.
@@ -98,29 +117,62 @@ def split_setting(draft: bool = False) -> int:
 
     name = DRAFT_SPLIT_ENV if draft and os.environ.get(DRAFT_SPLIT_ENV, "").strip() else SPLIT_ENV
     raw = os.environ.get(name, "").strip()
-    value = int(raw) if raw.isascii() and raw.isdigit() else (SPLIT if not raw else -1)
+    value = int(raw) if raw.isascii() and raw.isdigit() else (default_split(head_dim) if not raw else -1)
     if value <= 0 or value % BLOCK_N:
         raise InputError(f"{name} must be a positive multiple of {BLOCK_N}, got {raw!r}.",
-                         hint=f"unset it for the default of {SPLIT}")  # fmt: skip
+                         hint="unset it for the default (1024 keys for head dims <= 64, 256 above)")  # fmt: skip
     return value
 
 
-def split_size(capacity: int, draft: bool = False) -> int:
-    """Keys per program (``DFLASH_ATTN_SPLIT``, default 256; one slice when >= capacity, then
-    no merge is needed); the greatest common divisor of the setting and ``capacity`` (a multiple
-    of 64), so the slices tile the cache. ``draft``: the draft's attention, which takes
-    ``DFLASH_DRAFT_ATTN_SPLIT`` when that is set (an experiment, unset by default: on the H200's
-    real demo pair at gsm8k's lengths, under 512 keys, 512 and 1024 keys per program for both
-    forwards made each side about 0.9% faster, and the draft's graph is the only cost DFlash
-    adds to a target step) and the same value as the target otherwise.
+def split_size(capacity: int, draft: bool = False, head_dim: int | None = None) -> int:
+    """Keys per program (``DFLASH_ATTN_SPLIT``, default :func:`default_split` of ``head_dim``;
+    one slice when >= capacity, then no merge is needed); the greatest common divisor of the
+    setting and ``capacity`` (a multiple of 64), so the slices tile the cache. ``draft``: the
+    draft's attention, which takes ``DFLASH_DRAFT_ATTN_SPLIT`` when that is set (an experiment)
+    and the same value as the target otherwise.
 
     Raises:
         InputError: not a positive multiple of 64.
     """
-    value = split_setting(draft)
+    value = split_setting(draft, head_dim)
     if value >= capacity:  # one slice
         return capacity
     return math.gcd(value, capacity)  # slices tile the capacity (a multiple of 64)
+
+
+def iter_keys() -> int:
+    """``DFLASH_ATTN_BLOCK``: keys per inner iteration of the kernel (32, 64, 128 or 256;
+    default 128, capped by the split size). H200 (``scripts/attn_sweep.py``): 128 was the
+    fastest of 32/64/128 in every case timed, e.g. 4.4 against 4.9 us for the demo's draft
+    block at 300 keys in one slice.
+
+    Raises:
+        InputError: another value.
+    """
+    raw = os.environ.get(BLOCK_ENV, "").strip()
+    if not raw:
+        return ITER_KEYS
+    if raw not in ("32", "64", "128", "256"):
+        from dflash.errors import InputError
+
+        raise InputError(f"{BLOCK_ENV} must be 32, 64, 128 or 256, got {raw!r}.",
+                         hint=f"unset it for the default ({ITER_KEYS})")  # fmt: skip
+    return int(raw)
+
+
+def heads_per_program(groups: int, rows: int) -> int:
+    """Query heads of one KV head that each program takes: the largest divisor of the group
+    size ``groups`` whose ``rows`` query rows fit one 16-row tensor-core tile, at least one.
+    So a 16-row verify or draft block runs one program per query head (16 rows each, instead
+    of the G*16 rows of a whole group padded to a power of two) and a 1-row decode step one
+    per KV head, as before. H200, the demo's layout at 300 keys in one slice: 4.4 against
+    5.4 us for the draft's block.
+    """
+    best = 1
+    for gp in range(1, groups + 1):
+        if groups % gp == 0 and gp * rows <= max(16, rows):
+            best = gp
+    return best
 
 
 if triton is not None:
@@ -266,13 +318,14 @@ def split_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
         heads_per_program: query heads of one KV head that a program takes (a divisor of the
             group size G; 0 = all G, one program per KV head and slice). Fewer heads: more
             programs, fewer padded rows (the rows are padded to a power of two >= 16).
-        block, warps, stages: keys per inner iteration (0 = min(64, split)), Triton's
-            num_warps and num_stages (0 = Triton's defaults); for tuning sweeps.
+        block: keys per inner iteration (0 = :data:`ITER_KEYS`), lowered to a power of two
+            that divides ``split``. warps, stages: Triton's num_warps and num_stages (0 =
+            Triton's defaults); for tuning sweeps.
     Returns:
         [1, H, T, D] in q's dtype (memory laid out as [1, T, H, D]).
 
     Raises:
-        ValueError: ``pos`` is neither [T] nor [1].
+        ValueError: ``pos`` is neither [T] nor [1]; ``split`` does not divide S.
 
     Launches on one device must not touch the counters at the same time: true of one stream and
     of graphs replayed on one stream. With PDL (``DFLASH_PDL``) a launch may start while the
@@ -281,8 +334,10 @@ def split_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
     _, h, t, dim = q.shape
     hkv, cap = k.shape[1], k.shape[2]
     groups, nsplit = h // hkv, cap // split
-    gp = math.gcd(heads_per_program, groups) if heads_per_program > 0 else groups
+    gp = math.gcd(heads_per_program, groups) if heads_per_program > 0 else groups  # 0: all G
     units, rows = hkv * (groups // gp), _rows(gp, t)  # programs per slice, rows per program
+    if split <= 0 or cap % split:
+        raise ValueError(f"split_attention: {split} keys per program do not tile a capacity of {cap}")
     if pos.dim() != 1 or pos.shape[0] not in (1, t):
         raise ValueError(f"split_attention: positions {tuple(pos.shape)} for {t} query rows (want [{t}] or [1])")
     q = q if q.stride(-1) == 1 else q.contiguous()
@@ -293,12 +348,15 @@ def split_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
     po = torch.empty(units, nsplit, rows, dim, dtype=torch.float32, device=q.device)
     pl = torch.empty(units, nsplit, rows, dtype=torch.float32, device=q.device)
     tune = {k: v for k, v in (("num_warps", warps), ("num_stages", stages)) if v}
+    blk = min(block or ITER_KEYS, split)
+    while split % blk:  # the iterations must tile each slice (a multiple of 64)
+        blk //= 2
     _split_kernel[(units, nsplit)](
         q, k, v, pos, out, po, pl, _counters(q.device, units), scale * math.log2(math.e), cap, s_pos,
         q.stride(1), q.stride(2), k.stride(1), k.stride(2), v.stride(1), v.stride(2),
         out.stride(1), out.stride(2), po.stride(0), po.stride(1), po.stride(2),
         pl.stride(0), pl.stride(1),
-        T=t, G=groups, GP=gp, D=dim, ROWS=rows, SPLIT_N=split, BLOCK=min(block or BLOCK_N, split),
+        T=t, G=groups, GP=gp, D=dim, ROWS=rows, SPLIT_N=split, BLOCK=blk,
         IEEE=q.dtype == torch.float32, MERGE=nsplit > 1, PDL=pdl, **({"launch_pdl": True} if pdl else {}),
         **tune,
     )  # fmt: skip
@@ -320,12 +378,12 @@ def merge_partials(o: torch.Tensor, lse: torch.Tensor, heads: int, t: int, dtype
 
 @torch.library.custom_op("dflash::split_attention", mutates_args=())
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
-                  scale: float, split: int) -> torch.Tensor:  # fmt: skip
-    return split_attention_kernel(q, k, v, pos, scale, split)
+                  scale: float, split: int, heads: int, block: int) -> torch.Tensor:  # fmt: skip
+    return split_attention_kernel(q, k, v, pos, scale, split, heads, block)
 
 
 @_attention_op.register_fake
-def _(q, k, v, pos, scale, split):
+def _(q, k, v, pos, scale, split, heads, block):
     return _out_like(q)
 
 
@@ -349,8 +407,10 @@ def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torc
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if triton is None or (q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1"):
         # no kernel here (CPU, Triton absent or not interpreting): the same algorithm in torch
-        return split_attention_reference(q, k, v, pos, scale, split_size(k.shape[2], draft))
-    return _attention_op(q, k, v, pos, float(scale), split_size(k.shape[2], draft))
+        return split_attention_reference(q, k, v, pos, scale, split_size(k.shape[2], draft, q.shape[-1]))
+    dim, groups, rows = q.shape[-1], q.shape[1] // k.shape[1], q.shape[2]
+    return _attention_op(q, k, v, pos, float(scale), split_size(k.shape[2], draft, dim),
+                         heads_per_program(groups, rows), iter_keys())  # fmt: skip
 
 
 def split_attention_reference(q, k, v, pos, scale, split: int = SPLIT) -> torch.Tensor:

@@ -20,7 +20,7 @@ from dflash.backends.small_linear import (
     pdl_setting,
     preload_bytes,
 )
-from dflash.backends.split_attention import attention_mode, split_setting
+from dflash.backends.split_attention import attention_mode, iter_keys, split_setting
 from dflash.backends.static_loop import queue_ahead, step_compile_default
 
 
@@ -28,7 +28,7 @@ def check_env() -> None:
     """Check every switch of the static path (``DFLASH_ATTN``, ``DFLASH_ATTN_SPLIT``,
     ``DFLASH_LINEAR``, ``DFLASH_LINEAR_CONFIG``, ``DFLASH_PDL``, ``DFLASH_PDL_PREFETCH``, ``DFLASH_ROPE``,
     ``DFLASH_PREFETCH``, ``DFLASH_STEP_COMPILE``, ``DFLASH_HEAD_ARGMAX``, ``DFLASH_GRAPH_WARM``,
-    ``DFLASH_QUEUE_AHEAD``, ``DFLASH_DRAFT_ATTN_SPLIT``)
+    ``DFLASH_QUEUE_AHEAD``, ``DFLASH_DRAFT_ATTN_SPLIT``, ``DFLASH_ATTN_BLOCK``)
     on any device: a typo fails at load on a laptop too, not first on the GPU machine.
 
     Raises:
@@ -38,6 +38,7 @@ def check_env() -> None:
     attention_mode(cpu)
     split_setting()
     split_setting(draft=True)
+    iter_keys()
     linear_mode(cpu)
     kernel_config(16, 1024, 1024)
     pdl_setting()

@@ -39,7 +39,7 @@ from dflash.backends.small_linear import (
     pdl_part,
     preload_bytes,
 )
-from dflash.backends.split_attention import attention_mode, split_setting, uses_kernel
+from dflash.backends.split_attention import attention_mode, iter_keys, split_setting, uses_kernel
 from dflash.backends.static_fused import (
     draft_forward_fused,
     draft_rope_fits,
@@ -488,6 +488,10 @@ class StaticBackend(TransformersBackend):
                     return True
         return False
 
+    def _draft_head_dim(self) -> int | None:
+        """The draft's attention head dim (None without a draft)."""
+        return self.draft_model.config.head_dim if self.draft_model is not None else None
+
     def describe(self) -> dict[str, Any]:
         """What runs the forwards (stored with benchmark records)."""
         preload = preload_bytes() if self._pdl_linear() else 0
@@ -500,8 +504,10 @@ class StaticBackend(TransformersBackend):
                 "verify_widths": list(self.plan.verify_widths),
                 "device_loop": self.device_loop is not None,
                 "attention": self.attention, "linear": self.linear,
-                **({"attn_split": {"target": split_setting(), "draft": split_setting(draft=True)}}
-                   if self.attention != "sdpa" else {}),  # keys per program of the split-KV kernel
+                **({"attn_split": {"target": split_setting(head_dim=self.head_dim),
+                                   "draft": split_setting(draft=True, head_dim=self._draft_head_dim())},
+                    "attn_block": iter_keys()}
+                   if self.attention != "sdpa" else {}),  # the split-KV kernel's keys per program, per iteration
                 "draft_linear": self.draft_linear, "l2_prefetch_bytes": self.prefetch,
                 "step_compile": self.step_compile and self.compile and self.device_loop is not None,
                 "head_argmax": self.head_argmax,
