@@ -272,7 +272,7 @@ def main(argv: list[str] | None = None) -> dict:
               "queue_ahead": be.device_loop.ahead if be.device_loop is not None else None,
               "attention": be.attention, "attn_split": be.describe().get("attn_split"),
               "attn_block": be.describe().get("attn_block"),
-              "linear": be.linear, "compile_glue": os.environ.get("DFLASH_COMPILE_GLUE", "1"),
+              "linear": be.linear, "linear_in": be.describe().get("linear_in"), "compile_glue": os.environ.get("DFLASH_COMPILE_GLUE", "1"),
               "pdl": os.environ.get("DFLASH_PDL", "") or "default (1)",
               "pdl_on": pdl_enabled(device), "l2_prefetch_bytes": getattr(be, "prefetch", 0),
               "pdl_prefetch_bytes": be.describe().get("pdl_prefetch_bytes", 0),

@@ -34,11 +34,13 @@ def test_reference_rounds_like_the_modules(dtype):
 def test_switches_and_configs(monkeypatch):
     assert sl.linear_mode(torch.device("cpu")) == "torch"
     monkeypatch.setenv("DFLASH_LINEAR", "cublas")
-    with pytest.raises(InputError, match="DFLASH_LINEAR must be torch, triton or all"):
+    with pytest.raises(InputError, match="DFLASH_LINEAR must be auto, torch, triton or all"):
         sl.linear_mode(torch.device("cuda"))
     monkeypatch.delenv("DFLASH_LINEAR")
     monkeypatch.setattr(sl, "triton", object())  # as on a CUDA machine with Triton
-    assert sl.linear_mode(torch.device("cuda")) == "triton"  # the default there
+    assert sl.linear_mode(torch.device("cuda")) == "auto"  # the default there
+    monkeypatch.setenv("DFLASH_LINEAR", "triton")
+    assert sl.linear_mode(torch.device("cuda")) == "triton"
     assert sl.linear_mode(torch.device("cpu")) == "torch"
     monkeypatch.setenv("DFLASH_LINEAR", "torch")
     assert sl.linear_mode(torch.device("cuda")) == "torch"
@@ -74,11 +76,42 @@ def test_static_backend_with_fused_linears_decodes_greedy(tiny_target):
                                    device_loop=device_loop)  # fmt: skip
                 assert be.linear == "torch" and not be.draft_linear and not be.draft_rope  # CPU default
                 be.linear, be.draft_linear = linear, linear != "torch"
-                be.draft_linear_in = linear == "all"
+                be.linear_in = be.draft_linear_in = linear == "all"
                 rounds = list(speculative_generate(be, PROMPT, block_size=block, max_new_tokens=40))
                 runs.append(([t for r in rounds for t in r.tokens], [r.accepted for r in rounds[1:]]))
             assert runs[1][0] == truth
             assert runs[1] == runs[0] and runs[2] == runs[0]
+
+
+def test_auto_takes_small_in_projections_only(tiny_target, monkeypatch):
+    """DFLASH_LINEAR=auto: a model's fused qkv and gate+up projections run small_linear when
+    each weight takes at most IN_PROJ_MAX_BYTES, cuBLAS otherwise (target and draft apart);
+    recorded with benchmark results; triton never, all always."""
+    from dflash.backends import static_torch
+    from dflash.backends.static_torch import StaticBackend
+    from tests.conftest import make_draft
+
+    draft = make_draft(tiny_target)
+
+    def made(mode: str) -> dict:
+        monkeypatch.setattr(static_torch, "linear_mode", lambda device: mode)
+        be = StaticBackend(tiny_target, draft, torch.device("cpu"), use_graphs=False)
+        return be.describe()["linear_in"]
+
+    sizes = [p.weight.numel() * 2 for layer in tiny_target.model.layers
+             for p in (layer.self_attn.q_proj, layer.mlp.gate_proj)]  # fmt: skip
+    assert max(sizes) < sl.IN_PROJ_MAX_BYTES  # a tiny pair: small
+    assert made("auto") == {"target": True, "draft": True}
+    assert made("triton") == {"target": False, "draft": False}
+    monkeypatch.setattr(sl, "IN_PROJ_MAX_BYTES", 0)  # as for Qwen3-8B's 50 and 201 MB weights
+    assert made("auto") == {"target": False, "draft": False}
+    assert made("all") == {"target": True, "draft": True}
+    assert made("torch") == {"target": False, "draft": False}
+    w = torch.empty(3, 4, dtype=torch.bfloat16)  # 24 bytes
+    monkeypatch.setattr(sl, "IN_PROJ_MAX_BYTES", 24)
+    assert sl.in_projs_small([w, w]) and not sl.in_projs_small([])
+    monkeypatch.setattr(sl, "IN_PROJ_MAX_BYTES", 23)
+    assert not sl.in_projs_small([w, w[:2]])
 
 
 def test_pdl_switch(monkeypatch):

@@ -18,7 +18,8 @@ session) made the demo-shaped loop steps 2.2x slower and an 8B-shaped block-1 st
 
 Rounding is the unfused ops': the product rounded to the input dtype, then added to the residual
 (float32 inputs use exact fp32 dots, no TF32). On by default on CUDA with Triton for forwards
-of at most :data:`MAX_ROWS` rows (``DFLASH_LINEAR=triton``); ``DFLASH_LINEAR=torch`` keeps
+of at most :data:`MAX_ROWS` rows (``DFLASH_LINEAR=auto``, which also takes the fused qkv and
+gate+up projections of small models, see :func:`linear_mode`); ``DFLASH_LINEAR=torch`` keeps
 cuBLAS. Whole steps of a random demo-shaped pair (``scripts/bench_big.py --shape smollm2``, H200,
 three runs side by side): block 1 0.987 ms against 1.007 / 1.010 ms, block 16 1.271 ms against
 1.298 / 1.294 ms.
@@ -50,21 +51,42 @@ except ImportError:  # pragma: no cover - depends on the install
 _HAS_GDC = triton is not None and hasattr(getattr(getattr(tl, "extra", None), "cuda", None), "gdc_wait")
 
 
+IN_PROJ_MAX_BYTES = 8 << 20  # under DFLASH_LINEAR=auto: fused qkv / gate+up weights up to this
+
+
 def linear_mode(device: torch.device) -> str:
-    """``DFLASH_LINEAR``: ``triton`` (default: the kernel for o_proj and down_proj of forwards of
-    <= MAX_ROWS rows), ``all`` (the kernel for the fused qkv and gate+up projections too; an
-    experiment) or ``torch`` (cuBLAS). Without CUDA or Triton it is always ``torch``.
+    """``DFLASH_LINEAR``: which projections of forwards of <= MAX_ROWS rows run this kernel.
+
+    - ``auto`` (default): o_proj and down_proj (with their residual adds) always; a model's
+      fused qkv and gate+up projections too when each of those weights takes at most
+      :data:`IN_PROJ_MAX_BYTES` (8 MiB), else cuBLAS (:func:`in_projs_small`);
+    - ``triton``: o_proj and down_proj only (the default before the sixteenth session);
+    - ``all``: every projection above, whatever its size;
+    - ``torch``: cuBLAS for all.
+
+    Without CUDA or Triton it is always ``torch``. H200 (2026-12-02), real demo pair (qkv 1.1 MB,
+    gate+up 3.5 MB), gsm8k 64, one machine: ``all`` 4,615.0 / 1,426.4 tok/s (DFlash / block-1
+    baseline) against 4,366.2 / 1,316.6 with ``triton``; Qwen3-8B's shape (50 and 201 MB), block 1:
+    4.689 ms against 4.241 ms. Shapes between these two were not measured.
 
     Raises:
         InputError: another value.
     """
     from dflash.errors import InputError
 
-    raw = os.environ.get(LINEAR_ENV, "").strip().lower() or "triton"
-    if raw not in ("torch", "triton", "all"):
-        raise InputError(f"{LINEAR_ENV} must be torch, triton or all, got {raw!r}.",
-                         hint="unset it for the default (triton)")  # fmt: skip
+    raw = os.environ.get(LINEAR_ENV, "").strip().lower() or "auto"
+    if raw not in ("auto", "torch", "triton", "all"):
+        raise InputError(f"{LINEAR_ENV} must be auto, torch, triton or all, got {raw!r}.",
+                         hint="unset it for the default (auto)")  # fmt: skip
     return raw if device.type == "cuda" and triton is not None else "torch"
+
+
+def in_projs_small(weights) -> bool:
+    """Whether every weight in ``weights`` (fused qkv and gate+up projection weights, [N, K])
+    takes at most :data:`IN_PROJ_MAX_BYTES`: ``DFLASH_LINEAR=auto`` runs them through this
+    kernel then (an empty list: False)."""
+    weights = list(weights)
+    return bool(weights) and all(w.numel() * w.element_size() <= IN_PROJ_MAX_BYTES for w in weights)
 
 
 def pdl_enabled(device: torch.device, inductor: bool = False) -> bool:

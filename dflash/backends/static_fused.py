@@ -279,8 +279,8 @@ def target_forward_fused(be, ids: torch.Tensor, pos: torch.Tensor, argmax: bool 
     packed = be.pack_gqa and be.heads != be.kv_heads and not split
     if packed:
         mask = pack_mask(mask, be.heads // be.kv_heads, t)  # [1, 1, G*T, S], once
-    lin = t <= LINEAR_MAX_ROWS and getattr(be, "linear", "torch") in ("triton", "all")  # residual adds fused in
-    lin_in = lin and be.linear == "all"  # the qkv and gate+up projections too
+    lin = t <= LINEAR_MAX_ROWS and getattr(be, "linear", "torch") != "torch"  # residual adds fused in
+    lin_in = lin and getattr(be, "linear_in", False)  # the qkv and gate+up projections too
     rope = split and getattr(be, "target_rope", False)  # q/k (norm +) RoPE + cache writes: one kernel
     pf = t <= LINEAR_MAX_ROWS and getattr(be, "prefetch", 0)  # L2 prefetch bytes per layer
     early = pf and getattr(be, "prefetch_early", False)  # forked before the qkv projection

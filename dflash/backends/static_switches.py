@@ -108,7 +108,7 @@ def fall_back(be, error: Exception, part: str | None = None, kind: str | None = 
         be.draft_rope = be.target_rope = False
         what, fix = "the RoPE + cache-write kernel", "torch ops (DFLASH_ROPE=0 silences this)"
     elif be.linear != "torch" or be.draft_linear:
-        be.linear, be.draft_linear, be.draft_linear_in = "torch", False, False
+        be.linear, be.draft_linear, be.draft_linear_in, be.linear_in = "torch", False, False, False
         be.draft_rope = be.target_rope = False
         what, fix = "the Triton projection kernel", "cuBLAS (DFLASH_LINEAR=torch silences this)"
     elif be.attention != "sdpa":

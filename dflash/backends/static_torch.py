@@ -34,6 +34,7 @@ from dflash.backends.l2_prefetch import prefetch_setting
 from dflash.backends.rope_cache import rope_cache_fits, rope_parts
 from dflash.backends.small_linear import (
     MAX_ROWS,
+    in_projs_small,
     linear_mode,
     pdl_enabled,
     pdl_part,
@@ -161,9 +162,12 @@ class StaticBackend(TransformersBackend):
         # residual add fused in, or torch (see dflash.backends.small_linear)
         linear = linear_mode(device) if self.fused_target is not None else "torch"
         self.linear = linear if small_linear_fits(target) else "torch"
-        self.draft_linear = (self.fused_draft is not None and linear in ("triton", "all")
-                             and draft_small_linear_fits(draft))  # fmt: skip
-        self.draft_linear_in = self.draft_linear and linear == "all"  # qkv, gate+up too
+        self.draft_linear = self.fused_draft is not None and linear != "torch" and draft_small_linear_fits(draft)
+        # the fused qkv and gate+up projections too: always under "all", small ones under "auto"
+        self.linear_in = self.linear == "all" or (self.linear == "auto" and in_projs_small(
+            w.weight for pair in self.fused_target for w in pair))  # fmt: skip
+        self.draft_linear_in = self.draft_linear and (linear == "all" or (linear == "auto" and in_projs_small(
+            w.weight for pair in self.fused_draft for w in pair)))  # fmt: skip
         # q/k (norm +) RoPE + cache writes as one kernel (see dflash.backends.rope_cache)
         parts = rope_parts()  # a bad DFLASH_ROPE errs on CPU too
         split = self.attention != "sdpa"  # the kernel feeds the split-KV attention only
@@ -504,6 +508,7 @@ class StaticBackend(TransformersBackend):
                 "verify_widths": list(self.plan.verify_widths),
                 "device_loop": self.device_loop is not None,
                 "attention": self.attention, "linear": self.linear,
+                "linear_in": {"target": self.linear_in, "draft": self.draft_linear_in},
                 **({"attn_split": {"target": split_setting(head_dim=self.head_dim),
                                    "draft": split_setting(draft=True, head_dim=self._draft_head_dim())},
                     "attn_block": iter_keys()}
