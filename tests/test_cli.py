@@ -207,7 +207,8 @@ def test_options_of_another_backend_are_refused(args, flag):
                                          ("DFLASH_LINEAR", "cublas"), ("DFLASH_ATTN_SPLIT", "100"),
                                          ("DFLASH_PREFETCH", "lots"), ("DFLASH_HEAD_ARGMAX", "yes"),
                                          ("DFLASH_GRAPH_WARM", "-1"), ("DFLASH_STEP_COMPILE", "on"),
-                                         ("DFLASH_QUEUE_AHEAD", "verify"), ("DFLASH_DRAFT_ATTN_SPLIT", "100")])  # fmt: skip
+                                         ("DFLASH_QUEUE_AHEAD", "verify"), ("DFLASH_DRAFT_ATTN_SPLIT", "100"),
+                                         ("DFLASH_ATTN_BLOCK", "96")])  # fmt: skip
 def test_cuda_path_switches_are_checked_on_every_device(name, value, monkeypatch):
     """A bad value of a CUDA-path switch is a one-line InputError naming it when the transformers
     backend loads on a CPU too (before any weight loads), not first on the GPU machine."""
