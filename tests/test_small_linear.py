@@ -98,9 +98,9 @@ def test_auto_takes_small_in_projections_only(tiny_target, monkeypatch):
         be = StaticBackend(tiny_target, draft, torch.device("cpu"), use_graphs=False)
         return be.describe()["linear_in"]
 
-    sizes = [p.weight.numel() * 2 for layer in tiny_target.model.layers
-             for p in (layer.self_attn.q_proj, layer.mlp.gate_proj)]  # fmt: skip
-    assert max(sizes) < sl.IN_PROJ_MAX_BYTES  # a tiny pair: small
+    be = StaticBackend(tiny_target, draft, torch.device("cpu"), use_graphs=False)
+    sizes = [w.weight.numel() * w.weight.element_size() for pair in be.fused_target + be.fused_draft for w in pair]
+    assert len(sizes) > 4 and max(sizes) < sl.IN_PROJ_MAX_BYTES  # a tiny pair: small
     assert made("auto") == {"target": True, "draft": True}
     assert made("triton") == {"target": False, "draft": False}
     monkeypatch.setattr(sl, "IN_PROJ_MAX_BYTES", 0)  # as for Qwen3-8B's 50 and 201 MB weights
@@ -185,7 +185,7 @@ KERNEL_CHECK = textwrap.dedent("""
     # the fused static forward with the kernel: plain greedy tokens
     from tests.test_split_attention import assert_static_greedy
     assert_static_greedy(linear="triton", draft_linear=True)
-    assert_static_greedy(linear="all", draft_linear=True, draft_linear_in=True)  # qkv, gate+up too
+    assert_static_greedy(linear="all", linear_in=True, draft_linear=True, draft_linear_in=True)  # qkv, gate+up too
     print("ok")
 """)
 

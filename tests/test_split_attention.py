@@ -110,8 +110,13 @@ def test_launch_settings(monkeypatch):
     monkeypatch.setenv("DFLASH_ATTN_BLOCK", "64")
     assert sa.iter_keys() == 64
     monkeypatch.setenv("DFLASH_ATTN_BLOCK", "100")
-    with pytest.raises(InputError, match="DFLASH_ATTN_BLOCK must be 32, 64, 128 or 256"):
+    with pytest.raises(InputError, match="DFLASH_ATTN_BLOCK must be 32, 64 or 128"):
         sa.iter_keys()
+    q, k, v, pos = _inputs(9, 3, 16, 64, 256, 100)
+    with pytest.raises(ValueError, match="do not tile a capacity of 256"):  # before any launch
+        sa.split_attention_kernel(q, k, v, pos, 0.1, 96)
+    with pytest.raises(ValueError, match="do not tile"):
+        sa.split_attention_kernel(q, k, v, pos, 0.1, 0)
     cases = {(3, 1): 3, (3, 16): 1, (4, 1): 4, (4, 4): 4, (4, 8): 2, (3, 8): 1, (6, 2): 6, (6, 4): 3,
              (1, 16): 1, (8, 32): 1, (16, 1): 16}  # fmt: skip
     assert {c: sa.heads_per_program(*c) for c in cases} == cases
@@ -211,6 +216,9 @@ KERNEL_CHECK = textwrap.dedent("""
             err = (got - want).abs().max().item()
             assert err < 1e-5, (shape, split, heads, block, err)
             assert int(sa._COUNTERS[("cpu", None)].abs().sum()) == 0
+    q, k, v, pos = _inputs(8, 2, 4, 32, 384, 300)  # 192 keys per program: 64 per iteration
+    err = (sa.split_attention_kernel(q, k, v, pos, 0.1, 192, 1, 128) - masked_sdpa(q, k, v, pos, 0.1)).abs().max()
+    assert err.item() < 1e-5, err
     # the fused static forward with the kernel: plain greedy tokens
     from tests.test_split_attention import assert_static_greedy
     assert_static_greedy(6, attention="split")

@@ -129,7 +129,7 @@ def split_size(capacity: int, draft: bool = False, head_dim: int | None = None) 
     one slice when >= capacity, then no merge is needed); the greatest common divisor of the
     setting and ``capacity`` (a multiple of 64), so the slices tile the cache. ``draft``: the
     draft's attention, which takes ``DFLASH_DRAFT_ATTN_SPLIT`` when that is set (an experiment)
-    and the same value as the target otherwise.
+    and the target's setting otherwise (when unset, the default for the draft's head dim).
 
     Raises:
         InputError: not a positive multiple of 64.
@@ -141,10 +141,11 @@ def split_size(capacity: int, draft: bool = False, head_dim: int | None = None) 
 
 
 def iter_keys() -> int:
-    """``DFLASH_ATTN_BLOCK``: keys per inner iteration of the kernel (32, 64, 128 or 256;
-    default 128, capped by the split size). H200 (``scripts/attn_sweep.py``): 128 was the
-    fastest of 32/64/128 in every case timed, e.g. 4.4 against 4.9 us for the demo's draft
-    block at 300 keys in one slice.
+    """``DFLASH_ATTN_BLOCK``: keys per inner iteration of the kernel (32, 64 or 128; default
+    128, lowered to a power of two dividing the split size). H200 (``scripts/attn_sweep.py``):
+    128 was the fastest of 32/64/128 in every case timed but one (the demo's draft block at 160
+    keys: 3.62 against 3.61 us with 64), e.g. 4.49 against 4.93 us for that block at 300 keys
+    in one slice.
 
     Raises:
         InputError: another value.
@@ -152,10 +153,10 @@ def iter_keys() -> int:
     raw = os.environ.get(BLOCK_ENV, "").strip()
     if not raw:
         return ITER_KEYS
-    if raw not in ("32", "64", "128", "256"):
+    if raw not in ("32", "64", "128"):
         from dflash.errors import InputError
 
-        raise InputError(f"{BLOCK_ENV} must be 32, 64, 128 or 256, got {raw!r}.",
+        raise InputError(f"{BLOCK_ENV} must be 32, 64 or 128, got {raw!r}.",
                          hint=f"unset it for the default ({ITER_KEYS})")  # fmt: skip
     return int(raw)
 
@@ -165,8 +166,8 @@ def heads_per_program(groups: int, rows: int) -> int:
     size ``groups`` whose ``rows`` query rows fit one 16-row tensor-core tile, at least one.
     So a 16-row verify or draft block runs one program per query head (16 rows each, instead
     of the G*16 rows of a whole group padded to a power of two) and a 1-row decode step one
-    per KV head, as before. H200, the demo's layout at 300 keys in one slice: 4.4 against
-    5.4 us for the draft's block.
+    per KV head, as before. H200, the demo's layout at 300 keys in one slice, 128 keys per
+    iteration: 4.49 against 5.41 us for the draft's block.
     """
     best = 1
     for gp in range(1, groups + 1):
@@ -240,7 +241,7 @@ if triton is not None:
             if MERGE:  # the capacity holds several slices (a constexpr: no merge code otherwise)
                 if slices == 1:  # one slice holds every key: the result is final
                     _store_rows(OUT, acc / l_safe[:, None], kvh * G + g, t, d, live, s_oh, s_ot)
-                else:  # publish this slice; the last slice of this KV head to finish merges
+                else:  # publish this slice; the last slice of this unit to finish merges
                     lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
                     tl.store(PO + unit * s_ph + sp * s_ps + r[:, None] * s_pr + d[None, :],
                              acc / l_safe[:, None])  # fmt: skip
@@ -276,7 +277,8 @@ _RETIRED: list = []  # outgrown counters: graphs captured before may still point
 
 
 def _counters(device: torch.device, n: int) -> torch.Tensor:
-    """The per-KV-head slice counters of ``device`` (at least ``n``), made outside graph capture.
+    """The per-unit slice counters of ``device`` (one per program of a slice: at least ``n``),
+    made outside graph capture.
 
     Raises:
         RuntimeError: first use (or growth) while a CUDA graph is being captured; run the
@@ -304,7 +306,8 @@ def _out_like(q: torch.Tensor) -> torch.Tensor:
 def split_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
                            scale: float, split: int, heads_per_program: int = 0, block: int = 0,
                            warps: int = 0, stages: int = 0) -> torch.Tensor:  # fmt: skip
-    """Run the kernel: one launch, slices merged inside it (the last slice of each KV head to
+    """Run the kernel: one launch, slices merged inside it (the last slice of each unit, a KV
+    head's ``heads_per_program`` query heads, to
     finish merges, counted by an atomic counter that it resets).
 
     Args:
@@ -315,8 +318,9 @@ def split_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
             any stride: a view of a longer tensor costs no copy).
         scale: softmax scale (e.g. 1/sqrt(D)).
         split: keys per program (a multiple of 64).
-        heads_per_program: query heads of one KV head that a program takes (a divisor of the
-            group size G; 0 = all G, one program per KV head and slice). Fewer heads: more
+        heads_per_program: query heads of one KV head that a program takes (its greatest
+            common divisor with the group size G is used; 0 = all G, one program per KV head
+            and slice). Fewer heads: more
             programs, fewer padded rows (the rows are padded to a power of two >= 16).
         block: keys per inner iteration (0 = :data:`ITER_KEYS`), lowered to a power of two
             that divides ``split``. warps, stages: Triton's num_warps and num_stages (0 =
@@ -333,11 +337,11 @@ def split_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
     """
     _, h, t, dim = q.shape
     hkv, cap = k.shape[1], k.shape[2]
+    if split <= 0 or cap % split:
+        raise ValueError(f"split_attention: {split} keys per program do not tile a capacity of {cap}")
     groups, nsplit = h // hkv, cap // split
     gp = math.gcd(heads_per_program, groups) if heads_per_program > 0 else groups  # 0: all G
     units, rows = hkv * (groups // gp), _rows(gp, t)  # programs per slice, rows per program
-    if split <= 0 or cap % split:
-        raise ValueError(f"split_attention: {split} keys per program do not tile a capacity of {cap}")
     if pos.dim() != 1 or pos.shape[0] not in (1, t):
         raise ValueError(f"split_attention: positions {tuple(pos.shape)} for {t} query rows (want [{t}] or [1])")
     q = q if q.stride(-1) == 1 else q.contiguous()
@@ -348,7 +352,7 @@ def split_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
     po = torch.empty(units, nsplit, rows, dim, dtype=torch.float32, device=q.device)
     pl = torch.empty(units, nsplit, rows, dtype=torch.float32, device=q.device)
     tune = {k: v for k, v in (("num_warps", warps), ("num_stages", stages)) if v}
-    blk = min(block or ITER_KEYS, split)
+    blk = 1 << (min(block or ITER_KEYS, split).bit_length() - 1)  # a power of two (tl.arange)
     while split % blk:  # the iterations must tile each slice (a multiple of 64)
         blk //= 2
     _split_kernel[(units, nsplit)](
@@ -402,7 +406,8 @@ def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torc
         [1, H, T, D] in q's dtype.
 
     Raises:
-        InputError: a bad ``DFLASH_ATTN_SPLIT`` (or ``DFLASH_DRAFT_ATTN_SPLIT`` for the draft).
+        InputError: a bad ``DFLASH_ATTN_SPLIT`` (or ``DFLASH_DRAFT_ATTN_SPLIT`` for the draft),
+            or on the kernel's path a bad ``DFLASH_ATTN_BLOCK``.
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if triton is None or (q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1"):
