@@ -2,7 +2,8 @@
 
     PYTHONPATH=. python3 scripts/small_linear_sweep.py [--out DIR] [--shapes smollm2,qwen3-8b]
 
-For o_proj and down_proj (demo target and Qwen3-8B dims) and M = 1 and 16 rows, times in CUDA
+For o_proj and down_proj (demo target and Qwen3-8B dims; ``*-in``: the fused qkv and gate+up
+projections, without a residual) and M = 1 and 16 rows, times in CUDA
 graphs of 50 back-to-back calls (so launch gaps count as they do in a decode step): ``F.linear``
 alone (cuBLAS, without the residual add), the kernel with its residual add and the built-in
 config, and a small sweep of configs. Writes small_linear_sweep.json
@@ -26,7 +27,12 @@ from scripts.split_attention_check import graph_time_us
 SHAPES = {  # name -> (N, K): the projections followed by a residual add
     "smollm2": {"o": (576, 576), "down": (576, 1536)},
     "qwen3-8b": {"o": (4096, 4096), "down": (4096, 12288)},
+    # the fused in-projections (no residual add): DFLASH_LINEAR=auto sends them to cuBLAS above
+    # 8 MiB; this times whether some config would beat cuBLAS there (sixteenth session)
+    "qwen3-8b-in": {"qkv": (6144, 4096), "gate_up": (24576, 4096)},
+    "smollm2-in": {"qkv": (960, 576), "gate_up": (3072, 576)},
 }
+NO_RESIDUAL = ("qkv", "gate_up")
 CONFIGS = [(bn, bk, w, st) for bn in (16, 32, 64) for bk in (128, 256, 512) for w, st in ((4, 2), (4, 4), (8, 3))]
 
 
@@ -45,7 +51,7 @@ def main() -> None:
             w = torch.randn(n, k, device=dev, dtype=dt) * 0.02
             for m in (int(r) for r in args.rows.split(",")):
                 x = torch.randn(m, k, device=dev, dtype=dt)
-                r = torch.randn(m, n, device=dev, dtype=dt)
+                r = None if name in NO_RESIDUAL else torch.randn(m, n, device=dev, dtype=dt)
                 call = functools.partial(sl._launch, x, w, None, r)
                 row = {"shape": shape, "name": name, "m": m, "n": n, "k": k,
                        "cublas_us": graph_time_us(functools.partial(F.linear, x, w), 50)}  # fmt: skip
