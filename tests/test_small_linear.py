@@ -50,6 +50,10 @@ def test_switches_and_configs(monkeypatch):
     monkeypatch.delenv("DFLASH_LINEAR")
     assert sl.kernel_config(1, 576, 576) == (16, 16, 128, 4, 4)
     assert sl.kernel_config(16, 4096, 12288) == (16, 32, 512, 4, 4)  # (16 + 32) x 512 x 2 B x 4 = 192 KiB
+    assert sl.kernel_config(16, 576, 1536) == (16, 16, 512, 4, 4)  # the demo's down_proj, as before
+    assert sl.kernel_config(1, 3072, 576) == (16, 32, 128, 4, 4)  # the demo's gate+up
+    assert sl.kernel_config(1, 4096, 4096) == (16, 32, 256, 4, 4)  # Qwen3-8B's o_proj (and qkv: 6144)
+    assert sl.kernel_config(1, 24576, 4096) == (16, 64, 128, 4, 4)  # Qwen3-8B's gate+up
     assert sl.kernel_config(20, 4096, 12288) == (32, 32, 512, 4, 3)  # 4 stages would need 256 KiB
     monkeypatch.setenv("DFLASH_LINEAR_CONFIG", "32,128,8,4")
     assert sl.kernel_config(1, 960, 576) == (16, 32, 128, 8, 4)

@@ -197,8 +197,12 @@ def preload_columns(n: int, k: int, bk: int, elem: int, budget: int) -> int:
 def kernel_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
     """(BM, BN, BK, num_warps, num_stages) for an [m, k] x [n, k]^T product (n output columns).
 
-    From a sweep on the H200 (``scripts/small_linear_sweep.py``): 16 columns per program up to
-    1,024 columns, 32 beyond; ``DFLASH_LINEAR_CONFIG="BN,BK,warps,stages"`` overrides all but BM.
+    From sweeps on the H200 (``scripts/small_linear_sweep.py``): 16 columns per program up to
+    1,024 columns, 32 up to 8,192, 64 beyond; K tiles of 128 up to K = 1,024, 512 beyond 4,096,
+    and in between as many as keep a tile at 8,192 weights (2026-12-02, one row: Qwen3-8B's
+    o_proj 7.49 against 7.83 us with 512, its fused qkv 12.92 against 17.73 us and gate+up 46.97
+    against 56.80 us, cuBLAS 14.57 and 47.45 us; the demo's shapes keep their configs).
+    ``DFLASH_LINEAR_CONFIG="BN,BK,warps,stages"`` overrides all but BM.
 
     Raises:
         InputError: a malformed ``DFLASH_LINEAR_CONFIG``.
@@ -214,8 +218,8 @@ def kernel_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
                              hint="e.g. 32,256,4,3; unset it for the built-in choice")  # fmt: skip
         bn, bk, warps, stages = (int(p) for p in parts)
         return bm, bn, bk, warps, stages
-    bn = 16 if n <= 1024 else 32  # best in the H200 sweep (2026-12-01), o_proj and down_proj
-    bk = 128 if k <= 1024 else 512
+    bn = 16 if n <= 1024 else (32 if n <= 8192 else 64)  # best in the H200 sweeps (2026-12-01/02)
+    bk = 128 if k <= 1024 else (512 if k > 4096 else max(128, min(512, 8192 // bn)))
     # pipelined stages of the x and weight tiles must fit shared memory (~227 KiB on Hopper):
     # 32 rows x 512 of K would take 256 KiB at 4 stages
     stages = max(2, min(4, SMEM_BUDGET // ((bm + bn) * bk * 2)))
