@@ -20,6 +20,7 @@
 #   pdlpre         (no carry)  DFLASH_PDL_PREFETCH: 8B block 1 per budget, demo loop timings at prompt 300 (next session's first call)
 #   k300           (no carry)  demo loop timings at prompt 300 and the 8B shape's block 1 (fifteenth session)
 #   v16a [VARIANTS] [.stage/t6/aa .stage/whl]  stage1's copy, attn_sweep.py, demo loop timings at prompt 300 per variant
+#   next17         (no carry)  8B blocks 1,16 default vs DFLASH_LINEAR=all (new tiles), demo loop timings (next session's first call)
 #   v16b [VARIANTS [8B VARIANTS]] [.stage/t6/aa .stage/whl]  stage1's copy, demo loop timings at prompt 300 and 8B block 1 per variant
 #   prefetchdemo   (no carry)  DFLASH_PREFETCH 0 against 8 MiB: demo-shape loop timings
 #   benchvar "V1 V2" [.stage/t6/af .stage/data] after stage1..ae: gsm8k 64 per env variant (default, DFLASH_ATTN_SPLIT=128 ...)
@@ -29,7 +30,7 @@
 #                results in $OUT (b-gsm8k.jsonl / .txt, generate.json, step_profile.json: GPU busy
 #                against wall per step on 4 real requests, PROFILE=0 skips it)
 set -u
-phase=${1:?usage: h200_speed_session.sh stage1|glue|stage PART [torch|triton]|bench [full]|benchvar [VARIANTS]|kernels|attn|merge|next|pdl|pdl2|pdlprof|pdlk|pdlgraphs|pdlloop|benchpdl|pdldefault|seq|rope|prefetch|prefetchdemo|pdlpre|k300|v16a|v16b|exp13|big8b}
+phase=${1:?usage: h200_speed_session.sh stage1|glue|stage PART [torch|triton]|bench [full]|benchvar [VARIANTS]|kernels|attn|merge|next|pdl|pdl2|pdlprof|pdlk|pdlgraphs|pdlloop|benchpdl|pdldefault|seq|rope|prefetch|prefetchdemo|pdlpre|k300|v16a|v16b|next17|exp13|big8b}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 DFLASH_CACHE=/tmp/dflash-cache
 OUT=${OUT:-/tmp/h200-out}; mkdir -p "$OUT"
 W=/tmp/demo; mkdir -p "$W/stage"
@@ -344,6 +345,18 @@ v16b)  # [.stage/t6/aa .stage/whl] stage1's copy; demo loop timings at prompt 30
       > "/tmp/bb8-$f.log" 2>&1; echo "8b $v rc $? at ${SECONDS}s"; cp "/tmp/bb8-$f/bench_big.json" "$OUT/bench_big-q8b-$f.json"
     grep -o '"ms_per_step": [0-9.]*\|"x_floor": [0-9.]*' "/tmp/bb8-$f.log" | tr '\n' ' '; echo
   done
+  ;;
+next17)  # no carry (the next session's first call): Qwen3-8B blocks 1 and 16 under the default
+  # (in-projections on cuBLAS) and DFLASH_LINEAR=all with the sixteenth session's tiles, then the
+  # demo loop timings at prompt 300 (default)
+  for v in default DFLASH_LINEAR=all; do
+    f=${v//[=,]/-}; E=(env); [ "$v" = default ] || E+=($v)
+    "${E[@]}" timeout 150 python3 scripts/bench_big.py --shape qwen3-8b --blocks 1,16 --steps 16 --out "/tmp/bb8-$f" \
+      > "/tmp/bb8-$f.log" 2>&1; echo "8b $v rc $? at ${SECONDS}s"; cp "/tmp/bb8-$f/bench_big.json" "$OUT/bench_big-q8b-$f.json"
+    grep -o '"ms_per_step": [0-9.]*\|"x_floor": [0-9.]*\|"x_block1": [0-9.]*' "/tmp/bb8-$f.log" | tr '\n' ' '; echo
+  done
+  timeout 140 python3 scripts/kernel_count.py --random-target --variants fused --prompt-len 300 \
+    --out "$OUT/kernels-p300.json" > /tmp/k17.log 2>&1; echo "k rc $?"; grep -v Warn /tmp/k17.log | grep -E "loop|draft-16|verify-1 " | cut -c1-100
   ;;
 prefetchdemo)  # no carry: DFLASH_PREFETCH 0 against ${PREFETCH_MIB:-8} on the demo shape's loop timings
   for v in 0 ${PREFETCH_MIB:-8}; do
