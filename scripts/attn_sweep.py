@@ -7,7 +7,9 @@ Qwen3-8B's (32, 8, 128), 1 and 16 query rows, several filled lengths: the time o
 :func:`~dflash.backends.split_attention.split_attention_kernel` call (CUDA graphs of 20 calls,
 launch overhead excluded) for each keys-per-program split, query heads per program, keys per
 inner iteration and num_warps, then num_stages for the best of each case. The 16-row draft call
-(``non_causal``) gives every row the block's last position, as the draft does. Each result is
+(``non_causal``) gives every row the block's last position, as the draft does.
+``--cases long`` times 1,500 and 3,500 keys instead (64/128 keys per iteration, 4/8 warps).
+Splits timed: 256, 512, 1,024 and one slice of the 4,096-row cache. Each result is
 checked against SDPA with the position mask (max abs error, bf16) and printed as one JSON line
 as it comes, so a timeout loses nothing; ``attn_sweep.json`` in ``--out`` at the end.
 """
@@ -28,7 +30,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 LAYOUTS = {"smollm2": (9, 3, 64), "qwen3-8b": (32, 8, 128)}  # heads, kv heads, head dim
-CAPACITY = 2048
+CAPACITY = 4096
 
 
 def graph_time_us(fn, reps: int = 20) -> float:
@@ -51,9 +53,18 @@ def graph_time_us(fn, reps: int = 20) -> float:
     return start.elapsed_time(end) * 1000 / (20 * reps)
 
 
-def cases():
-    """(layout, T, filled, non_causal) to time: the demo's verify/draft widths at gsm8k lengths,
-    the 8B shape's block 1 at its bench_big prompt length."""
+def cases(which: str = "short"):
+    """(layout, T, filled, non_causal) to time. ``short``: the demo's verify/draft widths at
+    gsm8k lengths, the 8B shape's block 1 at its bench_big prompt length (the sixteenth
+    session's sweep); ``long``: the demo's 16-row calls and 1-row step and the 8B block 1 at
+    1,500 and 3,500 keys (whether 1,024 keys per program, the default for head dims <= 64,
+    still holds there)."""
+    if which == "long":
+        for filled in (1500, 3500):
+            yield "smollm2", 1, filled, False
+            yield "smollm2", 16, filled, True
+            yield "qwen3-8b", 1, filled, False
+        return
     for filled in (160, 300, 460):
         yield "smollm2", 1, filled, False
         yield "smollm2", 16, filled, False
@@ -63,14 +74,19 @@ def cases():
 
 
 def main(argv=None) -> list[dict]:
-    from dflash.backends.split_attention import split_attention_kernel
+    from dflash.backends.split_attention import (
+        default_split,
+        heads_per_program,
+        split_attention_kernel,
+    )
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--budget-s", type=float, default=240.0, help="stop starting new cases after this")
+    ap.add_argument("--cases", choices=("short", "long"), default="short")
     args = ap.parse_args(argv)
     dev, t0, rows = torch.device("cuda"), time.time(), []
-    for layout, t, filled, non_causal in cases():
+    for layout, t, filled, non_causal in cases(args.cases):
         if time.time() - t0 > args.budget_s:
             print(json.dumps({"skipped": [layout, t, filled, non_causal]}), flush=True)
             continue
@@ -86,8 +102,10 @@ def main(argv=None) -> list[dict]:
                                              enable_gqa=True)  # fmt: skip
         best: dict = {}
         heads = [x for x in (1, 2, 4, groups) if groups % x == 0]
-        for split, gp, block, warps in itertools.product((256, 512, CAPACITY), sorted(set(heads)), (32, 64, 128),
-                                                          (2, 4, 8)):  # fmt: skip
+        splits = (256, 512, 1024, CAPACITY)  # 1024 < CAPACITY compiles the merge in (a real
+        # cache of 1,024 rows would not), so the "new default" row is a little pessimistic
+        blocks, warps_ = ((64, 128), (4, 8)) if args.cases == "long" else ((32, 64, 128), (2, 4, 8))
+        for split, gp, block, warps in itertools.product(splits, sorted(set(heads)), blocks, warps_):
             a = (q, k, v, qpos, d**-0.5, split, gp, block, warps, 0)
             try:
                 err = (split_attention_kernel(*a).float() - ref).abs().max().item()
@@ -114,11 +132,16 @@ def main(argv=None) -> list[dict]:
             row = {**best, "stages": stages, "us": us}
             rows.append(row)
             print(json.dumps(row), flush=True)
-        default = next(r for r in rows if r["layout"] == layout and r["T"] == t and r["filled"] == filled
-                       and r["non_causal"] == non_causal and r["split"] == 256 and r["heads_per_program"] == groups
-                       and r["block"] == 64 and r["warps"] == 4)  # fmt: skip
-        print(json.dumps({"case": [layout, t, filled, non_causal], "default_us": default["us"],
-                          "best": best}), flush=True)  # fmt: skip
+        mine = [r for r in rows if r["layout"] == layout and r["T"] == t and r["filled"] == filled
+                and r["non_causal"] == non_causal and r["warps"] == 4 and r["stages"] == 0]  # fmt: skip
+        # the fifteenth session's launch (256 keys, one program per KV head, 64 per iteration)
+        # and today's (default_split, heads_per_program, 128 per iteration; Triton's 4 warps)
+        old = next((r for r in mine if r["split"] == 256 and r["heads_per_program"] == groups
+                    and r["block"] == 64), {})  # fmt: skip
+        new = next((r for r in mine if r["split"] == min(default_split(d), CAPACITY)
+                    and r["heads_per_program"] == heads_per_program(groups, t) and r["block"] == 128), {})  # fmt: skip
+        print(json.dumps({"case": [layout, t, filled, non_causal], "default_us": old.get("us"),
+                          "new_default_us": new.get("us"), "best": best}), flush=True)  # fmt: skip
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "attn_sweep.json").write_text(json.dumps(rows, indent=1))
     return rows
