@@ -20,7 +20,7 @@
 #   pdlpre         (no carry)  DFLASH_PDL_PREFETCH: 8B block 1 per budget, demo loop timings at prompt 300 (next session's first call)
 #   k300           (no carry)  demo loop timings at prompt 300 and the 8B shape's block 1 (fifteenth session)
 #   v16a [VARIANTS] [.stage/t6/aa .stage/whl]  stage1's copy, attn_sweep.py, demo loop timings at prompt 300 per variant
-#   next17         (no carry)  8B blocks 1,16 default vs DFLASH_LINEAR=all (new tiles), demo loop timings (next session's first call)
+#   next17         (no carry)  8B blocks 1,16 default vs DFLASH_LINEAR=all (new tiles), demo loop timings, attn_sweep --cases long (next session's first call)
 #   v16b [VARIANTS [8B VARIANTS]] [.stage/t6/aa .stage/whl]  stage1's copy, demo loop timings at prompt 300 and 8B block 1 per variant
 #   prefetchdemo   (no carry)  DFLASH_PREFETCH 0 against 8 MiB: demo-shape loop timings
 #   benchvar "V1 V2" [.stage/t6/af .stage/data] after stage1..ae: gsm8k 64 per env variant (default, DFLASH_ATTN_SPLIT=128 ...)
@@ -357,6 +357,10 @@ next17)  # no carry (the next session's first call): Qwen3-8B blocks 1 and 16 un
   done
   timeout 140 python3 scripts/kernel_count.py --random-target --variants fused --prompt-len 300 \
     --out "$OUT/kernels-p300.json" > /tmp/k17.log 2>&1; echo "k rc $?"; grep -v Warn /tmp/k17.log | grep -E "loop|draft-16|verify-1 " | cut -c1-100
+  if [ "$SECONDS" -lt 420 ]; then  # long contexts: does 1,024 keys per program hold for head dim 64?
+    timeout 160 python3 scripts/attn_sweep.py --cases long --budget-s 130 --out "$OUT" > /tmp/sweep17.log 2>&1
+    echo "sweep rc $?"; grep '"case"' /tmp/sweep17.log | cut -c1-160
+  fi
   ;;
 prefetchdemo)  # no carry: DFLASH_PREFETCH 0 against ${PREFETCH_MIB:-8} on the demo shape's loop timings
   for v in 0 ${PREFETCH_MIB:-8}; do
