@@ -29,28 +29,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from scripts.split_attention_check import graph_time_us  # noqa: E402 - after the path fix
+
 LAYOUTS = {"smollm2": (9, 3, 64), "qwen3-8b": (32, 8, 128)}  # heads, kv heads, head dim
 CAPACITY = 4096
-
-
-def graph_time_us(fn, reps: int = 20) -> float:
-    """Mean time of one ``fn()`` replayed inside a CUDA graph of ``reps`` calls (microseconds)."""
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(20):
-        g.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / (20 * reps)
 
 
 def cases(which: str = "short"):
@@ -109,7 +91,7 @@ def main(argv=None) -> list[dict]:
             a = (q, k, v, qpos, d**-0.5, split, gp, block, warps, 0)
             try:
                 err = (split_attention_kernel(*a).float() - ref).abs().max().item()
-                us = graph_time_us(lambda a=a: split_attention_kernel(*a))
+                us = graph_time_us(lambda a=a: split_attention_kernel(*a), replays=20)
             except Exception as e:  # noqa: BLE001 - a setting that does not compile is a result too
                 err, us = None, None
                 print(json.dumps({"error": f"{type(e).__name__}: {e}"[:200]}), flush=True)
@@ -125,7 +107,7 @@ def main(argv=None) -> list[dict]:
                 break
             a = (q, k, v, qpos, d**-0.5, best["split"], best["heads_per_program"], best["block"], best["warps"], stages)
             try:
-                us = graph_time_us(lambda a=a: split_attention_kernel(*a))
+                us = graph_time_us(lambda a=a: split_attention_kernel(*a), replays=20)
             except Exception as e:  # noqa: BLE001
                 us = None
                 print(json.dumps({"error": f"{type(e).__name__}: {e}"[:200]}), flush=True)

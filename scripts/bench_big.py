@@ -266,16 +266,17 @@ def main(argv: list[str] | None = None) -> dict:
     bw = copy_bandwidth(device, 1 << (22 if args.tiny else 32))
     from dflash.backends.small_linear import pdl_enabled
 
+    desc = be.describe()
     report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "dtype": str(dtype).split(".")[-1], "tiny": args.tiny, "compile": be.compile,
               "cuda_graphs": be.use_graphs, "device_loop": be.device_loop is not None,
               "queue_ahead": be.device_loop.ahead if be.device_loop is not None else None,
-              "attention": be.attention, "attn_split": be.describe().get("attn_split"),
-              "attn_block": be.describe().get("attn_block"),
-              "linear": be.linear, "linear_in": be.describe().get("linear_in"), "compile_glue": os.environ.get("DFLASH_COMPILE_GLUE", "1"),
+              "attention": be.attention, "attn_split": desc.get("attn_split"),
+              "attn_block": desc.get("attn_block"),
+              "linear": be.linear, "linear_in": desc.get("linear_in"), "compile_glue": os.environ.get("DFLASH_COMPILE_GLUE", "1"),
               "pdl": os.environ.get("DFLASH_PDL", "") or "default (1)",
               "pdl_on": pdl_enabled(device), "l2_prefetch_bytes": getattr(be, "prefetch", 0),
-              "pdl_prefetch_bytes": be.describe().get("pdl_prefetch_bytes", 0),
+              "pdl_prefetch_bytes": desc.get("pdl_prefetch_bytes", 0),
               "truth_sha1": hashlib.sha1(str(truth_ids).encode()).hexdigest(),  # same across variants
               "shape": "tiny" if args.tiny else args.shape, "init_std": init_std, "prompt_len": args.prompt_len, "build_s": built_s,
               "target_bytes": tgt, "draft_step_bytes": drf, "kv_bytes": kv,

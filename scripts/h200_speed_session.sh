@@ -39,6 +39,18 @@ if [ ! -d /tmp/site/gguf ] && ls .stage/whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH=/tmp/site:$PWD
 GGUF=$W/smollm2.gguf
+# k300_variants STOP "V1 V2 ...": demo loop timings at prompt 300 (kernel_count.py, random target)
+# once per env variant (a comma-separated list of VAR=value, or "default"), none started past STOP s
+k300_variants() {
+  local v f E
+  for v in $2; do
+    [ "$SECONDS" -gt "$1" ] && { echo "skip $v at ${SECONDS}s"; continue; }
+    E=(env); [ "$v" = default ] || E+=(${v//,/ }); f=${v//[=,]/-}
+    "${E[@]}" timeout 140 python3 scripts/kernel_count.py --random-target --variants fused --prompt-len 300 \
+      --out "$OUT/kernels-p300-$f.json" > "/tmp/k-$f.log" 2>&1; echo "$v rc $? at ${SECONDS}s"
+    grep -v Warn "/tmp/k-$f.log" | grep -E "loop|draft-16|verify-1 " | cut -c1-100
+  done
+}
 D=dflash/assets/smollm2-135m-instruct-dflash
 case $phase in
 stage1)
@@ -320,24 +332,12 @@ v16a)  # [.stage/t6/aa .stage/whl] (sixteenth session's first call): stage1's co
   cp .stage/t6/aa/part "$W/stage/aa.part"
   timeout 230 python3 scripts/attn_sweep.py --budget-s 190 --out "$OUT" > /tmp/attn_sweep.log 2>&1
   echo "sweep rc $? at ${SECONDS}s"; grep '"case"' /tmp/attn_sweep.log | cut -c1-400
-  for v in ${2:-default DFLASH_DRAFT_ATTN_SPLIT=1024 DFLASH_LINEAR=all}; do
-    [ "$SECONDS" -gt "${K_STOP:-480}" ] && { echo "skip $v at ${SECONDS}s"; continue; }
-    E=(env); [ "$v" = default ] || E+=(${v//,/ }); f=${v//[=,]/-}
-    "${E[@]}" timeout 140 python3 scripts/kernel_count.py --random-target --variants fused --prompt-len 300 \
-      --out "$OUT/kernels-p300-$f.json" > "/tmp/k-$f.log" 2>&1; echo "$v rc $? at ${SECONDS}s"
-    grep -v Warn "/tmp/k-$f.log" | grep -E "loop|draft-16|verify-1 " | cut -c1-100
-  done
+  k300_variants "${K_STOP:-480}" "${2:-default DFLASH_DRAFT_ATTN_SPLIT=1024 DFLASH_LINEAR=all}"
   ;;
 v16b)  # [.stage/t6/aa .stage/whl] stage1's copy; demo loop timings at prompt 300 with the new split-KV
   # launch settings against the old ones and DFLASH_LINEAR=all; Qwen3-8B block 1 likewise
   cp .stage/t6/aa/part "$W/stage/aa.part"
-  for v in ${2:-default DFLASH_ATTN_SPLIT=256,DFLASH_ATTN_BLOCK=64 DFLASH_LINEAR=all}; do
-    [ "$SECONDS" -gt "${K_STOP:-300}" ] && { echo "skip $v at ${SECONDS}s"; continue; }
-    E=(env); [ "$v" = default ] || E+=(${v//,/ }); f=${v//[=,]/-}
-    "${E[@]}" timeout 140 python3 scripts/kernel_count.py --random-target --variants fused --prompt-len 300 \
-      --out "$OUT/kernels-p300-$f.json" > "/tmp/k-$f.log" 2>&1; echo "$v rc $? at ${SECONDS}s"
-    grep -v Warn "/tmp/k-$f.log" | grep -E "loop|draft-16|verify-1 " | cut -c1-100
-  done
+  k300_variants "${K_STOP:-300}" "${2:-default DFLASH_ATTN_SPLIT=256,DFLASH_ATTN_BLOCK=64 DFLASH_LINEAR=all}"
   for v in ${3:-default DFLASH_LINEAR=all DFLASH_ATTN_BLOCK=64}; do
     [ "$SECONDS" -gt "${B_STOP:-470}" ] && { echo "skip 8b $v at ${SECONDS}s"; continue; }
     E=(env); [ "$v" = default ] || E+=(${v//,/ }); f=${v//[=,]/-}

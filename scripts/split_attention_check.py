@@ -34,8 +34,9 @@ def masked_sdpa(q, k, v, pos, scale):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
 
 
-def graph_time_us(fn, reps: int = 20) -> float:
-    """Mean time of one ``fn()`` replayed inside a CUDA graph of ``reps`` calls (microseconds)."""
+def graph_time_us(fn, reps: int = 20, replays: int = 10) -> float:
+    """Mean time of one ``fn()`` replayed inside a CUDA graph of ``reps`` calls, the graph
+    replayed ``replays`` times (microseconds)."""
     for _ in range(2):
         fn()
     torch.cuda.synchronize()
@@ -47,11 +48,11 @@ def graph_time_us(fn, reps: int = 20) -> float:
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    for _ in range(10):
+    for _ in range(replays):
         g.replay()
     end.record()
     torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / (10 * reps)
+    return start.elapsed_time(end) * 1000 / (replays * reps)
 
 
 def main(argv=None) -> list[dict]:

@@ -76,6 +76,13 @@ def supports_static(target: Any) -> bool:
     return inner is not None and hasattr(inner, "layers") and hasattr(inner, "rotary_emb")
 
 
+def _takes_in_projs(mode: str, fused) -> bool:
+    """Whether the fused qkv and gate+up projections (``fused``: per layer (qkv, gate_up)) run
+    ``small_linear`` under ``DFLASH_LINEAR`` mode ``mode``: always under ``all``, when each
+    weight is small under ``auto`` (:func:`~dflash.backends.small_linear.in_projs_small`)."""
+    return mode == "all" or (mode == "auto" and in_projs_small(w.weight for pair in fused for w in pair))
+
+
 class StaticDraftCache:
     """Draft context K/V in position-indexed buffers [1, Hkv, S, D] per layer.
 
@@ -164,10 +171,8 @@ class StaticBackend(TransformersBackend):
         self.linear = linear if small_linear_fits(target) else "torch"
         self.draft_linear = self.fused_draft is not None and linear != "torch" and draft_small_linear_fits(draft)
         # the fused qkv and gate+up projections too: always under "all", small ones under "auto"
-        self.linear_in = self.linear == "all" or (self.linear == "auto" and in_projs_small(
-            w.weight for pair in self.fused_target for w in pair))  # fmt: skip
-        self.draft_linear_in = self.draft_linear and (linear == "all" or (linear == "auto" and in_projs_small(
-            w.weight for pair in self.fused_draft for w in pair)))  # fmt: skip
+        self.linear_in = _takes_in_projs(self.linear, self.fused_target)
+        self.draft_linear_in = self.draft_linear and _takes_in_projs(linear, self.fused_draft)
         # q/k (norm +) RoPE + cache writes as one kernel (see dflash.backends.rope_cache)
         parts = rope_parts()  # a bad DFLASH_ROPE errs on CPU too
         split = self.attention != "sdpa"  # the kernel feeds the split-KV attention only
