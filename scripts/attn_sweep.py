@@ -57,6 +57,7 @@ def cases(which: str = "short"):
 
 def main(argv=None) -> list[dict]:
     from dflash.backends.split_attention import (
+        default_one_slice,
         default_split,
         heads_per_program,
         split_attention_kernel,
@@ -117,10 +118,12 @@ def main(argv=None) -> list[dict]:
         mine = [r for r in rows if r["layout"] == layout and r["T"] == t and r["filled"] == filled
                 and r["non_causal"] == non_causal and r["warps"] == 4 and r["stages"] == 0]  # fmt: skip
         # the fifteenth session's launch (256 keys, one program per KV head, 64 per iteration)
-        # and today's (default_split, heads_per_program, 128 per iteration; Triton's 4 warps)
+        # and today's (one slice up to default_one_slice filled keys, else default_split;
+        # heads_per_program, 128 per iteration; Triton's 4 warps)
         old = next((r for r in mine if r["split"] == 256 and r["heads_per_program"] == groups
                     and r["block"] == 64), {})  # fmt: skip
-        new = next((r for r in mine if r["split"] == min(default_split(d), CAPACITY)
+        split = CAPACITY if filled <= default_one_slice(d) else min(default_split(d), CAPACITY)
+        new = next((r for r in mine if r["split"] == split
                     and r["heads_per_program"] == heads_per_program(groups, t) and r["block"] == 128), {})  # fmt: skip
         print(json.dumps({"case": [layout, t, filled, non_causal], "default_us": old.get("us"),
                           "new_default_us": new.get("us"), "best": best}), flush=True)  # fmt: skip

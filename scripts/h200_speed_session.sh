@@ -366,7 +366,7 @@ next17)  # no carry (the next session's first call): Qwen3-8B blocks 1 and 16 un
 v17tile)  # no carry: DFLASH_PDL_TILE (a wider first weight tile before the PDL wait) checked against
   # F.linear and timed after its predecessor (pdl_tile_check.py), then Qwen3-8B block 1 per variant
   # ($2), then demo loop timings at prompt 300 per variant ($3)
-  timeout 170 python3 scripts/pdl_tile_check.py --out "$OUT" > /tmp/ptc.log 2>&1; echo "check rc $? at ${SECONDS}s"
+  timeout 170 python3 scripts/pdl_tile_check.py --tiles "${TILES:-0,32,128}" --out "$OUT" > /tmp/ptc.log 2>&1; echo "check rc $? at ${SECONDS}s"
   grep '^{' /tmp/ptc.log | python3 -c "
 import json, sys
 for line in sys.stdin:

@@ -80,7 +80,7 @@ def test_static_backend_with_fused_linears_decodes_greedy(tiny_target):
                                    device_loop=device_loop)  # fmt: skip
                 assert be.linear == "torch" and not be.draft_linear and not be.draft_rope  # CPU default
                 be.linear, be.draft_linear = linear, linear != "torch"
-                be.linear_in = be.draft_linear_in = linear == "all"
+                be.linear_in, be.draft_linear_in = sl.MAX_ROWS if linear == "all" else 0, linear == "all"
                 rounds = list(speculative_generate(be, PROMPT, block_size=block, max_new_tokens=40))
                 runs.append(([t for r in rounds for t in r.tokens], [r.accepted for r in rounds[1:]]))
             assert runs[1][0] == truth
@@ -88,9 +88,10 @@ def test_static_backend_with_fused_linears_decodes_greedy(tiny_target):
 
 
 def test_auto_takes_small_in_projections_only(tiny_target, monkeypatch):
-    """DFLASH_LINEAR=auto: a model's fused qkv and gate+up projections run small_linear when
-    each weight takes at most IN_PROJ_MAX_BYTES, cuBLAS otherwise (target and draft apart);
-    recorded with benchmark results; triton never, all always."""
+    """DFLASH_LINEAR=auto: a model's fused qkv and gate+up projections run small_linear in every
+    forward of up to MAX_ROWS rows when each weight takes at most IN_PROJ_MAX_BYTES, else in
+    1-row forwards only (the target; the draft's forwards have more rows: none); recorded with
+    benchmark results; triton never, all always."""
     from dflash.backends import static_torch
     from dflash.backends.static_torch import StaticBackend
     from tests.conftest import make_draft
@@ -105,12 +106,12 @@ def test_auto_takes_small_in_projections_only(tiny_target, monkeypatch):
     be = StaticBackend(tiny_target, draft, torch.device("cpu"), use_graphs=False)
     sizes = [w.weight.numel() * w.weight.element_size() for pair in be.fused_target + be.fused_draft for w in pair]
     assert len(sizes) > 4 and max(sizes) < sl.IN_PROJ_MAX_BYTES  # a tiny pair: small
-    assert made("auto") == {"target": True, "draft": True}
-    assert made("triton") == {"target": False, "draft": False}
+    assert made("auto") == {"target": sl.MAX_ROWS, "draft": True}
+    assert made("triton") == {"target": 0, "draft": False}
     monkeypatch.setattr(sl, "IN_PROJ_MAX_BYTES", 0)  # as for Qwen3-8B's 50 and 201 MB weights
-    assert made("auto") == {"target": False, "draft": False}
-    assert made("all") == {"target": True, "draft": True}
-    assert made("torch") == {"target": False, "draft": False}
+    assert made("auto") == {"target": 1, "draft": False}
+    assert made("all") == {"target": sl.MAX_ROWS, "draft": True}
+    assert made("torch") == {"target": 0, "draft": False}
     w = torch.empty(3, 4, dtype=torch.bfloat16)  # 24 bytes
     monkeypatch.setattr(sl, "IN_PROJ_MAX_BYTES", 24)
     assert sl.in_projs_small([w, w]) and not sl.in_projs_small([])
@@ -189,7 +190,8 @@ KERNEL_CHECK = textwrap.dedent("""
     # the fused static forward with the kernel: plain greedy tokens
     from tests.test_split_attention import assert_static_greedy
     assert_static_greedy(linear="triton", draft_linear=True)
-    assert_static_greedy(linear="all", linear_in=True, draft_linear=True, draft_linear_in=True)  # qkv, gate+up too
+    assert_static_greedy(linear="all", linear_in=sl.MAX_ROWS, draft_linear=True, draft_linear_in=True)  # qkv, gate+up too
+    assert_static_greedy(linear="auto", linear_in=1, draft_linear=True)  # qkv, gate+up in 1-row steps only
     print("ok")
 """)
 

@@ -83,11 +83,23 @@ def test_attention_switches(monkeypatch):
     assert sa.attention_mode(torch.device("cuda"), torch.float32) == "split"
     monkeypatch.delenv("DFLASH_ATTN")
     assert sa.split_size(1024) == 256
-    # the default by head dim: one slice of up to 1024 keys for <= 64, 256 keys above
-    assert (sa.split_size(1024, head_dim=64), sa.split_size(4096, head_dim=64)) == (1024, 1024)
-    assert (sa.split_size(1024, head_dim=128), sa.split_size(1024, draft=True, head_dim=32)) == (256, 1024)
+    # 256 keys per program for every head dim; one program up to 640 filled keys for head dims
+    # <= 64 and 448 above, unless a split or the threshold is given
+    assert (sa.split_size(1024, head_dim=64), sa.split_size(4096, head_dim=128)) == (256, 256)
+    assert (sa.one_slice_setting(head_dim=64), sa.one_slice_setting(head_dim=128)) == (640, 448)
+    assert sa.one_slice_setting(draft=True, head_dim=32) == 640
+    monkeypatch.setenv("DFLASH_ATTN_ONE_SLICE", "0")
+    assert sa.one_slice_setting(head_dim=64) == 0
+    monkeypatch.setenv("DFLASH_ATTN_ONE_SLICE", "lots")
+    with pytest.raises(InputError, match="DFLASH_ATTN_ONE_SLICE must be a whole number"):
+        sa.one_slice_setting()
+    monkeypatch.delenv("DFLASH_ATTN_ONE_SLICE")
+    monkeypatch.setenv("DFLASH_DRAFT_ATTN_SPLIT", "512")  # a draft split given: run as given
+    assert (sa.one_slice_setting(head_dim=64), sa.one_slice_setting(draft=True, head_dim=64)) == (640, 0)
+    monkeypatch.delenv("DFLASH_DRAFT_ATTN_SPLIT")
     monkeypatch.setenv("DFLASH_ATTN_SPLIT", "4096")
     assert sa.split_size(1024) == 1024  # one slice
+    assert sa.one_slice_setting(head_dim=64) == 0 and sa.one_slice_setting(draft=True, head_dim=64) == 0
     monkeypatch.setenv("DFLASH_ATTN_SPLIT", "99968")
     assert sa.split_size(1024) == 1024  # one slice, whatever multiple of 64 is asked for
     monkeypatch.setenv("DFLASH_ATTN_SPLIT", "100")
@@ -128,15 +140,15 @@ def test_draft_split_reaches_only_the_draft(monkeypatch):
     seen = {}
     real = sa.split_attention_reference
 
-    def spy(q, k, v, pos, scale, split=sa.SPLIT):
-        seen.setdefault(q.shape[2] > 1 and pos.shape[0] == 1, set()).add(split)  # draft: block, one position
-        return real(q, k, v, pos, scale, split)
+    def spy(q, k, v, pos, scale, split=sa.SPLIT, one_slice=0):
+        seen.setdefault(q.shape[2] > 1 and pos.shape[0] == 1, set()).add((split, one_slice))  # draft: block, one position
+        return real(q, k, v, pos, scale, split, one_slice)
 
     monkeypatch.setattr(sa, "split_attention_reference", spy)
     monkeypatch.setenv("DFLASH_ATTN_SPLIT", "128")
     monkeypatch.setenv("DFLASH_DRAFT_ATTN_SPLIT", "64")
     assert_static_greedy(attention="split")
-    assert seen[True] == {64} and seen[False] == {128}
+    assert seen[True] == {(64, 0)} and seen[False] == {(128, 0)}
 
 
 @pytest.mark.parametrize("split", [64, 128, 256])
@@ -144,6 +156,19 @@ def test_reference_any_split_size(split):
     q, k, v, pos = _inputs(9, 3, 16, 64, 256, 100)
     got = sa.split_attention_reference(q, k, v, pos, 0.1, split=split)
     assert torch.allclose(got, masked_sdpa(q, k, v, pos, 0.1), atol=2e-6, rtol=1e-5)
+
+
+def test_reference_one_slice_up_to_its_length():
+    """one_slice: up to that many filled keys one program's sum (bitwise the one-slice result),
+    past it the split's slices (bitwise the plain split result); both equal masked SDPA."""
+    q, k, v, pos = _inputs(9, 3, 16, 64, 512, 100)  # 116 filled keys
+    one = sa.split_attention_reference(q, k, v, pos, 0.1, split=512)
+    sliced = sa.split_attention_reference(q, k, v, pos, 0.1, split=64)
+    assert not torch.equal(one, sliced)  # another summation order
+    assert torch.equal(sa.split_attention_reference(q, k, v, pos, 0.1, split=64, one_slice=128), one)
+    assert torch.equal(sa.split_attention_reference(q, k, v, pos, 0.1, split=64, one_slice=115), sliced)
+    assert torch.equal(sa.split_attention_reference(q, k, v, pos, 0.1, split=64, one_slice=64), sliced)
+    assert torch.allclose(one, masked_sdpa(q, k, v, pos, 0.1), atol=2e-6, rtol=1e-5)
 
 
 def assert_static_greedy(layers: int = 4, **attrs) -> None:
@@ -216,6 +241,17 @@ KERNEL_CHECK = textwrap.dedent("""
             err = (got - want).abs().max().item()
             assert err < 1e-5, (shape, split, heads, block, err)
             assert int(sa._COUNTERS[("cpu", None)].abs().sum()) == 0
+    # one program up to one_slice filled keys (bitwise the one-slice launch), slices past it
+    # (bitwise the plain split launch): 116 and 300 filled keys in a 512-row cache
+    for shape in ((9, 3, 16, 64, 512, 100), (8, 2, 1, 32, 512, 299)):
+        q, k, v, pos = _inputs(*shape)
+        one = sa.split_attention_kernel(q, k, v, pos, 0.1, 512, 1, 64)  # 64 keys per iteration, as split 64
+        sliced = sa.split_attention_kernel(q, k, v, pos, 0.1, 64, 1)
+        for limit, want in ((int(pos[-1]) + 1, one), (448, one), (int(pos[-1]), sliced), (0, sliced)):
+            got = sa.split_attention_kernel(q, k, v, pos, 0.1, 64, 1, one_slice=limit)
+            assert torch.equal(got, want), (shape, limit)
+            assert int(sa._COUNTERS[("cpu", None)].abs().sum()) == 0
+        assert (one - masked_sdpa(q, k, v, pos, 0.1)).abs().max().item() < 1e-5
     q, k, v, pos = _inputs(8, 2, 4, 32, 384, 300)  # 192 keys per program: 64 per iteration
     err = (sa.split_attention_kernel(q, k, v, pos, 0.1, 192, 1, 128) - masked_sdpa(q, k, v, pos, 0.1)).abs().max()
     assert err.item() < 1e-5, err
@@ -291,7 +327,8 @@ def test_describe_records_split_settings(tiny_target, monkeypatch):
     assert be.attention == "sdpa" and "attn_split" not in be.describe()
     be.attention = "split"
     assert be.head_dim <= 64 and be.draft_model.config.head_dim <= 64
-    assert be.describe()["attn_split"] == {"target": 1024, "draft": 1024}  # the default for such heads
+    assert be.describe()["attn_split"] == {"target": 256, "draft": 256}
+    assert be.describe()["attn_one_slice"] == {"target": 640, "draft": 640}  # the default for such heads
     assert be.describe()["attn_block"] == 128
     monkeypatch.setenv("DFLASH_ATTN_SPLIT", "256")
     monkeypatch.setenv("DFLASH_DRAFT_ATTN_SPLIT", "1024")

@@ -60,15 +60,18 @@ def linear_mode(device: torch.device) -> str:
 
     - ``auto`` (default): o_proj and down_proj (with their residual adds) always; a model's
       fused qkv and gate+up projections too when each of those weights takes at most
-      :data:`IN_PROJ_MAX_BYTES` (8 MiB), else cuBLAS (:func:`in_projs_small`);
+      :data:`IN_PROJ_MAX_BYTES` (8 MiB) (:func:`in_projs_small`), and larger ones in 1-row
+      (decode) forwards only, cuBLAS for wider ones;
     - ``triton``: o_proj and down_proj only (the default before the sixteenth session);
     - ``all``: every projection above, whatever its size;
     - ``torch``: cuBLAS for all.
 
     Without CUDA or Triton it is always ``torch``. H200 (2026-12-02), real demo pair (qkv 1.1 MB,
     gate+up 3.5 MB), gsm8k 64, one machine: ``all`` 4,615.0 / 1,426.4 tok/s (DFlash / block-1
-    baseline) against 4,366.2 / 1,316.6 with ``triton``; Qwen3-8B's shape (50 and 201 MB), block 1:
-    4.689 ms against 4.241 ms. Shapes between these two were not measured.
+    baseline) against 4,366.2 / 1,316.6 with ``triton``. Qwen3-8B's shape (50 and 201 MB weights):
+    with the old tiles, block 1 4.689 against 4.241 ms on cuBLAS; with the sixteenth session's
+    tiles (one machine, 2026-12-02) block 1 4.300 against 4.393 ms, a 16-row step 5.502 against
+    5.475 ms. Shapes between these two were not measured.
 
     Raises:
         InputError: another value.

@@ -9,7 +9,9 @@ building the [T, S] mask bias. This module is a split-KV ("flash-decoding") kern
 - grid (KV heads x G / GP, S / ``split``): each program takes the GP*T query rows of GP of the
   G query heads that share one KV head (GQA; T query positions; :func:`heads_per_program`: one
   head for a 16-row block, the whole group for a 1-row step) and one slice of ``split`` keys
-  (:func:`default_split`: 1,024 for head dims <= 64, 256 above), walked 128 keys at a time;
+  (:data:`SPLIT`: 256), walked 128 keys at a time; while the filled length is short
+  (:func:`default_one_slice`: up to 640 keys for head dims <= 64, 448 above) the first program
+  takes all of it alone and the others return, since merging slices costs more than it saves;
 - the filled length is read on the device (the last query position + 1), so programs whose
   slice starts past it return at once and the others stop at it: cost follows the filled
   length, not the capacity, with no host sync and one graph for every length;
@@ -38,8 +40,10 @@ ATTN_ENV = "DFLASH_ATTN"
 SPLIT_ENV = "DFLASH_ATTN_SPLIT"
 DRAFT_SPLIT_ENV = "DFLASH_DRAFT_ATTN_SPLIT"  # the draft's own, when set (an experiment)
 BLOCK_ENV = "DFLASH_ATTN_BLOCK"
-SPLIT = 256  # keys per program for head dims > 64 (Qwen3-8B's 128: 256 beat 512 and one slice)
-SPLIT_SMALL_HEADS = 1024  # for head dims <= 64 (the demo pair: one slice beat 256 up to 460 keys)
+ONE_SLICE_ENV = "DFLASH_ATTN_ONE_SLICE"
+SPLIT = 256  # keys per program (H200: the fastest at 512, 1,500 and 3,500 keys, both layouts)
+ONE_SLICE = 448  # filled keys up to which one program takes them all, head dims > 64
+ONE_SLICE_SMALL_HEADS = 640  # the same for head dims <= 64
 SPLIT_MAX_ROWS = 32  # query rows (T) the kernel takes; prefill and longer forwards use SDPA
 BLOCK_N = 64  # granularity of the split sizes (keys)
 ITER_KEYS = 128  # keys per inner iteration (default; was 64 before the sixteenth session)
@@ -91,18 +95,30 @@ def uses_kernel(mode: str, rows: int) -> bool:
     return rows <= SPLIT_MAX_ROWS and mode != "sdpa"
 
 
-def default_split(head_dim: int | None) -> int:
-    """Keys per program when ``DFLASH_ATTN_SPLIT`` is unset: 1,024 for head dims <= 64, 256
-    above (None: 256).
+def default_split(head_dim: int | None = None) -> int:
+    """Keys per program when ``DFLASH_ATTN_SPLIT`` is unset: :data:`SPLIT` (256) for every
+    head dim; short filled lengths take one program (:func:`default_one_slice`).
 
-    Measured on the H200 (``scripts/attn_sweep.py``, bf16, 2026-12-02): in one launch, merging
-    slices costs about 1.9 us (the demo's layout) to 2.4 us (Qwen3-8B's), and one more inner
-    iteration of 128 keys 0.77 us (head dim 64, 3 KV heads) to 1.37 us (128, 8 KV heads). So a
-    second slice pays off past about 630 keys for head dim 64 (the demo pair: 4.4 us at 300 keys
-    in one slice against 5.8 us in two of 256) and past about 450 for 128 (Qwen3-8B's block 1 at
-    512 keys: 7.4 us in two slices against 7.7 us in one).
+    Measured on the H200 (``scripts/attn_sweep.py``, bf16, 2026-12-02, ``attn_sweep.json`` in
+    ``h200-v16`` and ``h200-v17``): 256 keys per program was the fastest split at 1,500 and
+    3,500 keys for both layouts (the demo's at 1,500 keys, one row: 6.7 us against 11.0 with
+    1,024 and 8.0 with 512; Qwen3-8B's: 8.7 against 15.8 and 10.8) and at 512 keys for
+    Qwen3-8B's (7.4 against 7.7 us in one slice).
     """
-    return SPLIT_SMALL_HEADS if head_dim is not None and head_dim <= 64 else SPLIT
+    return SPLIT
+
+
+def default_one_slice(head_dim: int | None) -> int:
+    """Filled keys up to which one program takes them all when neither ``DFLASH_ATTN_SPLIT``
+    nor ``DFLASH_ATTN_ONE_SLICE`` is set: 640 for head dims <= 64, 448 above (None: 448).
+
+    In one launch (H200, ``scripts/attn_sweep.py``, 2026-12-02) merging slices costs about 1.9
+    us (the demo's layout) to 2.4 us (Qwen3-8B's), and one more inner iteration of 128 keys
+    0.77 us (head dim 64, 3 KV heads) to 1.37 us (128, 8 KV heads): a second slice pays off past
+    about 630 keys for head dim 64 (the demo pair: 4.4 us at 300 keys in one slice against 5.8
+    us in two of 256) and past about 450 for 128.
+    """
+    return ONE_SLICE_SMALL_HEADS if head_dim is not None and head_dim <= 64 else ONE_SLICE
 
 
 def split_setting(draft: bool = False, head_dim: int | None = None) -> int:
@@ -120,8 +136,31 @@ def split_setting(draft: bool = False, head_dim: int | None = None) -> int:
     value = int(raw) if raw.isascii() and raw.isdigit() else (default_split(head_dim) if not raw else -1)
     if value <= 0 or value % BLOCK_N:
         raise InputError(f"{name} must be a positive multiple of {BLOCK_N}, got {raw!r}.",
-                         hint="unset it for the default (1024 keys for head dims <= 64, 256 above)")  # fmt: skip
+                         hint=f"unset it for the default ({SPLIT})")  # fmt: skip
     return value
+
+
+def one_slice_setting(draft: bool = False, head_dim: int | None = None) -> int:
+    """Filled keys up to which the kernel's first program takes every key alone (no merge),
+    past which slices of :func:`split_size` keys share them: ``DFLASH_ATTN_ONE_SLICE`` when
+    set (0: off); else 0 when the split asked for (``DFLASH_ATTN_SPLIT``, or for the draft
+    ``DFLASH_DRAFT_ATTN_SPLIT``) is set, so that a split given is the split run; else
+    :func:`default_one_slice` of ``head_dim``. Recorded with benchmark results.
+
+    Raises:
+        InputError: not a whole number >= 0.
+    """
+    raw = os.environ.get(ONE_SLICE_ENV, "").strip()
+    if raw:
+        if not (raw.isascii() and raw.isdigit()):
+            from dflash.errors import InputError
+
+            raise InputError(f"{ONE_SLICE_ENV} must be a whole number of keys (0 = off), got {raw!r}.",
+                             hint="unset it for the default (640 keys for head dims <= 64, 448 above)")  # fmt: skip
+        return int(raw)
+    if os.environ.get(SPLIT_ENV, "").strip() or (draft and os.environ.get(DRAFT_SPLIT_ENV, "").strip()):
+        return 0
+    return default_one_slice(head_dim)
 
 
 def split_size(capacity: int, draft: bool = False, head_dim: int | None = None) -> int:
@@ -190,7 +229,8 @@ if triton is not None:
                       s_qh, s_qt, s_kh, s_ks, s_vh, s_vs, s_oh, s_ot, s_ph, s_ps, s_pr, s_lh, s_ls,
                       T: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                       ROWS: tl.constexpr, SPLIT_N: tl.constexpr, BLOCK: tl.constexpr,
-                      IEEE: tl.constexpr, MERGE: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+                      IEEE: tl.constexpr, MERGE: tl.constexpr, PDL: tl.constexpr,
+                      ONE: tl.constexpr):  # fmt: skip
         if PDL:  # programmatic dependent launch: wait for the previous kernel before any access
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
@@ -206,15 +246,19 @@ if triton is not None:
         # keys at positions < filled exist; clamped so that a position past the cache can never
         # leave a slice counter unreset (every slice counted then exists)
         filled = tl.minimum(tl.load(POS + (T - 1) * s_pos) + 1, cap)
-        slices = (filled + SPLIT_N - 1) // SPLIT_N  # slices holding keys; later programs idle
-        lo = sp * SPLIT_N
+        if ONE > SPLIT_N:  # up to ONE filled keys the first program takes them all (no merge)
+            span = tl.where(filled <= ONE, ONE, SPLIT_N)
+        else:
+            span = SPLIT_N
+        slices = (filled + span - 1) // span  # slices holding keys; later programs idle
+        lo = sp * span
         if lo < filled:
             m_i = tl.full([ROWS], float("-inf"), tl.float32)
             l_i = tl.zeros([ROWS], tl.float32)
             acc = tl.zeros([ROWS, D], tl.float32)
             q = tl.load(Q + (kvh * G + g)[:, None] * s_qh + t[:, None] * s_qt + d[None, :],
                         mask=live[:, None], other=0.0)  # fmt: skip
-            hi = tl.minimum(lo + SPLIT_N, filled)
+            hi = tl.minimum(lo + span, filled)
             for start in range(lo, hi, BLOCK):
                 n = start + tl.arange(0, BLOCK)
                 inside = n < filled  # rows past the filled length are never read
@@ -305,7 +349,7 @@ def _out_like(q: torch.Tensor) -> torch.Tensor:
 
 def split_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
                            scale: float, split: int, heads_per_program: int = 0, block: int = 0,
-                           warps: int = 0, stages: int = 0) -> torch.Tensor:  # fmt: skip
+                           warps: int = 0, stages: int = 0, one_slice: int = 0) -> torch.Tensor:  # fmt: skip
     """Run the kernel: one launch, slices merged inside it (the last slice of each unit, a KV
     head's ``heads_per_program`` query heads, to
     finish merges, counted by an atomic counter that it resets).
@@ -325,6 +369,9 @@ def split_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
         block: keys per inner iteration (0 = :data:`ITER_KEYS`), lowered to a power of two
             that divides ``split``. warps, stages: Triton's num_warps and num_stages (0 =
             Triton's defaults); for tuning sweeps.
+        one_slice: while the filled length (the last position + 1) is at most this many keys
+            (and this is more than ``split``), the first program of each unit takes every key
+            and no merge runs; past it, slices of ``split`` keys. 0: always slices.
     Returns:
         [1, H, T, D] in q's dtype (memory laid out as [1, T, H, D]).
 
@@ -361,7 +408,8 @@ def split_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
         out.stride(1), out.stride(2), po.stride(0), po.stride(1), po.stride(2),
         pl.stride(0), pl.stride(1),
         T=t, G=groups, GP=gp, D=dim, ROWS=rows, SPLIT_N=split, BLOCK=blk,
-        IEEE=q.dtype == torch.float32, MERGE=nsplit > 1, PDL=pdl, **({"launch_pdl": True} if pdl else {}),
+        IEEE=q.dtype == torch.float32, MERGE=nsplit > 1, PDL=pdl, ONE=one_slice if nsplit > 1 else 0,
+        **({"launch_pdl": True} if pdl else {}),
         **tune,
     )  # fmt: skip
     return out
@@ -382,12 +430,12 @@ def merge_partials(o: torch.Tensor, lse: torch.Tensor, heads: int, t: int, dtype
 
 @torch.library.custom_op("dflash::split_attention", mutates_args=())
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
-                  scale: float, split: int, heads: int, block: int) -> torch.Tensor:  # fmt: skip
-    return split_attention_kernel(q, k, v, pos, scale, split, heads, block)
+                  scale: float, split: int, heads: int, block: int, one: int) -> torch.Tensor:  # fmt: skip
+    return split_attention_kernel(q, k, v, pos, scale, split, heads, block, one_slice=one)
 
 
 @_attention_op.register_fake
-def _(q, k, v, pos, scale, split, heads, block):
+def _(q, k, v, pos, scale, split, heads, block, one):
     return _out_like(q)
 
 
@@ -412,20 +460,25 @@ def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torc
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if triton is None or (q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1"):
         # no kernel here (CPU, Triton absent or not interpreting): the same algorithm in torch
-        return split_attention_reference(q, k, v, pos, scale, split_size(k.shape[2], draft, q.shape[-1]))
+        dim = q.shape[-1]
+        return split_attention_reference(q, k, v, pos, scale, split_size(k.shape[2], draft, dim),
+                                         one_slice_setting(draft, dim))  # fmt: skip
     dim, groups, rows = q.shape[-1], q.shape[1] // k.shape[1], q.shape[2]
     return _attention_op(q, k, v, pos, float(scale), split_size(k.shape[2], draft, dim),
-                         heads_per_program(groups, rows), iter_keys())  # fmt: skip
+                         heads_per_program(groups, rows), iter_keys(), one_slice_setting(draft, dim))  # fmt: skip
 
 
-def split_attention_reference(q, k, v, pos, scale, split: int = SPLIT) -> torch.Tensor:
+def split_attention_reference(q, k, v, pos, scale, split: int = SPLIT, one_slice: int = 0) -> torch.Tensor:
     """The kernel's algorithm in torch (slices, per-slice softmax, log-sum-exp merge): [1, H, T, D].
 
-    For tests on machines without Triton; same arguments as :func:`split_attention`."""
+    For tests on machines without Triton; arguments as :func:`split_attention`, ``split`` and
+    ``one_slice`` as :func:`split_attention_kernel`'s."""
     _, h, t, dim = q.shape
     hkv, cap = k.shape[1], k.shape[2]
     pos = pos.expand(t) if pos.shape[0] == 1 else pos  # [1]: one position for every row
     groups, filled, split = h // hkv, int(pos[-1]) + 1, math.gcd(split, cap)
+    if one_slice > split and filled <= one_slice:  # the first program takes every key
+        split = cap
     scale = dim**-0.5 if scale is None else scale
     rows = _rows(groups, t)
     qr = q[0].float().reshape(hkv, groups * t, dim)  # row g*T + t of KV head kvh

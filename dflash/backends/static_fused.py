@@ -280,7 +280,7 @@ def target_forward_fused(be, ids: torch.Tensor, pos: torch.Tensor, argmax: bool 
     if packed:
         mask = pack_mask(mask, be.heads // be.kv_heads, t)  # [1, 1, G*T, S], once
     lin = t <= LINEAR_MAX_ROWS and getattr(be, "linear", "torch") != "torch"  # residual adds fused in
-    lin_in = lin and getattr(be, "linear_in", False)  # the qkv and gate+up projections too
+    lin_in = lin and t <= int(getattr(be, "linear_in", 0))  # the qkv and gate+up projections too
     rope = split and getattr(be, "target_rope", False)  # q/k (norm +) RoPE + cache writes: one kernel
     pf = t <= LINEAR_MAX_ROWS and getattr(be, "prefetch", 0)  # L2 prefetch bytes per layer
     early = pf and getattr(be, "prefetch_early", False)  # forked before the qkv projection

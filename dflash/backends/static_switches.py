@@ -21,7 +21,12 @@ from dflash.backends.small_linear import (
     pdl_tile_bytes,
     preload_bytes,
 )
-from dflash.backends.split_attention import attention_mode, iter_keys, split_setting
+from dflash.backends.split_attention import (
+    attention_mode,
+    iter_keys,
+    one_slice_setting,
+    split_setting,
+)
 from dflash.backends.static_loop import queue_ahead, step_compile_default
 
 
@@ -29,7 +34,7 @@ def check_env() -> None:
     """Check every switch of the static path (``DFLASH_ATTN``, ``DFLASH_ATTN_SPLIT``,
     ``DFLASH_LINEAR``, ``DFLASH_LINEAR_CONFIG``, ``DFLASH_PDL``, ``DFLASH_PDL_PREFETCH``, ``DFLASH_PDL_TILE``, ``DFLASH_ROPE``,
     ``DFLASH_PREFETCH``, ``DFLASH_STEP_COMPILE``, ``DFLASH_HEAD_ARGMAX``, ``DFLASH_GRAPH_WARM``,
-    ``DFLASH_QUEUE_AHEAD``, ``DFLASH_DRAFT_ATTN_SPLIT``, ``DFLASH_ATTN_BLOCK``)
+    ``DFLASH_QUEUE_AHEAD``, ``DFLASH_DRAFT_ATTN_SPLIT``, ``DFLASH_ATTN_BLOCK``, ``DFLASH_ATTN_ONE_SLICE``)
     on any device: a typo fails at load on a laptop too, not first on the GPU machine.
 
     Raises:
@@ -39,6 +44,7 @@ def check_env() -> None:
     attention_mode(cpu)
     split_setting()
     split_setting(draft=True)
+    one_slice_setting()
     iter_keys()
     linear_mode(cpu)
     kernel_config(16, 1024, 1024)
@@ -110,7 +116,7 @@ def fall_back(be, error: Exception, part: str | None = None, kind: str | None = 
         be.draft_rope = be.target_rope = False
         what, fix = "the RoPE + cache-write kernel", "torch ops (DFLASH_ROPE=0 silences this)"
     elif be.linear != "torch" or be.draft_linear:
-        be.linear, be.draft_linear, be.draft_linear_in, be.linear_in = "torch", False, False, False
+        be.linear, be.draft_linear, be.draft_linear_in, be.linear_in = "torch", False, False, 0
         be.draft_rope = be.target_rope = False
         what, fix = "the Triton projection kernel", "cuBLAS (DFLASH_LINEAR=torch silences this)"
     elif be.attention != "sdpa":

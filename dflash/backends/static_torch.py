@@ -41,7 +41,13 @@ from dflash.backends.small_linear import (
     pdl_tile_bytes,
     preload_bytes,
 )
-from dflash.backends.split_attention import attention_mode, iter_keys, split_setting, uses_kernel
+from dflash.backends.split_attention import (
+    attention_mode,
+    iter_keys,
+    one_slice_setting,
+    split_setting,
+    uses_kernel,
+)
 from dflash.backends.static_fused import (
     draft_forward_fused,
     draft_rope_fits,
@@ -77,11 +83,16 @@ def supports_static(target: Any) -> bool:
     return inner is not None and hasattr(inner, "layers") and hasattr(inner, "rotary_emb")
 
 
-def _takes_in_projs(mode: str, fused) -> bool:
-    """Whether the fused qkv and gate+up projections (``fused``: per layer (qkv, gate_up)) run
-    ``small_linear`` under ``DFLASH_LINEAR`` mode ``mode``: always under ``all``, when each
-    weight is small under ``auto`` (:func:`~dflash.backends.small_linear.in_projs_small`)."""
-    return mode == "all" or (mode == "auto" and in_projs_small(w.weight for pair in fused for w in pair))
+def _in_proj_rows(mode: str, fused) -> int:
+    """Forwards of up to how many rows run the fused qkv and gate+up projections (``fused``: per
+    layer (qkv, gate_up)) through ``small_linear`` under ``DFLASH_LINEAR`` mode ``mode``:
+    :data:`~dflash.backends.small_linear.MAX_ROWS` under ``all``, and under ``auto`` when each
+    weight is small (:func:`~dflash.backends.small_linear.in_projs_small`); 1 under ``auto``
+    with larger weights (decode steps only; H200, Qwen3-8B's shape, 2026-12-02: block 1 4.300
+    against 4.393 ms on cuBLAS, a 16-row step 5.502 against 5.475 ms); else 0."""
+    if mode == "all" or (mode == "auto" and in_projs_small(w.weight for pair in fused for w in pair)):
+        return MAX_ROWS
+    return 1 if mode == "auto" else 0
 
 
 class StaticDraftCache:
@@ -171,9 +182,11 @@ class StaticBackend(TransformersBackend):
         linear = linear_mode(device) if self.fused_target is not None else "torch"
         self.linear = linear if small_linear_fits(target) else "torch"
         self.draft_linear = self.fused_draft is not None and linear != "torch" and draft_small_linear_fits(draft)
-        # the fused qkv and gate+up projections too: always under "all", small ones under "auto"
-        self.linear_in = _takes_in_projs(self.linear, self.fused_target)
-        self.draft_linear_in = self.draft_linear and _takes_in_projs(linear, self.fused_draft)
+        # the fused qkv and gate+up projections too, in forwards of up to linear_in rows: always
+        # under "all", small ones under "auto" (larger ones in 1-row steps); the draft's forwards
+        # have more rows than one, so its switch is all or nothing
+        self.linear_in = _in_proj_rows(self.linear, self.fused_target)
+        self.draft_linear_in = self.draft_linear and _in_proj_rows(linear, self.fused_draft) == MAX_ROWS
         # q/k (norm +) RoPE + cache writes as one kernel (see dflash.backends.rope_cache)
         parts = rope_parts()  # a bad DFLASH_ROPE errs on CPU too
         split = self.attention != "sdpa"  # the kernel feeds the split-KV attention only
@@ -519,6 +532,8 @@ class StaticBackend(TransformersBackend):
                 "linear_in": {"target": self.linear_in, "draft": self.draft_linear_in},
                 **({"attn_split": {"target": split_setting(head_dim=self.head_dim),
                                    "draft": split_setting(draft=True, head_dim=self._draft_head_dim())},
+                    "attn_one_slice": {"target": one_slice_setting(head_dim=self.head_dim),
+                                       "draft": one_slice_setting(draft=True, head_dim=self._draft_head_dim())},
                     "attn_block": iter_keys()}
                    if self.attention != "sdpa" else {}),  # the split-KV kernel's keys per program, per iteration
                 "draft_linear": self.draft_linear, "l2_prefetch_bytes": self.prefetch,
