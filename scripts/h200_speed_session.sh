@@ -55,7 +55,7 @@ k300_variants() {
 D=dflash/assets/smollm2-135m-instruct-dflash
 case $phase in
 stage1)
-  for t in t5 t6; do [ -d ".stage/$t/aa" ] && cp ".stage/$t/aa/part" "$W/stage/aa.part"; done
+  for t in t5 t6 t7; do [ -d ".stage/$t/aa" ] && cp ".stage/$t/aa/part" "$W/stage/aa.part"; done
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
   if [ "${2:-}" = lin ]; then  # the fused-linear kernels on/off on both random shapes meanwhile
     for shape in qwen3-8b smollm2; do
@@ -71,7 +71,7 @@ stage1)
   fi
   ;;
 stage)  # optional: one 8B-shaped bench_big with DFLASH_LINEAR=$3 (torch|triton) meanwhile
-  for t in t5 t6; do [ -d ".stage/$t/$2" ] && cp ".stage/$t/$2/part" "$W/stage/$2.part"; done; ls -la "$W/stage"
+  for t in t5 t6 t7; do [ -d ".stage/$t/$2" ] && cp ".stage/$t/$2/part" "$W/stage/$2.part"; done; ls -la "$W/stage"
   if [ -n "${3:-}" ]; then
     DFLASH_LINEAR=$3 timeout 250 python3 scripts/bench_big.py --shape qwen3-8b --blocks 1,16 --steps 16 \
       --out "/tmp/bb8-$3" > "$OUT/bb-q8b-$3.log" 2>&1
@@ -89,7 +89,8 @@ glue)  # random SmolLM2-shaped pair: compiled device-loop glue on/off, fused lin
   done
   ;;
 bench)  # the last part carried: .stage/t5/ae (20 MB parts) or .stage/t6/af (16.5 MB parts, twelfth session)
-  if [ -d .stage/t6/af ]; then cat "$W"/stage/{aa,ab,ac,ad,ae}.part .stage/t6/af/part > "$GGUF"
+  if [ -d .stage/t7/ag ]; then cat "$W"/stage/{aa,ab,ac,ad,ae,af}.part .stage/t7/ag/part > "$GGUF"  # 7 parts of 14.1 MB
+  elif [ -d .stage/t6/af ]; then cat "$W"/stage/{aa,ab,ac,ad,ae}.part .stage/t6/af/part > "$GGUF"
   else cat "$W"/stage/{aa,ab,ac,ad}.part .stage/t5/ae/part > "$GGUF"; fi
   rm -rf "$W/datasets" && cp -r .stage/data "$W/datasets"
   B=(python3 -m dflash benchmark transformers --model "$GGUF" --draft "$D" --max-new-tokens 256
@@ -126,10 +127,12 @@ benchpdl)  # [.stage/t5/ae .stage/data] gsm8k 64 on the real pair with DFLASH_PD
     echo "$v rc $? at ${SECONDS}s"; grep -E "tok/s|speedup|τ|unexplained" "$OUT/b-gsm8k-pdl-$v.txt" | grep -v "━" | cut -c1-80
   done
   ;;
-benchvar)  # [.stage/t6/af .stage/data] after stage1..ae: gsm8k 64 on the real pair once per
+benchvar)  # [.stage/t7/ag .stage/data] after stage1..af (t7: 14.1 MB parts, so that a part and the
+  # 51 MB checkout fit a call's 64 MiB; t6's 16.5 MB parts no longer do): gsm8k 64 on the real pair once per
   # variant in $2 (space-separated; each a comma-separated list of VAR=value, "default" for none),
   # e.g. "default DFLASH_ATTN_SPLIT=128 DFLASH_ATTN_SPLIT=64" (fourteenth session's next step)
-  if [ -d .stage/t6/af ]; then cat "$W"/stage/{aa,ab,ac,ad,ae}.part .stage/t6/af/part > "$GGUF"
+  if [ -d .stage/t7/ag ]; then cat "$W"/stage/{aa,ab,ac,ad,ae,af}.part .stage/t7/ag/part > "$GGUF"  # 7 parts of 14.1 MB
+  elif [ -d .stage/t6/af ]; then cat "$W"/stage/{aa,ab,ac,ad,ae}.part .stage/t6/af/part > "$GGUF"
   else cat "$W"/stage/{aa,ab,ac,ad}.part .stage/t5/ae/part > "$GGUF"; fi
   rm -rf "$W/datasets" && cp -r .stage/data "$W/datasets"
   B=(python3 -m dflash benchmark transformers --model "$GGUF" --draft "$D" --max-new-tokens 256

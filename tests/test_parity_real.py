@@ -10,7 +10,7 @@ PROMPTS = [
     "Write a Python function that reverses a string.",
     "Name three primary colors.",
 ]
-REF_TOKENS = 48  # the longest comparison below (CI time: 64 before)
+REF_TOKENS = 32  # the longest comparison below (CI time: 64, then 48 before)
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +28,8 @@ def references(demo_pipe):
     return refs
 
 
-@pytest.mark.parametrize("block_size,new_tokens", [(2, 48), (16, 32)])  # smallest and trained block
+# smallest and trained block (block 2 took 77 s of CI per suite at 48 tokens: 24 now)
+@pytest.mark.parametrize("block_size,new_tokens", [(2, 24), (16, 32)])
 def test_greedy_parity_with_hf_generate(demo_pipe, references, block_size, new_tokens):
     """The untrained draft is rejected at almost every position: every step rolls back."""
     for ids, full in references:
