@@ -277,7 +277,6 @@ def main(argv: list[str] | None = None) -> dict:
               "pdl": os.environ.get("DFLASH_PDL", "") or "default (1)",
               "pdl_on": pdl_enabled(device), "l2_prefetch_bytes": getattr(be, "prefetch", 0),
               "pdl_prefetch_bytes": desc.get("pdl_prefetch_bytes", 0),
-              "pdl_tile_bytes": desc.get("pdl_tile_bytes", 0),
               "truth_sha1": hashlib.sha1(str(truth_ids).encode()).hexdigest(),  # same across variants
               "shape": "tiny" if args.tiny else args.shape, "init_std": init_std, "prompt_len": args.prompt_len, "build_s": built_s,
               "target_bytes": tgt, "draft_step_bytes": drf, "kv_bytes": kv,

@@ -72,7 +72,7 @@ if triton is not None:
         rm = tl.arange(0, BM)
         m_ok = rm < M
         n_ok = rn < N
-        acc = _rows_times_weight(X, W, rm, rn, m_ok, n_ok, K, s_xm, s_wn, IEEE, BM, BN, BK, PDL, 0, 64, BK)
+        acc = _rows_times_weight(X, W, rm, rn, m_ok, n_ok, K, s_xm, s_wn, IEEE, BM, BN, BK, PDL, 0, 64)
         y = acc.to(X.dtype.element_ty).to(tl.float32)  # the logits as the unfused head rounds them
         y = tl.where(n_ok[None, :], y, float("-inf"))
         best = tl.max(y, 1)  # [BM]

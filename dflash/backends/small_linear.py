@@ -14,7 +14,10 @@ with the norm as a row scale) and a SwiGLU epilogue made qkv and gate+up 1.5-2.5
 cuBLAS plus Inductor's fused norm kernel, and a whole block-1 step 8-30% slower.
 SiLU(gate) * up computed while loading the down projection's input (``DFLASH_FUSE_SILU``, twelfth
 session) made the demo-shaped loop steps 2.2x slower and an 8B-shaped block-1 step 12.7 against
-4.5 ms; removed.
+4.5 ms; removed. A wider first weight tile loaded before the PDL wait (``DFLASH_PDL_TILE``, up
+to 32-128 KiB per program, seventeenth session) made the demo loop steps 0.880 -> 0.952 ms
+(block 16) and 0.695 -> 0.735 ms (block 1) and Qwen3-8B's block 1 4.50 -> 5.14 ms at 64 KiB;
+removed (``benchmarks/results/h200-v17``).
 
 Rounding is the unfused ops': the product rounded to the input dtype, then added to the residual
 (float32 inputs use exact fp32 dots, no TF32). On by default on CUDA with Triton for forwards
@@ -39,7 +42,6 @@ LINEAR_ENV = "DFLASH_LINEAR"
 PDL_ENV = "DFLASH_PDL"
 CONFIG_ENV = "DFLASH_LINEAR_CONFIG"  # "BN,BK,warps,stages" for every shape (benchmark sweeps)
 PRELOAD_ENV = "DFLASH_PDL_PREFETCH"  # MiB of a projection's weight sent to L2 before its PDL wait
-TILE_ENV = "DFLASH_PDL_TILE"  # KiB of each program's weight rows loaded before its PDL wait
 MAX_ROWS = 32  # rows (M) the kernel takes; longer forwards (prefill) use torch
 SMEM_BUDGET = 200 * 1024  # bytes of shared memory the pipelined tiles may take
 
@@ -198,34 +200,6 @@ def preload_columns(n: int, k: int, bk: int, elem: int, budget: int) -> int:
     return min(k, bk + cols) if budget and cols else 0
 
 
-def pdl_tile_bytes() -> int:
-    """``DFLASH_PDL_TILE``: KiB of each ``small_linear`` program's weight rows it loads into
-    registers before it waits for the previous kernel under PDL (the first K tile widened, see
-    :func:`first_tile`). The weights do not depend on that kernel, so they stream in while it
-    (attention, an activation, a norm) still runs; unlike ``DFLASH_PDL_PREFETCH`` no extra
-    traffic and no L2 space is taken. Default 0: one K tile, as before (until measured).
-
-    Raises:
-        InputError: not a whole number >= 0.
-    """
-    raw = os.environ.get(TILE_ENV, "").strip()
-    if raw and not (raw.isascii() and raw.isdigit()):
-        from dflash.errors import InputError
-
-        raise InputError(f"{TILE_ENV} must be a whole number of KiB (0 = one K tile), got {raw!r}.",
-                         hint="unset it for the default (0)")  # fmt: skip
-    return int(raw or 0) << 10
-
-
-def first_tile(k: int, bn: int, bk: int, elem: int, budget: int) -> int:
-    """Columns of the first K tile (``BK0``, loaded before the PDL wait): ``bk`` doubled while
-    the doubled tile still lies within ``k`` and its ``bn`` rows take at most ``budget`` bytes."""
-    bk0 = bk
-    while bk0 * 2 <= k and bn * bk0 * 2 * elem <= budget:
-        bk0 *= 2
-    return bk0
-
-
 def kernel_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
     """(BM, BN, BK, num_warps, num_stages) for an [m, k] x [n, k]^T product (n output columns).
 
@@ -274,20 +248,19 @@ if triton is not None:
     @triton.jit
     def _rows_times_weight(X, W, rm, rn, m_ok, n_ok, K, s_xm, s_wn, IEEE: tl.constexpr, BM: tl.constexpr,
                            BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr, PRE_K=0,
-                           LINE: tl.constexpr = 64, BK0: tl.constexpr = 64):  # fmt: skip
+                           LINE: tl.constexpr = 64):  # fmt: skip
         """x[rm, :] @ W[rn, :]^T in float32 ([BM, BN]), streaming the weight rows along K; with
-        PDL the first weight tile (``BK0`` columns, a power-of-two multiple of BK) is
-        loaded before waiting for the previous kernel, and (``PRE_K`` > 0,
-        ``DFLASH_PDL_PREFETCH``) columns BK0..PRE_K of the rows are sent to L2 meanwhile (shared
-        by this module's kernel and :mod:`dflash.backends.head_argmax`)."""
+        PDL the first weight tile is loaded before waiting for the previous kernel, and (``PRE_K``
+        > 0, ``DFLASH_PDL_PREFETCH``) columns BK..PRE_K of the rows are sent to L2 meanwhile
+        (shared by this module's kernel and :mod:`dflash.backends.head_argmax`)."""
         acc = tl.zeros([BM, BN], tl.float32)
         k_first = 0
         if PDL:  # the first weight tile does not depend on the previous kernel: load it first
-            rk0 = tl.arange(0, BK0)  # own names: the loop's values are not carried from here
+            rk0 = tl.arange(0, BK)  # own names: the loop's values are not carried from here
             k_ok0 = rk0 < K
             w0 = tl.load(W + rn[:, None] * s_wn + rk0[None, :], mask=n_ok[:, None] & k_ok0[None, :], other=0.0)
-            if PRE_K > BK0:
-                _prefetch_rows(W, rn, n_ok, BK0, PRE_K, s_wn, LINE, 16)  # 16 lines a pass
+            if PRE_K > BK:
+                _prefetch_rows(W, rn, n_ok, BK, PRE_K, s_wn, LINE, 16)  # 16 lines a pass
             tl.extra.cuda.gdc_wait()  # the previous kernel is done: x (and a residual) are ready
             tl.extra.cuda.gdc_launch_dependents()
             x0 = tl.load(X + rm[:, None] * s_xm + rk0[None, :], mask=m_ok[:, None] & k_ok0[None, :], other=0.0)
@@ -295,7 +268,7 @@ if triton is not None:
                 acc += tl.dot(x0, tl.trans(w0), input_precision="ieee")
             else:
                 acc += tl.dot(x0, tl.trans(w0))
-            k_first = BK0
+            k_first = BK
         for k0 in range(k_first, K, BK):
             rk = k0 + tl.arange(0, BK)
             k_ok = rk < K
@@ -311,12 +284,12 @@ if triton is not None:
     def _small_linear_kernel(X, W, B, RES, Y, M, N, K, s_xm, s_wn, s_rm, s_ym, PRE_K, HAS_BIAS: tl.constexpr,
                              HAS_RES: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr,
                              BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr,
-                             LINE: tl.constexpr, BK0: tl.constexpr):  # fmt: skip
+                             LINE: tl.constexpr):  # fmt: skip
         rn = tl.program_id(0) * BN + tl.arange(0, BN)  # output columns of this program
         rm = tl.arange(0, BM)
         m_ok = rm < M
         n_ok = rn < N
-        acc = _rows_times_weight(X, W, rm, rn, m_ok, n_ok, K, s_xm, s_wn, IEEE, BM, BN, BK, PDL, PRE_K, LINE, BK0)
+        acc = _rows_times_weight(X, W, rm, rn, m_ok, n_ok, K, s_xm, s_wn, IEEE, BM, BN, BK, PDL, PRE_K, LINE)
         if HAS_BIAS:
             acc += tl.load(B + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         y = acc.to(Y.dtype.element_ty)
@@ -337,15 +310,12 @@ def _launch(x, weight, bias, residual) -> torch.Tensor:
     bm, bn, bk, warps, stages = kernel_config(m, n, k)
     pdl = pdl_enabled(x.device)
     elem = weight.element_size()
-    bk0 = first_tile(k, bn, bk, elem, pdl_tile_bytes()) if pdl else bk
-    if bn * bk0 > 8192 and warps < 8:  # a wide first tile: more threads to hold it
-        warps = 8
-    pre_k = preload_columns(n, k, bk0, elem, preload_bytes()) if pdl else 0
+    pre_k = preload_columns(n, k, bk, elem, preload_bytes()) if pdl else 0
     _small_linear_kernel[(triton.cdiv(n, bn),)](
         x, weight, bias if bias is not None else y, residual if residual is not None else y, y, m, n, k,
         x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0), pre_k,
         HAS_BIAS=bias is not None, HAS_RES=residual is not None, IEEE=x.dtype == torch.float32,
-        BM=bm, BN=bn, BK=bk, PDL=pdl, LINE=128 // elem, BK0=bk0, num_warps=warps, num_stages=stages,
+        BM=bm, BN=bn, BK=bk, PDL=pdl, LINE=128 // elem, num_warps=warps, num_stages=stages,
         **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
     return y

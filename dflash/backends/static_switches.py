@@ -18,7 +18,6 @@ from dflash.backends.small_linear import (
     kernel_config,
     linear_mode,
     pdl_setting,
-    pdl_tile_bytes,
     preload_bytes,
 )
 from dflash.backends.split_attention import (
@@ -32,7 +31,7 @@ from dflash.backends.static_loop import queue_ahead, step_compile_default
 
 def check_env() -> None:
     """Check every switch of the static path (``DFLASH_ATTN``, ``DFLASH_ATTN_SPLIT``,
-    ``DFLASH_LINEAR``, ``DFLASH_LINEAR_CONFIG``, ``DFLASH_PDL``, ``DFLASH_PDL_PREFETCH``, ``DFLASH_PDL_TILE``, ``DFLASH_ROPE``,
+    ``DFLASH_LINEAR``, ``DFLASH_LINEAR_CONFIG``, ``DFLASH_PDL``, ``DFLASH_PDL_PREFETCH``, ``DFLASH_ROPE``,
     ``DFLASH_PREFETCH``, ``DFLASH_STEP_COMPILE``, ``DFLASH_HEAD_ARGMAX``, ``DFLASH_GRAPH_WARM``,
     ``DFLASH_QUEUE_AHEAD``, ``DFLASH_DRAFT_ATTN_SPLIT``, ``DFLASH_ATTN_BLOCK``, ``DFLASH_ATTN_ONE_SLICE``)
     on any device: a typo fails at load on a laptop too, not first on the GPU machine.
@@ -50,7 +49,6 @@ def check_env() -> None:
     kernel_config(16, 1024, 1024)
     pdl_setting()
     preload_bytes()
-    pdl_tile_bytes()
     rope_parts()
     prefetch_setting(cpu)
     step_compile_default()

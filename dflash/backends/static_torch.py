@@ -38,7 +38,6 @@ from dflash.backends.small_linear import (
     linear_mode,
     pdl_enabled,
     pdl_part,
-    pdl_tile_bytes,
     preload_bytes,
 )
 from dflash.backends.split_attention import (
@@ -518,10 +517,8 @@ class StaticBackend(TransformersBackend):
     def describe(self) -> dict[str, Any]:
         """What runs the forwards (stored with benchmark records)."""
         preload = preload_bytes() if self._pdl_linear() else 0
-        tile = pdl_tile_bytes() if self._pdl_linear() else 0
         loop = self.device_loop
         return {**super().describe(), **({"pdl_prefetch_bytes": preload} if preload else {}),
-                **({"pdl_tile_bytes": tile} if tile else {}),  # DFLASH_PDL_TILE
                 **({"queue_ahead": loop.ahead} if loop is not None else {}),  # DFLASH_QUEUE_AHEAD
                 "impl": "static", "cuda_graphs": self.use_graphs,
                 "compile": self.compile, "fused": self.fused_target is not None,
