@@ -22,6 +22,7 @@
 #   v16a [VARIANTS] [.stage/t6/aa .stage/whl]  stage1's copy, attn_sweep.py, demo loop timings at prompt 300 per variant
 #   next17         (no carry)  8B blocks 1,16 default vs DFLASH_LINEAR=all (new tiles), demo loop timings, attn_sweep --cases long (next session's first call)
 #   v16b [VARIANTS [8B VARIANTS]] [.stage/t6/aa .stage/whl]  stage1's copy, demo loop timings at prompt 300 and 8B block 1 per variant
+#   v17a           [.stage/t7/aa .stage/whl]  stage1's copy, Qwen3-8B block 1 default (profiled) vs DFLASH_LINEAR=triton
 #   prefetchdemo   (no carry)  DFLASH_PREFETCH 0 against 8 MiB: demo-shape loop timings
 #   benchvar "V1 V2" [.stage/t6/af .stage/data] after stage1..ae: gsm8k 64 per env variant (default, DFLASH_ATTN_SPLIT=128 ...)
 #   exp13          (no carry)  default / DFLASH_STEP_COMPILE=1 / DFLASH_HEAD_ARGMAX=1 / DFLASH_PREFETCH=8 / all: loop timings
@@ -30,7 +31,7 @@
 #                results in $OUT (b-gsm8k.jsonl / .txt, generate.json, step_profile.json: GPU busy
 #                against wall per step on 4 real requests, PROFILE=0 skips it)
 set -u
-phase=${1:?usage: h200_speed_session.sh stage1|glue|stage PART [torch|triton]|bench [full]|benchvar [VARIANTS]|kernels|attn|merge|next|pdl|pdl2|pdlprof|pdlk|pdlgraphs|pdlloop|benchpdl|pdldefault|seq|rope|prefetch|prefetchdemo|pdlpre|k300|v16a|v16b|next17|exp13|big8b}
+phase=${1:?usage: h200_speed_session.sh stage1|glue|stage PART [torch|triton]|bench [full]|benchvar [VARIANTS]|kernels|attn|merge|next|pdl|pdl2|pdlprof|pdlk|pdlgraphs|pdlloop|benchpdl|pdldefault|seq|rope|prefetch|prefetchdemo|pdlpre|k300|v16a|v16b|next17|v17a|exp13|big8b}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 DFLASH_CACHE=/tmp/dflash-cache
 OUT=${OUT:-/tmp/h200-out}; mkdir -p "$OUT"
 W=/tmp/demo; mkdir -p "$W/stage"
@@ -364,6 +365,18 @@ next17)  # no carry (the next session's first call): Qwen3-8B blocks 1 and 16 un
     timeout 160 python3 scripts/attn_sweep.py --cases long --budget-s 130 --out "$OUT" > /tmp/sweep17.log 2>&1
     echo "sweep rc $?"; grep '"case"' /tmp/sweep17.log | cut -c1-160
   fi
+  ;;
+v17a)  # [.stage/t7/aa .stage/whl] stage1's copy; Qwen3-8B block 1 under the default (large
+  # in-projections through small_linear in 1-row steps since the seventeenth session, profiled)
+  # against DFLASH_LINEAR=triton (cuBLAS in-projections, the rule before) on one machine
+  cp .stage/t7/aa/part "$W/stage/aa.part"
+  for v in default DFLASH_LINEAR=triton; do
+    E=(env); [ "$v" = default ] || E+=($v); f=${v//[=,]/-}; P=(); [ "$v" = default ] && P=(--profile)
+    "${E[@]}" timeout 150 python3 scripts/bench_big.py --shape qwen3-8b --blocks 1 --steps 16 "${P[@]}" \
+      --out "/tmp/bb8-$f" > "/tmp/bb8-$f.log" 2>&1; echo "8b $v rc $? at ${SECONDS}s"
+    cp "/tmp/bb8-$f/bench_big.json" "$OUT/bench_big-q8b-v17-$f.json"
+    grep -o '"ms_per_step": [0-9.]*\|"x_floor": [0-9.]*\|"diverged_at": [0-9a-z]*' "/tmp/bb8-$f.log" | tr '\n' ' '; echo
+  done
   ;;
 prefetchdemo)  # no carry: DFLASH_PREFETCH 0 against ${PREFETCH_MIB:-8} on the demo shape's loop timings
   for v in 0 ${PREFETCH_MIB:-8}; do
