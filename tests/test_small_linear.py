@@ -81,6 +81,7 @@ def test_static_backend_with_fused_linears_decodes_greedy(tiny_target):
                 assert be.linear == "torch" and not be.draft_linear and not be.draft_rope  # CPU default
                 be.linear, be.draft_linear = linear, linear != "torch"
                 be.linear_in, be.draft_linear_in = sl.MAX_ROWS if linear == "all" else 0, linear == "all"
+                be.glu = be.draft_glu = linear == "all"  # SiLU * up as the gate+up kernel's epilogue
                 rounds = list(speculative_generate(be, PROMPT, block_size=block, max_new_tokens=40))
                 runs.append(([t for r in rounds for t in r.tokens], [r.accepted for r in rounds[1:]]))
             assert runs[1][0] == truth
@@ -162,6 +163,41 @@ def test_pdl_switch(monkeypatch):
     assert not sl.disable_pdl(cuda, "draft")
 
 
+def test_glu_switch_and_where_it_runs(tiny_target, monkeypatch):
+    """DFLASH_GLU (default on; 0 off; another value refused) reaches the target's SiLU MLPs and
+    the draft's where their gate+up projections run small_linear; recorded; a target with
+    another activation keeps its own; the unfused maths equal the fused reference."""
+    from dflash.backends import static_torch
+    from dflash.backends.static_torch import StaticBackend
+    from tests.conftest import make_draft
+
+    monkeypatch.delenv("DFLASH_GLU", raising=False)
+    assert sl.glu_setting()
+    monkeypatch.setenv("DFLASH_GLU", "yes")
+    with pytest.raises(InputError, match="DFLASH_GLU must be 0 or 1"):
+        sl.glu_setting()
+    draft = make_draft(tiny_target)
+
+    def made(mode: str) -> dict:
+        monkeypatch.setattr(static_torch, "linear_mode", lambda device: mode)
+        return StaticBackend(tiny_target, draft, torch.device("cpu"), use_graphs=False).describe()["glu"]
+
+    monkeypatch.setenv("DFLASH_GLU", "1")
+    assert made("auto") == {"target": True, "draft": True}
+    assert made("triton") == {"target": False, "draft": False}  # gate+up on cuBLAS: nothing to fuse into
+    monkeypatch.setenv("DFLASH_GLU", "0")
+    assert made("all") == {"target": False, "draft": False}
+    monkeypatch.setenv("DFLASH_GLU", "1")
+    monkeypatch.setattr(tiny_target.config, "hidden_act", "gelu")
+    assert made("all") == {"target": False, "draft": True}
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(3, 8, generator=g), torch.randn(10, 8, generator=g)
+    gate, up = F.linear(x, w).chunk(2, dim=-1)
+    torch.testing.assert_close(sl.small_linear_glu(x, w), F.silu(gate) * up)  # CPU: the reference
+    with pytest.raises(ValueError, match="gate and up halves"):
+        sl.small_linear_glu(x, w[:9])
+
+
 def test_fits_only_plain_row_major_linears(tiny_target):
     from dflash.backends.static_fused import draft_small_linear_fits, small_linear_fits
     from tests.conftest import make_draft
@@ -187,11 +223,19 @@ KERNEL_CHECK = textwrap.dedent("""
             got, want = sl.small_linear(*args), sl.small_linear_reference(*args)
             err = (got - want).abs().max().item()
             assert got.shape == want.shape and err < 1e-4, (m, n, k, err)
+        # SiLU(gate) * up as the epilogue: w's rows are the gate then the up halves
+        wg = w[: n - n % 2]  # gate and up halves
+        for bias in (None, b[: n - n % 2]):
+            got, want = sl.small_linear_glu(x, wg, bias), sl.small_linear_glu_reference(x, wg, bias)
+            err = (got - want).abs().max().item()
+            assert got.shape == (m, n // 2) and err < 1e-4, (m, n, k, err)
     # the fused static forward with the kernel: plain greedy tokens
     from tests.test_split_attention import assert_static_greedy
     assert_static_greedy(linear="triton", draft_linear=True)
     assert_static_greedy(linear="all", linear_in=sl.MAX_ROWS, draft_linear=True, draft_linear_in=True)  # qkv, gate+up too
     assert_static_greedy(linear="auto", linear_in=1, draft_linear=True)  # qkv, gate+up in 1-row steps only
+    assert_static_greedy(linear="all", linear_in=sl.MAX_ROWS, draft_linear=True, draft_linear_in=True, glu=True,
+                         draft_glu=True)  # SiLU * up as the gate+up kernel's epilogue
     print("ok")
 """)
 
@@ -293,8 +337,10 @@ def test_kernel_compiles_for_hopper_with_l2_preload(tmp_path, pre_k):
 
     names = ("M", "N", "K", "s_xm", "s_wn", "s_rm", "s_ym")
     sig = {"X": "*bf16", "W": "*bf16", "B": "*bf16", "RES": "*bf16", "Y": "*bf16", **dict.fromkeys(names, "i32"),
-           "PRE_K": "i32", **dict.fromkeys(("HAS_BIAS", "HAS_RES", "IEEE", "BM", "BN", "BK", "PDL", "LINE"), "constexpr")}  # fmt: skip
-    consts = {"HAS_BIAS": False, "HAS_RES": True, "IEEE": False, "BM": 16, "BN": 32, "BK": 512, "PDL": True, "LINE": 64}
+           "PRE_K": "i32", **dict.fromkeys(("HAS_BIAS", "HAS_RES", "IEEE", "BM", "BN", "BK", "PDL", "LINE", "GLU"),
+                                           "constexpr")}  # fmt: skip
+    consts = {"HAS_BIAS": False, "HAS_RES": True, "IEEE": False, "BM": 16, "BN": 32, "BK": 512, "PDL": True, "LINE": 64,
+              "GLU": False}  # fmt: skip
     if pre_k == 0:
         consts["PRE_K"] = 0  # specialised away, as a launch with nothing to preload compiles
         del sig["PRE_K"]
@@ -312,6 +358,29 @@ def test_kernel_compiles_for_hopper_with_l2_preload(tmp_path, pre_k):
         assert ptx.count("prefetch.global.L2 [") >= 1
     else:
         assert "prefetch.global.L2" not in ptx
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+@pytest.mark.parametrize("rows", [16, 32])
+def test_glu_kernel_compiles_for_hopper(rows):
+    """The SiLU(gate) * up epilogue (gate and up rows in one tile, split after the dot) compiles
+    for sm_90 with PDL, for the demo's 1-16 and the draft's 32-row forwards."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = ("M", "N", "K", "s_xm", "s_wn", "s_rm", "s_ym")
+    flags = ("HAS_BIAS", "HAS_RES", "IEEE", "BM", "BN", "BK", "PDL", "LINE", "GLU", "PRE_K")
+    sig = {"X": "*bf16", "W": "*bf16", "B": "*bf16", "RES": "*bf16", "Y": "*bf16", **dict.fromkeys(names, "i32"),
+           **dict.fromkeys(flags, "constexpr")}  # fmt: skip
+    consts = {"HAS_BIAS": False, "HAS_RES": False, "IEEE": False, "BM": rows, "BN": 16, "BK": 128, "PDL": True,
+              "LINE": 64, "GLU": True, "PRE_K": 0}  # fmt: skip
+    src = ASTSource(fn=sl._small_linear_kernel, signature=sig, constexprs=consts)
+    try:
+        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 4})
+    except RuntimeError as e:  # no ptxas in this Triton install
+        pytest.skip(f"cannot compile for sm_90 here: {e}")
+    assert "griddepcontrol.wait" in kernel.asm["ptx"]
 
 
 def test_describe_records_pdl_prefetch_for_the_draft_only_setting(tiny_target, monkeypatch):

@@ -55,6 +55,24 @@ _HAS_GDC = triton is not None and hasattr(getattr(getattr(tl, "extra", None), "c
 
 
 IN_PROJ_MAX_BYTES = 8 << 20  # under DFLASH_LINEAR=auto: fused qkv / gate+up weights up to this
+GLU_ENV = "DFLASH_GLU"
+
+
+def glu_setting() -> bool:
+    """``DFLASH_GLU``: unset or ``1`` (default) runs SiLU(gate) * up as the epilogue of the
+    gate+up projection where that projection runs this kernel (:func:`small_linear_glu`: one
+    kernel and one [M, 2N] intermediate less per layer); ``0`` keeps the activation as its own
+    (Inductor) kernel.
+
+    Raises:
+        InputError: another value.
+    """
+    raw = os.environ.get(GLU_ENV, "").strip()
+    if raw not in ("", "0", "1"):
+        from dflash.errors import InputError
+
+        raise InputError(f"{GLU_ENV} must be 0 or 1, got {raw!r}.", hint="unset it for the default (1)")
+    return raw != "0"
 
 
 def linear_mode(device: torch.device) -> str:
@@ -284,14 +302,31 @@ if triton is not None:
     def _small_linear_kernel(X, W, B, RES, Y, M, N, K, s_xm, s_wn, s_rm, s_ym, PRE_K, HAS_BIAS: tl.constexpr,
                              HAS_RES: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr,
                              BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr,
-                             LINE: tl.constexpr):  # fmt: skip
-        rn = tl.program_id(0) * BN + tl.arange(0, BN)  # output columns of this program
+                             LINE: tl.constexpr, GLU: tl.constexpr = False):  # fmt: skip
         rm = tl.arange(0, BM)
         m_ok = rm < M
-        n_ok = rn < N
-        acc = _rows_times_weight(X, W, rm, rn, m_ok, n_ok, K, s_xm, s_wn, IEEE, BM, BN, BK, PDL, PRE_K, LINE)
-        if HAS_BIAS:
-            acc += tl.load(B + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        if GLU:  # W holds [gate; up] (2N rows): this program's N columns of each, side by side
+            r = tl.arange(0, 2 * BN)
+            rn = tl.program_id(0) * BN + r % BN  # output column of each weight row taken
+            n_ok2 = rn < N
+            wrow = tl.where(r < BN, rn, rn + N)
+            acc2 = _rows_times_weight(X, W, rm, wrow, m_ok, n_ok2, K, s_xm, s_wn, IEEE, BM, 2 * BN, BK, PDL,
+                                      PRE_K, LINE)  # [BM, 2 BN]: gate columns, then up columns  # fmt: skip
+            if HAS_BIAS:
+                acc2 += tl.load(B + wrow, mask=n_ok2, other=0.0).to(tl.float32)[None, :]
+            # the projection's outputs rounded as F.linear's, then SiLU(gate) * up in float32
+            # rounded once (as Inductor's fused kernel)
+            g, u = tl.split(tl.permute(tl.reshape(acc2.to(Y.dtype.element_ty).to(tl.float32), [BM, 2, BN]),
+                                       [0, 2, 1]))  # fmt: skip
+            acc = g * tl.sigmoid(g) * u
+            rn = tl.program_id(0) * BN + tl.arange(0, BN)
+            n_ok = rn < N
+        else:
+            rn = tl.program_id(0) * BN + tl.arange(0, BN)  # output columns of this program
+            n_ok = rn < N
+            acc = _rows_times_weight(X, W, rm, rn, m_ok, n_ok, K, s_xm, s_wn, IEEE, BM, BN, BK, PDL, PRE_K, LINE)
+            if HAS_BIAS:
+                acc += tl.load(B + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         y = acc.to(Y.dtype.element_ty)
         ym = m_ok[:, None] & n_ok[None, :]
         if HAS_RES:  # torch: residual + linear(...) adds two rounded tensors
@@ -300,22 +335,25 @@ if triton is not None:
         tl.store(Y + rm[:, None] * s_ym + rn[None, :], y, mask=ym)
 
 
-def _launch(x, weight, bias, residual) -> torch.Tensor:
+def _launch(x, weight, bias, residual, glu: bool = False) -> torch.Tensor:
     m = x.shape[0]
-    n, k = weight.shape
-    if x.shape[1] != k or x.stride(1) != 1:
+    rows, k = weight.shape
+    if x.shape[1] != k or x.stride(1) != 1 or (glu and rows % 2):
         raise ValueError(f"small_linear: input {tuple(x.shape)} (strides {x.stride()}) does not fit "
-                         f"weight {tuple(weight.shape)}")  # fmt: skip
+                         f"weight {tuple(weight.shape)}{' (gate and up halves)' if glu else ''}")  # fmt: skip
+    n = rows // 2 if glu else rows  # output columns
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    bm, bn, bk, warps, stages = kernel_config(m, n, k)
+    bm, bn, bk, warps, stages = kernel_config(m, rows, k)  # tiles by the weight read
+    if glu:  # each program takes bn weight rows: bn // 2 columns of gate and of up
+        bn //= 2
     pdl = pdl_enabled(x.device)
     elem = weight.element_size()
-    pre_k = preload_columns(n, k, bk, elem, preload_bytes()) if pdl else 0
+    pre_k = preload_columns(rows, k, bk, elem, preload_bytes()) if pdl else 0
     _small_linear_kernel[(triton.cdiv(n, bn),)](
         x, weight, bias if bias is not None else y, residual if residual is not None else y, y, m, n, k,
         x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0), pre_k,
         HAS_BIAS=bias is not None, HAS_RES=residual is not None, IEEE=x.dtype == torch.float32,
-        BM=bm, BN=bn, BK=bk, PDL=pdl, LINE=128 // elem, num_warps=warps, num_stages=stages,
+        BM=bm, BN=bn, BK=bk, PDL=pdl, LINE=128 // elem, GLU=glu, num_warps=warps, num_stages=stages,
         **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
     return y
@@ -330,6 +368,46 @@ def _small_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 @_small_linear_op.register_fake
 def _(x, weight, bias, residual):
     return x.new_empty(x.shape[0], weight.shape[0])
+
+
+@torch.library.custom_op("dflash::small_linear_glu", mutates_args=())
+def _small_linear_glu_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return _launch(x, weight, bias, None, glu=True)
+
+
+@_small_linear_glu_op.register_fake
+def _(x, weight, bias):
+    return x.new_empty(x.shape[0], weight.shape[0] // 2)
+
+
+def small_linear_glu_reference(x, weight, bias=None) -> torch.Tensor:
+    """The unfused maths of :func:`small_linear_glu` in torch ops: the projection rounded to x's
+    dtype, then SiLU(gate) * up in float32 rounded once (as Inductor fuses it)."""
+    g, u = F.linear(x, weight, bias).chunk(2, dim=-1)
+    return (F.silu(g.float()) * u.float()).to(x.dtype)
+
+
+def small_linear_glu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """A SwiGLU MLP's first half, ``SiLU(x @ gate^T) * (x @ up^T)``, in one kernel: each
+    program takes the same output columns of the gate and the up rows, so the activation is an
+    epilogue and its kernel (and the [M, 2N] intermediate) is gone.
+
+    Args:
+        x: [M, K], unit last stride; M <= :data:`MAX_ROWS`.
+        weight: [2N, K], the gate rows then the up rows (a fused gate+up projection); bias: [2N]
+            or None.
+    Returns:
+        [M, N] in x's dtype. Off CUDA (or Triton absent and not interpreting)
+        :func:`small_linear_glu_reference` runs instead.
+
+    Raises:
+        ValueError: x does not fit the weight, or the weight has an odd number of rows.
+    """
+    if weight.shape[0] % 2:
+        raise ValueError(f"small_linear: weight {tuple(weight.shape)} does not split into gate and up halves")
+    if triton is None or (x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1"):
+        return small_linear_glu_reference(x, weight, bias)
+    return _small_linear_glu_op(x, weight, bias)
 
 
 def small_linear_reference(x, weight, bias=None, residual=None) -> torch.Tensor:

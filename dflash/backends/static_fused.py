@@ -33,7 +33,7 @@ from dflash.backends import l2_prefetch
 from dflash.backends.head_argmax import head_argmax
 from dflash.backends.rope_cache import rope_cache, rope_cache_fits
 from dflash.backends.small_linear import MAX_ROWS as LINEAR_MAX_ROWS
-from dflash.backends.small_linear import small_linear
+from dflash.backends.small_linear import small_linear, small_linear_glu
 from dflash.backends.split_attention import split_attention, uses_kernel
 from dflash.models.draft_torch import rope_cos_sin
 
@@ -252,8 +252,12 @@ def _in_proj(lin: bool, fused: FusedLinear, x: torch.Tensor) -> tuple[torch.Tens
     return fused(x)
 
 
-def _mlp(lin: bool, lin_in: bool, gate_up: FusedLinear, down, act, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """x + down(act(gate) * up) for the normed [1, T, H] activations ``h``."""
+def _mlp(lin: bool, lin_in: bool, gate_up: FusedLinear, down, act, h: torch.Tensor, x: torch.Tensor,
+         glu: bool = False) -> torch.Tensor:  # fmt: skip
+    """x + down(act(gate) * up) for the normed [1, T, H] activations ``h``; ``glu`` (the act is
+    SiLU): SiLU(gate) * up as the gate+up kernel's epilogue where that runs ``small_linear``."""
+    if glu and lin_in and h.shape[1] <= LINEAR_MAX_ROWS:
+        return _out_proj(lin, down, small_linear_glu(h[0], gate_up.weight, gate_up.bias)[None], x)
     g, u = _in_proj(lin_in, gate_up, h)
     return _out_proj(lin, down, act(g) * u, x)
 
@@ -314,7 +318,8 @@ def target_forward_fused(be, ids: torch.Tensor, pos: torch.Tensor, argmax: bool 
                 o = attend(q, be.k[i], be.v[i], mask, a.scaling, packed)
         o = o.transpose(1, 2).reshape(1, t, be.heads * hd)
         x = _out_proj(lin, a.o_proj, o, x)
-        x = _mlp(lin, lin_in, gate_up, layer.mlp.down_proj, layer.mlp.act_fn, layer.post_attention_layernorm(x), x)
+        x = _mlp(lin, lin_in, gate_up, layer.mlp.down_proj, layer.mlp.act_fn, layer.post_attention_layernorm(x), x,
+                 getattr(be, "glu", False))  # fmt: skip
         if i < be.n_layers - 1:
             for n in be.feature_layers.get(i, ()):
                 slots[n] = x[0]
@@ -332,7 +337,7 @@ def target_forward_fused(be, ids: torch.Tensor, pos: torch.Tensor, argmax: bool 
 
 def draft_forward_fused(draft, fused, block_embeds, target_hidden, q_pos, ctx_pos, cache, masks,
                         pack_gqa: bool = False, split_kinds=frozenset(), lin: bool = False,
-                        lin_in: bool = False, rope: bool = False, prefetch=None):  # fmt: skip
+                        lin_in: bool = False, rope: bool = False, prefetch=None, glu: bool = False):  # fmt: skip
     """:meth:`DFlashDraft.forward` for the static cache with fused projections.
 
     Context and block rows go through one QKV matmul ([Tc + L] rows; the context rows' Q is
@@ -349,7 +354,8 @@ def draft_forward_fused(draft, fused, block_embeds, target_hidden, q_pos, ctx_po
     ``lin``: o_proj and down_proj with their residual adds, and the context projection ``fc``
     (up to ``MAX_ROWS`` context rows), run as
     :func:`~dflash.backends.small_linear.small_linear` kernels; ``lin_in``: the fused qkv and
-    gate+up projections too; ``rope``: in ``split_kinds`` layers the q/k norm, RoPE and the
+    gate+up projections too (``glu``: with SiLU(gate) * up as that kernel's epilogue,
+    :func:`~dflash.backends.small_linear.small_linear_glu`); ``rope``: in ``split_kinds`` layers the q/k norm, RoPE and the
     context and block rows' cache writes run as one :func:`~dflash.backends.rope_cache.rope_cache`
     kernel (the caller checks :func:`draft_rope_fits`); ``prefetch``: (sink, bytes) for an L2
     prefetch of each layer's o_proj, gate+up and down_proj weights after its qkv projection
@@ -402,7 +408,7 @@ def draft_forward_fused(draft, fused, block_embeds, target_hidden, q_pos, ctx_po
                 out = attend(q, k, v, masks[kind], None, packed)
         out = out.transpose(1, 2).reshape(1, lq, a.heads * d)
         h = _out_proj(lin, a.o_proj, out, h)
-        h = _mlp(lin, lin_in, gate_up, layer.mlp.down_proj, F.silu, layer.post_attention_layernorm(h), h)
+        h = _mlp(lin, lin_in, gate_up, layer.mlp.down_proj, F.silu, layer.post_attention_layernorm(h), h, glu)
     if prefetch:
         l2_prefetch.join(prefetch[0], h)
     return draft.norm(h)

@@ -15,6 +15,7 @@ from dflash.backends.l2_prefetch import prefetch_setting
 from dflash.backends.rope_cache import rope_parts
 from dflash.backends.small_linear import (
     disable_pdl,
+    glu_setting,
     kernel_config,
     linear_mode,
     pdl_setting,
@@ -31,7 +32,7 @@ from dflash.backends.static_loop import queue_ahead, step_compile_default
 
 def check_env() -> None:
     """Check every switch of the static path (``DFLASH_ATTN``, ``DFLASH_ATTN_SPLIT``,
-    ``DFLASH_LINEAR``, ``DFLASH_LINEAR_CONFIG``, ``DFLASH_PDL``, ``DFLASH_PDL_PREFETCH``, ``DFLASH_ROPE``,
+    ``DFLASH_LINEAR``, ``DFLASH_LINEAR_CONFIG``, ``DFLASH_GLU``, ``DFLASH_PDL``, ``DFLASH_PDL_PREFETCH``, ``DFLASH_ROPE``,
     ``DFLASH_PREFETCH``, ``DFLASH_STEP_COMPILE``, ``DFLASH_HEAD_ARGMAX``, ``DFLASH_GRAPH_WARM``,
     ``DFLASH_QUEUE_AHEAD``, ``DFLASH_DRAFT_ATTN_SPLIT``, ``DFLASH_ATTN_BLOCK``, ``DFLASH_ATTN_ONE_SLICE``)
     on any device: a typo fails at load on a laptop too, not first on the GPU machine.
@@ -48,6 +49,7 @@ def check_env() -> None:
     linear_mode(cpu)
     kernel_config(16, 1024, 1024)
     pdl_setting()
+    glu_setting()
     preload_bytes()
     rope_parts()
     prefetch_setting(cpu)
@@ -115,6 +117,7 @@ def fall_back(be, error: Exception, part: str | None = None, kind: str | None = 
         what, fix = "the RoPE + cache-write kernel", "torch ops (DFLASH_ROPE=0 silences this)"
     elif be.linear != "torch" or be.draft_linear:
         be.linear, be.draft_linear, be.draft_linear_in, be.linear_in = "torch", False, False, 0
+        be.glu = be.draft_glu = False
         be.draft_rope = be.target_rope = False
         what, fix = "the Triton projection kernel", "cuBLAS (DFLASH_LINEAR=torch silences this)"
     elif be.attention != "sdpa":

@@ -34,6 +34,7 @@ from dflash.backends.l2_prefetch import prefetch_setting
 from dflash.backends.rope_cache import rope_cache_fits, rope_parts
 from dflash.backends.small_linear import (
     MAX_ROWS,
+    glu_setting,
     in_projs_small,
     linear_mode,
     pdl_enabled,
@@ -186,6 +187,10 @@ class StaticBackend(TransformersBackend):
         # have more rows than one, so its switch is all or nothing
         self.linear_in = _in_proj_rows(self.linear, self.fused_target)
         self.draft_linear_in = self.draft_linear and _in_proj_rows(linear, self.fused_draft) == MAX_ROWS
+        # SiLU(gate) * up as the epilogue of those gate+up kernels (SiLU MLPs; DFLASH_GLU)
+        glu = glu_setting()
+        self.glu = glu and self.linear_in > 0 and getattr(target.config, "hidden_act", None) in ("silu", "swish")
+        self.draft_glu = glu and self.draft_linear_in
         # q/k (norm +) RoPE + cache writes as one kernel (see dflash.backends.rope_cache)
         parts = rope_parts()  # a bad DFLASH_ROPE errs on CPU too
         split = self.attention != "sdpa"  # the kernel feeds the split-KV attention only
@@ -331,7 +336,8 @@ class StaticBackend(TransformersBackend):
             h = draft_forward_fused(self.draft_model, self.fused_draft, embeds, ctx, q_pos, ctx_pos[None],
                                     self.dcache, masks, self.pack_gqa, kinds, lin,
                                     lin and self.draft_linear_in, lin and self.draft_rope,
-                                    (self.l2_sink, self.prefetch) if self.prefetch and lin else None)  # fmt: skip
+                                    (self.l2_sink, self.prefetch) if self.prefetch and lin else None,
+                                    lin and self.draft_glu)  # fmt: skip
         else:
             h = self.draft_model(embeds, ctx, q_pos, ctx_pos[None], cache=self.dcache, masks=masks)
         if argmax:
@@ -527,6 +533,7 @@ class StaticBackend(TransformersBackend):
                 "device_loop": self.device_loop is not None,
                 "attention": self.attention, "linear": self.linear,
                 "linear_in": {"target": self.linear_in, "draft": self.draft_linear_in},
+                "glu": {"target": self.glu, "draft": self.draft_glu},  # DFLASH_GLU
                 **({"attn_split": {"target": split_setting(head_dim=self.head_dim),
                                    "draft": split_setting(draft=True, head_dim=self._draft_head_dim())},
                     "attn_one_slice": {"target": one_slice_setting(head_dim=self.head_dim),
