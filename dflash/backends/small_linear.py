@@ -9,12 +9,22 @@ a 16-row tensor-core tile. The static forwards use it for each layer's o_proj an
 
 Measured on the H200 (``scripts/small_linear_sweep.py``, bf16, CUDA graphs of 50 calls): o_proj
 2.9 vs 3.1 us (demo) and 7.8 vs 10.3 us (Qwen3-8B shape); down_proj 3.8-4.4 vs 4.7 us and
-26.8 vs 29.7 us. Fusing more was tried and removed: an RMSNorm prologue (two-pass, or one pass
-with the norm as a row scale) and a SwiGLU epilogue made qkv and gate+up 1.5-2.5x slower than
-cuBLAS plus Inductor's fused norm kernel, and a whole block-1 step 8-30% slower.
-SiLU(gate) * up computed while loading the down projection's input (``DFLASH_FUSE_SILU``, twelfth
-session) made the demo-shaped loop steps 2.2x slower and an 8B-shaped block-1 step 12.7 against
-4.5 ms; removed. A wider first weight tile loaded before the PDL wait (``DFLASH_PDL_TILE``, up
+26.8 vs 29.7 us.
+
+Where the gate+up projection runs this kernel, SiLU(gate) * up is its epilogue
+(:func:`small_linear_glu`, ``DFLASH_GLU``, seventeenth session): each program takes the same
+output columns of the gate rows and of the up rows in one [2 BN, BK] weight tile, so the
+activation needs no kernel of its own. H200, one machine, against ``DFLASH_GLU=0``: demo loop
+steps at prompt 300 0.880 -> 0.831 ms (block 16) and 0.691 -> 0.649 ms (block 1), the draft
+graph 0.154 -> 0.147 ms; Qwen3-8B's block 1 4.319 -> 4.240 ms.
+
+Fusing more was tried and removed: an RMSNorm prologue (two-pass, or one pass with the norm as
+a row scale) and, with it, a first SwiGLU epilogue (2026-12-01, before this kernel's
+in-projection tiles) made qkv and gate+up 1.5-2.5x slower than cuBLAS plus Inductor's fused
+norm kernel, and a whole block-1 step 8-30% slower. SiLU(gate) * up computed while loading the down
+projection's input (``DFLASH_FUSE_SILU``, twelfth session: every program recomputes the whole
+activation) made the demo-shaped loop steps 2.2x slower and an 8B-shaped block-1 step 12.7
+against 4.5 ms; removed. A wider first weight tile loaded before the PDL wait (``DFLASH_PDL_TILE``, up
 to 32-128 KiB per program, seventeenth session) made the demo loop steps 0.880 -> 0.952 ms
 (block 16) and 0.695 -> 0.735 ms (block 1) and Qwen3-8B's block 1 4.50 -> 5.14 ms at 64 KiB;
 removed (``benchmarks/results/h200-v17``).
