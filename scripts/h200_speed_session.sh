@@ -24,6 +24,7 @@
 #   v16b [VARIANTS [8B VARIANTS]] [.stage/t6/aa .stage/whl]  stage1's copy, demo loop timings at prompt 300 and 8B block 1 per variant
 #   v17a           [.stage/t7/aa .stage/whl]  stage1's copy, Qwen3-8B block 1 default (profiled) vs DFLASH_LINEAR=triton
 #   v17b           [.stage/t7/aa .stage/whl]  stage1's copy, DFLASH_GLU on/off: demo loop timings, Qwen3-8B block 1
+#   next18         [.stage/t7/aa .stage/whl]  stage1's copy, DFLASH_FUSE_NORM=1 against the default: demo loop timings, 8B block 1
 #   prefetchdemo   (no carry)  DFLASH_PREFETCH 0 against 8 MiB: demo-shape loop timings
 #   benchvar "V1 V2" [.stage/t6/af .stage/data] after stage1..ae: gsm8k 64 per env variant (default, DFLASH_ATTN_SPLIT=128 ...)
 #   exp13          (no carry)  default / DFLASH_STEP_COMPILE=1 / DFLASH_HEAD_ARGMAX=1 / DFLASH_PREFETCH=8 / all: loop timings
@@ -32,7 +33,7 @@
 #                results in $OUT (b-gsm8k.jsonl / .txt, generate.json, step_profile.json: GPU busy
 #                against wall per step on 4 real requests, PROFILE=0 skips it)
 set -u
-phase=${1:?usage: h200_speed_session.sh stage1|glue|stage PART [torch|triton]|bench [full]|benchvar [VARIANTS]|kernels|attn|merge|next|pdl|pdl2|pdlprof|pdlk|pdlgraphs|pdlloop|benchpdl|pdldefault|seq|rope|prefetch|prefetchdemo|pdlpre|k300|v16a|v16b|next17|v17a|v17b|exp13|big8b}
+phase=${1:?usage: h200_speed_session.sh stage1|glue|stage PART [torch|triton]|bench [full]|benchvar [VARIANTS]|kernels|attn|merge|next|pdl|pdl2|pdlprof|pdlk|pdlgraphs|pdlloop|benchpdl|pdldefault|seq|rope|prefetch|prefetchdemo|pdlpre|k300|v16a|v16b|next17|v17a|v17b|next18|exp13|big8b}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 DFLASH_CACHE=/tmp/dflash-cache
 OUT=${OUT:-/tmp/h200-out}; mkdir -p "$OUT"
 W=/tmp/demo; mkdir -p "$W/stage"
@@ -389,6 +390,20 @@ v17b)  # [.stage/t7/aa .stage/whl] stage1's copy; SiLU(gate) * up as the gate+up
     "${E[@]}" timeout 100 python3 scripts/bench_big.py --shape qwen3-8b --blocks 1 --steps 16 \
       --out "/tmp/bb8-$f" > "/tmp/bb8-$f.log" 2>&1; echo "8b $v rc $? at ${SECONDS}s"
     cp "/tmp/bb8-$f/bench_big.json" "$OUT/bench_big-q8b-glu-$f.json"
+    grep -o '"ms_per_step": [0-9.]*\|"x_floor": [0-9.]*\|"diverged_at": [0-9a-z]*' "/tmp/bb8-$f.log" | tr '\n' ' '; echo
+  done
+  ;;
+next18)  # [.stage/t7/aa .stage/whl] (the next session's first call) stage1's copy; the RMSNorms
+  # inside the in-projections (DFLASH_FUSE_NORM=1, an experiment) against the default: demo loop
+  # timings at prompt 300, then Qwen3-8B block 1 (predicted about 2 us less per norm)
+  cp .stage/t7/aa/part "$W/stage/aa.part"
+  k300_variants "${K_STOP:-200}" "default DFLASH_FUSE_NORM=1"
+  for v in default DFLASH_FUSE_NORM=1; do
+    [ "$SECONDS" -gt "${B_STOP:-300}" ] && { echo "skip 8b $v at ${SECONDS}s"; continue; }
+    E=(env); [ "$v" = default ] || E+=($v); f=${v//[=,]/-}
+    "${E[@]}" timeout 100 python3 scripts/bench_big.py --shape qwen3-8b --blocks 1 --steps 16 \
+      --out "/tmp/bb8-$f" > "/tmp/bb8-$f.log" 2>&1; echo "8b $v rc $? at ${SECONDS}s"
+    cp "/tmp/bb8-$f/bench_big.json" "$OUT/bench_big-q8b-norm-$f.json"
     grep -o '"ms_per_step": [0-9.]*\|"x_floor": [0-9.]*\|"diverged_at": [0-9a-z]*' "/tmp/bb8-$f.log" | tr '\n' ' '; echo
   done
   ;;

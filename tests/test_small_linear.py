@@ -107,12 +107,12 @@ def test_auto_takes_small_in_projections_only(tiny_target, monkeypatch):
     be = StaticBackend(tiny_target, draft, torch.device("cpu"), use_graphs=False)
     sizes = [w.weight.numel() * w.weight.element_size() for pair in be.fused_target + be.fused_draft for w in pair]
     assert len(sizes) > 4 and max(sizes) < sl.IN_PROJ_MAX_BYTES  # a tiny pair: small
-    assert made("auto") == {"target": sl.MAX_ROWS, "draft": True}
-    assert made("triton") == {"target": 0, "draft": False}
+    assert made("auto") == {"target": sl.MAX_ROWS, "draft": sl.MAX_ROWS}
+    assert made("triton") == {"target": 0, "draft": 0}
     monkeypatch.setattr(sl, "IN_PROJ_MAX_BYTES", 0)  # as for Qwen3-8B's 50 and 201 MB weights
-    assert made("auto") == {"target": 1, "draft": False}
-    assert made("all") == {"target": sl.MAX_ROWS, "draft": True}
-    assert made("torch") == {"target": 0, "draft": False}
+    assert made("auto") == {"target": 1, "draft": 0}
+    assert made("all") == {"target": sl.MAX_ROWS, "draft": sl.MAX_ROWS}
+    assert made("torch") == {"target": 0, "draft": 0}
     w = torch.empty(3, 4, dtype=torch.bfloat16)  # 24 bytes
     monkeypatch.setattr(sl, "IN_PROJ_MAX_BYTES", 24)
     assert sl.in_projs_small([w, w]) and not sl.in_projs_small([])
@@ -188,14 +188,58 @@ def test_glu_switch_and_where_it_runs(tiny_target, monkeypatch):
     monkeypatch.setenv("DFLASH_GLU", "0")
     assert made("all") == {"target": False, "draft": False}
     monkeypatch.setenv("DFLASH_GLU", "1")
+    monkeypatch.setattr(sl, "IN_PROJ_MAX_BYTES", 0)  # large in-projections: 1-row target forwards only
+    assert made("auto") == {"target": True, "draft": False}
+    monkeypatch.undo()  # (the env too: DFLASH_GLU unset, on by default)
+    monkeypatch.setattr(static_torch, "linear_mode", lambda device: "all")
     monkeypatch.setattr(tiny_target.config, "hidden_act", "gelu")
-    assert made("all") == {"target": False, "draft": True}
+    assert StaticBackend(tiny_target, draft, torch.device("cpu"), use_graphs=False).describe()["glu"] == {
+        "target": False, "draft": True}  # fmt: skip
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(3, 8, generator=g), torch.randn(10, 8, generator=g)
     gate, up = F.linear(x, w).chunk(2, dim=-1)
     torch.testing.assert_close(sl.small_linear_glu(x, w), F.silu(gate) * up)  # CPU: the reference
     with pytest.raises(ValueError, match="gate and up halves"):
         sl.small_linear_glu(x, w[:9])
+
+
+def test_fuse_norm_switch_and_greedy_parity(tiny_target, monkeypatch):
+    """DFLASH_FUSE_NORM (off by default; 1 on; another value refused) reaches the target and the
+    draft where their in-projections run small_linear and their norms are plain RMSNorms
+    (recorded when on); the static path with it (reference maths on CPU) calls the normed
+    projections in both and decodes exactly plain greedy, with and without the SwiGLU epilogue."""
+    from dflash.backends import static_fused, static_torch
+    from dflash.backends.static_torch import StaticBackend
+    from tests.conftest import make_draft
+    from tests.test_split_attention import assert_static_greedy
+
+    monkeypatch.delenv("DFLASH_FUSE_NORM", raising=False)
+    assert not sl.fuse_norm_setting()
+    monkeypatch.setenv("DFLASH_FUSE_NORM", "on")
+    with pytest.raises(InputError, match="DFLASH_FUSE_NORM must be 0 or 1"):
+        sl.fuse_norm_setting()
+    monkeypatch.setenv("DFLASH_FUSE_NORM", "1")
+    draft = make_draft(tiny_target)
+    monkeypatch.setattr(static_torch, "linear_mode", lambda device: "all")
+    be = StaticBackend(tiny_target, draft, torch.device("cpu"), use_graphs=False)
+    assert be.describe()["fuse_norm"] == {"target": True, "draft": True}
+    monkeypatch.setattr(static_torch, "linear_mode", lambda device: "triton")  # in-projections on cuBLAS
+    assert "fuse_norm" not in StaticBackend(tiny_target, draft, torch.device("cpu"), use_graphs=False).describe()
+    assert static_fused.norms_fit(tiny_target.model.layers, torch.float32)
+    assert not static_fused.norms_fit(tiny_target.model.layers, torch.bfloat16)  # another dtype
+    layer = tiny_target.model.layers[0]
+    kept, layer.post_attention_layernorm = layer.post_attention_layernorm, torch.nn.LayerNorm(64)
+    assert not static_fused.norms_fit(tiny_target.model.layers, torch.float32)
+    layer.post_attention_layernorm = kept
+    calls = []
+    real = sl.small_linear_normed
+    monkeypatch.setattr(static_fused, "small_linear_normed", lambda *a, **k: calls.append(a[2].shape) or real(*a, **k))
+    for glu in (False, True):
+        calls.clear()
+        assert_static_greedy(attention="split", linear="all", linear_in=sl.MAX_ROWS, draft_linear=True,
+                             draft_linear_in=True, target_rope=True, draft_rope=True, glu=glu, draft_glu=glu,
+                             fuse_norm=True, draft_fuse_norm=True)  # fmt: skip
+        assert len(calls) > 0 and all(c == (64,) for c in calls)
 
 
 def test_fits_only_plain_row_major_linears(tiny_target):
@@ -224,11 +268,12 @@ KERNEL_CHECK = textwrap.dedent("""
             err = (got - want).abs().max().item()
             assert got.shape == want.shape and err < 1e-4, (m, n, k, err)
         # SiLU(gate) * up as the epilogue: w's rows are the gate then the up halves
-        wg = w[: n - n % 2]  # gate and up halves
-        for bias in (None, b[: n - n % 2]):
+        wg = torch.cat((w, w[:1] * 0.5)) if n % 2 else w  # gate and up halves: an odd N = rows / 2 too
+        bg = torch.cat((b, b[:1])) if n % 2 else b
+        for bias in (None, bg):
             got, want = sl.small_linear_glu(x, wg, bias), sl.small_linear_glu_reference(x, wg, bias)
             err = (got - want).abs().max().item()
-            assert got.shape == (m, n // 2) and err < 1e-4, (m, n, k, err)
+            assert got.shape == (m, wg.shape[0] // 2) and err < 1e-4, (m, n, k, err)
     # the fused static forward with the kernel: plain greedy tokens
     from tests.test_split_attention import assert_static_greedy
     assert_static_greedy(linear="triton", draft_linear=True)
@@ -236,6 +281,10 @@ KERNEL_CHECK = textwrap.dedent("""
     assert_static_greedy(linear="auto", linear_in=1, draft_linear=True)  # qkv, gate+up in 1-row steps only
     assert_static_greedy(linear="all", linear_in=sl.MAX_ROWS, draft_linear=True, draft_linear_in=True, glu=True,
                          draft_glu=True)  # SiLU * up as the gate+up kernel's epilogue
+    # the RMSNorms inside the in-projections (DFLASH_FUSE_NORM), with the RoPE kernel's path
+    assert_static_greedy(attention="split", linear="all", linear_in=sl.MAX_ROWS, draft_linear=True,
+                         draft_linear_in=True, target_rope=True, draft_rope=True, glu=True, draft_glu=True,
+                         fuse_norm=True, draft_fuse_norm=True)  # fmt: skip
     print("ok")
 """)
 
@@ -252,6 +301,7 @@ def test_triton_kernel_in_interpreter():
 
 
 PDL_CHECK = textwrap.dedent("""
+    import os
     import torch, triton, triton.language as tl
     from dflash.backends import small_linear as sl
 
@@ -260,26 +310,33 @@ PDL_CHECK = textwrap.dedent("""
         pass
 
     tl.extra.cuda.gdc_wait = tl.extra.cuda.gdc_launch_dependents = _no_wait
+    sl.pdl_enabled = lambda device, inductor=False: True  # every launch takes the PDL path
     torch.manual_seed(0)
     for m, n, k in ((3, 40, 300), (16, 24, 1100), (1, 17, 64)):
         x, w, r = torch.randn(m, k), torch.randn(n, k), torch.randn(m, n)
-        want = r + x @ w.T
+        g, w2 = torch.randn(n), torch.randn(2 * 12, n)
         for bk in (32, 64, 128):
-            y = torch.empty(m, n)
-            sl._small_linear_kernel[(triton.cdiv(n, 16),)](
-                x, w, y, r, y, m, n, k, x.stride(0), w.stride(0), r.stride(0), y.stride(0), 0,
-                HAS_BIAS=False, HAS_RES=True, IEEE=True, BM=16, BN=16, BK=bk, PDL=True, LINE=32)
-            err = (y - want).abs().max().item()
-            assert err < 1e-4, (m, n, k, bk, err)
+            os.environ["DFLASH_LINEAR_CONFIG"] = f"16,{bk},4,2"
+            y, ss = sl.small_linear_ss(x, w, None, r)
+            assert (y - (r + x @ w.T)).abs().max().item() < 1e-4, (m, n, k, bk)
+            wg = torch.cat((w, w.flip(0)))  # gate and up halves
+            err = (sl.small_linear_glu(x, wg) - sl.small_linear_glu_reference(x, wg)).abs().max().item()
+            assert err < 1e-3, (m, n, k, bk, err)
+            assert (ss.sum(-1) - y.pow(2).sum(-1)).abs().max().item() < 1e-3 * y.pow(2).sum(-1).max().item()
+            for glu in (False, True):
+                got = sl.small_linear_normed(y, ss, g, 1e-5, w2, None, glu)
+                want = sl.small_linear_normed_reference(y, ss, g, 1e-5, w2, None, glu)
+                assert (got - want).abs().max().item() < 1e-4, (m, n, k, bk, glu)
     print("ok")
 """)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
 def test_pdl_path_in_interpreter():
-    """The PDL path (the first weight tile loaded before the wait, the K loop from the second)
-    gives the exact product, K of one tile up to several (Triton interpreter, float32,
-    grid-dependency calls stubbed: the interpreter has none)."""
+    """The PDL path (the first weight tile loaded before the wait, the row scales and the K loop
+    after it) gives the exact product, with the sums-of-squares output and the RMSNorm'd input
+    (plain and SwiGLU), K of one tile up to several (Triton interpreter, float32, grid-dependency
+    calls stubbed: the interpreter has none)."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(
         [str(REPO), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
     out = subprocess.run([sys.executable, "-c", PDL_CHECK], cwd=REPO, env=env, capture_output=True,
@@ -325,26 +382,35 @@ def test_preload_switch_and_columns(monkeypatch):
     assert sl.preload_columns(64, 1000, 128, 4, 1 << 20) == 1000  # float32: 32-element lines
 
 
+OFF_EXTRAS = {"GLU": False, "NORM": False, "P": 1, "SS_OUT": False}  # the plain projection's switches
+
+
+def _kernel_signature(consts: dict) -> dict:
+    """Triton signature of _small_linear_kernel for an sm_90 compile: ``consts`` as constexprs,
+    bf16 tensors, float32 sums of squares, int32 sizes and strides, a float32 epsilon."""
+    ptrs = {"X": "*bf16", "W": "*bf16", "B": "*bf16", "RES": "*bf16", "Y": "*bf16", "G": "*bf16",
+            "SS": "*fp32", "SSO": "*fp32"}  # fmt: skip
+    names = sl._small_linear_kernel.arg_names
+    return {n: "constexpr" if n in consts else ptrs.get(n, "fp32" if n == "EPS" else "i32") for n in names}
+
+
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
 @pytest.mark.parametrize("pre_k", [0, 2560])
-def test_kernel_compiles_for_hopper_with_l2_preload(tmp_path, pre_k):
-    """With PDL the kernel compiles for sm_90 (the H200) without a GPU; with a preload column the
-    weight rows' L2 prefetches come before the grid-dependency wait (so they overlap the
-    previous kernel), and without one there are none. (The interpreter cannot run inline PTX.)"""
+@pytest.mark.parametrize("ss_out", [False, True])
+def test_kernel_compiles_for_hopper_with_l2_preload(tmp_path, pre_k, ss_out):
+    """With PDL the kernel compiles for sm_90 (the H200) without a GPU, with and without the
+    sums-of-squares output; with a preload column the weight rows' L2 prefetches come before
+    the grid-dependency wait (so they overlap the previous kernel), and without one there are
+    none. (The interpreter cannot run inline PTX.)"""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    names = ("M", "N", "K", "s_xm", "s_wn", "s_rm", "s_ym")
-    sig = {"X": "*bf16", "W": "*bf16", "B": "*bf16", "RES": "*bf16", "Y": "*bf16", **dict.fromkeys(names, "i32"),
-           "PRE_K": "i32", **dict.fromkeys(("HAS_BIAS", "HAS_RES", "IEEE", "BM", "BN", "BK", "PDL", "LINE", "GLU"),
-                                           "constexpr")}  # fmt: skip
     consts = {"HAS_BIAS": False, "HAS_RES": True, "IEEE": False, "BM": 16, "BN": 32, "BK": 512, "PDL": True, "LINE": 64,
-              "GLU": False}  # fmt: skip
+              **OFF_EXTRAS, "SS_OUT": ss_out}  # fmt: skip
     if pre_k == 0:
         consts["PRE_K"] = 0  # specialised away, as a launch with nothing to preload compiles
-        del sig["PRE_K"]
-        sig["PRE_K"] = "constexpr"
+    sig = _kernel_signature(consts)
     src = ASTSource(fn=sl._small_linear_kernel, signature=sig, constexprs=consts)
     try:
         kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
@@ -362,19 +428,18 @@ def test_kernel_compiles_for_hopper_with_l2_preload(tmp_path, pre_k):
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
 @pytest.mark.parametrize("rows", [16, 32])
-def test_glu_kernel_compiles_for_hopper(rows):
+@pytest.mark.parametrize("norm", [False, True])
+def test_glu_kernel_compiles_for_hopper(rows, norm):
     """The SiLU(gate) * up epilogue (gate and up rows in one tile, split after the dot) compiles
-    for sm_90 with PDL, for the demo's 1-16 and the draft's 32-row forwards."""
+    for sm_90 with PDL, for the demo's 1-16 and the draft's 32-row forwards, with and without
+    the RMSNorm'd input and the sums-of-squares output."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    names = ("M", "N", "K", "s_xm", "s_wn", "s_rm", "s_ym")
-    flags = ("HAS_BIAS", "HAS_RES", "IEEE", "BM", "BN", "BK", "PDL", "LINE", "GLU", "PRE_K")
-    sig = {"X": "*bf16", "W": "*bf16", "B": "*bf16", "RES": "*bf16", "Y": "*bf16", **dict.fromkeys(names, "i32"),
-           **dict.fromkeys(flags, "constexpr")}  # fmt: skip
     consts = {"HAS_BIAS": False, "HAS_RES": False, "IEEE": False, "BM": rows, "BN": 16, "BK": 128, "PDL": True,
-              "LINE": 64, "GLU": True, "PRE_K": 0}  # fmt: skip
+              "LINE": 64, "PRE_K": 0, **OFF_EXTRAS, "GLU": True, "NORM": norm, "P": 64 if norm else 1}  # fmt: skip
+    sig = _kernel_signature(consts)
     src = ASTSource(fn=sl._small_linear_kernel, signature=sig, constexprs=consts)
     try:
         kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 4})

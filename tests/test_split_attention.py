@@ -90,6 +90,10 @@ def test_attention_switches(monkeypatch):
     assert sa.one_slice_setting(draft=True, head_dim=32) == 640
     monkeypatch.setenv("DFLASH_ATTN_ONE_SLICE", "0")
     assert sa.one_slice_setting(head_dim=64) == 0
+    monkeypatch.setenv("DFLASH_ATTN_ONE_SLICE", "256")  # not above the 256 keys per program: off
+    assert sa.one_slice_setting(head_dim=64) == 0
+    monkeypatch.setenv("DFLASH_ATTN_ONE_SLICE", "1000")
+    assert sa.one_slice_setting(head_dim=128) == 1000
     monkeypatch.setenv("DFLASH_ATTN_ONE_SLICE", "lots")
     with pytest.raises(InputError, match="DFLASH_ATTN_ONE_SLICE must be a whole number"):
         sa.one_slice_setting()

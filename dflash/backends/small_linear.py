@@ -66,6 +66,26 @@ _HAS_GDC = triton is not None and hasattr(getattr(getattr(tl, "extra", None), "c
 
 IN_PROJ_MAX_BYTES = 8 << 20  # under DFLASH_LINEAR=auto: fused qkv / gate+up weights up to this
 GLU_ENV = "DFLASH_GLU"
+FUSE_NORM_ENV = "DFLASH_FUSE_NORM"
+
+
+def fuse_norm_setting() -> bool:
+    """``DFLASH_FUSE_NORM`` (an experiment, off by default until measured on a GPU): ``1`` runs
+    each RMSNorm that sits between a ``small_linear`` projection with a residual add (o_proj,
+    down_proj) and a ``small_linear`` in-projection (gate+up, the next layer's qkv) inside the
+    in-projection: the first writes partial sums of squares of its rows
+    (:func:`small_linear_ss`), the second norms its input tiles as they load
+    (:func:`small_linear_normed`): one kernel less per norm. Unset or ``0``: off.
+
+    Raises:
+        InputError: another value.
+    """
+    raw = os.environ.get(FUSE_NORM_ENV, "").strip()
+    if raw not in ("", "0", "1"):
+        from dflash.errors import InputError
+
+        raise InputError(f"{FUSE_NORM_ENV} must be 0 or 1, got {raw!r}.", hint="unset it for the default (0)")
+    return raw == "1"
 
 
 def glu_setting() -> bool:
@@ -274,13 +294,27 @@ if triton is not None:
                                       dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip
 
     @triton.jit
+    def _x_tile(X, rm, rk, m_ok, k_ok, s_xm, NORM: tl.constexpr, r, G):
+        """x[rm, rk]; ``NORM``: RMSNorm'd as the module rounds it, ``g * (x * r).to(dtype)`` with
+        the row scales ``r`` ([BM] float32) and the norm's weight at ``G``."""
+        x = tl.load(X + rm[:, None] * s_xm + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        if NORM:
+            g = tl.load(G + rk, mask=k_ok, other=0.0).to(tl.float32)
+            xn = (x.to(tl.float32) * r[:, None]).to(x.dtype)
+            x = (xn.to(tl.float32) * g[None, :]).to(x.dtype)
+        return x
+
+    @triton.jit
     def _rows_times_weight(X, W, rm, rn, m_ok, n_ok, K, s_xm, s_wn, IEEE: tl.constexpr, BM: tl.constexpr,
                            BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr, PRE_K=0,
-                           LINE: tl.constexpr = 64):  # fmt: skip
+                           LINE: tl.constexpr = 64, NORM: tl.constexpr = False, SS=None, s_ss=0, NP=0,
+                           P: tl.constexpr = 1, G=None, EPS=0.0):  # fmt: skip
         """x[rm, :] @ W[rn, :]^T in float32 ([BM, BN]), streaming the weight rows along K; with
         PDL the first weight tile is loaded before waiting for the previous kernel, and (``PRE_K``
         > 0, ``DFLASH_PDL_PREFETCH``) columns BK..PRE_K of the rows are sent to L2 meanwhile
-        (shared by this module's kernel and :mod:`dflash.backends.head_argmax`)."""
+        (shared by this module's kernel and :mod:`dflash.backends.head_argmax`). ``NORM``: x is
+        RMSNorm'd on the fly, its rows' sums of squares the ``NP`` partial sums per row at ``SS``
+        (``P``: a power of two >= NP), the norm's weight at ``G``, epsilon ``EPS``."""
         acc = tl.zeros([BM, BN], tl.float32)
         k_first = 0
         if PDL:  # the first weight tile does not depend on the previous kernel: load it first
@@ -291,7 +325,14 @@ if triton is not None:
                 _prefetch_rows(W, rn, n_ok, BK, PRE_K, s_wn, LINE, 16)  # 16 lines a pass
             tl.extra.cuda.gdc_wait()  # the previous kernel is done: x (and a residual) are ready
             tl.extra.cuda.gdc_launch_dependents()
-            x0 = tl.load(X + rm[:, None] * s_xm + rk0[None, :], mask=m_ok[:, None] & k_ok0[None, :], other=0.0)
+        if NORM:  # the row scales, from the previous kernel's partial sums of squares
+            rp = tl.arange(0, P)
+            ss = tl.load(SS + rm[:, None] * s_ss + rp[None, :], mask=m_ok[:, None] & (rp < NP)[None, :], other=0.0)
+            r = tl.rsqrt(tl.sum(ss, 1) / K + EPS)
+        else:
+            r = tl.zeros([BM], tl.float32)  # unused
+        if PDL:
+            x0 = _x_tile(X, rm, rk0, m_ok, k_ok0, s_xm, NORM, r, G)
             if IEEE:
                 acc += tl.dot(x0, tl.trans(w0), input_precision="ieee")
             else:
@@ -300,7 +341,7 @@ if triton is not None:
         for k0 in range(k_first, K, BK):
             rk = k0 + tl.arange(0, BK)
             k_ok = rk < K
-            x = tl.load(X + rm[:, None] * s_xm + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            x = _x_tile(X, rm, rk, m_ok, k_ok, s_xm, NORM, r, G)
             w = tl.load(W + rn[:, None] * s_wn + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             if IEEE:
                 acc += tl.dot(x, tl.trans(w), input_precision="ieee")
@@ -312,7 +353,8 @@ if triton is not None:
     def _small_linear_kernel(X, W, B, RES, Y, M, N, K, s_xm, s_wn, s_rm, s_ym, PRE_K, HAS_BIAS: tl.constexpr,
                              HAS_RES: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr,
                              BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr,
-                             LINE: tl.constexpr, GLU: tl.constexpr = False):  # fmt: skip
+                             LINE: tl.constexpr, GLU: tl.constexpr, NORM: tl.constexpr, SS, s_ss, NP,
+                             P: tl.constexpr, G, EPS, SS_OUT: tl.constexpr, SSO, s_sso):  # fmt: skip
         rm = tl.arange(0, BM)
         m_ok = rm < M
         if GLU:  # W holds [gate; up] (2N rows): this program's N columns of each, side by side
@@ -321,7 +363,8 @@ if triton is not None:
             n_ok2 = rn < N
             wrow = tl.where(r < BN, rn, rn + N)
             acc2 = _rows_times_weight(X, W, rm, wrow, m_ok, n_ok2, K, s_xm, s_wn, IEEE, BM, 2 * BN, BK, PDL,
-                                      PRE_K, LINE)  # [BM, 2 BN]: gate columns, then up columns  # fmt: skip
+                                      PRE_K, LINE, NORM, SS, s_ss, NP, P, G,
+                                      EPS)  # [BM, 2 BN]: gate columns, then up columns  # fmt: skip
             if HAS_BIAS:
                 acc2 += tl.load(B + wrow, mask=n_ok2, other=0.0).to(tl.float32)[None, :]
             # the projection's outputs rounded as F.linear's, then SiLU(gate) * up in float32
@@ -334,7 +377,8 @@ if triton is not None:
         else:
             rn = tl.program_id(0) * BN + tl.arange(0, BN)  # output columns of this program
             n_ok = rn < N
-            acc = _rows_times_weight(X, W, rm, rn, m_ok, n_ok, K, s_xm, s_wn, IEEE, BM, BN, BK, PDL, PRE_K, LINE)
+            acc = _rows_times_weight(X, W, rm, rn, m_ok, n_ok, K, s_xm, s_wn, IEEE, BM, BN, BK, PDL, PRE_K, LINE,
+                                     NORM, SS, s_ss, NP, P, G, EPS)  # fmt: skip
             if HAS_BIAS:
                 acc += tl.load(B + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         y = acc.to(Y.dtype.element_ty)
@@ -343,11 +387,19 @@ if triton is not None:
             r = tl.load(RES + rm[:, None] * s_rm + rn[None, :], mask=ym, other=0.0)
             y = (r.to(tl.float32) + y.to(tl.float32)).to(Y.dtype.element_ty)
         tl.store(Y + rm[:, None] * s_ym + rn[None, :], y, mask=ym)
+        if SS_OUT:  # this program's share of each output row's sum of squares (for the next RMSNorm)
+            yf = tl.where(ym, y.to(tl.float32), 0.0)
+            tl.store(SSO + rm * s_sso + tl.program_id(0), tl.sum(yf * yf, 1), mask=m_ok)
 
 
-def _launch(x, weight, bias, residual, glu: bool = False) -> torch.Tensor:
+def _launch(x, weight, bias, residual, glu: bool = False, norm=None, ss_out: bool = False):
+    """One kernel launch: y [M, N] (``ss_out``: and the partial sums of squares of y's rows,
+    [M, programs] float32); ``norm``: (partial sums of squares [M, P] of x's rows, the norm's
+    weight [K], epsilon), x RMSNorm'd on the fly."""
     m = x.shape[0]
     rows, k = weight.shape
+    if m > MAX_ROWS:  # one tile of rows per program
+        raise ValueError(f"small_linear: {m} rows, at most {MAX_ROWS}")
     if x.shape[1] != k or x.stride(1) != 1 or (glu and rows % 2):
         raise ValueError(f"small_linear: input {tuple(x.shape)} (strides {x.stride()}) does not fit "
                          f"weight {tuple(weight.shape)}{' (gate and up halves)' if glu else ''}")  # fmt: skip
@@ -356,17 +408,26 @@ def _launch(x, weight, bias, residual, glu: bool = False) -> torch.Tensor:
     bm, bn, bk, warps, stages = kernel_config(m, rows, k)  # tiles by the weight read
     if glu:  # each program takes bn weight rows: bn // 2 columns of gate and of up
         bn //= 2
+    programs = triton.cdiv(n, bn)
+    sso = torch.empty(m, programs, dtype=torch.float32, device=x.device) if ss_out else y
+    ss, g, eps = norm if norm is not None else (y, y, 0.0)
+    if norm is not None and (ss.dim() != 2 or ss.shape[0] != m or ss.stride(1) != 1 or g.shape != (k,)):
+        raise ValueError(f"small_linear: sums of squares {tuple(ss.shape)} and norm weight {tuple(g.shape)} "
+                         f"do not fit input {tuple(x.shape)}")  # fmt: skip
     pdl = pdl_enabled(x.device)
     elem = weight.element_size()
     pre_k = preload_columns(rows, k, bk, elem, preload_bytes()) if pdl else 0
-    _small_linear_kernel[(triton.cdiv(n, bn),)](
+    _small_linear_kernel[(programs,)](
         x, weight, bias if bias is not None else y, residual if residual is not None else y, y, m, n, k,
         x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0), pre_k,
         HAS_BIAS=bias is not None, HAS_RES=residual is not None, IEEE=x.dtype == torch.float32,
-        BM=bm, BN=bn, BK=bk, PDL=pdl, LINE=128 // elem, GLU=glu, num_warps=warps, num_stages=stages,
-        **({"launch_pdl": True} if pdl else {}),
+        BM=bm, BN=bn, BK=bk, PDL=pdl, LINE=128 // elem, GLU=glu, NORM=norm is not None, SS=ss,
+        s_ss=ss.stride(0) if norm is not None else 0, NP=ss.shape[1] if norm is not None else 0,
+        P=triton.next_power_of_2(ss.shape[1]) if norm is not None else 1, G=g, EPS=float(eps),
+        SS_OUT=ss_out, SSO=sso, s_sso=sso.stride(0) if ss_out else 0,
+        num_warps=warps, num_stages=stages, **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
-    return y
+    return (y, sso) if ss_out else y
 
 
 @torch.library.custom_op("dflash::small_linear", mutates_args=())
@@ -388,6 +449,73 @@ def _small_linear_glu_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
 @_small_linear_glu_op.register_fake
 def _(x, weight, bias):
     return x.new_empty(x.shape[0], weight.shape[0] // 2)
+
+
+@torch.library.custom_op("dflash::small_linear_ss", mutates_args=())
+def _small_linear_ss_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                        residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    return _launch(x, weight, bias, residual, ss_out=True)
+
+
+@_small_linear_ss_op.register_fake
+def _(x, weight, bias, residual):
+    m, n, k = x.shape[0], weight.shape[0], weight.shape[1]
+    return x.new_empty(m, n), x.new_empty(m, -(-n // kernel_config(m, n, k)[1]), dtype=torch.float32)
+
+
+@torch.library.custom_op("dflash::small_linear_normed", mutates_args=())
+def _small_linear_normed_op(x: torch.Tensor, ss: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                            weight: torch.Tensor, bias: torch.Tensor | None, glu: bool) -> torch.Tensor:  # fmt: skip
+    return _launch(x, weight, bias, None, glu=glu, norm=(ss, norm_weight, eps))
+
+
+@_small_linear_normed_op.register_fake
+def _(x, ss, norm_weight, eps, weight, bias, glu):
+    return x.new_empty(x.shape[0], weight.shape[0] // 2 if glu else weight.shape[0])
+
+
+def _on_cpu(x: torch.Tensor) -> bool:
+    return triton is None or (x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1")
+
+
+def small_linear_ss(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                    residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """:func:`small_linear` that also returns partial sums of squares of its output's rows, so
+    that the next RMSNorm can run inside the next projection (:func:`small_linear_normed`)
+    instead of as a kernel of its own.
+
+    Returns:
+        (y [M, N] as :func:`small_linear`, ss [M, P] float32: each row's sum of squares of y,
+        in P parts, one per program; P = 1 off CUDA).
+    """
+    if _on_cpu(x):
+        y = small_linear_reference(x, weight, bias, residual)
+        return y, y.float().pow(2).sum(-1, keepdim=True)
+    return _small_linear_ss_op(x, weight, bias, residual)
+
+
+def small_linear_normed_reference(x, ss, norm_weight, eps, weight, bias=None, glu: bool = False) -> torch.Tensor:
+    """:func:`small_linear_normed`'s maths in torch ops: the RMSNorm module's roundings."""
+    r = torch.rsqrt(ss.sum(-1, keepdim=True) / x.shape[-1] + eps)
+    xn = norm_weight * (x.float() * r).to(x.dtype)
+    return small_linear_glu_reference(xn, weight, bias) if glu else F.linear(xn, weight, bias)
+
+
+def small_linear_normed(x: torch.Tensor, ss: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                        weight: torch.Tensor, bias: torch.Tensor | None = None, glu: bool = False) -> torch.Tensor:  # fmt: skip
+    """``linear(RMSNorm(x), weight, bias)`` in one kernel (``glu``: :func:`small_linear_glu`'s
+    SiLU(gate) * up), the norm applied to x's tiles as they load: ``norm_weight * (x * r)`` rounded
+    as the module rounds it, with r = rsqrt(sum(ss) / K + eps) per row from the partial sums
+    of squares ``ss`` [M, P] that the kernel which wrote x returned (:func:`small_linear_ss`).
+
+    Raises:
+        ValueError: shapes that do not fit.
+    """
+    if glu and weight.shape[0] % 2:
+        raise ValueError(f"small_linear: weight {tuple(weight.shape)} does not split into gate and up halves")
+    if _on_cpu(x):
+        return small_linear_normed_reference(x, ss, norm_weight, eps, weight, bias, glu)
+    return _small_linear_normed_op(x, ss, norm_weight, float(eps), weight, bias, glu)
 
 
 def small_linear_glu_reference(x, weight, bias=None) -> torch.Tensor:

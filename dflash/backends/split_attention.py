@@ -123,7 +123,7 @@ def default_one_slice(head_dim: int | None) -> int:
 
 def split_setting(draft: bool = False, head_dim: int | None = None) -> int:
     """The keys per program asked for (``DFLASH_ATTN_SPLIT``, or for the draft
-    ``DFLASH_DRAFT_ATTN_SPLIT`` when set; default :func:`default_split` of ``head_dim``), before
+    ``DFLASH_DRAFT_ATTN_SPLIT`` when set; default :func:`default_split`, 256), before
     :func:`split_size` fits it to a cache; recorded with benchmark results.
 
     Raises:
@@ -145,10 +145,11 @@ def one_slice_setting(draft: bool = False, head_dim: int | None = None) -> int:
     past which slices of :func:`split_size` keys share them: ``DFLASH_ATTN_ONE_SLICE`` when
     set (0: off); else 0 when the split asked for (``DFLASH_ATTN_SPLIT``, or for the draft
     ``DFLASH_DRAFT_ATTN_SPLIT``) is set, so that a split given is the split run; else
-    :func:`default_one_slice` of ``head_dim``. Recorded with benchmark results.
+    :func:`default_one_slice` of ``head_dim``. 0 as well when not above the keys per program
+    (:func:`split_setting`), where it would change nothing. Recorded with benchmark results.
 
     Raises:
-        InputError: not a whole number >= 0.
+        InputError: not a whole number >= 0, or a bad split setting.
     """
     raw = os.environ.get(ONE_SLICE_ENV, "").strip()
     if raw:
@@ -157,18 +158,20 @@ def one_slice_setting(draft: bool = False, head_dim: int | None = None) -> int:
 
             raise InputError(f"{ONE_SLICE_ENV} must be a whole number of keys (0 = off), got {raw!r}.",
                              hint="unset it for the default (640 keys for head dims <= 64, 448 above)")  # fmt: skip
-        return int(raw)
-    if os.environ.get(SPLIT_ENV, "").strip() or (draft and os.environ.get(DRAFT_SPLIT_ENV, "").strip()):
+        value = int(raw)
+    elif os.environ.get(SPLIT_ENV, "").strip() or (draft and os.environ.get(DRAFT_SPLIT_ENV, "").strip()):
         return 0
-    return default_one_slice(head_dim)
+    else:
+        value = default_one_slice(head_dim)
+    return value if value > split_setting(draft, head_dim) else 0  # not above the split: nothing to do
 
 
 def split_size(capacity: int, draft: bool = False, head_dim: int | None = None) -> int:
-    """Keys per program (``DFLASH_ATTN_SPLIT``, default :func:`default_split` of ``head_dim``;
-    one slice when >= capacity, then no merge is needed); the greatest common divisor of the
-    setting and ``capacity`` (a multiple of 64), so the slices tile the cache. ``draft``: the
-    draft's attention, which takes ``DFLASH_DRAFT_ATTN_SPLIT`` when that is set (an experiment)
-    and the target's setting otherwise (when unset, the default for the draft's head dim).
+    """Keys per program (``DFLASH_ATTN_SPLIT``, default :func:`default_split`, 256; one slice
+    when >= capacity, then no merge is needed); the greatest common divisor of the setting and
+    ``capacity`` (a multiple of 64), so the slices tile the cache. ``draft``: the draft's
+    attention, which takes ``DFLASH_DRAFT_ATTN_SPLIT`` when that is set (an experiment) and the
+    target's setting otherwise.
 
     Raises:
         InputError: not a positive multiple of 64.
@@ -454,8 +457,8 @@ def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torc
         [1, H, T, D] in q's dtype.
 
     Raises:
-        InputError: a bad ``DFLASH_ATTN_SPLIT`` (or ``DFLASH_DRAFT_ATTN_SPLIT`` for the draft),
-            or on the kernel's path a bad ``DFLASH_ATTN_BLOCK``.
+        InputError: a bad ``DFLASH_ATTN_SPLIT`` (or ``DFLASH_DRAFT_ATTN_SPLIT`` for the draft) or
+            ``DFLASH_ATTN_ONE_SLICE``, or on the kernel's path a bad ``DFLASH_ATTN_BLOCK``.
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if triton is None or (q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1"):
@@ -476,7 +479,7 @@ def split_attention_reference(q, k, v, pos, scale, split: int = SPLIT, one_slice
     _, h, t, dim = q.shape
     hkv, cap = k.shape[1], k.shape[2]
     pos = pos.expand(t) if pos.shape[0] == 1 else pos  # [1]: one position for every row
-    groups, filled, split = h // hkv, int(pos[-1]) + 1, math.gcd(split, cap)
+    groups, filled, split = h // hkv, min(int(pos[-1]) + 1, cap), math.gcd(split, cap)  # clamped as the kernel
     if one_slice > split and filled <= one_slice:  # the first program takes every key
         split = cap
     scale = dim**-0.5 if scale is None else scale

@@ -15,6 +15,7 @@ from dflash.backends.l2_prefetch import prefetch_setting
 from dflash.backends.rope_cache import rope_parts
 from dflash.backends.small_linear import (
     disable_pdl,
+    fuse_norm_setting,
     glu_setting,
     kernel_config,
     linear_mode,
@@ -32,7 +33,7 @@ from dflash.backends.static_loop import queue_ahead, step_compile_default
 
 def check_env() -> None:
     """Check every switch of the static path (``DFLASH_ATTN``, ``DFLASH_ATTN_SPLIT``,
-    ``DFLASH_LINEAR``, ``DFLASH_LINEAR_CONFIG``, ``DFLASH_GLU``, ``DFLASH_PDL``, ``DFLASH_PDL_PREFETCH``, ``DFLASH_ROPE``,
+    ``DFLASH_LINEAR``, ``DFLASH_LINEAR_CONFIG``, ``DFLASH_GLU``, ``DFLASH_FUSE_NORM``, ``DFLASH_PDL``, ``DFLASH_PDL_PREFETCH``, ``DFLASH_ROPE``,
     ``DFLASH_PREFETCH``, ``DFLASH_STEP_COMPILE``, ``DFLASH_HEAD_ARGMAX``, ``DFLASH_GRAPH_WARM``,
     ``DFLASH_QUEUE_AHEAD``, ``DFLASH_DRAFT_ATTN_SPLIT``, ``DFLASH_ATTN_BLOCK``, ``DFLASH_ATTN_ONE_SLICE``)
     on any device: a typo fails at load on a laptop too, not first on the GPU machine.
@@ -50,6 +51,7 @@ def check_env() -> None:
     kernel_config(16, 1024, 1024)
     pdl_setting()
     glu_setting()
+    fuse_norm_setting()
     preload_bytes()
     rope_parts()
     prefetch_setting(cpu)
@@ -112,12 +114,18 @@ def fall_back(be, error: Exception, part: str | None = None, kind: str | None = 
             be.device_loop._compiled.clear()
         torch._dynamo.reset()
         what, fix = "programmatic dependent launch", "plain launches (DFLASH_PDL=0 silences this)"
+    elif be.fuse_norm or be.draft_fuse_norm:
+        be.fuse_norm = be.draft_fuse_norm = False
+        what, fix = "the norms inside the projections", "norm kernels (unset DFLASH_FUSE_NORM)"
+    elif be.glu or be.draft_glu:
+        be.glu = be.draft_glu = False
+        what, fix = "the SiLU * up epilogue", "its own kernel (DFLASH_GLU=0 silences this)"
     elif be.draft_rope or be.target_rope:
         be.draft_rope = be.target_rope = False
         what, fix = "the RoPE + cache-write kernel", "torch ops (DFLASH_ROPE=0 silences this)"
     elif be.linear != "torch" or be.draft_linear:
         be.linear, be.draft_linear, be.draft_linear_in, be.linear_in = "torch", False, False, 0
-        be.glu = be.draft_glu = False
+        be.glu = be.draft_glu = be.fuse_norm = be.draft_fuse_norm = False
         be.draft_rope = be.target_rope = False
         what, fix = "the Triton projection kernel", "cuBLAS (DFLASH_LINEAR=torch silences this)"
     elif be.attention != "sdpa":

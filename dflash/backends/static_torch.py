@@ -34,6 +34,7 @@ from dflash.backends.l2_prefetch import prefetch_setting
 from dflash.backends.rope_cache import rope_cache_fits, rope_parts
 from dflash.backends.small_linear import (
     MAX_ROWS,
+    fuse_norm_setting,
     glu_setting,
     in_projs_small,
     linear_mode,
@@ -55,6 +56,7 @@ from dflash.backends.static_fused import (
     fuse_default,
     fuse_draft,
     fuse_target,
+    norms_fit,
     pack_gqa_default,
     row_argmax,
     small_linear_fits,
@@ -191,6 +193,10 @@ class StaticBackend(TransformersBackend):
         glu = glu_setting()
         self.glu = glu and self.linear_in > 0 and getattr(target.config, "hidden_act", None) in ("silu", "swish")
         self.draft_glu = glu and self.draft_linear_in
+        # RMSNorms inside the in-projections' kernels (DFLASH_FUSE_NORM, an experiment)
+        fuse = fuse_norm_setting()
+        self.fuse_norm = fuse and self.linear_in > 0 and norms_fit(target.model.layers, self.dtype)
+        self.draft_fuse_norm = fuse and self.draft_linear_in and norms_fit(draft.layers, self.dtype)
         # q/k (norm +) RoPE + cache writes as one kernel (see dflash.backends.rope_cache)
         parts = rope_parts()  # a bad DFLASH_ROPE errs on CPU too
         split = self.attention != "sdpa"  # the kernel feeds the split-KV attention only
@@ -337,7 +343,7 @@ class StaticBackend(TransformersBackend):
                                     self.dcache, masks, self.pack_gqa, kinds, lin,
                                     lin and self.draft_linear_in, lin and self.draft_rope,
                                     (self.l2_sink, self.prefetch) if self.prefetch and lin else None,
-                                    lin and self.draft_glu)  # fmt: skip
+                                    lin and self.draft_glu, lin and self.draft_fuse_norm)  # fmt: skip
         else:
             h = self.draft_model(embeds, ctx, q_pos, ctx_pos[None], cache=self.dcache, masks=masks)
         if argmax:
@@ -532,8 +538,11 @@ class StaticBackend(TransformersBackend):
                 "verify_widths": list(self.plan.verify_widths),
                 "device_loop": self.device_loop is not None,
                 "attention": self.attention, "linear": self.linear,
-                "linear_in": {"target": self.linear_in, "draft": self.draft_linear_in},
+                # rows up to which the in-projections run small_linear (the draft: all or none)
+                "linear_in": {"target": self.linear_in, "draft": MAX_ROWS if self.draft_linear_in else 0},
                 "glu": {"target": self.glu, "draft": self.draft_glu},  # DFLASH_GLU
+                **({"fuse_norm": {"target": self.fuse_norm, "draft": self.draft_fuse_norm}}
+                   if self.fuse_norm or self.draft_fuse_norm else {}),  # DFLASH_FUSE_NORM
                 **({"attn_split": {"target": split_setting(head_dim=self.head_dim),
                                    "draft": split_setting(draft=True, head_dim=self._draft_head_dim())},
                     "attn_one_slice": {"target": one_slice_setting(head_dim=self.head_dim),
