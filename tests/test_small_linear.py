@@ -204,10 +204,10 @@ def test_glu_switch_and_where_it_runs(tiny_target, monkeypatch):
 
 
 def test_fuse_norm_switch_and_greedy_parity(tiny_target, monkeypatch):
-    """DFLASH_FUSE_NORM (off by default; 1 on; another value refused) reaches the target and the
-    draft where their in-projections run small_linear and their norms are plain RMSNorms
-    (recorded when on); the static path with it (reference maths on CPU) calls the normed
-    projections in both and decodes exactly plain greedy, with and without the SwiGLU epilogue."""
+    """DFLASH_FUSE_NORM (off by default; 1 on; another value refused) reaches the target (on the
+    RoPE kernel's path) and the draft where their in-projections run small_linear and their
+    norms are plain RMSNorms (recorded when on); the static path with it (reference maths on
+    CPU) decodes exactly plain greedy, with and without the SwiGLU epilogue."""
     from dflash.backends import static_fused, static_torch
     from dflash.backends.static_torch import StaticBackend
     from tests.conftest import make_draft
@@ -220,26 +220,97 @@ def test_fuse_norm_switch_and_greedy_parity(tiny_target, monkeypatch):
         sl.fuse_norm_setting()
     monkeypatch.setenv("DFLASH_FUSE_NORM", "1")
     draft = make_draft(tiny_target)
+
+    def made() -> dict | None:
+        return StaticBackend(tiny_target, draft, torch.device("cpu"), use_graphs=False).describe().get("fuse_norm")
+
     monkeypatch.setattr(static_torch, "linear_mode", lambda device: "all")
-    be = StaticBackend(tiny_target, draft, torch.device("cpu"), use_graphs=False)
-    assert be.describe()["fuse_norm"] == {"target": True, "draft": True}
+    assert made() == {"target": False, "draft": True}  # CPU: SDPA, so no RoPE kernel for the target
+    monkeypatch.setattr(static_torch, "attention_mode", lambda device, dtype=None: "split")
+    assert made() == {"target": True, "draft": True}
+    monkeypatch.setenv("DFLASH_ROPE", "draft")
+    assert made() == {"target": False, "draft": True}
+    monkeypatch.delenv("DFLASH_ROPE")
     monkeypatch.setattr(static_torch, "linear_mode", lambda device: "triton")  # in-projections on cuBLAS
-    assert "fuse_norm" not in StaticBackend(tiny_target, draft, torch.device("cpu"), use_graphs=False).describe()
+    assert made() is None
     assert static_fused.norms_fit(tiny_target.model.layers, torch.float32)
     assert not static_fused.norms_fit(tiny_target.model.layers, torch.bfloat16)  # another dtype
     layer = tiny_target.model.layers[0]
     kept, layer.post_attention_layernorm = layer.post_attention_layernorm, torch.nn.LayerNorm(64)
     assert not static_fused.norms_fit(tiny_target.model.layers, torch.float32)
     layer.post_attention_layernorm = kept
-    calls = []
-    real = sl.small_linear_normed
-    monkeypatch.setattr(static_fused, "small_linear_normed", lambda *a, **k: calls.append(a[2].shape) or real(*a, **k))
     for glu in (False, True):
-        calls.clear()
         assert_static_greedy(attention="split", linear="all", linear_in=sl.MAX_ROWS, draft_linear=True,
                              draft_linear_in=True, target_rope=True, draft_rope=True, glu=glu, draft_glu=glu,
                              fuse_norm=True, draft_fuse_norm=True)  # fmt: skip
-        assert len(calls) > 0 and all(c == (64,) for c in calls)
+
+
+@pytest.mark.parametrize("glu", [False, True])
+def test_fuse_norm_equals_the_norm_modules(tiny_target, monkeypatch, glu):
+    """With the norms inside the projections (reference maths, float32), the target's verify
+    logits, the features it writes and the draft's logits equal the unfused path's, and the
+    normed projections run where they should: 2 x layers - 1 per target forward (every norm but
+    the first layer's input norm), one per draft layer (the post-attention norm)."""
+    from dflash.backends import static_fused
+    from dflash.backends.static_torch import StaticBackend
+    from tests.conftest import make_draft
+
+    draft = make_draft(tiny_target)
+    be = StaticBackend(tiny_target, draft, torch.device("cpu"), use_graphs=False, device_loop=False)
+    for name, value in dict(attention="split", linear="all", linear_in=sl.MAX_ROWS, draft_linear=True,
+                            draft_linear_in=True, target_rope=True, draft_rope=True, glu=glu, draft_glu=glu).items():
+        setattr(be, name, value)
+    calls = []
+    real = sl.small_linear_normed
+    monkeypatch.setattr(static_fused, "small_linear_normed", lambda *a, **k: calls.append(a[4].shape) or real(*a, **k))
+    prompt, props = list(range(5, 25)), torch.arange(3, 10)
+
+    def run(fuse: bool):
+        be.fuse_norm = be.draft_fuse_norm = fuse
+        be.reset(256)
+        last, _ = be.prefill(prompt, True)
+        logits, _ = be.verify(int(last.argmax()), props, len(prompt), True)
+        n = len(prompt) + 1 + props.shape[0]
+        feats = be.feats[:n].clone()
+        return logits.clone(), feats, be.draft(int(last.argmax()), None, n, 16)[1].clone()
+
+    plain = run(False)
+    assert calls == []
+    fused = run(True)
+    layers, draft_layers = be.n_layers, len(draft.layers)
+    qkv, gate_up = (tuple(w.weight.shape) for w in be.fused_target[0])
+    dgate_up = tuple(be.fused_draft[0][1].weight.shape)
+    one_target = [qkv if i % 2 else gate_up for i in range(2 * layers - 1)]  # gate+up, qkv, gate+up, ...
+    assert [tuple(c) for c in calls] == one_target * 2 + [dgate_up] * draft_layers  # prefill, verify, draft
+    for a, b in zip(plain, fused, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+
+
+def test_capture_failure_turns_off_fused_norm_then_glu(tiny_target, capsys):
+    """A failed capture turns off the norms inside the projections first, then the SiLU * up
+    epilogue, one warning line each naming the switch, before the Triton projections."""
+    from dflash.backends.static_torch import StaticBackend
+    from tests.conftest import make_draft
+
+    be = StaticBackend(tiny_target, make_draft(tiny_target), torch.device("cpu"), use_graphs=False)
+    be.linear, be.linear_in, be.draft_linear, be.draft_linear_in = "all", sl.MAX_ROWS, True, True
+    be.glu = be.draft_glu = be.fuse_norm = be.draft_fuse_norm = True
+    seen = []
+
+    def capture(fn, inputs):
+        seen.append((be.fuse_norm, be.draft_fuse_norm, be.glu, be.draft_glu, be.linear))
+        if be.glu:
+            raise RuntimeError("triton: out of resources")
+        return "graph", "out", inputs
+
+    be._capture = capture
+    assert be._graph("verify", 1, lambda: ("ids", "pos"))[1] == "out"
+    assert seen == [(True, True, True, True, "all"), (False, False, True, True, "all"),
+                    (False, False, False, False, "all")]  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()
+    assert [line.split(" failed")[0] for line in err] == [
+        "dflash: the norms inside the projections", "dflash: the SiLU * up epilogue"]
+    assert "DFLASH_GLU=0 silences this" in err[1]
 
 
 def test_fits_only_plain_row_major_linears(tiny_target):
@@ -438,15 +509,21 @@ def test_glu_kernel_compiles_for_hopper(rows, norm):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    consts = {"HAS_BIAS": False, "HAS_RES": False, "IEEE": False, "BM": rows, "BN": 16, "BK": 128, "PDL": True,
-              "LINE": 64, "PRE_K": 0, **OFF_EXTRAS, "GLU": True, "NORM": norm, "P": 64 if norm else 1}  # fmt: skip
-    sig = _kernel_signature(consts)
-    src = ASTSource(fn=sl._small_linear_kernel, signature=sig, constexprs=consts)
-    try:
-        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 4})
-    except RuntimeError as e:  # no ptxas in this Triton install
-        pytest.skip(f"cannot compile for sm_90 here: {e}")
-    assert "griddepcontrol.wait" in kernel.asm["ptx"]
+    before = {}
+    for with_norm in {False, norm}:
+        consts = {"HAS_BIAS": False, "HAS_RES": False, "IEEE": False, "BM": rows, "BN": 16, "BK": 128, "PDL": True,
+                  "LINE": 64, "PRE_K": 0, **OFF_EXTRAS, "GLU": True, "NORM": with_norm,
+                  "P": 64 if with_norm else 1}  # fmt: skip
+        src = ASTSource(fn=sl._small_linear_kernel, signature=_kernel_signature(consts), constexprs=consts)
+        try:
+            kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 4})
+        except RuntimeError as e:  # no ptxas in this Triton install
+            pytest.skip(f"cannot compile for sm_90 here: {e}")
+        ptx = kernel.asm["ptx"]
+        before[with_norm] = ptx[: ptx.index("griddepcontrol.wait")].count("ld.global")
+    # only the first weight tile loads before the wait: the sums of squares (written by the
+    # previous kernel) and the norm's weight come after it
+    assert before[norm] == before[False] >= 1
 
 
 def test_describe_records_pdl_prefetch_for_the_draft_only_setting(tiny_target, monkeypatch):

@@ -88,8 +88,9 @@ def fall_back(be, error: Exception, part: str | None = None, kind: str | None = 
     the L2 weight prefetch (``DFLASH_PREFETCH``), then the whole-step compile
     (``DFLASH_STEP_COMPILE``), then the LM head + argmax kernel (``DFLASH_HEAD_ARGMAX``),
     then programmatic dependent launch (when it was on for the failed capture of ``part``, "draft"
-    or "target"; the forwards compile again), then the RoPE + cache-write kernel
-    (``DFLASH_ROPE``), then the Triton projections (cuBLAS instead),
+    or "target"; the forwards compile again), then the norms inside the projections
+    (``DFLASH_FUSE_NORM``), then the SiLU * up epilogue (``DFLASH_GLU``), then the RoPE +
+    cache-write kernel (``DFLASH_ROPE``), then the Triton projections (cuBLAS instead),
     then the split-KV kernel (SDPA), then ``torch.compile`` (eager ops). Returns False when
     nothing is left to turn off.
 

@@ -193,10 +193,6 @@ class StaticBackend(TransformersBackend):
         glu = glu_setting()
         self.glu = glu and self.linear_in > 0 and getattr(target.config, "hidden_act", None) in ("silu", "swish")
         self.draft_glu = glu and self.draft_linear_in
-        # RMSNorms inside the in-projections' kernels (DFLASH_FUSE_NORM, an experiment)
-        fuse = fuse_norm_setting()
-        self.fuse_norm = fuse and self.linear_in > 0 and norms_fit(target.model.layers, self.dtype)
-        self.draft_fuse_norm = fuse and self.draft_linear_in and norms_fit(draft.layers, self.dtype)
         # q/k (norm +) RoPE + cache writes as one kernel (see dflash.backends.rope_cache)
         parts = rope_parts()  # a bad DFLASH_ROPE errs on CPU too
         split = self.attention != "sdpa"  # the kernel feeds the split-KV attention only
@@ -204,6 +200,12 @@ class StaticBackend(TransformersBackend):
         attn = target.model.layers[0].self_attn
         self.target_rope = ("target" in parts and self.linear != "torch" and split
                             and rope_cache_fits(attn, self.dtype, norms=hasattr(attn, "q_norm")))  # fmt: skip
+        # RMSNorms inside the in-projections' kernels (DFLASH_FUSE_NORM, an experiment): the
+        # target's on the RoPE kernel's path only (the forward takes it there)
+        fuse = fuse_norm_setting()
+        self.fuse_norm = (fuse and self.linear_in > 0 and self.target_rope
+                          and norms_fit(target.model.layers, self.dtype))  # fmt: skip
+        self.draft_fuse_norm = fuse and self.draft_linear_in and norms_fit(draft.layers, self.dtype)
         pdl_enabled(device, inductor=True)  # a bad DFLASH_PDL is an error before any capture
         # L2 prefetch of each layer's weights after its qkv projection (dflash.backends.l2_prefetch)
         budget, self.prefetch_early = prefetch_setting(device)  # a bad DFLASH_PREFETCH errs on CPU too
