@@ -54,6 +54,21 @@ k300_variants() {
     grep -v Warn "/tmp/k-$f.log" | grep -E "loop|draft-16|verify-1 " | cut -c1-100
   done
 }
+# q8b_block1 STOP TAG "V1 V2 ..." [profile]: Qwen3-8B block 1 (bench_big.py) once per env variant
+# (as k300_variants), none started past STOP s, results in $OUT/bench_big-q8b-TAG-<variant>.json;
+# "profile": the default variant with --profile
+q8b_block1() {
+  local v f E P
+  for v in $3; do
+    [ "$SECONDS" -gt "$1" ] && { echo "skip 8b $v at ${SECONDS}s"; continue; }
+    E=(env); [ "$v" = default ] || E+=(${v//,/ }); f=${v//[=,]/-}; P=()
+    [ "$v" = default ] && [ "${4:-}" = profile ] && P=(--profile)
+    "${E[@]}" timeout 150 python3 scripts/bench_big.py --shape qwen3-8b --blocks 1 --steps 16 "${P[@]}" \
+      --out "/tmp/bb8-$f" > "/tmp/bb8-$f.log" 2>&1; echo "8b $v rc $? at ${SECONDS}s"
+    cp "/tmp/bb8-$f/bench_big.json" "$OUT/bench_big-q8b-$2-$f.json"
+    grep -o '"ms_per_step": [0-9.]*\|"x_floor": [0-9.]*\|"diverged_at": [0-9a-z]*' "/tmp/bb8-$f.log" | tr '\n' ' '; echo
+  done
+}
 D=dflash/assets/smollm2-135m-instruct-dflash
 case $phase in
 stage1)
@@ -372,40 +387,20 @@ v17a)  # [.stage/t7/aa .stage/whl] stage1's copy; Qwen3-8B block 1 under the def
   # in-projections through small_linear in 1-row steps since the seventeenth session, profiled)
   # against DFLASH_LINEAR=triton (cuBLAS in-projections, the rule before) on one machine
   cp .stage/t7/aa/part "$W/stage/aa.part"
-  for v in default DFLASH_LINEAR=triton; do
-    E=(env); [ "$v" = default ] || E+=($v); f=${v//[=,]/-}; P=(); [ "$v" = default ] && P=(--profile)
-    "${E[@]}" timeout 150 python3 scripts/bench_big.py --shape qwen3-8b --blocks 1 --steps 16 "${P[@]}" \
-      --out "/tmp/bb8-$f" > "/tmp/bb8-$f.log" 2>&1; echo "8b $v rc $? at ${SECONDS}s"
-    cp "/tmp/bb8-$f/bench_big.json" "$OUT/bench_big-q8b-v17-$f.json"
-    grep -o '"ms_per_step": [0-9.]*\|"x_floor": [0-9.]*\|"diverged_at": [0-9a-z]*' "/tmp/bb8-$f.log" | tr '\n' ' '; echo
-  done
+  q8b_block1 9999 v17 "default DFLASH_LINEAR=triton" profile
   ;;
 v17b)  # [.stage/t7/aa .stage/whl] stage1's copy; SiLU(gate) * up as the gate+up kernel's epilogue
   # (DFLASH_GLU, default on) against off: demo loop timings at prompt 300, then Qwen3-8B block 1
   cp .stage/t7/aa/part "$W/stage/aa.part"
   k300_variants "${K_STOP:-200}" "default DFLASH_GLU=0"
-  for v in default DFLASH_GLU=0; do
-    [ "$SECONDS" -gt "${B_STOP:-300}" ] && { echo "skip 8b $v at ${SECONDS}s"; continue; }
-    E=(env); [ "$v" = default ] || E+=($v); f=${v//[=,]/-}
-    "${E[@]}" timeout 100 python3 scripts/bench_big.py --shape qwen3-8b --blocks 1 --steps 16 \
-      --out "/tmp/bb8-$f" > "/tmp/bb8-$f.log" 2>&1; echo "8b $v rc $? at ${SECONDS}s"
-    cp "/tmp/bb8-$f/bench_big.json" "$OUT/bench_big-q8b-glu-$f.json"
-    grep -o '"ms_per_step": [0-9.]*\|"x_floor": [0-9.]*\|"diverged_at": [0-9a-z]*' "/tmp/bb8-$f.log" | tr '\n' ' '; echo
-  done
+  q8b_block1 "${B_STOP:-300}" glu "default DFLASH_GLU=0"
   ;;
 next18)  # [.stage/t7/aa .stage/whl] (the next session's first call) stage1's copy; the RMSNorms
   # inside the in-projections (DFLASH_FUSE_NORM=1, an experiment) against the default: demo loop
   # timings at prompt 300, then Qwen3-8B block 1 (predicted about 2 us less per norm)
   cp .stage/t7/aa/part "$W/stage/aa.part"
   k300_variants "${K_STOP:-200}" "default DFLASH_FUSE_NORM=1"
-  for v in default DFLASH_FUSE_NORM=1; do
-    [ "$SECONDS" -gt "${B_STOP:-300}" ] && { echo "skip 8b $v at ${SECONDS}s"; continue; }
-    E=(env); [ "$v" = default ] || E+=($v); f=${v//[=,]/-}
-    "${E[@]}" timeout 100 python3 scripts/bench_big.py --shape qwen3-8b --blocks 1 --steps 16 \
-      --out "/tmp/bb8-$f" > "/tmp/bb8-$f.log" 2>&1; echo "8b $v rc $? at ${SECONDS}s"
-    cp "/tmp/bb8-$f/bench_big.json" "$OUT/bench_big-q8b-norm-$f.json"
-    grep -o '"ms_per_step": [0-9.]*\|"x_floor": [0-9.]*\|"diverged_at": [0-9a-z]*' "/tmp/bb8-$f.log" | tr '\n' ' '; echo
-  done
+  q8b_block1 "${B_STOP:-300}" norm "default DFLASH_FUSE_NORM=1"
   ;;
 prefetchdemo)  # no carry: DFLASH_PREFETCH 0 against ${PREFETCH_MIB:-8} on the demo shape's loop timings
   for v in 0 ${PREFETCH_MIB:-8}; do
