@@ -56,7 +56,7 @@ def rope_parts() -> frozenset[str]:
     return frozenset() if raw == "0" else frozenset({"draft"}) if raw == "draft" else frozenset({"draft", "target"})
 
 
-def _eps(norm) -> float:
+def norm_eps(norm) -> float:
     """An RMSNorm module's epsilon (ours: ``eps``; transformers': ``variance_epsilon``)."""
     return float(norm.eps if hasattr(norm, "eps") else norm.variance_epsilon)
 
@@ -202,5 +202,5 @@ def rope_cache(qkv: torch.Tensor, q_norm, k_norm, cos: torch.Tensor, sin: torch.
         return rope_cache_reference(qkv, q_norm, k_norm, cos, sin, pos, kc, vc, tc, heads, kv_heads)
     if q_norm is None:
         return _rope_cache_op(qkv, None, None, 0.0, 0.0, cos, sin, pos, kc, vc, tc, heads, kv_heads)
-    return _rope_cache_op(qkv, q_norm.weight, k_norm.weight, _eps(q_norm), _eps(k_norm),
+    return _rope_cache_op(qkv, q_norm.weight, k_norm.weight, norm_eps(q_norm), norm_eps(k_norm),
                           cos, sin, pos, kc, vc, tc, heads, kv_heads)  # fmt: skip

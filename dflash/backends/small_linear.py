@@ -475,6 +475,8 @@ def _(x, ss, norm_weight, eps, weight, bias, glu):
 
 
 def _on_cpu(x: torch.Tensor) -> bool:
+    """Whether the torch references run instead of the kernel: no Triton, or off CUDA unless
+    ``TRITON_INTERPRET=1``."""
     return triton is None or (x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1")
 
 
@@ -543,7 +545,7 @@ def small_linear_glu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     """
     if weight.shape[0] % 2:
         raise ValueError(f"small_linear: weight {tuple(weight.shape)} does not split into gate and up halves")
-    if triton is None or (x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1"):
+    if _on_cpu(x):
         return small_linear_glu_reference(x, weight, bias)
     return _small_linear_glu_op(x, weight, bias)
 
@@ -566,6 +568,6 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         [M, N] in x's dtype. Off CUDA (or Triton absent and not interpreting)
         :func:`small_linear_reference` runs instead.
     """
-    if triton is None or (x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1"):
+    if _on_cpu(x):
         return small_linear_reference(x, weight, bias, residual)
     return _small_linear_op(x, weight, bias, residual)

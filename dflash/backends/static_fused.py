@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from dflash.backends import l2_prefetch
 from dflash.backends.head_argmax import head_argmax
-from dflash.backends.rope_cache import _eps, rope_cache, rope_cache_fits
+from dflash.backends.rope_cache import norm_eps, rope_cache, rope_cache_fits
 from dflash.backends.small_linear import MAX_ROWS as LINEAR_MAX_ROWS
 from dflash.backends.small_linear import (
     small_linear,
@@ -278,7 +278,7 @@ def _normed(norm, x: torch.Tensor, ss: torch.Tensor, fused: FusedLinear, glu: bo
     """fused(norm(x)) for [1, T, H] activations ``x`` whose rows' partial sums of squares are
     ``ss``, the norm inside the projection's kernel: [T, sum(out_i)] (``glu``: [T, I], SiLU(gate)
     * up)."""
-    return small_linear_normed(x[0], ss, norm.weight, _eps(norm), fused.weight, fused.bias, glu)
+    return small_linear_normed(x[0], ss, norm.weight, norm_eps(norm), fused.weight, fused.bias, glu)
 
 
 def _mlp_ss(lin: bool, gate_up: FusedLinear, down, act, norm, x: torch.Tensor, ss: torch.Tensor,
