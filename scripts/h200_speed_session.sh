@@ -25,6 +25,8 @@
 #   v17a           [.stage/t7/aa .stage/whl]  stage1's copy, Qwen3-8B block 1 default (profiled) vs DFLASH_LINEAR=triton
 #   v17b           [.stage/t7/aa .stage/whl]  stage1's copy, DFLASH_GLU on/off: demo loop timings, Qwen3-8B block 1
 #   next18         [.stage/t7/aa .stage/whl]  stage1's copy, DFLASH_FUSE_NORM=1 against the default: demo loop timings, 8B block 1
+#                  (run twice: the seventeenth session's partial-sums form, then the eighteenth's folded form)
+#   v18rn          (no carry)  DFLASH_FUSE_NORM_SQUARES=fma vs mma vs norm kernels: Qwen3-8B block 1, demo loop timings
 #   prefetchdemo   (no carry)  DFLASH_PREFETCH 0 against 8 MiB: demo-shape loop timings
 #   benchvar "V1 V2" [.stage/t6/af .stage/data] after stage1..ae: gsm8k 64 per env variant (default, DFLASH_ATTN_SPLIT=128 ...)
 #   exp13          (no carry)  default / DFLASH_STEP_COMPILE=1 / DFLASH_HEAD_ARGMAX=1 / DFLASH_PREFETCH=8 / all: loop timings
@@ -33,7 +35,7 @@
 #                results in $OUT (b-gsm8k.jsonl / .txt, generate.json, step_profile.json: GPU busy
 #                against wall per step on 4 real requests, PROFILE=0 skips it)
 set -u
-phase=${1:?usage: h200_speed_session.sh stage1|glue|stage PART [torch|triton]|bench [full]|benchvar [VARIANTS]|kernels|attn|merge|next|pdl|pdl2|pdlprof|pdlk|pdlgraphs|pdlloop|benchpdl|pdldefault|seq|rope|prefetch|prefetchdemo|pdlpre|k300|v16a|v16b|next17|v17a|v17b|next18|exp13|big8b}
+phase=${1:?usage: h200_speed_session.sh stage1|glue|stage PART [torch|triton]|bench [full]|benchvar [VARIANTS]|kernels|attn|merge|next|pdl|pdl2|pdlprof|pdlk|pdlgraphs|pdlloop|benchpdl|pdldefault|seq|rope|prefetch|prefetchdemo|pdlpre|k300|v16a|v16b|next17|v17a|v17b|next18|v18rn|exp13|big8b}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 DFLASH_CACHE=/tmp/dflash-cache
 OUT=${OUT:-/tmp/h200-out}; mkdir -p "$OUT"
 W=/tmp/demo; mkdir -p "$W/stage"
@@ -395,12 +397,19 @@ v17b)  # [.stage/t7/aa .stage/whl] stage1's copy; SiLU(gate) * up as the gate+up
   k300_variants "${K_STOP:-200}" "default DFLASH_GLU=0"
   q8b_block1 "${B_STOP:-300}" glu "default DFLASH_GLU=0"
   ;;
-next18)  # [.stage/t7/aa .stage/whl] (the next session's first call) stage1's copy; the RMSNorms
-  # inside the in-projections (DFLASH_FUSE_NORM=1, an experiment) against the default: demo loop
-  # timings at prompt 300, then Qwen3-8B block 1 (predicted about 2 us less per norm)
+next18)  # [.stage/t7/aa .stage/whl] stage1's copy; the RMSNorms inside the in-projections
+  # (DFLASH_FUSE_NORM=1, an experiment: the eighteenth session's folded form, small_linear_rn)
+  # against the default: demo loop timings at prompt 300, then Qwen3-8B block 1
   cp .stage/t7/aa/part "$W/stage/aa.part"
   k300_variants "${K_STOP:-200}" "default DFLASH_FUSE_NORM=1"
   q8b_block1 "${B_STOP:-300}" norm "default DFLASH_FUSE_NORM=1"
+  ;;
+v18rn)  # (no carry; .stage/whl) the next session's first call: the RMSNorm inside the in-projections
+  # with its sums of squares as float32 squares (DFLASH_FUSE_NORM_SQUARES=fma, unmeasured) against
+  # x x^T (mma, the default form) and the norm kernels: Qwen3-8B block 1 first (where mma lost:
+  # 4.230 -> 4.709 ms), then the demo loop timings at prompt 300
+  q8b_block1 "${B_STOP:-150}" rn2 "DFLASH_FUSE_NORM=1,DFLASH_FUSE_NORM_SQUARES=fma DFLASH_FUSE_NORM=0 DFLASH_FUSE_NORM=1"
+  k300_variants "${K_STOP:-300}" "DFLASH_FUSE_NORM_SQUARES=fma default"
   ;;
 prefetchdemo)  # no carry: DFLASH_PREFETCH 0 against ${PREFETCH_MIB:-8} on the demo shape's loop timings
   for v in 0 ${PREFETCH_MIB:-8}; do

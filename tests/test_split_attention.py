@@ -194,6 +194,11 @@ def assert_static_greedy(layers: int = 4, **attrs) -> None:
     be = StaticBackend(target, make_draft(target), torch.device("cpu"), use_graphs=False, device_loop=True)
     for name, value in attrs.items():
         setattr(be, name, value)
+    if attrs.get("fuse_norm") or attrs.get("draft_fuse_norm"):  # DFLASH_FUSE_NORM's folded weights
+        from dflash.backends.static_fused import fold_norms
+
+        be.folded_target = fold_norms(target.model.layers, be.fused_target)
+        be.folded_draft = fold_norms(be.draft_model.layers, be.fused_draft, ("post",))
     truth = greedy_reference(target, PROMPT, 24)
     for block in (1, 16):
         toks = [t for r in speculative_generate(be, PROMPT, block_size=block, max_new_tokens=24)

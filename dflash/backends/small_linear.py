@@ -18,6 +18,10 @@ activation needs no kernel of its own. H200, one machine, against ``DFLASH_GLU=0
 steps at prompt 300 0.880 -> 0.831 ms (block 16) and 0.691 -> 0.649 ms (block 1), the draft
 graph 0.154 -> 0.147 ms; Qwen3-8B's block 1 4.319 -> 4.240 ms.
 
+The RMSNorm in front of an in-projection runs inside it where ``DFLASH_FUSE_NORM`` says so
+(:func:`small_linear_rn`, eighteenth session: the norm's weight folded into the projection's,
+the row factor on the accumulator; see :func:`fuse_norm_setting` for the measurements).
+
 Fusing more was tried and removed: an RMSNorm prologue (two-pass, or one pass with the norm as
 a row scale) and, with it, a first SwiGLU epilogue (2026-12-01, before this kernel's
 in-projection tiles) made qkv and gate+up 1.5-2.5x slower than cuBLAS plus Inductor's fused
@@ -69,13 +73,45 @@ GLU_ENV = "DFLASH_GLU"
 FUSE_NORM_ENV = "DFLASH_FUSE_NORM"
 
 
-def fuse_norm_setting() -> bool:
-    """``DFLASH_FUSE_NORM`` (an experiment, off by default until measured on a GPU): ``1`` runs
-    each RMSNorm that sits between a ``small_linear`` projection with a residual add (o_proj,
-    down_proj) and a ``small_linear`` in-projection (gate+up, the next layer's qkv) inside the
-    in-projection: the first writes partial sums of squares of its rows
-    (:func:`small_linear_ss`), the second norms its input tiles as they load
-    (:func:`small_linear_normed`): one kernel less per norm. Unset or ``0``: off.
+FUSE_NORM_AUTO_MAX_K = 1024  # DFLASH_FUSE_NORM unset: on for hidden sizes up to this (bf16/fp16)
+SQUARES_ENV = "DFLASH_FUSE_NORM_SQUARES"
+
+
+def squares_setting() -> str:
+    """``DFLASH_FUSE_NORM_SQUARES``: how :func:`small_linear_rn` takes the rows' sums of squares:
+    ``mma`` (unset, the default: the diagonal of x x^T on the tensor cores, one more small MMA
+    per K tile) or ``fma`` (an experiment, unmeasured: float32 squares of the x tile added into a
+    [rows, BK] register tile, summed once after the loop; the candidate for large K, where the
+    x x^T products made Qwen3-8B's block 1 4.230 -> 4.709 ms).
+
+    Raises:
+        InputError: another value.
+    """
+    raw = os.environ.get(SQUARES_ENV, "").strip().lower()
+    if raw not in ("", "mma", "fma"):
+        from dflash.errors import InputError
+
+        raise InputError(f"{SQUARES_ENV} must be mma or fma, got {raw!r}.", hint="unset it for the default (mma)")
+    return raw or "mma"
+
+
+def fuse_norm_setting() -> bool | None:
+    """``DFLASH_FUSE_NORM``: whether each RMSNorm in front of a ``small_linear`` in-projection
+    (the target's input and post-attention norms before qkv and gate+up, the draft's
+    post-attention norm) runs inside that projection's kernel (:func:`small_linear_rn`: the
+    norm's weight folded into a copy of the projection's weight, its row factor applied to the
+    accumulator): one kernel less per norm, and the same per-row maths at every width, so that
+    block-1 decoding and verify agree bit for bit in bf16. ``1`` on, ``0`` off, unset: None,
+    the default of :func:`fuse_norm_auto`.
+
+    H200, eighteenth session (``benchmarks/results/h200-v18``): the demo's verify-1 graph 0.646
+    -> 0.592 ms, block-16 loop step 0.831 -> 0.795 ms, draft graph 0.147 -> 0.144 ms; real demo
+    pair (gsm8k 64, one machine, side by side) DFlash 4,948.8 -> 5,164.8 tok/s, baseline 1,550.0
+    -> 1,679.4, greedy parity 53 + 11 near-ties -> 64/64 identical. Qwen3-8B's block-1 step
+    4.230 -> 4.709 ms: the x x^T products cost more than the saved kernels over a K of 4,096
+    (16-32 tiles a program). The seventeenth session's first form (partial sums of squares
+    written by the previous kernel, the norm applied to each input tile) made the demo's
+    verify-1 graph 0.645 -> 0.691 ms and Qwen3-8B's block 1 4.233 -> 4.329 ms; replaced.
 
     Raises:
         InputError: another value.
@@ -84,8 +120,17 @@ def fuse_norm_setting() -> bool:
     if raw not in ("", "0", "1"):
         from dflash.errors import InputError
 
-        raise InputError(f"{FUSE_NORM_ENV} must be 0 or 1, got {raw!r}.", hint="unset it for the default (0)")
-    return raw == "1"
+        raise InputError(f"{FUSE_NORM_ENV} must be 0 or 1, got {raw!r}.",
+                         hint="unset it for the default (on for hidden sizes <= 1024 in bf16/fp16)")  # fmt: skip
+    return None if raw == "" else raw == "1"
+
+
+def fuse_norm_auto(hidden: int, dtype: torch.dtype) -> bool:
+    """:func:`fuse_norm_setting`'s default for a model of this hidden size (the projections' K)
+    and dtype: on up to :data:`FUSE_NORM_AUTO_MAX_K` in bf16/fp16 (measured faster at 576,
+    slower at 4,096; sizes in between unmeasured), off in float32 (the reference dtype keeps
+    the modules' roundings)."""
+    return hidden <= FUSE_NORM_AUTO_MAX_K and dtype in (torch.bfloat16, torch.float16)
 
 
 def glu_setting() -> bool:
@@ -294,28 +339,20 @@ if triton is not None:
                                       dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip
 
     @triton.jit
-    def _x_tile(X, rm, rk, m_ok, k_ok, s_xm, NORM: tl.constexpr, r, G):
-        """x[rm, rk]; ``NORM``: RMSNorm'd as the module rounds it, ``g * (x * r).to(dtype)`` with
-        the row scales ``r`` ([BM] float32) and the norm's weight at ``G``."""
-        x = tl.load(X + rm[:, None] * s_xm + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        if NORM:
-            g = tl.load(G + rk, mask=k_ok, other=0.0).to(tl.float32)
-            xn = (x.to(tl.float32) * r[:, None]).to(x.dtype)
-            x = (xn.to(tl.float32) * g[None, :]).to(x.dtype)
-        return x
-
-    @triton.jit
     def _rows_times_weight(X, W, rm, rn, m_ok, n_ok, K, s_xm, s_wn, IEEE: tl.constexpr, BM: tl.constexpr,
                            BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr, PRE_K=0,
-                           LINE: tl.constexpr = 64, NORM: tl.constexpr = False, SS=None, s_ss=0, NP=0,
-                           P: tl.constexpr = 1, G=None, EPS=0.0):  # fmt: skip
+                           LINE: tl.constexpr = 64, RN: tl.constexpr = False, EPS=0.0,
+                           FMA: tl.constexpr = False):  # fmt: skip
         """x[rm, :] @ W[rn, :]^T in float32 ([BM, BN]), streaming the weight rows along K; with
         PDL the first weight tile is loaded before waiting for the previous kernel, and (``PRE_K``
         > 0, ``DFLASH_PDL_PREFETCH``) columns BK..PRE_K of the rows are sent to L2 meanwhile
-        (shared by this module's kernel and :mod:`dflash.backends.head_argmax`). ``NORM``: x is
-        RMSNorm'd on the fly, its rows' sums of squares the ``NP`` partial sums per row at ``SS``
-        (``P``: a power of two >= NP), the norm's weight at ``G``, epsilon ``EPS``."""
+        (shared by this module's kernel and :mod:`dflash.backends.head_argmax`). ``RN``: the
+        product scaled by each x row's RMS factor rsqrt(mean(x^2) + ``EPS``), the sums of
+        squares taken from the tiles as they pass (the diagonal of x x^T on the tensor cores; ``FMA``:
+        float32 squares added into a [BM, BK] tile, summed after the loop)."""
         acc = tl.zeros([BM, BN], tl.float32)
+        sq = tl.zeros([BM, BM], tl.float32)  # RN: x x^T, its diagonal the rows' sums of squares
+        sqf = tl.zeros([BM, BK], tl.float32)  # RN with FMA: the squares, column slots apart
         k_first = 0
         if PDL:  # the first weight tile does not depend on the previous kernel: load it first
             rk0 = tl.arange(0, BK)  # own names: the loop's values are not carried from here
@@ -325,36 +362,48 @@ if triton is not None:
                 _prefetch_rows(W, rn, n_ok, BK, PRE_K, s_wn, LINE, 16)  # 16 lines a pass
             tl.extra.cuda.gdc_wait()  # the previous kernel is done: x (and a residual) are ready
             tl.extra.cuda.gdc_launch_dependents()
-        if NORM:  # the row scales, from the previous kernel's partial sums of squares
-            rp = tl.arange(0, P)
-            ss = tl.load(SS + rm[:, None] * s_ss + rp[None, :], mask=m_ok[:, None] & (rp < NP)[None, :], other=0.0)
-            r = tl.rsqrt(tl.sum(ss, 1) / K + EPS)
-        else:
-            r = tl.zeros([BM], tl.float32)  # unused
-        if PDL:
-            x0 = _x_tile(X, rm, rk0, m_ok, k_ok0, s_xm, NORM, r, G)
+            x0 = tl.load(X + rm[:, None] * s_xm + rk0[None, :], mask=m_ok[:, None] & k_ok0[None, :], other=0.0)
             if IEEE:
                 acc += tl.dot(x0, tl.trans(w0), input_precision="ieee")
+                if RN and not FMA:
+                    sq += tl.dot(x0, tl.trans(x0), input_precision="ieee")
             else:
                 acc += tl.dot(x0, tl.trans(w0))
+                if RN and not FMA:
+                    sq += tl.dot(x0, tl.trans(x0))
+            if RN and FMA:
+                sqf += x0.to(tl.float32) * x0.to(tl.float32)
             k_first = BK
         for k0 in range(k_first, K, BK):
             rk = k0 + tl.arange(0, BK)
             k_ok = rk < K
-            x = _x_tile(X, rm, rk, m_ok, k_ok, s_xm, NORM, r, G)
+            x = tl.load(X + rm[:, None] * s_xm + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(W + rn[:, None] * s_wn + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             if IEEE:
                 acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+                if RN and not FMA:
+                    sq += tl.dot(x, tl.trans(x), input_precision="ieee")
             else:
                 acc += tl.dot(x, tl.trans(w))
+                if RN and not FMA:
+                    sq += tl.dot(x, tl.trans(x))
+            if RN and FMA:
+                sqf += x.to(tl.float32) * x.to(tl.float32)
+        if RN:
+            if FMA:
+                ss = tl.sum(sqf, 1)
+            else:
+                eye = tl.arange(0, BM)[:, None] == tl.arange(0, BM)[None, :]
+                ss = tl.sum(tl.where(eye, sq, 0.0), 1)
+            acc = acc * tl.rsqrt(ss / K + EPS)[:, None]
         return acc
 
     @triton.jit
     def _small_linear_kernel(X, W, B, RES, Y, M, N, K, s_xm, s_wn, s_rm, s_ym, PRE_K, HAS_BIAS: tl.constexpr,
                              HAS_RES: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr,
                              BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr,
-                             LINE: tl.constexpr, GLU: tl.constexpr, NORM: tl.constexpr, SS, s_ss, NP,
-                             P: tl.constexpr, G, EPS, SS_OUT: tl.constexpr, SSO, s_sso):  # fmt: skip
+                             LINE: tl.constexpr, GLU: tl.constexpr, RN: tl.constexpr, EPS,
+                             FMA: tl.constexpr):  # fmt: skip
         rm = tl.arange(0, BM)
         m_ok = rm < M
         if GLU:  # W holds [gate; up] (2N rows): this program's N columns of each, side by side
@@ -363,8 +412,7 @@ if triton is not None:
             n_ok2 = rn < N
             wrow = tl.where(r < BN, rn, rn + N)
             acc2 = _rows_times_weight(X, W, rm, wrow, m_ok, n_ok2, K, s_xm, s_wn, IEEE, BM, 2 * BN, BK, PDL,
-                                      PRE_K, LINE, NORM, SS, s_ss, NP, P, G,
-                                      EPS)  # [BM, 2 BN]: gate columns, then up columns  # fmt: skip
+                                      PRE_K, LINE, RN, EPS, FMA)  # [BM, 2 BN]: gate columns, then up columns  # fmt: skip
             if HAS_BIAS:
                 acc2 += tl.load(B + wrow, mask=n_ok2, other=0.0).to(tl.float32)[None, :]
             # the projection's outputs rounded as F.linear's, then SiLU(gate) * up in float32
@@ -378,7 +426,7 @@ if triton is not None:
             rn = tl.program_id(0) * BN + tl.arange(0, BN)  # output columns of this program
             n_ok = rn < N
             acc = _rows_times_weight(X, W, rm, rn, m_ok, n_ok, K, s_xm, s_wn, IEEE, BM, BN, BK, PDL, PRE_K, LINE,
-                                     NORM, SS, s_ss, NP, P, G, EPS)  # fmt: skip
+                                     RN, EPS, FMA)  # fmt: skip
             if HAS_BIAS:
                 acc += tl.load(B + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         y = acc.to(Y.dtype.element_ty)
@@ -387,15 +435,11 @@ if triton is not None:
             r = tl.load(RES + rm[:, None] * s_rm + rn[None, :], mask=ym, other=0.0)
             y = (r.to(tl.float32) + y.to(tl.float32)).to(Y.dtype.element_ty)
         tl.store(Y + rm[:, None] * s_ym + rn[None, :], y, mask=ym)
-        if SS_OUT:  # this program's share of each output row's sum of squares (for the next RMSNorm)
-            yf = tl.where(ym, y.to(tl.float32), 0.0)
-            tl.store(SSO + rm * s_sso + tl.program_id(0), tl.sum(yf * yf, 1), mask=m_ok)
 
 
-def _launch(x, weight, bias, residual, glu: bool = False, norm=None, ss_out: bool = False):
-    """One kernel launch: y [M, N] (``ss_out``: and the partial sums of squares of y's rows,
-    [M, programs] float32); ``norm``: (partial sums of squares [M, P] of x's rows, the norm's
-    weight [K], epsilon), x RMSNorm'd on the fly."""
+def _launch(x, weight, bias, residual, glu: bool = False, rn_eps: float | None = None):
+    """One kernel launch: y [M, N]; ``rn_eps``: the product scaled by x's rows' RMS factors
+    rsqrt(mean(x^2) + rn_eps) (see :func:`small_linear_rn`)."""
     m = x.shape[0]
     rows, k = weight.shape
     if m > MAX_ROWS:  # one tile of rows per program
@@ -408,26 +452,18 @@ def _launch(x, weight, bias, residual, glu: bool = False, norm=None, ss_out: boo
     bm, bn, bk, warps, stages = kernel_config(m, rows, k)  # tiles by the weight read
     if glu:  # each program takes bn weight rows: bn // 2 columns of gate and of up
         bn //= 2
-    programs = triton.cdiv(n, bn)
-    sso = torch.empty(m, programs, dtype=torch.float32, device=x.device) if ss_out else y
-    ss, g, eps = norm if norm is not None else (y, y, 0.0)
-    if norm is not None and (ss.dim() != 2 or ss.shape[0] != m or ss.stride(1) != 1 or g.shape != (k,)):
-        raise ValueError(f"small_linear: sums of squares {tuple(ss.shape)} and norm weight {tuple(g.shape)} "
-                         f"do not fit input {tuple(x.shape)}")  # fmt: skip
     pdl = pdl_enabled(x.device)
     elem = weight.element_size()
     pre_k = preload_columns(rows, k, bk, elem, preload_bytes()) if pdl else 0
-    _small_linear_kernel[(programs,)](
+    _small_linear_kernel[(triton.cdiv(n, bn),)](
         x, weight, bias if bias is not None else y, residual if residual is not None else y, y, m, n, k,
         x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0), pre_k,
         HAS_BIAS=bias is not None, HAS_RES=residual is not None, IEEE=x.dtype == torch.float32,
-        BM=bm, BN=bn, BK=bk, PDL=pdl, LINE=128 // elem, GLU=glu, NORM=norm is not None, SS=ss,
-        s_ss=ss.stride(0) if norm is not None else 0, NP=ss.shape[1] if norm is not None else 0,
-        P=triton.next_power_of_2(ss.shape[1]) if norm is not None else 1, G=g, EPS=float(eps),
-        SS_OUT=ss_out, SSO=sso, s_sso=sso.stride(0) if ss_out else 0,
+        BM=bm, BN=bn, BK=bk, PDL=pdl, LINE=128 // elem, GLU=glu, RN=rn_eps is not None,
+        EPS=float(rn_eps or 0.0), FMA=rn_eps is not None and squares_setting() == "fma",
         num_warps=warps, num_stages=stages, **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
-    return (y, sso) if ss_out else y
+    return y
 
 
 @torch.library.custom_op("dflash::small_linear", mutates_args=())
@@ -451,26 +487,14 @@ def _(x, weight, bias):
     return x.new_empty(x.shape[0], weight.shape[0] // 2)
 
 
-@torch.library.custom_op("dflash::small_linear_ss", mutates_args=())
-def _small_linear_ss_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                        residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    return _launch(x, weight, bias, residual, ss_out=True)
+@torch.library.custom_op("dflash::small_linear_rn", mutates_args=())
+def _small_linear_rn_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,
+                        glu: bool) -> torch.Tensor:  # fmt: skip
+    return _launch(x, weight, bias, None, glu=glu, rn_eps=eps)
 
 
-@_small_linear_ss_op.register_fake
-def _(x, weight, bias, residual):
-    m, n, k = x.shape[0], weight.shape[0], weight.shape[1]
-    return x.new_empty(m, n), x.new_empty(m, -(-n // kernel_config(m, n, k)[1]), dtype=torch.float32)
-
-
-@torch.library.custom_op("dflash::small_linear_normed", mutates_args=())
-def _small_linear_normed_op(x: torch.Tensor, ss: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                            weight: torch.Tensor, bias: torch.Tensor | None, glu: bool) -> torch.Tensor:  # fmt: skip
-    return _launch(x, weight, bias, None, glu=glu, norm=(ss, norm_weight, eps))
-
-
-@_small_linear_normed_op.register_fake
-def _(x, ss, norm_weight, eps, weight, bias, glu):
+@_small_linear_rn_op.register_fake
+def _(x, weight, bias, eps, glu):
     return x.new_empty(x.shape[0], weight.shape[0] // 2 if glu else weight.shape[0])
 
 
@@ -480,35 +504,38 @@ def _on_cpu(x: torch.Tensor) -> bool:
     return triton is None or (x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1")
 
 
-def small_linear_ss(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                    residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """:func:`small_linear` that also returns partial sums of squares of its output's rows, so
-    that the next RMSNorm can run inside the next projection (:func:`small_linear_normed`)
-    instead of as a kernel of its own.
+def small_linear_rn_reference(x, weight, bias=None, eps: float = 1e-6, glu: bool = False) -> torch.Tensor:
+    """:func:`small_linear_rn`'s maths in torch ops: the float32 product scaled by the rows' RMS
+    factors, the bias added, rounded to x's dtype (``glu``: then SiLU(gate) * up in float32,
+    rounded once)."""
+    xf = x.float()
+    r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    y = (F.linear(xf, weight.float()) * r + (bias.float() if bias is not None else 0.0)).to(x.dtype)
+    if not glu:
+        return y
+    g, u = y.chunk(2, dim=-1)
+    return (F.silu(g.float()) * u.float()).to(x.dtype)
 
+
+def small_linear_rn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                    eps: float = 1e-6, glu: bool = False) -> torch.Tensor:
+    """``linear(RMSNorm(x), W, bias)`` in one kernel, the norm's weight g folded into the
+    projection beforehand (``weight`` = W * g per input column, :func:`fold_norm_weight`): the
+    norm's row factor r = rsqrt(mean(x^2) + eps) commutes with the product, so the kernel streams
+    the raw rows, takes their sums of squares from the same tiles (the diagonal of x x^T on
+    the tensor cores) and scales its float32 accumulator by r before the bias and the rounding;
+    the RMSNorm's kernel is gone. Roundings differ from the module's (x * r and g * that are not
+    rounded to x's dtype; W * g is, once): about one unit of x's dtype in the last place.
+    ``glu``: :func:`small_linear_glu`'s SiLU(gate) * up epilogue.
+
+    Args:
+        x: [M, K] (the residual stream, un-normed), unit last stride; M <= :data:`MAX_ROWS`.
+        weight: [N, K] (``glu``: [2N, K], gate rows then up rows), the norm's weight folded in;
+            bias: [N] (or [2N]) or None.
+        eps: the norm's epsilon.
     Returns:
-        (y [M, N] as :func:`small_linear`, ss [M, P] float32: each row's sum of squares of y,
-        in P parts, one per program; P = 1 off CUDA).
-    """
-    if _on_cpu(x):
-        y = small_linear_reference(x, weight, bias, residual)
-        return y, y.float().pow(2).sum(-1, keepdim=True)
-    return _small_linear_ss_op(x, weight, bias, residual)
-
-
-def small_linear_normed_reference(x, ss, norm_weight, eps, weight, bias=None, glu: bool = False) -> torch.Tensor:
-    """:func:`small_linear_normed`'s maths in torch ops: the RMSNorm module's roundings."""
-    r = torch.rsqrt(ss.sum(-1, keepdim=True) / x.shape[-1] + eps)
-    xn = norm_weight * (x.float() * r).to(x.dtype)
-    return small_linear_glu_reference(xn, weight, bias) if glu else F.linear(xn, weight, bias)
-
-
-def small_linear_normed(x: torch.Tensor, ss: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                        weight: torch.Tensor, bias: torch.Tensor | None = None, glu: bool = False) -> torch.Tensor:  # fmt: skip
-    """``linear(RMSNorm(x), weight, bias)`` in one kernel (``glu``: :func:`small_linear_glu`'s
-    SiLU(gate) * up), the norm applied to x's tiles as they load: ``norm_weight * (x * r)`` rounded
-    as the module rounds it, with r = rsqrt(sum(ss) / K + eps) per row from the partial sums
-    of squares ``ss`` [M, P] that the kernel which wrote x returned (:func:`small_linear_ss`).
+        [M, N] in x's dtype. Off CUDA (or Triton absent and not interpreting)
+        :func:`small_linear_rn_reference` runs instead.
 
     Raises:
         ValueError: shapes that do not fit.
@@ -516,8 +543,14 @@ def small_linear_normed(x: torch.Tensor, ss: torch.Tensor, norm_weight: torch.Te
     if glu and weight.shape[0] % 2:
         raise ValueError(f"small_linear: weight {tuple(weight.shape)} does not split into gate and up halves")
     if _on_cpu(x):
-        return small_linear_normed_reference(x, ss, norm_weight, eps, weight, bias, glu)
-    return _small_linear_normed_op(x, ss, norm_weight, float(eps), weight, bias, glu)
+        return small_linear_rn_reference(x, weight, bias, eps, glu)
+    return _small_linear_rn_op(x, weight, bias, float(eps), glu)
+
+
+def fold_norm_weight(weight: torch.Tensor, norm_weight: torch.Tensor) -> torch.Tensor:
+    """A new [N, K] weight ``weight * norm_weight`` (per input column, in float32, rounded to
+    weight's dtype once) for :func:`small_linear_rn`."""
+    return (weight.float() * norm_weight.float()[None, :]).to(weight.dtype).contiguous()
 
 
 def small_linear_glu_reference(x, weight, bias=None) -> torch.Tensor:

@@ -34,10 +34,10 @@ from dflash.backends.head_argmax import head_argmax
 from dflash.backends.rope_cache import norm_eps, rope_cache, rope_cache_fits
 from dflash.backends.small_linear import MAX_ROWS as LINEAR_MAX_ROWS
 from dflash.backends.small_linear import (
+    fold_norm_weight,
     small_linear,
     small_linear_glu,
-    small_linear_normed,
-    small_linear_ss,
+    small_linear_rn,
 )
 from dflash.backends.split_attention import split_attention, uses_kernel
 from dflash.models.draft_torch import rope_cos_sin
@@ -267,38 +267,40 @@ def _mlp(lin: bool, lin_in: bool, gate_up: FusedLinear, down, act, h: torch.Tens
     return _out_proj(lin, down, act(g) * u, x)
 
 
-def _out_proj_ss(proj, h: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x + proj(h) for [1, T, *] activations as one small_linear kernel that also returns its
-    rows' partial sums of squares (for the next norm, :func:`_normed`)."""
-    y, ss = small_linear_ss(h[0], proj.weight, proj.bias, residual=x[0])
-    return y[None], ss
+def fold_norm(fused: FusedLinear, norm) -> FusedLinear:
+    """A copy of ``fused`` with the RMSNorm ``norm``'s weight folded into its weight (per input
+    column), for :func:`~dflash.backends.small_linear.small_linear_rn` (``DFLASH_FUSE_NORM``)."""
+    return FusedLinear(fold_norm_weight(fused.weight, norm.weight), fused.bias, fused.sizes)
 
 
-def _normed(norm, x: torch.Tensor, ss: torch.Tensor, fused: FusedLinear, glu: bool = False) -> torch.Tensor:
-    """fused(norm(x)) for [1, T, H] activations ``x`` whose rows' partial sums of squares are
-    ``ss``, the norm inside the projection's kernel: [T, sum(out_i)] (``glu``: [T, I], SiLU(gate)
-    * up)."""
-    return small_linear_normed(x[0], ss, norm.weight, norm_eps(norm), fused.weight, fused.bias, glu)
+def fold_norms(layers, fused, which=("input", "post")) -> list[tuple[FusedLinear | None, FusedLinear | None]]:
+    """Per layer (qkv with the input norm folded in, gate+up with the post-attention norm), each
+    None when ``which`` leaves it out (the draft's qkv also takes un-normed context rows)."""
+    return [(fold_norm(qkv, layer.input_layernorm) if "input" in which else None,
+             fold_norm(gate_up, layer.post_attention_layernorm) if "post" in which else None)
+            for layer, (qkv, gate_up) in zip(layers, fused, strict=True)]  # fmt: skip
 
 
-def _mlp_ss(lin: bool, gate_up: FusedLinear, down, act, norm, x: torch.Tensor, ss: torch.Tensor,
-            glu: bool, ss_out: bool) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
-    """x + down(act(gate) * up) of norm(x), the norm inside the gate+up kernel (``ss``: x's
-    rows' partial sums of squares); ``ss_out``: also the output rows' (else None)."""
+def _rn(folded: FusedLinear, norm, x: torch.Tensor, glu: bool = False) -> torch.Tensor:
+    """folded's projection of norm(x) for [1, T, H] activations, the norm inside the kernel:
+    [T, sum(out_i)] (``glu``: [T, I], SiLU(gate) * up)."""
+    return small_linear_rn(x[0], folded.weight, folded.bias, norm_eps(norm), glu)
+
+
+def _mlp_rn(lin: bool, folded: FusedLinear, down, act, norm, x: torch.Tensor, glu: bool) -> torch.Tensor:
+    """x + down(act(gate) * up) of norm(x), the norm inside the gate+up kernel."""
     if glu:
-        a = _normed(norm, x, ss, gate_up, glu=True)
+        a = _rn(folded, norm, x, glu=True)
     else:
-        g, u = _normed(norm, x, ss, gate_up).split(gate_up.sizes, dim=-1)
+        g, u = _rn(folded, norm, x).split(folded.sizes, dim=-1)
         a = act(g) * u
-    if ss_out:
-        return _out_proj_ss(down, a[None], x)
-    return _out_proj(lin, down, a[None], x), None
+    return _out_proj(lin, down, a[None], x)
 
 
 def norms_fit(layers, dtype: torch.dtype) -> bool:
     """Whether every layer's input and post-attention norms are plain RMSNorms (a [H] weight of
     ``dtype``, an epsilon; the module's ``weight * (x * rsqrt(mean(x^2) + eps)).to(dtype)``) that
-    :func:`~dflash.backends.small_linear.small_linear_normed` can run inside a projection."""
+    :func:`~dflash.backends.small_linear.small_linear_rn` can run inside a projection."""
     for layer in layers:
         for norm in (layer.input_layernorm, layer.post_attention_layernorm):
             w = getattr(norm, "weight", None)
@@ -336,28 +338,31 @@ def target_forward_fused(be, ids: torch.Tensor, pos: torch.Tensor, argmax: bool 
     rope = split and getattr(be, "target_rope", False)  # q/k (norm +) RoPE + cache writes: one kernel
     pf = t <= LINEAR_MAX_ROWS and getattr(be, "prefetch", 0)  # L2 prefetch bytes per layer
     early = pf and getattr(be, "prefetch_early", False)  # forked before the qkv projection
-    # DFLASH_FUSE_NORM: the norms inside the in-projections' kernels, fed by the partial sums of
-    # squares that the o_proj / down_proj kernels write (ss: those of x's rows, or None)
-    fuse = lin_in and rope and getattr(be, "fuse_norm", False)
-    glu, ss = getattr(be, "glu", False), None
+    # DFLASH_FUSE_NORM: the input and post-attention norms inside the qkv and gate+up kernels
+    fuse = lin_in and getattr(be, "fuse_norm", False)
+    glu = getattr(be, "glu", False)
     slots: list[torch.Tensor] = [None] * len(be.layer_ids)  # type: ignore[list-item]
     for i, layer in enumerate(be.target.model.layers):
         a, (qkv, gate_up) = layer.self_attn, be.fused_target[i]
-        h = layer.input_layernorm(x) if ss is None else x  # x: normed inside the qkv kernel
+        fq, fg = be.folded_target[i] if fuse else (None, None)  # norms folded in (DFLASH_FUSE_NORM)
+        h = x if fuse else layer.input_layernorm(x)  # fuse: x is normed inside the qkv kernel
         if early:
             l2_prefetch.prefetch(be.l2_sink, h, _after_qkv(a, gate_up, layer.mlp), pf)
         if rope:
-            if ss is None:
-                raw = _in_proj_joint(lin_in, qkv, h)  # [T, (H + 2 Hkv) D]
+            if fuse:
+                raw = _rn(fq, layer.input_layernorm, x)
             else:
-                raw = _normed(layer.input_layernorm, x, ss, qkv)
+                raw = _in_proj_joint(lin_in, qkv, h)  # [T, (H + 2 Hkv) D]
             if pf and not early:
                 l2_prefetch.prefetch(be.l2_sink, raw, _after_qkv(a, gate_up, layer.mlp), pf)
             norms = (a.q_norm, a.k_norm) if hasattr(a, "q_norm") else (None, None)  # Qwen3
             q = rope_cache(raw, *norms, cos, sin, pos[0], be.k[i], be.v[i], 0, be.heads, be.kv_heads)
             o = split_attention(q, be.k[i], be.v[i], pos[0], a.scaling)
         else:
-            q, k, v = _in_proj(lin_in, qkv, h)
+            if fuse:
+                q, k, v = _rn(fq, layer.input_layernorm, x)[None].split(fq.sizes, dim=-1)
+            else:
+                q, k, v = _in_proj(lin_in, qkv, h)
             if pf and not early:
                 l2_prefetch.prefetch(be.l2_sink, q, _after_qkv(a, gate_up, layer.mlp), pf)
             q, k = q.view(1, t, be.heads, hd), k.view(1, t, be.kv_heads, hd)
@@ -372,14 +377,12 @@ def target_forward_fused(be, ids: torch.Tensor, pos: torch.Tensor, argmax: bool 
             else:
                 o = attend(q, be.k[i], be.v[i], mask, a.scaling, packed)
         o = o.transpose(1, 2).reshape(1, t, be.heads * hd)
+        x = _out_proj(lin, a.o_proj, o, x)
         if fuse:
-            x, ss = _out_proj_ss(a.o_proj, o, x)
-            x, ss = _mlp_ss(lin, gate_up, layer.mlp.down_proj, layer.mlp.act_fn, layer.post_attention_layernorm,
-                            x, ss, glu, ss_out=i < be.n_layers - 1)  # the final norm stays a kernel  # fmt: skip
+            x = _mlp_rn(lin, fg, layer.mlp.down_proj, layer.mlp.act_fn, layer.post_attention_layernorm, x, glu)
         else:
-            x = _out_proj(lin, a.o_proj, o, x)
             x = _mlp(lin, lin_in, gate_up, layer.mlp.down_proj, layer.mlp.act_fn, layer.post_attention_layernorm(x),
-                     x, glu)  # fmt: skip
+                 x, glu)  # fmt: skip
         if i < be.n_layers - 1:
             for n in be.feature_layers.get(i, ()):
                 slots[n] = x[0]
@@ -398,7 +401,7 @@ def target_forward_fused(be, ids: torch.Tensor, pos: torch.Tensor, argmax: bool 
 def draft_forward_fused(draft, fused, block_embeds, target_hidden, q_pos, ctx_pos, cache, masks,
                         pack_gqa: bool = False, split_kinds=frozenset(), lin: bool = False,
                         lin_in: bool = False, rope: bool = False, prefetch=None, glu: bool = False,
-                        fuse_norm: bool = False):  # fmt: skip
+                        folded=None):  # fmt: skip
     """:meth:`DFlashDraft.forward` for the static cache with fused projections.
 
     Context and block rows go through one QKV matmul ([Tc + L] rows; the context rows' Q is
@@ -416,8 +419,9 @@ def draft_forward_fused(draft, fused, block_embeds, target_hidden, q_pos, ctx_po
     (up to ``MAX_ROWS`` context rows), run as
     :func:`~dflash.backends.small_linear.small_linear` kernels; ``lin_in``: the fused qkv and
     gate+up projections too (``glu``: with SiLU(gate) * up as that kernel's epilogue,
-    :func:`~dflash.backends.small_linear.small_linear_glu`; ``fuse_norm``: with the post-attention
-    norm inside it, ``DFLASH_FUSE_NORM``); ``rope``: in ``split_kinds`` layers the q/k norm, RoPE and the
+    :func:`~dflash.backends.small_linear.small_linear_glu`); ``folded``: per layer (None, gate+up
+    with the post-attention norm's weight folded in, :func:`fold_norms`) to run that norm inside
+    the gate+up kernel (``DFLASH_FUSE_NORM``), or None; ``rope``: in ``split_kinds`` layers the q/k norm, RoPE and the
     context and block rows' cache writes run as one :func:`~dflash.backends.rope_cache.rope_cache`
     kernel (the caller checks :func:`draft_rope_fits`); ``prefetch``: (sink, bytes) for an L2
     prefetch of each layer's o_proj, gate+up and down_proj weights after its qkv projection
@@ -469,11 +473,10 @@ def draft_forward_fused(draft, fused, block_embeds, target_hidden, q_pos, ctx_po
                 k, v = torch.cat((kc, k[:, :, tc:]), 2), torch.cat((vc, v[:, :, tc:]), 2)
                 out = attend(q, k, v, masks[kind], None, packed)
         out = out.transpose(1, 2).reshape(1, lq, a.heads * d)
-        if fuse_norm and lin_in:
-            h, ss = _out_proj_ss(a.o_proj, out, h)
-            h, _ = _mlp_ss(lin, gate_up, layer.mlp.down_proj, F.silu, layer.post_attention_layernorm, h, ss, glu, False)
+        h = _out_proj(lin, a.o_proj, out, h)
+        if folded is not None and lin_in:
+            h = _mlp_rn(lin, folded[i][1], layer.mlp.down_proj, F.silu, layer.post_attention_layernorm, h, glu)
         else:
-            h = _out_proj(lin, a.o_proj, out, h)
             h = _mlp(lin, lin_in, gate_up, layer.mlp.down_proj, F.silu, layer.post_attention_layernorm(h), h, glu)
     if prefetch:
         l2_prefetch.join(prefetch[0], h)

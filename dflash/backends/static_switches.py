@@ -21,6 +21,7 @@ from dflash.backends.small_linear import (
     linear_mode,
     pdl_setting,
     preload_bytes,
+    squares_setting,
 )
 from dflash.backends.split_attention import (
     attention_mode,
@@ -33,7 +34,7 @@ from dflash.backends.static_loop import queue_ahead, step_compile_default
 
 def check_env() -> None:
     """Check every switch of the static path (``DFLASH_ATTN``, ``DFLASH_ATTN_SPLIT``,
-    ``DFLASH_LINEAR``, ``DFLASH_LINEAR_CONFIG``, ``DFLASH_GLU``, ``DFLASH_FUSE_NORM``, ``DFLASH_PDL``, ``DFLASH_PDL_PREFETCH``, ``DFLASH_ROPE``,
+    ``DFLASH_LINEAR``, ``DFLASH_LINEAR_CONFIG``, ``DFLASH_GLU``, ``DFLASH_FUSE_NORM``, ``DFLASH_FUSE_NORM_SQUARES``, ``DFLASH_PDL``, ``DFLASH_PDL_PREFETCH``, ``DFLASH_ROPE``,
     ``DFLASH_PREFETCH``, ``DFLASH_STEP_COMPILE``, ``DFLASH_HEAD_ARGMAX``, ``DFLASH_GRAPH_WARM``,
     ``DFLASH_QUEUE_AHEAD``, ``DFLASH_DRAFT_ATTN_SPLIT``, ``DFLASH_ATTN_BLOCK``, ``DFLASH_ATTN_ONE_SLICE``)
     on any device: a typo fails at load on a laptop too, not first on the GPU machine.
@@ -52,6 +53,7 @@ def check_env() -> None:
     pdl_setting()
     glu_setting()
     fuse_norm_setting()
+    squares_setting()
     preload_bytes()
     rope_parts()
     prefetch_setting(cpu)
@@ -117,7 +119,7 @@ def fall_back(be, error: Exception, part: str | None = None, kind: str | None = 
         what, fix = "programmatic dependent launch", "plain launches (DFLASH_PDL=0 silences this)"
     elif be.fuse_norm or be.draft_fuse_norm:
         be.fuse_norm = be.draft_fuse_norm = False
-        what, fix = "the norms inside the projections", "norm kernels (unset DFLASH_FUSE_NORM)"
+        what, fix = "the norms inside the projections", "norm kernels (DFLASH_FUSE_NORM=0 silences this)"
     elif be.glu or be.draft_glu:
         be.glu = be.draft_glu = False
         what, fix = "the SiLU * up epilogue", "its own kernel (DFLASH_GLU=0 silences this)"

@@ -34,6 +34,7 @@ from dflash.backends.l2_prefetch import prefetch_setting
 from dflash.backends.rope_cache import rope_cache_fits, rope_parts
 from dflash.backends.small_linear import (
     MAX_ROWS,
+    fuse_norm_auto,
     fuse_norm_setting,
     glu_setting,
     in_projs_small,
@@ -53,6 +54,7 @@ from dflash.backends.static_fused import (
     draft_forward_fused,
     draft_rope_fits,
     draft_small_linear_fits,
+    fold_norms,
     fuse_default,
     fuse_draft,
     fuse_target,
@@ -200,12 +202,16 @@ class StaticBackend(TransformersBackend):
         attn = target.model.layers[0].self_attn
         self.target_rope = ("target" in parts and self.linear != "torch" and split
                             and rope_cache_fits(attn, self.dtype, norms=hasattr(attn, "q_norm")))  # fmt: skip
-        # RMSNorms inside the in-projections' kernels (DFLASH_FUSE_NORM, an experiment): the
-        # target's on the RoPE kernel's path only (the forward takes it there)
-        fuse = fuse_norm_setting()
-        self.fuse_norm = (fuse and self.linear_in > 0 and self.target_rope
-                          and norms_fit(target.model.layers, self.dtype))  # fmt: skip
-        self.draft_fuse_norm = fuse and self.draft_linear_in and norms_fit(draft.layers, self.dtype)
+        # RMSNorms inside the in-projections' kernels (DFLASH_FUSE_NORM), with the norms' weights
+        # folded into copies of the projections' weights (fold_norms)
+        fuse = fuse_norm_setting()  # None: the default by size and dtype
+        self.fuse_norm = (self.linear_in > 0 and norms_fit(target.model.layers, self.dtype)
+                          and (fuse_norm_auto(target.config.hidden_size, self.dtype) if fuse is None else fuse))  # fmt: skip
+        self.draft_fuse_norm = bool(self.draft_linear_in and norms_fit(draft.layers, self.dtype)
+                                    and (fuse_norm_auto(draft.config.hidden_size, self.dtype) if fuse is None else fuse))  # fmt: skip
+        self.folded_target = fold_norms(target.model.layers, self.fused_target) if self.fuse_norm else None
+        self.folded_draft = (fold_norms(draft.layers, self.fused_draft, ("post",))
+                             if self.draft_fuse_norm else None)  # fmt: skip
         pdl_enabled(device, inductor=True)  # a bad DFLASH_PDL is an error before any capture
         # L2 prefetch of each layer's weights after its qkv projection (dflash.backends.l2_prefetch)
         budget, self.prefetch_early = prefetch_setting(device)  # a bad DFLASH_PREFETCH errs on CPU too
@@ -345,7 +351,8 @@ class StaticBackend(TransformersBackend):
                                     self.dcache, masks, self.pack_gqa, kinds, lin,
                                     lin and self.draft_linear_in, lin and self.draft_rope,
                                     (self.l2_sink, self.prefetch) if self.prefetch and lin else None,
-                                    lin and self.draft_glu, lin and self.draft_fuse_norm)  # fmt: skip
+                                    lin and self.draft_glu,
+                                    self.folded_draft if lin and self.draft_fuse_norm else None)  # fmt: skip
         else:
             h = self.draft_model(embeds, ctx, q_pos, ctx_pos[None], cache=self.dcache, masks=masks)
         if argmax:
