@@ -240,7 +240,15 @@ def test_fuse_norm_switch_and_greedy_parity(tiny_target, monkeypatch):
     assert made() == {"target": True, "draft": True}  # CPU: SDPA, no RoPE kernel: the norms still fold
     monkeypatch.delenv("DFLASH_FUSE_NORM")
     assert made() is None  # unset: off in float32
+    monkeypatch.setattr(static_torch, "fuse_norm_auto", lambda hidden, dtype: True)  # a bf16 model's size
+    assert made() == {"target": True, "draft": True}
+    monkeypatch.setattr(static_torch, "_in_proj_rows", lambda linear, fused: 1)  # in-projections: 1-row steps only
+    assert made() is None  # the default wants every width (block 1 = verify maths); the draft has none
     monkeypatch.setenv("DFLASH_FUSE_NORM", "1")
+    assert made() == {"target": True, "draft": False}  # 1 forces it where it can run
+    monkeypatch.undo()
+    monkeypatch.setenv("DFLASH_FUSE_NORM", "1")
+    monkeypatch.setattr(static_torch, "linear_mode", lambda device: "all")
     monkeypatch.setattr(static_torch, "attention_mode", lambda device, dtype=None: "split")
     assert made() == {"target": True, "draft": True}
     monkeypatch.setattr(static_torch, "linear_mode", lambda device: "triton")  # in-projections on cuBLAS
@@ -579,3 +587,29 @@ def test_describe_records_pdl_prefetch_for_the_draft_only_setting(tiny_target, m
     assert be.describe()["pdl_prefetch_bytes"] == 16 << 20
     be.draft_linear = False  # PDL only in the draft's graphs, and the draft has no small_linear
     assert "pdl_prefetch_bytes" not in be.describe()
+
+
+def test_prefetch_takes_the_folded_gate_up_with_fused_norms(tiny_target, monkeypatch):
+    """With the norms inside the projections, the L2 prefetch after each qkv projection asks for
+    the gate+up weight the kernel then reads (the folded copy), target and draft, not the
+    module's."""
+    from dflash.backends import static_fused
+    from dflash.backends.static_torch import StaticBackend
+    from tests.conftest import make_draft
+
+    draft = make_draft(tiny_target)
+    be = StaticBackend(tiny_target, draft, torch.device("cpu"), use_graphs=False, device_loop=False)
+    for name, value in dict(attention="split", linear="all", linear_in=sl.MAX_ROWS, draft_linear=True,
+                            draft_linear_in=True, fuse_norm=True, draft_fuse_norm=True, prefetch=1 << 20).items():
+        setattr(be, name, value)
+    be.folded_target = static_fused.fold_norms(tiny_target.model.layers, be.fused_target)
+    be.folded_draft = static_fused.fold_norms(draft.layers, be.fused_draft, ("post",))
+    asked = []  # the gate+up weight of each prefetch (o_proj, gate+up, down_proj)
+    monkeypatch.setattr(static_fused.l2_prefetch, "prefetch", lambda sink, after, weights, n: asked.append(weights[1]))
+    monkeypatch.setattr(static_fused.l2_prefetch, "join", lambda sink, after: None)
+    be.reset(256)
+    last, _ = be.prefill(list(range(5, 15)), True)
+    be.draft(int(last.argmax()), None, 11, 16)
+    folded = [g.weight for _, g in be.folded_target] + [g.weight for _, g in be.folded_draft]
+    assert len(asked) == be.n_layers + len(draft.layers)
+    assert all(any(w is f for f in folded) for w in asked), "a prefetch asked for an unfolded gate+up weight"

@@ -129,7 +129,9 @@ def fuse_norm_auto(hidden: int, dtype: torch.dtype) -> bool:
     """:func:`fuse_norm_setting`'s default for a model of this hidden size (the projections' K)
     and dtype: on up to :data:`FUSE_NORM_AUTO_MAX_K` in bf16/fp16 (measured faster at 576,
     slower at 4,096; sizes in between unmeasured), off in float32 (the reference dtype keeps
-    the modules' roundings)."""
+    the modules' roundings). The static backend also asks that the in-projections run this
+    kernel at every width (``linear_in`` = :data:`MAX_ROWS`, as measured), not in 1-row steps
+    only (``DFLASH_LINEAR=auto`` with in-projection weights over 8 MiB)."""
     return hidden <= FUSE_NORM_AUTO_MAX_K and dtype in (torch.bfloat16, torch.float16)
 
 

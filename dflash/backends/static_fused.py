@@ -9,6 +9,9 @@ Memory: the q/k/v (and gate/up) parameters of the target and the draft are re-po
 slices of the fused tensors (same values, same ``Parameter`` objects), so the HF/eager forwards
 - the reference path - keep working unchanged, no weight is stored twice, and an in-place
 update of a module's weight (``load_state_dict``, an optimizer step) reaches the fused matmul.
+Exception: where the norms run inside the projections (``DFLASH_FUSE_NORM``, :func:`fold_norms`)
+the qkv and gate+up weights with the norms' weights folded in are copies made when the backend
+is built, so a later in-place update does not reach them (build the backend after loading).
 Moving a model to another device or dtype after the backend is built is not supported.
 
 ``DFLASH_NO_FUSE=1`` (or ``StaticBackend(fuse=False)``) runs the unfused forwards, to measure
@@ -346,15 +349,16 @@ def target_forward_fused(be, ids: torch.Tensor, pos: torch.Tensor, argmax: bool 
         a, (qkv, gate_up) = layer.self_attn, be.fused_target[i]
         fq, fg = be.folded_target[i] if fuse else (None, None)  # norms folded in (DFLASH_FUSE_NORM)
         h = x if fuse else layer.input_layernorm(x)  # fuse: x is normed inside the qkv kernel
+        after = _after_qkv(a, fg if fuse else gate_up, layer.mlp) if pf else ()  # read next (L2 prefetch)
         if early:
-            l2_prefetch.prefetch(be.l2_sink, h, _after_qkv(a, gate_up, layer.mlp), pf)
+            l2_prefetch.prefetch(be.l2_sink, h, after, pf)
         if rope:
             if fuse:
                 raw = _rn(fq, layer.input_layernorm, x)
             else:
                 raw = _in_proj_joint(lin_in, qkv, h)  # [T, (H + 2 Hkv) D]
             if pf and not early:
-                l2_prefetch.prefetch(be.l2_sink, raw, _after_qkv(a, gate_up, layer.mlp), pf)
+                l2_prefetch.prefetch(be.l2_sink, raw, after, pf)
             norms = (a.q_norm, a.k_norm) if hasattr(a, "q_norm") else (None, None)  # Qwen3
             q = rope_cache(raw, *norms, cos, sin, pos[0], be.k[i], be.v[i], 0, be.heads, be.kv_heads)
             o = split_attention(q, be.k[i], be.v[i], pos[0], a.scaling)
@@ -364,7 +368,7 @@ def target_forward_fused(be, ids: torch.Tensor, pos: torch.Tensor, argmax: bool 
             else:
                 q, k, v = _in_proj(lin_in, qkv, h)
             if pf and not early:
-                l2_prefetch.prefetch(be.l2_sink, q, _after_qkv(a, gate_up, layer.mlp), pf)
+                l2_prefetch.prefetch(be.l2_sink, q, after, pf)
             q, k = q.view(1, t, be.heads, hd), k.view(1, t, be.kv_heads, hd)
             if hasattr(a, "q_norm"):  # Qwen3
                 q, k = a.q_norm(q), a.k_norm(k)
@@ -449,17 +453,19 @@ def draft_forward_fused(draft, fused, block_embeds, target_hidden, q_pos, ctx_po
         a, (qkv, gate_up) = layer.self_attn, fused[i]
         d, kind = a.head_dim, cfg.layer_types[i]
         x = torch.cat((ctx, layer.input_layernorm(h)), 1)  # [1, Tc + L, H]
+        fg = folded[i][1] if folded is not None and lin_in else None  # gate+up, norm folded in
+        after = _after_qkv(a, fg if fg is not None else gate_up, layer.mlp) if prefetch else ()  # read next (L2 prefetch)
         if wpos is not None and kind in split_kinds:
             raw = _in_proj_joint(lin_in, qkv, x)  # [Tc + L, (H + 2 Hkv) D]
             if prefetch:
-                l2_prefetch.prefetch(prefetch[0], raw, _after_qkv(a, gate_up, layer.mlp), prefetch[1])
+                l2_prefetch.prefetch(prefetch[0], raw, after, prefetch[1])
             kc, vc = cache.keys[i], cache.values[i]
             q = rope_cache(raw, a.q_norm, a.k_norm, cos, sin, wpos, kc, vc, tc, a.heads, a.kv_heads)
             out = split_attention(q, kc, vc, see, None, draft=True)
         else:
             q, k, v = _in_proj(lin_in, qkv, x)  # [1, Tc + L, *]
             if prefetch:
-                l2_prefetch.prefetch(prefetch[0], q, _after_qkv(a, gate_up, layer.mlp), prefetch[1])
+                l2_prefetch.prefetch(prefetch[0], q, after, prefetch[1])
             q = _rotate(a.q_norm(q[:, tc:].view(1, lq, a.heads, d).transpose(1, 2)),
                         cos[:, :, tc:], sin[:, :, tc:])  # fmt: skip
             k = _rotate(a.k_norm(k.view(1, tc + lq, a.kv_heads, d).transpose(1, 2)), cos, sin)
@@ -474,8 +480,8 @@ def draft_forward_fused(draft, fused, block_embeds, target_hidden, q_pos, ctx_po
                 out = attend(q, k, v, masks[kind], None, packed)
         out = out.transpose(1, 2).reshape(1, lq, a.heads * d)
         h = _out_proj(lin, a.o_proj, out, h)
-        if folded is not None and lin_in:
-            h = _mlp_rn(lin, folded[i][1], layer.mlp.down_proj, F.silu, layer.post_attention_layernorm, h, glu)
+        if fg is not None:
+            h = _mlp_rn(lin, fg, layer.mlp.down_proj, F.silu, layer.post_attention_layernorm, h, glu)
         else:
             h = _mlp(lin, lin_in, gate_up, layer.mlp.down_proj, F.silu, layer.post_attention_layernorm(h), h, glu)
     if prefetch:

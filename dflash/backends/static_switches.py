@@ -119,6 +119,7 @@ def fall_back(be, error: Exception, part: str | None = None, kind: str | None = 
         what, fix = "programmatic dependent launch", "plain launches (DFLASH_PDL=0 silences this)"
     elif be.fuse_norm or be.draft_fuse_norm:
         be.fuse_norm = be.draft_fuse_norm = False
+        be.folded_target = be.folded_draft = None  # the folded weight copies: memory back
         what, fix = "the norms inside the projections", "norm kernels (DFLASH_FUSE_NORM=0 silences this)"
     elif be.glu or be.draft_glu:
         be.glu = be.draft_glu = False

@@ -205,8 +205,10 @@ class StaticBackend(TransformersBackend):
         # RMSNorms inside the in-projections' kernels (DFLASH_FUSE_NORM), with the norms' weights
         # folded into copies of the projections' weights (fold_norms)
         fuse = fuse_norm_setting()  # None: the default by size and dtype
+        # (the default only where every forward's in-projections run small_linear: measured so)
         self.fuse_norm = (self.linear_in > 0 and norms_fit(target.model.layers, self.dtype)
-                          and (fuse_norm_auto(target.config.hidden_size, self.dtype) if fuse is None else fuse))  # fmt: skip
+                          and (fuse_norm_auto(target.config.hidden_size, self.dtype) and self.linear_in >= MAX_ROWS
+                               if fuse is None else fuse))  # fmt: skip
         self.draft_fuse_norm = bool(self.draft_linear_in and norms_fit(draft.layers, self.dtype)
                                     and (fuse_norm_auto(draft.config.hidden_size, self.dtype) if fuse is None else fuse))  # fmt: skip
         self.folded_target = fold_norms(target.model.layers, self.fused_target) if self.fuse_norm else None
