@@ -341,6 +341,18 @@ if triton is not None:
                                       dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip
 
     @triton.jit
+    def _add_squares(sq, sqf, x, IEEE: tl.constexpr, RN: tl.constexpr, FMA: tl.constexpr):
+        """``RN``: x's squares added to the running sums: x x^T into ``sq`` ([BM, BM], its diagonal
+        the rows' sums), or (``FMA``) float32 squares into ``sqf`` ([BM, BK])."""
+        if RN and FMA:
+            sqf += x.to(tl.float32) * x.to(tl.float32)
+        elif RN and IEEE:
+            sq += tl.dot(x, tl.trans(x), input_precision="ieee")
+        elif RN:
+            sq += tl.dot(x, tl.trans(x))
+        return sq, sqf
+
+    @triton.jit
     def _rows_times_weight(X, W, rm, rn, m_ok, n_ok, K, s_xm, s_wn, IEEE: tl.constexpr, BM: tl.constexpr,
                            BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr, PRE_K=0,
                            LINE: tl.constexpr = 64, RN: tl.constexpr = False, EPS=0.0,
@@ -367,14 +379,9 @@ if triton is not None:
             x0 = tl.load(X + rm[:, None] * s_xm + rk0[None, :], mask=m_ok[:, None] & k_ok0[None, :], other=0.0)
             if IEEE:
                 acc += tl.dot(x0, tl.trans(w0), input_precision="ieee")
-                if RN and not FMA:
-                    sq += tl.dot(x0, tl.trans(x0), input_precision="ieee")
             else:
                 acc += tl.dot(x0, tl.trans(w0))
-                if RN and not FMA:
-                    sq += tl.dot(x0, tl.trans(x0))
-            if RN and FMA:
-                sqf += x0.to(tl.float32) * x0.to(tl.float32)
+            sq, sqf = _add_squares(sq, sqf, x0, IEEE, RN, FMA)
             k_first = BK
         for k0 in range(k_first, K, BK):
             rk = k0 + tl.arange(0, BK)
@@ -383,14 +390,9 @@ if triton is not None:
             w = tl.load(W + rn[:, None] * s_wn + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             if IEEE:
                 acc += tl.dot(x, tl.trans(w), input_precision="ieee")
-                if RN and not FMA:
-                    sq += tl.dot(x, tl.trans(x), input_precision="ieee")
             else:
                 acc += tl.dot(x, tl.trans(w))
-                if RN and not FMA:
-                    sq += tl.dot(x, tl.trans(x))
-            if RN and FMA:
-                sqf += x.to(tl.float32) * x.to(tl.float32)
+            sq, sqf = _add_squares(sq, sqf, x, IEEE, RN, FMA)
         if RN:
             if FMA:
                 ss = tl.sum(sqf, 1)

@@ -204,13 +204,16 @@ class StaticBackend(TransformersBackend):
                             and rope_cache_fits(attn, self.dtype, norms=hasattr(attn, "q_norm")))  # fmt: skip
         # RMSNorms inside the in-projections' kernels (DFLASH_FUSE_NORM), with the norms' weights
         # folded into copies of the projections' weights (fold_norms)
-        fuse = fuse_norm_setting()  # None: the default by size and dtype
-        # (the default only where every forward's in-projections run small_linear: measured so)
-        self.fuse_norm = (self.linear_in > 0 and norms_fit(target.model.layers, self.dtype)
-                          and (fuse_norm_auto(target.config.hidden_size, self.dtype) and self.linear_in >= MAX_ROWS
-                               if fuse is None else fuse))  # fmt: skip
-        self.draft_fuse_norm = bool(self.draft_linear_in and norms_fit(draft.layers, self.dtype)
-                                    and (fuse_norm_auto(draft.config.hidden_size, self.dtype) if fuse is None else fuse))  # fmt: skip
+        fuse = fuse_norm_setting()  # None: the default, by size and dtype, and only where every
+        # forward's in-projections run small_linear (as measured)
+
+        def fused_norms(model, layers, every_width: bool) -> bool:
+            if fuse is not None:
+                return fuse and norms_fit(layers, self.dtype)
+            return every_width and fuse_norm_auto(model.config.hidden_size, self.dtype) and norms_fit(layers, self.dtype)
+
+        self.fuse_norm = self.linear_in > 0 and fused_norms(target, target.model.layers, self.linear_in >= MAX_ROWS)
+        self.draft_fuse_norm = bool(self.draft_linear_in) and fused_norms(draft, draft.layers, True)
         self.folded_target = fold_norms(target.model.layers, self.fused_target) if self.fuse_norm else None
         self.folded_draft = (fold_norms(draft.layers, self.fused_draft, ("post",))
                              if self.draft_fuse_norm else None)  # fmt: skip
