@@ -26,7 +26,8 @@
 #   v17b           [.stage/t7/aa .stage/whl]  stage1's copy, DFLASH_GLU on/off: demo loop timings, Qwen3-8B block 1
 #   next18         [.stage/t7/aa .stage/whl]  stage1's copy, DFLASH_FUSE_NORM=1 against the default: demo loop timings, 8B block 1
 #                  (run twice: the seventeenth session's partial-sums form, then the eighteenth's folded form)
-#   v18rn          (no carry)  DFLASH_FUSE_NORM_SQUARES=fma vs mma vs norm kernels: Qwen3-8B block 1, demo loop timings
+#   v18rn          (no carry)  (measured, form removed) fma vs mma vs norm kernels: Qwen3-8B block 1, demo loop timings
+#   v19a, benchcat (branch exp/draft-cat-rn) the draft's input norm inside its qkv kernel against the file before it
 #   prefetchdemo   (no carry)  DFLASH_PREFETCH 0 against 8 MiB: demo-shape loop timings
 #   benchvar "V1 V2" [.stage/t6/af .stage/data] after stage1..ae: gsm8k 64 per env variant (default, DFLASH_ATTN_SPLIT=128 ...)
 #   exp13          (no carry)  default / DFLASH_STEP_COMPILE=1 / DFLASH_HEAD_ARGMAX=1 / DFLASH_PREFETCH=8 / all: loop timings

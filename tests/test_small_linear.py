@@ -220,13 +220,6 @@ def test_fuse_norm_switch_and_greedy_parity(tiny_target, monkeypatch):
     assert not sl.fuse_norm_auto(576, torch.float32)  # the reference dtype keeps the modules' maths
     monkeypatch.setenv("DFLASH_FUSE_NORM", "0")
     assert sl.fuse_norm_setting() is False
-    assert sl.squares_setting() == "mma"
-    monkeypatch.setenv("DFLASH_FUSE_NORM_SQUARES", "FMA")
-    assert sl.squares_setting() == "fma"
-    monkeypatch.setenv("DFLASH_FUSE_NORM_SQUARES", "dot")
-    with pytest.raises(InputError, match="DFLASH_FUSE_NORM_SQUARES must be mma or fma"):
-        sl.squares_setting()
-    monkeypatch.delenv("DFLASH_FUSE_NORM_SQUARES")
     monkeypatch.setenv("DFLASH_FUSE_NORM", "on")
     with pytest.raises(InputError, match="DFLASH_FUSE_NORM must be 0 or 1"):
         sl.fuse_norm_setting()
@@ -378,14 +371,12 @@ KERNEL_CHECK = textwrap.dedent("""
             err = (got - want).abs().max().item()
             assert got.shape == (m, wg.shape[0] // 2) and err < 1e-4, (m, n, k, err)
             # the RMSNorm inside the projection (row factors on the accumulator), plain and SwiGLU,
-            # the sums of squares from x x^T and from float32 squares (with the bias: time)
-            for glu, squares in ((False, "mma"), (True, "mma"), (False, "fma"), (True, "fma")) if bias is not None else ():
-                os.environ["DFLASH_FUSE_NORM_SQUARES"] = squares
+            # (with the bias only: time)
+            for glu in (False, True) if bias is not None else ():
                 got = sl.small_linear_rn(x, wg, bias, 1e-5, glu)
                 want = sl.small_linear_rn_reference(x, wg, bias, 1e-5, glu)
                 err = (got - want).abs().max().item()
-                assert got.shape == want.shape and err < 1e-4, (m, n, k, glu, squares, err)
-            os.environ.pop("DFLASH_FUSE_NORM_SQUARES", None)
+                assert got.shape == want.shape and err < 1e-4, (m, n, k, glu, err)
     # the RMSNorm module then the projection: the same values as the folded form (float32)
     x, w, nw = torch.randn(5, 96, generator=g), torch.randn(30, 96, generator=g), torch.rand(96, generator=g) + 0.5
     norm = torch.nn.RMSNorm(96, eps=1e-5)
@@ -441,12 +432,10 @@ PDL_CHECK = textwrap.dedent("""
             err = (sl.small_linear_glu(x, wg) - want).abs().max().item()
             assert err < 1e-5 * want.abs().max().item() + 1e-4, (m, n, k, bk, err)  # float32 sums
             for glu in (False, True):  # the row factors from the tiles on both sides of the wait
-                for squares in ("mma", "fma"):
-                    os.environ["DFLASH_FUSE_NORM_SQUARES"] = squares
-                    got = sl.small_linear_rn(x, wg, None, 1e-5, glu)
-                    want = sl.small_linear_rn_reference(x, wg, None, 1e-5, glu)
-                    err = (got - want).abs().max().item()
-                    assert err < 1e-5 * want.abs().max().item() + 1e-4, (m, n, k, bk, glu, squares)
+                got = sl.small_linear_rn(x, wg, None, 1e-5, glu)
+                want = sl.small_linear_rn_reference(x, wg, None, 1e-5, glu)
+                err = (got - want).abs().max().item()
+                assert err < 1e-5 * want.abs().max().item() + 1e-4, (m, n, k, bk, glu)
     print("ok")
 """)
 
@@ -501,7 +490,7 @@ def test_preload_switch_and_columns(monkeypatch):
     assert sl.preload_columns(64, 1000, 128, 4, 1 << 20) == 1000  # float32: 32-element lines
 
 
-OFF_EXTRAS = {"GLU": False, "RN": False, "FMA": False}  # the plain projection's switches
+OFF_EXTRAS = {"GLU": False, "RN": False}  # the plain projection's switches
 
 
 def _kernel_signature(consts: dict) -> dict:
@@ -544,12 +533,12 @@ def test_kernel_compiles_for_hopper_with_l2_preload(tmp_path, pre_k):
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
 @pytest.mark.parametrize("rows", [16, 32])
-@pytest.mark.parametrize("rn", [False, "mma", "fma"])
+@pytest.mark.parametrize("rn", [False, True])
 def test_glu_kernel_compiles_for_hopper(rows, rn):
     """The SiLU(gate) * up epilogue (gate and up rows in one tile, split after the dot) compiles
     for sm_90 with PDL, for the demo's 1-16 and the draft's 32-row forwards, with and without
-    the RMSNorm's row factors (x x^T on the tensor cores, or float32 squares, from the x tiles
-    already loaded: no extra global load, none before the wait)."""
+    the RMSNorm's row factors (x x^T on the tensor cores from the x tiles already loaded: no
+    extra global load, none before the wait)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -557,8 +546,7 @@ def test_glu_kernel_compiles_for_hopper(rows, rn):
     counts = {}
     for with_rn in {False, rn}:
         consts = {"HAS_BIAS": False, "HAS_RES": False, "IEEE": False, "BM": rows, "BN": 16, "BK": 128, "PDL": True,
-                  "LINE": 64, "PRE_K": 0, **OFF_EXTRAS, "GLU": True, "RN": bool(with_rn),
-                  "FMA": with_rn == "fma"}  # fmt: skip
+                  "LINE": 64, "PRE_K": 0, **OFF_EXTRAS, "GLU": True, "RN": with_rn}  # fmt: skip
         src = ASTSource(fn=sl._small_linear_kernel, signature=_kernel_signature(consts), constexprs=consts)
         try:
             kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 4})

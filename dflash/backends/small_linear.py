@@ -74,27 +74,6 @@ FUSE_NORM_ENV = "DFLASH_FUSE_NORM"
 
 
 FUSE_NORM_AUTO_MAX_K = 1024  # DFLASH_FUSE_NORM unset: on for hidden sizes up to this (bf16/fp16)
-SQUARES_ENV = "DFLASH_FUSE_NORM_SQUARES"
-
-
-def squares_setting() -> str:
-    """``DFLASH_FUSE_NORM_SQUARES``: how :func:`small_linear_rn` takes the rows' sums of squares:
-    ``mma`` (unset, the default: the diagonal of x x^T on the tensor cores, one more small MMA
-    per K tile) or ``fma`` (an experiment, unmeasured: float32 squares of the x tile added into a
-    [rows, BK] register tile, summed once after the loop; the candidate for large K, where the
-    x x^T products made Qwen3-8B's block 1 4.230 -> 4.709 ms).
-
-    Raises:
-        InputError: another value.
-    """
-    raw = os.environ.get(SQUARES_ENV, "").strip().lower()
-    if raw not in ("", "mma", "fma"):
-        from dflash.errors import InputError
-
-        raise InputError(f"{SQUARES_ENV} must be mma or fma, got {raw!r}.", hint="unset it for the default (mma)")
-    return raw or "mma"
-
-
 def fuse_norm_setting() -> bool | None:
     """``DFLASH_FUSE_NORM``: whether each RMSNorm in front of a ``small_linear`` in-projection
     (the target's input and post-attention norms before qkv and gate+up, the draft's
@@ -341,32 +320,28 @@ if triton is not None:
                                       dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip
 
     @triton.jit
-    def _add_squares(sq, sqf, x, IEEE: tl.constexpr, RN: tl.constexpr, FMA: tl.constexpr):
-        """``RN``: x's squares added to the running sums: x x^T into ``sq`` ([BM, BM], its diagonal
-        the rows' sums), or (``FMA``) float32 squares into ``sqf`` ([BM, BK])."""
-        if RN and FMA:
-            sqf += x.to(tl.float32) * x.to(tl.float32)
-        elif RN and IEEE:
+    def _add_squares(sq, x, IEEE: tl.constexpr, RN: tl.constexpr):
+        """``RN``: x's squares added to the running sums as x x^T into ``sq`` ([BM, BM], its
+        diagonal the rows' sums). Float32 elementwise squares into a [BM, BK] tile instead were
+        slower on the H200 (demo verify-1 0.593 -> 0.681 ms, Qwen3-8B block 1 4.73 -> 6.53 ms)."""
+        if RN and IEEE:
             sq += tl.dot(x, tl.trans(x), input_precision="ieee")
         elif RN:
             sq += tl.dot(x, tl.trans(x))
-        return sq, sqf
+        return sq
 
     @triton.jit
     def _rows_times_weight(X, W, rm, rn, m_ok, n_ok, K, s_xm, s_wn, IEEE: tl.constexpr, BM: tl.constexpr,
                            BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr, PRE_K=0,
-                           LINE: tl.constexpr = 64, RN: tl.constexpr = False, EPS=0.0,
-                           FMA: tl.constexpr = False):  # fmt: skip
+                           LINE: tl.constexpr = 64, RN: tl.constexpr = False, EPS=0.0):  # fmt: skip
         """x[rm, :] @ W[rn, :]^T in float32 ([BM, BN]), streaming the weight rows along K; with
         PDL the first weight tile is loaded before waiting for the previous kernel, and (``PRE_K``
         > 0, ``DFLASH_PDL_PREFETCH``) columns BK..PRE_K of the rows are sent to L2 meanwhile
         (shared by this module's kernel and :mod:`dflash.backends.head_argmax`). ``RN``: the
         product scaled by each x row's RMS factor rsqrt(mean(x^2) + ``EPS``), the sums of
-        squares taken from the tiles as they pass (the diagonal of x x^T on the tensor cores; ``FMA``:
-        float32 squares added into a [BM, BK] tile, summed after the loop)."""
+        squares taken from the tiles as they pass (the diagonal of x x^T on the tensor cores)."""
         acc = tl.zeros([BM, BN], tl.float32)
         sq = tl.zeros([BM, BM], tl.float32)  # RN: x x^T, its diagonal the rows' sums of squares
-        sqf = tl.zeros([BM, BK], tl.float32)  # RN with FMA: the squares, column slots apart
         k_first = 0
         if PDL:  # the first weight tile does not depend on the previous kernel: load it first
             rk0 = tl.arange(0, BK)  # own names: the loop's values are not carried from here
@@ -381,7 +356,7 @@ if triton is not None:
                 acc += tl.dot(x0, tl.trans(w0), input_precision="ieee")
             else:
                 acc += tl.dot(x0, tl.trans(w0))
-            sq, sqf = _add_squares(sq, sqf, x0, IEEE, RN, FMA)
+            sq = _add_squares(sq, x0, IEEE, RN)
             k_first = BK
         for k0 in range(k_first, K, BK):
             rk = k0 + tl.arange(0, BK)
@@ -392,13 +367,10 @@ if triton is not None:
                 acc += tl.dot(x, tl.trans(w), input_precision="ieee")
             else:
                 acc += tl.dot(x, tl.trans(w))
-            sq, sqf = _add_squares(sq, sqf, x, IEEE, RN, FMA)
+            sq = _add_squares(sq, x, IEEE, RN)
         if RN:
-            if FMA:
-                ss = tl.sum(sqf, 1)
-            else:
-                eye = tl.arange(0, BM)[:, None] == tl.arange(0, BM)[None, :]
-                ss = tl.sum(tl.where(eye, sq, 0.0), 1)
+            eye = tl.arange(0, BM)[:, None] == tl.arange(0, BM)[None, :]
+            ss = tl.sum(tl.where(eye, sq, 0.0), 1)
             acc = acc * tl.rsqrt(ss / K + EPS)[:, None]
         return acc
 
@@ -406,8 +378,7 @@ if triton is not None:
     def _small_linear_kernel(X, W, B, RES, Y, M, N, K, s_xm, s_wn, s_rm, s_ym, PRE_K, HAS_BIAS: tl.constexpr,
                              HAS_RES: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr,
                              BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr,
-                             LINE: tl.constexpr, GLU: tl.constexpr, RN: tl.constexpr, EPS,
-                             FMA: tl.constexpr):  # fmt: skip
+                             LINE: tl.constexpr, GLU: tl.constexpr, RN: tl.constexpr, EPS):  # fmt: skip
         rm = tl.arange(0, BM)
         m_ok = rm < M
         if GLU:  # W holds [gate; up] (2N rows): this program's N columns of each, side by side
@@ -416,7 +387,7 @@ if triton is not None:
             n_ok2 = rn < N
             wrow = tl.where(r < BN, rn, rn + N)
             acc2 = _rows_times_weight(X, W, rm, wrow, m_ok, n_ok2, K, s_xm, s_wn, IEEE, BM, 2 * BN, BK, PDL,
-                                      PRE_K, LINE, RN, EPS, FMA)  # [BM, 2 BN]: gate columns, then up columns  # fmt: skip
+                                      PRE_K, LINE, RN, EPS)  # [BM, 2 BN]: gate columns, then up columns  # fmt: skip
             if HAS_BIAS:
                 acc2 += tl.load(B + wrow, mask=n_ok2, other=0.0).to(tl.float32)[None, :]
             # the projection's outputs rounded as F.linear's, then SiLU(gate) * up in float32
@@ -430,7 +401,7 @@ if triton is not None:
             rn = tl.program_id(0) * BN + tl.arange(0, BN)  # output columns of this program
             n_ok = rn < N
             acc = _rows_times_weight(X, W, rm, rn, m_ok, n_ok, K, s_xm, s_wn, IEEE, BM, BN, BK, PDL, PRE_K, LINE,
-                                     RN, EPS, FMA)  # fmt: skip
+                                     RN, EPS)  # fmt: skip
             if HAS_BIAS:
                 acc += tl.load(B + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         y = acc.to(Y.dtype.element_ty)
@@ -464,7 +435,7 @@ def _launch(x, weight, bias, residual, glu: bool = False, rn_eps: float | None =
         x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0), pre_k,
         HAS_BIAS=bias is not None, HAS_RES=residual is not None, IEEE=x.dtype == torch.float32,
         BM=bm, BN=bn, BK=bk, PDL=pdl, LINE=128 // elem, GLU=glu, RN=rn_eps is not None,
-        EPS=float(rn_eps or 0.0), FMA=rn_eps is not None and squares_setting() == "fma",
+        EPS=float(rn_eps or 0.0),
         num_warps=warps, num_stages=stages, **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
     return y

@@ -21,7 +21,6 @@ from dflash.backends.small_linear import (
     linear_mode,
     pdl_setting,
     preload_bytes,
-    squares_setting,
 )
 from dflash.backends.split_attention import (
     attention_mode,
@@ -34,7 +33,7 @@ from dflash.backends.static_loop import queue_ahead, step_compile_default
 
 def check_env() -> None:
     """Check every switch of the static path (``DFLASH_ATTN``, ``DFLASH_ATTN_SPLIT``,
-    ``DFLASH_LINEAR``, ``DFLASH_LINEAR_CONFIG``, ``DFLASH_GLU``, ``DFLASH_FUSE_NORM``, ``DFLASH_FUSE_NORM_SQUARES``, ``DFLASH_PDL``, ``DFLASH_PDL_PREFETCH``, ``DFLASH_ROPE``,
+    ``DFLASH_LINEAR``, ``DFLASH_LINEAR_CONFIG``, ``DFLASH_GLU``, ``DFLASH_FUSE_NORM``, ``DFLASH_PDL``, ``DFLASH_PDL_PREFETCH``, ``DFLASH_ROPE``,
     ``DFLASH_PREFETCH``, ``DFLASH_STEP_COMPILE``, ``DFLASH_HEAD_ARGMAX``, ``DFLASH_GRAPH_WARM``,
     ``DFLASH_QUEUE_AHEAD``, ``DFLASH_DRAFT_ATTN_SPLIT``, ``DFLASH_ATTN_BLOCK``, ``DFLASH_ATTN_ONE_SLICE``)
     on any device: a typo fails at load on a laptop too, not first on the GPU machine.
@@ -53,7 +52,6 @@ def check_env() -> None:
     pdl_setting()
     glu_setting()
     fuse_norm_setting()
-    squares_setting()
     preload_bytes()
     rope_parts()
     prefetch_setting(cpu)
