@@ -469,6 +469,23 @@ def load(model: str | None = None, draft: str | None = None, *, backend: str = "
     if draft_bits is not None or draft_window is not None:
         raise InputError("--draft-bits and --draft-window are options of the mlx backend.",
                          hint="drop them, or use: dflash generate mlx")  # fmt: skip
+    # checks that need no weights, before torch's and transformers' imports (seconds on a small CPU)
+    import importlib.util
+
+    from dflash.models.config import DraftConfig
+    from dflash.models.target_torch import check_model_path, resolve_draft, resolve_target  # noqa: I001 torch-free
+
+    if any(importlib.util.find_spec(m) is None for m in ("torch", "transformers")):  # before a download
+        raise BackendError("The transformers backend needs torch and transformers.",
+                           hint='pip install "dflash[torch]"')  # fmt: skip
+    if dtype not in ("auto", "bfloat16", "float16", "float32"):
+        raise InputError(f"Unknown --dtype {dtype!r}; use auto, bfloat16, float16 or float32.")
+    if model is not None:
+        check_model_path(model)
+    draft_dir = resolve_draft(draft, model)
+    draft_cfg = DraftConfig.load(draft_dir)
+    if cuda_graphs and draft_cfg.is_dflash2:  # auto mode falls back to the plain path
+        raise BackendError("CUDA graphs do not support DFlash2 drafts yet.", hint="drop --cuda-graphs")
     try:
         import torch
         import transformers  # noqa: F401
@@ -485,20 +502,10 @@ def load(model: str | None = None, draft: str | None = None, *, backend: str = "
         pick_device,
         pick_dtype,
     )
-    from dflash.models.config import DraftConfig
-    from dflash.models.target_torch import check_model_path, resolve_draft, resolve_target
 
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
     check_env()  # the CUDA path's DFLASH_* switches, checked on every device
-    if model is not None:
-        check_model_path(model)
-    draft_dir = resolve_draft(draft, model)
-    draft_cfg = DraftConfig.load(draft_dir)  # cheap checks before loading any weights
-    if cuda_graphs and draft_cfg.is_dflash2:  # auto mode falls back to the plain path
-        raise BackendError(
-            "CUDA graphs do not support DFlash2 drafts yet.", hint="drop --cuda-graphs"
-        )
     target_path = resolve_target(model)
     target_model, tokenizer = load_target(target_path, dev, dt)
     stops = stop_token_ids(getattr(target_model, "generation_config", None), tokenizer)

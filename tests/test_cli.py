@@ -74,6 +74,27 @@ def test_cheap_errors(args, fragment):
     assert_one_line_error(run("generate", "transformers", "hi", *args), fragment)
 
 
+NO_TORCH = ("import sys\nfrom dflash.cli import main\ntry:\n    main()\nfinally:\n"
+            "    print('torch imported' if 'torch' in sys.modules else 'torch not imported', file=sys.stderr)")
+
+
+@pytest.mark.parametrize(
+    "args,fragment",
+    [(["generate", "transformers", "hi", "--model", "some/model"], "--draft is required"),
+     (["generate", "transformers", "hi", "--draft", "/nonexistent/draft"], "does not exist"),
+     (["generate", "transformers", "hi", "--dtype", "float8"], "Unknown --dtype"),
+     (["init-draft", "--out", "/tmp/dflash-never", "--arch", "eagle"], "--arch")],
+)  # fmt: skip
+def test_argument_errors_come_before_torch_is_imported(args, fragment):
+    """Errors in the arguments are reported before torch and transformers are imported (seconds
+    on a small CPU): the same one-line error, and torch absent from the process."""
+    p = subprocess.run([sys.executable, "-c", NO_TORCH, *args], capture_output=True, text=True, env=ENV)
+    lines = p.stderr.strip().splitlines()
+    assert lines[-1] == "torch not imported", p.stderr
+    assert_one_line_error(subprocess.CompletedProcess(p.args, p.returncode, p.stdout, "\n".join(lines[:-1])),
+                          fragment)  # fmt: skip
+
+
 def test_unknown_backend():
     assert_one_line_error(run("generate", "tensorrt", "hi"), "Unknown backend")
 

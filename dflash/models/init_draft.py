@@ -136,18 +136,7 @@ def init_draft(target: str | None, out: str | Path, *, layers: int = 5, block_si
             ConfigError: mask id invalid for the target; BackendError: a sliding-window or
             recurrent target (no draft can speculate on it yet).
     """
-    from transformers import AutoTokenizer, GenerationConfig
-
-    from dflash.api import stop_token_ids
-
-    torch = _import_torch()  # None on mlx-only installs: the draft is written with MLX
-    from dflash.models.target_torch import check_full_attention
-
-    if torch is not None:
-        from dflash.models.target_torch import resolve_target
-    else:
-        from dflash.models.target_mlx import resolve_target
-
+    # the arguments first: transformers' and torch's imports take seconds on a small CPU
     if layers < 1:
         raise InputError(f"--layers must be >= 1, got {layers}.")
     if block_size < 2:
@@ -162,6 +151,18 @@ def init_draft(target: str | None, out: str | Path, *, layers: int = 5, block_si
     if (out_path / "config.json").exists() and not force:
         raise InputError(f"--out {out} already holds a draft.",
                          hint="pass --force to overwrite it, or choose another folder")  # fmt: skip
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from dflash.api import stop_token_ids
+
+    torch = _import_torch()  # None on mlx-only installs: the draft is written with MLX
+    from dflash.models.target_torch import check_full_attention
+
+    if torch is not None:
+        from dflash.models.target_torch import resolve_target
+    else:
+        from dflash.models.target_mlx import resolve_target
+
     path = resolve_target(target)
     cfg_t = target_config(path)
     # Sliding-window and chunked targets cannot be rolled back on any backend; recurrent
