@@ -66,3 +66,29 @@ def test_gguf_conversion_parses_the_file_once(tmp_path):
         assert m1 is not gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 3)
     assert gguf.GGUFReader is reader_cls and gguf.get_tensor_name_map is name_map
     assert gguf.GGUFReader(path) is not gguf.GGUFReader(path)
+
+
+def test_gguf_key_is_hashed_once_per_file_version(tmp_path, monkeypatch):
+    """A GGUF file's cache key is its SHA-256 prefix, hashed once per (path, size, mtime): a
+    second lookup reads the index, a rewritten file is hashed again, a corrupt index is ignored."""
+    import hashlib
+    import os
+
+    from dflash.models import target_torch
+
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "cache"))
+    hashed = []
+    real = target_torch._sha256
+    monkeypatch.setattr(target_torch, "_sha256", lambda p: hashed.append(p) or real(p))
+    f = tmp_path / "m.gguf"
+    f.write_bytes(b"GGUF one")
+    want = hashlib.sha256(b"GGUF one").hexdigest()[:16]
+    assert target_torch.gguf_key(f) == want and target_torch.gguf_key(f) == want
+    assert len(hashed) == 1
+    f.write_bytes(b"GGUF two, longer")
+    os.utime(f, ns=(1, 1))  # another size and time stamp
+    assert target_torch.gguf_key(f) == hashlib.sha256(b"GGUF two, longer").hexdigest()[:16]
+    assert len(hashed) == 2
+    (tmp_path / "cache" / "gguf-keys.json").write_text("[not an index")
+    assert target_torch.gguf_key(f) == hashlib.sha256(b"GGUF two, longer").hexdigest()[:16]
+    assert len(hashed) == 3

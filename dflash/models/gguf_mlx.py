@@ -19,7 +19,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from dflash.errors import BackendError, CheckpointError
-from dflash.models.target_torch import _sha256, cache_root
+from dflash.models.target_torch import cache_root, gguf_key
 
 GROUP = 32  # every GGUF block format mx.load keeps quantized uses 32-element groups
 NAMES = {
@@ -110,10 +110,10 @@ def config_from_metadata(meta: dict, weights: dict[str, mx.array], vocab: int) -
         "vocab_size": vocab,
         "tie_word_embeddings": "output.weight" not in weights,
     }
-    for key, gguf_key in (("bos_token_id", "tokenizer.ggml.bos_token_id"),
+    for key, meta_key in (("bos_token_id", "tokenizer.ggml.bos_token_id"),
                           ("eos_token_id", "tokenizer.ggml.eos_token_id")):  # fmt: skip
-        if gguf_key in meta:
-            cfg[key] = int(_scalar(meta, gguf_key))
+        if meta_key in meta:
+            cfg[key] = int(_scalar(meta, meta_key))
     return cfg
 
 
@@ -127,7 +127,7 @@ def gguf_to_mlx_folder(gguf: Path) -> Path:
     gguf = Path(gguf)
     if not gguf.is_file():
         raise CheckpointError(f"GGUF file {gguf} does not exist.")
-    folder = cache_root() / "mlx" / _sha256(gguf)[:16]
+    folder = cache_root() / "mlx" / gguf_key(gguf)
     if (folder / "config.json").is_file() and (folder / "model.safetensors").is_file():
         return folder
     try:
