@@ -329,9 +329,12 @@ def test_settings_defaults_are_published_values():
     )
 
 
-def test_cli_init_draft_dflash2_and_generate(tmp_path, demo_gguf):
+def test_cli_init_draft_dflash2_and_generate(tmp_path, demo_gguf, demo_pipe):
     """`dflash init-draft --arch dflash2` then `dflash generate transformers --draft` on the demo
-    target: greedy output equals plain decoding (--block-size 1)."""
+    target: greedy output equals HF ``generate`` of the same target (float32, CPU) on the same
+    chat prompt."""
+    import torch
+
     from tests.test_cli import assert_one_line_error, run_many  # one torch thread per process
 
     out = tmp_path / "d2"
@@ -342,14 +345,19 @@ def test_cli_init_draft_dflash2_and_generate(tmp_path, demo_gguf):
     assert cfg["architectures"] == ["DFlash2DraftModel"]
     assert cfg["dflash_config"]["selector_top_k"] == 16 and cfg["dflash_config"]["block_size"] == 6
     assert "candidate_selector.predecessor_codebook" in read_safetensors(out)
-    args = ["generate", "transformers", "Name three primary colors.", "--model", str(demo_gguf),
-            "--block-size", "6",
+    prompt = "Name three primary colors."
+    args = ["generate", "transformers", prompt, "--model", str(demo_gguf), "--block-size", "6",
             "--draft", str(out), "--max-new-tokens", "16", "--device", "cpu", "--json"]  # fmt: skip
-    spec, plain, graphs, arch = run_many(args, [*args[:-1], "--block-size", "1", "--json"],
-                                         [*args, "--cuda-graphs"],
-                                         ["init-draft", "--out", str(tmp_path / "x"), "--arch", "eagle"])  # fmt: skip
-    assert spec.returncode == 0 and plain.returncode == 0, spec.stderr + plain.stderr
-    a, b = json.loads(spec.stdout), json.loads(plain.stdout)
-    assert a["token_ids"] == b["token_ids"] and a["block_size"] == 6
+    spec, graphs, arch = run_many(args, [*args, "--cuda-graphs"],
+                                  ["init-draft", "--out", str(tmp_path / "x"), "--arch", "eagle"])  # fmt: skip
+    assert spec.returncode == 0, spec.stderr
+    a = json.loads(spec.stdout)
+    ids = demo_pipe.chat_prompt([{"role": "user", "content": prompt}])
+    ref = demo_pipe.backend.target.generate(
+        torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), max_new_tokens=16,
+        do_sample=False, eos_token_id=demo_pipe.stop_ids, pad_token_id=demo_pipe.stop_ids[0],
+    )[0, len(ids) :].tolist()  # fmt: skip
+    assert a["token_ids"] == ref[: len(a["token_ids"])] and a["block_size"] == 6
+    assert len(a["token_ids"]) == len(ref) or a["finish_reason"] == "stop"
     assert_one_line_error(graphs, "DFlash2")
     assert_one_line_error(arch, "--arch")
