@@ -473,19 +473,34 @@ def load(model: str | None = None, draft: str | None = None, *, backend: str = "
     import importlib.util
 
     from dflash.models.config import DraftConfig
-    from dflash.models.target_torch import check_model_path, resolve_draft, resolve_target  # noqa: I001 torch-free
+    from dflash.models.target_torch import (  # torch-free
+        check_model_path,
+        is_hub_id,
+        resolve_draft,
+        resolve_target,
+    )
 
     if any(importlib.util.find_spec(m) is None for m in ("torch", "transformers")):  # before a download
         raise BackendError("The transformers backend needs torch and transformers.",
                            hint='pip install "dflash[torch]"')  # fmt: skip
     if dtype not in ("auto", "bfloat16", "float16", "float32"):
         raise InputError(f"Unknown --dtype {dtype!r}; use auto, bfloat16, float16 or float32.")
+    if device not in ("auto", "cpu") and not device.startswith("cuda"):
+        raise InputError(f"Unknown --device {device!r}; use auto, cuda, cuda:N or cpu.")
     if model is not None:
         check_model_path(model)
-    draft_dir = resolve_draft(draft, model)
-    draft_cfg = DraftConfig.load(draft_dir)
-    if cuda_graphs and draft_cfg.is_dflash2:  # auto mode falls back to the plain path
-        raise BackendError("CUDA graphs do not support DFlash2 drafts yet.", hint="drop --cuda-graphs")
+
+    def draft_folder():
+        """The draft's folder and config; a DFlash2 draft with ``cuda_graphs`` refused."""
+        folder = resolve_draft(draft, model)
+        cfg = DraftConfig.load(folder)
+        if cuda_graphs and cfg.is_dflash2:  # auto mode falls back to the plain path
+            raise BackendError("CUDA graphs do not support DFlash2 drafts yet.", hint="drop --cuda-graphs")
+        return folder, cfg
+
+    hub_draft = draft is not None and is_hub_id(draft)
+    if not hub_draft:  # a local folder (or none): checked now; a hub id downloads after the device checks
+        draft_dir, draft_cfg = draft_folder()
     try:
         import torch
         import transformers  # noqa: F401
@@ -506,6 +521,8 @@ def load(model: str | None = None, draft: str | None = None, *, backend: str = "
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
     check_env()  # the CUDA path's DFLASH_* switches, checked on every device
+    if hub_draft:
+        draft_dir, draft_cfg = draft_folder()
     target_path = resolve_target(model)
     target_model, tokenizer = load_target(target_path, dev, dt)
     stops = stop_token_ids(getattr(target_model, "generation_config", None), tokenizer)

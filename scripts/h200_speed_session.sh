@@ -405,12 +405,8 @@ next18)  # [.stage/t7/aa .stage/whl] stage1's copy; the RMSNorms inside the in-p
   k300_variants "${K_STOP:-200}" "default DFLASH_FUSE_NORM=1"
   q8b_block1 "${B_STOP:-300}" norm "default DFLASH_FUSE_NORM=1"
   ;;
-v18rn)  # (no carry; .stage/whl) the next session's first call: the RMSNorm inside the in-projections
-  # with its sums of squares as float32 squares (DFLASH_FUSE_NORM_SQUARES=fma, unmeasured) against
-  # x x^T (mma, the default form) and the norm kernels: Qwen3-8B block 1 first (where mma lost:
-  # 4.230 -> 4.709 ms), then the demo loop timings at prompt 300
-  q8b_block1 "${B_STOP:-150}" rn2 "DFLASH_FUSE_NORM=1,DFLASH_FUSE_NORM_SQUARES=fma DFLASH_FUSE_NORM=0 DFLASH_FUSE_NORM=1"
-  k300_variants "${K_STOP:-300}" "DFLASH_FUSE_NORM_SQUARES=fma default"
+v18rn)  # measured in the nineteenth session (benchmarks/results/h200-v19/); the fma form is removed
+  echo "v18rn: DFLASH_FUSE_NORM_SQUARES=fma was removed after its measurement; nothing to run" >&2; exit 2
   ;;
 prefetchdemo)  # no carry: DFLASH_PREFETCH 0 against ${PREFETCH_MIB:-8} on the demo shape's loop timings
   for v in 0 ${PREFETCH_MIB:-8}; do

@@ -75,7 +75,8 @@ def test_cheap_errors(args, fragment):
 
 
 NO_TORCH = ("import sys\nfrom dflash.cli import main\ntry:\n    main()\nfinally:\n"
-            "    print('torch imported' if 'torch' in sys.modules else 'torch not imported', file=sys.stderr)")
+            "    heavy = [m for m in ('torch', 'transformers') if m in sys.modules]\n"
+            "    print(f'imported: {heavy}' if heavy else 'torch not imported', file=sys.stderr)")
 
 
 @pytest.mark.parametrize(
@@ -83,6 +84,7 @@ NO_TORCH = ("import sys\nfrom dflash.cli import main\ntry:\n    main()\nfinally:
     [(["generate", "transformers", "hi", "--model", "some/model"], "--draft is required"),
      (["generate", "transformers", "hi", "--draft", "/nonexistent/draft"], "does not exist"),
      (["generate", "transformers", "hi", "--dtype", "float8"], "Unknown --dtype"),
+     (["generate", "transformers", "hi", "--device", "gpu", "--draft", "org/not-downloaded"], "Unknown --device"),
      (["init-draft", "--out", "/tmp/dflash-never", "--arch", "eagle"], "--arch")],
 )  # fmt: skip
 def test_argument_errors_come_before_torch_is_imported(args, fragment):

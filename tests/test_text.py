@@ -69,8 +69,10 @@ def test_gguf_conversion_parses_the_file_once(tmp_path):
 
 
 def test_gguf_key_is_hashed_once_per_file_version(tmp_path, monkeypatch):
-    """A GGUF file's cache key is its SHA-256 prefix, hashed once per (path, size, mtime): a
-    second lookup reads the index, a rewritten file is hashed again, a corrupt index is ignored."""
+    """A GGUF file's cache key is its SHA-256 prefix, hashed once per file version: a second
+    lookup reads the index; a rewritten file is hashed again, also at the same size with its
+    modification time put back; a stored value that is not a key and a corrupt index are
+    ignored."""
     import hashlib
     import os
 
@@ -85,10 +87,17 @@ def test_gguf_key_is_hashed_once_per_file_version(tmp_path, monkeypatch):
     want = hashlib.sha256(b"GGUF one").hexdigest()[:16]
     assert target_torch.gguf_key(f) == want and target_torch.gguf_key(f) == want
     assert len(hashed) == 1
-    f.write_bytes(b"GGUF two, longer")
-    os.utime(f, ns=(1, 1))  # another size and time stamp
-    assert target_torch.gguf_key(f) == hashlib.sha256(b"GGUF two, longer").hexdigest()[:16]
+    kept = f.stat().st_mtime_ns
+    f.write_bytes(b"GGUF 2nd")  # the same size, the modification time put back (cp -p)
+    os.utime(f, ns=(kept, kept))
+    assert target_torch.gguf_key(f) == hashlib.sha256(b"GGUF 2nd").hexdigest()[:16]
     assert len(hashed) == 2
-    (tmp_path / "cache" / "gguf-keys.json").write_text("[not an index")
+    f.write_bytes(b"GGUF two, longer")
     assert target_torch.gguf_key(f) == hashlib.sha256(b"GGUF two, longer").hexdigest()[:16]
     assert len(hashed) == 3
+    index = tmp_path / "cache" / "gguf-keys.json"
+    index.write_text(index.read_text().replace(target_torch.gguf_key(f), "../../escape"))  # not a key
+    assert target_torch.gguf_key(f) == hashlib.sha256(b"GGUF two, longer").hexdigest()[:16]
+    index.write_text("[not an index")
+    assert target_torch.gguf_key(f) == hashlib.sha256(b"GGUF two, longer").hexdigest()[:16]
+    assert len(hashed) == 5 and [p.name for p in index.parent.iterdir()] == ["gguf-keys.json"]  # no temp left
