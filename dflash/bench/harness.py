@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from dflash.bench.metrics import ResponseRecord, RunStats, first_mismatch
+from dflash.bench.metrics import ResponseRecord, RunStats, first_mismatch, prompt_fingerprint
 from dflash.data.datasets import PromptItem
 from dflash.errors import BackendError, DatasetError, InputError
 from dflash.types import GenerationResult, SamplingParams
@@ -278,6 +278,7 @@ def make_record(
         first_mismatch=mismatch,
         text=fast.text,
         config=config.record_config(block_size),
+        prompt_sha1=prompt_fingerprint(prompt_ids),
     )
 
 
@@ -292,7 +293,12 @@ def run_item(
     """Run every turn of one prompt; yields (record, measured_now).
 
     Turns are fed cumulatively: the DFlash answer of turn t is appended as the assistant message
-    before turn t+1. A turn already in ``done`` is not measured again; its stored text is reused.
+    before turn t+1. A turn already in ``done`` is not measured again; its stored text is
+    reused, after its prompt is checked against the record's (token count, and the ids'
+    fingerprint where stored).
+
+    Raises:
+        InputError: a stored turn was made with other settings or from another prompt.
     """
     messages: list[dict] = item.start_messages()
     for turn, text in enumerate(item.turns):
@@ -322,6 +328,17 @@ def run_item(
                 f"({_config_diff(record.config, config.record_config(block_size))}).",
                 hint="resume with the same options, or choose another --output",
             )
+        else:  # the same prompt? (the prompt file, its system message, the chat template)
+            prompt_ids = pipeline.chat_prompt(messages, reasoning=config.reasoning)
+            if len(prompt_ids) != record.prompt_tokens or (
+                record.prompt_sha1 is not None and record.prompt_sha1 != prompt_fingerprint(prompt_ids)
+            ):
+                raise InputError(
+                    f"The results file holds {item.id} turn {turn} made from another prompt "
+                    f"({record.prompt_tokens} tokens, now {len(prompt_ids)}): the prompts, their "
+                    "system message or the chat template changed.",
+                    hint="resume with the same prompts, or choose another --output",
+                )
         yield record, fresh
         messages.append({"role": "assistant", "content": record.text})
 

@@ -66,6 +66,10 @@ class ResponseRecord:
         top2_gap: the reference run's top-1 minus top-2 logit at the divergence; None alike.
         reference: stats of the backend's own generator (mlx: ``mlx_lm.stream_generate``) on the
             same prompt, None when the backend has none.
+        prompt_sha1: the first 16 hex digits of the SHA-1 of the prompt's token ids
+            (:func:`prompt_fingerprint`), compared on ``--resume`` so that a prompt file, system
+            message or chat template changed between runs is refused; None in records written
+            before it (and by the ``openai`` backend, which never sees the prompt's ids).
     """
 
     dataset: str
@@ -85,6 +89,7 @@ class ResponseRecord:
     tie_gap: float | None = None
     top2_gap: float | None = None
     reference: RunStats | None = None
+    prompt_sha1: str | None = None
 
     @property
     def key(self) -> tuple[str, str, int]:
@@ -117,6 +122,13 @@ class ResponseRecord:
                 f"A results record is malformed ({err}): {str(data)[:80]}."
             ) from None
         return record
+
+
+def prompt_fingerprint(prompt_ids: list[int]) -> str:
+    """First 16 hex digits of the SHA-1 of ``prompt_ids`` written as comma-separated integers."""
+    import hashlib
+
+    return hashlib.sha1(",".join(map(str, prompt_ids)).encode()).hexdigest()[:16]
 
 
 # ---------------------------------------------------------------------------------------------
