@@ -254,8 +254,10 @@ def make_record(
     fast: GenerationResult,
     config: BenchConfig,
     block_size: int | str,
+    fingerprint: str | None = None,
 ) -> ResponseRecord:
-    """Turn two generation results into the record written to JSONL."""
+    """Turn two generation results into the record written to JSONL (``fingerprint``: the
+    prompt's :func:`~dflash.bench.metrics.prompt_fingerprint`)."""
 
     def stats(g: GenerationResult) -> RunStats:
         return RunStats(len(g.token_ids), float(g.ttft_s), float(g.decode_s), g.finish_reason)
@@ -278,7 +280,7 @@ def make_record(
         first_mismatch=mismatch,
         text=fast.text,
         config=config.record_config(block_size),
-        prompt_sha1=prompt_fingerprint(prompt_ids),
+        prompt_sha1=fingerprint,
     )
 
 
@@ -294,8 +296,7 @@ def run_item(
 
     Turns are fed cumulatively: the DFlash answer of turn t is appended as the assistant message
     before turn t+1. A turn already in ``done`` is not measured again; its stored text is
-    reused, after its prompt is checked against the record's (token count, and the ids'
-    fingerprint where stored).
+    reused, after its messages are checked against the record's fingerprint (where stored).
 
     Raises:
         InputError: a stored turn was made with other settings or from another prompt.
@@ -305,11 +306,12 @@ def run_item(
         messages.append({"role": "user", "content": text})
         record = done.get((dataset, item.id, turn))
         fresh = record is None
+        fingerprint = prompt_fingerprint(messages, config.reasoning)
         if record is None:
             prompt_ids = pipeline.chat_prompt(messages, reasoning=config.reasoning)
             ref = measure_reference(pipeline, prompt_ids, config)
             base, fast = measure(pipeline, prompt_ids, block_size, config)
-            record = make_record(dataset, item.id, turn, prompt_ids, base, fast, config, block_size)
+            record = make_record(dataset, item.id, turn, prompt_ids, base, fast, config, block_size, fingerprint)
             if record.parity is False and base is not None:
                 from dflash.bench.parity import classify_mismatch
 
@@ -328,17 +330,12 @@ def run_item(
                 f"({_config_diff(record.config, config.record_config(block_size))}).",
                 hint="resume with the same options, or choose another --output",
             )
-        else:  # the same prompt? (the prompt file, its system message, the chat template)
-            prompt_ids = pipeline.chat_prompt(messages, reasoning=config.reasoning)
-            if len(prompt_ids) != record.prompt_tokens or (
-                record.prompt_sha1 is not None and record.prompt_sha1 != prompt_fingerprint(prompt_ids)
-            ):
-                raise InputError(
-                    f"The results file holds {item.id} turn {turn} made from another prompt "
-                    f"({record.prompt_tokens} tokens, now {len(prompt_ids)}): the prompts, their "
-                    "system message or the chat template changed.",
-                    hint="resume with the same prompts, or choose another --output",
-                )
+        elif record.prompt_sha1 is not None and record.prompt_sha1 != fingerprint:
+            raise InputError(
+                f"The results file holds {item.id} turn {turn} made from other messages: the "
+                "prompt or its system message changed.",
+                hint="resume with the same prompts, or choose another --output",
+            )
         yield record, fresh
         messages.append({"role": "assistant", "content": record.text})
 

@@ -66,10 +66,11 @@ class ResponseRecord:
         top2_gap: the reference run's top-1 minus top-2 logit at the divergence; None alike.
         reference: stats of the backend's own generator (mlx: ``mlx_lm.stream_generate``) on the
             same prompt, None when the backend has none.
-        prompt_sha1: the first 16 hex digits of the SHA-1 of the prompt's token ids
-            (:func:`prompt_fingerprint`), compared on ``--resume`` so that a prompt file, system
-            message or chat template changed between runs is refused; None in records written
-            before it (and by the ``openai`` backend, which never sees the prompt's ids).
+        prompt_sha1: a fingerprint of the chat messages the prompt was made from (system
+            message, earlier turns, this turn) and the reasoning switch
+            (:func:`prompt_fingerprint`), compared on ``--resume`` so that prompts edited
+            between runs are refused; None in records written before it. The messages, not the
+            token ids: some chat templates print today's date.
     """
 
     dataset: str
@@ -124,11 +125,14 @@ class ResponseRecord:
         return record
 
 
-def prompt_fingerprint(prompt_ids: list[int]) -> str:
-    """First 16 hex digits of the SHA-1 of ``prompt_ids`` written as comma-separated integers."""
+def prompt_fingerprint(messages: list[dict], reasoning: str | None) -> str:
+    """First 16 hex digits of the SHA-1 of the chat ``messages`` (roles and contents, in order)
+    and the ``--reasoning`` value, as sorted-key JSON."""
     import hashlib
+    import json
 
-    return hashlib.sha1(",".join(map(str, prompt_ids)).encode()).hexdigest()[:16]
+    text = json.dumps({"messages": messages, "reasoning": reasoning}, sort_keys=True, ensure_ascii=False)
+    return hashlib.sha1(text.encode()).hexdigest()[:16]
 
 
 # ---------------------------------------------------------------------------------------------
