@@ -483,8 +483,7 @@ def load(model: str | None = None, draft: str | None = None, *, backend: str = "
     if any(importlib.util.find_spec(m) is None for m in ("torch", "transformers")):  # before a download
         raise BackendError("The transformers backend needs torch and transformers.",
                            hint='pip install "dflash[torch]"')  # fmt: skip
-    if dtype not in ("auto", "bfloat16", "float16", "float32"):
-        raise InputError(f"Unknown --dtype {dtype!r}; use auto, bfloat16, float16 or float32.")
+    _check_dtype_name(dtype)
     if device not in ("auto", "cpu") and not device.startswith("cuda"):
         raise InputError(f"Unknown --device {device!r}; use auto, cuda, cuda:N or cpu.")
     if model is not None:
@@ -552,6 +551,16 @@ def load(model: str | None = None, draft: str | None = None, *, backend: str = "
                     cost_key=cost_key)  # fmt: skip
 
 
+def _check_dtype_name(dtype: str) -> None:
+    """Refuse an unknown ``--dtype`` name without importing torch or mlx.
+
+    Raises:
+        InputError: not auto, bfloat16, float16 or float32.
+    """
+    if dtype not in ("auto", "bfloat16", "float16", "float32"):
+        raise InputError(f"Unknown --dtype {dtype!r}; use auto, bfloat16, float16 or float32.")
+
+
 def _check_mlx_options(model: str | None, draft: str | None, device: str, dtype: str,
                        draft_bits: int | None, draft_window: int | None) -> None:  # fmt: skip
     """The mlx backend's option checks that need neither mlx nor any weight (importing mlx-lm
@@ -564,8 +573,7 @@ def _check_mlx_options(model: str | None, draft: str | None, device: str, dtype:
 
     if device not in ("auto", "cpu", "gpu", "metal", "cuda"):
         raise InputError(f"Unknown --device {device!r} for the mlx backend; use auto, cpu or gpu.")
-    if dtype not in ("auto", "bfloat16", "float16", "float32"):
-        raise InputError(f"Unknown --dtype {dtype!r}; use auto, bfloat16, float16 or float32.")
+    _check_dtype_name(dtype)
     if draft_bits not in (None, 4, 8):
         raise InputError(f"--draft-bits must be 4 or 8, got {draft_bits}.", hint="4 is smaller and faster, 8 closer")
     if draft_window is not None and draft_window < 1:

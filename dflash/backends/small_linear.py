@@ -71,9 +71,9 @@ _HAS_GDC = triton is not None and hasattr(getattr(getattr(tl, "extra", None), "c
 IN_PROJ_MAX_BYTES = 8 << 20  # under DFLASH_LINEAR=auto: fused qkv / gate+up weights up to this
 GLU_ENV = "DFLASH_GLU"
 FUSE_NORM_ENV = "DFLASH_FUSE_NORM"
-
-
 FUSE_NORM_AUTO_MAX_K = 1024  # DFLASH_FUSE_NORM unset: on for hidden sizes up to this (bf16/fp16)
+
+
 def fuse_norm_setting() -> bool | None:
     """``DFLASH_FUSE_NORM``: whether each RMSNorm in front of a ``small_linear`` in-projection
     (the target's input and post-attention norms before qkv and gate+up, the draft's
@@ -486,10 +486,7 @@ def small_linear_rn_reference(x, weight, bias=None, eps: float = 1e-6, glu: bool
     xf = x.float()
     r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     y = (F.linear(xf, weight.float()) * r + (bias.float() if bias is not None else 0.0)).to(x.dtype)
-    if not glu:
-        return y
-    g, u = y.chunk(2, dim=-1)
-    return (F.silu(g.float()) * u.float()).to(x.dtype)
+    return _silu_times_up(y) if glu else y
 
 
 def small_linear_rn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -531,8 +528,14 @@ def fold_norm_weight(weight: torch.Tensor, norm_weight: torch.Tensor) -> torch.T
 def small_linear_glu_reference(x, weight, bias=None) -> torch.Tensor:
     """The unfused maths of :func:`small_linear_glu` in torch ops: the projection rounded to x's
     dtype, then SiLU(gate) * up in float32 rounded once (as Inductor fuses it)."""
-    g, u = F.linear(x, weight, bias).chunk(2, dim=-1)
-    return (F.silu(g.float()) * u.float()).to(x.dtype)
+    return _silu_times_up(F.linear(x, weight, bias))
+
+
+def _silu_times_up(y: torch.Tensor) -> torch.Tensor:
+    """[M, 2N] projection outputs (gate columns, then up) -> SiLU(gate) * up [M, N], in float32
+    rounded once to y's dtype: the references' epilogue."""
+    g, u = y.chunk(2, dim=-1)
+    return (F.silu(g.float()) * u.float()).to(y.dtype)
 
 
 def small_linear_glu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

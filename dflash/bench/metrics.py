@@ -12,6 +12,8 @@ bonus, 1..L. A step cut short by a stop token or by the token budget is counted 
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -128,9 +130,6 @@ class ResponseRecord:
 def prompt_fingerprint(messages: list[dict], reasoning: str | None) -> str:
     """First 16 hex digits of the SHA-1 of the chat ``messages`` (roles and contents, in order)
     and the ``--reasoning`` value, as sorted-key JSON."""
-    import hashlib
-    import json
-
     text = json.dumps({"messages": messages, "reasoning": reasoning}, sort_keys=True, ensure_ascii=False)
     return hashlib.sha1(text.encode()).hexdigest()[:16]
 

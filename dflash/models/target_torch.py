@@ -12,6 +12,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import tempfile
 from pathlib import Path
 
 from dflash.errors import BackendError, CheckpointError
@@ -93,8 +94,6 @@ def gguf_key(gguf: Path) -> str:
     if isinstance(key, str) and len(key) == 16 and all(c in "0123456789abcdef" for c in key):
         return key  # (a folder name: only what _sha256 can give)
     known[stamp] = key = _sha256(gguf)[:16]
-    import tempfile
-
     try:  # written whole, then renamed: concurrent runs never read half a file
         index.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=index.parent, prefix=index.name, suffix=".tmp")
