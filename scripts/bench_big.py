@@ -214,8 +214,15 @@ def kernel_summary(prof, steps: int, cuda: bool) -> dict:
 
     count, rows = kernel_table(prof, cuda, width=240)
     busy = sum(r[2] for r in rows)
-    return {"busy_ms_per_step": busy / 1000 / max(steps, 1), "kernels_per_step": count / max(steps, 1),
-            "top_kernels": [[n, round(c / steps, 2), round(t / steps, 1)] for n, c, t in rows[:16]]}  # fmt: skip
+    out = {"busy_ms_per_step": busy / 1000 / max(steps, 1), "kernels_per_step": count / max(steps, 1),
+           "top_kernels": [[n, round(c / steps, 2), round(t / steps, 1)] for n, c, t in rows[:16]]}  # fmt: skip
+    if cuda and os.environ.get("BENCH_BIG_SEQUENCE") == "1":  # every kernel of the last profiled step, in order
+        ev = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                    key=lambda e: e.time_range.start)
+        n = len(ev) // max(steps, 1)
+        out["sequence"] = [[e.name[:80], round(e.time_range.start - ev[-n].time_range.start, 1),
+                            round(e.time_range.elapsed_us(), 1)] for e in ev[-n:]]
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict:

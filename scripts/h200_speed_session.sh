@@ -442,6 +442,29 @@ for args in ((32, 16, 9, 3, 64), (32, 16, 32, 8, 128), (16, 0, 32, 8, 128, 128, 
     echo "rope $v $(grep -o '"ms_per_step": [0-9.]*' "/tmp/bb8r-$v.log" | cut -d' ' -f2 | tr '\n' ' ') $(grep -o '"x_floor": [0-9.]*' "/tmp/bb8r-$v.log" | tr '\n' ' ')"
   done
   ;;
+v20a)  # no carry: Qwen3-8B blocks 1,16 profiled without PDL (every kernel of one step in order), then wall
+  BB=(python3 scripts/bench_big.py --shape qwen3-8b --blocks 1,16 --steps 16)
+  DFLASH_PDL=0 BENCH_BIG_SEQUENCE=1 timeout 260 "${BB[@]}" --profile --out /tmp/bb8-seq > /tmp/bb8-seq.log 2>&1
+  echo "seq rc $? at ${SECONDS}s"; cp /tmp/bb8-seq/bench_big.json "$OUT/bench_big-q8b-v20-pdl0-seq.json"
+  timeout 200 "${BB[@]}" --out /tmp/bb8-def > /tmp/bb8-def.log 2>&1
+  echo "default rc $? at ${SECONDS}s"; cp /tmp/bb8-def/bench_big.json "$OUT/bench_big-q8b-v20-default.json"
+  grep -o '"ms_per_step": [0-9.]*' /tmp/bb8-seq.log /tmp/bb8-def.log
+  [ "$SECONDS" -lt 420 ] && { DFLASH_LINEAR=all timeout 160 "${BB[@]}" --blocks 16 --out /tmp/bb8-all > /tmp/bb8-all.log 2>&1
+    echo "all rc $? at ${SECONDS}s"; cp /tmp/bb8-all/bench_big.json "$OUT/bench_big-q8b-v20-LINEAR-all.json"; grep -o '"ms_per_step": [0-9.]*' /tmp/bb8-all.log; }
+  tail -n 3 /tmp/bb8-seq.log | cut -c1-300
+  ;;
+v20b)  # no carry: Qwen3-8B blocks 1,16 per variant (VARS, comma-separated env per variant), one machine
+  for v in ${VARS:-DFLASH_LINEAR=all default DFLASH_LINEAR=all,DFLASH_PDL=0 DFLASH_LINEAR=all}; do
+    [ "$SECONDS" -gt "${STOP:-420}" ] && { echo "skip $v at ${SECONDS}s"; continue; }
+    E=(env); [ "$v" = default ] || E+=(${v//,/ }); f=${v//[=,]/-}; P=()
+    [ "${v/PDL=0/}" != "$v" ] && P=(--profile) && E+=(BENCH_BIG_SEQUENCE=1)
+    "${E[@]}" timeout 150 python3 scripts/bench_big.py --shape qwen3-8b --blocks 1,16 --steps 16 "${P[@]}" \
+      --out "/tmp/bb8-$f" > "/tmp/bb8-$f.log" 2>&1; echo "8b $v rc $? at ${SECONDS}s"
+    n=1; while [ -e "$OUT/bench_big-q8b-v20-$f-$n.json" ]; do n=$((n+1)); done
+    cp "/tmp/bb8-$f/bench_big.json" "$OUT/bench_big-q8b-v20-$f-$n.json"
+    grep -o '"ms_per_step": [0-9.]*\|"x_block1": [0-9.]*' "/tmp/bb8-$f.log" | tr '\n' ' '; echo
+  done
+  ;;
 big8b)  # Qwen3-8B-shaped pair: fused linears on/off
   BB=(python3 scripts/bench_big.py --shape qwen3-8b --blocks 1,16 --steps 16)
   DFLASH_LINEAR=triton timeout 280 "${BB[@]}" --profile --out /tmp/bb8-lin > "$OUT/bb-q8b-lin.log" 2>&1

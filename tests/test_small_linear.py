@@ -88,11 +88,10 @@ def test_static_backend_with_fused_linears_decodes_greedy(tiny_target):
             assert runs[1] == runs[0] and runs[2] == runs[0]
 
 
-def test_auto_takes_small_in_projections_only(tiny_target, monkeypatch):
-    """DFLASH_LINEAR=auto: a model's fused qkv and gate+up projections run small_linear in every
-    forward of up to MAX_ROWS rows when each weight takes at most IN_PROJ_MAX_BYTES, else in
-    1-row forwards only (the target; the draft's forwards have more rows: none); recorded with
-    benchmark results; triton never, all always."""
+def test_auto_takes_in_projections_at_every_width(tiny_target, monkeypatch):
+    """DFLASH_LINEAR=auto (and all): a model's fused qkv and gate+up projections run small_linear
+    in every forward of up to MAX_ROWS rows, target and draft, whatever their size (the H200's
+    Qwen3-8B shape too); triton and torch never; recorded with benchmark results."""
     from dflash.backends import static_torch
     from dflash.backends.static_torch import StaticBackend
     from tests.conftest import make_draft
@@ -101,23 +100,12 @@ def test_auto_takes_small_in_projections_only(tiny_target, monkeypatch):
 
     def made(mode: str) -> dict:
         monkeypatch.setattr(static_torch, "linear_mode", lambda device: mode)
-        be = StaticBackend(tiny_target, draft, torch.device("cpu"), use_graphs=False)
-        return be.describe()["linear_in"]
+        return StaticBackend(tiny_target, draft, torch.device("cpu"), use_graphs=False).describe()["linear_in"]
 
-    be = StaticBackend(tiny_target, draft, torch.device("cpu"), use_graphs=False)
-    sizes = [w.weight.numel() * w.weight.element_size() for pair in be.fused_target + be.fused_draft for w in pair]
-    assert len(sizes) > 4 and max(sizes) < sl.IN_PROJ_MAX_BYTES  # a tiny pair: small
     assert made("auto") == {"target": sl.MAX_ROWS, "draft": sl.MAX_ROWS}
-    assert made("triton") == {"target": 0, "draft": 0}
-    monkeypatch.setattr(sl, "IN_PROJ_MAX_BYTES", 0)  # as for Qwen3-8B's 50 and 201 MB weights
-    assert made("auto") == {"target": 1, "draft": 0}
     assert made("all") == {"target": sl.MAX_ROWS, "draft": sl.MAX_ROWS}
+    assert made("triton") == {"target": 0, "draft": 0}
     assert made("torch") == {"target": 0, "draft": 0}
-    w = torch.empty(3, 4, dtype=torch.bfloat16)  # 24 bytes
-    monkeypatch.setattr(sl, "IN_PROJ_MAX_BYTES", 24)
-    assert sl.in_projs_small([w, w]) and not sl.in_projs_small([])
-    monkeypatch.setattr(sl, "IN_PROJ_MAX_BYTES", 23)
-    assert not sl.in_projs_small([w, w[:2]])
 
 
 def test_pdl_switch(monkeypatch):
@@ -188,7 +176,7 @@ def test_glu_switch_and_where_it_runs(tiny_target, monkeypatch):
     monkeypatch.setenv("DFLASH_GLU", "0")
     assert made("all") == {"target": False, "draft": False}
     monkeypatch.setenv("DFLASH_GLU", "1")
-    monkeypatch.setattr(sl, "IN_PROJ_MAX_BYTES", 0)  # large in-projections: 1-row target forwards only
+    monkeypatch.setattr(static_torch, "_in_proj_rows", lambda linear, fused: 1)  # in-projections: 1-row steps only
     assert made("auto") == {"target": True, "draft": False}
     monkeypatch.undo()  # (the env too: DFLASH_GLU unset, on by default)
     monkeypatch.setattr(static_torch, "linear_mode", lambda device: "all")

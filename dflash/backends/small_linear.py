@@ -36,8 +36,7 @@ removed (``benchmarks/results/h200-v17``).
 Rounding is the unfused ops': the product rounded to the input dtype, then added to the residual
 (float32 inputs use exact fp32 dots, no TF32). On by default on CUDA with Triton for forwards
 of at most :data:`MAX_ROWS` rows (``DFLASH_LINEAR=auto``, which also takes the fused qkv and
-gate+up projections of small models, see :func:`linear_mode`); ``DFLASH_LINEAR=torch`` keeps
-cuBLAS. Whole steps of a random demo-shaped pair (``scripts/bench_big.py --shape smollm2``, H200,
+gate+up projections, see :func:`linear_mode`); ``DFLASH_LINEAR=torch`` keeps cuBLAS. Whole steps of a random demo-shaped pair (``scripts/bench_big.py --shape smollm2``, H200,
 three runs side by side): block 1 0.987 ms against 1.007 / 1.010 ms, block 16 1.271 ms against
 1.298 / 1.294 ms.
 :func:`small_linear_reference` is the same maths in torch (CPU, tests); ``TRITON_INTERPRET=1``
@@ -68,7 +67,6 @@ except ImportError:  # pragma: no cover - depends on the install
 _HAS_GDC = triton is not None and hasattr(getattr(getattr(tl, "extra", None), "cuda", None), "gdc_wait")
 
 
-IN_PROJ_MAX_BYTES = 8 << 20  # under DFLASH_LINEAR=auto: fused qkv / gate+up weights up to this
 GLU_ENV = "DFLASH_GLU"
 FUSE_NORM_ENV = "DFLASH_FUSE_NORM"
 FUSE_NORM_AUTO_MAX_K = 1024  # DFLASH_FUSE_NORM unset: on for hidden sizes up to this (bf16/fp16)
@@ -109,8 +107,8 @@ def fuse_norm_auto(hidden: int, dtype: torch.dtype) -> bool:
     and dtype: on up to :data:`FUSE_NORM_AUTO_MAX_K` in bf16/fp16 (measured faster at 576,
     slower at 4,096; sizes in between unmeasured), off in float32 (the reference dtype keeps
     the modules' roundings). The static backend also asks that the in-projections run this
-    kernel at every width (``linear_in`` = :data:`MAX_ROWS`, as measured), not in 1-row steps
-    only (``DFLASH_LINEAR=auto`` with in-projection weights over 8 MiB)."""
+    kernel at every width (``linear_in`` = :data:`MAX_ROWS`, as measured; ``DFLASH_LINEAR=auto``
+    and ``all`` do)."""
     return hidden <= FUSE_NORM_AUTO_MAX_K and dtype in (torch.bfloat16, torch.float16)
 
 
@@ -134,20 +132,19 @@ def glu_setting() -> bool:
 def linear_mode(device: torch.device) -> str:
     """``DFLASH_LINEAR``: which projections of forwards of <= MAX_ROWS rows run this kernel.
 
-    - ``auto`` (default): o_proj and down_proj (with their residual adds) always; a model's
-      fused qkv and gate+up projections too when each of those weights takes at most
-      :data:`IN_PROJ_MAX_BYTES` (8 MiB) (:func:`in_projs_small`), and larger ones in 1-row
-      (decode) forwards only, cuBLAS for wider ones;
+    - ``auto`` (default) or ``all``: every one, o_proj and down_proj (with their residual adds)
+      and the fused qkv and gate+up projections, at every width up to :data:`MAX_ROWS` rows;
     - ``triton``: o_proj and down_proj only (the default before the sixteenth session);
-    - ``all``: every projection above, whatever its size;
     - ``torch``: cuBLAS for all.
 
     Without CUDA or Triton it is always ``torch``. H200 (2026-12-02), real demo pair (qkv 1.1 MB,
     gate+up 3.5 MB), gsm8k 64, one machine: ``all`` 4,615.0 / 1,426.4 tok/s (DFlash / block-1
-    baseline) against 4,366.2 / 1,316.6 with ``triton``. Qwen3-8B's shape (50 and 201 MB weights):
-    with the old tiles, block 1 4.689 against 4.241 ms on cuBLAS; with the sixteenth session's
-    tiles (one machine, 2026-12-02) block 1 4.300 against 4.393 ms, a 16-row step 5.502 against
-    5.475 ms. Shapes between these two were not measured.
+    baseline) against 4,366.2 / 1,316.6 with ``triton``. Qwen3-8B's shape (50 and 201 MB
+    weights; ``scripts/bench_big.py``, twentieth session, one machine, two runs): a 16-row step
+    5.370 / 5.382 ms against 5.539 ms when, as ``auto`` did from the seventeenth to the
+    nineteenth session, in-projections over 8 MiB ran this kernel in 1-row steps only (cuBLAS in
+    wider forwards); the block-1 step runs the same kernels either way (4.238 / 4.243 against
+    4.245 ms).
 
     Raises:
         InputError: another value.
@@ -159,14 +156,6 @@ def linear_mode(device: torch.device) -> str:
         raise InputError(f"{LINEAR_ENV} must be auto, torch, triton or all, got {raw!r}.",
                          hint="unset it for the default (auto)")  # fmt: skip
     return raw if device.type == "cuda" and triton is not None else "torch"
-
-
-def in_projs_small(weights) -> bool:
-    """Whether every weight in ``weights`` (fused qkv and gate+up projection weights, [N, K])
-    takes at most :data:`IN_PROJ_MAX_BYTES`: ``DFLASH_LINEAR=auto`` runs them through this
-    kernel then (an empty list: False)."""
-    weights = list(weights)
-    return bool(weights) and all(w.numel() * w.element_size() <= IN_PROJ_MAX_BYTES for w in weights)
 
 
 def pdl_enabled(device: torch.device, inductor: bool = False) -> bool:

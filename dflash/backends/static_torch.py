@@ -37,7 +37,6 @@ from dflash.backends.small_linear import (
     fuse_norm_auto,
     fuse_norm_setting,
     glu_setting,
-    in_projs_small,
     linear_mode,
     pdl_enabled,
     pdl_part,
@@ -90,13 +89,10 @@ def supports_static(target: Any) -> bool:
 def _in_proj_rows(mode: str, fused) -> int:
     """Forwards of up to how many rows run the fused qkv and gate+up projections (``fused``: per
     layer (qkv, gate_up)) through ``small_linear`` under ``DFLASH_LINEAR`` mode ``mode``:
-    :data:`~dflash.backends.small_linear.MAX_ROWS` under ``all``, and under ``auto`` when each
-    weight is small (:func:`~dflash.backends.small_linear.in_projs_small`); 1 under ``auto``
-    with larger weights (decode steps only; H200, Qwen3-8B's shape, 2026-12-02: block 1 4.300
-    against 4.393 ms on cuBLAS, a 16-row step 5.502 against 5.475 ms); else 0."""
-    if mode == "all" or (mode == "auto" and in_projs_small(w.weight for pair in fused for w in pair)):
-        return MAX_ROWS
-    return 1 if mode == "auto" else 0
+    :data:`~dflash.backends.small_linear.MAX_ROWS` under ``auto`` and ``all`` (every width, as
+    measured on both the demo pair and Qwen3-8B's shape, see
+    :func:`~dflash.backends.small_linear.linear_mode`), else 0."""
+    return MAX_ROWS if mode in ("auto", "all") else 0
 
 
 class StaticDraftCache:
@@ -186,9 +182,8 @@ class StaticBackend(TransformersBackend):
         linear = linear_mode(device) if self.fused_target is not None else "torch"
         self.linear = linear if small_linear_fits(target) else "torch"
         self.draft_linear = self.fused_draft is not None and linear != "torch" and draft_small_linear_fits(draft)
-        # the fused qkv and gate+up projections too, in forwards of up to linear_in rows: always
-        # under "all", small ones under "auto" (larger ones in 1-row steps); the draft's forwards
-        # have more rows than one, so its switch is all or nothing
+        # the fused qkv and gate+up projections too, in forwards of up to linear_in rows (every
+        # width under "auto" and "all")
         self.linear_in = _in_proj_rows(self.linear, self.fused_target)
         self.draft_linear_in = self.draft_linear and _in_proj_rows(linear, self.fused_draft) == MAX_ROWS
         # SiLU(gate) * up as the epilogue of those gate+up kernels (SiLU MLPs; DFLASH_GLU)
