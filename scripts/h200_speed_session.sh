@@ -465,6 +465,18 @@ v20b)  # no carry: Qwen3-8B blocks 1,16 per variant (VARS, comma-separated env p
     grep -o '"ms_per_step": [0-9.]*\|"x_block1": [0-9.]*' "/tmp/bb8-$f.log" | tr '\n' ' '; echo
   done
   ;;
+v20c)  # no carry: the norms' partial sums (DFLASH_FUSE_NORM_FORM=partials) on Qwen3-8B blocks 1,16, then the demo loop at prompt 300
+  P8="DFLASH_FUSE_NORM=1,DFLASH_FUSE_NORM_FORM=partials"
+  VARS="default $P8 default $P8" STOP=330 bash "$0" v20b
+  k300_variants 480 "default DFLASH_FUSE_NORM_FORM=partials"
+  ;;
+v20d)  # no carry: demo loop timings at prompt 300, squares against partials, twice, alternating
+  for r in 1 2; do
+    for v in default DFLASH_FUSE_NORM_FORM=partials; do
+      k300_variants 440 "$v"; f=${v//[=,]/-}; mv "$OUT/kernels-p300-$f.json" "$OUT/kernels-p300-$f-r$r.json"
+    done
+  done
+  ;;
 big8b)  # Qwen3-8B-shaped pair: fused linears on/off
   BB=(python3 scripts/bench_big.py --shape qwen3-8b --blocks 1,16 --steps 16)
   DFLASH_LINEAR=triton timeout 280 "${BB[@]}" --profile --out /tmp/bb8-lin > "$OUT/bb-q8b-lin.log" 2>&1

@@ -478,13 +478,13 @@ def test_preload_switch_and_columns(monkeypatch):
     assert sl.preload_columns(64, 1000, 128, 4, 1 << 20) == 1000  # float32: 32-element lines
 
 
-OFF_EXTRAS = {"GLU": False, "RN": False}  # the plain projection's switches
+OFF_EXTRAS = {"GLU": False, "RN": False, "HAS_SQO": False, "RNP": False, "PP": 1}  # the plain projection's switches
 
 
 def _kernel_signature(consts: dict) -> dict:
     """Triton signature of _small_linear_kernel for an sm_90 compile: ``consts`` as constexprs,
     bf16 tensors, int32 sizes and strides, a float32 epsilon."""
-    ptrs = {"X": "*bf16", "W": "*bf16", "B": "*bf16", "RES": "*bf16", "Y": "*bf16"}
+    ptrs = {"X": "*bf16", "W": "*bf16", "B": "*bf16", "RES": "*bf16", "Y": "*bf16", "SQO": "*fp32", "SQ": "*fp32"}
     names = sl._small_linear_kernel.arg_names
     return {n: "constexpr" if n in consts else ptrs.get(n, "fp32" if n == "EPS" else "i32") for n in names}
 

@@ -320,18 +320,32 @@ if triton is not None:
         return sq
 
     @triton.jit
+    def _partial_sums(SQ, NP, S_SQ, rm, m_ok, PP: tl.constexpr):
+        """Each row's sum of the ``NP`` partial sums of squares SQ[p, row] (p < NP <= PP) that
+        the previous kernel wrote (:func:`small_linear_sq`), in one fixed order."""
+        p = tl.arange(0, PP)
+        parts = tl.load(SQ + p[:, None] * S_SQ + rm[None, :], mask=(p < NP)[:, None] & m_ok[None, :], other=0.0)
+        return tl.sum(parts, 0)
+
+    @triton.jit
     def _rows_times_weight(X, W, rm, rn, m_ok, n_ok, K, s_xm, s_wn, IEEE: tl.constexpr, BM: tl.constexpr,
                            BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr, PRE_K=0,
-                           LINE: tl.constexpr = 64, RN: tl.constexpr = False, EPS=0.0):  # fmt: skip
+                           LINE: tl.constexpr = 64, RN: tl.constexpr = False, EPS=0.0, SQ=0, NP=0, S_SQ=0,
+                           RNP: tl.constexpr = False, PP: tl.constexpr = 1):  # fmt: skip
         """x[rm, :] @ W[rn, :]^T in float32 ([BM, BN]), streaming the weight rows along K; with
         PDL the first weight tile is loaded before waiting for the previous kernel, and (``PRE_K``
         > 0, ``DFLASH_PDL_PREFETCH``) columns BK..PRE_K of the rows are sent to L2 meanwhile
         (shared by this module's kernel and :mod:`dflash.backends.head_argmax`). ``RN``: the
         product scaled by each x row's RMS factor rsqrt(mean(x^2) + ``EPS``), the sums of
-        squares taken from the tiles as they pass (the diagonal of x x^T on the tensor cores)."""
+        squares taken from the tiles as they pass (the diagonal of x x^T on the tensor cores);
+        ``RNP``: the same factor from the previous kernel's partial sums (:func:`_partial_sums`)."""
         acc = tl.zeros([BM, BN], tl.float32)
         sq = tl.zeros([BM, BM], tl.float32)  # RN: x x^T, its diagonal the rows' sums of squares
+        ss = tl.zeros([BM], tl.float32)  # RNP: the rows' sums of squares
         k_first = 0
+        if RNP:
+            if not PDL:
+                ss = _partial_sums(SQ, NP, S_SQ, rm, m_ok, PP)
         if PDL:  # the first weight tile does not depend on the previous kernel: load it first
             rk0 = tl.arange(0, BK)  # own names: the loop's values are not carried from here
             k_ok0 = rk0 < K
@@ -340,6 +354,8 @@ if triton is not None:
                 _prefetch_rows(W, rn, n_ok, BK, PRE_K, s_wn, LINE, 16)  # 16 lines a pass
             tl.extra.cuda.gdc_wait()  # the previous kernel is done: x (and a residual) are ready
             tl.extra.cuda.gdc_launch_dependents()
+            if RNP:
+                ss = _partial_sums(SQ, NP, S_SQ, rm, m_ok, PP)
             x0 = tl.load(X + rm[:, None] * s_xm + rk0[None, :], mask=m_ok[:, None] & k_ok0[None, :], other=0.0)
             if IEEE:
                 acc += tl.dot(x0, tl.trans(w0), input_precision="ieee")
@@ -359,7 +375,9 @@ if triton is not None:
             sq = _add_squares(sq, x, IEEE, RN)
         if RN:
             eye = tl.arange(0, BM)[:, None] == tl.arange(0, BM)[None, :]
-            ss = tl.sum(tl.where(eye, sq, 0.0), 1)
+            ssq = tl.sum(tl.where(eye, sq, 0.0), 1)
+            acc = acc * tl.rsqrt(ssq / K + EPS)[:, None]
+        if RNP:
             acc = acc * tl.rsqrt(ss / K + EPS)[:, None]
         return acc
 
@@ -367,7 +385,8 @@ if triton is not None:
     def _small_linear_kernel(X, W, B, RES, Y, M, N, K, s_xm, s_wn, s_rm, s_ym, PRE_K, HAS_BIAS: tl.constexpr,
                              HAS_RES: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr,
                              BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr,
-                             LINE: tl.constexpr, GLU: tl.constexpr, RN: tl.constexpr, EPS):  # fmt: skip
+                             LINE: tl.constexpr, GLU: tl.constexpr, RN: tl.constexpr, EPS,
+                             SQO, SQ, NP, S_SQ, HAS_SQO: tl.constexpr, RNP: tl.constexpr, PP: tl.constexpr):  # fmt: skip
         rm = tl.arange(0, BM)
         m_ok = rm < M
         if GLU:  # W holds [gate; up] (2N rows): this program's N columns of each, side by side
@@ -376,7 +395,7 @@ if triton is not None:
             n_ok2 = rn < N
             wrow = tl.where(r < BN, rn, rn + N)
             acc2 = _rows_times_weight(X, W, rm, wrow, m_ok, n_ok2, K, s_xm, s_wn, IEEE, BM, 2 * BN, BK, PDL,
-                                      PRE_K, LINE, RN, EPS)  # [BM, 2 BN]: gate columns, then up columns  # fmt: skip
+                                      PRE_K, LINE, RN, EPS, SQ, NP, S_SQ, RNP, PP)  # [BM, 2 BN]: gate, then up  # fmt: skip
             if HAS_BIAS:
                 acc2 += tl.load(B + wrow, mask=n_ok2, other=0.0).to(tl.float32)[None, :]
             # the projection's outputs rounded as F.linear's, then SiLU(gate) * up in float32
@@ -390,7 +409,7 @@ if triton is not None:
             rn = tl.program_id(0) * BN + tl.arange(0, BN)  # output columns of this program
             n_ok = rn < N
             acc = _rows_times_weight(X, W, rm, rn, m_ok, n_ok, K, s_xm, s_wn, IEEE, BM, BN, BK, PDL, PRE_K, LINE,
-                                     RN, EPS)  # fmt: skip
+                                     RN, EPS, SQ, NP, S_SQ, RNP, PP)  # fmt: skip
             if HAS_BIAS:
                 acc += tl.load(B + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         y = acc.to(Y.dtype.element_ty)
@@ -399,11 +418,17 @@ if triton is not None:
             r = tl.load(RES + rm[:, None] * s_rm + rn[None, :], mask=ym, other=0.0)
             y = (r.to(tl.float32) + y.to(tl.float32)).to(Y.dtype.element_ty)
         tl.store(Y + rm[:, None] * s_ym + rn[None, :], y, mask=ym)
+        if HAS_SQO:  # this program's share of each row's sum of squares, for the next kernel's norm
+            yf = y.to(tl.float32)
+            tl.store(SQO + tl.program_id(0) * M + rm, tl.sum(tl.where(ym, yf * yf, 0.0), 1), mask=m_ok)
 
 
-def _launch(x, weight, bias, residual, glu: bool = False, rn_eps: float | None = None):
+def _launch(x, weight, bias, residual, glu: bool = False, rn_eps: float | None = None,
+            sq: torch.Tensor | None = None, sq_out: bool = False):  # fmt: skip
     """One kernel launch: y [M, N]; ``rn_eps``: the product scaled by x's rows' RMS factors
-    rsqrt(mean(x^2) + rn_eps) (see :func:`small_linear_rn`)."""
+    rsqrt(mean(x^2) + rn_eps) (see :func:`small_linear_rn`), the sums of squares from ``sq``
+    ([P, M] partial sums, :mod:`dflash.backends.norm_partials`) when given; ``sq_out``: (y,
+    [P, M] float32 partial sums of y's squares, P = the programs)."""
     m = x.shape[0]
     rows, k = weight.shape
     if m > MAX_ROWS:  # one tile of rows per program
@@ -419,15 +444,19 @@ def _launch(x, weight, bias, residual, glu: bool = False, rn_eps: float | None =
     pdl = pdl_enabled(x.device)
     elem = weight.element_size()
     pre_k = preload_columns(rows, k, bk, elem, preload_bytes()) if pdl else 0
-    _small_linear_kernel[(triton.cdiv(n, bn),)](
+    programs = triton.cdiv(n, bn)
+    sqo = torch.empty(programs, m, dtype=torch.float32, device=x.device) if sq_out else y
+    _small_linear_kernel[(programs,)](
         x, weight, bias if bias is not None else y, residual if residual is not None else y, y, m, n, k,
         x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0), pre_k,
         HAS_BIAS=bias is not None, HAS_RES=residual is not None, IEEE=x.dtype == torch.float32,
-        BM=bm, BN=bn, BK=bk, PDL=pdl, LINE=128 // elem, GLU=glu, RN=rn_eps is not None,
-        EPS=float(rn_eps or 0.0),
+        BM=bm, BN=bn, BK=bk, PDL=pdl, LINE=128 // elem, GLU=glu, RN=rn_eps is not None and sq is None,
+        EPS=float(rn_eps or 0.0), SQO=sqo, SQ=sq if sq is not None else y, NP=sq.shape[0] if sq is not None else 0,
+        S_SQ=sq.stride(0) if sq is not None else 0, HAS_SQO=sq_out, RNP=sq is not None,
+        PP=triton.next_power_of_2(sq.shape[0]) if sq is not None else 1,
         num_warps=warps, num_stages=stages, **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
-    return y
+    return (y, sqo) if sq_out else y
 
 
 @torch.library.custom_op("dflash::small_linear", mutates_args=())

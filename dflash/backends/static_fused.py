@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from dflash.backends import l2_prefetch
 from dflash.backends.head_argmax import head_argmax
+from dflash.backends.norm_partials import small_linear_rnp, small_linear_sq
 from dflash.backends.rope_cache import norm_eps, rope_cache, rope_cache_fits
 from dflash.backends.small_linear import MAX_ROWS as LINEAR_MAX_ROWS
 from dflash.backends.small_linear import (
@@ -284,20 +285,35 @@ def fold_norms(layers, fused, which=("input", "post")) -> list[tuple[FusedLinear
             for layer, (qkv, gate_up) in zip(layers, fused, strict=True)]  # fmt: skip
 
 
-def _rn(folded: FusedLinear, norm, x: torch.Tensor, glu: bool = False) -> torch.Tensor:
+def _rn(folded: FusedLinear, norm, x: torch.Tensor, glu: bool = False, sq: torch.Tensor | None = None) -> torch.Tensor:
     """folded's projection of norm(x) for [1, T, H] activations, the norm inside the kernel:
-    [T, sum(out_i)] (``glu``: [T, I], SiLU(gate) * up)."""
+    [T, sum(out_i)] (``glu``: [T, I], SiLU(gate) * up); ``sq``: x's partial sums of squares
+    (:func:`~dflash.backends.norm_partials.small_linear_rnp`), else from x's tiles."""
+    if sq is not None:
+        return small_linear_rnp(x[0], folded.weight, folded.bias, sq, norm_eps(norm), glu)
     return small_linear_rn(x[0], folded.weight, folded.bias, norm_eps(norm), glu)
 
 
-def _mlp_rn(lin: bool, folded: FusedLinear, down, act, norm, x: torch.Tensor, glu: bool) -> torch.Tensor:
-    """x + down(act(gate) * up) of norm(x), the norm inside the gate+up kernel."""
+def _mlp_rn(lin: bool, folded: FusedLinear, down, act, norm, x: torch.Tensor, glu: bool,
+            sq: torch.Tensor | None = None, sq_out: bool = False):  # fmt: skip
+    """x + down(act(gate) * up) of norm(x), the norm inside the gate+up kernel (its sums of
+    squares from ``sq``, x's partial sums, when given; ``sq_out``: (x + ..., its partial sums),
+    :mod:`dflash.backends.norm_partials`)."""
     if glu:
-        a = _rn(folded, norm, x, glu=True)
+        a = _rn(folded, norm, x, glu=True, sq=sq)
     else:
-        g, u = _rn(folded, norm, x).split(folded.sizes, dim=-1)
+        g, u = _rn(folded, norm, x, sq=sq).split(folded.sizes, dim=-1)
         a = act(g) * u
+    if sq_out:
+        return _out_proj_sq(down, a[None], x)
     return _out_proj(lin, down, a[None], x)
+
+
+def _out_proj_sq(proj, h: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + proj(h) for [1, T, *] activations, its rows' partial sums of squares [P, T]) in one
+    small_linear kernel (:func:`~dflash.backends.norm_partials.small_linear_sq`)."""
+    y, sq = small_linear_sq(h[0], proj.weight, proj.bias, x[0])
+    return y[None], sq
 
 
 def norms_fit(layers, dtype: torch.dtype) -> bool:
@@ -343,18 +359,21 @@ def target_forward_fused(be, ids: torch.Tensor, pos: torch.Tensor, argmax: bool 
     early = pf and getattr(be, "prefetch_early", False)  # forked before the qkv projection
     # DFLASH_FUSE_NORM: the input and post-attention norms inside the qkv and gate+up kernels
     fuse = lin_in and getattr(be, "fuse_norm", False)
+    parts = fuse and getattr(be, "norm_partials", False)  # their sums of squares from the kernel before
+    sq = None  # parts: x's partial sums of squares (none after the embedding: that norm keeps its kernel)
     glu = getattr(be, "glu", False)
     slots: list[torch.Tensor] = [None] * len(be.layer_ids)  # type: ignore[list-item]
     for i, layer in enumerate(be.target.model.layers):
         a, (qkv, gate_up) = layer.self_attn, be.fused_target[i]
         fq, fg = be.folded_target[i] if fuse else (None, None)  # norms folded in (DFLASH_FUSE_NORM)
-        h = x if fuse else layer.input_layernorm(x)  # fuse: x is normed inside the qkv kernel
+        fuse_in = fuse and (sq is not None or not parts)  # the input norm inside the qkv kernel
+        h = x if fuse_in else layer.input_layernorm(x)
         after = _after_qkv(a, fg if fuse else gate_up, layer.mlp) if pf else ()  # read next (L2 prefetch)
         if early:
             l2_prefetch.prefetch(be.l2_sink, h, after, pf)
         if rope:
-            if fuse:
-                raw = _rn(fq, layer.input_layernorm, x)
+            if fuse_in:
+                raw = _rn(fq, layer.input_layernorm, x, sq=sq)
             else:
                 raw = _in_proj_joint(lin_in, qkv, h)  # [T, (H + 2 Hkv) D]
             if pf and not early:
@@ -363,8 +382,8 @@ def target_forward_fused(be, ids: torch.Tensor, pos: torch.Tensor, argmax: bool 
             q = rope_cache(raw, *norms, cos, sin, pos[0], be.k[i], be.v[i], 0, be.heads, be.kv_heads)
             o = split_attention(q, be.k[i], be.v[i], pos[0], a.scaling)
         else:
-            if fuse:
-                q, k, v = _rn(fq, layer.input_layernorm, x)[None].split(fq.sizes, dim=-1)
+            if fuse_in:
+                q, k, v = _rn(fq, layer.input_layernorm, x, sq=sq)[None].split(fq.sizes, dim=-1)
             else:
                 q, k, v = _in_proj(lin_in, qkv, h)
             if pf and not early:
@@ -381,10 +400,17 @@ def target_forward_fused(be, ids: torch.Tensor, pos: torch.Tensor, argmax: bool 
             else:
                 o = attend(q, be.k[i], be.v[i], mask, a.scaling, packed)
         o = o.transpose(1, 2).reshape(1, t, be.heads * hd)
-        x = _out_proj(lin, a.o_proj, o, x)
-        if fuse:
+        if parts:  # o_proj and down_proj write their rows' partial sums for the norms after them
+            x, sq = _out_proj_sq(a.o_proj, o, x)
+            last = i == be.n_layers - 1  # the final norm keeps its kernel
+            out = _mlp_rn(lin, fg, layer.mlp.down_proj, layer.mlp.act_fn, layer.post_attention_layernorm, x, glu,
+                          sq, sq_out=not last)  # fmt: skip
+            x, sq = (out, None) if last else out
+        elif fuse:
+            x = _out_proj(lin, a.o_proj, o, x)
             x = _mlp_rn(lin, fg, layer.mlp.down_proj, layer.mlp.act_fn, layer.post_attention_layernorm, x, glu)
         else:
+            x = _out_proj(lin, a.o_proj, o, x)
             x = _mlp(lin, lin_in, gate_up, layer.mlp.down_proj, layer.mlp.act_fn, layer.post_attention_layernorm(x),
                  x, glu)  # fmt: skip
         if i < be.n_layers - 1:
@@ -405,7 +431,7 @@ def target_forward_fused(be, ids: torch.Tensor, pos: torch.Tensor, argmax: bool 
 def draft_forward_fused(draft, fused, block_embeds, target_hidden, q_pos, ctx_pos, cache, masks,
                         pack_gqa: bool = False, split_kinds=frozenset(), lin: bool = False,
                         lin_in: bool = False, rope: bool = False, prefetch=None, glu: bool = False,
-                        folded=None):  # fmt: skip
+                        folded=None, partials: bool = False):  # fmt: skip
     """:meth:`DFlashDraft.forward` for the static cache with fused projections.
 
     Context and block rows go through one QKV matmul ([Tc + L] rows; the context rows' Q is
@@ -425,7 +451,9 @@ def draft_forward_fused(draft, fused, block_embeds, target_hidden, q_pos, ctx_po
     gate+up projections too (``glu``: with SiLU(gate) * up as that kernel's epilogue,
     :func:`~dflash.backends.small_linear.small_linear_glu`); ``folded``: per layer (None, gate+up
     with the post-attention norm's weight folded in, :func:`fold_norms`) to run that norm inside
-    the gate+up kernel (``DFLASH_FUSE_NORM``), or None; ``rope``: in ``split_kinds`` layers the q/k norm, RoPE and the
+    the gate+up kernel (``DFLASH_FUSE_NORM``), or None; ``partials``: with ``folded``, that
+    norm's sums of squares written by the o_proj kernel (:mod:`dflash.backends.norm_partials`);
+    ``rope``: in ``split_kinds`` layers the q/k norm, RoPE and the
     context and block rows' cache writes run as one :func:`~dflash.backends.rope_cache.rope_cache`
     kernel (the caller checks :func:`draft_rope_fits`); ``prefetch``: (sink, bytes) for an L2
     prefetch of each layer's o_proj, gate+up and down_proj weights after its qkv projection
@@ -479,10 +507,14 @@ def draft_forward_fused(draft, fused, block_embeds, target_hidden, q_pos, ctx_po
                 k, v = torch.cat((kc, k[:, :, tc:]), 2), torch.cat((vc, v[:, :, tc:]), 2)
                 out = attend(q, k, v, masks[kind], None, packed)
         out = out.transpose(1, 2).reshape(1, lq, a.heads * d)
-        h = _out_proj(lin, a.o_proj, out, h)
-        if fg is not None:
+        if fg is not None and partials:
+            h, sq = _out_proj_sq(a.o_proj, out, h)
+            h = _mlp_rn(lin, fg, layer.mlp.down_proj, F.silu, layer.post_attention_layernorm, h, glu, sq)
+        elif fg is not None:
+            h = _out_proj(lin, a.o_proj, out, h)
             h = _mlp_rn(lin, fg, layer.mlp.down_proj, F.silu, layer.post_attention_layernorm, h, glu)
         else:
+            h = _out_proj(lin, a.o_proj, out, h)
             h = _mlp(lin, lin_in, gate_up, layer.mlp.down_proj, F.silu, layer.post_attention_layernorm(h), h, glu)
     if prefetch:
         l2_prefetch.join(prefetch[0], h)

@@ -12,6 +12,7 @@ import torch
 from dflash.backends.graph_plan import warm_replays
 from dflash.backends.head_argmax import head_argmax_default
 from dflash.backends.l2_prefetch import prefetch_setting
+from dflash.backends.norm_partials import norm_form
 from dflash.backends.rope_cache import rope_parts
 from dflash.backends.small_linear import (
     disable_pdl,
@@ -33,7 +34,8 @@ from dflash.backends.static_loop import queue_ahead, step_compile_default
 
 def check_env() -> None:
     """Check every switch of the static path (``DFLASH_ATTN``, ``DFLASH_ATTN_SPLIT``,
-    ``DFLASH_LINEAR``, ``DFLASH_LINEAR_CONFIG``, ``DFLASH_GLU``, ``DFLASH_FUSE_NORM``, ``DFLASH_PDL``, ``DFLASH_PDL_PREFETCH``, ``DFLASH_ROPE``,
+    ``DFLASH_LINEAR``, ``DFLASH_LINEAR_CONFIG``, ``DFLASH_GLU``, ``DFLASH_FUSE_NORM``,
+    ``DFLASH_FUSE_NORM_FORM``, ``DFLASH_PDL``, ``DFLASH_PDL_PREFETCH``, ``DFLASH_ROPE``,
     ``DFLASH_PREFETCH``, ``DFLASH_STEP_COMPILE``, ``DFLASH_HEAD_ARGMAX``, ``DFLASH_GRAPH_WARM``,
     ``DFLASH_QUEUE_AHEAD``, ``DFLASH_DRAFT_ATTN_SPLIT``, ``DFLASH_ATTN_BLOCK``, ``DFLASH_ATTN_ONE_SLICE``)
     on any device: a typo fails at load on a laptop too, not first on the GPU machine.
@@ -52,6 +54,7 @@ def check_env() -> None:
     pdl_setting()
     glu_setting()
     fuse_norm_setting()
+    norm_form()
     preload_bytes()
     rope_parts()
     prefetch_setting(cpu)
@@ -116,7 +119,7 @@ def fall_back(be, error: Exception, part: str | None = None, kind: str | None = 
         torch._dynamo.reset()
         what, fix = "programmatic dependent launch", "plain launches (DFLASH_PDL=0 silences this)"
     elif be.fuse_norm or be.draft_fuse_norm:
-        be.fuse_norm = be.draft_fuse_norm = False
+        be.fuse_norm = be.draft_fuse_norm = be.norm_partials = False
         be.folded_target = be.folded_draft = None  # the folded weight copies: memory back
         what, fix = "the norms inside the projections", "norm kernels (DFLASH_FUSE_NORM=0 silences this)"
     elif be.glu or be.draft_glu:
@@ -127,7 +130,7 @@ def fall_back(be, error: Exception, part: str | None = None, kind: str | None = 
         what, fix = "the RoPE + cache-write kernel", "torch ops (DFLASH_ROPE=0 silences this)"
     elif be.linear != "torch" or be.draft_linear:
         be.linear, be.draft_linear, be.draft_linear_in, be.linear_in = "torch", False, False, 0
-        be.glu = be.draft_glu = be.fuse_norm = be.draft_fuse_norm = False
+        be.glu = be.draft_glu = be.fuse_norm = be.draft_fuse_norm = be.norm_partials = False
         be.draft_rope = be.target_rope = False
         what, fix = "the Triton projection kernel", "cuBLAS (DFLASH_LINEAR=torch silences this)"
     elif be.attention != "sdpa":

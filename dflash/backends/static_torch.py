@@ -31,6 +31,7 @@ from dflash.backends.graph_plan import (
 )
 from dflash.backends.head_argmax import head_argmax, head_argmax_default, head_fits
 from dflash.backends.l2_prefetch import prefetch_setting
+from dflash.backends.norm_partials import norm_form
 from dflash.backends.rope_cache import rope_cache_fits, rope_parts
 from dflash.backends.small_linear import (
     MAX_ROWS,
@@ -212,6 +213,8 @@ class StaticBackend(TransformersBackend):
         self.folded_target = fold_norms(target.model.layers, self.fused_target) if self.fuse_norm else None
         self.folded_draft = (fold_norms(draft.layers, self.fused_draft, ("post",))
                              if self.draft_fuse_norm else None)  # fmt: skip
+        # their sums of squares written by the o_proj/down_proj kernels before them (DFLASH_FUSE_NORM_FORM)
+        self.norm_partials = norm_form() == "partials" and (self.fuse_norm or self.draft_fuse_norm)
         pdl_enabled(device, inductor=True)  # a bad DFLASH_PDL is an error before any capture
         # L2 prefetch of each layer's weights after its qkv projection (dflash.backends.l2_prefetch)
         budget, self.prefetch_early = prefetch_setting(device)  # a bad DFLASH_PREFETCH errs on CPU too
@@ -352,7 +355,8 @@ class StaticBackend(TransformersBackend):
                                     lin and self.draft_linear_in, lin and self.draft_rope,
                                     (self.l2_sink, self.prefetch) if self.prefetch and lin else None,
                                     lin and self.draft_glu,
-                                    self.folded_draft if lin and self.draft_fuse_norm else None)  # fmt: skip
+                                    self.folded_draft if lin and self.draft_fuse_norm else None,
+                                    self.norm_partials)  # fmt: skip
         else:
             h = self.draft_model(embeds, ctx, q_pos, ctx_pos[None], cache=self.dcache, masks=masks)
         if argmax:
@@ -552,6 +556,7 @@ class StaticBackend(TransformersBackend):
                 "glu": {"target": self.glu, "draft": self.draft_glu},  # DFLASH_GLU
                 **({"fuse_norm": {"target": self.fuse_norm, "draft": self.draft_fuse_norm}}
                    if self.fuse_norm or self.draft_fuse_norm else {}),  # DFLASH_FUSE_NORM
+                **({"fuse_norm_form": "partials"} if self.norm_partials else {}),  # DFLASH_FUSE_NORM_FORM
                 **({"attn_split": {"target": split_setting(head_dim=self.head_dim),
                                    "draft": split_setting(draft=True, head_dim=self._draft_head_dim())},
                     "attn_one_slice": {"target": one_slice_setting(head_dim=self.head_dim),
