@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> dict:
               "attention": be.attention, "attn_split": desc.get("attn_split"), "attn_one_slice": desc.get("attn_one_slice"),
               "attn_block": desc.get("attn_block"),
               "linear": be.linear, "linear_in": desc.get("linear_in"), "glu": desc.get("glu"),
-              "fuse_norm": desc.get("fuse_norm"), "compile_glue": os.environ.get("DFLASH_COMPILE_GLUE", "1"),
+              "fuse_norm": desc.get("fuse_norm"), "fuse_norm_form": desc.get("fuse_norm_form"), "compile_glue": os.environ.get("DFLASH_COMPILE_GLUE", "1"),
               "pdl": os.environ.get("DFLASH_PDL", "") or "default (1)",
               "pdl_on": pdl_enabled(device), "l2_prefetch_bytes": getattr(be, "prefetch", 0),
               "pdl_prefetch_bytes": desc.get("pdl_prefetch_bytes", 0),

@@ -458,6 +458,7 @@ v20b)  # no carry: Qwen3-8B blocks 1,16 per variant (VARS, comma-separated env p
     [ "$SECONDS" -gt "${STOP:-420}" ] && { echo "skip $v at ${SECONDS}s"; continue; }
     E=(env); [ "$v" = default ] || E+=(${v//,/ }); f=${v//[=,]/-}; P=()
     [ "${v/PDL=0/}" != "$v" ] && P=(--profile) && E+=(BENCH_BIG_SEQUENCE=1)
+    rm -rf "/tmp/bb8-$f"  # a repeated variant that fails leaves no earlier file to copy
     "${E[@]}" timeout 150 python3 scripts/bench_big.py --shape qwen3-8b --blocks 1,16 --steps 16 "${P[@]}" \
       --out "/tmp/bb8-$f" > "/tmp/bb8-$f.log" 2>&1; echo "8b $v rc $? at ${SECONDS}s"
     n=1; while [ -e "$OUT/bench_big-q8b-v20-$f-$n.json" ]; do n=$((n+1)); done

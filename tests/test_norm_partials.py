@@ -49,6 +49,8 @@ def test_references_give_the_norm_then_the_projection():
         npart.small_linear_rnp(y, folded, b, sq[:, :2], 1e-5)  # sums of 2 rows for 3
     with pytest.raises(ValueError, match="partial sums"):
         npart.small_linear_rnp(y, folded, b, sq.double(), 1e-5)
+    with pytest.raises(ValueError, match="partial sums"):  # the kernel reads rows of P with unit stride
+        npart.small_linear_rnp(y, folded, b, sq.t().contiguous().t(), 1e-5)
 
 
 def test_form_switch(monkeypatch):
@@ -147,6 +149,34 @@ def test_partials_equal_the_norm_modules(tiny_target, monkeypatch, glu):
         torch.testing.assert_close(b, a, rtol=1e-3, atol=1e-3)
 
 
+def test_capture_failure_drops_the_partial_sums_first(tiny_target, capsys):
+    """A failed capture with the partial-sums form turns it off first (the squares form keeps the
+    folded weights), then the norms inside the projections, one line each naming the switch."""
+    from dflash.backends.static_torch import StaticBackend
+    from tests.conftest import make_draft
+
+    be = StaticBackend(tiny_target, make_draft(tiny_target), torch.device("cpu"), use_graphs=False)
+    be.linear, be.linear_in, be.draft_linear, be.draft_linear_in = "all", sl.MAX_ROWS, True, True
+    be.fuse_norm = be.draft_fuse_norm = be.norm_partials = True
+    be.folded_target = be.folded_draft = ["kept"]
+    seen = []
+
+    def capture(fn, inputs):
+        seen.append((be.norm_partials, be.fuse_norm, be.folded_target))
+        if be.fuse_norm:
+            raise RuntimeError("triton: out of resources")
+        return "graph", "out", inputs
+
+    be._capture = capture
+    assert be._graph("verify", 1, lambda: ("ids", "pos"))[1] == "out"
+    assert seen == [(True, True, ["kept"]), (False, True, ["kept"]), (False, False, None)]
+    err = capsys.readouterr().err.strip().splitlines()
+    assert [line.split(" failed")[0] for line in err] == [
+        "dflash: the norms' partial sums", "dflash: the norms inside the projections"]
+    assert "DFLASH_FUSE_NORM_FORM=squares silences this" in err[0]
+    assert "fuse_norm_form" not in be.describe()
+
+
 KERNEL_CHECK = textwrap.dedent("""
     import os, sys
     import torch, triton, triton.language as tl
@@ -160,7 +190,7 @@ KERNEL_CHECK = textwrap.dedent("""
         tl.extra.cuda.gdc_wait = tl.extra.cuda.gdc_launch_dependents = _no_wait
         sl.pdl_enabled = lambda device, inductor=False: True
     g = torch.Generator().manual_seed(0)
-    for m, n, k in ((1, 48, 64), (3, 100, 96), (16, 200, 40), (20, 33, 64)):
+    for m, n, k in ((1, 48, 64), (3, 100, 96), (16, 200, 40), (20, 33, 64), (2, 16, 64)):  # the last: one program
         x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g) / k**0.5
         res, b = torch.randn(m, n, generator=g), torch.randn(n, generator=g)
         y, sq = npart.small_linear_sq(x, w, b, res)
@@ -173,6 +203,10 @@ KERNEL_CHECK = textwrap.dedent("""
             want = npart.small_linear_rnp_reference(y, wn, None, sq, 1e-5, glu)
             err = (got - want).abs().max().item()
             assert got.shape == want.shape and err < 1e-4, (m, n, k, glu, err)
+        if sys.argv[1] == "plain":  # the fake (meta) shapes match the real outputs, schema checked
+            torch.library.opcheck(npart._sq_op, (x, w, b, res), test_utils=("test_schema", "test_faketensor"))
+            torch.library.opcheck(npart._rnp_op, (y, wn, None, sq, 1e-5, True),
+                                  test_utils=("test_schema", "test_faketensor"))
     print("ok")
 """)
 
@@ -181,8 +215,9 @@ KERNEL_CHECK = textwrap.dedent("""
 @pytest.mark.parametrize("path", ["plain", "pdl"])
 def test_kernels_in_interpreter(path):
     """Producer and consumer kernels (Triton interpreter, float32) equal the references: y, the
-    partial sums of its squares (a short last program included), the norm from them, plain and
-    SwiGLU, with and without the PDL path (grid-dependency calls stubbed)."""
+    partial sums of its squares (a short last program and a single program included), the norm
+    from them, plain and SwiGLU, with and without the PDL path (grid-dependency calls stubbed);
+    the custom ops' fake shapes match their outputs."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(
         [str(REPO), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
     out = subprocess.run([sys.executable, "-c", KERNEL_CHECK, path], cwd=REPO, env=env, capture_output=True,

@@ -125,7 +125,8 @@ def small_linear_rnp(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
     Args:
         x: [M, K], unit last stride; M <= 32. weight: [N, K] (``glu``: [2N, K]); bias or None.
-        sq: [P, M] float32 partial sums of x's squares (their sum over P: each row's sum).
+        sq: [P, M] float32 partial sums of x's squares (their sum over P: each row's sum), unit
+            last stride.
         eps: the norm's epsilon.
     Returns:
         [M, N] in x's dtype.
@@ -133,8 +134,9 @@ def small_linear_rnp(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     Raises:
         ValueError: shapes that do not fit.
     """
-    if sq.dim() != 2 or sq.shape[1] != x.shape[0] or sq.dtype != torch.float32:
-        raise ValueError(f"small_linear_rnp: partial sums {tuple(sq.shape)} {sq.dtype} do not fit {x.shape[0]} rows")
+    if sq.dim() != 2 or sq.shape[1] != x.shape[0] or sq.dtype != torch.float32 or (sq.stride(1) != 1 and sq.shape[1] > 1):
+        raise ValueError(f"small_linear_rnp: partial sums {tuple(sq.shape)} {sq.dtype} (strides {sq.stride()}) "
+                         f"do not fit {x.shape[0]} rows")  # fmt: skip
     if glu and weight.shape[0] % 2:
         raise ValueError(f"small_linear: weight {tuple(weight.shape)} does not split into gate and up halves")
     if _on_cpu(x):

@@ -118,6 +118,9 @@ def fall_back(be, error: Exception, part: str | None = None, kind: str | None = 
             be.device_loop._compiled.clear()
         torch._dynamo.reset()
         what, fix = "programmatic dependent launch", "plain launches (DFLASH_PDL=0 silences this)"
+    elif getattr(be, "norm_partials", False):  # the squares form next, the folded weights kept
+        be.norm_partials = False
+        what, fix = "the norms' partial sums", "sums from the input tiles (DFLASH_FUSE_NORM_FORM=squares silences this)"
     elif be.fuse_norm or be.draft_fuse_norm:
         be.fuse_norm = be.draft_fuse_norm = be.norm_partials = False
         be.folded_target = be.folded_draft = None  # the folded weight copies: memory back
