@@ -478,6 +478,16 @@ v20d)  # no carry: demo loop timings at prompt 300, squares against partials, tw
     done
   done
   ;;
+v20e)  # [.stage/t7/ag .stage/data] after stage aa..af: real pair, gsm8k 16 with parity, partials then default
+  cat "$W"/stage/{aa,ab,ac,ad,ae,af}.part .stage/t7/ag/part > "$GGUF"
+  rm -rf "$W/datasets" && cp -r .stage/data "$W/datasets"
+  for v in DFLASH_FUSE_NORM_FORM=partials default; do
+    E=(env); [ "$v" = default ] || E+=($v); f=${v//[=,]/-}
+    "${E[@]}" timeout "${BENCH_S:-150}" python3 -m dflash benchmark transformers --model "$GGUF" --draft "$D" \
+      --max-new-tokens 256 --data-dir "$W/datasets" --dataset gsm8k --max-samples 16 --block-size 16 --check-parity \
+      --output "$OUT/b16-$f.jsonl" > "$OUT/b16-$f.txt" 2>&1; echo "$v rc $? at ${SECONDS}s"; tail -n 12 "$OUT/b16-$f.txt"
+  done
+  ;;
 big8b)  # Qwen3-8B-shaped pair: fused linears on/off
   BB=(python3 scripts/bench_big.py --shape qwen3-8b --blocks 1,16 --steps 16)
   DFLASH_LINEAR=triton timeout 280 "${BB[@]}" --profile --out /tmp/bb8-lin > "$OUT/bb-q8b-lin.log" 2>&1
