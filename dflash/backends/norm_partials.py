@@ -9,7 +9,7 @@ that wrote x instead: every o_proj and down_proj (``small_linear`` with the resi
 followed by a norm, so each of its programs also writes its columns' share of each row's sum of
 squares ([P, M] float32, P = its programs: :func:`small_linear_sq`), and the next in-projection
 adds the P shares in one fixed order (:func:`small_linear_rnp`): no work per input tile, one
-small read. The first layer's input norm (after the embedding) keeps its own kernel.
+small read. The first layer's input norm (after the embedding) takes the squares form.
 
 ``DFLASH_FUSE_NORM_FORM``: ``squares`` (unset: the default) or ``partials`` (this module; an
 experiment until measured), where ``DFLASH_FUSE_NORM`` puts the norms inside the projections.
