@@ -3,6 +3,9 @@
 #
 # Prepare here (CPU), under the git-ignored .stage/ (see scripts/x2_session.sh):
 #   .stage/t5/{aa..ae}/part (the demo GGUF cut in 20 MB parts), .stage/data, .stage/whl (gguf)
+# Since the twentieth session the checkout (52.7 MB tracked) plus a 14.1 MB part and the wheel
+# passes the 64 MiB a call may send: move benchmarks/results out of the working tree for the
+# stage calls and the real-pair call (none of them reads it), and put it back afterwards.
 # Calls (carry in brackets):
 #   1 stage1 [lin]  [.stage/t5/aa .stage/whl]   (lin: bench_big with/without the fused linears too)
 #   1' glue        [.stage/t5/aa]  stage1's copy, then smollm2 bench_big: glue compiled / eager / triton linear
