@@ -101,6 +101,7 @@ def test_partials_equal_the_norm_modules(tiny_target, monkeypatch, glu):
     from dflash.backends import static_fused
     from dflash.backends.static_torch import StaticBackend
     from tests.conftest import make_draft
+    from tests.test_small_linear import prefill_verify_draft
 
     draft = make_draft(tiny_target)
     with torch.no_grad():  # norms that are not all ones, so that a missing fold shows
@@ -119,19 +120,9 @@ def test_partials_equal_the_norm_modules(tiny_target, monkeypatch, glu):
     monkeypatch.setattr(static_fused, "small_linear_sq", lambda *a: calls.append(("sq", a[1].shape)) or real_sq(*a))
     monkeypatch.setattr(static_fused, "small_linear_rnp", lambda *a: calls.append(("rnp", a[1].shape)) or real_rnp(*a))
     monkeypatch.setattr(static_fused, "small_linear_rn", lambda *a: calls.append(("rn", a[1].shape)) or real_rn(*a))
-    prompt, props = list(range(5, 25)), torch.arange(3, 10)
-
-    def run(fuse: bool):
-        be.fuse_norm = be.draft_fuse_norm = fuse
-        be.reset(256)
-        last, _ = be.prefill(prompt, True)
-        logits, _ = be.verify(int(last.argmax()), props, len(prompt), True)
-        n = len(prompt) + 1 + props.shape[0]
-        return logits.clone(), be.feats[:n].clone(), be.draft(int(last.argmax()), None, n, 16)[1].clone()
-
-    plain = run(False)
+    plain = prefill_verify_draft(be, False)
     assert calls == []
-    fused = run(True)
+    fused = prefill_verify_draft(be, True)
     layers = be.n_layers
     qkv, gate_up = (tuple(w.weight.shape) for w in be.fused_target[0])
     o, down = (tuple(m.weight.shape) for m in (tiny_target.model.layers[0].self_attn.o_proj,

@@ -176,7 +176,7 @@ def test_glu_switch_and_where_it_runs(tiny_target, monkeypatch):
     monkeypatch.setenv("DFLASH_GLU", "0")
     assert made("all") == {"target": False, "draft": False}
     monkeypatch.setenv("DFLASH_GLU", "1")
-    monkeypatch.setattr(static_torch, "_in_proj_rows", lambda linear, fused: 1)  # in-projections: 1-row steps only
+    monkeypatch.setattr(static_torch, "_in_proj_rows", lambda linear: 1)  # in-projections: 1-row steps only
     assert made("auto") == {"target": True, "draft": False}
     monkeypatch.undo()  # (the env too: DFLASH_GLU unset, on by default)
     monkeypatch.setattr(static_torch, "linear_mode", lambda device: "all")
@@ -223,7 +223,7 @@ def test_fuse_norm_switch_and_greedy_parity(tiny_target, monkeypatch):
     assert made() is None  # unset: off in float32
     monkeypatch.setattr(static_torch, "fuse_norm_auto", lambda hidden, dtype: True)  # a bf16 model's size
     assert made() == {"target": True, "draft": True}
-    monkeypatch.setattr(static_torch, "_in_proj_rows", lambda linear, fused: 1)  # in-projections: 1-row steps only
+    monkeypatch.setattr(static_torch, "_in_proj_rows", lambda linear: 1)  # in-projections: 1-row steps only
     assert made() is None  # the default wants every width (block 1 = verify maths); the draft has none
     monkeypatch.setenv("DFLASH_FUSE_NORM", "1")
     assert made() == {"target": True, "draft": False}  # 1 forces it where it can run
@@ -244,6 +244,18 @@ def test_fuse_norm_switch_and_greedy_parity(tiny_target, monkeypatch):
         assert_static_greedy(attention="split", linear="all", linear_in=sl.MAX_ROWS, draft_linear=True,
                              draft_linear_in=True, target_rope=rope, draft_rope=rope, glu=glu, draft_glu=glu,
                              fuse_norm=True, draft_fuse_norm=True)  # fmt: skip
+
+
+def prefill_verify_draft(be, fuse: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """With the norms inside the projections (``fuse``) or not: the verify logits of 7 proposals
+    after a 20-token prefill, the features written meanwhile and the draft's logits."""
+    prompt, props = list(range(5, 25)), torch.arange(3, 10)
+    be.fuse_norm = be.draft_fuse_norm = fuse
+    be.reset(256)
+    last, _ = be.prefill(prompt, True)
+    logits, _ = be.verify(int(last.argmax()), props, len(prompt), True)
+    n = len(prompt) + 1 + props.shape[0]
+    return logits.clone(), be.feats[:n].clone(), be.draft(int(last.argmax()), None, n, 16)[1].clone()
 
 
 @pytest.mark.parametrize("glu", [False, True])
@@ -272,20 +284,10 @@ def test_fuse_norm_equals_the_norm_modules(tiny_target, monkeypatch, glu):
     calls = []
     real = sl.small_linear_rn
     monkeypatch.setattr(static_fused, "small_linear_rn", lambda *a, **k: calls.append(a[1].shape) or real(*a, **k))
-    prompt, props = list(range(5, 25)), torch.arange(3, 10)
 
-    def run(fuse: bool):
-        be.fuse_norm = be.draft_fuse_norm = fuse
-        be.reset(256)
-        last, _ = be.prefill(prompt, True)
-        logits, _ = be.verify(int(last.argmax()), props, len(prompt), True)
-        n = len(prompt) + 1 + props.shape[0]
-        feats = be.feats[:n].clone()
-        return logits.clone(), feats, be.draft(int(last.argmax()), None, n, 16)[1].clone()
-
-    plain = run(False)
+    plain = prefill_verify_draft(be, False)
     assert calls == []
-    fused = run(True)
+    fused = prefill_verify_draft(be, True)
     layers, draft_layers = be.n_layers, len(draft.layers)
     qkv, gate_up = (tuple(w.weight.shape) for w in be.fused_target[0])
     dgate_up = tuple(be.fused_draft[0][1].weight.shape)
@@ -295,7 +297,7 @@ def test_fuse_norm_equals_the_norm_modules(tiny_target, monkeypatch, glu):
         torch.testing.assert_close(b, a, rtol=1e-3, atol=1e-3)
     # a fold that forgot a norm's weight is visible at this tolerance
     be.folded_target[0] = (be.fused_target[0][0], be.folded_target[0][1])
-    assert not torch.allclose(run(True)[0], plain[0], rtol=1e-3, atol=1e-3)
+    assert not torch.allclose(prefill_verify_draft(be, True)[0], plain[0], rtol=1e-3, atol=1e-3)
 
 
 def test_capture_failure_turns_off_fused_norm_then_glu(tiny_target, capsys):

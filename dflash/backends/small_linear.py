@@ -149,12 +149,9 @@ def linear_mode(device: torch.device) -> str:
     Raises:
         InputError: another value.
     """
-    from dflash.errors import InputError
+    from dflash.errors import env_choice
 
-    raw = os.environ.get(LINEAR_ENV, "").strip().lower() or "auto"
-    if raw not in ("auto", "torch", "triton", "all"):
-        raise InputError(f"{LINEAR_ENV} must be auto, torch, triton or all, got {raw!r}.",
-                         hint="unset it for the default (auto)")  # fmt: skip
+    raw = env_choice(LINEAR_ENV, ("auto", "torch", "triton", "all"))
     return raw if device.type == "cuda" and triton is not None else "torch"
 
 

@@ -78,12 +78,9 @@ def attention_mode(device: torch.device, dtype: torch.dtype | None = None) -> st
     Raises:
         InputError: another value.
     """
-    from dflash.errors import InputError
+    from dflash.errors import env_choice
 
-    raw = os.environ.get(ATTN_ENV, "").strip().lower() or "auto"
-    if raw not in ("auto", "split", "sdpa"):
-        raise InputError(f"{ATTN_ENV} must be auto, split or sdpa, got {raw!r}.",
-                         hint="unset it for the default (auto)")  # fmt: skip
+    raw = env_choice(ATTN_ENV, ("auto", "split", "sdpa"))
     if device.type != "cuda" or not available() or (raw == "auto" and dtype == torch.float32):
         return "sdpa"
     return raw

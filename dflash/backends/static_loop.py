@@ -62,13 +62,9 @@ def queue_ahead() -> str:
     Raises:
         InputError: another value.
     """
-    raw = os.environ.get(QUEUE_ENV, "").strip().lower() or "draft"
-    if raw not in ("draft", "step"):
-        from dflash.errors import InputError
+    from dflash.errors import env_choice
 
-        raise InputError(f"{QUEUE_ENV} must be draft or step, got {raw!r}.",
-                         hint="unset it for the default (draft)")  # fmt: skip
-    return raw
+    return env_choice(QUEUE_ENV, ("draft", "step"))
 
 
 def step_compile_default() -> bool:

@@ -87,9 +87,9 @@ def supports_static(target: Any) -> bool:
     return inner is not None and hasattr(inner, "layers") and hasattr(inner, "rotary_emb")
 
 
-def _in_proj_rows(mode: str, fused) -> int:
-    """Forwards of up to how many rows run the fused qkv and gate+up projections (``fused``: per
-    layer (qkv, gate_up)) through ``small_linear`` under ``DFLASH_LINEAR`` mode ``mode``:
+def _in_proj_rows(mode: str) -> int:
+    """Forwards of up to how many rows run the fused qkv and gate+up projections through
+    ``small_linear`` under ``DFLASH_LINEAR`` mode ``mode``:
     :data:`~dflash.backends.small_linear.MAX_ROWS` under ``auto`` and ``all`` (every width, as
     measured on both the demo pair and Qwen3-8B's shape, see
     :func:`~dflash.backends.small_linear.linear_mode`), else 0."""
@@ -185,8 +185,8 @@ class StaticBackend(TransformersBackend):
         self.draft_linear = self.fused_draft is not None and linear != "torch" and draft_small_linear_fits(draft)
         # the fused qkv and gate+up projections too, in forwards of up to linear_in rows (every
         # width under "auto" and "all")
-        self.linear_in = _in_proj_rows(self.linear, self.fused_target)
-        self.draft_linear_in = self.draft_linear and _in_proj_rows(linear, self.fused_draft) == MAX_ROWS
+        self.linear_in = _in_proj_rows(self.linear)
+        self.draft_linear_in = self.draft_linear and _in_proj_rows(linear) == MAX_ROWS
         # SiLU(gate) * up as the epilogue of those gate+up kernels (SiLU MLPs; DFLASH_GLU)
         glu = glu_setting()
         self.glu = glu and self.linear_in > 0 and getattr(target.config, "hidden_act", None) in ("silu", "swish")
