@@ -469,6 +469,18 @@ v20b)  # no carry: Qwen3-8B blocks 1,16 per variant (VARS, comma-separated env p
     grep -o '"ms_per_step": [0-9.]*\|"x_block1": [0-9.]*' "/tmp/bb8-$f.log" | tr '\n' ' '; echo
   done
   ;;
+v21a)  # no carry: Qwen3-8B, BLOCKS (default 1) per variant; VARS: space-separated, env joined by '+' (values may hold commas)
+  for v in ${VARS:-default DFLASH_PREFETCH=16 DFLASH_PREFETCH=32 DFLASH_PREFETCH=16,lines default}; do
+    [ "$SECONDS" -gt "${STOP:-480}" ] && { echo "skip $v at ${SECONDS}s"; continue; }
+    E=(env); [ "$v" = default ] || E+=(${v//+/ }); f=${v//[=,+]/-}
+    rm -rf "/tmp/bb8-$f"
+    "${E[@]}" timeout 150 python3 scripts/bench_big.py --shape qwen3-8b --blocks "${BLOCKS:-1}" --steps 16 \
+      --out "/tmp/bb8-$f" > "/tmp/bb8-$f.log" 2>&1; echo "8b $v rc $? at ${SECONDS}s"
+    n=1; while [ -e "$OUT/bench_big-q8b-v21-$f-$n.json" ]; do n=$((n+1)); done
+    cp "/tmp/bb8-$f/bench_big.json" "$OUT/bench_big-q8b-v21-$f-$n.json"
+    grep -o '"ms_per_step": [0-9.]*\|"x_floor": [0-9.]*' "/tmp/bb8-$f.log" | tr '\n' ' '; echo
+  done
+  ;;
 v20c)  # no carry: the norms' partial sums (DFLASH_FUSE_NORM_FORM=partials) on Qwen3-8B blocks 1,16, then the demo loop at prompt 300
   P8="DFLASH_FUSE_NORM=1,DFLASH_FUSE_NORM_FORM=partials"
   VARS="default $P8 default $P8" STOP=330 bash "$0" v20b

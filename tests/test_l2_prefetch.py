@@ -166,3 +166,45 @@ def test_kernel_compiles_to_prefetches_for_hopper(tmp_path):
     sass = subprocess.run([str(tool if tool.exists() else "cuobjdump"), "-sass", str(cubin)],
                           capture_output=True, text=True, timeout=60).stdout  # fmt: skip
     assert sass.count("CCTL.E.PF2") == lp.BLOCK // 128
+
+
+def test_bulk_switch(monkeypatch):
+    """Hopper and newer take bulk prefetches unless ``,lines`` asks for one per line; the flags
+    combine in any order and a repeated or unknown one is a one-line error."""
+    monkeypatch.setattr(lp.torch.cuda, "get_device_capability", lambda d=None: (9, 0))
+    cuda = torch.device("cuda")
+    monkeypatch.setenv("DFLASH_PREFETCH", "24")
+    assert lp.uses_bulk(cuda) and not lp.uses_bulk(torch.device("cpu"))
+    monkeypatch.setenv("DFLASH_PREFETCH", "24,lines,early")
+    assert not lp.uses_bulk(cuda)
+    monkeypatch.setattr(lp, "triton", object())
+    assert lp.prefetch_setting(cuda) == (24 << 20, True)
+    monkeypatch.setattr(lp.torch.cuda, "get_device_capability", lambda d=None: (8, 0))
+    monkeypatch.setenv("DFLASH_PREFETCH", "24")
+    assert not lp.uses_bulk(cuda)
+    for bad in ("24,early,early", "24,bulk"):
+        monkeypatch.setenv("DFLASH_PREFETCH", bad)
+        with pytest.raises(InputError, match="',early' and/or ',lines'"):
+            lp.prefetch_setting(cuda)
+
+
+@pytest.mark.skipif(lp.triton is None, reason="Triton is not installed")
+def test_bulk_kernel_compiles_for_hopper():
+    """The bulk kernel compiles for sm_90 (PTX through ptxas) without a GPU: BULK_BLOCK predicated
+    bulk L2 prefetches over one warp, two per thread (Triton 3.9 merges the three weights'
+    branches into one)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig = {"A": "*bf16", "B": "*bf16", "C": "*bf16", "NA": "i32", "NB": "i32", "NC": "i32",
+           "CHUNK_E": "constexpr", "ELEM": "constexpr", "BLOCK": "constexpr"}  # fmt: skip
+    src = ASTSource(fn=lp._bulk_kernel, signature=sig,
+                    constexprs={"CHUNK_E": lp.CHUNK // 2, "ELEM": 2, "BLOCK": lp.BULK_BLOCK})  # fmt: skip
+    try:
+        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
+    except RuntimeError as e:  # no ptxas in this Triton install
+        pytest.skip(f"cannot compile for sm_90 here: {e}")
+    ptx = kernel.asm["ptx"]
+    assert ptx.count("cp.async.bulk.prefetch.L2.global [") in (lp.BULK_BLOCK // 32, 3 * lp.BULK_BLOCK // 32)
+    assert kernel.asm["cubin"]

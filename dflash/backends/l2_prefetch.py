@@ -14,6 +14,11 @@ stream back long after it ended. Tokens do not change: a prefetch reads weights 
 ``DFLASH_PREFETCH``: the byte budget per layer in MiB (default :data:`DEFAULT_MIB`; ``0`` turns
 it off); ``<MiB>,early`` forks the target's prefetch before the qkv projection instead. CUDA with Triton only; a failed capture turns it off first (see
 :meth:`~dflash.backends.static_torch.StaticBackend._fall_back`).
+
+How the prefetch is issued: on Hopper and newer (compute capability >= 9) with PTX
+``cp.async.bulk.prefetch.L2`` (the TMA unit fetches :data:`CHUNK` bytes per instruction: a few
+programs, a few instructions each); ``,lines`` (and older GPUs) with one ``prefetch.global.L2``
+per 128-byte line (hundreds of programs for an 8B layer's o_proj, competing for the SMs).
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ PREFETCH_ENV = "DFLASH_PREFETCH"
 DEFAULT_MIB = 0  # off until measured
 LINE = 128  # bytes per prefetch (one L2 line)
 BLOCK = 1024  # prefetches per program
+CHUNK = 16384  # bytes per bulk prefetch (a multiple of 16)
+BULK_BLOCK = 64  # bulk prefetches per program (1 MiB)
 
 try:
     import triton
@@ -43,16 +50,31 @@ def prefetch_setting(device: torch.device) -> tuple[int, bool]:
     Raises:
         InputError: not a whole number >= 0, optionally with ``,early``.
     """
+    mib, flags = _parse()
+    if device.type != "cuda" or triton is None:
+        return 0, False
+    return (int(mib) if mib else DEFAULT_MIB) << 20, "early" in flags
+
+
+def _parse() -> tuple[str, set[str]]:
     raw = os.environ.get(PREFETCH_ENV, "").strip().lower()
-    mib, _, flag = raw.partition(",")
-    if (mib and not mib.isdigit()) or flag not in ("", "early"):
+    mib, *rest = raw.split(",")
+    flags = set(rest)
+    if (mib and not mib.isdigit()) or not flags <= {"early", "lines"} or len(flags) != len(rest):
         from dflash.errors import InputError
 
         raise InputError(f"{PREFETCH_ENV} must be a whole number of MiB (0 = off), optionally with "
-                         f"',early', got {raw!r}.", hint=f"unset it for the default ({DEFAULT_MIB})")  # fmt: skip
-    if device.type != "cuda" or triton is None:
-        return 0, False
-    return (int(mib) if mib else DEFAULT_MIB) << 20, flag == "early"
+                         f"',early' and/or ',lines', got {raw!r}.",
+                         hint=f"unset it for the default ({DEFAULT_MIB})")  # fmt: skip
+    return mib, flags
+
+
+def uses_bulk(device: torch.device) -> bool:
+    """Whether prefetches go out as ``cp.async.bulk.prefetch.L2`` (compute capability >= 9 and no
+    ``,lines`` in ``DFLASH_PREFETCH``) rather than one ``prefetch.global.L2`` per line."""
+    if "lines" in _parse()[1] or device.type != "cuda":
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def prefetch_budget(device: torch.device) -> int:
@@ -106,6 +128,28 @@ if triton is not None:
             _issue(C, NC, STEP, BLOCK)
 
 
+    @triton.jit
+    def _issue_bulk(P, N, CHUNK_E: tl.constexpr, ELEM: tl.constexpr, BLOCK: tl.constexpr):
+        start = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)) * CHUNK_E  # elements
+        ok = start < N
+        size = tl.where(ok, (tl.minimum(N - start, CHUNK_E) * ELEM) // 16 * 16, 0)  # bytes, whole 16s
+        ptr = P + tl.where(ok, start, 0)
+        tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.u32 p, $2, 0; "
+                                  "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+                                  "=r,l,r", [ptr, size.to(tl.uint32)], dtype=tl.int32, is_pure=False,
+                                  pack=1)  # fmt: skip
+
+    @triton.jit
+    def _bulk_kernel(A, B, C, NA, NB, NC, CHUNK_E: tl.constexpr, ELEM: tl.constexpr, BLOCK: tl.constexpr):
+        seg = tl.program_id(1)
+        if seg == 0:
+            _issue_bulk(A, NA, CHUNK_E, ELEM, BLOCK)
+        elif seg == 1:
+            _issue_bulk(B, NB, CHUNK_E, ELEM, BLOCK)
+        else:
+            _issue_bulk(C, NC, CHUNK_E, ELEM, BLOCK)
+
+
 def _launch(parts: list[tuple[torch.Tensor, int]]) -> None:
     """Prefetch ``parts`` (weight, elements from its start), all of one dtype, in one launch."""
     ws = [w for w, _ in parts]
@@ -113,6 +157,13 @@ def _launch(parts: list[tuple[torch.Tensor, int]]) -> None:
     while len(ws) < 3:
         ws.append(ws[0])
         ns.append(0)
+    elem = ws[0].element_size()
+    if uses_bulk(ws[0].device) and all(w.data_ptr() % 16 == 0 for w in ws):
+        chunk = CHUNK // elem
+        grid = (triton.cdiv(max(ns), chunk * BULK_BLOCK), 3)
+        _bulk_kernel[grid](ws[0], ws[1], ws[2], ns[0], ns[1], ns[2], CHUNK_E=chunk, ELEM=elem, BLOCK=BULK_BLOCK,
+                           num_warps=1)  # fmt: skip
+        return
     step = max(1, LINE // ws[0].element_size())
     lines = max(-(-n // step) for n in ns)
     grid = (triton.cdiv(lines, BLOCK), 3)
