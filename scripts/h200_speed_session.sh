@@ -499,7 +499,7 @@ v20e)  # [.stage/t7/ag .stage/data] after stage aa..af: real pair, gsm8k 16 with
   for v in DFLASH_FUSE_NORM_FORM=partials default; do
     E=(env); [ "$v" = default ] || E+=($v); f=${v//[=,]/-}
     "${E[@]}" timeout "${BENCH_S:-150}" python3 -m dflash benchmark transformers --model "$GGUF" --draft "$D" \
-      --max-new-tokens 256 --data-dir "$W/datasets" --dataset gsm8k --max-samples 16 --block-size 16 --check-parity \
+      --max-new-tokens 256 --data-dir "$W/datasets" --dataset gsm8k --max-samples "${NS:-16}" --block-size 16 --check-parity \
       --output "$OUT/b16-$f.jsonl" > "$OUT/b16-$f.txt" 2>&1; echo "$v rc $? at ${SECONDS}s"; tail -n 12 "$OUT/b16-$f.txt"
   done
   ;;

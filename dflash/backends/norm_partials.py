@@ -9,14 +9,18 @@ that wrote x instead: every o_proj and down_proj (``small_linear`` with the resi
 followed by a norm, so each of its programs also writes its columns' share of each row's sum of
 squares ([P, M] float32, P = its programs: :func:`small_linear_sq`), and the next in-projection
 adds the P shares in one fixed order (:func:`small_linear_rnp`): no work per input tile, one
-small read. The first layer's input norm (after the embedding) takes the squares form.
+small read. The first layer's input norm (after the embedding) keeps its own kernel: the
+squares form there (twentieth session, meant to make that norm the same at every width) made
+torch 2.11's Inductor hang for minutes compiling the target forward on the H200 (a stack deep
+in its IR's ``__str__``; ``bench_big`` and a real-pair run timed out at 150 and 200 s), and was
+reverted.
 
 ``DFLASH_FUSE_NORM_FORM``: ``squares`` (unset: the default) or ``partials`` (this module; an
 experiment until measured), where ``DFLASH_FUSE_NORM`` puts the norms inside the projections.
-Deterministic (fixed orders) and the same maths per row at every width up to 16 rows, so
-block-1 decoding and a 16-row verify should agree bit for bit (H200, real demo pair, gsm8k 16:
-4 identical + 12 near-ties while the first input norm was still Inductor's kernel, compiled per
-width; unmeasured since it takes the squares form). :func:`small_linear_sq_reference` and
+Deterministic (fixed orders) and the same maths per row at every width up to 16 rows, but the
+first input norm (Inductor's kernel, compiled per width) lets block-1 decoding and a 16-row
+verify differ on near-ties: H200, real demo pair, gsm8k 16, 4 identical + 12 near-ties, 0
+unexplained (the default squares form: 16/16, and 32/32 in the twenty-first session). :func:`small_linear_sq_reference` and
 :func:`small_linear_rnp_reference` are the maths in torch (CPU, tests); ``TRITON_INTERPRET=1``
 runs the kernels on CPU.
 """

@@ -360,21 +360,22 @@ def target_forward_fused(be, ids: torch.Tensor, pos: torch.Tensor, argmax: bool 
     # DFLASH_FUSE_NORM: the input and post-attention norms inside the qkv and gate+up kernels
     fuse = lin_in and getattr(be, "fuse_norm", False)
     parts = fuse and getattr(be, "norm_partials", False)  # their sums of squares from the kernel before
-    # parts: x's partial sums of squares; after the embedding there are none, and the first input
-    # norm takes the squares form (an Inductor norm kernel there, compiled per width, made block-1
-    # decoding and verify differ on near-ties: H200, real demo pair, gsm8k 16, 4 identical + 12)
+    # parts: x's partial sums of squares; after the embedding there are none and that norm keeps
+    # its kernel (the squares form there instead made torch 2.11's Inductor spend minutes
+    # compiling the forward on the H200: tried and reverted in the twenty-first session)
     sq = None
     glu = getattr(be, "glu", False)
     slots: list[torch.Tensor] = [None] * len(be.layer_ids)  # type: ignore[list-item]
     for i, layer in enumerate(be.target.model.layers):
         a, (qkv, gate_up) = layer.self_attn, be.fused_target[i]
         fq, fg = be.folded_target[i] if fuse else (None, None)  # norms folded in (DFLASH_FUSE_NORM)
-        h = x if fuse else layer.input_layernorm(x)  # fuse: x is normed inside the qkv kernel
+        fuse_in = fuse and (sq is not None or not parts)  # the input norm inside the qkv kernel
+        h = x if fuse_in else layer.input_layernorm(x)
         after = _after_qkv(a, fg if fuse else gate_up, layer.mlp) if pf else ()  # read next (L2 prefetch)
         if early:
             l2_prefetch.prefetch(be.l2_sink, h, after, pf)
         if rope:
-            if fuse:
+            if fuse_in:
                 raw = _rn(fq, layer.input_layernorm, x, sq=sq)
             else:
                 raw = _in_proj_joint(lin_in, qkv, h)  # [T, (H + 2 Hkv) D]
@@ -384,7 +385,7 @@ def target_forward_fused(be, ids: torch.Tensor, pos: torch.Tensor, argmax: bool 
             q = rope_cache(raw, *norms, cos, sin, pos[0], be.k[i], be.v[i], 0, be.heads, be.kv_heads)
             o = split_attention(q, be.k[i], be.v[i], pos[0], a.scaling)
         else:
-            if fuse:
+            if fuse_in:
                 q, k, v = _rn(fq, layer.input_layernorm, x, sq=sq)[None].split(fq.sizes, dim=-1)
             else:
                 q, k, v = _in_proj(lin_in, qkv, h)
