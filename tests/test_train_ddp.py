@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash.bench.harness import DistInfo
+from dflash.bench.distributed import DistInfo
 from dflash.errors import InputError
 from dflash.train.data import ShardWriter, make_batches
 from dflash.train.distributed import rank_part
@@ -35,18 +35,18 @@ SCRIPT = textwrap.dedent(
     """
     import os, shutil, sys
     sys.path[:0] = [{repo!r}, {tests!r}]
-    import dflash.bench.harness as harness
+    import dflash.bench.distributed as bench_dist
     import dflash.train.train as tt
     from test_train_loop import tiny_target
     tt.load_training_target = lambda target, device="auto": (tiny_target().to(device), None)
-    finish, harness.finish_distributed = harness.finish_distributed, lambda info, failed=False: None
+    finish, bench_dist.finish_distributed = bench_dist.finish_distributed, lambda info, failed=False: None
     from dflash.cli import app
     runs = " ".join(sys.argv[1:]).split(" :: ")
     for k, run in enumerate(runs):
         args = ["train", *run.split()]
         app(args, standalone_mode=False)
         if k == len(runs) - 1:
-            finish(harness.DistInfo(int(os.environ["RANK"]), 2))
+            finish(bench_dist.DistInfo(int(os.environ["RANK"]), 2))
         out = args[args.index("--out") + 1]
         if os.environ["RANK"] == "0":
             shutil.copytree(out, f"{{out}}.{{k}}")
@@ -203,7 +203,7 @@ def test_a_zero_weight_part_gives_zero_loss_and_zero_gradients(setup, tmp_path):
 @pytest.mark.parametrize(("device", "error"), [("cuda:1", "each rank uses cuda:LOCAL_RANK"),
                                                ("cuda", "no CUDA device")])  # fmt: skip
 def test_torchrun_device_errors_come_before_the_process_group(monkeypatch, device, error):
-    from dflash.bench.harness import init_distributed
+    from dflash.bench.distributed import init_distributed
     from dflash.errors import DflashError
 
     monkeypatch.setenv("RANK", "0")

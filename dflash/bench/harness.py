@@ -5,24 +5,44 @@ then DFlash; both are timed inside ``Pipeline.generate`` (TTFT apart from decode
 Each finished response is appended to the results JSONL at once, so a killed run loses nothing
 and ``resume`` skips what is done. Under torchrun, rank r takes samples r::world and rank 0
 gathers the records.
+
+The results file and its resume checks live in :mod:`dflash.bench.records`, the torchrun helpers
+in :mod:`dflash.bench.distributed`; their names are re-exported here.
 """
 
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Protocol
 
+from dflash.bench.distributed import (  # noqa: F401 - re-exported
+    DIST_TIMEOUT_S,
+    DistInfo,
+    RankFailure,
+    barrier,
+    dist_timeout_s,
+    finish_distributed,
+    gather_records,
+    in_prompt_order,
+    init_distributed,
+    once_per_machine,
+    rank_device,
+    shard,
+)
 from dflash.bench.metrics import ResponseRecord, RunStats, first_mismatch, prompt_fingerprint
+from dflash.bench.records import (  # noqa: F401 - re-exported
+    BenchConfig,
+    Key,
+    ResultsLog,
+    _config_diff,
+    check_resumable,
+    read_records,
+)
 from dflash.data.datasets import PromptItem
-from dflash.errors import BackendError, DatasetError, InputError
+from dflash.errors import DatasetError, InputError
 from dflash.types import GenerationResult, SamplingParams
 
 WARMUP_TOKENS = 64
-Key = tuple[str, str, int]
 
 
 class BenchPipeline(Protocol):
@@ -43,184 +63,6 @@ class BenchPipeline(Protocol):
         sampling: SamplingParams = ...,
         stop_ids: list[int] | None = None,
     ) -> GenerationResult: ...
-
-
-@dataclass
-class BenchConfig:
-    """Settings of one benchmark run.
-
-    Attributes:
-        block_size: DFlash block size L, "auto", or None for the draft's trained block size.
-        max_new_tokens: generation budget per response, tokens.
-        sampling: sampling settings used by both the baseline and DFlash.
-        reasoning: ``--reasoning`` value passed to the chat template (None: template default).
-        check_parity: compare baseline and DFlash token ids per response.
-        warmup: run one untimed warm-up generation (both block sizes) before measuring.
-        run_info: extra settings stored in every record and checked on resume (model, draft...).
-    """
-
-    block_size: int | str | None = None
-    max_new_tokens: int = 2048
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    reasoning: str | None = None
-    check_parity: bool = False
-    warmup: bool = True
-    run_info: dict[str, Any] = field(default_factory=dict)
-
-    def record_config(self, block_size: int | str) -> dict[str, Any]:
-        """Settings that must match for records of two runs to be pooled."""
-        s = self.sampling
-        return {
-            **self.run_info,
-            "block_size": block_size,
-            "max_new_tokens": self.max_new_tokens,
-            "temperature": s.temperature,
-            "top_p": s.top_p,
-            "top_k": s.top_k,
-            "seed": s.seed,
-            "reasoning": self.reasoning,
-        }
-
-
-# ---------------------------------------------------------------------------------------------
-# results JSONL
-
-
-class ResultsLog:
-    """Append-only JSONL of :class:`ResponseRecord` lines, one flushed line per response.
-
-    Under a multi-process run each rank appends to ``<stem>.rank<r><suffix>`` next to ``path``;
-    rank 0 writes the merged file at the end. Resuming reads the main file and all rank files.
-
-    Args:
-        path: the ``--output`` file; None keeps records in memory only.
-        resume: continue an existing file; without it an existing non-empty file is an error.
-        rank, world: this process's rank and the number of processes.
-
-    Raises:
-        InputError: the file exists and ``resume`` is off, or it cannot be written.
-        DatasetError: a line in the middle of a file is not a valid record.
-    """
-
-    def __init__(
-        self, path: str | Path | None, *, resume: bool = False, rank: int = 0, world: int = 1
-    ):
-        self.path = Path(path) if path is not None else None
-        self.world = world
-        self.done: dict[Key, ResponseRecord] = {}
-        if self.path is None:
-            self.write_path = None
-            return
-        self.write_path = (
-            self.path
-            if world == 1
-            else self.path.with_name(f"{self.path.stem}.rank{rank}{self.path.suffix}")
-        )
-        existing = [p for p in self._all_files() if p.is_file() and p.stat().st_size > 0]
-        if existing and not resume:
-            raise InputError(
-                f"{existing[0]} already holds results.",
-                hint="pass --resume to continue that run, or choose another --output",
-            )
-        for p in existing:
-            for record in read_records(p, repair=(p == self.write_path)):
-                self.done.setdefault(record.key, record)
-        try:  # find out now, not after loading the models and measuring the first response
-            self.write_path.parent.mkdir(parents=True, exist_ok=True)
-            with open(self.write_path, "a", encoding="utf-8"):
-                pass
-        except OSError as e:
-            raise InputError(f"--output {self.write_path} cannot be written: {e.strerror}.",
-                             hint="choose a writable --output file") from e  # fmt: skip
-
-    def check_settings(self, config: BenchConfig) -> None:
-        """Refuse to resume records made with other settings, before anything is loaded.
-
-        The draft's block size is only known once it loads, so without ``--block-size`` that
-        one key is compared per record later (in :func:`run_item`).
-
-        Raises:
-            InputError: a finished record differs in model, draft, budget, sampling...
-        """
-        for record in self.done.values():
-            want = config.record_config(config.block_size or record.block_size)
-            # Only what is known before loading: None means "resolved at load" (auto device,
-            # dtype, graphs...); check_resumable compares everything once the models are up.
-            want = {k: v for k, v in want.items() if v is not None}
-            have = {k: record.config.get(k) for k in want}
-            if have != want:
-                raise InputError(
-                    f"The results file holds {record.id} turn {record.turn} made with other "
-                    f"settings ({_config_diff(have, want)}).",
-                    hint="resume with the same options, or choose another --output",
-                )
-
-    def _all_files(self) -> list[Path]:
-        assert self.path is not None
-        ranks = sorted(self.path.parent.glob(f"{self.path.stem}.rank*{self.path.suffix}"))
-        return [self.path, *ranks]
-
-    def append(self, record: ResponseRecord) -> None:
-        """Write one record as a line and flush it, so a killed process keeps it."""
-        self.done[record.key] = record
-        if self.write_path is None:
-            return
-        with open(self.write_path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(record.to_dict(), ensure_ascii=False) + "\n")
-            f.flush()
-
-    def write_merged(self, records: list[ResponseRecord]) -> None:
-        """Rank 0 after gathering: write every record, in the given order, to the main file
-        (atomic); :func:`in_prompt_order` gives the order one process writes."""
-        if self.path is None or self.world == 1:
-            return
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.writelines(json.dumps(r.to_dict(), ensure_ascii=False) + "\n" for r in records)
-        os.replace(tmp, self.path)
-
-
-def read_records(path: str | Path, *, repair: bool = False) -> list[ResponseRecord]:
-    """Read a results JSONL file; a torn last line (process killed mid-write) is dropped.
-
-    Args:
-        path: the JSONL file.
-        repair: also fix the file's tail so appends start on a fresh line: a torn last line is
-            cut, a complete last record without its newline gets one.
-
-    Raises:
-        DatasetError: a complete line (one ending in a newline) is not a valid record.
-    """
-    path = Path(path)
-    raw = path.read_bytes()
-    *body, tail = raw.split(b"\n")  # tail is b"" when the file ends with a newline
-    records: list[ResponseRecord] = []
-    for i, line in enumerate(body):
-        if line.strip():
-            record = _parse_record(line)
-            if record is None:
-                raise DatasetError(f"{path}:{i + 1} is not a valid results record.")
-            records.append(record)
-    last = _parse_record(tail) if tail.strip() else None
-    if last is not None:
-        records.append(last)
-    if repair and tail:
-        with open(path, "r+b") as f:
-            if last is not None:
-                f.seek(0, os.SEEK_END)
-                f.write(b"\n")
-            else:
-                f.truncate(len(raw) - len(tail))
-    return records
-
-
-def _parse_record(line: bytes) -> ResponseRecord | None:
-    try:
-        return ResponseRecord.from_dict(json.loads(line))
-    except (json.JSONDecodeError, UnicodeDecodeError, DatasetError):
-        return None
-    except (TypeError, AttributeError):  # valid JSON that is not an object
-        return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -347,42 +189,6 @@ def producer_info(pipeline: Any) -> dict[str, Any]:
     return dict(describe()) if callable(describe) else {}
 
 
-def check_resumable(records: Any, expected: dict[str, Any]) -> None:
-    """Refuse to extend a results file whose records were made under another configuration.
-
-    Args:
-        records: the records already in the file (``ResultsLog.done.values()``).
-        expected: ``BenchConfig.record_config(block_size)`` of this run.
-
-    Raises:
-        InputError: naming the first differing record and every differing setting.
-    """
-    for record in records:
-        if record.config != expected:
-            raise InputError(
-                f"The results file was made under another configuration "
-                f"({_config_diff(record.config, expected)}).",
-                hint="resume with the same options and setup, or choose another --output",
-            )
-
-
-def _flat(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
-def _config_diff(old: dict, new: dict) -> str:
-    """``key: old then new`` for every differing setting (nested dicts as ``a.b``)."""
-    old, new = _flat(old), _flat(new)
-    keys = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
-    return ", ".join(f"{k}: {old.get(k)!r} then {new.get(k)!r}" for k in keys)
-
-
 def warm_up(pipeline: BenchPipeline, item: PromptItem, config: BenchConfig, block_size: int | str):
     """Untimed warm-up on the first prompt: min(64, budget) tokens at block 1 and at L, no stops."""
     ids = pipeline.chat_prompt(item.first_messages(), reasoning=config.reasoning)
@@ -443,194 +249,6 @@ def run_benchmark(
                 if on_record:
                     on_record(record)
     return results
-
-
-# ---------------------------------------------------------------------------------------------
-# torchrun: rank r takes r::world; rank 0 gathers
-
-
-@dataclass(frozen=True)
-class DistInfo:
-    """Process placement read from torchrun's environment (rank 0 of 1 without torchrun)."""
-
-    rank: int = 0
-    world: int = 1
-    local_rank: int = 0
-
-
-DIST_TIMEOUT_S = 1800.0  # a collective that waits longer than this fails (``DFLASH_DIST_TIMEOUT``)
-
-
-def dist_timeout_s() -> float:
-    """Seconds a collective may wait for the other ranks (env ``DFLASH_DIST_TIMEOUT``, else 1800).
-
-    Raises:
-        InputError: the variable is not a positive number.
-    """
-    raw = os.environ.get("DFLASH_DIST_TIMEOUT")
-    if raw is None:
-        return DIST_TIMEOUT_S
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise InputError(f"DFLASH_DIST_TIMEOUT must be a number of seconds > 0, got {raw!r}.")
-    return value
-
-
-def init_distributed(device: str = "auto") -> DistInfo:
-    """Read ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``; init a process group only when RANK is set.
-
-    The group is NCCL when the run uses CUDA (each rank on ``cuda:LOCAL_RANK``) and gloo on CPU
-    (``device == "cpu"`` or no CUDA), with a :func:`dist_timeout_s` timeout so that a rank that
-    died or hangs ends the run instead of blocking the others forever.
-
-    Args:
-        device: the ``--device`` option (auto, cuda, cuda:N or cpu).
-
-    Raises:
-        InputError: ``--device cuda:N`` under torchrun (each rank takes cuda:LOCAL_RANK), or more
-            processes on this machine than visible GPUs.
-        BackendError: ``--device cuda`` without CUDA.
-    """
-    if "RANK" not in os.environ:
-        return DistInfo()
-    info = DistInfo(
-        int(os.environ["RANK"]),
-        int(os.environ.get("WORLD_SIZE", "1")),
-        int(os.environ.get("LOCAL_RANK", "0")),
-    )
-    if info.world > 1:
-        from datetime import timedelta
-
-        import torch
-        import torch.distributed as dist
-
-        if device.startswith("cuda:"):
-            raise InputError(f"--device {device} under torchrun: each rank uses cuda:LOCAL_RANK.",
-                             hint="pass --device cuda (or auto); choose GPUs with CUDA_VISIBLE_DEVICES")  # fmt: skip
-        if device.startswith("cuda") and not torch.cuda.is_available():
-            raise BackendError("--device cuda under torchrun, but no CUDA device is available.",
-                               hint="use --device cpu (gloo) or auto")  # fmt: skip
-        cuda = device != "cpu" and torch.cuda.is_available()
-        if cuda:
-            if info.local_rank >= torch.cuda.device_count():
-                raise InputError(f"torchrun started local rank {info.local_rank} but only "
-                                 f"{torch.cuda.device_count()} GPU(s) are visible.",
-                                 hint="pass --nproc-per-node <= the number of GPUs")  # fmt: skip
-            torch.cuda.set_device(info.local_rank)
-        if not dist.is_initialized():
-            bound = {"device_id": torch.device("cuda", info.local_rank)} if cuda else {}
-            dist.init_process_group("nccl" if cuda else "gloo", init_method="env://",
-                                    timeout=timedelta(seconds=dist_timeout_s()), **bound)  # fmt: skip
-    return info
-
-
-def finish_distributed(info: DistInfo, failed: bool = False) -> None:
-    """Tear down the process group made by :func:`init_distributed` (no-op for one process).
-
-    With ``failed`` (this rank is leaving on an exception) the group is left alone: a clean
-    teardown could wait on ranks that still sit in a collective; torchrun ends them once this
-    process exits non-zero.
-    """
-    if info.world > 1 and not failed:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def rank_device(info: DistInfo, device: str) -> str:
-    """The device this rank runs on: ``cuda:LOCAL_RANK`` under torchrun unless the run is on
-    the CPU (``--device cpu`` or no CUDA); ``device`` unchanged for one process."""
-    if info.world == 1 or device == "cpu":
-        return device
-    import torch
-
-    return f"cuda:{info.local_rank}" if torch.cuda.is_available() else "cpu"
-
-
-def barrier(info: DistInfo) -> None:
-    """Wait for every rank (no-op for one process)."""
-    if info.world > 1:
-        import torch.distributed as dist
-
-        dist.barrier()
-
-
-def once_per_machine(info: DistInfo, fn: Callable[[], Any]) -> None:
-    """Run ``fn`` on local rank 0 while the other ranks wait (e.g. converting a .gguf into the
-    shared cache, which concurrent ranks would race on); just ``fn()`` for one process."""
-    if info.world == 1:
-        fn()
-        return
-    if info.local_rank == 0:
-        fn()
-    barrier(info)
-
-
-def shard(items: list[PromptItem], info: DistInfo) -> list[PromptItem]:
-    """The items of this rank: ``items[rank::world]``."""
-    return items[info.rank :: info.world]
-
-
-class RankFailure(BackendError):
-    """A rank of a torchrun benchmark failed; every rank raises it after the gather."""
-
-
-def gather_records(
-    results: dict[str, list[ResponseRecord]] | None, info: DistInfo, error: str | None = None
-) -> dict[str, list[ResponseRecord]] | None:
-    """Gather every rank's records on rank 0 (None on other ranks); a no-op for one process.
-
-    Args:
-        results: this rank's records per dataset (None when it failed).
-        error: this rank's failure, one line (None when it succeeded). A failed rank still joins
-            the gather, so the others never wait for it.
-
-    Raises:
-        RankFailure: on every rank, when any rank reported an error (rank 0 broadcasts the
-            message ``rank r failed: ...``, one part per failed rank).
-    """
-    if info.world == 1:
-        return results
-    import torch.distributed as dist
-
-    payload = {
-        "records": {name: [r.to_dict() for r in recs] for name, recs in (results or {}).items()},
-        "error": error,
-    }
-    gathered: list[Any] | None = [None] * info.world if info.rank == 0 else None
-    dist.gather_object(payload, gathered, dst=0)
-    failed = [(r, p["error"]) for r, p in enumerate(gathered or []) if p["error"]]
-    box = ["; ".join(f"rank {r} failed: {e}" for r, e in failed)]
-    dist.broadcast_object_list(box, src=0)
-    if box[0]:
-        raise RankFailure(box[0], hint="the records done so far stay in the rank files; fix the "
-                                       "cause and rerun with --resume")  # fmt: skip
-    if info.rank != 0:
-        return None
-    merged: dict[str, list[ResponseRecord]] = {name: [] for name in results or {}}
-    for part in gathered or []:
-        for name, recs in part["records"].items():
-            merged.setdefault(name, []).extend(ResponseRecord.from_dict(r) for r in recs)
-    return merged
-
-
-def in_prompt_order(
-    gathered: dict[str, list[ResponseRecord]], selected: dict[str, list[PromptItem]]
-) -> dict[str, list[ResponseRecord]]:
-    """The gathered records in the order one process runs them: datasets as selected, then
-    prompts as selected, then turns (ranks return ``items[r::world]`` each, one after the other).
-    """
-    out: dict[str, list[ResponseRecord]] = {}
-    for name in [*selected, *(n for n in gathered if n not in selected)]:
-        if name not in gathered:
-            continue
-        index = {item.id: i for i, item in enumerate(selected.get(name, []))}
-        out[name] = sorted(gathered[name], key=lambda r: (index.get(r.id, len(index)), r.id, r.turn))
-    return out
 
 
 def check_dataset_names(names: list[str]) -> list[str]:

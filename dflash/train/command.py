@@ -120,7 +120,7 @@ def train(
     Under ``torchrun --nproc-per-node N -m dflash train ...`` the run is data-parallel over N
     processes (one GPU each): --batch-tokens is per process, rank 0 prints, evaluates and writes.
     """
-    from dflash.bench.harness import finish_distributed, init_distributed
+    from dflash.bench.distributed import finish_distributed, init_distributed
     from dflash.train.train import TrainConfig
 
     if gamma is not None and gamma <= 0:
@@ -154,7 +154,7 @@ def _train(cfg, info, pause_after: float | None) -> None:
     from dflash.train.train import Trainer, load_training_target
 
     if info.world > 1:
-        from dflash.bench.harness import once_per_machine, rank_device
+        from dflash.bench.distributed import once_per_machine, rank_device
         from dflash.models.target_torch import resolve_target
 
         cfg.device = rank_device(info, cfg.device)

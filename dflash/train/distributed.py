@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from dflash.bench.harness import DistInfo, barrier
+from dflash.bench.distributed import DistInfo, barrier
 from dflash.train.objective import StepOutput
 
 __all__ = ["barrier", "from_rank0", "global_step_stats", "rank_part", "wrap"]

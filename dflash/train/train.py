@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from dflash.bench.harness import DistInfo
+from dflash.bench.distributed import DistInfo
 from dflash.errors import DatasetError, InputError
 from dflash.train import distributed as ddp
 from dflash.train.checkpoint import _weights_only, load_state, save_state, write_acceptance
