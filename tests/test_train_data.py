@@ -167,9 +167,9 @@ def test_read_shards_errors_and_gzip(tmp_path):
 
 
 def test_shard_writer_rotates_and_keeps_order(tmp_path, monkeypatch):
-    import dflash.train.data as data
+    import dflash.train.shards as shards
 
-    monkeypatch.setattr(data, "RECORDS_PER_SHARD", 2)
+    monkeypatch.setattr(shards, "RECORDS_PER_SHARD", 2)
     w = ShardWriter(tmp_path, {"k": 1})
     for i in range(5):
         w.append([{"id": str(i), "prompt_ids": [1], "response_ids": [2, 3]}], i + 1)

@@ -7,16 +7,17 @@ Recipe (paper §4.2/§5, brief §8): AdamW lr 6e-4, cosine schedule with 4% warm
 latest draft in the loader's format; ``out/state/`` (or ``--state-dir``) holds the float32
 weights, the optimizer moments and the cursor for an exact resume. Under torchrun the run is
 data-parallel (``dflash.train.distributed``).
+
+The run settings, the schedule and the fresh draft live in :mod:`dflash.train.config`
+(re-exported here).
 """
 
 from __future__ import annotations
 
 import json
-import math
 import random
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -25,137 +26,18 @@ from dflash.bench.distributed import DistInfo
 from dflash.errors import DatasetError, InputError
 from dflash.train import distributed as ddp
 from dflash.train.checkpoint import _weights_only, load_state, save_state, write_acceptance
+from dflash.train.config import (  # noqa: F401 - re-exported
+    DATA_KEYS,
+    RESUME_KEYS,
+    TrainConfig,
+    _fresh_draft,
+    _where,
+    config_dict,
+    lr_at,
+)
 from dflash.train.data import collate, make_batches, prepare, read_shards
 from dflash.train.masks import FLEX_TILE, fast_path, round_up, sample_anchors
 from dflash.train.objective import FrozenTarget, batch_loss, estimate_acceptance, supervised_rows
-
-# settings that must match for a resume to continue the same run (max_steps may grow)
-RESUME_KEYS = ("block_size", "layers", "anchors", "epochs", "lr", "max_len", "batch_tokens",
-               "seed", "gamma", "warmup", "resume_from")  # fmt: skip
-DATA_KEYS = ("target", "data", "eval_data")  # what the run reads (absolute paths or hub ids)
-
-
-def _where(value: str | None) -> str | None:
-    """A path or hub id as stored in the resume settings: local paths made absolute."""
-    if value is None:
-        return None
-    p = Path(value).expanduser()
-    return str(p.resolve()) if p.exists() else value
-
-
-@dataclass
-class TrainConfig:
-    """Settings of one training run (the ``dflash train`` options).
-
-    Attributes:
-        target: target hub id, folder or .gguf (None: the demo target).
-        data: folder of regenerated JSONL shards.
-        out: output draft folder.
-        init: draft folder to start from (None: a fresh draft as ``dflash init-draft`` makes).
-        layers, block_size: draft shape for a fresh draft.
-        anchors: blocks per sequence (cap).
-        epochs: passes over the data; max_steps caps the optimizer steps (None: no cap).
-        lr, warmup, clip, weight_decay: AdamW and schedule (warmup = fraction of steps).
-        max_len: sequences are cut to this many tokens.
-        batch_tokens: padded sequence tokens per batch.
-        gamma: loss decay (None: 7/5/4 for L = 16/10/8).
-        time_limit: seconds; the schedule then anneals by max(step, time) progress (not
-            deterministic) and the run ends at the limit.
-        eval_data: folder of responses for the held-out τ (None: a holdout of ``data``); with
-            benchmark ids (``gsm8k/..``, ``math500/..``, ...) τ is also reported per dataset,
-            ``eval_per_dataset`` responses each.
-        eval_every, save_every, log_every: in optimizer steps.
-        resume_from: a draft folder written by ``dflash train`` (weights only, e.g. brought back
-            from another machine): training continues from its weights and step count with a
-            fresh optimizer and schedule; ``max_steps`` then counts all steps, old ones included.
-        attention: auto (flex on CUDA, dense on CPU), flex or dense.
-        save_dtype: dtype of the exported draft (bfloat16 or float32).
-    """
-
-    target: str | None
-    data: str
-    out: str
-    init: str | None = None
-    layers: int = 5
-    block_size: int = 16
-    anchors: int = 512
-    epochs: int = 6
-    max_steps: int | None = None
-    lr: float = 6e-4
-    warmup: float = 0.04
-    clip: float = 1.0
-    weight_decay: float = 0.0
-    max_len: int = 2048
-    batch_tokens: int = 16384
-    gamma: float | None = None
-    seed: int = 0
-    time_limit: float | None = None
-    eval_data: str | None = None
-    eval_every: int = 200
-    eval_max: int = 64
-    save_every: int = 500
-    log_every: int = 10
-    attention: str = "auto"
-    device: str = "auto"
-    save_dtype: str = "bfloat16"
-    state_dir: str | None = None
-    mask_token_id: int | None = None
-    resume_from: str | None = None
-    eval_per_dataset: int = 16
-    extra: dict = field(default_factory=dict)
-
-    def check(self) -> None:
-        """Raise InputError for out-of-range numbers (cheap, before loading anything)."""
-        rules = [(self.layers >= 1, "--layers must be >= 1"), (self.block_size >= 2, "--block-size must be >= 2"),
-                 (self.anchors >= 1, "--anchors must be >= 1"), (self.epochs >= 1, "--epochs must be >= 1"),
-                 (self.lr > 0, "--lr must be > 0"), (self.max_len >= 4, "--max-len must be >= 4"),
-                 (self.batch_tokens >= self.max_len or self.batch_tokens >= 4, "--batch-tokens must be >= 4"),
-                 (0 <= self.warmup < 1, "warmup must be in [0, 1)"),
-                 (self.max_steps is None or self.max_steps >= 1, "--max-steps must be >= 1"),
-                 (min(self.log_every, self.eval_every, self.save_every) >= 1,
-                  "--log-every, --eval-every and --save-every must be >= 1"),
-                 (self.attention in ("auto", "flex", "dense"), "--attention must be auto, flex or dense"),
-                 (self.save_dtype in ("bfloat16", "float32"), "--save-dtype must be bfloat16 or float32")]  # fmt: skip
-        for ok, msg in rules:
-            if not ok:
-                raise InputError(msg + ".")
-        out = Path(self.out).expanduser()
-        if out.exists() and not out.is_dir():
-            raise InputError(f"--out {self.out} is a file; pass a folder for the trained draft.")
-        state = Path(self.state_dir) if self.state_dir else out / "state"
-        if (out / "config.json").is_file() and not (state / "trainer_state.json").is_file() \
-                and self.resume_from is None:  # a draft that no run of ours is training
-            raise InputError(f"--out {self.out} already holds a draft that training would replace.",
-                             hint=f"start from it with --init {self.out} --out NEW_FOLDER, or continue a "
-                                  "'dflash train' output with --resume-from, or choose another --out")  # fmt: skip
-
-
-def lr_at(progress: float, base: float, warmup: float) -> float:
-    """Learning rate at run progress in [0, 1]: linear warmup, then cosine down to 0."""
-    if warmup > 0 and progress < warmup:
-        return base * progress / warmup
-    rest = (progress - warmup) / max(1e-12, 1.0 - warmup)
-    return base * 0.5 * (1.0 + math.cos(math.pi * min(1.0, rest)))
-
-
-def _fresh_draft(cfg: TrainConfig, state_dir: Path):
-    """A new draft from --init, or shaped for the target like ``dflash init-draft``."""
-    from dflash.models.draft_torch import DFlashDraft
-    from dflash.models.init_draft import init_draft
-
-    if cfg.init is not None:
-        draft = DFlashDraft.load(cfg.init, dtype=torch.float32)
-    else:
-        import tempfile
-
-        with tempfile.TemporaryDirectory() as tmp:
-            folder = init_draft(cfg.target, tmp, layers=cfg.layers, block_size=cfg.block_size,
-                                seed=cfg.seed, mask_token_id=cfg.mask_token_id, dtype="float32")  # fmt: skip
-            draft = DFlashDraft.load(folder, dtype=torch.float32)
-    if draft.config.block_size != cfg.block_size:
-        draft.config.block_size = cfg.block_size  # a draft may be re-trained for another L
-    return draft
-
 
 # ----------------------------------------------------------------------------- the loop
 
@@ -549,8 +431,3 @@ def load_training_target(target: str | None, device: str = "auto"):
     dev = pick_device(device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     return load_target(resolve_target(target), dev, dtype)
-
-
-def config_dict(cfg: TrainConfig) -> dict:
-    """The run settings as JSON-able dict (for logs and model cards)."""
-    return asdict(cfg)
