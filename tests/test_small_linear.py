@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from dflash.backends import linear_settings, pdl
 from dflash.backends import small_linear as sl
 from dflash.errors import InputError
 
@@ -37,7 +38,7 @@ def test_switches_and_configs(monkeypatch):
     with pytest.raises(InputError, match="DFLASH_LINEAR must be auto, torch, triton or all"):
         sl.linear_mode(torch.device("cuda"))
     monkeypatch.delenv("DFLASH_LINEAR")
-    monkeypatch.setattr(sl, "triton", object())  # as on a CUDA machine with Triton
+    monkeypatch.setattr(linear_settings, "triton", object())  # as on a CUDA machine with Triton
     assert sl.linear_mode(torch.device("cuda")) == "auto"  # the default there
     monkeypatch.setenv("DFLASH_LINEAR", "triton")
     assert sl.linear_mode(torch.device("cuda")) == "triton"
@@ -112,12 +113,12 @@ def test_pdl_switch(monkeypatch):
     """DFLASH_PDL is on by default on a Hopper GPU with Triton, never without CUDA, and 0 turns
     it off; a failed capture turns it off for good (disable_pdl says whether it was on)."""
     monkeypatch.delenv("DFLASH_PDL", raising=False)
-    monkeypatch.setattr(sl, "_PDL_OFF", False)
+    monkeypatch.setattr(pdl, "_PDL_OFF", False)
     assert not sl.pdl_enabled(torch.device("cpu"))
     monkeypatch.setenv("DFLASH_PDL", "1")
     assert not sl.pdl_enabled(torch.device("cpu"))
-    monkeypatch.setattr(sl, "_HAS_GDC", True)
-    monkeypatch.setattr(sl, "_CAPABILITY", {0: 9})
+    monkeypatch.setattr(pdl, "_HAS_GDC", True)
+    monkeypatch.setattr(pdl, "_CAPABILITY", {0: 9})
     monkeypatch.delenv("DFLASH_PDL")
     assert sl.pdl_enabled(torch.device("cuda", 0)) and sl.pdl_enabled(torch.device("cuda", 0), inductor=True)
     monkeypatch.setenv("DFLASH_PDL", "1")
@@ -125,10 +126,10 @@ def test_pdl_switch(monkeypatch):
     monkeypatch.setenv("DFLASH_PDL", "kernels")  # this project's kernels only
     assert sl.pdl_enabled(torch.device("cuda", 0)) and not sl.pdl_enabled(torch.device("cuda", 0), inductor=True)
     monkeypatch.setenv("DFLASH_PDL", "1")
-    sl._CAPABILITY[0] = 8  # Ampere: no programmatic dependent launch
+    pdl._CAPABILITY[0] = 8  # Ampere: no programmatic dependent launch
     assert not sl.pdl_enabled(torch.device("cuda", 0))
     monkeypatch.setenv("DFLASH_PDL", "0")
-    sl._CAPABILITY[0] = 9
+    pdl._CAPABILITY[0] = 9
     assert not sl.pdl_enabled(torch.device("cuda", 0))
     monkeypatch.setenv("DFLASH_PDL", "draft")  # both kinds, in the draft's forward only
     cuda = torch.device("cuda", 0)
@@ -143,9 +144,9 @@ def test_pdl_switch(monkeypatch):
     with pytest.raises(InputError, match="DFLASH_PDL must be 0, 1, kernels or draft"):
         sl.pdl_enabled(torch.device("cpu"))
     monkeypatch.setenv("DFLASH_PDL", "draft")
-    assert not sl.disable_pdl(torch.device("cpu"), "draft") and not sl._PDL_OFF  # was off on the CPU
-    assert not sl.disable_pdl(cuda, "target") and not sl._PDL_OFF  # a target capture had it off
-    assert sl.disable_pdl(cuda, "draft") and sl._PDL_OFF  # on in the draft's graphs: was on
+    assert not sl.disable_pdl(torch.device("cpu"), "draft") and not pdl._PDL_OFF  # was off on the CPU
+    assert not sl.disable_pdl(cuda, "target") and not pdl._PDL_OFF  # a target capture had it off
+    assert sl.disable_pdl(cuda, "draft") and pdl._PDL_OFF  # on in the draft's graphs: was on
     with sl.pdl_part("draft"):
         assert not sl.pdl_enabled(cuda)  # off for good
     assert not sl.disable_pdl(cuda, "draft")
@@ -553,14 +554,13 @@ def test_glu_kernel_compiles_for_hopper(rows, rn):
 def test_describe_records_pdl_prefetch_for_the_draft_only_setting(tiny_target, monkeypatch):
     """DFLASH_PDL_PREFETCH is recorded when PDL reaches some small_linear call, including PDL in
     the draft's graphs only (DFLASH_PDL=draft), and not when no call has PDL."""
-    from dflash.backends import small_linear as sl
     from dflash.backends import static_torch
     from dflash.backends.static_torch import StaticBackend
     from tests.conftest import make_draft
 
     be = StaticBackend(tiny_target, make_draft(tiny_target), torch.device("cpu"), use_graphs=False)
     monkeypatch.setenv("DFLASH_PDL_PREFETCH", "16")
-    monkeypatch.setattr(static_torch, "pdl_enabled", lambda device: sl._PART[0] == "draft")
+    monkeypatch.setattr(static_torch, "pdl_enabled", lambda device: pdl._PART[0] == "draft")
     be.linear, be.draft_linear = "triton", True
     assert be.describe()["pdl_prefetch_bytes"] == 16 << 20
     be.draft_linear = False  # PDL only in the draft's graphs, and the draft has no small_linear

@@ -206,17 +206,17 @@ def test_capture_failures_fall_back_one_piece_at_a_time(tiny_target, capsys):
 def test_capture_failure_with_pdl_turns_pdl_off_first(tiny_target, capsys, monkeypatch):
     """DFLASH_PDL=1: the first fall-back after a failed capture is plain launches (one line naming
     it), the compiled forwards are dropped so they compile again, and PDL stays off afterwards."""
-    from dflash.backends import small_linear as sl
+    from dflash.backends import pdl
 
-    monkeypatch.setattr(sl, "_PDL_OFF", False)
+    monkeypatch.setattr(pdl, "_PDL_OFF", False)
     monkeypatch.setenv("DFLASH_PDL", "1")
-    monkeypatch.setattr(sl, "pdl_enabled", lambda device, inductor=False: not sl._PDL_OFF)  # as on a GPU
+    monkeypatch.setattr(pdl, "pdl_enabled", lambda device, inductor=False: not pdl._PDL_OFF)  # as on a GPU
     be = StaticBackend(tiny_target, make_draft(tiny_target), torch.device("cpu"), use_graphs=False)
     be._compiled["verify"] = "stale"
     tries = []
 
     def fails_once(fn, inputs):
-        tries.append(sl._PDL_OFF)
+        tries.append(pdl._PDL_OFF)
         if len(tries) == 1:
             raise RuntimeError("CUDA error: launch failed")
         return "graph", "out", inputs
@@ -227,25 +227,25 @@ def test_capture_failure_with_pdl_turns_pdl_off_first(tiny_target, capsys, monke
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["dflash: programmatic dependent launch failed (RuntimeError: CUDA error: launch failed); "
                    "continuing with plain launches (DFLASH_PDL=0 silences this)."]  # fmt: skip
-    assert sl._PDL_OFF and not sl.disable_pdl(torch.device("cpu"))  # off for good
+    assert pdl._PDL_OFF and not pdl.disable_pdl(torch.device("cpu"))  # off for good
 
 
 def test_captures_mark_draft_and_target_forwards(tiny_target, monkeypatch):
     """DFLASH_PDL=draft turns PDL on in the draft's graphs only: each capture runs inside
     pdl_part("draft") for the draft kinds and pdl_part("target") for the verify kinds."""
-    from dflash.backends import small_linear as sl
+    from dflash.backends import pdl
 
     be = StaticBackend(tiny_target, make_draft(tiny_target), torch.device("cpu"), use_graphs=False)
     parts = {}
 
     def record(fn, inputs):
-        parts[len(parts)] = sl._PART[0]
+        parts[len(parts)] = pdl._PART[0]
         return "graph", "out", inputs
 
     be._capture = record
     for kind in ("verify", "draft", "verify"):
         be._graph(kind, len(parts) + 1, lambda: ())
-    assert parts == {0: "target", 1: "draft", 2: "target"} and sl._PART[0] is None
+    assert parts == {0: "target", 1: "draft", 2: "target"} and pdl._PART[0] is None
 
 
 def test_inductor_pdl_setting_is_restored_after_each_capture():

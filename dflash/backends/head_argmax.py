@@ -26,7 +26,8 @@ import os
 import torch
 import torch.nn.functional as F
 
-from dflash.backends.small_linear import kernel_config, pdl_enabled
+from dflash.backends.linear_settings import kernel_config
+from dflash.backends.pdl import pdl_enabled
 
 HEAD_ENV = "DFLASH_HEAD_ARGMAX"
 MAX_ROWS = 32

@@ -30,7 +30,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dflash.backends.small_linear import _launch, _on_cpu, _silu_times_up, kernel_config
+from dflash.backends.linear_settings import kernel_config
+from dflash.backends.small_linear import _launch, _on_cpu, _silu_times_up
 
 FORM_ENV = "DFLASH_FUSE_NORM_FORM"
 

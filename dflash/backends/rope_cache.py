@@ -29,7 +29,7 @@ import os
 
 import torch
 
-from dflash.backends.small_linear import pdl_enabled
+from dflash.backends.pdl import pdl_enabled
 
 ROPE_ENV = "DFLASH_ROPE"
 

@@ -41,255 +41,52 @@ three runs side by side): block 1 0.987 ms against 1.007 / 1.010 ms, block 16 1.
 1.298 / 1.294 ms.
 :func:`small_linear_reference` is the same maths in torch (CPU, tests); ``TRITON_INTERPRET=1``
 runs the kernel on CPU.
+
+The host-side settings (``DFLASH_LINEAR``, ``DFLASH_GLU``, ``DFLASH_FUSE_NORM``,
+``DFLASH_PDL_PREFETCH``, :func:`kernel_config`) live in :mod:`dflash.backends.linear_settings`
+and the PDL switch with its process state in :mod:`dflash.backends.pdl`; their public names
+are re-exported here.
 """
 
 from __future__ import annotations
 
 import os
-from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
 
-LINEAR_ENV = "DFLASH_LINEAR"
-PDL_ENV = "DFLASH_PDL"
-CONFIG_ENV = "DFLASH_LINEAR_CONFIG"  # "BN,BK,warps,stages" for every shape (benchmark sweeps)
-PRELOAD_ENV = "DFLASH_PDL_PREFETCH"  # MiB of a projection's weight sent to L2 before its PDL wait
+from dflash.backends.linear_settings import (  # noqa: F401 - re-exported
+    CONFIG_ENV,
+    FUSE_NORM_AUTO_MAX_K,
+    FUSE_NORM_ENV,
+    GLU_ENV,
+    LINEAR_ENV,
+    PRELOAD_ENV,
+    SMEM_BUDGET,
+    fuse_norm_auto,
+    fuse_norm_setting,
+    glu_setting,
+    kernel_config,
+    linear_mode,
+    preload_bytes,
+    preload_columns,
+)
+from dflash.backends.pdl import (  # noqa: F401 - re-exported
+    PDL_ENV,
+    PDL_VALUES,
+    disable_pdl,
+    pdl_enabled,
+    pdl_part,
+    pdl_setting,
+)
+
 MAX_ROWS = 32  # rows (M) the kernel takes; longer forwards (prefill) use torch
-SMEM_BUDGET = 200 * 1024  # bytes of shared memory the pipelined tiles may take
 
 try:
     import triton
     import triton.language as tl
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
-# PDL needs Triton's griddepcontrol intrinsics (with its ``launch_pdl`` launch option)
-_HAS_GDC = triton is not None and hasattr(getattr(getattr(tl, "extra", None), "cuda", None), "gdc_wait")
-
-
-GLU_ENV = "DFLASH_GLU"
-FUSE_NORM_ENV = "DFLASH_FUSE_NORM"
-FUSE_NORM_AUTO_MAX_K = 1024  # DFLASH_FUSE_NORM unset: on for hidden sizes up to this (bf16/fp16)
-
-
-def fuse_norm_setting() -> bool | None:
-    """``DFLASH_FUSE_NORM``: whether each RMSNorm in front of a ``small_linear`` in-projection
-    (the target's input and post-attention norms before qkv and gate+up, the draft's
-    post-attention norm) runs inside that projection's kernel (:func:`small_linear_rn`: the
-    norm's weight folded into a copy of the projection's weight, its row factor applied to the
-    accumulator): one kernel less per norm, and the same per-row maths at every width, so that
-    block-1 decoding and verify agree bit for bit in bf16. ``1`` on, ``0`` off, unset: None,
-    the default of :func:`fuse_norm_auto`.
-
-    H200, eighteenth session (``benchmarks/results/h200-v18``): the demo's verify-1 graph 0.646
-    -> 0.592 ms, block-16 loop step 0.831 -> 0.795 ms, draft graph 0.147 -> 0.144 ms; real demo
-    pair (gsm8k 64, one machine, side by side) DFlash 4,948.8 -> 5,164.8 tok/s, baseline 1,550.0
-    -> 1,679.4, greedy parity 53 + 11 near-ties -> 64/64 identical. Qwen3-8B's block-1 step
-    4.230 -> 4.709 ms: the x x^T products cost more than the saved kernels over a K of 4,096
-    (16-32 tiles a program). The seventeenth session's first form (partial sums of squares
-    written by the previous kernel, the norm applied to each input tile) made the demo's
-    verify-1 graph 0.645 -> 0.691 ms and Qwen3-8B's block 1 4.233 -> 4.329 ms; replaced.
-
-    Raises:
-        InputError: another value.
-    """
-    raw = os.environ.get(FUSE_NORM_ENV, "").strip()
-    if raw not in ("", "0", "1"):
-        from dflash.errors import InputError
-
-        raise InputError(f"{FUSE_NORM_ENV} must be 0 or 1, got {raw!r}.",
-                         hint="unset it for the default (on for hidden sizes <= 1024 in bf16/fp16)")  # fmt: skip
-    return None if raw == "" else raw == "1"
-
-
-def fuse_norm_auto(hidden: int, dtype: torch.dtype) -> bool:
-    """:func:`fuse_norm_setting`'s default for a model of this hidden size (the projections' K)
-    and dtype: on up to :data:`FUSE_NORM_AUTO_MAX_K` in bf16/fp16 (measured faster at 576,
-    slower at 4,096; sizes in between unmeasured), off in float32 (the reference dtype keeps
-    the modules' roundings). The static backend also asks that the in-projections run this
-    kernel at every width (``linear_in`` = :data:`MAX_ROWS`, as measured; ``DFLASH_LINEAR=auto``
-    and ``all`` do)."""
-    return hidden <= FUSE_NORM_AUTO_MAX_K and dtype in (torch.bfloat16, torch.float16)
-
-
-def glu_setting() -> bool:
-    """``DFLASH_GLU``: unset or ``1`` (default) runs SiLU(gate) * up as the epilogue of the
-    gate+up projection where that projection runs this kernel (:func:`small_linear_glu`: one
-    kernel and one [M, 2N] intermediate less per layer); ``0`` keeps the activation as its own
-    (Inductor) kernel.
-
-    Raises:
-        InputError: another value.
-    """
-    raw = os.environ.get(GLU_ENV, "").strip()
-    if raw not in ("", "0", "1"):
-        from dflash.errors import InputError
-
-        raise InputError(f"{GLU_ENV} must be 0 or 1, got {raw!r}.", hint="unset it for the default (1)")
-    return raw != "0"
-
-
-def linear_mode(device: torch.device) -> str:
-    """``DFLASH_LINEAR``: which projections of forwards of <= MAX_ROWS rows run this kernel.
-
-    - ``auto`` (default) or ``all``: every one, o_proj and down_proj (with their residual adds)
-      and the fused qkv and gate+up projections, at every width up to :data:`MAX_ROWS` rows;
-    - ``triton``: o_proj and down_proj only (the default before the sixteenth session);
-    - ``torch``: cuBLAS for all.
-
-    Without CUDA or Triton it is always ``torch``. H200 (2026-12-02), real demo pair (qkv 1.1 MB,
-    gate+up 3.5 MB), gsm8k 64, one machine: ``all`` 4,615.0 / 1,426.4 tok/s (DFlash / block-1
-    baseline) against 4,366.2 / 1,316.6 with ``triton``. Qwen3-8B's shape (50 and 201 MB
-    weights; ``scripts/bench_big.py``, twentieth session, one machine, two runs): a 16-row step
-    5.370 / 5.382 ms against 5.539 ms when, as ``auto`` did from the seventeenth to the
-    nineteenth session, in-projections over 8 MiB ran this kernel in 1-row steps only (cuBLAS in
-    wider forwards); the block-1 step runs the same kernels either way (4.238 / 4.243 against
-    4.245 ms).
-
-    Raises:
-        InputError: another value.
-    """
-    from dflash.errors import env_choice
-
-    raw = env_choice(LINEAR_ENV, ("auto", "torch", "triton", "all"))
-    return raw if device.type == "cuda" and triton is not None else "torch"
-
-
-def pdl_enabled(device: torch.device, inductor: bool = False) -> bool:
-    """Whether the static path's kernels launch with programmatic dependent launch (PDL, on
-    by default on Hopper and newer GPUs): a kernel may start while the previous one finishes,
-    streams weights that do not depend on it, and waits (``griddepcontrol.wait``) before it
-    reads or writes anything else. Every PDL kernel waits before it lets its dependents start,
-    so when a kernel starts, every kernel but the one just before it has finished.
-
-    ``DFLASH_PDL``: unset or ``1`` for this project's Triton kernels and Inductor's
-    (``torch._inductor.config.triton.enable_pdl``), ``kernels`` for this project's only,
-    ``draft`` for both but only in the draft's forward (what :func:`pdl_part` marks as
-    ``"draft"`` while it is captured), ``0`` for none. ``inductor``: ask about Inductor's
-    kernels. Needs CUDA with compute capability >= 9 (Hopper) and a Triton with
-    ``tl.extra.cuda.gdc_wait`` (Triton 3.6 on the H200); otherwise it is off whatever the setting.
-
-    H200, real demo pair (``dflash benchmark``, gsm8k 64, 2026-12-01, one machine): DFlash
-    3,693.8 tok/s with ``1`` against 3,277.2 with ``0``, the block-1 baseline 1,167.6 against
-    1,055.7; the same tokens and acceptance lengths on all 64 prompts. ``draft``: 3,438.3 and
-    1,056.3.
-
-    Raises:
-        InputError: another value.
-    """
-    raw = pdl_setting()
-    if _PDL_OFF:
-        return False
-    on = raw in ("", "1") or (raw == "kernels" and not inductor) or (raw == "draft" and _PART[0] == "draft")
-    if not (on and _HAS_GDC and device.type == "cuda"):
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _CAPABILITY:
-        _CAPABILITY[index] = torch.cuda.get_device_capability(index)[0]
-    return _CAPABILITY[index] >= 9
-
-
-def pdl_setting() -> str:
-    """``DFLASH_PDL`` as given ("" when unset), checked.
-
-    Raises:
-        InputError: not one of 0, 1, kernels, draft.
-    """
-    raw = os.environ.get(PDL_ENV, "").strip().lower()
-    if raw not in PDL_VALUES:
-        from dflash.errors import InputError
-
-        raise InputError(f"{PDL_ENV} must be 0, 1, kernels or draft, got {raw!r}.",
-                         hint="unset it for the default (1)")  # fmt: skip
-    return raw
-
-
-_CAPABILITY: dict[int, int] = {}  # CUDA device index -> compute capability major
-_PDL_OFF = False  # set by disable_pdl (a capture failed with PDL on)
-_PART: list[str | None] = [None]  # the forward being captured ("draft", "target"), see pdl_part
-PDL_VALUES = ("", "0", "1", "kernels", "draft")
-
-
-@contextmanager
-def pdl_part(part: str | None):
-    """Mark the forward whose kernels are traced or captured meanwhile (``"draft"`` or
-    ``"target"``) for :func:`pdl_enabled` under ``DFLASH_PDL=draft``."""
-    before, _PART[0] = _PART[0], part
-    try:
-        yield
-    finally:
-        _PART[0] = before
-
-
-def disable_pdl(device: torch.device, part: str | None = None) -> bool:
-    """Turn PDL off for the rest of the process (the static path's fall-back after a failed
-    capture of ``part``'s forward, see :func:`pdl_part`) when it was on for that capture on
-    ``device`` (this project's kernels or Inductor's); returns whether it was."""
-    global _PDL_OFF
-    with pdl_part(part):
-        was = pdl_enabled(device) or pdl_enabled(device, inductor=True)
-    _PDL_OFF = _PDL_OFF or was
-    return was
-
-
-def preload_bytes() -> int:
-    """``DFLASH_PDL_PREFETCH``: MiB of each ``small_linear`` call's weight (every program its own
-    rows, from the second K tile on, up to this total) that the kernel sends to L2 with PTX
-    ``prefetch.global.L2`` before it waits for the previous kernel under PDL. The weights do not
-    depend on that kernel, so the bytes stream in while it (attention, an activation) still runs.
-    Default 0 (off, until measured on a GPU); nothing without PDL.
-
-    Raises:
-        InputError: not a whole number >= 0.
-    """
-    raw = os.environ.get(PRELOAD_ENV, "").strip()
-    if raw and not (raw.isascii() and raw.isdigit()):
-        from dflash.errors import InputError
-
-        raise InputError(f"{PRELOAD_ENV} must be a whole number of MiB (0 = off), got {raw!r}.",
-                         hint="unset it for the default (0)")  # fmt: skip
-    return int(raw or 0) << 20
-
-
-def preload_columns(n: int, k: int, bk: int, elem: int, budget: int) -> int:
-    """The K column up to which each of the ``n`` weight rows is prefetched (a multiple of a
-    128-byte line past the first ``bk`` tile, at most ``k``): ``budget`` bytes spread over the
-    rows. 0 when the budget is 0 or covers no line past the first tile."""
-    line = 128 // elem
-    cols = (budget // (n * elem)) // line * line
-    return min(k, bk + cols) if budget and cols else 0
-
-
-def kernel_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
-    """(BM, BN, BK, num_warps, num_stages) for an [m, k] x [n, k]^T product (n output columns).
-
-    From sweeps on the H200 (``scripts/small_linear_sweep.py``): 16 columns per program up to
-    1,024 columns, 32 up to 8,192, 64 beyond; K tiles of 128 up to K = 1,024, 512 beyond 4,096,
-    and in between as many as keep a tile at 8,192 weights (2026-12-02, one row: Qwen3-8B's
-    o_proj 7.49 against 7.83 us with 512, its fused qkv 12.92 against 17.73 us and gate+up 46.97
-    against 56.80 us, cuBLAS 14.57 and 47.45 us; the demo's shapes keep their configs).
-    ``DFLASH_LINEAR_CONFIG="BN,BK,warps,stages"`` overrides all but BM.
-
-    Raises:
-        InputError: a malformed ``DFLASH_LINEAR_CONFIG``.
-    """
-    bm = 16 if m <= 16 else 32
-    raw = os.environ.get(CONFIG_ENV, "").strip()
-    if raw:
-        from dflash.errors import InputError
-
-        parts = raw.split(",")
-        if len(parts) != 4 or not all(p.strip().isdigit() for p in parts):
-            raise InputError(f"{CONFIG_ENV} must be BN,BK,warps,stages, got {raw!r}.",
-                             hint="e.g. 32,256,4,3; unset it for the built-in choice")  # fmt: skip
-        bn, bk, warps, stages = (int(p) for p in parts)
-        return bm, bn, bk, warps, stages
-    bn = 16 if n <= 1024 else (32 if n <= 8192 else 64)  # best in the H200 sweeps (2026-12-01/02)
-    bk = 128 if k <= 1024 else (512 if k > 4096 else max(128, min(512, 8192 // bn)))
-    # pipelined stages of the x and weight tiles must fit shared memory (~227 KiB on Hopper):
-    # 32 rows x 512 of K would take 256 KiB at 4 stages
-    stages = max(2, min(4, SMEM_BUDGET // ((bm + bn) * bk * 2)))
-    return bm, bn, bk, 4, stages
 
 
 if triton is not None:

@@ -34,7 +34,7 @@ import os
 
 import torch
 
-from dflash.backends.small_linear import pdl_enabled
+from dflash.backends.pdl import pdl_enabled
 
 ATTN_ENV = "DFLASH_ATTN"
 SPLIT_ENV = "DFLASH_ATTN_SPLIT"

@@ -12,17 +12,16 @@ import torch
 from dflash.backends.graph_plan import warm_replays
 from dflash.backends.head_argmax import head_argmax_default
 from dflash.backends.l2_prefetch import prefetch_setting
-from dflash.backends.norm_partials import norm_form
-from dflash.backends.rope_cache import rope_parts
-from dflash.backends.small_linear import (
-    disable_pdl,
+from dflash.backends.linear_settings import (
     fuse_norm_setting,
     glu_setting,
     kernel_config,
     linear_mode,
-    pdl_setting,
     preload_bytes,
 )
+from dflash.backends.norm_partials import norm_form
+from dflash.backends.pdl import disable_pdl, pdl_setting
+from dflash.backends.rope_cache import rope_parts
 from dflash.backends.split_attention import (
     attention_mode,
     iter_keys,
