@@ -41,6 +41,7 @@ SPLIT_ENV = "DFLASH_ATTN_SPLIT"
 DRAFT_SPLIT_ENV = "DFLASH_DRAFT_ATTN_SPLIT"  # the draft's own, when set (an experiment)
 BLOCK_ENV = "DFLASH_ATTN_BLOCK"
 ONE_SLICE_ENV = "DFLASH_ATTN_ONE_SLICE"
+PRELOAD_ENV = "DFLASH_ATTN_PRELOAD"
 SPLIT = 256  # keys per program (H200: the fastest at 512, 1,500 and 3,500 keys, both layouts)
 ONE_SLICE = 448  # filled keys up to which one program takes them all, head dims > 64
 ONE_SLICE_SMALL_HEADS = 640  # the same for head dims <= 64
@@ -200,6 +201,21 @@ def iter_keys() -> int:
     return int(raw)
 
 
+def preload_setting() -> bool:
+    """``DFLASH_ATTN_PRELOAD``: ``1`` lets the target's attention (after the q/k norm + RoPE +
+    cache-write kernel, :mod:`dflash.backends.rope_cache`) load the first tile of the keys and
+    values cached before this forward while that kernel still runs (PDL), the rows it writes
+    after it (:func:`split_attention_kernel`'s ``preload``); unset or ``0``: off (the default
+    until measured on a GPU).
+
+    Raises:
+        InputError: another value.
+    """
+    from dflash.errors import env_choice
+
+    return env_choice(PRELOAD_ENV, ("0", "1")) == "1"
+
+
 def heads_per_program(groups: int, rows: int) -> int:
     """Query heads of one KV head that each program takes: the largest divisor of the group
     size ``groups`` whose ``rows`` query rows fit one 16-row tensor-core tile, at least one.
@@ -225,15 +241,32 @@ if triton is not None:
                  mask=live[:, None])  # fmt: skip
 
     @triton.jit
+    def _tile(q, k, v, n, qpos, m_i, l_i, acc, scale_log2, IEEE: tl.constexpr):
+        """One tile of keys (k [D, BLOCK], v [BLOCK, D] at positions n) into the online softmax
+        of the rows (running max m_i, sum l_i, output acc [ROWS, D]); base 2."""
+        if IEEE:
+            s = tl.dot(q, k, input_precision="ieee")
+        else:
+            s = tl.dot(q, k)
+        s = tl.where(n[None, :] <= qpos[:, None], s * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        return m_new, l_i, acc
+
+    @triton.jit
     def _split_kernel(Q, K, V, POS, OUT, PO, PL, CNT, scale_log2, cap, s_pos,
                       s_qh, s_qt, s_kh, s_ks, s_vh, s_vs, s_oh, s_ot, s_ph, s_ps, s_pr, s_lh, s_ls,
                       T: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                       ROWS: tl.constexpr, SPLIT_N: tl.constexpr, BLOCK: tl.constexpr,
                       IEEE: tl.constexpr, MERGE: tl.constexpr, PDL: tl.constexpr,
-                      ONE: tl.constexpr):  # fmt: skip
-        if PDL:  # programmatic dependent launch: wait for the previous kernel before any access
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+                      ONE: tl.constexpr, PRE: tl.constexpr, NSP: tl.constexpr):  # fmt: skip
         unit = tl.program_id(0)  # GP query heads of one KV head: G // GP units per KV head
         kvh = unit // (G // GP)
         sp = tl.program_id(1)
@@ -242,16 +275,33 @@ if triton is not None:
         g = (unit % (G // GP)) * GP + r // T  # query head within the KV head's group
         t = r % T
         d = tl.arange(0, D)
-        qpos = tl.load(POS + t * s_pos, mask=live, other=-1)  # [ROWS] position of each query row
-        # keys at positions < filled exist; clamped so that a position past the cache can never
-        # leave a slice counter unreset (every slice counted then exists)
-        filled = tl.minimum(tl.load(POS + (T - 1) * s_pos) + 1, cap)
-        if ONE > SPLIT_N:  # up to ONE filled keys the first program takes them all (no merge)
-            span = tl.where(filled <= ONE, ONE, SPLIT_N)
-        else:
-            span = SPLIT_N
+        if PRE:  # before the PDL wait: the positions and the first tile of the keys already cached
+            qpos = tl.load(POS + t * s_pos, mask=live, other=-1)
+            filled = tl.minimum(tl.load(POS + (T - 1) * s_pos) + 1, cap)
+            pos0 = tl.load(POS)  # the kernel just before writes the rows at positions >= this one
+            if ONE > SPLIT_N:
+                span = tl.where(filled <= ONE, ONE, SPLIT_N)
+            else:
+                span = SPLIT_N
+            lo = sp * span
+            n0 = lo + tl.arange(0, BLOCK)
+            old = n0 < tl.minimum(pos0, filled)
+            k0 = tl.load(K + kvh * s_kh + n0[None, :] * s_ks + d[:, None], mask=old[None, :], other=0.0)
+            v0 = tl.load(V + kvh * s_vh + n0[:, None] * s_vs + d[None, :], mask=old[:, None], other=0.0)
+        if PDL:  # programmatic dependent launch: wait for the previous kernel before any other access
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        if not PRE:
+            qpos = tl.load(POS + t * s_pos, mask=live, other=-1)  # [ROWS] position of each query row
+            # keys at positions < filled exist; clamped so that a position past the cache can never
+            # leave a slice counter unreset (every slice counted then exists)
+            filled = tl.minimum(tl.load(POS + (T - 1) * s_pos) + 1, cap)
+            if ONE > SPLIT_N:  # up to ONE filled keys the first program takes them all (no merge)
+                span = tl.where(filled <= ONE, ONE, SPLIT_N)
+            else:
+                span = SPLIT_N
+            lo = sp * span
         slices = (filled + span - 1) // span  # slices holding keys; later programs idle
-        lo = sp * span
         if lo < filled:
             m_i = tl.full([ROWS], float("-inf"), tl.float32)
             l_i = tl.zeros([ROWS], tl.float32)
@@ -259,28 +309,23 @@ if triton is not None:
             q = tl.load(Q + (kvh * G + g)[:, None] * s_qh + t[:, None] * s_qt + d[None, :],
                         mask=live[:, None], other=0.0)  # fmt: skip
             hi = tl.minimum(lo + span, filled)
-            for start in range(lo, hi, BLOCK):
+            first = lo
+            if PRE:  # the first tile: the cached rows from before the wait, the fresh rows now
+                fresh = (n0 >= pos0) & (n0 < filled)
+                k1 = tl.load(K + kvh * s_kh + n0[None, :] * s_ks + d[:, None], mask=fresh[None, :], other=0.0)
+                v1 = tl.load(V + kvh * s_vh + n0[:, None] * s_vs + d[None, :], mask=fresh[:, None], other=0.0)
+                m_i, l_i, acc = _tile(q, tl.where(old[None, :], k0, k1), tl.where(old[:, None], v0, v1), n0, qpos,
+                                      m_i, l_i, acc, scale_log2, IEEE)  # fmt: skip
+                first = lo + BLOCK
+            for start in range(first, hi, BLOCK):
                 n = start + tl.arange(0, BLOCK)
                 inside = n < filled  # rows past the filled length are never read
+                # keys and values loaded together, before the scores: both in flight at once
                 k = tl.load(K + kvh * s_kh + n[None, :] * s_ks + d[:, None], mask=inside[None, :],
                             other=0.0)  # [D, BLOCK]  # fmt: skip
-                if IEEE:
-                    s = tl.dot(q, k, input_precision="ieee")
-                else:
-                    s = tl.dot(q, k)
-                s = tl.where(n[None, :] <= qpos[:, None], s * scale_log2, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                p = tl.exp2(s - m_safe[:, None])
-                alpha = tl.exp2(m_i - m_safe)
-                l_i = l_i * alpha + tl.sum(p, 1)
                 v = tl.load(V + kvh * s_vh + n[:, None] * s_vs + d[None, :], mask=inside[:, None],
                             other=0.0)  # [BLOCK, D]  # fmt: skip
-                if IEEE:
-                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-                else:
-                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-                m_i = m_new
+                m_i, l_i, acc = _tile(q, k, v, n, qpos, m_i, l_i, acc, scale_log2, IEEE)
             l_safe = tl.where(l_i == 0.0, 1.0, l_i)
             if MERGE:  # the capacity holds several slices (a constexpr: no merge code otherwise)
                 if slices == 1:  # one slice holds every key: the result is final
@@ -293,16 +338,20 @@ if triton is not None:
                     tl.debug_barrier()  # every thread's stores precede the release below
                     done = tl.atomic_add(CNT + unit, 1, sem="acq_rel")
                     if done == slices - 1:
-                        m = tl.full([ROWS], float("-inf"), tl.float32)
-                        for j in range(0, slices):
-                            m = tl.maximum(m, tl.load(PL + unit * s_lh + j * s_ls + r, cache_modifier=".cg"))
+                        # every slice's log-sum-exps in one load (L2, .cg: other SMs wrote them)
+                        js = tl.arange(0, NSP)
+                        lses = tl.load(PL + unit * s_lh + js[:, None] * s_ls + r[None, :],
+                                       mask=(js < slices)[:, None], other=float("-inf"),
+                                       cache_modifier=".cg")  # [NSP, ROWS]  # fmt: skip
+                        m = tl.max(lses, 0)
                         m = tl.where(m == float("-inf"), 0.0, m)
+                        ws = tl.exp2(lses - m[None, :])  # [NSP, ROWS]; 0 past the slices
                         num = tl.zeros([ROWS, D], tl.float32)
                         den = tl.zeros([ROWS], tl.float32)
-                        for j in range(0, slices):  # L2 reads (.cg): other SMs wrote these rows
-                            w = tl.exp2(tl.load(PL + unit * s_lh + j * s_ls + r, cache_modifier=".cg") - m)
+                        for j in range(0, slices):  # L2 reads (.cg) of the live rows
+                            w = tl.sum(tl.where(js[:, None] == j, ws, 0.0), 0)
                             o = tl.load(PO + unit * s_ph + j * s_ps + r[:, None] * s_pr + d[None, :],
-                                        cache_modifier=".cg")  # fmt: skip
+                                        mask=live[:, None], other=0.0, cache_modifier=".cg")  # fmt: skip
                             num += o * w[:, None]
                             den += w
                         den = tl.where(den == 0.0, 1.0, den)
@@ -349,7 +398,8 @@ def _out_like(q: torch.Tensor) -> torch.Tensor:
 
 def split_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
                            scale: float, split: int, heads_per_program: int = 0, block: int = 0,
-                           warps: int = 0, stages: int = 0, one_slice: int = 0) -> torch.Tensor:  # fmt: skip
+                           warps: int = 0, stages: int = 0, one_slice: int = 0,
+                           preload: bool = False) -> torch.Tensor:  # fmt: skip
     """Run the kernel: one launch, slices merged inside it (the last slice of each unit, a KV
     head's ``heads_per_program`` query heads, to
     finish merges, counted by an atomic counter that it resets).
@@ -399,6 +449,7 @@ def split_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
     po = torch.empty(units, nsplit, rows, dim, dtype=torch.float32, device=q.device)
     pl = torch.empty(units, nsplit, rows, dtype=torch.float32, device=q.device)
     tune = {k: v for k, v in (("num_warps", warps), ("num_stages", stages)) if v}
+    nsp = triton.next_power_of_2(nsplit)  # the merge loads every slice's log-sum-exps at once
     blk = 1 << (min(block or ITER_KEYS, split).bit_length() - 1)  # a power of two (tl.arange)
     while split % blk:  # the iterations must tile each slice (a multiple of 64)
         blk //= 2
@@ -409,7 +460,7 @@ def split_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
         pl.stride(0), pl.stride(1),
         T=t, G=groups, GP=gp, D=dim, ROWS=rows, SPLIT_N=split, BLOCK=blk,
         IEEE=q.dtype == torch.float32, MERGE=nsplit > 1, PDL=pdl, ONE=one_slice if nsplit > 1 else 0,
-        **({"launch_pdl": True} if pdl else {}),
+        PRE=preload, NSP=nsp, **({"launch_pdl": True} if pdl else {}),
         **tune,
     )  # fmt: skip
     return out
@@ -430,17 +481,17 @@ def merge_partials(o: torch.Tensor, lse: torch.Tensor, heads: int, t: int, dtype
 
 @torch.library.custom_op("dflash::split_attention", mutates_args=())
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
-                  scale: float, split: int, heads: int, block: int, one: int) -> torch.Tensor:  # fmt: skip
-    return split_attention_kernel(q, k, v, pos, scale, split, heads, block, one_slice=one)
+                  scale: float, split: int, heads: int, block: int, one: int, pre: bool) -> torch.Tensor:  # fmt: skip
+    return split_attention_kernel(q, k, v, pos, scale, split, heads, block, one_slice=one, preload=pre)
 
 
 @_attention_op.register_fake
-def _(q, k, v, pos, scale, split, heads, block, one):
+def _(q, k, v, pos, scale, split, heads, block, one, pre):
     return _out_like(q)
 
 
 def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
-                    scale: float | None, draft: bool = False) -> torch.Tensor:  # fmt: skip
+                    scale: float | None, draft: bool = False, fresh: bool = False) -> torch.Tensor:  # fmt: skip
     """softmax(q k^T * scale) v over the keys at positions <= pos[t], per query row t.
 
     Args:
@@ -450,12 +501,17 @@ def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torc
         scale: None = 1/sqrt(D). Non-causal rows (a draft block that sees all of itself):
         give every row the block's last position, e.g. as a [1] view (``pos[-1:]``).
         draft: the draft's attention (its split size: :func:`split_size`).
+        fresh: the kernel just before wrote only the cache rows at positions >= pos[0], and no
+            position (the target's forwards after :func:`~dflash.backends.rope_cache.rope_cache`):
+            then ``DFLASH_ATTN_PRELOAD`` (:func:`preload_setting`) may load the older rows
+            before waiting for it.
     Returns:
         [1, H, T, D] in q's dtype.
 
     Raises:
         InputError: a bad ``DFLASH_ATTN_SPLIT`` (or ``DFLASH_DRAFT_ATTN_SPLIT`` for the draft) or
-            ``DFLASH_ATTN_ONE_SLICE``, or on the kernel's path a bad ``DFLASH_ATTN_BLOCK``.
+            ``DFLASH_ATTN_ONE_SLICE``, or on the kernel's path a bad ``DFLASH_ATTN_BLOCK`` or
+            ``DFLASH_ATTN_PRELOAD``.
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if triton is None or (q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1"):
@@ -465,7 +521,8 @@ def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torc
                                          one_slice_setting(draft, dim))  # fmt: skip
     dim, groups, rows = q.shape[-1], q.shape[1] // k.shape[1], q.shape[2]
     return _attention_op(q, k, v, pos, float(scale), split_size(k.shape[2], draft, dim),
-                         heads_per_program(groups, rows), iter_keys(), one_slice_setting(draft, dim))  # fmt: skip
+                         heads_per_program(groups, rows), iter_keys(), one_slice_setting(draft, dim),
+                         fresh and preload_setting())  # fmt: skip
 
 
 def split_attention_reference(q, k, v, pos, scale, split: int = SPLIT, one_slice: int = 0) -> torch.Tensor:

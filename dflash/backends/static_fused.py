@@ -383,7 +383,7 @@ def target_forward_fused(be, ids: torch.Tensor, pos: torch.Tensor, argmax: bool 
                 l2_prefetch.prefetch(be.l2_sink, raw, after, pf)
             norms = (a.q_norm, a.k_norm) if hasattr(a, "q_norm") else (None, None)  # Qwen3
             q = rope_cache(raw, *norms, cos, sin, pos[0], be.k[i], be.v[i], 0, be.heads, be.kv_heads)
-            o = split_attention(q, be.k[i], be.v[i], pos[0], a.scaling)
+            o = split_attention(q, be.k[i], be.v[i], pos[0], a.scaling, fresh=True)  # rows >= pos[0] just written
         else:
             if fuse_in:
                 q, k, v = _rn(fq, layer.input_layernorm, x, sq=sq)[None].split(fq.sizes, dim=-1)

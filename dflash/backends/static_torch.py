@@ -42,6 +42,7 @@ from dflash.backends.split_attention import (
     attention_mode,
     iter_keys,
     one_slice_setting,
+    preload_setting,
     split_setting,
     uses_kernel,
 )
@@ -422,7 +423,7 @@ class StaticBackend(StaticGraphs, TransformersBackend):
                                    "draft": split_setting(draft=True, head_dim=self._draft_head_dim())},
                     "attn_one_slice": {"target": one_slice_setting(head_dim=self.head_dim),
                                        "draft": one_slice_setting(draft=True, head_dim=self._draft_head_dim())},
-                    "attn_block": iter_keys()}
+                    "attn_block": iter_keys(), "attn_preload": preload_setting()}
                    if self.attention != "sdpa" else {}),  # the split-KV kernel's keys per program, per iteration
                 "draft_linear": self.draft_linear, "l2_prefetch_bytes": self.prefetch,
                 "step_compile": self.step_compile and self.compile and self.device_loop is not None,
