@@ -12,7 +12,8 @@ inner iteration and num_warps, then num_stages for the best of each case. The 16
 ``--cases preload`` times the kernel with and without ``preload`` (the first tile of cached keys
 loaded before the PDL wait: here the previous call in the graph is the kernel before) at 64, 128
 and 256 keys per program (and the default launch) for Qwen3-8B's block 1 and 16 at 528 and
-1,040 keys and the demo's verify at 300 keys.
+1,040 keys and the demo's verify at 300 keys; then the q/k norm + RoPE + cache-write kernel
+followed by the attention against both in one kernel (``rope_attention_kernel``).
 Splits timed: 256, 512, 1,024 and one slice of the 4,096-row cache. Each result is
 checked against SDPA with the position mask (max abs error, bf16) and printed as one JSON line
 as it comes, so a timeout loses nothing; ``attn_sweep.json`` in ``--out`` at the end.
@@ -141,10 +142,12 @@ def main(argv=None) -> list[dict]:
 def preload_sweep(args) -> list[dict]:
     """``--cases preload``: each launch with ``preload`` off and on, side by side (one JSON line
     per timing, ``attn_preload.json`` at the end)."""
+    from dflash.backends import rope_cache
     from dflash.backends.split_attention import (
         default_one_slice,
         default_split,
         heads_per_program,
+        rope_attention_kernel,
         split_attention_kernel,
     )
 
@@ -176,6 +179,38 @@ def preload_sweep(args) -> list[dict]:
                 print(json.dumps({"error": f"{type(e).__name__}: {e}"[:200]}), flush=True)
             row = {"layout": layout, "T": t, "filled": filled, "launch": name, "split": split, "block": block,
                    "one_slice": one, "warps": warps, "preload": pre, "us": us, "max_err": err}  # fmt: skip
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        # the norm + RoPE + cache-write kernel then the attention, against both in one kernel
+        # (DFLASH_ATTN_ROPE), at 4 warps; Qwen3-8B's layout with q/k norms
+        nq = h * d
+        qkv = torch.randn(t, nq + 2 * hkv * d, device=dev, generator=g).bfloat16()
+        cos, sin = (torch.randn(1, 1, t, d, device=dev, generator=g).bfloat16() for _ in range(2))
+        w = torch.rand(d, device=dev, generator=g).bfloat16() + 0.5
+        norms = (w, w, 1e-6, 1e-6) if layout == "qwen3-8b" else (None, None, 0.0, 0.0)
+        kc, vc = k.clone(), v.clone()
+
+        def two(split, block, one, pre):
+            q2 = rope_cache._rope_cache_op(qkv, *norms, cos, sin, pos, kc, vc, 0, h, hkv)  # noqa: B023 - this case's
+            return split_attention_kernel(q2, kc, vc, pos, d**-0.5, split, gp, block, 4, 0, one, pre)  # noqa: B023
+
+        def one_kernel(split, block, one, pre):
+            return rope_attention_kernel(qkv, *norms, cos[0, 0], sin[0, 0], pos, kc, vc, h, d**-0.5,  # noqa: B023
+                                         split, gp, block, one, pre, 4)  # noqa: B023  # fmt: skip
+
+        for (name, split, block, one), pre in itertools.product(launches, (False, True)):
+            try:
+                want = two(split, block, one, pre).float()
+                err = (one_kernel(split, block, one, pre).float() - want).abs().max().item()
+                a = (split, block, one, pre)
+                us2 = graph_time_us(lambda a=a: two(*a), replays=20)
+                us1 = graph_time_us(lambda a=a: one_kernel(*a), replays=20)
+            except Exception as e:  # noqa: BLE001
+                err = us1 = us2 = None
+                print(json.dumps({"error": f"{type(e).__name__}: {e}"[:300]}), flush=True)
+            row = {"layout": layout, "T": t, "filled": filled, "launch": name, "split": split, "block": block,
+                   "one_slice": one, "warps": 4, "preload": pre, "rope_then_attention_us": us2,
+                   "rope_attention_us": us1, "max_diff": err}  # fmt: skip
             rows.append(row)
             print(json.dumps(row), flush=True)
     Path(args.out).mkdir(parents=True, exist_ok=True)

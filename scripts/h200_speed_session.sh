@@ -469,12 +469,12 @@ v20b)  # no carry: Qwen3-8B blocks 1,16 per variant (VARS, comma-separated env p
     grep -o '"ms_per_step": [0-9.]*\|"x_block1": [0-9.]*' "/tmp/bb8-$f.log" | tr '\n' ' '; echo
   done
   ;;
-v22a)  # no carry: the attention's preload sweep, then Qwen3-8B blocks 1,16 with and without DFLASH_ATTN_PRELOAD
+v22a)  # no carry: the attention's preload and rope-inside sweep, then Qwen3-8B blocks 1,16 with DFLASH_ATTN_PRELOAD / DFLASH_ATTN_ROPE
   timeout 150 python3 scripts/attn_sweep.py --cases preload --budget-s 100 --out "$OUT" > "$OUT/attn_preload.log" 2>&1
   echo "sweep rc $? at ${SECONDS}s"
   P=DFLASH_ATTN_PRELOAD=1
   TAG=v22 BLOCKS=${BLOCKS:-1,16} STOP=${STOP:-500} \
-    VARS="${VARS:-default $P $P+DFLASH_ATTN_SPLIT=128 $P+DFLASH_ATTN_SPLIT=64 default $P}" bash "$0" v21a
+    VARS="${VARS:-default $P DFLASH_ATTN_ROPE=1 DFLASH_ATTN_ROPE=1+$P default DFLASH_ATTN_ROPE=1+$P}" bash "$0" v21a
   ;;
 v21a)  # no carry: Qwen3-8B, BLOCKS (default 1) per variant; VARS: space-separated, env joined by '+' (values may hold commas)
   for v in ${VARS:-default DFLASH_PREFETCH=16 DFLASH_PREFETCH=32 DFLASH_PREFETCH=16,lines default}; do

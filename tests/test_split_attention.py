@@ -363,11 +363,13 @@ def test_describe_records_split_settings(tiny_target, monkeypatch):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
-@pytest.mark.parametrize("one, pre", [(0, False), (640, False), (0, True), (640, True)])
-def test_kernel_compiles_for_hopper(one, pre):
+@pytest.mark.parametrize("one, pre, rope", [(0, False, False), (640, False, False), (0, True, False),
+                                            (640, True, False), (0, False, True), (640, True, True)])
+def test_kernel_compiles_for_hopper(one, pre, rope):
     """The kernel compiles for sm_90 (the H200) without a GPU, with PDL, with and without the
     one-program span for short filled lengths, with and without the preload before the PDL
-    wait (the interpreter checks the maths)."""
+    wait, with and without the q/k norm + RoPE + cache writes inside (the interpreter checks
+    the maths)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -375,9 +377,11 @@ def test_kernel_compiles_for_hopper(one, pre):
     ints = ("scale_log2", "cap", "s_pos", "s_qh", "s_qt", "s_kh", "s_ks", "s_vh", "s_vs", "s_oh", "s_ot",
             "s_ph", "s_ps", "s_pr", "s_lh", "s_ls")  # fmt: skip
     consts = {"T": 16, "G": 3, "GP": 1, "D": 64, "ROWS": 16, "SPLIT_N": 256, "BLOCK": 128, "IEEE": False,
-              "MERGE": True, "PDL": True, "ONE": one, "PRE": pre, "NSP": 16}  # fmt: skip
+              "MERGE": True, "PDL": True, "ONE": one, "PRE": pre, "NSP": 16, "ROPE": rope, "NORM": rope,
+              "HKV": 3}  # fmt: skip
     sig = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "POS": "*i64", "OUT": "*bf16", "PO": "*fp32", "PL": "*fp32",
-           "CNT": "*i32", **{n: "i32" for n in ints}, **dict.fromkeys(consts, "constexpr")}  # fmt: skip
+           "CNT": "*i32", **{n: "i32" for n in ints}, "COS": "*bf16", "SIN": "*bf16", "QW": "*bf16", "KW": "*bf16",
+           "s_cos": "i32", "eps_q": "fp32", "eps_k": "fp32", **dict.fromkeys(consts, "constexpr")}  # fmt: skip
     sig["scale_log2"] = "fp32"
     src = ASTSource(fn=sa._split_kernel, signature=sig, constexprs=consts)
     try:

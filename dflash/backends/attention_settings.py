@@ -17,6 +17,7 @@ DRAFT_SPLIT_ENV = "DFLASH_DRAFT_ATTN_SPLIT"  # the draft's own, when set (an exp
 BLOCK_ENV = "DFLASH_ATTN_BLOCK"
 ONE_SLICE_ENV = "DFLASH_ATTN_ONE_SLICE"
 PRELOAD_ENV = "DFLASH_ATTN_PRELOAD"
+ROPE_ATTN_ENV = "DFLASH_ATTN_ROPE"
 SPLIT = 256  # keys per program (H200: the fastest at 512, 1,500 and 3,500 keys, both layouts)
 ONE_SLICE = 448  # filled keys up to which one program takes them all, head dims > 64
 ONE_SLICE_SMALL_HEADS = 640  # the same for head dims <= 64
@@ -152,6 +153,20 @@ def preload_setting() -> bool:
     from dflash.errors import env_choice
 
     return env_choice(PRELOAD_ENV, ("0", "1")) == "1"
+
+
+def rope_attention_setting() -> bool:
+    """``DFLASH_ATTN_ROPE``: ``1`` runs the target's q/k norm + RoPE + cache writes inside its
+    attention kernel (:func:`~dflash.backends.rope_cache.rope_attention`: one launch less per
+    layer) where they would run :func:`~dflash.backends.rope_cache.rope_cache`; unset or ``0``:
+    two kernels (the default until measured on a GPU).
+
+    Raises:
+        InputError: another value.
+    """
+    from dflash.errors import env_choice
+
+    return env_choice(ROPE_ATTN_ENV, ("0", "1")) == "1"
 
 
 def heads_per_program(groups: int, rows: int) -> int:

@@ -204,3 +204,62 @@ def rope_cache(qkv: torch.Tensor, q_norm, k_norm, cos: torch.Tensor, sin: torch.
         return _rope_cache_op(qkv, None, None, 0.0, 0.0, cos, sin, pos, kc, vc, tc, heads, kv_heads)
     return _rope_cache_op(qkv, q_norm.weight, k_norm.weight, norm_eps(q_norm), norm_eps(k_norm),
                           cos, sin, pos, kc, vc, tc, heads, kv_heads)  # fmt: skip
+
+
+@torch.library.custom_op("dflash::rope_attention", mutates_args=("kc", "vc"))
+def _rope_attention_op(qkv: torch.Tensor, q_w: torch.Tensor | None, k_w: torch.Tensor | None, eps_q: float,
+                       eps_k: float, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor, kc: torch.Tensor,
+                       vc: torch.Tensor, heads: int, scale: float, split: int, per_program: int, block: int,
+                       one: int, pre: bool) -> torch.Tensor:  # fmt: skip
+    from dflash.backends.split_attention import rope_attention_kernel
+
+    return rope_attention_kernel(qkv, q_w, k_w, eps_q, eps_k, cos[0, 0], sin[0, 0], pos, kc, vc, heads, scale, split,
+                                 per_program, block, one, pre)  # fmt: skip
+
+
+@_rope_attention_op.register_fake
+def _(qkv, q_w, k_w, eps_q, eps_k, cos, sin, pos, kc, vc, heads, scale, split, per_program, block, one, pre):
+    return qkv.new_empty(1, qkv.shape[0], heads, kc.shape[-1]).transpose(1, 2)
+
+
+def rope_attention(qkv: torch.Tensor, q_norm, k_norm, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
+                   kc: torch.Tensor, vc: torch.Tensor, heads: int, kv_heads: int, scale: float) -> torch.Tensor:  # fmt: skip
+    """A target layer's :func:`rope_cache` (no context rows) and its
+    :func:`~dflash.backends.split_attention.split_attention` over the caches, in one kernel
+    (``DFLASH_ATTN_ROPE=1``, :func:`~dflash.backends.attention_settings.rope_attention_setting`;
+    :func:`~dflash.backends.split_attention.rope_attention_kernel`): one launch less per layer.
+
+    Args:
+        qkv: [T, (H + 2 Hkv) * D] the fused qkv projection of T <= 32 rows at consecutive
+            positions (unit last stride).
+        q_norm, k_norm: the layer's q/k RMSNorm modules, or both None.
+        cos, sin: [1, 1, T, D] RoPE tables of the rows; pos: [T] int64 positions.
+        kc, vc: [1, Hkv, S, D] the layer's caches, written at ``pos``.
+        heads, kv_heads: H and Hkv; scale: the softmax scale.
+    Returns:
+        [1, H, T, D] the attention's output (laid out as [1, T, H, D]).
+
+    Raises:
+        InputError: a bad ``DFLASH_ATTN_*`` setting.
+        ValueError: shapes that do not fit.
+    """
+    from dflash.backends.attention_settings import (
+        heads_per_program,
+        iter_keys,
+        one_slice_setting,
+        preload_setting,
+        split_size,
+    )
+    from dflash.backends.split_attention import split_attention_reference
+
+    dim = kc.shape[-1]
+    split, one = split_size(kc.shape[2], head_dim=dim), one_slice_setting(head_dim=dim)
+    if triton is None or (qkv.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1"):
+        q = rope_cache_reference(qkv, q_norm, k_norm, cos, sin, pos, kc, vc, 0, heads, kv_heads)
+        return split_attention_reference(q, kc, vc, pos, scale, split, one)
+    # the kernel before (the qkv projection) writes no cache row: the preload may take every cached one
+    args = (cos, sin, pos, kc, vc, heads, float(scale), split, heads_per_program(heads // kv_heads, qkv.shape[0]),
+            iter_keys(), one, preload_setting())  # fmt: skip
+    if q_norm is None:
+        return _rope_attention_op(qkv, None, None, 0.0, 0.0, *args)
+    return _rope_attention_op(qkv, q_norm.weight, k_norm.weight, norm_eps(q_norm), norm_eps(k_norm), *args)

@@ -44,6 +44,7 @@ from dflash.backends.attention_settings import (  # noqa: F401 - re-exported
     ONE_SLICE_ENV,
     ONE_SLICE_SMALL_HEADS,
     PRELOAD_ENV,
+    ROPE_ATTN_ENV,
     SPLIT,
     SPLIT_ENV,
     SPLIT_MAX_ROWS,
@@ -53,6 +54,7 @@ from dflash.backends.attention_settings import (  # noqa: F401 - re-exported
     iter_keys,
     one_slice_setting,
     preload_setting,
+    rope_attention_setting,
     split_setting,
     split_size,
     uses_kernel,
@@ -127,12 +129,50 @@ if triton is not None:
         return m_new, l_i, acc
 
     @triton.jit
+    def _rope_rows(X, off, W, COS, SIN, crow, s_cos, d, live, eps, D: tl.constexpr, NORM: tl.constexpr):
+        """Rows [R, D] at X + off[r]: RMSNorm (weight W; NORM) then half-split RoPE with the
+        cos/sin table rows ``crow``, in float32, rounded where :mod:`~dflash.backends.rope_cache`'s
+        kernel rounds."""
+        dt = X.dtype.element_ty
+        dr = (d + D // 2) % D  # the other half's column
+        x = tl.load(X + off[:, None] + d[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+        xr = tl.load(X + off[:, None] + dr[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+        if NORM:
+            rs = tl.math.rsqrt(tl.sum(x * x, 1) / D + eps)
+            x = ((x * rs[:, None]).to(dt).to(tl.float32) * tl.load(W + d).to(tl.float32)[None, :]).to(dt)
+            xr = ((xr * rs[:, None]).to(dt).to(tl.float32) * tl.load(W + dr).to(tl.float32)[None, :]).to(dt)
+            x, xr = x.to(tl.float32), xr.to(tl.float32)
+        c = tl.load(COS + crow[:, None] * s_cos + d[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+        s = tl.load(SIN + crow[:, None] * s_cos + d[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+        return x * c + tl.where((d < D // 2)[None, :], -xr, xr) * s
+
+    @triton.jit
+    def _fresh_kv(k, v, n, fresh, pos0, QKV, COS, SIN, KW, K, V, kvh, s_row, s_cos, s_kh, s_ks, s_vh, s_vs,
+                  eps_k, d, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, NORM: tl.constexpr):  # fmt: skip
+        """The tile's rows at positions n that this call writes (``fresh``: qkv row n - pos0, the
+        positions consecutive): keys normed and rotated, values as they are, written into the
+        caches and put into the tile (k [D, BLOCK], v [BLOCK, D])."""
+        j = tl.where(fresh, n - pos0, 0)
+        kn = _rope_rows(QKV, j * s_row + (H + kvh) * D, KW, COS, SIN, j, s_cos, d, fresh, eps_k, D, NORM)
+        kn = kn.to(K.dtype.element_ty)
+        vn = tl.load(QKV + j[:, None] * s_row + (H + HKV + kvh) * D + d[None, :], mask=fresh[:, None], other=0.0)
+        vn = vn.to(V.dtype.element_ty)
+        tl.store(K + kvh * s_kh + n[:, None] * s_ks + d[None, :], kn, mask=fresh[:, None])
+        tl.store(V + kvh * s_vh + n[:, None] * s_vs + d[None, :], vn, mask=fresh[:, None])
+        return tl.where(fresh[None, :], tl.trans(kn), k), tl.where(fresh[:, None], vn, v)
+
+    @triton.jit
     def _split_kernel(Q, K, V, POS, OUT, PO, PL, CNT, scale_log2, cap, s_pos,
                       s_qh, s_qt, s_kh, s_ks, s_vh, s_vs, s_oh, s_ot, s_ph, s_ps, s_pr, s_lh, s_ls,
+                      COS, SIN, QW, KW, s_cos, eps_q, eps_k,
                       T: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                       ROWS: tl.constexpr, SPLIT_N: tl.constexpr, BLOCK: tl.constexpr,
                       IEEE: tl.constexpr, MERGE: tl.constexpr, PDL: tl.constexpr,
-                      ONE: tl.constexpr, PRE: tl.constexpr, NSP: tl.constexpr):  # fmt: skip
+                      ONE: tl.constexpr, PRE: tl.constexpr, NSP: tl.constexpr,
+                      ROPE: tl.constexpr, NORM: tl.constexpr, HKV: tl.constexpr):  # fmt: skip
+        # ROPE: Q is the fused qkv projection [T, (G*HKV + 2*HKV) * D] (row stride s_qt) of rows at
+        # consecutive positions: this kernel norms and rotates the queries and the new keys and
+        # writes the new rows into the caches (rope_cache's work), instead of a kernel before it
         unit = tl.program_id(0)  # GP query heads of one KV head: G // GP units per KV head
         kvh = unit // (G // GP)
         sp = tl.program_id(1)
@@ -144,7 +184,7 @@ if triton is not None:
         if PRE:  # before the PDL wait: the positions and the first tile of the keys already cached
             qpos = tl.load(POS + t * s_pos, mask=live, other=-1)
             filled = tl.minimum(tl.load(POS + (T - 1) * s_pos) + 1, cap)
-            pos0 = tl.load(POS)  # the kernel just before writes the rows at positions >= this one
+            pos0 = tl.load(POS)  # rows at positions >= pos0 are (being) written by this forward
             if ONE > SPLIT_N:
                 span = tl.where(filled <= ONE, ONE, SPLIT_N)
             else:
@@ -162,6 +202,7 @@ if triton is not None:
             # keys at positions < filled exist; clamped so that a position past the cache can never
             # leave a slice counter unreset (every slice counted then exists)
             filled = tl.minimum(tl.load(POS + (T - 1) * s_pos) + 1, cap)
+            pos0 = tl.load(POS)
             if ONE > SPLIT_N:  # up to ONE filled keys the first program takes them all (no merge)
                 span = tl.where(filled <= ONE, ONE, SPLIT_N)
             else:
@@ -172,25 +213,43 @@ if triton is not None:
             m_i = tl.full([ROWS], float("-inf"), tl.float32)
             l_i = tl.zeros([ROWS], tl.float32)
             acc = tl.zeros([ROWS, D], tl.float32)
-            q = tl.load(Q + (kvh * G + g)[:, None] * s_qh + t[:, None] * s_qt + d[None, :],
-                        mask=live[:, None], other=0.0)  # fmt: skip
+            if ROPE:
+                q = _rope_rows(Q, t * s_qt + (kvh * G + g) * D, QW, COS, SIN, t, s_cos, d, live, eps_q, D, NORM)
+                q = q.to(Q.dtype.element_ty)
+            else:
+                q = tl.load(Q + (kvh * G + g)[:, None] * s_qh + t[:, None] * s_qt + d[None, :],
+                            mask=live[:, None], other=0.0)  # fmt: skip
             hi = tl.minimum(lo + span, filled)
             first = lo
             if PRE:  # the first tile: the cached rows from before the wait, the fresh rows now
                 fresh = (n0 >= pos0) & (n0 < filled)
-                k1 = tl.load(K + kvh * s_kh + n0[None, :] * s_ks + d[:, None], mask=fresh[None, :], other=0.0)
-                v1 = tl.load(V + kvh * s_vh + n0[:, None] * s_vs + d[None, :], mask=fresh[:, None], other=0.0)
-                m_i, l_i, acc = _tile(q, tl.where(old[None, :], k0, k1), tl.where(old[:, None], v0, v1), n0, qpos,
-                                      m_i, l_i, acc, scale_log2, IEEE)  # fmt: skip
+                if ROPE:
+                    k, v = k0, v0
+                    if lo + BLOCK > pos0:
+                        k, v = _fresh_kv(k, v, n0, fresh, pos0, Q, COS, SIN, KW, K, V, kvh, s_qt, s_cos,
+                                         s_kh, s_ks, s_vh, s_vs, eps_k, d, G * HKV, HKV, D, NORM)  # fmt: skip
+                else:
+                    k1 = tl.load(K + kvh * s_kh + n0[None, :] * s_ks + d[:, None], mask=fresh[None, :], other=0.0)
+                    v1 = tl.load(V + kvh * s_vh + n0[:, None] * s_vs + d[None, :], mask=fresh[:, None], other=0.0)
+                    k, v = tl.where(old[None, :], k0, k1), tl.where(old[:, None], v0, v1)
+                m_i, l_i, acc = _tile(q, k, v, n0, qpos, m_i, l_i, acc, scale_log2, IEEE)
                 first = lo + BLOCK
             for start in range(first, hi, BLOCK):
                 n = start + tl.arange(0, BLOCK)
                 inside = n < filled  # rows past the filled length are never read
+                if ROPE:
+                    cached = inside & (n < pos0)
+                else:
+                    cached = inside
                 # keys and values loaded together, before the scores: both in flight at once
-                k = tl.load(K + kvh * s_kh + n[None, :] * s_ks + d[:, None], mask=inside[None, :],
+                k = tl.load(K + kvh * s_kh + n[None, :] * s_ks + d[:, None], mask=cached[None, :],
                             other=0.0)  # [D, BLOCK]  # fmt: skip
-                v = tl.load(V + kvh * s_vh + n[:, None] * s_vs + d[None, :], mask=inside[:, None],
+                v = tl.load(V + kvh * s_vh + n[:, None] * s_vs + d[None, :], mask=cached[:, None],
                             other=0.0)  # [BLOCK, D]  # fmt: skip
+                if ROPE:
+                    if start + BLOCK > pos0:
+                        k, v = _fresh_kv(k, v, n, inside & (n >= pos0), pos0, Q, COS, SIN, KW, K, V, kvh, s_qt,
+                                         s_cos, s_kh, s_ks, s_vh, s_vs, eps_k, d, G * HKV, HKV, D, NORM)  # fmt: skip
                 m_i, l_i, acc = _tile(q, k, v, n, qpos, m_i, l_i, acc, scale_log2, IEEE)
             l_safe = tl.where(l_i == 0.0, 1.0, l_i)
             if MERGE:  # the capacity holds several slices (a constexpr: no merge code otherwise)
@@ -299,37 +358,84 @@ def split_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
     kernel before it finishes, but it waits for that kernel before any memory access.
     """
     _, h, t, dim = q.shape
-    hkv, cap = k.shape[1], k.shape[2]
+    if pos.dim() != 1 or pos.shape[0] not in (1, t):
+        raise ValueError(f"split_attention: positions {tuple(pos.shape)} for {t} query rows (want [{t}] or [1])")
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    return _launch(q, h, t, q.stride(1), q.stride(2), k, v, pos, scale, split, heads_per_program, block,
+                   warps, stages, one_slice, preload, None)  # fmt: skip
+
+
+def _launch(src, h, t, s_qh, s_qt, k, v, pos, scale, split, heads_per_program, block, warps, stages,
+            one_slice, preload, rope) -> torch.Tensor:  # fmt: skip
+    """Launch :func:`_split_kernel` on queries ``src`` (or, with ``rope`` = (q_w, k_w, eps_q,
+    eps_k, cos [T, D], sin [T, D]), on the fused qkv projection ``src``)."""
+    hkv, cap, dim = k.shape[1], k.shape[2], k.shape[3]
     if split <= 0 or cap % split:
         raise ValueError(f"split_attention: {split} keys per program do not tile a capacity of {cap}")
     groups, nsplit = h // hkv, cap // split
     gp = math.gcd(heads_per_program, groups) if heads_per_program > 0 else groups  # 0: all G
     units, rows = hkv * (groups // gp), _rows(gp, t)  # programs per slice, rows per program
-    if pos.dim() != 1 or pos.shape[0] not in (1, t):
-        raise ValueError(f"split_attention: positions {tuple(pos.shape)} for {t} query rows (want [{t}] or [1])")
-    q = q if q.stride(-1) == 1 else q.contiguous()
     k, v = k.contiguous(), v.contiguous()  # no-ops for the caches
     s_pos = 0 if pos.shape[0] == 1 else pos.stride(0)  # [1]: every row reads the one position
-    out = _out_like(q)
-    pdl = pdl_enabled(q.device)
-    po = torch.empty(units, nsplit, rows, dim, dtype=torch.float32, device=q.device)
-    pl = torch.empty(units, nsplit, rows, dtype=torch.float32, device=q.device)
+    out = src.new_empty(1, t, h, dim).transpose(1, 2)  # [1, H, T, D] laid out as [1, T, H, D]
+    pdl = pdl_enabled(src.device)
+    po = torch.empty(units, nsplit, rows, dim, dtype=torch.float32, device=src.device)
+    pl = torch.empty(units, nsplit, rows, dtype=torch.float32, device=src.device)
     tune = {k: v for k, v in (("num_warps", warps), ("num_stages", stages)) if v}
     nsp = triton.next_power_of_2(nsplit)  # the merge loads every slice's log-sum-exps at once
     blk = 1 << (min(block or ITER_KEYS, split).bit_length() - 1)  # a power of two (tl.arange)
     while split % blk:  # the iterations must tile each slice (a multiple of 64)
         blk //= 2
+    q_w, k_w, eps_q, eps_k, cos, sin = rope if rope is not None else (None, None, 0.0, 0.0, src, src)
+    norm = q_w is not None
     _split_kernel[(units, nsplit)](
-        q, k, v, pos, out, po, pl, _counters(q.device, units), scale * math.log2(math.e), cap, s_pos,
-        q.stride(1), q.stride(2), k.stride(1), k.stride(2), v.stride(1), v.stride(2),
+        src, k, v, pos, out, po, pl, _counters(src.device, units), scale * math.log2(math.e), cap, s_pos,
+        s_qh, s_qt, k.stride(1), k.stride(2), v.stride(1), v.stride(2),
         out.stride(1), out.stride(2), po.stride(0), po.stride(1), po.stride(2),
-        pl.stride(0), pl.stride(1),
+        pl.stride(0), pl.stride(1), cos, sin, q_w if norm else src, k_w if norm else src,
+        cos.stride(0), eps_q, eps_k,
         T=t, G=groups, GP=gp, D=dim, ROWS=rows, SPLIT_N=split, BLOCK=blk,
-        IEEE=q.dtype == torch.float32, MERGE=nsplit > 1, PDL=pdl, ONE=one_slice if nsplit > 1 else 0,
-        PRE=preload, NSP=nsp, **({"launch_pdl": True} if pdl else {}),
-        **tune,
+        IEEE=src.dtype == torch.float32, MERGE=nsplit > 1, PDL=pdl, ONE=one_slice if nsplit > 1 else 0,
+        PRE=preload, NSP=nsp, ROPE=rope is not None, NORM=norm, HKV=hkv,
+        **({"launch_pdl": True} if pdl else {}), **tune,
     )  # fmt: skip
     return out
+
+
+def rope_attention_kernel(qkv: torch.Tensor, q_w: torch.Tensor | None, k_w: torch.Tensor | None, eps_q: float,
+                          eps_k: float, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor, k: torch.Tensor,
+                          v: torch.Tensor, heads: int, scale: float, split: int, heads_per_program: int = 0,
+                          block: int = 0, one_slice: int = 0, preload: bool = False, warps: int = 0,
+                          stages: int = 0) -> torch.Tensor:  # fmt: skip
+    """The q/k norm, RoPE and K/V cache writes of :func:`~dflash.backends.rope_cache.rope_cache`
+    (no context rows) and :func:`split_attention_kernel` in one launch: each program norms and
+    rotates its query rows, and the programs whose keys include this call's rows compute those
+    keys, write them and the values into the caches and attend to them (programs of one KV head
+    with other query heads write the same values).
+
+    Args:
+        qkv: [T, (H + 2 Hkv) * D] the fused qkv projection (unit last stride), T <= 32 rows at
+            consecutive positions pos[0], pos[0] + 1, ... (the target's forwards).
+        q_w, k_w: the q/k RMSNorm weights [D] (Qwen3), or both None; eps_q, eps_k their epsilons.
+        cos, sin: [T, D] RoPE tables of the rows (unit last stride, same strides).
+        pos: [T] int64 positions; k, v: [1, Hkv, S, D] caches, written at ``pos``.
+        heads: H; scale, split, heads_per_program, block, one_slice, preload, warps, stages: as
+            :func:`split_attention_kernel` (``preload``: the kernel before writes no cache row).
+    Returns:
+        [1, H, T, D] in qkv's dtype (laid out as [1, T, H, D]).
+
+    Raises:
+        ValueError: shapes or strides that do not fit, or as :func:`split_attention_kernel`.
+    """
+    t, width = qkv.shape
+    hkv, dim = k.shape[1], k.shape[3]
+    if width != (heads + 2 * hkv) * dim or qkv.stride(1) != 1 or cos.shape != (t, dim) or cos.stride(-1) != 1 \
+            or sin.stride() != cos.stride() or pos.shape != (t,) or v.shape != k.shape:
+        raise ValueError(f"rope_attention: qkv {tuple(qkv.shape)} (strides {qkv.stride()}) does not fit {heads} + 2 x "
+                         f"{hkv} heads of {dim}, cos/sin {tuple(cos.shape)}, positions {tuple(pos.shape)}, caches "
+                         f"{tuple(k.shape)} / {tuple(v.shape)}")  # fmt: skip
+    return _launch(qkv, heads, t, dim, qkv.stride(0), k, v, pos, scale, split, heads_per_program, block, warps,
+                   stages, one_slice, preload, (q_w, k_w, eps_q, eps_k, cos, sin))  # fmt: skip
 
 
 def merge_partials(o: torch.Tensor, lse: torch.Tensor, heads: int, t: int, dtype) -> torch.Tensor:
