@@ -9,11 +9,6 @@ launch overhead excluded) for each keys-per-program split, query heads per progr
 inner iteration and num_warps, then num_stages for the best of each case. The 16-row draft call
 (``non_causal``) gives every row the block's last position, as the draft does.
 ``--cases long`` times 1,500 and 3,500 keys instead (64/128 keys per iteration, 4/8 warps).
-``--cases preload`` times the kernel with and without ``preload`` (the first tile of cached keys
-loaded before the PDL wait: here the previous call in the graph is the kernel before) at 64, 128
-and 256 keys per program (and the default launch) for Qwen3-8B's block 1 and 16 at 528 and
-1,040 keys and the demo's verify at 300 keys; then the q/k norm + RoPE + cache-write kernel
-followed by the attention against both in one kernel (``rope_attention_kernel``).
 Splits timed: 256, 512, 1,024 and one slice of the 4,096-row cache. Each result is
 checked against SDPA with the position mask (max abs error, bf16) and printed as one JSON line
 as it comes, so a timeout loses nothing; ``attn_sweep.json`` in ``--out`` at the end.
@@ -71,10 +66,8 @@ def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--budget-s", type=float, default=240.0, help="stop starting new cases after this")
-    ap.add_argument("--cases", choices=("short", "long", "preload"), default="short")
+    ap.add_argument("--cases", choices=("short", "long"), default="short")
     args = ap.parse_args(argv)
-    if args.cases == "preload":
-        return preload_sweep(args)
     dev, t0, rows = torch.device("cuda"), time.time(), []
     for layout, t, filled, non_causal in cases(args.cases):
         if time.time() - t0 > args.budget_s:
@@ -136,85 +129,6 @@ def main(argv=None) -> list[dict]:
                           "new_default_us": new_us, "best": best}), flush=True)  # fmt: skip
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "attn_sweep.json").write_text(json.dumps(rows, indent=1))
-    return rows
-
-
-def preload_sweep(args) -> list[dict]:
-    """``--cases preload``: each launch with ``preload`` off and on, side by side (one JSON line
-    per timing, ``attn_preload.json`` at the end)."""
-    from dflash.backends import rope_cache
-    from dflash.backends.split_attention import (
-        default_one_slice,
-        default_split,
-        heads_per_program,
-        rope_attention_kernel,
-        split_attention_kernel,
-    )
-
-    dev, t0, rows = torch.device("cuda"), time.time(), []
-    for layout, t, filled in (("qwen3-8b", 1, 528), ("qwen3-8b", 1, 1040), ("qwen3-8b", 16, 528),
-                              ("smollm2", 1, 300), ("smollm2", 16, 300)):  # fmt: skip
-        if time.time() - t0 > args.budget_s:
-            print(json.dumps({"skipped": [layout, t, filled]}), flush=True)
-            continue
-        h, hkv, d = LAYOUTS[layout]
-        g = torch.Generator(device=dev).manual_seed(0)
-        q = torch.randn(1, t, h, d, device=dev, generator=g).bfloat16().transpose(1, 2)
-        k, v = (torch.randn(1, hkv, CAPACITY, d, device=dev, generator=g).bfloat16() for _ in range(2))
-        pos = torch.arange(filled - t, filled, device=dev)
-        mask = (torch.arange(CAPACITY, device=dev)[None, :] <= pos[:, None])[None, None]
-        ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, scale=d**-0.5,
-                                             enable_gqa=True)  # fmt: skip
-        gp = heads_per_program(h // hkv, t)
-        launches = [("default", min(default_split(d), CAPACITY), 128, default_one_slice(d))]
-        launches += [(f"split{n}", n, min(n, 128), 0) for n in (64, 128, 256)]
-        for (name, split, block, one), warps, pre in itertools.product(launches, (4, 8), (False, True)):
-            a = (q, k, v, pos, d**-0.5, split, gp, block, warps, 0)
-            kw = {"one_slice": one, "preload": pre}
-            try:
-                err = (split_attention_kernel(*a, **kw).float() - ref).abs().max().item()
-                us = graph_time_us(lambda a=a, kw=kw: split_attention_kernel(*a, **kw), replays=20)
-            except Exception as e:  # noqa: BLE001 - a setting that does not compile is a result too
-                err, us = None, None
-                print(json.dumps({"error": f"{type(e).__name__}: {e}"[:200]}), flush=True)
-            row = {"layout": layout, "T": t, "filled": filled, "launch": name, "split": split, "block": block,
-                   "one_slice": one, "warps": warps, "preload": pre, "us": us, "max_err": err}  # fmt: skip
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-        # the norm + RoPE + cache-write kernel then the attention, against both in one kernel
-        # (DFLASH_ATTN_ROPE), at 4 warps; Qwen3-8B's layout with q/k norms
-        nq = h * d
-        qkv = torch.randn(t, nq + 2 * hkv * d, device=dev, generator=g).bfloat16()
-        cos, sin = (torch.randn(1, 1, t, d, device=dev, generator=g).bfloat16() for _ in range(2))
-        w = torch.rand(d, device=dev, generator=g).bfloat16() + 0.5
-        norms = (w, w, 1e-6, 1e-6) if layout == "qwen3-8b" else (None, None, 0.0, 0.0)
-        kc, vc = k.clone(), v.clone()
-
-        def two(split, block, one, pre):
-            q2 = rope_cache._rope_cache_op(qkv, *norms, cos, sin, pos, kc, vc, 0, h, hkv)  # noqa: B023 - this case's
-            return split_attention_kernel(q2, kc, vc, pos, d**-0.5, split, gp, block, 4, 0, one, pre)  # noqa: B023
-
-        def one_kernel(split, block, one, pre):
-            return rope_attention_kernel(qkv, *norms, cos[0, 0], sin[0, 0], pos, kc, vc, h, d**-0.5,  # noqa: B023
-                                         split, gp, block, one, pre, 4)  # noqa: B023  # fmt: skip
-
-        for (name, split, block, one), pre in itertools.product(launches, (False, True)):
-            try:
-                want = two(split, block, one, pre).float()
-                err = (one_kernel(split, block, one, pre).float() - want).abs().max().item()
-                a = (split, block, one, pre)
-                us2 = graph_time_us(lambda a=a: two(*a), replays=20)
-                us1 = graph_time_us(lambda a=a: one_kernel(*a), replays=20)
-            except Exception as e:  # noqa: BLE001
-                err = us1 = us2 = None
-                print(json.dumps({"error": f"{type(e).__name__}: {e}"[:300]}), flush=True)
-            row = {"layout": layout, "T": t, "filled": filled, "launch": name, "split": split, "block": block,
-                   "one_slice": one, "warps": 4, "preload": pre, "rope_then_attention_us": us2,
-                   "rope_attention_us": us1, "max_diff": err}  # fmt: skip
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "attn_preload.json").write_text(json.dumps(rows, indent=1))
     return rows
 
 

@@ -279,7 +279,7 @@ def main(argv: list[str] | None = None) -> dict:
               "cuda_graphs": be.use_graphs, "device_loop": be.device_loop is not None,
               "queue_ahead": be.device_loop.ahead if be.device_loop is not None else None,
               "attention": be.attention, "attn_split": desc.get("attn_split"), "attn_one_slice": desc.get("attn_one_slice"),
-              "attn_block": desc.get("attn_block"), "attn_preload": desc.get("attn_preload"),
+              "attn_block": desc.get("attn_block"),
               "linear": be.linear, "linear_in": desc.get("linear_in"), "glu": desc.get("glu"),
               "fuse_norm": desc.get("fuse_norm"), "fuse_norm_form": desc.get("fuse_norm_form"), "compile_glue": os.environ.get("DFLASH_COMPILE_GLUE", "1"),
               "pdl": os.environ.get("DFLASH_PDL", "") or "default (1)",

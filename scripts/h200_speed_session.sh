@@ -469,13 +469,6 @@ v20b)  # no carry: Qwen3-8B blocks 1,16 per variant (VARS, comma-separated env p
     grep -o '"ms_per_step": [0-9.]*\|"x_block1": [0-9.]*' "/tmp/bb8-$f.log" | tr '\n' ' '; echo
   done
   ;;
-v22a)  # no carry: the attention's preload and rope-inside sweep, then Qwen3-8B blocks 1,16 with DFLASH_ATTN_PRELOAD / DFLASH_ATTN_ROPE
-  timeout 150 python3 scripts/attn_sweep.py --cases preload --budget-s 100 --out "$OUT" > "$OUT/attn_preload.log" 2>&1
-  echo "sweep rc $? at ${SECONDS}s"
-  P=DFLASH_ATTN_PRELOAD=1
-  TAG=v22 BLOCKS=${BLOCKS:-1,16} STOP=${STOP:-500} \
-    VARS="${VARS:-default $P DFLASH_ATTN_ROPE=1 DFLASH_ATTN_ROPE=1+$P default DFLASH_ATTN_ROPE=1+$P}" bash "$0" v21a
-  ;;
 v21a)  # no carry: Qwen3-8B, BLOCKS (default 1) per variant; VARS: space-separated, env joined by '+' (values may hold commas)
   for v in ${VARS:-default DFLASH_PREFETCH=16 DFLASH_PREFETCH=32 DFLASH_PREFETCH=16,lines default}; do
     [ "$SECONDS" -gt "${STOP:-480}" ] && { echo "skip $v at ${SECONDS}s"; continue; }
@@ -483,8 +476,8 @@ v21a)  # no carry: Qwen3-8B, BLOCKS (default 1) per variant; VARS: space-separat
     rm -rf "/tmp/bb8-$f"
     "${E[@]}" timeout 150 python3 scripts/bench_big.py --shape qwen3-8b --blocks "${BLOCKS:-1}" --steps 16 \
       --out "/tmp/bb8-$f" > "/tmp/bb8-$f.log" 2>&1; echo "8b $v rc $? at ${SECONDS}s"
-    n=1; while [ -e "$OUT/bench_big-q8b-${TAG:-v21}-$f-$n.json" ]; do n=$((n+1)); done
-    cp "/tmp/bb8-$f/bench_big.json" "$OUT/bench_big-q8b-${TAG:-v21}-$f-$n.json"
+    n=1; while [ -e "$OUT/bench_big-q8b-v21-$f-$n.json" ]; do n=$((n+1)); done
+    cp "/tmp/bb8-$f/bench_big.json" "$OUT/bench_big-q8b-v21-$f-$n.json"
     grep -o '"ms_per_step": [0-9.]*\|"x_floor": [0-9.]*' "/tmp/bb8-$f.log" | tr '\n' ' '; echo
   done
   ;;

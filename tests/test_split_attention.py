@@ -261,24 +261,6 @@ KERNEL_CHECK = textwrap.dedent("""
             assert torch.equal(got, want), (shape, limit)
             assert int(sa._COUNTERS[("cpu", None)].abs().sum()) == 0
         assert (one - masked_sdpa(q, k, v, pos, 0.1)).abs().max().item() < 1e-5
-    # preload (the first tile's rows below pos[0] loaded apart from the rows at and after it):
-    # bitwise the plain launch, in one slice, in slices, with the one-program span, and with
-    # pos[0] in the first tile of a slice, in a later one, or at its start
-    for shape in ((9, 3, 16, 64, 512, 100), (8, 2, 1, 32, 512, 299), (8, 2, 4, 32, 256, 60),
-                  (8, 2, 1, 32, 256, 127), (4, 2, 1, 16, 256, 0)):
-        q, k, v, pos = _inputs(*shape)
-        for split, heads, block, one in ((64, 1, 64, 0), (128, 0, 64, 0), (512, 1, 128, 0), (64, 1, 64, 448),
-                                         (128, 1, 128, 0)):
-            split = min(split, k.shape[2])
-            plain = sa.split_attention_kernel(q, k, v, pos, 0.1, split, heads, block, one_slice=one)
-            pre = sa.split_attention_kernel(q, k, v, pos, 0.1, split, heads, block, one_slice=one, preload=True)
-            assert torch.equal(pre, plain), (shape, split, heads, block, one)
-            assert int(sa._COUNTERS[("cpu", None)].abs().sum()) == 0
-        assert (plain - masked_sdpa(q, k, v, pos, 0.1)).abs().max().item() < 1e-5
-    os.environ["DFLASH_ATTN_PRELOAD"] = "1"  # the static forwards with it: plain greedy tokens
-    from tests.test_split_attention import assert_static_greedy
-    assert_static_greedy(4, attention="split")
-    del os.environ["DFLASH_ATTN_PRELOAD"]
     q, k, v, pos = _inputs(8, 2, 4, 32, 384, 300)  # 192 keys per program: 64 per iteration
     err = (sa.split_attention_kernel(q, k, v, pos, 0.1, 192, 1, 128) - masked_sdpa(q, k, v, pos, 0.1)).abs().max()
     assert err.item() < 1e-5, err
@@ -363,13 +345,10 @@ def test_describe_records_split_settings(tiny_target, monkeypatch):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
-@pytest.mark.parametrize("one, pre, rope", [(0, False, False), (640, False, False), (0, True, False),
-                                            (640, True, False), (0, False, True), (640, True, True)])
-def test_kernel_compiles_for_hopper(one, pre, rope):
+@pytest.mark.parametrize("one", [0, 640])
+def test_kernel_compiles_for_hopper(one):
     """The kernel compiles for sm_90 (the H200) without a GPU, with PDL, with and without the
-    one-program span for short filled lengths, with and without the preload before the PDL
-    wait, with and without the q/k norm + RoPE + cache writes inside (the interpreter checks
-    the maths)."""
+    one-program span for short filled lengths (the interpreter checks the maths)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -377,18 +356,13 @@ def test_kernel_compiles_for_hopper(one, pre, rope):
     ints = ("scale_log2", "cap", "s_pos", "s_qh", "s_qt", "s_kh", "s_ks", "s_vh", "s_vs", "s_oh", "s_ot",
             "s_ph", "s_ps", "s_pr", "s_lh", "s_ls")  # fmt: skip
     consts = {"T": 16, "G": 3, "GP": 1, "D": 64, "ROWS": 16, "SPLIT_N": 256, "BLOCK": 128, "IEEE": False,
-              "MERGE": True, "PDL": True, "ONE": one, "PRE": pre, "NSP": 16, "ROPE": rope, "NORM": rope,
-              "HKV": 3}  # fmt: skip
+              "MERGE": True, "PDL": True, "ONE": one}  # fmt: skip
     sig = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "POS": "*i64", "OUT": "*bf16", "PO": "*fp32", "PL": "*fp32",
-           "CNT": "*i32", **{n: "i32" for n in ints}, "COS": "*bf16", "SIN": "*bf16", "QW": "*bf16", "KW": "*bf16",
-           "s_cos": "i32", "eps_q": "fp32", "eps_k": "fp32", **dict.fromkeys(consts, "constexpr")}  # fmt: skip
+           "CNT": "*i32", **{n: "i32" for n in ints}, **dict.fromkeys(consts, "constexpr")}  # fmt: skip
     sig["scale_log2"] = "fp32"
     src = ASTSource(fn=sa._split_kernel, signature=sig, constexprs=consts)
     try:
         kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 2})
     except RuntimeError as e:  # no ptxas in this Triton install
         pytest.skip(f"cannot compile for sm_90 here: {e}")
-    ptx = kernel.asm["ptx"]
-    assert "griddepcontrol.wait" in ptx
-    if pre:  # the preload's loads come before the wait
-        assert ptx.index("ld.global") < ptx.index("griddepcontrol.wait")
+    assert "griddepcontrol.wait" in kernel.asm["ptx"]

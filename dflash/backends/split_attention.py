@@ -34,32 +34,19 @@ import os
 
 import torch
 
-from dflash.backends.attention_settings import (  # noqa: F401 - re-exported
-    ATTN_ENV,
-    BLOCK_ENV,
-    BLOCK_N,
-    DRAFT_SPLIT_ENV,
-    ITER_KEYS,
-    ONE_SLICE,
-    ONE_SLICE_ENV,
-    ONE_SLICE_SMALL_HEADS,
-    PRELOAD_ENV,
-    ROPE_ATTN_ENV,
-    SPLIT,
-    SPLIT_ENV,
-    SPLIT_MAX_ROWS,
-    default_one_slice,
-    default_split,
-    heads_per_program,
-    iter_keys,
-    one_slice_setting,
-    preload_setting,
-    rope_attention_setting,
-    split_setting,
-    split_size,
-    uses_kernel,
-)
 from dflash.backends.pdl import pdl_enabled
+
+ATTN_ENV = "DFLASH_ATTN"
+SPLIT_ENV = "DFLASH_ATTN_SPLIT"
+DRAFT_SPLIT_ENV = "DFLASH_DRAFT_ATTN_SPLIT"  # the draft's own, when set (an experiment)
+BLOCK_ENV = "DFLASH_ATTN_BLOCK"
+ONE_SLICE_ENV = "DFLASH_ATTN_ONE_SLICE"
+SPLIT = 256  # keys per program (H200: the fastest at 512, 1,500 and 3,500 keys, both layouts)
+ONE_SLICE = 448  # filled keys up to which one program takes them all, head dims > 64
+ONE_SLICE_SMALL_HEADS = 640  # the same for head dims <= 64
+SPLIT_MAX_ROWS = 32  # query rows (T) the kernel takes; prefill and longer forwards use SDPA
+BLOCK_N = 64  # granularity of the split sizes (keys)
+ITER_KEYS = 128  # keys per inner iteration (default; was 64 before the sixteenth session)
 
 try:  # Triton ships with CUDA builds of torch; CPU installs usually lack it
     import triton
@@ -99,6 +86,135 @@ def attention_mode(device: torch.device, dtype: torch.dtype | None = None) -> st
     return raw
 
 
+def uses_kernel(mode: str, rows: int) -> bool:
+    """Whether a static forward of ``rows`` query rows runs the split kernel under ``mode``
+    (:func:`attention_mode`): every forward of up to ``SPLIT_MAX_ROWS`` rows unless ``sdpa``."""
+    return rows <= SPLIT_MAX_ROWS and mode != "sdpa"
+
+
+def default_split(head_dim: int | None = None) -> int:
+    """Keys per program when ``DFLASH_ATTN_SPLIT`` is unset: :data:`SPLIT` (256) for every
+    head dim; short filled lengths take one program (:func:`default_one_slice`).
+
+    Measured on the H200 (``scripts/attn_sweep.py``, bf16, 2026-12-02, ``attn_sweep.json`` in
+    ``h200-v16`` and ``h200-v17``): 256 keys per program was the fastest split at 1,500 and
+    3,500 keys for both layouts (the demo's at 1,500 keys, one row: 6.7 us against 11.0 with
+    1,024 and 8.0 with 512; Qwen3-8B's: 8.7 against 15.8 and 10.8) and at 512 keys for
+    Qwen3-8B's (7.4 against 7.7 us in one slice).
+    """
+    return SPLIT
+
+
+def default_one_slice(head_dim: int | None) -> int:
+    """Filled keys up to which one program takes them all when neither ``DFLASH_ATTN_SPLIT``
+    nor ``DFLASH_ATTN_ONE_SLICE`` is set: 640 for head dims <= 64, 448 above (None: 448).
+
+    In one launch (H200, ``scripts/attn_sweep.py``, 2026-12-02) merging slices costs about 1.9
+    us (the demo's layout) to 2.4 us (Qwen3-8B's), and one more inner iteration of 128 keys
+    0.77 us (head dim 64, 3 KV heads) to 1.37 us (128, 8 KV heads): a second slice pays off past
+    about 630 keys for head dim 64 (the demo pair: 4.4 us at 300 keys in one slice against 5.8
+    us in two of 256) and past about 450 for 128.
+    """
+    return ONE_SLICE_SMALL_HEADS if head_dim is not None and head_dim <= 64 else ONE_SLICE
+
+
+def split_setting(draft: bool = False, head_dim: int | None = None) -> int:
+    """The keys per program asked for (``DFLASH_ATTN_SPLIT``, or for the draft
+    ``DFLASH_DRAFT_ATTN_SPLIT`` when set; default :func:`default_split`, 256), before
+    :func:`split_size` fits it to a cache; recorded with benchmark results.
+
+    Raises:
+        InputError: not a positive multiple of 64.
+    """
+    from dflash.errors import InputError
+
+    name = DRAFT_SPLIT_ENV if draft and os.environ.get(DRAFT_SPLIT_ENV, "").strip() else SPLIT_ENV
+    raw = os.environ.get(name, "").strip()
+    value = int(raw) if raw.isascii() and raw.isdigit() else (default_split(head_dim) if not raw else -1)
+    if value <= 0 or value % BLOCK_N:
+        raise InputError(f"{name} must be a positive multiple of {BLOCK_N}, got {raw!r}.",
+                         hint=f"unset it for the default ({SPLIT})")  # fmt: skip
+    return value
+
+
+def one_slice_setting(draft: bool = False, head_dim: int | None = None) -> int:
+    """Filled keys up to which the kernel's first program takes every key alone (no merge),
+    past which slices of :func:`split_size` keys share them: ``DFLASH_ATTN_ONE_SLICE`` when
+    set (0: off); else 0 when the split asked for (``DFLASH_ATTN_SPLIT``, or for the draft
+    ``DFLASH_DRAFT_ATTN_SPLIT``) is set, so that a split given is the split run; else
+    :func:`default_one_slice` of ``head_dim``. 0 as well when not above the keys per program
+    (:func:`split_setting`), where it would change nothing. Recorded with benchmark results.
+
+    Raises:
+        InputError: not a whole number >= 0, or a bad split setting.
+    """
+    raw = os.environ.get(ONE_SLICE_ENV, "").strip()
+    if raw:
+        if not (raw.isascii() and raw.isdigit()):
+            from dflash.errors import InputError
+
+            raise InputError(f"{ONE_SLICE_ENV} must be a whole number of keys (0 = off), got {raw!r}.",
+                             hint="unset it for the default (640 keys for head dims <= 64, 448 above)")  # fmt: skip
+        value = int(raw)
+    elif os.environ.get(SPLIT_ENV, "").strip() or (draft and os.environ.get(DRAFT_SPLIT_ENV, "").strip()):
+        return 0
+    else:
+        value = default_one_slice(head_dim)
+    return value if value > split_setting(draft, head_dim) else 0  # not above the split: nothing to do
+
+
+def split_size(capacity: int, draft: bool = False, head_dim: int | None = None) -> int:
+    """Keys per program (``DFLASH_ATTN_SPLIT``, default :func:`default_split`, 256; one slice
+    when >= capacity, then no merge is needed); the greatest common divisor of the setting and
+    ``capacity`` (a multiple of 64), so the slices tile the cache. ``draft``: the draft's
+    attention, which takes ``DFLASH_DRAFT_ATTN_SPLIT`` when that is set (an experiment) and the
+    target's setting otherwise.
+
+    Raises:
+        InputError: not a positive multiple of 64.
+    """
+    value = split_setting(draft, head_dim)
+    if value >= capacity:  # one slice
+        return capacity
+    return math.gcd(value, capacity)  # slices tile the capacity (a multiple of 64)
+
+
+def iter_keys() -> int:
+    """``DFLASH_ATTN_BLOCK``: keys per inner iteration of the kernel (32, 64 or 128; default
+    128, lowered to a power of two dividing the split size). H200 (``scripts/attn_sweep.py``):
+    128 was the fastest of 32/64/128 in every case timed but one (the demo's draft block at 160
+    keys: 3.62 against 3.61 us with 64), e.g. 4.49 against 4.93 us for that block at 300 keys
+    in one slice.
+
+    Raises:
+        InputError: another value.
+    """
+    raw = os.environ.get(BLOCK_ENV, "").strip()
+    if not raw:
+        return ITER_KEYS
+    if raw not in ("32", "64", "128"):
+        from dflash.errors import InputError
+
+        raise InputError(f"{BLOCK_ENV} must be 32, 64 or 128, got {raw!r}.",
+                         hint=f"unset it for the default ({ITER_KEYS})")  # fmt: skip
+    return int(raw)
+
+
+def heads_per_program(groups: int, rows: int) -> int:
+    """Query heads of one KV head that each program takes: the largest divisor of the group
+    size ``groups`` whose ``rows`` query rows fit one 16-row tensor-core tile, at least one.
+    So a 16-row verify or draft block runs one program per query head (16 rows each, instead
+    of the G*16 rows of a whole group padded to a power of two) and a 1-row decode step one
+    per KV head, as before. H200, the demo's layout at 300 keys in one slice, 128 keys per
+    iteration: 4.49 against 5.41 us for the draft's block.
+    """
+    best = 1
+    for gp in range(1, groups + 1):
+        if groups % gp == 0 and gp * rows <= max(16, rows):
+            best = gp
+    return best
+
+
 if triton is not None:
 
     @triton.jit
@@ -109,70 +225,15 @@ if triton is not None:
                  mask=live[:, None])  # fmt: skip
 
     @triton.jit
-    def _tile(q, k, v, n, qpos, m_i, l_i, acc, scale_log2, IEEE: tl.constexpr):
-        """One tile of keys (k [D, BLOCK], v [BLOCK, D] at positions n) into the online softmax
-        of the rows (running max m_i, sum l_i, output acc [ROWS, D]); base 2."""
-        if IEEE:
-            s = tl.dot(q, k, input_precision="ieee")
-        else:
-            s = tl.dot(q, k)
-        s = tl.where(n[None, :] <= qpos[:, None], s * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        return m_new, l_i, acc
-
-    @triton.jit
-    def _rope_rows(X, off, W, COS, SIN, crow, s_cos, d, live, eps, D: tl.constexpr, NORM: tl.constexpr):
-        """Rows [R, D] at X + off[r]: RMSNorm (weight W; NORM) then half-split RoPE with the
-        cos/sin table rows ``crow``, in float32, rounded where :mod:`~dflash.backends.rope_cache`'s
-        kernel rounds."""
-        dt = X.dtype.element_ty
-        dr = (d + D // 2) % D  # the other half's column
-        x = tl.load(X + off[:, None] + d[None, :], mask=live[:, None], other=0.0).to(tl.float32)
-        xr = tl.load(X + off[:, None] + dr[None, :], mask=live[:, None], other=0.0).to(tl.float32)
-        if NORM:
-            rs = tl.math.rsqrt(tl.sum(x * x, 1) / D + eps)
-            x = ((x * rs[:, None]).to(dt).to(tl.float32) * tl.load(W + d).to(tl.float32)[None, :]).to(dt)
-            xr = ((xr * rs[:, None]).to(dt).to(tl.float32) * tl.load(W + dr).to(tl.float32)[None, :]).to(dt)
-            x, xr = x.to(tl.float32), xr.to(tl.float32)
-        c = tl.load(COS + crow[:, None] * s_cos + d[None, :], mask=live[:, None], other=0.0).to(tl.float32)
-        s = tl.load(SIN + crow[:, None] * s_cos + d[None, :], mask=live[:, None], other=0.0).to(tl.float32)
-        return x * c + tl.where((d < D // 2)[None, :], -xr, xr) * s
-
-    @triton.jit
-    def _fresh_kv(k, v, n, fresh, pos0, QKV, COS, SIN, KW, K, V, kvh, s_row, s_cos, s_kh, s_ks, s_vh, s_vs,
-                  eps_k, d, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, NORM: tl.constexpr):  # fmt: skip
-        """The tile's rows at positions n that this call writes (``fresh``: qkv row n - pos0, the
-        positions consecutive): keys normed and rotated, values as they are, written into the
-        caches and put into the tile (k [D, BLOCK], v [BLOCK, D])."""
-        j = tl.where(fresh, n - pos0, 0)
-        kn = _rope_rows(QKV, j * s_row + (H + kvh) * D, KW, COS, SIN, j, s_cos, d, fresh, eps_k, D, NORM)
-        kn = kn.to(K.dtype.element_ty)
-        vn = tl.load(QKV + j[:, None] * s_row + (H + HKV + kvh) * D + d[None, :], mask=fresh[:, None], other=0.0)
-        vn = vn.to(V.dtype.element_ty)
-        tl.store(K + kvh * s_kh + n[:, None] * s_ks + d[None, :], kn, mask=fresh[:, None])
-        tl.store(V + kvh * s_vh + n[:, None] * s_vs + d[None, :], vn, mask=fresh[:, None])
-        return tl.where(fresh[None, :], tl.trans(kn), k), tl.where(fresh[:, None], vn, v)
-
-    @triton.jit
     def _split_kernel(Q, K, V, POS, OUT, PO, PL, CNT, scale_log2, cap, s_pos,
                       s_qh, s_qt, s_kh, s_ks, s_vh, s_vs, s_oh, s_ot, s_ph, s_ps, s_pr, s_lh, s_ls,
-                      COS, SIN, QW, KW, s_cos, eps_q, eps_k,
                       T: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                       ROWS: tl.constexpr, SPLIT_N: tl.constexpr, BLOCK: tl.constexpr,
                       IEEE: tl.constexpr, MERGE: tl.constexpr, PDL: tl.constexpr,
-                      ONE: tl.constexpr, PRE: tl.constexpr, NSP: tl.constexpr,
-                      ROPE: tl.constexpr, NORM: tl.constexpr, HKV: tl.constexpr):  # fmt: skip
-        # ROPE: Q is the fused qkv projection [T, (G*HKV + 2*HKV) * D] (row stride s_qt) of rows at
-        # consecutive positions: this kernel norms and rotates the queries and the new keys and
-        # writes the new rows into the caches (rope_cache's work), instead of a kernel before it
+                      ONE: tl.constexpr):  # fmt: skip
+        if PDL:  # programmatic dependent launch: wait for the previous kernel before any access
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         unit = tl.program_id(0)  # GP query heads of one KV head: G // GP units per KV head
         kvh = unit // (G // GP)
         sp = tl.program_id(1)
@@ -181,76 +242,45 @@ if triton is not None:
         g = (unit % (G // GP)) * GP + r // T  # query head within the KV head's group
         t = r % T
         d = tl.arange(0, D)
-        if PRE:  # before the PDL wait: the positions and the first tile of the keys already cached
-            qpos = tl.load(POS + t * s_pos, mask=live, other=-1)
-            filled = tl.minimum(tl.load(POS + (T - 1) * s_pos) + 1, cap)
-            pos0 = tl.load(POS)  # rows at positions >= pos0 are (being) written by this forward
-            if ONE > SPLIT_N:
-                span = tl.where(filled <= ONE, ONE, SPLIT_N)
-            else:
-                span = SPLIT_N
-            lo = sp * span
-            n0 = lo + tl.arange(0, BLOCK)
-            old = n0 < tl.minimum(pos0, filled)
-            k0 = tl.load(K + kvh * s_kh + n0[None, :] * s_ks + d[:, None], mask=old[None, :], other=0.0)
-            v0 = tl.load(V + kvh * s_vh + n0[:, None] * s_vs + d[None, :], mask=old[:, None], other=0.0)
-        if PDL:  # programmatic dependent launch: wait for the previous kernel before any other access
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
-        if not PRE:
-            qpos = tl.load(POS + t * s_pos, mask=live, other=-1)  # [ROWS] position of each query row
-            # keys at positions < filled exist; clamped so that a position past the cache can never
-            # leave a slice counter unreset (every slice counted then exists)
-            filled = tl.minimum(tl.load(POS + (T - 1) * s_pos) + 1, cap)
-            pos0 = tl.load(POS)
-            if ONE > SPLIT_N:  # up to ONE filled keys the first program takes them all (no merge)
-                span = tl.where(filled <= ONE, ONE, SPLIT_N)
-            else:
-                span = SPLIT_N
-            lo = sp * span
+        qpos = tl.load(POS + t * s_pos, mask=live, other=-1)  # [ROWS] position of each query row
+        # keys at positions < filled exist; clamped so that a position past the cache can never
+        # leave a slice counter unreset (every slice counted then exists)
+        filled = tl.minimum(tl.load(POS + (T - 1) * s_pos) + 1, cap)
+        if ONE > SPLIT_N:  # up to ONE filled keys the first program takes them all (no merge)
+            span = tl.where(filled <= ONE, ONE, SPLIT_N)
+        else:
+            span = SPLIT_N
         slices = (filled + span - 1) // span  # slices holding keys; later programs idle
+        lo = sp * span
         if lo < filled:
             m_i = tl.full([ROWS], float("-inf"), tl.float32)
             l_i = tl.zeros([ROWS], tl.float32)
             acc = tl.zeros([ROWS, D], tl.float32)
-            if ROPE:
-                q = _rope_rows(Q, t * s_qt + (kvh * G + g) * D, QW, COS, SIN, t, s_cos, d, live, eps_q, D, NORM)
-                q = q.to(Q.dtype.element_ty)
-            else:
-                q = tl.load(Q + (kvh * G + g)[:, None] * s_qh + t[:, None] * s_qt + d[None, :],
-                            mask=live[:, None], other=0.0)  # fmt: skip
+            q = tl.load(Q + (kvh * G + g)[:, None] * s_qh + t[:, None] * s_qt + d[None, :],
+                        mask=live[:, None], other=0.0)  # fmt: skip
             hi = tl.minimum(lo + span, filled)
-            first = lo
-            if PRE:  # the first tile: the cached rows from before the wait, the fresh rows now
-                fresh = (n0 >= pos0) & (n0 < filled)
-                if ROPE:
-                    k, v = k0, v0
-                    if lo + BLOCK > pos0:
-                        k, v = _fresh_kv(k, v, n0, fresh, pos0, Q, COS, SIN, KW, K, V, kvh, s_qt, s_cos,
-                                         s_kh, s_ks, s_vh, s_vs, eps_k, d, G * HKV, HKV, D, NORM)  # fmt: skip
-                else:
-                    k1 = tl.load(K + kvh * s_kh + n0[None, :] * s_ks + d[:, None], mask=fresh[None, :], other=0.0)
-                    v1 = tl.load(V + kvh * s_vh + n0[:, None] * s_vs + d[None, :], mask=fresh[:, None], other=0.0)
-                    k, v = tl.where(old[None, :], k0, k1), tl.where(old[:, None], v0, v1)
-                m_i, l_i, acc = _tile(q, k, v, n0, qpos, m_i, l_i, acc, scale_log2, IEEE)
-                first = lo + BLOCK
-            for start in range(first, hi, BLOCK):
+            for start in range(lo, hi, BLOCK):
                 n = start + tl.arange(0, BLOCK)
                 inside = n < filled  # rows past the filled length are never read
-                if ROPE:
-                    cached = inside & (n < pos0)
-                else:
-                    cached = inside
-                # keys and values loaded together, before the scores: both in flight at once
-                k = tl.load(K + kvh * s_kh + n[None, :] * s_ks + d[:, None], mask=cached[None, :],
+                k = tl.load(K + kvh * s_kh + n[None, :] * s_ks + d[:, None], mask=inside[None, :],
                             other=0.0)  # [D, BLOCK]  # fmt: skip
-                v = tl.load(V + kvh * s_vh + n[:, None] * s_vs + d[None, :], mask=cached[:, None],
+                if IEEE:
+                    s = tl.dot(q, k, input_precision="ieee")
+                else:
+                    s = tl.dot(q, k)
+                s = tl.where(n[None, :] <= qpos[:, None], s * scale_log2, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                p = tl.exp2(s - m_safe[:, None])
+                alpha = tl.exp2(m_i - m_safe)
+                l_i = l_i * alpha + tl.sum(p, 1)
+                v = tl.load(V + kvh * s_vh + n[:, None] * s_vs + d[None, :], mask=inside[:, None],
                             other=0.0)  # [BLOCK, D]  # fmt: skip
-                if ROPE:
-                    if start + BLOCK > pos0:
-                        k, v = _fresh_kv(k, v, n, inside & (n >= pos0), pos0, Q, COS, SIN, KW, K, V, kvh, s_qt,
-                                         s_cos, s_kh, s_ks, s_vh, s_vs, eps_k, d, G * HKV, HKV, D, NORM)  # fmt: skip
-                m_i, l_i, acc = _tile(q, k, v, n, qpos, m_i, l_i, acc, scale_log2, IEEE)
+                if IEEE:
+                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+                else:
+                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+                m_i = m_new
             l_safe = tl.where(l_i == 0.0, 1.0, l_i)
             if MERGE:  # the capacity holds several slices (a constexpr: no merge code otherwise)
                 if slices == 1:  # one slice holds every key: the result is final
@@ -263,20 +293,16 @@ if triton is not None:
                     tl.debug_barrier()  # every thread's stores precede the release below
                     done = tl.atomic_add(CNT + unit, 1, sem="acq_rel")
                     if done == slices - 1:
-                        # every slice's log-sum-exps in one load (L2, .cg: other SMs wrote them)
-                        js = tl.arange(0, NSP)
-                        lses = tl.load(PL + unit * s_lh + js[:, None] * s_ls + r[None, :],
-                                       mask=(js < slices)[:, None], other=float("-inf"),
-                                       cache_modifier=".cg")  # [NSP, ROWS]  # fmt: skip
-                        m = tl.max(lses, 0)
+                        m = tl.full([ROWS], float("-inf"), tl.float32)
+                        for j in range(0, slices):
+                            m = tl.maximum(m, tl.load(PL + unit * s_lh + j * s_ls + r, cache_modifier=".cg"))
                         m = tl.where(m == float("-inf"), 0.0, m)
-                        ws = tl.exp2(lses - m[None, :])  # [NSP, ROWS]; 0 past the slices
                         num = tl.zeros([ROWS, D], tl.float32)
                         den = tl.zeros([ROWS], tl.float32)
-                        for j in range(0, slices):  # L2 reads (.cg) of the live rows
-                            w = tl.sum(tl.where(js[:, None] == j, ws, 0.0), 0)
+                        for j in range(0, slices):  # L2 reads (.cg): other SMs wrote these rows
+                            w = tl.exp2(tl.load(PL + unit * s_lh + j * s_ls + r, cache_modifier=".cg") - m)
                             o = tl.load(PO + unit * s_ph + j * s_ps + r[:, None] * s_pr + d[None, :],
-                                        mask=live[:, None], other=0.0, cache_modifier=".cg")  # fmt: skip
+                                        cache_modifier=".cg")  # fmt: skip
                             num += o * w[:, None]
                             den += w
                         den = tl.where(den == 0.0, 1.0, den)
@@ -323,8 +349,7 @@ def _out_like(q: torch.Tensor) -> torch.Tensor:
 
 def split_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
                            scale: float, split: int, heads_per_program: int = 0, block: int = 0,
-                           warps: int = 0, stages: int = 0, one_slice: int = 0,
-                           preload: bool = False) -> torch.Tensor:  # fmt: skip
+                           warps: int = 0, stages: int = 0, one_slice: int = 0) -> torch.Tensor:  # fmt: skip
     """Run the kernel: one launch, slices merged inside it (the last slice of each unit, a KV
     head's ``heads_per_program`` query heads, to
     finish merges, counted by an atomic counter that it resets).
@@ -358,84 +383,36 @@ def split_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
     kernel before it finishes, but it waits for that kernel before any memory access.
     """
     _, h, t, dim = q.shape
-    if pos.dim() != 1 or pos.shape[0] not in (1, t):
-        raise ValueError(f"split_attention: positions {tuple(pos.shape)} for {t} query rows (want [{t}] or [1])")
-    q = q if q.stride(-1) == 1 else q.contiguous()
-    return _launch(q, h, t, q.stride(1), q.stride(2), k, v, pos, scale, split, heads_per_program, block,
-                   warps, stages, one_slice, preload, None)  # fmt: skip
-
-
-def _launch(src, h, t, s_qh, s_qt, k, v, pos, scale, split, heads_per_program, block, warps, stages,
-            one_slice, preload, rope) -> torch.Tensor:  # fmt: skip
-    """Launch :func:`_split_kernel` on queries ``src`` (or, with ``rope`` = (q_w, k_w, eps_q,
-    eps_k, cos [T, D], sin [T, D]), on the fused qkv projection ``src``)."""
-    hkv, cap, dim = k.shape[1], k.shape[2], k.shape[3]
+    hkv, cap = k.shape[1], k.shape[2]
     if split <= 0 or cap % split:
         raise ValueError(f"split_attention: {split} keys per program do not tile a capacity of {cap}")
     groups, nsplit = h // hkv, cap // split
     gp = math.gcd(heads_per_program, groups) if heads_per_program > 0 else groups  # 0: all G
     units, rows = hkv * (groups // gp), _rows(gp, t)  # programs per slice, rows per program
+    if pos.dim() != 1 or pos.shape[0] not in (1, t):
+        raise ValueError(f"split_attention: positions {tuple(pos.shape)} for {t} query rows (want [{t}] or [1])")
+    q = q if q.stride(-1) == 1 else q.contiguous()
     k, v = k.contiguous(), v.contiguous()  # no-ops for the caches
     s_pos = 0 if pos.shape[0] == 1 else pos.stride(0)  # [1]: every row reads the one position
-    out = src.new_empty(1, t, h, dim).transpose(1, 2)  # [1, H, T, D] laid out as [1, T, H, D]
-    pdl = pdl_enabled(src.device)
-    po = torch.empty(units, nsplit, rows, dim, dtype=torch.float32, device=src.device)
-    pl = torch.empty(units, nsplit, rows, dtype=torch.float32, device=src.device)
+    out = _out_like(q)
+    pdl = pdl_enabled(q.device)
+    po = torch.empty(units, nsplit, rows, dim, dtype=torch.float32, device=q.device)
+    pl = torch.empty(units, nsplit, rows, dtype=torch.float32, device=q.device)
     tune = {k: v for k, v in (("num_warps", warps), ("num_stages", stages)) if v}
-    nsp = triton.next_power_of_2(nsplit)  # the merge loads every slice's log-sum-exps at once
     blk = 1 << (min(block or ITER_KEYS, split).bit_length() - 1)  # a power of two (tl.arange)
     while split % blk:  # the iterations must tile each slice (a multiple of 64)
         blk //= 2
-    q_w, k_w, eps_q, eps_k, cos, sin = rope if rope is not None else (None, None, 0.0, 0.0, src, src)
-    norm = q_w is not None
     _split_kernel[(units, nsplit)](
-        src, k, v, pos, out, po, pl, _counters(src.device, units), scale * math.log2(math.e), cap, s_pos,
-        s_qh, s_qt, k.stride(1), k.stride(2), v.stride(1), v.stride(2),
+        q, k, v, pos, out, po, pl, _counters(q.device, units), scale * math.log2(math.e), cap, s_pos,
+        q.stride(1), q.stride(2), k.stride(1), k.stride(2), v.stride(1), v.stride(2),
         out.stride(1), out.stride(2), po.stride(0), po.stride(1), po.stride(2),
-        pl.stride(0), pl.stride(1), cos, sin, q_w if norm else src, k_w if norm else src,
-        cos.stride(0), eps_q, eps_k,
+        pl.stride(0), pl.stride(1),
         T=t, G=groups, GP=gp, D=dim, ROWS=rows, SPLIT_N=split, BLOCK=blk,
-        IEEE=src.dtype == torch.float32, MERGE=nsplit > 1, PDL=pdl, ONE=one_slice if nsplit > 1 else 0,
-        PRE=preload, NSP=nsp, ROPE=rope is not None, NORM=norm, HKV=hkv,
-        **({"launch_pdl": True} if pdl else {}), **tune,
+        IEEE=q.dtype == torch.float32, MERGE=nsplit > 1, PDL=pdl, ONE=one_slice if nsplit > 1 else 0,
+        **({"launch_pdl": True} if pdl else {}),
+        **tune,
     )  # fmt: skip
     return out
-
-
-def rope_attention_kernel(qkv: torch.Tensor, q_w: torch.Tensor | None, k_w: torch.Tensor | None, eps_q: float,
-                          eps_k: float, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor, k: torch.Tensor,
-                          v: torch.Tensor, heads: int, scale: float, split: int, heads_per_program: int = 0,
-                          block: int = 0, one_slice: int = 0, preload: bool = False, warps: int = 0,
-                          stages: int = 0) -> torch.Tensor:  # fmt: skip
-    """The q/k norm, RoPE and K/V cache writes of :func:`~dflash.backends.rope_cache.rope_cache`
-    (no context rows) and :func:`split_attention_kernel` in one launch: each program norms and
-    rotates its query rows, and the programs whose keys include this call's rows compute those
-    keys, write them and the values into the caches and attend to them (programs of one KV head
-    with other query heads write the same values).
-
-    Args:
-        qkv: [T, (H + 2 Hkv) * D] the fused qkv projection (unit last stride), T <= 32 rows at
-            consecutive positions pos[0], pos[0] + 1, ... (the target's forwards).
-        q_w, k_w: the q/k RMSNorm weights [D] (Qwen3), or both None; eps_q, eps_k their epsilons.
-        cos, sin: [T, D] RoPE tables of the rows (unit last stride, same strides).
-        pos: [T] int64 positions; k, v: [1, Hkv, S, D] caches, written at ``pos``.
-        heads: H; scale, split, heads_per_program, block, one_slice, preload, warps, stages: as
-            :func:`split_attention_kernel` (``preload``: the kernel before writes no cache row).
-    Returns:
-        [1, H, T, D] in qkv's dtype (laid out as [1, T, H, D]).
-
-    Raises:
-        ValueError: shapes or strides that do not fit, or as :func:`split_attention_kernel`.
-    """
-    t, width = qkv.shape
-    hkv, dim = k.shape[1], k.shape[3]
-    if width != (heads + 2 * hkv) * dim or qkv.stride(1) != 1 or cos.shape != (t, dim) or cos.stride(-1) != 1 \
-            or sin.stride() != cos.stride() or pos.shape != (t,) or v.shape != k.shape:
-        raise ValueError(f"rope_attention: qkv {tuple(qkv.shape)} (strides {qkv.stride()}) does not fit {heads} + 2 x "
-                         f"{hkv} heads of {dim}, cos/sin {tuple(cos.shape)}, positions {tuple(pos.shape)}, caches "
-                         f"{tuple(k.shape)} / {tuple(v.shape)}")  # fmt: skip
-    return _launch(qkv, heads, t, dim, qkv.stride(0), k, v, pos, scale, split, heads_per_program, block, warps,
-                   stages, one_slice, preload, (q_w, k_w, eps_q, eps_k, cos, sin))  # fmt: skip
 
 
 def merge_partials(o: torch.Tensor, lse: torch.Tensor, heads: int, t: int, dtype) -> torch.Tensor:
@@ -453,17 +430,17 @@ def merge_partials(o: torch.Tensor, lse: torch.Tensor, heads: int, t: int, dtype
 
 @torch.library.custom_op("dflash::split_attention", mutates_args=())
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
-                  scale: float, split: int, heads: int, block: int, one: int, pre: bool) -> torch.Tensor:  # fmt: skip
-    return split_attention_kernel(q, k, v, pos, scale, split, heads, block, one_slice=one, preload=pre)
+                  scale: float, split: int, heads: int, block: int, one: int) -> torch.Tensor:  # fmt: skip
+    return split_attention_kernel(q, k, v, pos, scale, split, heads, block, one_slice=one)
 
 
 @_attention_op.register_fake
-def _(q, k, v, pos, scale, split, heads, block, one, pre):
+def _(q, k, v, pos, scale, split, heads, block, one):
     return _out_like(q)
 
 
 def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
-                    scale: float | None, draft: bool = False, fresh: bool = False) -> torch.Tensor:  # fmt: skip
+                    scale: float | None, draft: bool = False) -> torch.Tensor:  # fmt: skip
     """softmax(q k^T * scale) v over the keys at positions <= pos[t], per query row t.
 
     Args:
@@ -473,17 +450,12 @@ def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torc
         scale: None = 1/sqrt(D). Non-causal rows (a draft block that sees all of itself):
         give every row the block's last position, e.g. as a [1] view (``pos[-1:]``).
         draft: the draft's attention (its split size: :func:`split_size`).
-        fresh: the kernel just before wrote only the cache rows at positions >= pos[0], and no
-            position (the target's forwards after :func:`~dflash.backends.rope_cache.rope_cache`):
-            then ``DFLASH_ATTN_PRELOAD`` (:func:`preload_setting`) may load the older rows
-            before waiting for it.
     Returns:
         [1, H, T, D] in q's dtype.
 
     Raises:
         InputError: a bad ``DFLASH_ATTN_SPLIT`` (or ``DFLASH_DRAFT_ATTN_SPLIT`` for the draft) or
-            ``DFLASH_ATTN_ONE_SLICE``, or on the kernel's path a bad ``DFLASH_ATTN_BLOCK`` or
-            ``DFLASH_ATTN_PRELOAD``.
+            ``DFLASH_ATTN_ONE_SLICE``, or on the kernel's path a bad ``DFLASH_ATTN_BLOCK``.
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if triton is None or (q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1"):
@@ -493,8 +465,7 @@ def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torc
                                          one_slice_setting(draft, dim))  # fmt: skip
     dim, groups, rows = q.shape[-1], q.shape[1] // k.shape[1], q.shape[2]
     return _attention_op(q, k, v, pos, float(scale), split_size(k.shape[2], draft, dim),
-                         heads_per_program(groups, rows), iter_keys(), one_slice_setting(draft, dim),
-                         fresh and preload_setting())  # fmt: skip
+                         heads_per_program(groups, rows), iter_keys(), one_slice_setting(draft, dim))  # fmt: skip
 
 
 def split_attention_reference(q, k, v, pos, scale, split: int = SPLIT, one_slice: int = 0) -> torch.Tensor:

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from dflash.backends import l2_prefetch
 from dflash.backends.head_argmax import head_argmax
 from dflash.backends.norm_partials import small_linear_rnp, small_linear_sq
-from dflash.backends.rope_cache import norm_eps, rope_attention, rope_cache, rope_cache_fits
+from dflash.backends.rope_cache import norm_eps, rope_cache, rope_cache_fits
 from dflash.backends.small_linear import MAX_ROWS as LINEAR_MAX_ROWS
 from dflash.backends.small_linear import (
     fold_norm_weight,
@@ -382,11 +382,8 @@ def target_forward_fused(be, ids: torch.Tensor, pos: torch.Tensor, argmax: bool 
             if pf and not early:
                 l2_prefetch.prefetch(be.l2_sink, raw, after, pf)
             norms = (a.q_norm, a.k_norm) if hasattr(a, "q_norm") else (None, None)  # Qwen3
-            if getattr(be, "rope_attn", False):  # DFLASH_ATTN_ROPE: both in one kernel
-                o = rope_attention(raw, *norms, cos, sin, pos[0], be.k[i], be.v[i], be.heads, be.kv_heads, a.scaling)
-            else:
-                q = rope_cache(raw, *norms, cos, sin, pos[0], be.k[i], be.v[i], 0, be.heads, be.kv_heads)
-                o = split_attention(q, be.k[i], be.v[i], pos[0], a.scaling, fresh=True)  # rows >= pos[0] just written
+            q = rope_cache(raw, *norms, cos, sin, pos[0], be.k[i], be.v[i], 0, be.heads, be.kv_heads)
+            o = split_attention(q, be.k[i], be.v[i], pos[0], a.scaling)
         else:
             if fuse_in:
                 q, k, v = _rn(fq, layer.input_layernorm, x, sq=sq)[None].split(fq.sizes, dim=-1)

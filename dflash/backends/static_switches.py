@@ -26,8 +26,6 @@ from dflash.backends.split_attention import (
     attention_mode,
     iter_keys,
     one_slice_setting,
-    preload_setting,
-    rope_attention_setting,
     split_setting,
 )
 from dflash.backends.static_loop import queue_ahead, step_compile_default
@@ -38,8 +36,7 @@ def check_env() -> None:
     ``DFLASH_LINEAR``, ``DFLASH_LINEAR_CONFIG``, ``DFLASH_GLU``, ``DFLASH_FUSE_NORM``,
     ``DFLASH_FUSE_NORM_FORM``, ``DFLASH_PDL``, ``DFLASH_PDL_PREFETCH``, ``DFLASH_ROPE``,
     ``DFLASH_PREFETCH``, ``DFLASH_STEP_COMPILE``, ``DFLASH_HEAD_ARGMAX``, ``DFLASH_GRAPH_WARM``,
-    ``DFLASH_QUEUE_AHEAD``, ``DFLASH_DRAFT_ATTN_SPLIT``, ``DFLASH_ATTN_BLOCK``, ``DFLASH_ATTN_ONE_SLICE``,
-    ``DFLASH_ATTN_PRELOAD``, ``DFLASH_ATTN_ROPE``)
+    ``DFLASH_QUEUE_AHEAD``, ``DFLASH_DRAFT_ATTN_SPLIT``, ``DFLASH_ATTN_BLOCK``, ``DFLASH_ATTN_ONE_SLICE``)
     on any device: a typo fails at load on a laptop too, not first on the GPU machine.
 
     Raises:
@@ -51,8 +48,6 @@ def check_env() -> None:
     split_setting(draft=True)
     one_slice_setting()
     iter_keys()
-    preload_setting()
-    rope_attention_setting()
     linear_mode(cpu)
     kernel_config(16, 1024, 1024)
     pdl_setting()

@@ -42,8 +42,6 @@ from dflash.backends.split_attention import (
     attention_mode,
     iter_keys,
     one_slice_setting,
-    preload_setting,
-    rope_attention_setting,
     split_setting,
     uses_kernel,
 )
@@ -195,7 +193,6 @@ class StaticBackend(StaticGraphs, TransformersBackend):
         attn = target.model.layers[0].self_attn
         self.target_rope = ("target" in parts and self.linear != "torch" and split
                             and rope_cache_fits(attn, self.dtype, norms=hasattr(attn, "q_norm")))  # fmt: skip
-        self.rope_attn = self.target_rope and rope_attention_setting()  # ... inside the attention kernel
         # RMSNorms inside the in-projections' kernels (DFLASH_FUSE_NORM), with the norms' weights
         # folded into copies of the projections' weights (fold_norms)
         fuse = fuse_norm_setting()  # None: the default, by size and dtype, and only where every
@@ -425,10 +422,9 @@ class StaticBackend(StaticGraphs, TransformersBackend):
                                    "draft": split_setting(draft=True, head_dim=self._draft_head_dim())},
                     "attn_one_slice": {"target": one_slice_setting(head_dim=self.head_dim),
                                        "draft": one_slice_setting(draft=True, head_dim=self._draft_head_dim())},
-                    "attn_block": iter_keys(), "attn_preload": preload_setting()}
+                    "attn_block": iter_keys()}
                    if self.attention != "sdpa" else {}),  # the split-KV kernel's keys per program, per iteration
                 "draft_linear": self.draft_linear, "l2_prefetch_bytes": self.prefetch,
                 "step_compile": self.step_compile and self.compile and self.device_loop is not None,
                 "head_argmax": self.head_argmax,
-                "rope_kernel": {"draft": self.draft_rope, "target": self.target_rope,
-                                "in_attention": self.rope_attn}}  # fmt: skip
+                "rope_kernel": {"draft": self.draft_rope, "target": self.target_rope}}  # fmt: skip
