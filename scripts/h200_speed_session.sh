@@ -34,6 +34,8 @@
 #   prefetchdemo   (no carry)  DFLASH_PREFETCH 0 against 8 MiB: demo-shape loop timings
 #   benchvar "V1 V2" [.stage/t6/af .stage/data] after stage1..ae: gsm8k 64 per env variant (default, DFLASH_ATTN_SPLIT=128 ...)
 #   exp13          (no carry)  default / DFLASH_STEP_COMPILE=1 / DFLASH_HEAD_ARGMAX=1 / DFLASH_PREFETCH=8 / all: loop timings
+#   v23a           [.stage/t7/aa .stage/whl]  stage aa; DFLASH_QKV_ROPE on/off: demo loop timings at prompt 300, Qwen3-8B blocks 1,16
+#   v23b           [.stage/t7/aa .stage/whl]  stage aa; DFLASH_QKV_ROPE (column pairs) on/off: demo loop timings, twice
 #   2-4 stage ab|ac|ad [torch|triton]  [.stage/t5/<part>]  (with an 8B-shaped bench_big meanwhile)
 #   5 bench      [.stage/t5/ae .stage/data]  gsm8k 64 (bf16, compile, parity) and one single generate;
 #                results in $OUT (b-gsm8k.jsonl / .txt, generate.json, step_profile.json: GPU busy
@@ -476,8 +478,8 @@ v21a)  # no carry: Qwen3-8B, BLOCKS (default 1) per variant; VARS: space-separat
     rm -rf "/tmp/bb8-$f"
     "${E[@]}" timeout 150 python3 scripts/bench_big.py --shape qwen3-8b --blocks "${BLOCKS:-1}" --steps 16 \
       --out "/tmp/bb8-$f" > "/tmp/bb8-$f.log" 2>&1; echo "8b $v rc $? at ${SECONDS}s"
-    n=1; while [ -e "$OUT/bench_big-q8b-v21-$f-$n.json" ]; do n=$((n+1)); done
-    cp "/tmp/bb8-$f/bench_big.json" "$OUT/bench_big-q8b-v21-$f-$n.json"
+    n=1; while [ -e "$OUT/bench_big-q8b-${TAG:-v21}-$f-$n.json" ]; do n=$((n+1)); done
+    cp "/tmp/bb8-$f/bench_big.json" "$OUT/bench_big-q8b-${TAG:-v21}-$f-$n.json"
     grep -o '"ms_per_step": [0-9.]*\|"x_floor": [0-9.]*' "/tmp/bb8-$f.log" | tr '\n' ' '; echo
   done
   ;;
@@ -498,6 +500,33 @@ v20e)  # [.stage/t7/ag .stage/data] after stage aa..af: real pair, gsm8k 16 with
   rm -rf "$W/datasets" && cp -r .stage/data "$W/datasets"
   for v in DFLASH_FUSE_NORM_FORM=partials default; do
     E=(env); [ "$v" = default ] || E+=($v); f=${v//[=,]/-}
+    "${E[@]}" timeout "${BENCH_S:-150}" python3 -m dflash benchmark transformers --model "$GGUF" --draft "$D" \
+      --max-new-tokens 256 --data-dir "$W/datasets" --dataset gsm8k --max-samples "${NS:-16}" --block-size 16 --check-parity \
+      --output "$OUT/b16-$f.jsonl" > "$OUT/b16-$f.txt" 2>&1; echo "$v rc $? at ${SECONDS}s"; tail -n 12 "$OUT/b16-$f.txt"
+  done
+  ;;
+v23a)  # [.stage/t7/aa .stage/whl] stage aa, then DFLASH_QKV_ROPE: demo loop timings at prompt 300 (on by
+  # default there) against 0, alternating, and Qwen3-8B blocks 1,16 (off by default there) against 1
+  cp .stage/t7/aa/part "$W/stage/aa.part" 2>/dev/null && ls -la "$W/stage"
+  k300_variants 60 "default"; mv "$OUT/kernels-p300-default.json" "$OUT/kernels-p300-default-r1.json"
+  k300_variants 130 "DFLASH_QKV_ROPE=0"; mv "$OUT/kernels-p300-DFLASH_QKV_ROPE-0.json" "$OUT/kernels-p300-DFLASH_QKV_ROPE-0-r1.json"
+  TAG=v23 VARS="default DFLASH_QKV_ROPE=1" BLOCKS=1,16 STOP=330 bash "$0" v21a
+  k300_variants 420 "DFLASH_QKV_ROPE=0"; k300_variants 480 "default"
+  ;;
+v23b)  # [.stage/t7/aa .stage/whl] stage aa, then DFLASH_QKV_ROPE (column pairs without q/k norms, early
+  # tables) against 0: demo loop timings at prompt 300, alternating, twice
+  cp .stage/t7/aa/part "$W/stage/aa.part" 2>/dev/null && ls -la "$W/stage"
+  for r in 1 2; do
+    for v in default DFLASH_QKV_ROPE=0; do
+      k300_variants "${STOP:-330}" "$v"; f=${v//[=,]/-}; mv "$OUT/kernels-p300-$f.json" "$OUT/kernels-p300-$f-r$r.json"
+    done
+  done
+  ;;
+v23c)  # [.stage/t7/ag .stage/data] after stage aa..af: real pair, gsm8k NS (16) with parity per variant (VARS)
+  cat "$W"/stage/{aa,ab,ac,ad,ae,af}.part .stage/t7/ag/part > "$GGUF"
+  rm -rf "$W/datasets" && cp -r .stage/data "$W/datasets"
+  for v in ${VARS:-default DFLASH_QKV_ROPE=0}; do
+    E=(env); [ "$v" = default ] || E+=(${v//,/ }); f=${v//[=,]/-}
     "${E[@]}" timeout "${BENCH_S:-150}" python3 -m dflash benchmark transformers --model "$GGUF" --draft "$D" \
       --max-new-tokens 256 --data-dir "$W/datasets" --dataset gsm8k --max-samples "${NS:-16}" --block-size 16 --check-parity \
       --output "$OUT/b16-$f.jsonl" > "$OUT/b16-$f.txt" 2>&1; echo "$v rc $? at ${SECONDS}s"; tail -n 12 "$OUT/b16-$f.txt"

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from dflash.backends import l2_prefetch
 from dflash.backends.head_argmax import head_argmax
 from dflash.backends.norm_partials import small_linear_rnp, small_linear_sq
+from dflash.backends.qkv_rope import qkv_rope
 from dflash.backends.rope_cache import norm_eps, rope_cache, rope_cache_fits
 from dflash.backends.small_linear import MAX_ROWS as LINEAR_MAX_ROWS
 from dflash.backends.small_linear import (
@@ -365,6 +366,7 @@ def target_forward_fused(be, ids: torch.Tensor, pos: torch.Tensor, argmax: bool 
     # compiling the forward on the H200: tried and reverted in the twenty-first session)
     sq = None
     glu = getattr(be, "glu", False)
+    qr = rope and lin_in and not pf and not parts and getattr(be, "qkv_rope_target", False)
     slots: list[torch.Tensor] = [None] * len(be.layer_ids)  # type: ignore[list-item]
     for i, layer in enumerate(be.target.model.layers):
         a, (qkv, gate_up) = layer.self_attn, be.fused_target[i]
@@ -374,7 +376,12 @@ def target_forward_fused(be, ids: torch.Tensor, pos: torch.Tensor, argmax: bool 
         after = _after_qkv(a, fg if fuse else gate_up, layer.mlp) if pf else ()  # read next (L2 prefetch)
         if early:
             l2_prefetch.prefetch(be.l2_sink, h, after, pf)
-        if rope:
+        if rope and qr:  # the projection inside that kernel too (DFLASH_QKV_ROPE)
+            norms = (a.q_norm, a.k_norm) if hasattr(a, "q_norm") else (None, None)  # Qwen3
+            w, b, eps = (fq.weight, fq.bias, norm_eps(layer.input_layernorm)) if fuse_in else (qkv.weight, qkv.bias, None)
+            q = qkv_rope(h[0], w, b, eps, *norms, cos, sin, pos[0], be.k[i], be.v[i], 0, be.heads, be.kv_heads, i > 0)
+            o = split_attention(q, be.k[i], be.v[i], pos[0], a.scaling)
+        elif rope:
             if fuse_in:
                 raw = _rn(fq, layer.input_layernorm, x, sq=sq)
             else:
@@ -434,7 +441,7 @@ def target_forward_fused(be, ids: torch.Tensor, pos: torch.Tensor, argmax: bool 
 def draft_forward_fused(draft, fused, block_embeds, target_hidden, q_pos, ctx_pos, cache, masks,
                         pack_gqa: bool = False, split_kinds=frozenset(), lin: bool = False,
                         lin_in: bool = False, rope: bool = False, prefetch=None, glu: bool = False,
-                        folded=None, partials: bool = False):  # fmt: skip
+                        folded=None, partials: bool = False, qkv_fused: bool = False):  # fmt: skip
     """:meth:`DFlashDraft.forward` for the static cache with fused projections.
 
     Context and block rows go through one QKV matmul ([Tc + L] rows; the context rows' Q is
@@ -460,7 +467,9 @@ def draft_forward_fused(draft, fused, block_embeds, target_hidden, q_pos, ctx_po
     context and block rows' cache writes run as one :func:`~dflash.backends.rope_cache.rope_cache`
     kernel (the caller checks :func:`draft_rope_fits`); ``prefetch``: (sink, bytes) for an L2
     prefetch of each layer's o_proj, gate+up and down_proj weights after its qkv projection
-    (:mod:`dflash.backends.l2_prefetch`), or None.
+    (:mod:`dflash.backends.l2_prefetch`), or None; ``qkv_fused``: with ``rope`` (and ``lin_in``,
+    no ``prefetch``) the qkv projection inside that kernel too
+    (:func:`~dflash.backends.qkv_rope.qkv_rope`, ``DFLASH_QKV_ROPE``).
     """
     cfg, tc, lq = draft.config, target_hidden.shape[1], block_embeds.shape[1]
     groups = cfg.num_attention_heads // cfg.num_key_value_heads
@@ -480,13 +489,19 @@ def draft_forward_fused(draft, fused, block_embeds, target_hidden, q_pos, ctx_po
     # expanded [L] copy was materialised once per layer by Inductor: ~1 us each on the H200)
     see = q_pos[0, -1:] if split_kinds else None
     wpos = torch.cat((cache.write_pos, q_pos[0])) if rope and split_kinds else None  # [Tc + L] cache rows
+    qkv_fused = qkv_fused and lin_in and not prefetch and tc + lq <= LINEAR_MAX_ROWS
     for i, layer in enumerate(draft.layers):
         a, (qkv, gate_up) = layer.self_attn, fused[i]
         d, kind = a.head_dim, cfg.layer_types[i]
         x = torch.cat((ctx, layer.input_layernorm(h)), 1)  # [1, Tc + L, H]
         fg = folded[i][1] if folded is not None and lin_in else None  # gate+up, norm folded in
         after = _after_qkv(a, fg if fg is not None else gate_up, layer.mlp) if prefetch else ()  # read next (L2 prefetch)
-        if wpos is not None and kind in split_kinds:
+        if wpos is not None and kind in split_kinds and qkv_fused:  # DFLASH_QKV_ROPE
+            kc, vc = cache.keys[i], cache.values[i]
+            q = qkv_rope(x[0], qkv.weight, qkv.bias, None, a.q_norm, a.k_norm, cos, sin, wpos, kc, vc, tc,
+                         a.heads, a.kv_heads, i > 0)  # fmt: skip
+            out = split_attention(q, kc, vc, see, None, draft=True)
+        elif wpos is not None and kind in split_kinds:
             raw = _in_proj_joint(lin_in, qkv, x)  # [Tc + L, (H + 2 Hkv) D]
             if prefetch:
                 l2_prefetch.prefetch(prefetch[0], raw, after, prefetch[1])

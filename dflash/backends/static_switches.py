@@ -21,6 +21,7 @@ from dflash.backends.linear_settings import (
 )
 from dflash.backends.norm_partials import norm_form
 from dflash.backends.pdl import disable_pdl, pdl_setting
+from dflash.backends.qkv_rope import qkv_rope_setting
 from dflash.backends.rope_cache import rope_parts
 from dflash.backends.split_attention import (
     attention_mode,
@@ -34,7 +35,7 @@ from dflash.backends.static_loop import queue_ahead, step_compile_default
 def check_env() -> None:
     """Check every switch of the static path (``DFLASH_ATTN``, ``DFLASH_ATTN_SPLIT``,
     ``DFLASH_LINEAR``, ``DFLASH_LINEAR_CONFIG``, ``DFLASH_GLU``, ``DFLASH_FUSE_NORM``,
-    ``DFLASH_FUSE_NORM_FORM``, ``DFLASH_PDL``, ``DFLASH_PDL_PREFETCH``, ``DFLASH_ROPE``,
+    ``DFLASH_FUSE_NORM_FORM``, ``DFLASH_PDL``, ``DFLASH_PDL_PREFETCH``, ``DFLASH_ROPE``, ``DFLASH_QKV_ROPE``,
     ``DFLASH_PREFETCH``, ``DFLASH_STEP_COMPILE``, ``DFLASH_HEAD_ARGMAX``, ``DFLASH_GRAPH_WARM``,
     ``DFLASH_QUEUE_AHEAD``, ``DFLASH_DRAFT_ATTN_SPLIT``, ``DFLASH_ATTN_BLOCK``, ``DFLASH_ATTN_ONE_SLICE``)
     on any device: a typo fails at load on a laptop too, not first on the GPU machine.
@@ -56,6 +57,7 @@ def check_env() -> None:
     norm_form()
     preload_bytes()
     rope_parts()
+    qkv_rope_setting()
     prefetch_setting(cpu)
     step_compile_default()
     queue_ahead()
@@ -90,7 +92,8 @@ def fall_back(be, error: Exception, part: str | None = None, kind: str | None = 
     the L2 weight prefetch (``DFLASH_PREFETCH``), then the whole-step compile
     (``DFLASH_STEP_COMPILE``), then the LM head + argmax kernel (``DFLASH_HEAD_ARGMAX``),
     then programmatic dependent launch (when it was on for the failed capture of ``part``, "draft"
-    or "target"; the forwards compile again), then the norms inside the projections
+    or "target"; the forwards compile again), then the qkv projection inside the RoPE +
+    cache-write kernel (``DFLASH_QKV_ROPE``), then the norms inside the projections
     (``DFLASH_FUSE_NORM``), then the SiLU * up epilogue (``DFLASH_GLU``), then the RoPE +
     cache-write kernel (``DFLASH_ROPE``), then the Triton projections (cuBLAS instead),
     then the split-KV kernel (SDPA), then ``torch.compile`` (eager ops). Returns False when
@@ -117,6 +120,9 @@ def fall_back(be, error: Exception, part: str | None = None, kind: str | None = 
             be.device_loop._compiled.clear()
         torch._dynamo.reset()
         what, fix = "programmatic dependent launch", "plain launches (DFLASH_PDL=0 silences this)"
+    elif getattr(be, "qkv_rope_target", False) or getattr(be, "qkv_rope_draft", False):
+        be.qkv_rope_target = be.qkv_rope_draft = False
+        what, fix = "the qkv + RoPE kernel", "the projection and the RoPE kernel apart (DFLASH_QKV_ROPE=0 silences this)"
     elif getattr(be, "norm_partials", False):  # the squares form next, the folded weights kept
         be.norm_partials = False
         what, fix = "the norms' partial sums", "sums from the input tiles (DFLASH_FUSE_NORM_FORM=squares silences this)"

@@ -36,6 +36,7 @@ from dflash.backends.linear_settings import (
 )
 from dflash.backends.norm_partials import norm_form
 from dflash.backends.pdl import pdl_enabled, pdl_part
+from dflash.backends.qkv_rope import qkv_rope_fits, qkv_rope_wanted
 from dflash.backends.rope_cache import rope_cache_fits, rope_parts
 from dflash.backends.small_linear import MAX_ROWS
 from dflash.backends.split_attention import (
@@ -193,6 +194,17 @@ class StaticBackend(StaticGraphs, TransformersBackend):
         attn = target.model.layers[0].self_attn
         self.target_rope = ("target" in parts and self.linear != "torch" and split
                             and rope_cache_fits(attn, self.dtype, norms=hasattr(attn, "q_norm")))  # fmt: skip
+        # the qkv projection inside that kernel too (DFLASH_QKV_ROPE, dflash.backends.qkv_rope)
+        self.qkv_rope_target = self.qkv_rope_draft = False
+        if self.target_rope and self.linear_in > 0:
+            qkvs = [qkv.weight for qkv, _ in self.fused_target]
+            norms = hasattr(attn, "q_norm")
+            self.qkv_rope_target = qkv_rope_wanted(qkvs, norms) and all(
+                qkv_rope_fits(layer.self_attn, w, norms) for layer, w in zip(target.model.layers, qkvs, strict=True))
+        if self.draft_rope and self.draft_linear_in:
+            qkvs = [qkv.weight for qkv, _ in self.fused_draft]
+            self.qkv_rope_draft = qkv_rope_wanted(qkvs, True) and all(
+                qkv_rope_fits(layer.self_attn, w, True) for layer, w in zip(draft.layers, qkvs, strict=True))
         # RMSNorms inside the in-projections' kernels (DFLASH_FUSE_NORM), with the norms' weights
         # folded into copies of the projections' weights (fold_norms)
         fuse = fuse_norm_setting()  # None: the default, by size and dtype, and only where every
@@ -319,7 +331,7 @@ class StaticBackend(StaticGraphs, TransformersBackend):
                                     (self.l2_sink, self.prefetch) if self.prefetch and lin else None,
                                     lin and self.draft_glu,
                                     self.folded_draft if lin and self.draft_fuse_norm else None,
-                                    self.norm_partials)  # fmt: skip
+                                    self.norm_partials, lin and self.qkv_rope_draft)  # fmt: skip
         else:
             h = self.draft_model(embeds, ctx, q_pos, ctx_pos[None], cache=self.dcache, masks=masks)
         if argmax:
@@ -427,4 +439,6 @@ class StaticBackend(StaticGraphs, TransformersBackend):
                 "draft_linear": self.draft_linear, "l2_prefetch_bytes": self.prefetch,
                 "step_compile": self.step_compile and self.compile and self.device_loop is not None,
                 "head_argmax": self.head_argmax,
-                "rope_kernel": {"draft": self.draft_rope, "target": self.target_rope}}  # fmt: skip
+                "rope_kernel": {"draft": self.draft_rope, "target": self.target_rope},
+                **({"qkv_rope": {"draft": self.qkv_rope_draft, "target": self.qkv_rope_target}}
+                   if self.qkv_rope_draft or self.qkv_rope_target else {})}  # DFLASH_QKV_ROPE  # fmt: skip

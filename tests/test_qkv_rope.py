@@ -1,0 +1,203 @@
+"""The fused qkv projection + q/k norm + RoPE + cache-write kernel (dflash.backends.qkv_rope):
+its switch, its torch reference on the static path (tokens and draft logits), the Triton kernel
+in the interpreter against the two-kernel references, and an sm_90 compile."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash.backends import qkv_rope as qr
+from dflash.errors import InputError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_setting(monkeypatch):
+    """Unset/auto: without q/k norms and by the weight's size (8 MiB); 1 and 0 force it; anything
+    else is an error."""
+    small, big = torch.empty(960, 576, dtype=torch.bfloat16), torch.empty(6144, 4096, dtype=torch.bfloat16)
+    monkeypatch.delenv(qr.QKV_ROPE_ENV, raising=False)
+    assert qr.qkv_rope_setting() is None
+    assert qr.qkv_rope_wanted([small, small], False) and not qr.qkv_rope_wanted([small, big], False)
+    assert not qr.qkv_rope_wanted([small], True)  # a whole head per program: measured slower
+    monkeypatch.setenv(qr.QKV_ROPE_ENV, "1")
+    assert qr.qkv_rope_wanted([big], True)
+    monkeypatch.setenv(qr.QKV_ROPE_ENV, "0")
+    assert not qr.qkv_rope_wanted([small], False)
+    monkeypatch.setenv(qr.QKV_ROPE_ENV, "yes")
+    with pytest.raises(InputError, match="DFLASH_QKV_ROPE"):
+        qr.qkv_rope_setting()
+    from dflash.backends.static_switches import check_env
+
+    with pytest.raises(InputError, match="DFLASH_QKV_ROPE"):
+        check_env()
+
+
+def test_launch_checks_shapes():
+    """A weight that is not (H + 2 Hkv) D rows, or more than 32 rows, fails with the shapes named."""
+    from tests.test_rope_cache import _case
+
+    _, qn, kn, cos, sin, pos, kc, vc, tc, h, hkv = _case(20, 4, 4, 2, 16)
+    x = torch.randn(20, 32)
+    with pytest.raises(ValueError, match="qkv_rope: x"):
+        qr._launch(x, torch.randn(7 * 16, 32), None, 0.0, False, None, None, 0.0, 0.0, cos, sin, pos, kc, vc,
+                   tc, h, hkv)  # fmt: skip
+
+
+def test_fits_and_backend_off_on_cpu(tiny_target):
+    """The kernel needs a head size <= 128 and a dense weight; on CPU the backend leaves it off
+    (no Triton projections); records say so when it is on."""
+    from dflash.backends.static_torch import StaticBackend
+    from tests.conftest import make_draft
+
+    be = StaticBackend(tiny_target, make_draft(tiny_target), torch.device("cpu"), use_graphs=False)
+    assert not be.qkv_rope_target and not be.qkv_rope_draft
+    attn = be.draft_model.layers[0].self_attn
+    w = be.fused_draft[0][0].weight
+    assert qr.qkv_rope_fits(attn, w, True)
+    assert not qr.qkv_rope_fits(attn, w.t(), True)  # column-major
+    assert "qkv_rope" not in be.describe()  # recorded when on
+    be.qkv_rope_draft = True
+    assert be.describe()["qkv_rope"] == {"draft": True, "target": False}
+
+
+def _count(monkeypatch):
+    calls = []
+    real = qr.qkv_rope_reference
+    monkeypatch.setattr(qr, "qkv_rope_reference", lambda *a: calls.append(a[3] is not None) or real(*a))
+    return calls
+
+
+@pytest.mark.parametrize("fuse_norm", [False, True])
+def test_static_greedy_through_the_fused_path(fuse_norm, monkeypatch):
+    """The static backend with the fused kernel's path in the target (with its input norm inside
+    the kernel or not) and the draft decodes exactly plain greedy at block 1 and 16, and every
+    layer went through it."""
+    from tests.test_split_attention import assert_static_greedy
+
+    calls = _count(monkeypatch)
+    assert_static_greedy(attention="split", linear="triton", linear_in=32, draft_linear=True, draft_linear_in=True,
+                         draft_rope=True, target_rope=True, qkv_rope_target=True, qkv_rope_draft=True,
+                         fuse_norm=fuse_norm)  # fmt: skip
+    # the draft's qkv takes its context rows un-normed: never the norm inside
+    assert set(calls) == ({True, False} if fuse_norm else {False})
+
+
+def test_draft_logits_match_the_two_kernel_path(tiny_target, monkeypatch):
+    """The draft's logits through the fused path equal the rope_cache path's at two steps (the
+    tokens alone cannot show a draft error)."""
+    from dflash.backends.static_torch import StaticBackend
+    from tests.test_static_backend import PROMPT, _custom_draft, _draft_twice
+
+    draft = _custom_draft(tiny_target)
+    calls = _count(monkeypatch)
+    outs = []
+    for fused in (False, True):
+        be = StaticBackend(tiny_target, draft, torch.device("cpu"), use_graphs=False)
+        be.attention, be.draft_linear, be.draft_linear_in, be.draft_rope = "split", True, True, True
+        be.qkv_rope_draft = fused
+        outs.append(_draft_twice(be, PROMPT * 3))
+    assert len(calls) == 2 * len(draft.layers)  # every layer, both steps, only when switched on
+    for a, b in zip(*outs, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_fall_back_turns_it_off_after_pdl(tiny_target, capsys):
+    """After a failed capture the fused kernel goes before the norms inside the projections."""
+    from dflash.backends.static_switches import fall_back
+    from dflash.backends.static_torch import StaticBackend
+    from tests.conftest import make_draft
+
+    be = StaticBackend(tiny_target, make_draft(tiny_target), torch.device("cpu"), use_graphs=False)
+    be.qkv_rope_target = be.qkv_rope_draft = be.fuse_norm = True
+    assert fall_back(be, RuntimeError("capture failed"))
+    assert not be.qkv_rope_target and not be.qkv_rope_draft and be.fuse_norm
+    assert "DFLASH_QKV_ROPE=0" in capsys.readouterr().err
+
+
+KERNEL_CHECK = textwrap.dedent("""
+    import torch
+    from dflash.backends import qkv_rope as qr
+    from dflash.backends.small_linear import fold_norm_weight
+    from tests.test_rope_cache import _case
+
+    launched = []
+    real = qr._launch
+    qr._launch = lambda *a: launched.append(1) or real(*a)
+    torch.manual_seed(0)
+    cases = [(20, 4, 4, 2, 16, True, False, False), (17, 16, 9, 3, 64, True, True, True),
+             (1, 0, 4, 2, 32, False, False, False), (16, 0, 4, 2, 16, False, True, True),
+             (32, 16, 2, 1, 128, True, False, True), (16, 0, 9, 3, 64, False, False, True)]
+    # context rows or none, GQA 3, with norms (one head per program) and without (column pairs)
+    for n, (t, tc, h, hkv, d, norms, bias, rn) in enumerate(cases):
+        _, qn, kn, cos, sin, pos, kc, vc, _, _, _ = _case(t, tc, h, hkv, d, cap=128, norms=norms)
+        k = 48
+        x = torch.randn(t, k)
+        w = torch.randn((h + 2 * hkv) * d, k) / k ** 0.5
+        b = torch.randn((h + 2 * hkv) * d) if bias else None
+        eps = 1e-5 if rn else None
+        if rn:
+            w = fold_norm_weight(w, torch.rand(k) + 0.5)
+        kr, vr = kc.clone(), vc.clone()
+        want = qr.qkv_rope_reference(x, w, b, eps, qn, kn, cos, sin, pos, kr, vr, tc, h, hkv)
+        got = qr.qkv_rope(x, w, b, eps, qn, kn, cos, sin, pos, kc, vc, tc, h, hkv, early=n % 2 == 1)
+        assert got.shape == want.shape and got.transpose(1, 2).is_contiguous()
+        for a, bb in ((got, want), (kc, kr), (vc, vr)):  # caches: written rows and the rest
+            err = (a - bb).abs().max().item()
+            assert err < 1e-4, (t, tc, d, err)
+    assert len(launched) == len(cases)
+    from tests.test_split_attention import assert_static_greedy
+    assert_static_greedy(attention="split", linear="triton", linear_in=32, draft_linear=True, draft_linear_in=True,
+                         draft_rope=True, target_rope=True, qkv_rope_target=True, qkv_rope_draft=True,
+                         fuse_norm=True)
+    assert len(launched) > len(cases)
+    print("ok")
+""")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+def test_triton_kernel_in_interpreter():
+    """The kernel (Triton interpreter, float32) equals the two-kernel references: queries of the
+    block rows, keys and values at their cache rows, the other rows untouched, with and without
+    context rows, norms, bias and the input norm inside; the static backend with it in the
+    target and the draft decodes plain greedy."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(
+        [str(REPO), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", KERNEL_CHECK], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=600)  # fmt: skip
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+@pytest.mark.skipif(qr.triton is None, reason="Triton is not installed")
+@pytest.mark.parametrize("pdl", [False, True])
+def test_kernel_compiles_for_hopper(pdl):
+    """The kernel compiles for sm_90 (the H200) without a GPU with tensor-core dots, Qwen3-8B's
+    and the demo's head layouts; with PDL its grid-dependency wait and launch instructions."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    ptrs = ("X", "W", "B", "QW", "KW", "COS", "SIN", "POS", "QO", "KC", "VC")
+    sig = {p: "*i64" if p == "POS" else "*fp32" if p in ("COS", "SIN") else "*bf16" for p in ptrs}
+    sig.update(dict.fromkeys(("M", "K", "TC", "s_xm", "s_wn", "s_cos", "s_qh", "s_qt", "s_kh", "s_ks", "s_vh",
+                              "s_vs"), "i32"))  # fmt: skip
+    sig.update(dict.fromkeys(("eps_q", "eps_k", "rn_eps"), "fp32"))
+    big = dict(H=32, KV=8, HALF=64, P=64, HAS_BIAS=False, NORM=True, RN=False, IEEE=False, BM=16, BK=256, PDL=pdl,
+               EARLY=True)  # fmt: skip
+    sig.update(dict.fromkeys(big, "constexpr"))
+    for cons in (big, dict(big, H=9, KV=3, HALF=32, P=8, NORM=False, RN=True, BK=128, BM=32, EARLY=False)):
+        try:
+            kernel = triton.compile(ASTSource(fn=qr._qkv_rope_kernel, signature=sig, constexprs=cons),
+                                    target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 2})  # fmt: skip
+        except RuntimeError as e:  # no ptxas in this Triton install
+            pytest.skip(f"cannot compile for sm_90 here: {e}")
+        ptx = kernel.asm["ptx"]
+        assert "mma" in ptx and ptx.count("griddepcontrol") == (2 if pdl else 0)
