@@ -36,6 +36,7 @@
 #   exp13          (no carry)  default / DFLASH_STEP_COMPILE=1 / DFLASH_HEAD_ARGMAX=1 / DFLASH_PREFETCH=8 / all: loop timings
 #   v23a           [.stage/t7/aa .stage/whl]  stage aa; DFLASH_QKV_ROPE on/off: demo loop timings at prompt 300, Qwen3-8B blocks 1,16
 #   v23b           [.stage/t7/aa .stage/whl]  stage aa; DFLASH_QKV_ROPE (column pairs) on/off: demo loop timings, twice
+#   v23d [VARS]    [.stage/t7/aa .stage/whl]  stage aa; demo loop timings at prompt 300 per variant (DFLASH_DRAFT_CTX_KV, HEAD_ARGMAX)
 #   2-4 stage ab|ac|ad [torch|triton]  [.stage/t5/<part>]  (with an 8B-shaped bench_big meanwhile)
 #   5 bench      [.stage/t5/ae .stage/data]  gsm8k 64 (bf16, compile, parity) and one single generate;
 #                results in $OUT (b-gsm8k.jsonl / .txt, generate.json, step_profile.json: GPU busy
@@ -530,6 +531,14 @@ v23c)  # [.stage/t7/ag .stage/data] after stage aa..af: real pair, gsm8k NS (16)
     "${E[@]}" timeout "${BENCH_S:-150}" python3 -m dflash benchmark transformers --model "$GGUF" --draft "$D" \
       --max-new-tokens 256 --data-dir "$W/datasets" --dataset gsm8k --max-samples "${NS:-16}" --block-size 16 --check-parity \
       --output "$OUT/b16-$f.jsonl" > "$OUT/b16-$f.txt" 2>&1; echo "$v rc $? at ${SECONDS}s"; tail -n 12 "$OUT/b16-$f.txt"
+  done
+  ;;
+v23d)  # [.stage/t7/aa .stage/whl] stage aa, then demo loop timings at prompt 300 per variant (VARS, in
+  # order; a repeated variant gets -r2), none started past STOP (330) s
+  cp .stage/t7/aa/part "$W/stage/aa.part" 2>/dev/null && ls -la "$W/stage"
+  for v in ${VARS:-default DFLASH_DRAFT_CTX_KV=0 DFLASH_HEAD_ARGMAX=1 default}; do
+    f=${v//[=,]/-}; r=1; while [ -e "$OUT/kernels-p300-$f-r$r.json" ]; do r=$((r+1)); done
+    k300_variants "${STOP:-330}" "$v"; mv "$OUT/kernels-p300-$f.json" "$OUT/kernels-p300-$f-r$r.json" 2>/dev/null
   done
   ;;
 big8b)  # Qwen3-8B-shaped pair: fused linears on/off

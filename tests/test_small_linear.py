@@ -329,7 +329,8 @@ def test_capture_failure_turns_off_fused_norm_then_glu(tiny_target, capsys):
 
 
 def test_fits_only_plain_row_major_linears(tiny_target):
-    from dflash.backends.static_fused import draft_small_linear_fits, small_linear_fits
+    from dflash.backends.static_draft import draft_small_linear_fits
+    from dflash.backends.static_fused import small_linear_fits
     from tests.conftest import make_draft
 
     assert small_linear_fits(tiny_target)

@@ -14,6 +14,8 @@ the qkv and gate+up weights with the norms' weights folded in are copies made wh
 is built, so a later in-place update does not reach them (build the backend after loading).
 Moving a model to another device or dtype after the backend is built is not supported.
 
+The draft's forward is in :mod:`dflash.backends.static_draft`.
+
 ``DFLASH_NO_FUSE=1`` (or ``StaticBackend(fuse=False)``) runs the unfused forwards, to measure
 both side by side.
 
@@ -36,7 +38,7 @@ from dflash.backends import l2_prefetch
 from dflash.backends.head_argmax import head_argmax
 from dflash.backends.norm_partials import small_linear_rnp, small_linear_sq
 from dflash.backends.qkv_rope import qkv_rope
-from dflash.backends.rope_cache import norm_eps, rope_cache, rope_cache_fits
+from dflash.backends.rope_cache import norm_eps, rope_cache
 from dflash.backends.small_linear import MAX_ROWS as LINEAR_MAX_ROWS
 from dflash.backends.small_linear import (
     fold_norm_weight,
@@ -436,117 +438,3 @@ def target_forward_fused(be, ids: torch.Tensor, pos: torch.Tensor, argmax: bool 
     if argmax:
         return head_argmax(x[0], be.lm_head.weight)  # [T]
     return be.lm_head(x)[0]  # [T, V]
-
-
-def draft_forward_fused(draft, fused, block_embeds, target_hidden, q_pos, ctx_pos, cache, masks,
-                        pack_gqa: bool = False, split_kinds=frozenset(), lin: bool = False,
-                        lin_in: bool = False, rope: bool = False, prefetch=None, glu: bool = False,
-                        folded=None, partials: bool = False, qkv_fused: bool = False):  # fmt: skip
-    """:meth:`DFlashDraft.forward` for the static cache with fused projections.
-
-    Context and block rows go through one QKV matmul ([Tc + L] rows; the context rows' Q is
-    computed and dropped, cheaper than a second launch). Args as the draft's forward, with
-    ``cache`` a StaticDraftCache (``write_pos`` set) and ``masks`` given (bool, not None);
-    ``pack_gqa`` as :func:`attend`. Returns [1, L, H].
-
-    ``split_kinds``: layer types whose block rows see every context row and the whole block
-    (no causal rule, no window). Those layers write the block's K/V into the cache at the block's
-    positions (rows the next call's context write overwrites before any query can read them as
-    context) and attend with the split-KV kernel over the rows < start + L, instead of SDPA over
-    the whole capacity with a mask (:mod:`dflash.backends.split_attention`).
-
-    ``lin``: o_proj and down_proj with their residual adds, and the context projection ``fc``
-    (up to ``MAX_ROWS`` context rows), run as
-    :func:`~dflash.backends.small_linear.small_linear` kernels; ``lin_in``: the fused qkv and
-    gate+up projections too (``glu``: with SiLU(gate) * up as that kernel's epilogue,
-    :func:`~dflash.backends.small_linear.small_linear_glu`); ``folded``: per layer (None, gate+up
-    with the post-attention norm's weight folded in, :func:`fold_norms`) to run that norm inside
-    the gate+up kernel (``DFLASH_FUSE_NORM``), or None; ``partials``: with ``folded``, that
-    norm's sums of squares written by the o_proj kernel (:mod:`dflash.backends.norm_partials`);
-    ``rope``: in ``split_kinds`` layers the q/k norm, RoPE and the
-    context and block rows' cache writes run as one :func:`~dflash.backends.rope_cache.rope_cache`
-    kernel (the caller checks :func:`draft_rope_fits`); ``prefetch``: (sink, bytes) for an L2
-    prefetch of each layer's o_proj, gate+up and down_proj weights after its qkv projection
-    (:mod:`dflash.backends.l2_prefetch`), or None; ``qkv_fused``: with ``rope`` (and ``lin_in``,
-    no ``prefetch``) the qkv projection inside that kernel too
-    (:func:`~dflash.backends.qkv_rope.qkv_rope`, ``DFLASH_QKV_ROPE``).
-    """
-    cfg, tc, lq = draft.config, target_hidden.shape[1], block_embeds.shape[1]
-    groups = cfg.num_attention_heads // cfg.num_key_value_heads
-    packed = pack_gqa and groups > 1
-    if packed:
-        masks = {kind: pack_mask(m, groups, lq) for kind, m in masks.items()}
-    fc = draft.fc
-    if lin and tc <= LINEAR_MAX_ROWS and _plain(fc, target_hidden.dtype):  # one kernel, not
-        ctx = draft.hidden_norm(small_linear(target_hidden[0].contiguous(), fc.weight, fc.bias)[None])
-    else:  # cuBLAS's split-K GEMM and its reduction (two, ~7 us on the H200)
-        ctx = draft.hidden_norm(fc(target_hidden))  # [1, Tc, H]
-    cos, sin = rope_cos_sin(torch.cat((ctx_pos, q_pos), 1), draft.inv_freq, draft.rope_scale,
-                            block_embeds.dtype)  # [1, 1, Tc + L, D], shared by layers  # fmt: skip
-    cos, sin, q_pos = realized(cos, sin, q_pos)  # not once per layer
-    h = block_embeds
-    # [1] every block row sees the keys < start + L: a view the split kernel reads in place (an
-    # expanded [L] copy was materialised once per layer by Inductor: ~1 us each on the H200)
-    see = q_pos[0, -1:] if split_kinds else None
-    wpos = torch.cat((cache.write_pos, q_pos[0])) if rope and split_kinds else None  # [Tc + L] cache rows
-    qkv_fused = qkv_fused and lin_in and not prefetch and tc + lq <= LINEAR_MAX_ROWS
-    for i, layer in enumerate(draft.layers):
-        a, (qkv, gate_up) = layer.self_attn, fused[i]
-        d, kind = a.head_dim, cfg.layer_types[i]
-        x = torch.cat((ctx, layer.input_layernorm(h)), 1)  # [1, Tc + L, H]
-        fg = folded[i][1] if folded is not None and lin_in else None  # gate+up, norm folded in
-        after = _after_qkv(a, fg if fg is not None else gate_up, layer.mlp) if prefetch else ()  # read next (L2 prefetch)
-        if wpos is not None and kind in split_kinds and qkv_fused:  # DFLASH_QKV_ROPE
-            kc, vc = cache.keys[i], cache.values[i]
-            q = qkv_rope(x[0], qkv.weight, qkv.bias, None, a.q_norm, a.k_norm, cos, sin, wpos, kc, vc, tc,
-                         a.heads, a.kv_heads, i > 0)  # fmt: skip
-            out = split_attention(q, kc, vc, see, None, draft=True)
-        elif wpos is not None and kind in split_kinds:
-            raw = _in_proj_joint(lin_in, qkv, x)  # [Tc + L, (H + 2 Hkv) D]
-            if prefetch:
-                l2_prefetch.prefetch(prefetch[0], raw, after, prefetch[1])
-            kc, vc = cache.keys[i], cache.values[i]
-            q = rope_cache(raw, a.q_norm, a.k_norm, cos, sin, wpos, kc, vc, tc, a.heads, a.kv_heads)
-            out = split_attention(q, kc, vc, see, None, draft=True)
-        else:
-            q, k, v = _in_proj(lin_in, qkv, x)  # [1, Tc + L, *]
-            if prefetch:
-                l2_prefetch.prefetch(prefetch[0], q, after, prefetch[1])
-            q = _rotate(a.q_norm(q[:, tc:].view(1, lq, a.heads, d).transpose(1, 2)),
-                        cos[:, :, tc:], sin[:, :, tc:])  # fmt: skip
-            k = _rotate(a.k_norm(k.view(1, tc + lq, a.kv_heads, d).transpose(1, 2)), cos, sin)
-            v = v.view(1, tc + lq, a.kv_heads, d).transpose(1, 2)
-            kc, vc = cache.append(i, k[:, :, :tc], v[:, :, :tc])
-            if kind in split_kinds:
-                kc.index_copy_(2, q_pos[0], k[:, :, tc:])
-                vc.index_copy_(2, q_pos[0], v[:, :, tc:])
-                out = split_attention(q, kc, vc, see, None, draft=True)
-            else:
-                k, v = torch.cat((kc, k[:, :, tc:]), 2), torch.cat((vc, v[:, :, tc:]), 2)
-                out = attend(q, k, v, masks[kind], None, packed)
-        out = out.transpose(1, 2).reshape(1, lq, a.heads * d)
-        if fg is not None and partials:
-            h, sq = _out_proj_sq(a.o_proj, out, h)
-            h = _mlp_rn(lin, fg, layer.mlp.down_proj, F.silu, layer.post_attention_layernorm, h, glu, sq)
-        elif fg is not None:
-            h = _out_proj(lin, a.o_proj, out, h)
-            h = _mlp_rn(lin, fg, layer.mlp.down_proj, F.silu, layer.post_attention_layernorm, h, glu)
-        else:
-            h = _out_proj(lin, a.o_proj, out, h)
-            h = _mlp(lin, lin_in, gate_up, layer.mlp.down_proj, F.silu, layer.post_attention_layernorm(h), h, glu)
-    if prefetch:
-        l2_prefetch.join(prefetch[0], h)
-    return draft.norm(h)
-
-
-def draft_rope_fits(draft) -> bool:
-    """Whether :func:`draft_forward_fused` can run with ``rope`` (every layer's attention fits
-    :func:`~dflash.backends.rope_cache.rope_cache_fits` in the draft's dtype)."""
-    dtype = draft.norm.weight.dtype
-    return all(rope_cache_fits(layer.self_attn, dtype) for layer in draft.layers)
-
-
-def draft_small_linear_fits(draft) -> bool:
-    """Whether :func:`draft_forward_fused` can run with ``lin`` (dense row-major o_proj and
-    down_proj of the draft's dtype)."""
-    return _out_projs_fit(draft.layers, draft.norm.weight.dtype)
