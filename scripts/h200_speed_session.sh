@@ -36,7 +36,7 @@
 #   exp13          (no carry)  default / DFLASH_STEP_COMPILE=1 / DFLASH_HEAD_ARGMAX=1 / DFLASH_PREFETCH=8 / all: loop timings
 #   v23a           [.stage/t7/aa .stage/whl]  stage aa; DFLASH_QKV_ROPE on/off: demo loop timings at prompt 300, Qwen3-8B blocks 1,16
 #   v23b           [.stage/t7/aa .stage/whl]  stage aa; DFLASH_QKV_ROPE (column pairs) on/off: demo loop timings, twice
-#   v23d [VARS]    [.stage/t7/aa .stage/whl]  stage aa; demo loop timings at prompt 300 per variant (DFLASH_DRAFT_CTX_KV, HEAD_ARGMAX)
+#   v23d [VARS]    [.stage/t7/aa .stage/whl]  stage aa; demo loop timings at prompt 300 per variant (e.g. DFLASH_HEAD_ARGMAX=1)
 #   2-4 stage ab|ac|ad [torch|triton]  [.stage/t5/<part>]  (with an 8B-shaped bench_big meanwhile)
 #   5 bench      [.stage/t5/ae .stage/data]  gsm8k 64 (bf16, compile, parity) and one single generate;
 #                results in $OUT (b-gsm8k.jsonl / .txt, generate.json, step_profile.json: GPU busy
@@ -536,7 +536,7 @@ v23c)  # [.stage/t7/ag .stage/data] after stage aa..af: real pair, gsm8k NS (16)
 v23d)  # [.stage/t7/aa .stage/whl] stage aa, then demo loop timings at prompt 300 per variant (VARS, in
   # order; a repeated variant gets -r2), none started past STOP (330) s
   cp .stage/t7/aa/part "$W/stage/aa.part" 2>/dev/null && ls -la "$W/stage"
-  for v in ${VARS:-default DFLASH_DRAFT_CTX_KV=0 DFLASH_HEAD_ARGMAX=1 default}; do
+  for v in ${VARS:-default DFLASH_HEAD_ARGMAX=1 default}; do  # (DFLASH_DRAFT_CTX_KV=0: at bef496b only)
     f=${v//[=,]/-}; r=1; while [ -e "$OUT/kernels-p300-$f-r$r.json" ]; do r=$((r+1)); done
     k300_variants "${STOP:-330}" "$v"; mv "$OUT/kernels-p300-$f.json" "$OUT/kernels-p300-$f-r$r.json" 2>/dev/null
   done

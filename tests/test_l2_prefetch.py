@@ -52,7 +52,7 @@ def test_forwards_prefetch_each_layer_after_qkv_and_join_once(tiny_target, monke
     for its o_proj, gate+up and down_proj weights, in that order, after its qkv projection (the
     target's before it with ``,early``: after its normed input), and each such forward joins once
     at its end; greedy tokens are plain greedy decoding's."""
-    from dflash.backends import static_fused
+    from dflash.backends import static_draft, static_fused
     from dflash.backends.static_torch import StaticBackend
     from dflash.loop import speculative_generate
     from tests.conftest import make_draft
@@ -77,6 +77,7 @@ def test_forwards_prefetch_each_layer_after_qkv_and_join_once(tiny_target, monke
         events.append(tuple(weights))
 
     monkeypatch.setattr(static_fused, "_in_proj", in_proj)
+    monkeypatch.setattr(static_draft, "_in_proj", in_proj)  # the draft's forward imports it by name
     monkeypatch.setattr(static_fused.l2_prefetch, "prefetch", spy)
     hidden = {tiny_target.config.hidden_size, draft.config.hidden_size}
 

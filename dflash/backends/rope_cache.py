@@ -94,22 +94,15 @@ if triton is not None:
 
     @triton.jit
     def _rope_cache_kernel(QKV, QW, KW, COS, SIN, POS, QO, KC, VC, TC, s_row, s_cos, s_qh, s_qt,
-                           s_kh, s_ks, s_vh, s_vs, eps_q, eps_k, CTX, s_crow, H: tl.constexpr, KV: tl.constexpr,
-                           HALF: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr,
-                           HAS_CTX: tl.constexpr):  # fmt: skip
+                           s_kh, s_ks, s_vh, s_vs, eps_q, eps_k, H: tl.constexpr, KV: tl.constexpr,
+                           HALF: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
         row = tl.program_id(0)
         head = tl.program_id(1)
         if PDL:  # everything read here but the norm weights comes from the kernels before
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         d = tl.arange(0, HALF)
-        if HAS_CTX:  # context rows' keys and values from CTX ([Tc, 2 Hkv D]), QKV holds block rows
-            if row < TC:
-                base = CTX + row * s_crow + (head - H) * (2 * HALF)
-            else:
-                base = QKV + (row - TC) * s_row + head * (2 * HALF)
-        else:
-            base = QKV + row * s_row + head * (2 * HALF)
+        base = QKV + row * s_row + head * (2 * HALF)
         dt = QKV.dtype.element_ty
         if head < H:  # a query head: block rows only (the context rows' queries are dropped)
             if row >= TC:
@@ -132,16 +125,9 @@ if triton is not None:
             tl.store(out + HALF + d, tl.load(base + HALF + d))
 
 
-def _launch(qkv, q_w, k_w, eps_q, eps_k, cos, sin, pos, kc, vc, tc, heads, kv_heads, ctx=None,
-            ctx_col: int = 0) -> torch.Tensor:  # fmt: skip
+def _launch(qkv, q_w, k_w, eps_q, eps_k, cos, sin, pos, kc, vc, tc, heads, kv_heads) -> torch.Tensor:
     t, width = qkv.shape
     d = kc.shape[-1]
-    if ctx is not None:  # qkv: the block rows only; ctx[:, ctx_col:] the context rows' K and V
-        t += tc
-        if ctx.dim() != 2 or ctx.shape[0] != tc or ctx.stride(1) != 1 or ctx_col < 0 \
-                or ctx.shape[1] < ctx_col + 2 * kv_heads * d:
-            raise ValueError(f"rope_cache: context K/V {tuple(ctx.shape)} (strides {ctx.stride()}) from column "
-                             f"{ctx_col} does not hold {tc} rows of 2 x {kv_heads} heads of {d}")  # fmt: skip
     cos, sin = cos[0, 0], sin[0, 0]  # [T, D]: sliced here, inside the op (see rope_cache)
     if width != (heads + 2 * kv_heads) * d or qkv.stride(1) != 1 or cos.stride(-1) != 1 \
             or sin.stride() != cos.stride() or cos.shape[0] != t or pos.shape != (t,) or pos.stride(0) != 1 \
@@ -155,8 +141,7 @@ def _launch(qkv, q_w, k_w, eps_q, eps_k, cos, sin, pos, kc, vc, tc, heads, kv_he
     _rope_cache_kernel[(t, heads + 2 * kv_heads)](
         qkv, q_w if norm else qkv, k_w if norm else qkv, cos, sin, pos, q, kc, vc, tc, qkv.stride(0),
         cos.stride(-2), q.stride(1), q.stride(2), kc.stride(1), kc.stride(2), vc.stride(1), vc.stride(2),
-        eps_q, eps_k, ctx[:, ctx_col:] if ctx is not None else qkv, ctx.stride(0) if ctx is not None else 0,
-        H=heads, KV=kv_heads, HALF=d // 2, NORM=norm, PDL=pdl, HAS_CTX=ctx is not None, num_warps=1,
+        eps_q, eps_k, H=heads, KV=kv_heads, HALF=d // 2, NORM=norm, PDL=pdl, num_warps=1,
         **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
     return q
@@ -165,27 +150,21 @@ def _launch(qkv, q_w, k_w, eps_q, eps_k, cos, sin, pos, kc, vc, tc, heads, kv_he
 @torch.library.custom_op("dflash::rope_cache", mutates_args=("kc", "vc"))
 def _rope_cache_op(qkv: torch.Tensor, q_w: torch.Tensor | None, k_w: torch.Tensor | None, eps_q: float, eps_k: float,
                    cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor, kc: torch.Tensor,
-                   vc: torch.Tensor, tc: int, heads: int, kv_heads: int, ctx: torch.Tensor | None = None,
-                   ctx_col: int = 0) -> torch.Tensor:  # fmt: skip
-    return _launch(qkv, q_w, k_w, eps_q, eps_k, cos, sin, pos, kc, vc, tc, heads, kv_heads, ctx, ctx_col)
+                   vc: torch.Tensor, tc: int, heads: int, kv_heads: int) -> torch.Tensor:  # fmt: skip
+    return _launch(qkv, q_w, k_w, eps_q, eps_k, cos, sin, pos, kc, vc, tc, heads, kv_heads)
 
 
 @_rope_cache_op.register_fake
-def _(qkv, q_w, k_w, eps_q, eps_k, cos, sin, pos, kc, vc, tc, heads, kv_heads, ctx=None, ctx_col=0):
-    rows = qkv.shape[0] if ctx is not None else qkv.shape[0] - tc
-    return qkv.new_empty(1, rows, heads, kc.shape[-1]).transpose(1, 2)
+def _(qkv, q_w, k_w, eps_q, eps_k, cos, sin, pos, kc, vc, tc, heads, kv_heads):
+    return qkv.new_empty(1, qkv.shape[0] - tc, heads, kc.shape[-1]).transpose(1, 2)
 
 
 def rope_cache_reference(qkv, q_norm, k_norm, cos, sin, pos, kc, vc, tc: int, heads: int,
-                         kv_heads: int, ctx: torch.Tensor | None = None, ctx_col: int = 0) -> torch.Tensor:  # fmt: skip
+                         kv_heads: int) -> torch.Tensor:  # fmt: skip
     """The module path's torch ops for :func:`rope_cache` (same args); writes kc/vc, returns q."""
     from dflash.models.draft_torch import apply_rope
 
-    d = kc.shape[-1]
-    if ctx is not None:  # the context rows as the joint projection would give them (queries unused)
-        kv = ctx[:, ctx_col : ctx_col + 2 * kv_heads * d]
-        qkv = torch.cat((torch.cat((kv.new_zeros(tc, heads * d), kv), 1), qkv))
-    t = qkv.shape[0]
+    t, d = qkv.shape[0], kc.shape[-1]
     q, k, v = qkv[None].split((heads * d, kv_heads * d, kv_heads * d), dim=-1)
     q, k = q[:, tc:].view(1, t - tc, heads, d).transpose(1, 2), k.view(1, t, kv_heads, d).transpose(1, 2)
     if q_norm is not None:
@@ -197,8 +176,7 @@ def rope_cache_reference(qkv, q_norm, k_norm, cos, sin, pos, kc, vc, tc: int, he
 
 
 def rope_cache(qkv: torch.Tensor, q_norm, k_norm, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
-               kc: torch.Tensor, vc: torch.Tensor, tc: int, heads: int, kv_heads: int,
-               ctx: torch.Tensor | None = None, ctx_col: int = 0) -> torch.Tensor:  # fmt: skip
+               kc: torch.Tensor, vc: torch.Tensor, tc: int, heads: int, kv_heads: int) -> torch.Tensor:  # fmt: skip
     """One draft layer's q/k RMSNorm + RoPE and K/V cache writes.
 
     Args:
@@ -212,10 +190,6 @@ def rope_cache(qkv: torch.Tensor, q_norm, k_norm, cos: torch.Tensor, sin: torch.
             one with a block row.
         kc, vc: [1, Hkv, S, D] the layer's caches, written at ``pos`` (keys normed and rotated).
         tc: context rows Tc; heads, kv_heads: H and Hkv.
-        ctx: None, or [Tc, >= ctx_col + 2 Hkv D] the context rows' keys then values from column
-            ``ctx_col`` (unit last stride; :func:`~dflash.backends.static_draft.draft_forward_fused`
-            projects every layer's context K/V in one matmul); ``qkv`` then holds the L block
-            rows only ([L, (H + 2 Hkv) D]).
 
     Pass whole tensors, not views of computed ones: Inductor materialises a view of an unrealised
     tensor once per custom-op call (the cos/sin tables were recomputed by two kernels in every
@@ -225,8 +199,8 @@ def rope_cache(qkv: torch.Tensor, q_norm, k_norm, cos: torch.Tensor, sin: torch.
         q: [1, H, L, D] the block's queries, normed and rotated (laid out as [1, L, H, D]).
     """
     if triton is None or (qkv.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1"):
-        return rope_cache_reference(qkv, q_norm, k_norm, cos, sin, pos, kc, vc, tc, heads, kv_heads, ctx, ctx_col)
+        return rope_cache_reference(qkv, q_norm, k_norm, cos, sin, pos, kc, vc, tc, heads, kv_heads)
     if q_norm is None:
-        return _rope_cache_op(qkv, None, None, 0.0, 0.0, cos, sin, pos, kc, vc, tc, heads, kv_heads, ctx, ctx_col)
+        return _rope_cache_op(qkv, None, None, 0.0, 0.0, cos, sin, pos, kc, vc, tc, heads, kv_heads)
     return _rope_cache_op(qkv, q_norm.weight, k_norm.weight, norm_eps(q_norm), norm_eps(k_norm),
-                          cos, sin, pos, kc, vc, tc, heads, kv_heads, ctx, ctx_col)  # fmt: skip
+                          cos, sin, pos, kc, vc, tc, heads, kv_heads)  # fmt: skip

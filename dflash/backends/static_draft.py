@@ -2,25 +2,27 @@
 
 Split from :mod:`dflash.backends.static_fused` (the target's forward and the shared helpers
 stay there). :func:`draft_forward_fused` is :meth:`DFlashDraft.forward
-<dflash.models.draft_torch.DFlashDraft.forward>` for the static cache; :func:`fold_ctx_kv`
-builds the joint context K/V projection of ``DFLASH_DRAFT_CTX_KV`` (:func:`draft_ctx_kv_setting`).
+<dflash.models.draft_torch.DFlashDraft.forward>` for the static cache.
+
+Tried and removed (twenty-third session, ``benchmarks/results/h200-v23/4-draft-ctx-kv``): every
+layer's context keys and values in one projection (``hidden_norm`` inside it), the layers' qkv
+kernels on the block rows only with the input norm inside, ``rope_cache`` taking the context
+rows' K/V from that projection: five kernels fewer, but the demo draft's graph took 0.154 /
+0.153 ms against 0.144 ms on the H200 (commit bef496b).
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import torch.nn.functional as F
 
 from dflash.backends import l2_prefetch
 from dflash.backends.qkv_rope import qkv_rope
-from dflash.backends.rope_cache import norm_eps, rope_cache, rope_cache_fits
+from dflash.backends.rope_cache import rope_cache, rope_cache_fits
 from dflash.backends.small_linear import MAX_ROWS as LINEAR_MAX_ROWS
-from dflash.backends.small_linear import fold_norm_weight, small_linear, small_linear_rn
+from dflash.backends.small_linear import small_linear
 from dflash.backends.split_attention import split_attention
 from dflash.backends.static_fused import (
-    FusedLinear,
     _after_qkv,
     _in_proj,
     _in_proj_joint,
@@ -37,48 +39,11 @@ from dflash.backends.static_fused import (
 )
 from dflash.models.draft_torch import rope_cos_sin
 
-CTX_KV_ENV = "DFLASH_DRAFT_CTX_KV"
-
-
-def draft_ctx_kv_setting() -> bool:
-    """``DFLASH_DRAFT_CTX_KV``: unset or ``1`` (the default) projects every draft layer's context
-    keys and values in one kernel, the layers' qkv kernels then taking the block rows only with
-    the input norm inside (:func:`draft_forward_fused`'s ``ctx_kv``); ``0`` keeps the context
-    rows in each layer's qkv kernel.
-
-    Raises:
-        InputError: another value.
-    """
-    raw = os.environ.get(CTX_KV_ENV, "").strip()
-    if raw not in ("", "0", "1"):
-        from dflash.errors import InputError
-
-        raise InputError(f"{CTX_KV_ENV} must be 0 or 1, got {raw!r}.", hint="unset it for the default (1)")
-    return raw != "0"
-
-
-def fold_ctx_kv(draft, fused) -> FusedLinear:
-    """Every draft layer's key and value rows of its fused qkv weight, stacked ([n * 2 Hkv D, H],
-    layer after layer, keys then values), with ``hidden_norm``'s weight folded in: the context
-    rows' K/V of all layers in one :func:`~dflash.backends.small_linear.small_linear_rn` kernel
-    (``DFLASH_DRAFT_CTX_KV``)."""
-    parts, biases = [], []
-    for layer, (qkv, _) in zip(draft.layers, fused, strict=True):
-        q = layer.self_attn.heads * layer.self_attn.head_dim
-        parts.append(qkv.weight[q:])
-        biases.append(qkv.bias[q:] if qkv.bias is not None else None)
-    bias = None
-    if any(b is not None for b in biases):  # zeros for a layer without
-        bias = torch.cat([b if b is not None else p.new_zeros(p.shape[0]) for b, p in zip(biases, parts, strict=True)])
-    weight = fold_norm_weight(torch.cat(parts), draft.hidden_norm.weight)
-    return FusedLinear(weight, bias, (weight.shape[0],))
-
 
 def draft_forward_fused(draft, fused, block_embeds, target_hidden, q_pos, ctx_pos, cache, masks,
                         pack_gqa: bool = False, split_kinds=frozenset(), lin: bool = False,
                         lin_in: bool = False, rope: bool = False, prefetch=None, glu: bool = False,
-                        folded=None, partials: bool = False, qkv_fused: bool = False,
-                        ctx_kv: FusedLinear | None = None):  # fmt: skip
+                        folded=None, partials: bool = False, qkv_fused: bool = False):  # fmt: skip
     """:meth:`DFlashDraft.forward` for the static cache with fused projections.
 
     Context and block rows go through one QKV matmul ([Tc + L] rows; the context rows' Q is
@@ -106,11 +71,7 @@ def draft_forward_fused(draft, fused, block_embeds, target_hidden, q_pos, ctx_po
     prefetch of each layer's o_proj, gate+up and down_proj weights after its qkv projection
     (:mod:`dflash.backends.l2_prefetch`), or None; ``qkv_fused``: with ``rope`` (and ``lin_in``,
     no ``prefetch``) the qkv projection inside that kernel too
-    (:func:`~dflash.backends.qkv_rope.qkv_rope`, ``DFLASH_QKV_ROPE``); ``ctx_kv``: every layer's
-    context keys and values in one projection (:func:`fold_ctx_kv`, ``DFLASH_DRAFT_CTX_KV``),
-    used with ``rope``, ``lin_in`` and ``folded`` input norms when every layer is in
-    ``split_kinds``: the context rows leave the layers' qkv kernels, which then take the block
-    rows only with the input norm inside.
+    (:func:`~dflash.backends.qkv_rope.qkv_rope`, ``DFLASH_QKV_ROPE``).
     """
     cfg, tc, lq = draft.config, target_hidden.shape[1], block_embeds.shape[1]
     groups = cfg.num_attention_heads // cfg.num_key_value_heads
@@ -118,14 +79,7 @@ def draft_forward_fused(draft, fused, block_embeds, target_hidden, q_pos, ctx_po
     if packed:
         masks = {kind: pack_mask(m, groups, lq) for kind, m in masks.items()}
     fc = draft.fc
-    joint = (ctx_kv is not None and rope and lin_in and folded is not None and not partials and not prefetch
-             and all(f[0] is not None for f in folded) and tc <= LINEAR_MAX_ROWS and lq <= LINEAR_MAX_ROWS
-             and all(kind in split_kinds for kind in cfg.layer_types) and _plain(fc, target_hidden.dtype))  # fmt: skip
-    ckv = None
-    if joint:  # hidden_norm inside the joint context K/V projection of every layer: [Tc, n * 2 Hkv D]
-        c = small_linear(target_hidden[0].contiguous(), fc.weight, fc.bias)
-        ckv = small_linear_rn(c, ctx_kv.weight, ctx_kv.bias, norm_eps(draft.hidden_norm))
-    elif lin and tc <= LINEAR_MAX_ROWS and _plain(fc, target_hidden.dtype):  # one kernel, not
+    if lin and tc <= LINEAR_MAX_ROWS and _plain(fc, target_hidden.dtype):  # one kernel, not
         ctx = draft.hidden_norm(small_linear(target_hidden[0].contiguous(), fc.weight, fc.bias)[None])
     else:  # cuBLAS's split-K GEMM and its reduction (two, ~7 us on the H200)
         ctx = draft.hidden_norm(fc(target_hidden))  # [1, Tc, H]
@@ -141,14 +95,6 @@ def draft_forward_fused(draft, fused, block_embeds, target_hidden, q_pos, ctx_po
     for i, layer in enumerate(draft.layers):
         a, (qkv, gate_up) = layer.self_attn, fused[i]
         d, kind = a.head_dim, cfg.layer_types[i]
-        if ckv is not None:  # block rows only, the input norm inside; context K/V from ckv
-            kc, vc, w = cache.keys[i], cache.values[i], 2 * a.kv_heads * d
-            raw = small_linear_rn(h[0], folded[i][0].weight, folded[i][0].bias, norm_eps(layer.input_layernorm))
-            q = rope_cache(raw, a.q_norm, a.k_norm, cos, sin, wpos, kc, vc, tc, a.heads, a.kv_heads, ckv, i * w)
-            out = split_attention(q, kc, vc, see, None, draft=True).transpose(1, 2).reshape(1, lq, a.heads * d)
-            h = _out_proj(lin, a.o_proj, out, h)
-            h = _mlp_rn(lin, folded[i][1], layer.mlp.down_proj, F.silu, layer.post_attention_layernorm, h, glu)
-            continue
         x = torch.cat((ctx, layer.input_layernorm(h)), 1)  # [1, Tc + L, H]
         fg = folded[i][1] if folded is not None and lin_in else None  # gate+up, norm folded in
         after = _after_qkv(a, fg if fg is not None else gate_up, layer.mlp) if prefetch else ()  # read next (L2 prefetch)

@@ -29,14 +29,13 @@ from dflash.backends.split_attention import (
     one_slice_setting,
     split_setting,
 )
-from dflash.backends.static_draft import draft_ctx_kv_setting
 from dflash.backends.static_loop import queue_ahead, step_compile_default
 
 
 def check_env() -> None:
     """Check every switch of the static path (``DFLASH_ATTN``, ``DFLASH_ATTN_SPLIT``,
     ``DFLASH_LINEAR``, ``DFLASH_LINEAR_CONFIG``, ``DFLASH_GLU``, ``DFLASH_FUSE_NORM``,
-    ``DFLASH_FUSE_NORM_FORM``, ``DFLASH_PDL``, ``DFLASH_PDL_PREFETCH``, ``DFLASH_ROPE``, ``DFLASH_QKV_ROPE``, ``DFLASH_DRAFT_CTX_KV``,
+    ``DFLASH_FUSE_NORM_FORM``, ``DFLASH_PDL``, ``DFLASH_PDL_PREFETCH``, ``DFLASH_ROPE``, ``DFLASH_QKV_ROPE``,
     ``DFLASH_PREFETCH``, ``DFLASH_STEP_COMPILE``, ``DFLASH_HEAD_ARGMAX``, ``DFLASH_GRAPH_WARM``,
     ``DFLASH_QUEUE_AHEAD``, ``DFLASH_DRAFT_ATTN_SPLIT``, ``DFLASH_ATTN_BLOCK``, ``DFLASH_ATTN_ONE_SLICE``)
     on any device: a typo fails at load on a laptop too, not first on the GPU machine.
@@ -59,7 +58,6 @@ def check_env() -> None:
     preload_bytes()
     rope_parts()
     qkv_rope_setting()
-    draft_ctx_kv_setting()
     prefetch_setting(cpu)
     step_compile_default()
     queue_ahead()

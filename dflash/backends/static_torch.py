@@ -48,11 +48,9 @@ from dflash.backends.split_attention import (
 )
 from dflash.backends.static_capture import StaticGraphs
 from dflash.backends.static_draft import (
-    draft_ctx_kv_setting,
     draft_forward_fused,
     draft_rope_fits,
     draft_small_linear_fits,
-    fold_ctx_kv,
 )
 from dflash.backends.static_fused import (
     fold_norms,
@@ -222,14 +220,7 @@ class StaticBackend(StaticGraphs, TransformersBackend):
         self.fuse_norm = self.linear_in > 0 and fused_norms(target, target.model.layers, self.linear_in >= MAX_ROWS)
         self.draft_fuse_norm = bool(self.draft_linear_in) and fused_norms(draft, draft.layers, True)
         self.folded_target = fold_norms(target.model.layers, self.fused_target) if self.fuse_norm else None
-        # every draft layer's context K/V in one projection, the layers' qkv on the block rows
-        # with the input norm inside (DFLASH_DRAFT_CTX_KV, dflash.backends.static_draft)
-        hn = getattr(draft, "hidden_norm", None)
-        joint = (draft_ctx_kv_setting() and self.draft_fuse_norm and self.draft_rope
-                 and type(hn).__name__ == "RMSNorm" and getattr(hn, "weight", None) is not None
-                 and hn.weight.dim() == 1 and hn.weight.dtype == self.dtype)  # fmt: skip
-        self.draft_ctx_kv = fold_ctx_kv(draft, self.fused_draft) if joint else None
-        self.folded_draft = (fold_norms(draft.layers, self.fused_draft, ("input", "post") if joint else ("post",))
+        self.folded_draft = (fold_norms(draft.layers, self.fused_draft, ("post",))
                              if self.draft_fuse_norm else None)  # fmt: skip
         # their sums of squares written by the o_proj/down_proj kernels before them (DFLASH_FUSE_NORM_FORM)
         self.norm_partials = norm_form() == "partials" and (self.fuse_norm or self.draft_fuse_norm)
@@ -342,8 +333,7 @@ class StaticBackend(StaticGraphs, TransformersBackend):
                                     (self.l2_sink, self.prefetch) if self.prefetch and lin else None,
                                     lin and self.draft_glu,
                                     self.folded_draft if lin and self.draft_fuse_norm else None,
-                                    self.norm_partials, lin and self.qkv_rope_draft,
-                                    self.draft_ctx_kv if lin and self.draft_fuse_norm else None)  # fmt: skip
+                                    self.norm_partials, lin and self.qkv_rope_draft)  # fmt: skip
         else:
             h = self.draft_model(embeds, ctx, q_pos, ctx_pos[None], cache=self.dcache, masks=masks)
         if argmax:
@@ -452,7 +442,5 @@ class StaticBackend(StaticGraphs, TransformersBackend):
                 "step_compile": self.step_compile and self.compile and self.device_loop is not None,
                 "head_argmax": self.head_argmax,
                 "rope_kernel": {"draft": self.draft_rope, "target": self.target_rope},
-                **({"draft_ctx_kv": True} if self.draft_ctx_kv is not None and self.draft_fuse_norm
-                   else {}),  # DFLASH_DRAFT_CTX_KV
                 **({"qkv_rope": {"draft": self.qkv_rope_draft, "target": self.qkv_rope_target}}
                    if self.qkv_rope_draft or self.qkv_rope_target else {})}  # DFLASH_QKV_ROPE  # fmt: skip
