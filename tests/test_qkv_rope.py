@@ -66,7 +66,7 @@ def test_fits_and_backend_off_on_cpu(tiny_target):
     assert not qr.qkv_rope_fits(attn, w.t(), True)  # column-major
     assert "qkv_rope" not in be.describe()  # recorded when on
     be.qkv_rope_draft = True
-    assert be.describe()["qkv_rope"] == {"draft": True, "target": False}
+    assert be.describe()["qkv_rope"] == {"target": False, "draft": True}
 
 
 def _count(monkeypatch):
@@ -110,17 +110,24 @@ def test_draft_logits_match_the_two_kernel_path(tiny_target, monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
-def test_fall_back_turns_it_off_after_pdl(tiny_target, capsys):
-    """After a failed capture the fused kernel goes before the norms inside the projections."""
+def test_fall_back_order_and_live_flags(tiny_target, capsys):
+    """After a failed capture the fused kernel goes right after the fused LM head, before the
+    norms inside the projections; where the forwards cannot run it (the norms' partial sums)
+    records leave it out and the fall-back skips it."""
     from dflash.backends.static_switches import fall_back
     from dflash.backends.static_torch import StaticBackend
     from tests.conftest import make_draft
 
     be = StaticBackend(tiny_target, make_draft(tiny_target), torch.device("cpu"), use_graphs=False)
-    be.qkv_rope_target = be.qkv_rope_draft = be.fuse_norm = True
+    be.qkv_rope_target = be.qkv_rope_draft = be.fuse_norm = be.head_argmax = True
+    assert fall_back(be, RuntimeError("capture failed")) and not be.head_argmax and be.qkv_rope_target
     assert fall_back(be, RuntimeError("capture failed"))
     assert not be.qkv_rope_target and not be.qkv_rope_draft and be.fuse_norm
     assert "DFLASH_QKV_ROPE=0" in capsys.readouterr().err
+    be.qkv_rope_target, be.norm_partials = True, True
+    assert be.qkv_rope_live() == (False, False) and "qkv_rope" not in be.describe()
+    assert fall_back(be, RuntimeError("capture failed")) and not be.norm_partials and be.qkv_rope_target
+    assert be.qkv_rope_live() == (True, False) and be.describe()["qkv_rope"] == {"target": True, "draft": False}
 
 
 KERNEL_CHECK = textwrap.dedent("""

@@ -92,6 +92,7 @@ def draft_forward_fused(draft, fused, block_embeds, target_hidden, q_pos, ctx_po
     see = q_pos[0, -1:] if split_kinds else None
     wpos = torch.cat((cache.write_pos, q_pos[0])) if rope and split_kinds else None  # [Tc + L] cache rows
     qkv_fused = qkv_fused and lin_in and not prefetch and tc + lq <= LINEAR_MAX_ROWS
+    early = False  # qkv_rope: cos/sin/wpos may load before the PDL wait (see qkv_rope)
     for i, layer in enumerate(draft.layers):
         a, (qkv, gate_up) = layer.self_attn, fused[i]
         d, kind = a.head_dim, cfg.layer_types[i]
@@ -100,8 +101,10 @@ def draft_forward_fused(draft, fused, block_embeds, target_hidden, q_pos, ctx_po
         after = _after_qkv(a, fg if fg is not None else gate_up, layer.mlp) if prefetch else ()  # read next (L2 prefetch)
         if wpos is not None and kind in split_kinds and qkv_fused:  # DFLASH_QKV_ROPE
             kc, vc = cache.keys[i], cache.values[i]
+            # early: after the first such call the tables and wpos were written long before
             q = qkv_rope(x[0], qkv.weight, qkv.bias, None, a.q_norm, a.k_norm, cos, sin, wpos, kc, vc, tc,
-                         a.heads, a.kv_heads, i > 0)  # fmt: skip
+                         a.heads, a.kv_heads, early)  # fmt: skip
+            early = True
             out = split_attention(q, kc, vc, see, None, draft=True)
         elif wpos is not None and kind in split_kinds:
             raw = _in_proj_joint(lin_in, qkv, x)  # [Tc + L, (H + 2 Hkv) D]

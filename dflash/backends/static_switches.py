@@ -90,10 +90,10 @@ def fall_back(be, error: Exception, part: str | None = None, kind: str | None = 
     """After a failed capture of a :class:`~dflash.backends.static_torch.StaticBackend` (``be``)
     graph, turn off the next optional piece, with one line on stderr:
     the L2 weight prefetch (``DFLASH_PREFETCH``), then the whole-step compile
-    (``DFLASH_STEP_COMPILE``), then the LM head + argmax kernel (``DFLASH_HEAD_ARGMAX``),
-    then programmatic dependent launch (when it was on for the failed capture of ``part``, "draft"
-    or "target"; the forwards compile again), then the qkv projection inside the RoPE +
-    cache-write kernel (``DFLASH_QKV_ROPE``), then the norms inside the projections
+    (``DFLASH_STEP_COMPILE``), then the LM head + argmax kernel (``DFLASH_HEAD_ARGMAX``), then
+    the qkv projection inside the RoPE + cache-write kernel (``DFLASH_QKV_ROPE``, where the
+    forwards run it), then programmatic dependent launch (when it was on for the failed capture
+    of ``part``, "draft" or "target"; the forwards compile again), then the norms inside the projections
     (``DFLASH_FUSE_NORM``), then the SiLU * up epilogue (``DFLASH_GLU``), then the RoPE +
     cache-write kernel (``DFLASH_ROPE``), then the Triton projections (cuBLAS instead),
     then the split-KV kernel (SDPA), then ``torch.compile`` (eager ops). Returns False when
@@ -114,15 +114,15 @@ def fall_back(be, error: Exception, part: str | None = None, kind: str | None = 
     elif device_graph and be.head_argmax:
         be.head_argmax = False
         what, fix = "the LM head + argmax kernel", "the logits and an argmax (unset DFLASH_HEAD_ARGMAX)"
+    elif hasattr(be, "qkv_rope_live") and any(be.qkv_rope_live()):
+        be.qkv_rope_target = be.qkv_rope_draft = False
+        what, fix = "the qkv + RoPE kernel", "the projection and the RoPE kernel apart (DFLASH_QKV_ROPE=0 silences this)"
     elif disable_pdl(be.device, part):  # compiled code has no guard on it: compile again
         be._compiled.clear()
         if be.device_loop is not None:
             be.device_loop._compiled.clear()
         torch._dynamo.reset()
         what, fix = "programmatic dependent launch", "plain launches (DFLASH_PDL=0 silences this)"
-    elif getattr(be, "qkv_rope_target", False) or getattr(be, "qkv_rope_draft", False):
-        be.qkv_rope_target = be.qkv_rope_draft = False
-        what, fix = "the qkv + RoPE kernel", "the projection and the RoPE kernel apart (DFLASH_QKV_ROPE=0 silences this)"
     elif getattr(be, "norm_partials", False):  # the squares form next, the folded weights kept
         be.norm_partials = False
         what, fix = "the norms' partial sums", "sums from the input tiles (DFLASH_FUSE_NORM_FORM=squares silences this)"

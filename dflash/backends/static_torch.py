@@ -442,5 +442,12 @@ class StaticBackend(StaticGraphs, TransformersBackend):
                 "step_compile": self.step_compile and self.compile and self.device_loop is not None,
                 "head_argmax": self.head_argmax,
                 "rope_kernel": {"draft": self.draft_rope, "target": self.target_rope},
-                **({"qkv_rope": {"draft": self.qkv_rope_draft, "target": self.qkv_rope_target}}
-                   if self.qkv_rope_draft or self.qkv_rope_target else {})}  # DFLASH_QKV_ROPE  # fmt: skip
+                **({"qkv_rope": dict(zip(("target", "draft"), self.qkv_rope_live(), strict=True))}
+                   if any(self.qkv_rope_live()) else {})}  # DFLASH_QKV_ROPE  # fmt: skip
+
+    def qkv_rope_live(self) -> tuple[bool, bool]:
+        """Whether the forwards run :func:`~dflash.backends.qkv_rope.qkv_rope` (target, draft):
+        its switches, less what keeps the forwards from using it (the norms' partial sums, the L2
+        prefetch)."""
+        off = bool(self.norm_partials or self.prefetch)
+        return self.qkv_rope_target and not off, self.qkv_rope_draft and not off
