@@ -1,7 +1,7 @@
 """Cost of one speculative step on a Qwen3-8B-shaped random target, next to the HBM floor.
 
     PYTHONPATH=. python3 scripts/bench_big.py [--tiny] [--out DIR] [--no-compile]
-        [--shape qwen3-8b|smollm2] [--no-device-loop] [--profile] [--dtype float32]
+        [--shape qwen3-8b|smollm2] [--arch qwen3|llama] [--no-device-loop] [--profile] [--dtype float32]
 
 A random-weight bf16 target with Qwen3-8B dimensions (36 layers, hidden 4096, intermediate
 12288, 32 heads, 8 KV heads, head dim 128, vocab 151936; 16.4 GB) is built on the GPU with a
@@ -20,7 +20,8 @@ from a numerical difference between widths. ``--profile`` adds, per setting, the
 ``--steps`` steps (torch.profiler): device-busy ms per step next to the wall ms per step (the
 difference is time the GPU waited for the host) and the kernels with the most device time.
 ``--shape smollm2`` runs the demo target's shape (SmolLM2-135M, with a 5-layer draft of the
-demo draft's shape). ``--tiny`` runs the same code on a miniature model on the CPU (eager) for
+demo draft's shape). ``--arch llama`` builds a Llama model of those dims instead of a Qwen3 one
+(no q/k norms). ``--tiny`` runs the same code on a miniature model on the CPU (eager) for
 tests. Writes ``bench_big.json`` to --out (default: $OUT or ./bench_big_out).
 """
 
@@ -90,13 +91,13 @@ class ScriptedLoop:
 
 def build(tiny: bool, device: torch.device, dtype: torch.dtype, compile: bool,
           widths: tuple[int, ...] = (1, 4, 8, 16), shape: str = "qwen3-8b",
-          device_loop: bool | None = None, init_std: float | None = None):
+          device_loop: bool | None = None, init_std: float | None = None, arch: str = "qwen3"):
     """Random target + random draft behind a StaticBackend with a verify graph per width.
 
     ``init_std``: weight init std of the target (default the config's 0.02): a small one keeps
     the residual stream near the token's embedding, so the greedy margin is wide at every width.
     """
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     from dflash.backends.graph_plan import GraphPlan
     from dflash.backends.static_torch import StaticBackend
@@ -105,12 +106,13 @@ def build(tiny: bool, device: torch.device, dtype: torch.dtype, compile: bool,
 
     torch.manual_seed(0)
     extra = {} if init_std is None else {"initializer_range": init_std}
-    cfg = Qwen3Config(**(TINY if tiny else SHAPES[shape]), **extra)
+    config, model = (LlamaConfig, LlamaForCausalLM) if arch == "llama" else (Qwen3Config, Qwen3ForCausalLM)
+    cfg = config(**(TINY if tiny else SHAPES[shape]), **extra)
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # build in the compute dtype (an fp32 8B would be 33 GB)
     try:
         with torch.device(device):
-            target = Qwen3ForCausalLM(cfg).eval()
+            target = model(cfg).eval()
             dcfg = draft_config_for(cfg, layers=2 if tiny else 5, block_size=16,
                                     mask_token_id=cfg.vocab_size - 1, vocab_rows=cfg.vocab_size)  # fmt: skip
             draft = DFlashDraft(dcfg).eval()
@@ -234,6 +236,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--blocks", default="1,4,8,16")
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b")
+    ap.add_argument("--arch", choices=("qwen3", "llama"), default="qwen3",
+                    help="the target's architecture at those dims: qwen3 (q/k norms) or llama (none)")  # fmt: skip
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default=None,
                     help="default bfloat16 (float32 with --tiny)")  # fmt: skip
     ap.add_argument("--device-loop", action=argparse.BooleanOptionalAction, default=True,
@@ -248,7 +252,7 @@ def main(argv: list[str] | None = None) -> dict:
     init_std = args.init_std if args.init_std is not None else (None if args.tiny else 0.002)
     t0 = time.perf_counter()
     be = build(args.tiny, device, dtype, args.compile and device.type == "cuda", tuple(blocks),
-               args.shape, args.device_loop, init_std)  # fmt: skip
+               args.shape, args.device_loop, init_std, args.arch)  # fmt: skip
     built_s = time.perf_counter() - t0
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, be.vocab_size - 1, (args.prompt_len,), generator=g).tolist()
@@ -286,7 +290,7 @@ def main(argv: list[str] | None = None) -> dict:
               "pdl_on": pdl_enabled(device), "l2_prefetch_bytes": getattr(be, "prefetch", 0),
               "pdl_prefetch_bytes": desc.get("pdl_prefetch_bytes", 0),
               "truth_sha1": hashlib.sha1(str(truth_ids).encode()).hexdigest(),  # same across variants
-              "shape": "tiny" if args.tiny else args.shape, "init_std": init_std, "prompt_len": args.prompt_len, "build_s": built_s,
+              "shape": "tiny" if args.tiny else args.shape, "arch": args.arch, "init_std": init_std, "prompt_len": args.prompt_len, "build_s": built_s,
               "target_bytes": tgt, "draft_step_bytes": drf, "kv_bytes": kv,
               "copy_bandwidth_GBps": bw / 1e9, "results": []}  # fmt: skip
     out = Path(args.out)

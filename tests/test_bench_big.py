@@ -12,7 +12,7 @@ import torch
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_big.py"
 
 
-@pytest.mark.parametrize("extra", [[], ["--no-device-loop"], ["--profile"]])
+@pytest.mark.parametrize("extra", [[], ["--no-device-loop"], ["--profile"], ["--arch", "llama"]])
 def test_bench_big_tiny_exact_steps(tmp_path, extra):
     spec = importlib.util.spec_from_file_location("bench_big", SCRIPT)
     mod = importlib.util.module_from_spec(spec)
@@ -33,3 +33,15 @@ def test_bench_big_tiny_exact_steps(tmp_path, extra):
         assert r["diverged_at"] is None  # every run commits the block-1 truth
         assert ("busy_ms_per_step" in r) == ("--profile" in extra)
     assert report["device_loop"] == ("--no-device-loop" not in extra)
+    assert report["arch"] == ("llama" if "llama" in extra else "qwen3")  # a Llama target: no q/k norms
+
+
+def test_bench_big_arch_builds_that_model():
+    """--arch llama builds a Llama target (no q/k norms), the default a Qwen3 one, same dims."""
+    spec = importlib.util.spec_from_file_location("bench_big", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    for arch, norms in (("llama", False), ("qwen3", True)):
+        be = mod.build(True, torch.device("cpu"), torch.float32, False, (1,), "qwen3-8b", None, None, arch)
+        attn = be.target.model.layers[0].self_attn
+        assert hasattr(attn, "q_norm") == norms and be.target.config.hidden_size == mod.TINY["hidden_size"]
