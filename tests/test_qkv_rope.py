@@ -162,9 +162,9 @@ KERNEL_CHECK = textwrap.dedent("""
             assert err < 1e-4, (t, tc, d, err)
     assert len(launched) == len(cases)
     from tests.test_split_attention import assert_static_greedy
-    assert_static_greedy(attention="split", linear="triton", linear_in=32, draft_linear=True, draft_linear_in=True,
-                         draft_rope=True, target_rope=True, qkv_rope_target=True, qkv_rope_draft=True,
-                         fuse_norm=True)
+    assert_static_greedy(layers=2, attention="split", linear="triton", linear_in=32, draft_linear=True,
+                         draft_linear_in=True, draft_rope=True, target_rope=True, qkv_rope_target=True,
+                         qkv_rope_draft=True, fuse_norm=True)
     assert len(launched) > len(cases)
     print("ok")
 """)
