@@ -378,8 +378,8 @@ def target_forward_fused(be, ids: torch.Tensor, pos: torch.Tensor, argmax: bool 
         after = _after_qkv(a, fg if fuse else gate_up, layer.mlp) if pf else ()  # read next (L2 prefetch)
         if early:
             l2_prefetch.prefetch(be.l2_sink, h, after, pf)
-        if rope and qr:  # the projection inside that kernel too (DFLASH_QKV_ROPE)
-            norms = (a.q_norm, a.k_norm) if hasattr(a, "q_norm") else (None, None)  # Qwen3
+        norms = (a.q_norm, a.k_norm) if hasattr(a, "q_norm") else (None, None)  # Qwen3
+        if qr:  # the projection inside the RoPE + cache-write kernel too (DFLASH_QKV_ROPE)
             w, b, eps = (fq.weight, fq.bias, norm_eps(layer.input_layernorm)) if fuse_in else (qkv.weight, qkv.bias, None)
             q = qkv_rope(h[0], w, b, eps, *norms, cos, sin, pos[0], be.k[i], be.v[i], 0, be.heads, be.kv_heads, i > 0)
             o = split_attention(q, be.k[i], be.v[i], pos[0], a.scaling)
@@ -390,7 +390,6 @@ def target_forward_fused(be, ids: torch.Tensor, pos: torch.Tensor, argmax: bool 
                 raw = _in_proj_joint(lin_in, qkv, h)  # [T, (H + 2 Hkv) D]
             if pf and not early:
                 l2_prefetch.prefetch(be.l2_sink, raw, after, pf)
-            norms = (a.q_norm, a.k_norm) if hasattr(a, "q_norm") else (None, None)  # Qwen3
             q = rope_cache(raw, *norms, cos, sin, pos[0], be.k[i], be.v[i], 0, be.heads, be.kv_heads)
             o = split_attention(q, be.k[i], be.v[i], pos[0], a.scaling)
         else:
