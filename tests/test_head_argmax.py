@@ -5,19 +5,14 @@ interpreter, float32) gives argmax(x @ W^T) exactly, ties to the first column in
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 
 from dflash.backends import head_argmax as ha
 from dflash.errors import InputError
-
-REPO = Path(__file__).resolve().parents[1]
+from tests.triton_helpers import compile_for_hopper, run_interpreted
 
 
 def test_switch_and_fits(monkeypatch, tiny_target):
@@ -96,10 +91,7 @@ KERNEL_CHECK = textwrap.dedent("""
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
 def test_triton_kernel_in_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(
-        [str(REPO), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
-    out = subprocess.run([sys.executable, "-c", KERNEL_CHECK], cwd=REPO, env=env, capture_output=True,
-                         text=True, timeout=600)  # fmt: skip
+    out = run_interpreted(KERNEL_CHECK)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
 
 
@@ -108,18 +100,10 @@ def test_triton_kernel_in_interpreter():
 def test_kernel_compiles_for_hopper(pdl):
     """The kernel compiles for sm_90 (the H200) without a GPU, with tensor-core dots, and with PDL
     its grid-dependency wait and launch instructions (the interpreter skips both)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     sig = {"X": "*bf16", "W": "*bf16", "PV": "*fp32", "PI": "*i32", **dict.fromkeys(("M", "N", "K", "s_xm", "s_wn", "s_pm"), "i32"),
            **dict.fromkeys(("IEEE", "BM", "BN", "BK", "PDL"), "constexpr")}  # fmt: skip
-    src = ASTSource(fn=ha._head_argmax_kernel, signature=sig,
-                    constexprs={"IEEE": False, "BM": 16, "BN": 32, "BK": 128, "PDL": pdl})  # fmt: skip
-    try:
-        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 4})
-    except RuntimeError as e:  # no ptxas in this Triton install
-        pytest.skip(f"cannot compile for sm_90 here: {e}")
+    kernel = compile_for_hopper(ha._head_argmax_kernel, sig, {"IEEE": False, "BM": 16, "BN": 32, "BK": 128, "PDL": pdl}, num_warps=4, num_stages=4)
     ptx = kernel.asm["ptx"]
     assert "mma" in ptx and ptx.count("griddepcontrol") == (2 if pdl else 0)
 

@@ -10,6 +10,7 @@ import torch
 
 from dflash.backends import l2_prefetch as lp
 from dflash.errors import InputError
+from tests.triton_helpers import compile_for_hopper
 
 
 def test_budget_switch(monkeypatch, tiny_target):
@@ -147,16 +148,10 @@ def test_kernel_compiles_to_prefetches_for_hopper(tmp_path):
     from pathlib import Path
 
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     sig = {"A": "*bf16", "B": "*bf16", "C": "*bf16", "NA": "i32", "NB": "i32", "NC": "i32",
            "STEP": "constexpr", "BLOCK": "constexpr"}  # fmt: skip
-    src = ASTSource(fn=lp._prefetch_kernel, signature=sig, constexprs={"STEP": 64, "BLOCK": lp.BLOCK})
-    try:
-        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32))
-    except RuntimeError as e:  # no ptxas in this Triton install
-        pytest.skip(f"cannot compile for sm_90 here: {e}")
+    kernel = compile_for_hopper(lp._prefetch_kernel, sig, {"STEP": 64, "BLOCK": lp.BLOCK})
     ptx = kernel.asm["ptx"]
     assert ptx.count("prefetch.global.L2 [") == lp.BLOCK // 128
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
@@ -194,18 +189,10 @@ def test_bulk_kernel_compiles_for_hopper():
     """The bulk kernel compiles for sm_90 (PTX through ptxas) without a GPU: BULK_BLOCK predicated
     bulk L2 prefetches over one warp, two per thread (Triton 3.9 merges the three weights'
     branches into one)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     sig = {"A": "*bf16", "B": "*bf16", "C": "*bf16", "NA": "i32", "NB": "i32", "NC": "i32",
            "CHUNK_E": "constexpr", "ELEM": "constexpr", "BLOCK": "constexpr"}  # fmt: skip
-    src = ASTSource(fn=lp._bulk_kernel, signature=sig,
-                    constexprs={"CHUNK_E": lp.CHUNK // 2, "ELEM": 2, "BLOCK": lp.BULK_BLOCK})  # fmt: skip
-    try:
-        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
-    except RuntimeError as e:  # no ptxas in this Triton install
-        pytest.skip(f"cannot compile for sm_90 here: {e}")
+    kernel = compile_for_hopper(lp._bulk_kernel, sig, {"CHUNK_E": lp.CHUNK // 2, "ELEM": 2, "BLOCK": lp.BULK_BLOCK}, num_warps=1)
     ptx = kernel.asm["ptx"]
     assert ptx.count("cp.async.bulk.prefetch.L2.global [") in (lp.BULK_BLOCK // 32, 3 * lp.BULK_BLOCK // 32)
     assert kernel.asm["cubin"]

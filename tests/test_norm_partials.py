@@ -5,11 +5,7 @@ and values, and the Triton kernels (interpreter; sm_90 compile)."""
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,8 +14,7 @@ import torch.nn.functional as F
 from dflash.backends import norm_partials as npart
 from dflash.backends import small_linear as sl
 from dflash.errors import InputError
-
-REPO = Path(__file__).resolve().parents[1]
+from tests.triton_helpers import compile_for_hopper, run_interpreted
 
 
 def test_references_give_the_norm_then_the_projection():
@@ -209,10 +204,7 @@ def test_kernels_in_interpreter(path):
     partial sums of its squares (a short last program and a single program included), the norm
     from them, plain and SwiGLU, with and without the PDL path (grid-dependency calls stubbed);
     the custom ops' fake shapes match their outputs."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(
-        [str(REPO), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
-    out = subprocess.run([sys.executable, "-c", KERNEL_CHECK, path], cwd=REPO, env=env, capture_output=True,
-                         text=True, timeout=600)  # fmt: skip
+    out = run_interpreted(KERNEL_CHECK, path)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
 
 
@@ -220,20 +212,13 @@ def test_kernels_in_interpreter(path):
 def test_consumer_compiles_for_hopper_and_reads_partials_after_the_wait():
     """With PDL the consumer compiles for sm_90 and loads no more before the grid-dependency wait
     than the plain projection (the partial sums are read after it); the producer compiles too."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     from tests.test_small_linear import OFF_EXTRAS, _kernel_signature
 
     def ptx(**extra) -> str:
         consts = {"HAS_BIAS": False, "HAS_RES": False, "IEEE": False, "BM": 16, "BN": 32, "BK": 256, "PDL": True,
                   "LINE": 64, "PRE_K": 0, **OFF_EXTRAS, **extra}  # fmt: skip
-        src = ASTSource(fn=sl._small_linear_kernel, signature=_kernel_signature(consts), constexprs=consts)
-        try:
-            return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 4}).asm["ptx"]
-        except RuntimeError as e:  # no ptxas in this Triton install
-            pytest.skip(f"cannot compile for sm_90 here: {e}")
+        return compile_for_hopper(sl._small_linear_kernel, _kernel_signature(consts), consts, num_warps=4, num_stages=4).asm["ptx"]
 
     plain, rnp = ptx(), ptx(RNP=True, PP=128)
     before = [p[: p.index("griddepcontrol.wait")].count("ld.global") for p in (plain, rnp)]

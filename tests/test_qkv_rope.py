@@ -5,19 +5,14 @@ in the interpreter against the two-kernel references, and an sm_90 compile."""
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 
 from dflash.backends import qkv_rope as qr
 from dflash.errors import InputError
-
-REPO = Path(__file__).resolve().parents[1]
+from tests.triton_helpers import compile_for_hopper, run_interpreted
 
 
 def test_setting(monkeypatch):
@@ -176,10 +171,7 @@ def test_triton_kernel_in_interpreter():
     block rows, keys and values at their cache rows, the other rows untouched, with and without
     context rows, norms, bias and the input norm inside; the static backend with it in the
     target and the draft decodes plain greedy."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(
-        [str(REPO), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
-    out = subprocess.run([sys.executable, "-c", KERNEL_CHECK], cwd=REPO, env=env, capture_output=True,
-                         text=True, timeout=600)  # fmt: skip
+    out = run_interpreted(KERNEL_CHECK)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
 
 
@@ -188,9 +180,6 @@ def test_triton_kernel_in_interpreter():
 def test_kernel_compiles_for_hopper(pdl):
     """The kernel compiles for sm_90 (the H200) without a GPU with tensor-core dots, Qwen3-8B's
     and the demo's head layouts; with PDL its grid-dependency wait and launch instructions."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     ptrs = ("X", "W", "B", "QW", "KW", "COS", "SIN", "POS", "QO", "KC", "VC")
     sig = {p: "*i64" if p == "POS" else "*fp32" if p in ("COS", "SIN") else "*bf16" for p in ptrs}
@@ -201,10 +190,6 @@ def test_kernel_compiles_for_hopper(pdl):
                EARLY=True)  # fmt: skip
     sig.update(dict.fromkeys(big, "constexpr"))
     for cons in (big, dict(big, H=9, KV=3, HALF=32, P=8, NORM=False, RN=True, BK=128, BM=32, EARLY=False)):
-        try:
-            kernel = triton.compile(ASTSource(fn=qr._qkv_rope_kernel, signature=sig, constexprs=cons),
-                                    target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 2})  # fmt: skip
-        except RuntimeError as e:  # no ptxas in this Triton install
-            pytest.skip(f"cannot compile for sm_90 here: {e}")
+        kernel = compile_for_hopper(qr._qkv_rope_kernel, sig, cons, num_warps=4, num_stages=2)
         ptx = kernel.asm["ptx"]
         assert "mma" in ptx and ptx.count("griddepcontrol") == (2 if pdl else 0)

@@ -5,19 +5,14 @@ the Triton kernel (Triton's CPU interpreter, float32) equals the reference."""
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 
 from dflash.backends import rope_cache as rc
 from dflash.errors import InputError
-
-REPO = Path(__file__).resolve().parents[1]
+from tests.triton_helpers import run_interpreted
 
 
 def test_switch(monkeypatch, tiny_target):
@@ -201,8 +196,5 @@ def test_triton_kernel_in_interpreter():
     at their cache rows, the rest of the caches untouched, with norms and without; the static
     backend with it in the draft and the target (and the split attention kernel) decodes plain
     greedy."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(
-        [str(REPO), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
-    out = subprocess.run([sys.executable, "-c", KERNEL_CHECK], cwd=REPO, env=env, capture_output=True,
-                         text=True, timeout=600)  # fmt: skip
+    out = run_interpreted(KERNEL_CHECK)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]

@@ -5,11 +5,7 @@ float32) equals it, and the static backend decodes plain greedy tokens with it."
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,8 +14,7 @@ import torch.nn.functional as F
 from dflash.backends import linear_settings, pdl
 from dflash.backends import small_linear as sl
 from dflash.errors import InputError
-
-REPO = Path(__file__).resolve().parents[1]
+from tests.triton_helpers import compile_for_hopper, run_interpreted
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -394,10 +389,7 @@ KERNEL_CHECK = textwrap.dedent("""
 def test_triton_kernel_in_interpreter():
     """The kernel (Triton interpreter, float32) equals the reference with and without bias and
     residual, odd sizes included, and the static backend with it decodes exactly plain greedy."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(
-        [str(REPO), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
-    out = subprocess.run([sys.executable, "-c", KERNEL_CHECK], cwd=REPO, env=env, capture_output=True,
-                         text=True, timeout=1200)  # fmt: skip  (about 450 s on 2 CPU cores)
+    out = run_interpreted(KERNEL_CHECK, timeout=1200)  # about 450 s on 2 CPU cores
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
 
 
@@ -437,10 +429,7 @@ def test_pdl_path_in_interpreter():
     """The PDL path (the first weight tile loaded before the wait, the K loop after it) gives the
     exact product, and with the RMSNorm's row factors (plain and SwiGLU), K of one tile up to several (Triton interpreter, float32, grid-dependency
     calls stubbed: the interpreter has none)."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(
-        [str(REPO), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
-    out = subprocess.run([sys.executable, "-c", PDL_CHECK], cwd=REPO, env=env, capture_output=True,
-                         text=True, timeout=600)  # fmt: skip
+    out = run_interpreted(PDL_CHECK)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
 
 
@@ -499,20 +488,13 @@ def test_kernel_compiles_for_hopper_with_l2_preload(tmp_path, pre_k):
     """With PDL the kernel compiles for sm_90 (the H200) without a GPU; with a preload column the weight rows' L2 prefetches come before
     the grid-dependency wait (so they overlap the previous kernel), and without one there are
     none. (The interpreter cannot run inline PTX.)"""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     consts = {"HAS_BIAS": False, "HAS_RES": True, "IEEE": False, "BM": 16, "BN": 32, "BK": 512, "PDL": True, "LINE": 64,
               **OFF_EXTRAS}  # fmt: skip
     if pre_k == 0:
         consts["PRE_K"] = 0  # specialised away, as a launch with nothing to preload compiles
     sig = _kernel_signature(consts)
-    src = ASTSource(fn=sl._small_linear_kernel, signature=sig, constexprs=consts)
-    try:
-        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
-    except RuntimeError as e:  # no ptxas in this Triton install
-        pytest.skip(f"cannot compile for sm_90 here: {e}")
+    kernel = compile_for_hopper(sl._small_linear_kernel, sig, consts, num_warps=4, num_stages=3)
     ptx = kernel.asm["ptx"]
     assert "griddepcontrol.wait" in ptx
     if pre_k:
@@ -531,19 +513,12 @@ def test_glu_kernel_compiles_for_hopper(rows, rn):
     for sm_90 with PDL, for the demo's 1-16 and the draft's 32-row forwards, with and without
     the RMSNorm's row factors (x x^T on the tensor cores from the x tiles already loaded: no
     extra global load, none before the wait)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     counts = {}
     for with_rn in {False, rn}:
         consts = {"HAS_BIAS": False, "HAS_RES": False, "IEEE": False, "BM": rows, "BN": 16, "BK": 128, "PDL": True,
                   "LINE": 64, "PRE_K": 0, **OFF_EXTRAS, "GLU": True, "RN": with_rn}  # fmt: skip
-        src = ASTSource(fn=sl._small_linear_kernel, signature=_kernel_signature(consts), constexprs=consts)
-        try:
-            kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 4})
-        except RuntimeError as e:  # no ptxas in this Triton install
-            pytest.skip(f"cannot compile for sm_90 here: {e}")
+        kernel = compile_for_hopper(sl._small_linear_kernel, _kernel_signature(consts), consts, num_warps=4, num_stages=4)
         ptx = kernel.asm["ptx"]
         counts[with_rn] = (ptx[: ptx.index("griddepcontrol.wait")].count("ld.global"), ptx.count("ld.global"),
                            "rsqrt" in ptx)  # fmt: skip

@@ -5,11 +5,7 @@ Triton is installed (float32: the interpreter has no bfloat16)."""
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,8 +13,8 @@ import torch.nn.functional as F
 
 from dflash.backends import split_attention as sa
 from dflash.errors import InputError
+from tests.triton_helpers import compile_for_hopper, run_interpreted
 
-REPO = Path(__file__).resolve().parents[1]
 SHAPES = [  # heads, kv heads, query rows T, head dim, capacity S, first query position
     (9, 3, 16, 64, 256, 100),  # demo target, a 16-wide verify crossing a slice boundary
     (9, 3, 1, 64, 256, 0),  # block-1 decoding at position 0
@@ -275,10 +271,7 @@ KERNEL_CHECK = textwrap.dedent("""
 def test_triton_kernel_in_interpreter():
     """The kernel (Triton interpreter, float32) equals masked SDPA, and the static backend with
     it decodes exactly plain greedy at block 1 and 16."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(
-        [str(REPO), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
-    out = subprocess.run([sys.executable, "-c", KERNEL_CHECK], cwd=REPO, env=env, capture_output=True,
-                         text=True, timeout=600)  # fmt: skip
+    out = run_interpreted(KERNEL_CHECK)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
 
 
@@ -349,9 +342,6 @@ def test_describe_records_split_settings(tiny_target, monkeypatch):
 def test_kernel_compiles_for_hopper(one):
     """The kernel compiles for sm_90 (the H200) without a GPU, with PDL, with and without the
     one-program span for short filled lengths (the interpreter checks the maths)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     ints = ("scale_log2", "cap", "s_pos", "s_qh", "s_qt", "s_kh", "s_ks", "s_vh", "s_vs", "s_oh", "s_ot",
             "s_ph", "s_ps", "s_pr", "s_lh", "s_ls")  # fmt: skip
@@ -360,9 +350,5 @@ def test_kernel_compiles_for_hopper(one):
     sig = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "POS": "*i64", "OUT": "*bf16", "PO": "*fp32", "PL": "*fp32",
            "CNT": "*i32", **{n: "i32" for n in ints}, **dict.fromkeys(consts, "constexpr")}  # fmt: skip
     sig["scale_log2"] = "fp32"
-    src = ASTSource(fn=sa._split_kernel, signature=sig, constexprs=consts)
-    try:
-        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 2})
-    except RuntimeError as e:  # no ptxas in this Triton install
-        pytest.skip(f"cannot compile for sm_90 here: {e}")
+    kernel = compile_for_hopper(sa._split_kernel, sig, consts, num_warps=4, num_stages=2)
     assert "griddepcontrol.wait" in kernel.asm["ptx"]
