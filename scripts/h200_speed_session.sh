@@ -37,6 +37,8 @@
 #   v23a           [.stage/t7/aa .stage/whl]  stage aa; DFLASH_QKV_ROPE on/off: demo loop timings at prompt 300, Qwen3-8B blocks 1,16
 #   v23b           [.stage/t7/aa .stage/whl]  stage aa; DFLASH_QKV_ROPE (column pairs) on/off: demo loop timings, twice
 #   v23d [VARS]    [.stage/t7/aa .stage/whl]  stage aa; demo loop timings at prompt 300 per variant (e.g. DFLASH_HEAD_ARGMAX=1)
+#   v24a           (no carry)  small_linear sweep with cold weights (Qwen3-8B shapes), then Qwen3-8B blocks 1,16:
+#                  default against the sweep's best configs (DFLASH_LINEAR_CONFIG from best_config.env), alternating
 #   2-4 stage ab|ac|ad [torch|triton]  [.stage/t5/<part>]  (with an 8B-shaped bench_big meanwhile)
 #   5 bench      [.stage/t5/ae .stage/data]  gsm8k 64 (bf16, compile, parity) and one single generate;
 #                results in $OUT (b-gsm8k.jsonl / .txt, generate.json, step_profile.json: GPU busy
@@ -539,6 +541,23 @@ v23d)  # [.stage/t7/aa .stage/whl] stage aa, then demo loop timings at prompt 30
   for v in ${VARS:-default DFLASH_HEAD_ARGMAX=1 default}; do  # (DFLASH_DRAFT_CTX_KV=0: at bef496b only)
     f=${v//[=,]/-}; r=1; while [ -e "$OUT/kernels-p300-$f-r$r.json" ]; do r=$((r+1)); done
     k300_variants "${STOP:-330}" "$v"; mv "$OUT/kernels-p300-$f.json" "$OUT/kernels-p300-$f-r$r.json" 2>/dev/null
+  done
+  ;;
+v24a)  # no carry: cold-weight sweep of small_linear on Qwen3-8B's projections, then blocks 1,16 per config
+  timeout "${SWEEP_S:-240}" python3 scripts/small_linear_sweep.py --shapes qwen3-8b,qwen3-8b-in --cold \
+    --configs wide --compile-procs 8 --out /tmp/sweep > "$OUT/sweep.log" 2>&1; echo "sweep rc $? at ${SECONDS}s"
+  cp /tmp/sweep/small_linear_sweep.json /tmp/sweep/best_config.env "$OUT/"
+  grep -o '"name": "[a-z_]*", "m": [0-9]*\|"default_us": [0-9.]*\|"best_us": [0-9.]*\|"best_cfg": \[[0-9, ]*\]\|"cublas_us": [0-9.]*' "$OUT/sweep.log" | tr '\n' ' ' | sed 's/"name"/\n"name"/g'; echo
+  BEST=$(head -n 1 /tmp/sweep/best_config.env); echo "best: $BEST"
+  for v in default best default best; do
+    [ "$SECONDS" -gt "${STOP:-470}" ] && { echo "skip $v at ${SECONDS}s"; continue; }
+    E=(env); [ "$v" = best ] && E+=("DFLASH_LINEAR_CONFIG=$BEST")
+    rm -rf "/tmp/bb8-$v"
+    "${E[@]}" timeout 150 python3 scripts/bench_big.py --shape qwen3-8b --blocks 1,16 --steps 16 \
+      --out "/tmp/bb8-$v" > "/tmp/bb8-$v.log" 2>&1; echo "8b $v rc $? at ${SECONDS}s"
+    n=1; while [ -e "$OUT/bench_big-q8b-${TAG:-v24}-$v-$n.json" ]; do n=$((n+1)); done
+    cp "/tmp/bb8-$v/bench_big.json" "$OUT/bench_big-q8b-${TAG:-v24}-$v-$n.json"
+    grep -o '"ms_per_step": [0-9.]*\|"x_floor": [0-9.]*\|"diverged_at": [0-9a-zN]*' "/tmp/bb8-$v.log" | tr '\n' ' '; echo
   done
   ;;
 big8b)  # Qwen3-8B-shaped pair: fused linears on/off

@@ -56,6 +56,16 @@ def test_switches_and_configs(monkeypatch):
     monkeypatch.setenv("DFLASH_LINEAR_CONFIG", "32,128")
     with pytest.raises(InputError, match="BN,BK,warps,stages"):
         sl.kernel_config(1, 960, 576)
+    # per shape (weight rows x K), optionally for one row count; other shapes keep the built-in
+    monkeypatch.setenv("DFLASH_LINEAR_CONFIG", "4096x4096@1=16,512,8,3; 6144x4096=64,128,2,6")
+    assert sl.kernel_config(1, 4096, 4096) == (16, 16, 512, 8, 3)
+    assert sl.kernel_config(16, 4096, 4096) == (16, 32, 256, 4, 4)
+    assert sl.kernel_config(20, 6144, 4096) == (32, 64, 128, 2, 6)
+    assert sl.kernel_config(1, 576, 576) == (16, 16, 128, 4, 4)
+    for bad in ("4096x4096=16,512,8", "4096by4096=16,512,8,3", "4096x4096@one=16,512,8,3", "1x1=1,1,1,1;2x2=0,1,1,1"):
+        monkeypatch.setenv("DFLASH_LINEAR_CONFIG", bad)
+        with pytest.raises(InputError, match="NxK=BN,BK,warps,stages"):
+            sl.kernel_config(1, 4096, 4096)
 
 
 def test_static_backend_with_fused_linears_decodes_greedy(tiny_target):

@@ -147,7 +147,9 @@ def kernel_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
     and in between as many as keep a tile at 8,192 weights (2026-12-02, one row: Qwen3-8B's
     o_proj 7.49 against 7.83 us with 512, its fused qkv 12.92 against 17.73 us and gate+up 46.97
     against 56.80 us, cuBLAS 14.57 and 47.45 us; the demo's shapes keep their configs).
-    ``DFLASH_LINEAR_CONFIG="BN,BK,warps,stages"`` overrides all but BM.
+    ``DFLASH_LINEAR_CONFIG="BN,BK,warps,stages"`` overrides all but BM for every shape;
+    ``"NxK=BN,BK,warps,stages;..."`` (``NxK@M=...`` for m rows only) for the shapes named
+    (n = weight rows), the built-in choice for the others.
 
     Raises:
         InputError: a malformed ``DFLASH_LINEAR_CONFIG``.
@@ -155,17 +157,42 @@ def kernel_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
     bm = 16 if m <= 16 else 32
     raw = os.environ.get(CONFIG_ENV, "").strip()
     if raw:
-        from dflash.errors import InputError
-
-        parts = raw.split(",")
-        if len(parts) != 4 or not all(p.strip().isdigit() for p in parts):
-            raise InputError(f"{CONFIG_ENV} must be BN,BK,warps,stages, got {raw!r}.",
-                             hint="e.g. 32,256,4,3; unset it for the built-in choice")  # fmt: skip
-        bn, bk, warps, stages = (int(p) for p in parts)
-        return bm, bn, bk, warps, stages
+        picked = _config_override(raw, m, n, k)
+        if picked is not None:
+            return (bm, *picked)
     bn = 16 if n <= 1024 else (32 if n <= 8192 else 64)  # best in the H200 sweeps (2026-12-01/02)
     bk = 128 if k <= 1024 else (512 if k > 4096 else max(128, min(512, 8192 // bn)))
     # pipelined stages of the x and weight tiles must fit shared memory (~227 KiB on Hopper):
     # 32 rows x 512 of K would take 256 KiB at 4 stages
     stages = max(2, min(4, SMEM_BUDGET // ((bm + bn) * bk * 2)))
     return bm, bn, bk, 4, stages
+
+
+def _config_override(raw: str, m: int, n: int, k: int) -> tuple[int, int, int, int] | None:
+    """(BN, BK, warps, stages) that ``DFLASH_LINEAR_CONFIG`` gives an [m, k] x [n, k]^T
+    product, None where it names other shapes (see :func:`kernel_config`).
+
+    Raises:
+        InputError: a malformed value.
+    """
+    from dflash.errors import InputError
+
+    def numbers(text: str) -> tuple[int, int, int, int]:
+        parts = [p.strip() for p in text.split(",")]
+        if len(parts) != 4 or not all(p.isascii() and p.isdigit() and int(p) > 0 for p in parts):
+            raise InputError(f"{CONFIG_ENV} must be BN,BK,warps,stages or NxK=BN,BK,warps,stages;..., got {raw!r}.",
+                             hint="e.g. 32,256,4,3 or 4096x4096=16,512,4,4; unset it for the built-in choice")  # fmt: skip
+        return tuple(int(p) for p in parts)  # type: ignore[return-value]
+
+    if "=" not in raw:
+        return numbers(raw)
+    for entry in filter(None, (e.strip() for e in raw.split(";"))):
+        shape, _, cfg = entry.partition("=")
+        shape, _, rows = shape.strip().partition("@")
+        dims = shape.lower().split("x")
+        if len(dims) != 2 or not all(d.strip().isdigit() for d in dims) or (rows and not rows.strip().isdigit()):
+            numbers("")  # raises with the format
+        if (int(dims[0]), int(dims[1])) == (n, k) and (not rows or int(rows) == m):
+            return numbers(cfg)
+        numbers(cfg)  # every entry well formed, even those not used
+    return None
