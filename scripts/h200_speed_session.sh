@@ -39,6 +39,9 @@
 #   v23d [VARS]    [.stage/t7/aa .stage/whl]  stage aa; demo loop timings at prompt 300 per variant (e.g. DFLASH_HEAD_ARGMAX=1)
 #   v24a           (no carry)  small_linear sweep with cold weights (Qwen3-8B shapes), then Qwen3-8B blocks 1,16:
 #                  default against the sweep's best configs (DFLASH_LINEAR_CONFIG from best_config.env), alternating
+#   v24b           (no carry)  deeper cold sweep (8B), cold sweep of the demo's shapes (rows 1,16,32), Qwen3-8B
+#                  blocks 1,16 with v24a's best, with it and DFLASH_ATTN_SPLIT=128, with the deeper sweep's best;
+#                  demo loop timings at prompt 300, default against the demo sweep's best
 #   2-4 stage ab|ac|ad [torch|triton]  [.stage/t5/<part>]  (with an 8B-shaped bench_big meanwhile)
 #   5 bench      [.stage/t5/ae .stage/data]  gsm8k 64 (bf16, compile, parity) and one single generate;
 #                results in $OUT (b-gsm8k.jsonl / .txt, generate.json, step_profile.json: GPU busy
@@ -558,6 +561,37 @@ v24a)  # no carry: cold-weight sweep of small_linear on Qwen3-8B's projections, 
     n=1; while [ -e "$OUT/bench_big-q8b-${TAG:-v24}-$v-$n.json" ]; do n=$((n+1)); done
     cp "/tmp/bb8-$v/bench_big.json" "$OUT/bench_big-q8b-${TAG:-v24}-$v-$n.json"
     grep -o '"ms_per_step": [0-9.]*\|"x_floor": [0-9.]*\|"diverged_at": [0-9a-zN]*' "/tmp/bb8-$v.log" | tr '\n' ' '; echo
+  done
+  ;;
+v24b)  # no carry: see the header
+  timeout 150 python3 scripts/small_linear_sweep.py --shapes qwen3-8b,qwen3-8b-in --cold --rows 1,16 \
+    --configs deep --compile-procs 8 --out /tmp/sweep2 > "$OUT/sweep2.log" 2>&1; echo "sweep2 rc $? at ${SECONDS}s"
+  cp /tmp/sweep2/small_linear_sweep.json "$OUT/sweep2.json"; cp /tmp/sweep2/best_config.env "$OUT/best2.env"
+  timeout 120 python3 scripts/small_linear_sweep.py --shapes smollm2,smollm2-in --cold --rows 1,16,32 \
+    --configs wide --compile-procs 8 --out /tmp/sweepd > "$OUT/sweepd.log" 2>&1; echo "sweep demo rc $? at ${SECONDS}s"
+  cp /tmp/sweepd/small_linear_sweep.json "$OUT/sweep-demo.json"; cp /tmp/sweepd/best_config.env "$OUT/best-demo.env"
+  for f in sweep2 sweepd; do
+    grep -o '"name": "[a-z_]*", "m": [0-9]*\|"default_us": [0-9.]*\|"best_us": [0-9.]*\|"best_cfg": \[[0-9, ]*\]' "$OUT/$f.log" | tr '\n' ' ' | sed 's/"name"/\n"name"/g'; echo
+  done
+  B1=$(head -n 1 benchmarks/results/h200-v24/1-cold-sweep/best_config.env); B2=$(head -n 1 /tmp/sweep2/best_config.env)
+  BD=$(head -n 1 /tmp/sweepd/best_config.env); echo "best2: $B2"; echo "best demo: $BD"
+  for v in best1 best1split128 best2 best1; do
+    [ "$SECONDS" -gt "${STOP:-400}" ] && { echo "skip $v at ${SECONDS}s"; continue; }
+    case $v in best1) E=(env "DFLASH_LINEAR_CONFIG=$B1");; best2) E=(env "DFLASH_LINEAR_CONFIG=$B2");;
+      best1split128) E=(env "DFLASH_LINEAR_CONFIG=$B1" DFLASH_ATTN_SPLIT=128);; esac
+    rm -rf "/tmp/bb8-$v"
+    "${E[@]}" timeout 120 python3 scripts/bench_big.py --shape qwen3-8b --blocks 1,16 --steps 16 \
+      --out "/tmp/bb8-$v" > "/tmp/bb8-$v.log" 2>&1; echo "8b $v rc $? at ${SECONDS}s"
+    n=1; while [ -e "$OUT/bench_big-q8b-v24-$v-$n.json" ]; do n=$((n+1)); done
+    cp "/tmp/bb8-$v/bench_big.json" "$OUT/bench_big-q8b-v24-$v-$n.json"
+    grep -o '"ms_per_step": [0-9.]*\|"x_floor": [0-9.]*\|"diverged_at": [0-9a-zN]*' "/tmp/bb8-$v.log" | tr '\n' ' '; echo
+  done
+  for v in default bestdemo; do
+    [ "$SECONDS" -gt 500 ] && { echo "skip demo $v at ${SECONDS}s"; continue; }
+    E=(env); [ $v = bestdemo ] && E+=("DFLASH_LINEAR_CONFIG=$BD")
+    "${E[@]}" timeout 90 python3 scripts/kernel_count.py --random-target --variants fused --prompt-len 300 \
+      --out "$OUT/kernels-p300-$v.json" > "/tmp/k-$v.log" 2>&1; echo "$v rc $? at ${SECONDS}s"
+    grep -v Warn "/tmp/k-$v.log" | grep -E "loop|draft-16|verify-1 " | cut -c1-100
   done
   ;;
 big8b)  # Qwen3-8B-shaped pair: fused linears on/off

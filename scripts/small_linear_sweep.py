@@ -1,7 +1,7 @@
 """Time the fused few-row linear (dflash.backends.small_linear) against cuBLAS on the GPU.
 
     PYTHONPATH=. python3 scripts/small_linear_sweep.py [--out DIR] [--shapes smollm2,qwen3-8b]
-        [--cold] [--configs small|wide] [--compile-procs 8]
+        [--cold] [--configs small|wide|deep] [--compile-procs 8]
 
 For o_proj and down_proj (demo target and Qwen3-8B dims; ``*-in``: the fused qkv and gate+up
 projections, without a residual, gate+up with its SwiGLU epilogue as the static forwards run
@@ -47,6 +47,8 @@ NO_RESIDUAL = ("qkv", "gate_up")
 CONFIGS = [(bn, bk, w, st) for bn in (16, 32, 64) for bk in (128, 256, 512) for w, st in ((4, 2), (4, 4), (8, 3))]
 WIDE = [(bn, bk, w, st) for bn in (16, 32, 64) for bk in (128, 256, 512)
         for w, st in ((2, 4), (4, 2), (4, 3), (4, 4), (4, 6), (8, 3), (8, 4))]  # fmt: skip
+DEEP = [(bn, bk, w, st) for bn in (16, 32, 64) for bk in (128, 256)
+        for w, st in ((2, 4), (2, 6), (2, 8), (4, 6), (4, 8), (8, 6))]  # fmt: skip
 
 
 def _call(name, x, ws, r):
@@ -88,11 +90,11 @@ def main() -> None:
     ap.add_argument("--shapes", default="smollm2,qwen3-8b")
     ap.add_argument("--rows", default="1,16")
     ap.add_argument("--cold", action="store_true", help="cycle through weight copies past the L2 cache")
-    ap.add_argument("--configs", choices=("small", "wide"), default="small")
+    ap.add_argument("--configs", choices=("small", "wide", "deep"), default="small")
     ap.add_argument("--compile-procs", type=int, default=0, help="compile the configs in N processes first")
     ap.add_argument("--compile-chunk", default=None, help=argparse.SUPPRESS)  # "i/n": compile only
     args = ap.parse_args()
-    configs = WIDE if args.configs == "wide" else CONFIGS
+    configs = {"small": CONFIGS, "wide": WIDE, "deep": DEEP}[args.configs]
     shapes = args.shapes.split(",")
     if args.compile_chunk:
         i, n = (int(v) for v in args.compile_chunk.split("/"))
