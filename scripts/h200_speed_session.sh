@@ -42,6 +42,8 @@
 #   v24b           (no carry)  deeper cold sweep (8B), cold sweep of the demo's shapes (rows 1,16,32), Qwen3-8B
 #                  blocks 1,16 with v24a's best, with it and DFLASH_ATTN_SPLIT=128, with the deeper sweep's best;
 #                  demo loop timings at prompt 300, default against the demo sweep's best
+#   v24c           (no carry)  Qwen3-8B blocks 1,16: new defaults (TUNED configs, 1-row split 128) against the old
+#                  (as env) and against split 128 at every target width; block 1 at prompt 2000, 128 against 256
 #   2-4 stage ab|ac|ad [torch|triton]  [.stage/t5/<part>]  (with an 8B-shaped bench_big meanwhile)
 #   5 bench      [.stage/t5/ae .stage/data]  gsm8k 64 (bf16, compile, parity) and one single generate;
 #                results in $OUT (b-gsm8k.jsonl / .txt, generate.json, step_profile.json: GPU busy
@@ -592,6 +594,23 @@ v24b)  # no carry: see the header
     "${E[@]}" timeout 90 python3 scripts/kernel_count.py --random-target --variants fused --prompt-len 300 \
       --out "$OUT/kernels-p300-$v.json" > "/tmp/k-$v.log" 2>&1; echo "$v rc $? at ${SECONDS}s"
     grep -v Warn "/tmp/k-$v.log" | grep -E "loop|draft-16|verify-1 " | cut -c1-100
+  done
+  ;;
+v24c)  # no carry: see the header
+  OLD="4096x4096@1=32,256,4,4;4096x4096@16=32,256,4,4;4096x12288@1=32,512,4,4;4096x12288@16=32,512,4,4"
+  OLD="$OLD;6144x4096@1=32,256,4,4;6144x4096@16=32,256,4,4;24576x4096@1=64,128,4,4;24576x4096@16=64,128,4,4"
+  for v in new old t128 new old long-new long-256; do
+    case $v in long*) stop=440; B=(--blocks 1 --prompt-len 2000);; *) stop=330; B=(--blocks 1,16);; esac
+    [ "$SECONDS" -gt "$stop" ] && { echo "skip $v at ${SECONDS}s"; continue; }
+    case $v in *new) E=(env);; old) E=(env "DFLASH_LINEAR_CONFIG=$OLD" DFLASH_ATTN_SPLIT=256 DFLASH_ATTN_ONE_SLICE=448);;
+      long-256) E=(env DFLASH_ATTN_SPLIT=256 DFLASH_ATTN_ONE_SLICE=448);;
+      t128) E=(env DFLASH_ATTN_SPLIT=128 DFLASH_DRAFT_ATTN_SPLIT=256 DFLASH_ATTN_ONE_SLICE=448);; esac
+    rm -rf "/tmp/bb8-$v"
+    "${E[@]}" timeout 120 python3 scripts/bench_big.py --shape qwen3-8b "${B[@]}" --steps 16 \
+      --out "/tmp/bb8-$v" > "/tmp/bb8-$v.log" 2>&1; echo "8b $v rc $? at ${SECONDS}s"
+    n=1; while [ -e "$OUT/bench_big-q8b-v24c-$v-$n.json" ]; do n=$((n+1)); done
+    cp "/tmp/bb8-$v/bench_big.json" "$OUT/bench_big-q8b-v24c-$v-$n.json"
+    grep -o '"ms_per_step": [0-9.]*\|"x_floor": [0-9.]*\|"diverged_at": [0-9a-zN]*' "/tmp/bb8-$v.log" | tr '\n' ' '; echo
   done
   ;;
 big8b)  # Qwen3-8B-shaped pair: fused linears on/off

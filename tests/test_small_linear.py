@@ -45,12 +45,17 @@ def test_switches_and_configs(monkeypatch):
     assert sl.linear_mode(torch.device("cpu")) == "torch"
     monkeypatch.delenv("DFLASH_LINEAR")
     assert sl.kernel_config(1, 576, 576) == (16, 16, 128, 4, 4)
-    assert sl.kernel_config(16, 4096, 12288) == (16, 32, 512, 4, 4)  # (16 + 32) x 512 x 2 B x 4 = 192 KiB
+    assert sl.kernel_config(16, 4096, 11008) == (16, 32, 512, 4, 4)  # (16 + 32) x 512 x 2 B x 4 = 192 KiB
     assert sl.kernel_config(16, 576, 1536) == (16, 16, 512, 4, 4)  # the demo's down_proj, as before
     assert sl.kernel_config(1, 3072, 576) == (16, 32, 128, 4, 4)  # the demo's gate+up
-    assert sl.kernel_config(1, 4096, 4096) == (16, 32, 256, 4, 4)  # Qwen3-8B's o_proj (and qkv: 6144)
-    assert sl.kernel_config(1, 24576, 4096) == (16, 64, 128, 4, 4)  # Qwen3-8B's gate+up
+    assert sl.kernel_config(1, 4096, 4096) == (16, 32, 256, 4, 6)  # Qwen3-8B's o_proj: tuned (TUNED)
+    assert sl.kernel_config(16, 6144, 4096) == (16, 32, 256, 2, 4)  # its qkv, tuned
+    assert sl.kernel_config(1, 24576, 4096) == (16, 64, 128, 2, 4)  # its gate+up
+    assert sl.kernel_config(20, 4096, 4096) == (32, 32, 256, 4, 4)  # above 16 rows: the rule
+    assert sl.kernel_config(1, 4096, 2048) == (16, 32, 256, 4, 4)  # an untuned shape: the rule
     assert sl.kernel_config(20, 4096, 12288) == (32, 32, 512, 4, 3)  # 4 stages would need 256 KiB
+    smem = {cfg: (16 + cfg[0]) * cfg[1] * 2 * cfg[3] for cfg in sl.TUNED.values()}
+    assert max(smem.values()) <= sl.SMEM_BUDGET  # every tuned config fits the pipelined tiles' budget
     monkeypatch.setenv("DFLASH_LINEAR_CONFIG", "32,128,8,4")
     assert sl.kernel_config(1, 960, 576) == (16, 32, 128, 8, 4)
     monkeypatch.setenv("DFLASH_LINEAR_CONFIG", "32,128")
@@ -59,7 +64,7 @@ def test_switches_and_configs(monkeypatch):
     # per shape (weight rows x K), optionally for one row count; other shapes keep the built-in
     monkeypatch.setenv("DFLASH_LINEAR_CONFIG", "4096x4096@1=16,512,8,3; 6144x4096=64,128,2,6")
     assert sl.kernel_config(1, 4096, 4096) == (16, 16, 512, 8, 3)
-    assert sl.kernel_config(16, 4096, 4096) == (16, 32, 256, 4, 4)
+    assert sl.kernel_config(16, 4096, 4096) == (16, 32, 256, 4, 6)  # not named: TUNED's
     assert sl.kernel_config(20, 6144, 4096) == (32, 64, 128, 2, 6)
     assert sl.kernel_config(1, 576, 576) == (16, 16, 128, 4, 4)
     for bad in ("4096x4096=16,512,8", "4096by4096=16,512,8,3", "4096x4096@one=16,512,8,3", "1x1=1,1,1,1;2x2=0,1,1,1"):

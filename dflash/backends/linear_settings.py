@@ -139,6 +139,22 @@ def preload_columns(n: int, k: int, bk: int, elem: int, budget: int) -> int:
     return min(k, bk + cols) if budget and cols else 0
 
 
+# (weight rows, K) -> (BN, BK, warps, stages) up to 16 rows: Qwen3-8B's projections, from a sweep
+# with the weights cycled past the L2 cache as a decode step reads them
+# (``scripts/small_linear_sweep.py --cold``, H200, twenty-fourth session, ``benchmarks/results/
+# h200-v24``); the earlier sweeps reused one weight, which stays in the 60 MB L2 for o_proj and
+# qkv. One call, cold, 1 row, us (rule -> this): o_proj 11.26 -> 10.62, down 25.90 -> 25.86,
+# qkv 15.13 -> 14.42, gate+up 48.11 -> 47.83. One config for 1 and 16 rows, so that block-1
+# decoding and a verify sum in one order (gate+up's best at 1 row, 64,256,4,2, was within the
+# sweeps' spread of this one). Whole steps of the Qwen3-8B-shaped pair: see ``h200-v24``.
+TUNED = {
+    (4096, 4096): (32, 256, 4, 6),  # o_proj
+    (4096, 12288): (32, 256, 4, 6),  # down_proj
+    (6144, 4096): (32, 256, 2, 4),  # fused qkv (32 + 2 x 8 heads of 128)
+    (24576, 4096): (64, 128, 2, 4),  # fused gate+up (its SwiGLU epilogue)
+}
+
+
 def kernel_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
     """(BM, BN, BK, num_warps, num_stages) for an [m, k] x [n, k]^T product (n output columns).
 
@@ -146,7 +162,8 @@ def kernel_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
     1,024 columns, 32 up to 8,192, 64 beyond; K tiles of 128 up to K = 1,024, 512 beyond 4,096,
     and in between as many as keep a tile at 8,192 weights (2026-12-02, one row: Qwen3-8B's
     o_proj 7.49 against 7.83 us with 512, its fused qkv 12.92 against 17.73 us and gate+up 46.97
-    against 56.80 us, cuBLAS 14.57 and 47.45 us; the demo's shapes keep their configs).
+    against 56.80 us, cuBLAS 14.57 and 47.45 us; the demo's shapes keep their configs). Shapes
+    in :data:`TUNED` (Qwen3-8B's, timed with cold weights) take their own up to 16 rows.
     ``DFLASH_LINEAR_CONFIG="BN,BK,warps,stages"`` overrides all but BM for every shape;
     ``"NxK=BN,BK,warps,stages;..."`` (``NxK@M=...`` for m rows only) for the shapes named
     (n = weight rows), the built-in choice for the others.
@@ -160,6 +177,9 @@ def kernel_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
         picked = _config_override(raw, m, n, k)
         if picked is not None:
             return (bm, *picked)
+    tuned = TUNED.get((n, k))
+    if tuned is not None and m <= 16:
+        return (bm, *tuned)
     bn = 16 if n <= 1024 else (32 if n <= 8192 else 64)  # best in the H200 sweeps (2026-12-01/02)
     bk = 128 if k <= 1024 else (512 if k > 4096 else max(128, min(512, 8192 // bn)))
     # pipelined stages of the x and weight tiles must fit shared memory (~227 KiB on Hopper):

@@ -63,6 +63,7 @@ from dflash.backends.linear_settings import (  # noqa: F401 - re-exported
     LINEAR_ENV,
     PRELOAD_ENV,
     SMEM_BUDGET,
+    TUNED,
     fuse_norm_auto,
     fuse_norm_setting,
     glu_setting,
