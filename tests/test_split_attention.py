@@ -83,10 +83,6 @@ def test_attention_switches(monkeypatch):
     # <= 64 and 448 above, unless a split or the threshold is given
     assert (sa.split_size(1024, head_dim=64), sa.split_size(4096, head_dim=128)) == (256, 256)
     assert (sa.one_slice_setting(head_dim=64), sa.one_slice_setting(head_dim=128)) == (640, 448)
-    # 1-row forwards (decode) with head dims > 64 take 128 keys per program; one slice still up to 448
-    assert sa.split_size(4096, head_dim=128, rows=1) == 128
-    assert (sa.split_size(4096, head_dim=128, rows=16), sa.split_size(4096, head_dim=64, rows=1)) == (256, 256)
-    assert sa.one_slice_setting(head_dim=128, rows=1) == 448
     assert sa.one_slice_setting(draft=True, head_dim=32) == 640
     monkeypatch.setenv("DFLASH_ATTN_ONE_SLICE", "0")
     assert sa.one_slice_setting(head_dim=64) == 0

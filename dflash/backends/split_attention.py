@@ -42,7 +42,6 @@ DRAFT_SPLIT_ENV = "DFLASH_DRAFT_ATTN_SPLIT"  # the draft's own, when set (an exp
 BLOCK_ENV = "DFLASH_ATTN_BLOCK"
 ONE_SLICE_ENV = "DFLASH_ATTN_ONE_SLICE"
 SPLIT = 256  # keys per program (H200: the fastest at 512, 1,500 and 3,500 keys, both layouts)
-SPLIT_ONE_ROW = 128  # the same for 1-row forwards (decode) with head dims > 64 (twenty-fourth session)
 ONE_SLICE = 448  # filled keys up to which one program takes them all, head dims > 64
 ONE_SLICE_SMALL_HEADS = 640  # the same for head dims <= 64
 SPLIT_MAX_ROWS = 32  # query rows (T) the kernel takes; prefill and longer forwards use SDPA
@@ -93,21 +92,19 @@ def uses_kernel(mode: str, rows: int) -> bool:
     return rows <= SPLIT_MAX_ROWS and mode != "sdpa"
 
 
-def default_split(head_dim: int | None = None, rows: int | None = None) -> int:
-    """Keys per program when ``DFLASH_ATTN_SPLIT`` is unset: :data:`SPLIT` (256), and
-    :data:`SPLIT_ONE_ROW` (128) for 1-row forwards with head dims > 64; short filled lengths
-    take one program (:func:`default_one_slice`).
-
-    Qwen3-8B-shaped steps at 528 keys (H200, twenty-fourth session): block 1 4.098 ms with 128
-    against 4.118 with 256, block 16 5.25-5.27 against 5.11-5.12 ms (so 16 rows keep 256).
+def default_split(head_dim: int | None = None) -> int:
+    """Keys per program when ``DFLASH_ATTN_SPLIT`` is unset: :data:`SPLIT` (256) for every
+    head dim; short filled lengths take one program (:func:`default_one_slice`).
 
     Measured on the H200 (``scripts/attn_sweep.py``, bf16, 2026-12-02, ``attn_sweep.json`` in
     ``h200-v16`` and ``h200-v17``): 256 keys per program was the fastest split at 1,500 and
     3,500 keys for both layouts (the demo's at 1,500 keys, one row: 6.7 us against 11.0 with
     1,024 and 8.0 with 512; Qwen3-8B's: 8.7 against 15.8 and 10.8) and at 512 keys for
-    Qwen3-8B's (7.4 against 7.7 us in one slice).
+    Qwen3-8B's (7.4 against 7.7 us in one slice). 128 for its 1-row steps (twenty-fourth
+    session): block 1 4.098-4.113 against 4.118-4.128 ms at 528 keys, 4.260 against 4.213 at
+    2,000; 16-row steps 5.21-5.27 against 5.10-5.12. Not a default.
     """
-    return SPLIT_ONE_ROW if rows == 1 and head_dim is not None and head_dim > 64 else SPLIT
+    return SPLIT
 
 
 def default_one_slice(head_dim: int | None) -> int:
@@ -123,7 +120,7 @@ def default_one_slice(head_dim: int | None) -> int:
     return ONE_SLICE_SMALL_HEADS if head_dim is not None and head_dim <= 64 else ONE_SLICE
 
 
-def split_setting(draft: bool = False, head_dim: int | None = None, rows: int | None = None) -> int:
+def split_setting(draft: bool = False, head_dim: int | None = None) -> int:
     """The keys per program asked for (``DFLASH_ATTN_SPLIT``, or for the draft
     ``DFLASH_DRAFT_ATTN_SPLIT`` when set; default :func:`default_split`, 256), before
     :func:`split_size` fits it to a cache; recorded with benchmark results.
@@ -135,14 +132,14 @@ def split_setting(draft: bool = False, head_dim: int | None = None, rows: int | 
 
     name = DRAFT_SPLIT_ENV if draft and os.environ.get(DRAFT_SPLIT_ENV, "").strip() else SPLIT_ENV
     raw = os.environ.get(name, "").strip()
-    value = int(raw) if raw.isascii() and raw.isdigit() else (default_split(head_dim, rows) if not raw else -1)
+    value = int(raw) if raw.isascii() and raw.isdigit() else (default_split(head_dim) if not raw else -1)
     if value <= 0 or value % BLOCK_N:
         raise InputError(f"{name} must be a positive multiple of {BLOCK_N}, got {raw!r}.",
                          hint=f"unset it for the default ({SPLIT})")  # fmt: skip
     return value
 
 
-def one_slice_setting(draft: bool = False, head_dim: int | None = None, rows: int | None = None) -> int:
+def one_slice_setting(draft: bool = False, head_dim: int | None = None) -> int:
     """Filled keys up to which the kernel's first program takes every key alone (no merge),
     past which slices of :func:`split_size` keys share them: ``DFLASH_ATTN_ONE_SLICE`` when
     set (0: off); else 0 when the split asked for (``DFLASH_ATTN_SPLIT``, or for the draft
@@ -165,10 +162,10 @@ def one_slice_setting(draft: bool = False, head_dim: int | None = None, rows: in
         return 0
     else:
         value = default_one_slice(head_dim)
-    return value if value > split_setting(draft, head_dim, rows) else 0  # not above the split: nothing to do
+    return value if value > split_setting(draft, head_dim) else 0  # not above the split: nothing to do
 
 
-def split_size(capacity: int, draft: bool = False, head_dim: int | None = None, rows: int | None = None) -> int:
+def split_size(capacity: int, draft: bool = False, head_dim: int | None = None) -> int:
     """Keys per program (``DFLASH_ATTN_SPLIT``, default :func:`default_split`, 256; one slice
     when >= capacity, then no merge is needed); the greatest common divisor of the setting and
     ``capacity`` (a multiple of 64), so the slices tile the cache. ``draft``: the draft's
@@ -178,7 +175,7 @@ def split_size(capacity: int, draft: bool = False, head_dim: int | None = None, 
     Raises:
         InputError: not a positive multiple of 64.
     """
-    value = split_setting(draft, head_dim, rows)
+    value = split_setting(draft, head_dim)
     if value >= capacity:  # one slice
         return capacity
     return math.gcd(value, capacity)  # slices tile the capacity (a multiple of 64)
@@ -465,12 +462,12 @@ def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torc
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if triton is None or (q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1"):
         # no kernel here (CPU, Triton absent or not interpreting): the same algorithm in torch
-        dim, rows = q.shape[-1], q.shape[2]
-        return split_attention_reference(q, k, v, pos, scale, split_size(k.shape[2], draft, dim, rows),
-                                         one_slice_setting(draft, dim, rows))  # fmt: skip
+        dim = q.shape[-1]
+        return split_attention_reference(q, k, v, pos, scale, split_size(k.shape[2], draft, dim),
+                                         one_slice_setting(draft, dim))  # fmt: skip
     dim, groups, rows = q.shape[-1], q.shape[1] // k.shape[1], q.shape[2]
-    return _attention_op(q, k, v, pos, float(scale), split_size(k.shape[2], draft, dim, rows),
-                         heads_per_program(groups, rows), iter_keys(), one_slice_setting(draft, dim, rows))  # fmt: skip
+    return _attention_op(q, k, v, pos, float(scale), split_size(k.shape[2], draft, dim),
+                         heads_per_program(groups, rows), iter_keys(), one_slice_setting(draft, dim))  # fmt: skip
 
 
 def split_attention_reference(q, k, v, pos, scale, split: int = SPLIT, one_slice: int = 0) -> torch.Tensor:

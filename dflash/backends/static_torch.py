@@ -433,10 +433,7 @@ class StaticBackend(StaticGraphs, TransformersBackend):
                    if self.fuse_norm or self.draft_fuse_norm else {}),  # DFLASH_FUSE_NORM
                 **({"fuse_norm_form": "partials"} if self.norm_partials else {}),  # DFLASH_FUSE_NORM_FORM
                 **({"attn_split": {"target": split_setting(head_dim=self.head_dim),
-                                   "draft": split_setting(draft=True, head_dim=self._draft_head_dim()),
-                                   **({"target_1row": split_setting(head_dim=self.head_dim, rows=1)}
-                                      if split_setting(head_dim=self.head_dim, rows=1)
-                                      != split_setting(head_dim=self.head_dim) else {})},
+                                   "draft": split_setting(draft=True, head_dim=self._draft_head_dim())},
                     "attn_one_slice": {"target": one_slice_setting(head_dim=self.head_dim),
                                        "draft": one_slice_setting(draft=True, head_dim=self._draft_head_dim())},
                     "attn_block": iter_keys()}
