@@ -1,6 +1,6 @@
 """Time the fused few-row linear (dflash.backends.small_linear) against cuBLAS on the GPU.
 
-    PYTHONPATH=. python3 scripts/small_linear_sweep.py [--out DIR] [--shapes smollm2,qwen3-8b]
+    PYTHONPATH=. python3 scripts/small_linear_sweep.py [--out DIR] [--shapes smollm2,qwen3-8b|o=NxK,...]
         [--cold] [--configs small|wide|deep] [--compile-procs 8]
 
 For o_proj and down_proj (demo target and Qwen3-8B dims; ``*-in``: the fused qkv and gate+up
@@ -16,6 +16,10 @@ cache, as a decode step reads each layer's weights once: without it the weights 
 o_proj (33.5 MB) and qkv (50 MB) stay in the H200's L2 between calls and the times are those of
 L2, not HBM (twenty-fourth session). ``--compile-procs`` compiles the configs in that many
 processes first (Triton's disk cache), so the timing process only loads them.
+
+For a model of your own, name its projections' weight shapes (``--shapes
+o=4096x4096,down=4096x14336,qkv=6144x4096,gate_up=28672x4096``) and run the sweep with
+``--cold``; ``DFLASH_LINEAR_CONFIG=$(cat OUT/best_config.env)`` then runs its picks.
 """
 
 from __future__ import annotations
@@ -51,6 +55,27 @@ DEEP = [(bn, bk, w, st) for bn in (16, 32, 64) for bk in (128, 256)
         for w, st in ((2, 4), (2, 6), (2, 8), (4, 6), (4, 8), (8, 6))]  # fmt: skip
 
 
+ROLES = ("o", "down", "qkv", "gate_up")  # o/down with a residual add, gate_up with its SwiGLU epilogue
+
+
+def parse_shapes(text: str) -> dict[str, dict[str, tuple[int, int]]]:
+    """``--shapes``: comma-separated names of :data:`SHAPES` and/or ``ROLE=NxK`` entries (ROLE one
+    of :data:`ROLES`, N the weight's rows, K its columns) for a model of your own, e.g.
+    ``o=4096x4096,down=4096x14336,qkv=6144x4096,gate_up=28672x4096`` (Llama-3-8B)."""
+    out: dict[str, dict[str, tuple[int, int]]] = {}
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        if item in SHAPES:
+            out[item] = SHAPES[item]
+            continue
+        role, _, dims = item.partition("=")
+        n, _, k = dims.lower().partition("x")
+        if role not in ROLES or not (n.isdigit() and k.isdigit()):
+            raise SystemExit(f"--shapes: {item!r} is neither one of {sorted(SHAPES)} nor ROLE=NxK "
+                             f"with ROLE in {ROLES} (e.g. o=4096x4096)")  # fmt: skip
+        out.setdefault("custom", {})[role] = (int(n), int(k))
+    return out
+
+
 def _call(name, x, ws, r):
     """One projection call as the static forwards make it, cycling through the weight copies
     ``ws`` (a new copy each call, so a CUDA graph of calls reads them in turn)."""
@@ -72,7 +97,7 @@ def _compile_only(configs, shapes, chunk: int, chunks: int) -> None:
         if i % chunks != chunk:
             continue
         os.environ[sl.CONFIG_ENV] = ",".join(map(str, cfg))
-        for name in sorted({name for shape in shapes for name in SHAPES[shape]}):
+        for name in sorted({name for names in shapes.values() for name in names}):
             n, k = 64, 1024
             x = torch.randn(1, k, device=dev, dtype=dt)
             w = torch.randn(2 * n if name == "gate_up" else n, k, device=dev, dtype=dt)
@@ -95,7 +120,7 @@ def main() -> None:
     ap.add_argument("--compile-chunk", default=None, help=argparse.SUPPRESS)  # "i/n": compile only
     args = ap.parse_args()
     configs = {"small": CONFIGS, "wide": WIDE, "deep": DEEP}[args.configs]
-    shapes = args.shapes.split(",")
+    shapes = parse_shapes(args.shapes)
     if args.compile_chunk:
         i, n = (int(v) for v in args.compile_chunk.split("/"))
         _compile_only(configs, shapes, i, n)
@@ -113,8 +138,8 @@ def main() -> None:
     report: dict = {"device": torch.cuda.get_device_name(dev), "cold": args.cold, "l2_bytes": l2,
                     "configs": args.configs, "results": []}  # fmt: skip
     best: list[str] = []
-    for shape in shapes:
-        for name, (n, k) in SHAPES[shape].items():
+    for shape, names in shapes.items():
+        for name, (n, k) in names.items():
             rows = n  # weight rows (gate+up: [gate; up], n // 2 outputs after its SwiGLU epilogue)
             nbytes = rows * k * 2
             copies = max(2, math.ceil(3 * l2 / nbytes)) if args.cold else 1

@@ -582,3 +582,15 @@ def test_prefetch_takes_the_folded_gate_up_with_fused_norms(tiny_target, monkeyp
     folded = [g.weight for _, g in be.folded_target] + [g.weight for _, g in be.folded_draft]
     assert len(asked) == be.n_layers + len(draft.layers)
     assert all(any(w is f for f in folded) for w in asked), "a prefetch asked for an unfolded gate+up weight"
+
+
+def test_sweep_shapes_parse_named_sets_and_custom_roles():
+    """scripts/small_linear_sweep.py --shapes: named sets and ROLE=NxK entries for a model of
+    one's own; anything else exits with a message naming the form."""
+    from scripts.small_linear_sweep import SHAPES, parse_shapes
+
+    got = parse_shapes("qwen3-8b, o=4096x4096,gate_up=28672X4096")
+    assert got == {"qwen3-8b": SHAPES["qwen3-8b"], "custom": {"o": (4096, 4096), "gate_up": (28672, 4096)}}
+    for bad in ("proj=4096x4096", "o=4096", "llama"):
+        with pytest.raises(SystemExit, match="ROLE=NxK"):
+            parse_shapes(bad)
