@@ -252,6 +252,32 @@ def test_existing_output_needs_resume_and_same_settings(cli, tmp_path):
     assert "max_new_tokens: 2048 then 7" in changed.exception.message
 
 
+def test_sweep_checks_every_file_first_resumes_each_and_plots_each(cli, tmp_path):
+    """A block-size sweep: every value's results file is checked before anything loads, --resume
+    continues each one (only the missing value runs again), and --plot writes one per value."""
+    out_file, plot = tmp_path / "r.jsonl", tmp_path / "p.png"
+    args = ["transformers", "--dataset", "humaneval", "--max-samples", "2", "--data-dir", str(DATA_DIR),
+            "--block-size", "1,4", "--output", str(out_file), "--plot", str(plot)]  # fmt: skip
+    fakes = []
+
+    def factory():
+        fakes.append(FakePipeline())
+        return fakes[-1]
+
+    first = cli(args, factory)
+    assert first.exit_code == 0, first.output
+    files = [tmp_path / f"{stem}.bs{bs}.{ext}" for stem, ext in (("r", "jsonl"), ("p", "png")) for bs in (1, 4)]
+    assert all(f.stat().st_size > 0 for f in files)
+    (tmp_path / "r.bs1.jsonl").unlink()
+    again = cli(args, factory)  # r.bs4.jsonl holds results: refused before the model loads
+    assert isinstance(again.exception, InputError) and "r.bs4.jsonl" in again.exception.message
+    assert len(fakes) == 1
+    resumed = cli([*args, "--resume"], factory)
+    assert resumed.exit_code == 0, resumed.output
+    assert len(fakes) == 2 and {bs for _, bs in fakes[1].calls} == {1}  # only block size 1 ran again
+    assert len((tmp_path / "r.bs4.jsonl").read_text().splitlines()) == 2
+
+
 def test_torn_last_line_is_dropped_and_repaired(cli, tmp_path):
     out_file = tmp_path / "r.jsonl"
     args = ["transformers", "--dataset", "humaneval", "--max-samples", "3",

@@ -64,9 +64,6 @@ def _check_options(
         raise BackendError(f"dflash benchmark cannot drive the '{backend}' backend yet.")
     if max_new_tokens < 1:
         raise InputError(f"--max-new-tokens must be >= 1, got {max_new_tokens}.", hint="e.g. --max-new-tokens 256")
-    if len(block_sizes) > 1 and resume:
-        raise InputError("--resume continues one block size, not a sweep.",
-                         hint="resume each value with its own --block-size and --output")  # fmt: skip
     if check_parity and not sampling.greedy:
         raise InputError(
             "--check-parity compares token ids, which only match under greedy decoding.",
@@ -266,6 +263,8 @@ def benchmark(
                 run_info=dict(run_info),
             ),  # fmt: skip
             output,
+            resume,
+            plot,
         )
         return
     selected = {name: select(load_prompts(name, data_dir), max_samples) for name in names}
@@ -403,28 +402,39 @@ def _sweep(
     max_samples: int | None,
     base_config: harness.BenchConfig,
     output: Path | None,
+    resume: bool = False,
+    plot: Path | None = None,
 ) -> None:
     """Benchmark every block size in turn on the same prompts with one loaded pipeline.
 
     Each value gets its own baseline runs (paired per response, so drift of the machine's
-    speed cancels in the speedup) and, with ``--output a.jsonl``, its own ``a.bs<L>.jsonl``.
-    Prints one table per dataset with a row per value, then one JSON line.
+    speed cancels in the speedup) and, with ``--output a.jsonl``, its own ``a.bs<L>.jsonl``
+    (``--resume`` continues each; every file is checked before anything loads) and with
+    ``--plot p.png`` its own ``p.bs<L>.png``. Prints one table per dataset with a row per
+    value, then one JSON line.
+
+    Raises:
+        InputError: a value's results file exists without ``--resume``, or holds records made
+            with other settings.
     """
     from dataclasses import replace
+
+    def per_value(path: Path | None, bs: int | str | None) -> Path | None:
+        return None if path is None else path.with_name(f"{path.stem}.bs{bs}{path.suffix}")
 
     selected = {name: select(load_prompts(name, data_dir), max_samples) for name in names}
     dist = harness.init_distributed(load_args[3])  # load_args[3]: --device
     rows: list[tuple[int | str | None, dict[str, dict[str, Any]]]] = []
     pipeline = None
     try:
+        for bs in block_sizes:  # every value's file, before a model loads or a value runs
+            log = harness.ResultsLog(per_value(output, bs), resume=resume, rank=dist.rank, world=dist.world)
+            log.check_settings(replace(base_config, block_size=bs))
         *first, draft_bits, draft_window = load_args
         pipeline = _load_pipeline(*first, draft_bits=draft_bits, draft_window=draft_window)
         for bs in block_sizes:
             config = replace(base_config, block_size=bs)
-            out = (
-                None if output is None else output.with_name(f"{output.stem}.bs{bs}{output.suffix}")
-            )
-            gathered = _run(dist, load_args, selected, config, out, False, pipeline=pipeline)
+            gathered = _run(dist, load_args, selected, config, per_value(output, bs), resume, pipeline=pipeline)
             if gathered is not None:
                 rows.append((bs, {n: summarize(r) for n, r in gathered.items()}))
     finally:
@@ -434,6 +444,8 @@ def _sweep(
     console = Console(highlight=False, soft_wrap=True)
     for name in names:
         console.print(report.sweep_table(name, [(bs, sums[name]) for bs, sums in rows]))
+    for bs, sums in rows if plot is not None else []:
+        console.print(f"plot written to {report.save_plot(per_value(plot, bs), sums)}")
     print(json.dumps({"config": base_config.record_config(None),  # type: ignore[arg-type]
                       "sweep": [{"block_size": bs, "datasets": sums} for bs, sums in rows]},
                      ensure_ascii=False))  # fmt: skip
