@@ -198,6 +198,18 @@ def test_paths_that_are_files_or_folders(tmp_path):
     assert_one_line_error(d, "Cannot create the cache folder")
 
 
+def test_init_draft_never_overwrites_a_model_folder(tmp_path):
+    """init-draft --force replaces a draft, never a model's folder (found by a user trial)."""
+    model = tmp_path / "model"
+    model.mkdir()
+    cfg = '{"architectures": ["LlamaForCausalLM"], "model_type": "llama"}'
+    (model / "config.json").write_text(cfg)
+    (model / "model.safetensors").write_bytes(b"weights")
+    res = run("init-draft", "--out", str(model), "--force")
+    assert_one_line_error(res, "holds a model (LlamaForCausalLM), not a DFlash draft")
+    assert (model / "config.json").read_text() == cfg and (model / "model.safetensors").read_bytes() == b"weights"
+
+
 @pytest.mark.parametrize("args, flag", [
     (["generate", "openai", "--block-size", "4", "hi"], "--block-size"),
     (["generate", "openai", "--draft", "d", "hi"], "--draft"),

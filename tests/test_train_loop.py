@@ -303,6 +303,11 @@ def test_resume_refuses_other_data_and_guards_the_out_folder(setup, tmp_path):
     with pytest.raises(InputError, match="already holds a draft") as err:
         config(root, root / "init").check()  # the --init draft itself: training would replace it
     assert "--init" in err.value.hint
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "qwen3"}')
+    with pytest.raises(InputError, match="holds a model"):  # even with trainer state beside it
+        config(root, model).check()
     config(root, tmp_path / "a").check()  # our own run's folder resumes
 
 

@@ -64,6 +64,25 @@ class DFlash2Settings:
             raise ConfigError("DFlash2 final_logit_softcapping must be >= 0 (0 disables it).")
 
 
+def holds_other_model(folder: str | Path) -> str | None:
+    """What a folder's ``config.json`` describes when it is not a DFlash draft: its
+    ``architectures`` (or ``model_type``) as a short string, so that commands writing a draft
+    refuse to overwrite a model even with ``--force``; None when there is no config.json, it is
+    a draft's (a ``dflash_config`` object or a DFlash architecture), or it is not a JSON object
+    (a broken write of ours; ``--force`` may replace it)."""
+    path = Path(folder) / "config.json"
+    try:
+        d = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(d, dict) or isinstance(d.get("dflash_config"), dict):
+        return None
+    archs = [str(a) for a in d.get("architectures") or [] if a]
+    if any("dflash" in a.lower() for a in archs):
+        return None
+    return ", ".join(archs) or (str(d["model_type"]) if d.get("model_type") else None)
+
+
 def default_target_layer_ids(num_target_layers: int, num_features: int) -> list[int]:
     """Target layers to read features from, spread from layer 1 to layer N-3 (brief §1.3).
 

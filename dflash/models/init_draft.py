@@ -11,7 +11,12 @@ from pathlib import Path
 from typing import Any
 
 from dflash.errors import ConfigError, InputError
-from dflash.models.config import DFlash2Settings, DraftConfig, default_target_layer_ids
+from dflash.models.config import (
+    DFlash2Settings,
+    DraftConfig,
+    default_target_layer_ids,
+    holds_other_model,
+)
 
 ARCHS = ("dflash", "dflash2")
 
@@ -148,6 +153,10 @@ def init_draft(target: str | None, out: str | Path, *, layers: int = 5, block_si
     out_path = Path(out)
     if out_path.exists() and not out_path.is_dir():
         raise InputError(f"--out {out} is a file; pass a folder.")
+    other = holds_other_model(out_path)
+    if other is not None:
+        raise InputError(f"--out {out} holds a model ({other}), not a DFlash draft; it is never overwritten.",
+                         hint="choose a new or empty folder for the draft")  # fmt: skip
     if (out_path / "config.json").exists() and not force:
         raise InputError(f"--out {out} already holds a draft.",
                          hint="pass --force to overwrite it, or choose another folder")  # fmt: skip

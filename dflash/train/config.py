@@ -109,6 +109,12 @@ class TrainConfig:
         out = Path(self.out).expanduser()
         if out.exists() and not out.is_dir():
             raise InputError(f"--out {self.out} is a file; pass a folder for the trained draft.")
+        from dflash.models.config import holds_other_model
+
+        other = holds_other_model(out)
+        if other is not None:
+            raise InputError(f"--out {self.out} holds a model ({other}), not a DFlash draft; training "
+                             "never writes over it.", hint="choose a new or empty folder for the draft")  # fmt: skip
         state = Path(self.state_dir) if self.state_dir else out / "state"
         if (out / "config.json").is_file() and not (state / "trainer_state.json").is_file() \
                 and self.resume_from is None:  # a draft that no run of ours is training
