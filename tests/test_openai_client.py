@@ -291,3 +291,18 @@ def test_benchmark_fails_with_one_line_when_every_request_fails(tmp_path):
     assert res.exit_code != 0
     assert "Every request" in str(res.exception) and "503" in str(res.exception)
     assert "3 attempts" in res.output and "2 failed requests" in res.output
+
+
+def test_unreachable_server_error_names_the_flag_that_gave_it():
+    """A benchmark's unreachable baseline server is blamed on --baseline-url (found by a user trial)."""
+    from dflash.backends.openai import first_model
+    from dflash.errors import ServerError
+
+    async def ask(flag):
+        async with httpx.AsyncClient(timeout=2.0) as client:
+            return await first_model(client, "http://127.0.0.1:9/v1", None, *flag)
+
+    for flag, want in (((), "--base-url"), (("--baseline-url",), "--baseline-url")):
+        with pytest.raises(ServerError) as err:
+            asyncio.run(ask(flag))
+        assert err.value.hint == f"start the server or fix {want}"

@@ -286,3 +286,20 @@ def test_capture_failure_with_draft_rope_turns_it_off_first(tiny_target, capsys)
     assert err == ["dflash: the RoPE + cache-write kernel failed (RuntimeError: rope kernel failed); "
                    "continuing with torch ops (DFLASH_ROPE=0 silences this)."]  # fmt: skip
 
+
+
+def test_draft_weights_that_do_not_fit_their_config_give_one_line(tiny_target, tmp_path):
+    """A draft whose config.json was edited (intermediate_size) fails with one line naming the
+    first mismatch and a count, not torch's multi-line state-dict report (found by a user trial)."""
+    import json
+
+    from dflash.backends.transformers import load_draft
+    from dflash.errors import CheckpointError
+    from tests.conftest import make_draft
+
+    folder = make_draft(tiny_target).save(tmp_path / "d")
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, "intermediate_size": cfg["intermediate_size"] + 32}))
+    with pytest.raises(CheckpointError, match=r"size mismatch for layers\.0\.mlp\.\w+\.weight.*\(and \d+ more\)") as err:
+        load_draft(folder, torch.device("cpu"), torch.float32)
+    assert "\n" not in err.value.message and "config.json" in err.value.hint

@@ -439,8 +439,10 @@ def _error_message(raw: bytes) -> str:
 # models and /metrics
 
 
-async def first_model(client: httpx.AsyncClient, root: str, api_key: str | None) -> str:
-    """The id of the first model of ``GET /v1/models``.
+async def first_model(client: httpx.AsyncClient, root: str, api_key: str | None,
+                      flag: str = "--base-url") -> str:  # fmt: skip
+    """The id of the first model of ``GET /v1/models``; ``flag`` names the option that gave
+    ``root`` in errors (``--baseline-url`` for a benchmark's baseline server).
 
     Raises:
         ServerError: the server cannot be reached, refuses, or lists no model.
@@ -449,11 +451,11 @@ async def first_model(client: httpx.AsyncClient, root: str, api_key: str | None)
         resp = await client.get(root + "/models", headers=auth_headers(api_key))
     except httpx.TimeoutException:
         raise ServerError(
-            f"{root}/models timed out.", hint="check --base-url and --timeout-s"
+            f"{root}/models timed out.", hint=f"check {flag} and --timeout-s"
         ) from None
     except httpx.TransportError as err:
         raise ServerError(f"Cannot reach the server at {root} ({type(err).__name__}).",
-                          hint="start the server or fix --base-url") from None  # fmt: skip
+                          hint=f"start the server or fix {flag}") from None  # fmt: skip
     if resp.status_code >= 400:
         hint = "pass --api-key or set OPENAI_API_KEY" if resp.status_code == 401 else None
         raise ServerError(f"{root}/models answered HTTP {resp.status_code}: "

@@ -267,4 +267,17 @@ def load_draft(folder, device: torch.device, dtype: torch.dtype) -> DFlashDraft:
     except (ConfigError, CheckpointError):
         raise
     except (RuntimeError, ValueError) as e:
-        raise CheckpointError(f"Cannot load draft weights from {folder}: {e}.") from e
+        raise CheckpointError(f"Cannot load draft weights from {folder}: {_first_lines(e)}.",
+                              hint="the weights do not fit config.json: restore the folder's own config "
+                                   "or its weights") from e  # fmt: skip
+
+
+def _first_lines(e: Exception) -> str:
+    """One line for a load error: torch's multi-line state-dict report shortened to its first
+    mismatch and a count ("size mismatch for layers.0.mlp.up_proj.weight: ... (and 14 more)")."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    details = [ln for ln in lines[1:] if ln.lower().startswith(("size mismatch", "missing key", "unexpected key"))]
+    if not details:
+        return lines[0].rstrip(":.") if lines else type(e).__name__
+    more = f" (and {len(details) - 1} more)" if len(details) > 1 else ""
+    return details[0].rstrip(".") + more

@@ -227,7 +227,8 @@ async def run_side(client: httpx.AsyncClient, endpoint: Endpoint,
     import time
 
     if endpoint.model is None:
-        endpoint.model = await first_model(client, endpoint.root, api_key)
+        flag = "--baseline-url" if endpoint.side == "baseline" else "--base-url"
+        endpoint.model = await first_model(client, endpoint.root, api_key, flag)
     warm_errors = 0
     if cfg.warmup and warmup_items:
         warm_errors = sum(
