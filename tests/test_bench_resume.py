@@ -278,6 +278,18 @@ def test_sweep_checks_every_file_first_resumes_each_and_plots_each(cli, tmp_path
     assert len((tmp_path / "r.bs4.jsonl").read_text().splitlines()) == 2
 
 
+def test_check_parity_on_resumed_unchecked_records_says_none_was_checked(cli, tmp_path):
+    """--resume --check-parity over records made without it: the table says that no response
+    was checked instead of leaving the parity row out (found by a user trial)."""
+    out_file = tmp_path / "r.jsonl"
+    args = ["transformers", "--dataset", "humaneval", "--max-samples", "2",
+            "--data-dir", str(DATA_DIR), "--output", str(out_file)]  # fmt: skip
+    assert cli(args).exit_code == 0
+    resumed = cli([*args, "--resume", "--check-parity"])
+    assert resumed.exit_code == 0, resumed.output
+    assert "0/0 identical, 2 of 2 responses not checked" in " ".join(resumed.stdout.split())
+
+
 def test_torn_last_line_is_dropped_and_repaired(cli, tmp_path):
     out_file = tmp_path / "r.jsonl"
     args = ["transformers", "--dataset", "humaneval", "--max-samples", "3",

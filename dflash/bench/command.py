@@ -295,7 +295,7 @@ def benchmark(
     summaries = {name: summarize(recs) for name, recs in gathered.items()}
     console = Console(highlight=False, soft_wrap=True)  # no 80-column wrapping when piped
     for name, summary in summaries.items():
-        report.print_summary(console, name, summary)
+        report.print_summary(console, name, summary, parity_asked=config.check_parity)
     if plot is not None:
         console.print(f"plot written to {report.save_plot(plot, summaries)}")
     block = max((s["block_size"] for s in summaries.values()), default=1)

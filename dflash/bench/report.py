@@ -31,8 +31,10 @@ def _fmt(value: float | None, spec: str = ".2f", unit: str = "") -> str:
     return "n/a" if value is None else f"{value:{spec}}{unit}"
 
 
-def summary_table(name: str, summary: dict[str, Any]) -> Table:
-    """One rich table of a dataset's summary (see :func:`dflash.bench.metrics.summarize`)."""
+def summary_table(name: str, summary: dict[str, Any], parity_asked: bool = False) -> Table:
+    """One rich table of a dataset's summary (see :func:`dflash.bench.metrics.summarize`);
+    ``parity_asked`` (``--check-parity``): the parity row even when no response was checked
+    (all resumed from a run without it)."""
     table = Table(title=f"dflash benchmark: {name}", title_justify="left", show_header=True)
     table.add_column("metric")
     table.add_column("value", justify="right")
@@ -54,7 +56,7 @@ def summary_table(name: str, summary: dict[str, Any]) -> Table:
     if "reference_tok_s" in summary:
         rows[5:5] = [("mlx_lm stream_generate tok/s", _fmt(summary["reference_tok_s"])),
                      ("speedup vs mlx_lm", _fmt(summary["speedup_vs_reference"], ".2f", "x"))]  # fmt: skip
-    if parity["checked"]:
+    if parity["checked"] or parity_asked:
         rows.append(("greedy parity", parity_text(parity, summary["responses"])))
         if parity["checked"] > parity["matched"]:
             rows.append(("mismatches: near-tie / unexplained",
@@ -136,9 +138,10 @@ def upstream_lines(summary: dict[str, Any]) -> list[str]:
     ]
 
 
-def print_summary(console: Console, name: str, summary: dict[str, Any]) -> None:
-    """Table, terminal histogram, parity mismatches and upstream-format lines of one dataset."""
-    console.print(summary_table(name, summary))
+def print_summary(console: Console, name: str, summary: dict[str, Any], parity_asked: bool = False) -> None:
+    """Table, terminal histogram, parity mismatches and upstream-format lines of one dataset
+    (``parity_asked``: see :func:`summary_table`)."""
+    console.print(summary_table(name, summary, parity_asked))
     for line in histogram_lines(summary):
         console.print(line)
     for m in summary["parity"]["mismatches"]:
