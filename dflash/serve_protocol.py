@@ -168,7 +168,8 @@ def parse_request(body: Any, chat: bool) -> GenRequest:
     req.sampling = SamplingParams(temperature=_number(body, "temperature", 1.0, 0.0, 100.0),
                                   top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
                                   top_k=max(top_k, 0), seed=seed)  # fmt: skip
-    stream = body.get("stream", False)
+    stream = body.get("stream")
+    stream = False if stream is None else stream  # null as absent, as OpenAI's API takes it
     if not isinstance(stream, bool):
         raise _bad("'stream' must be true or false.", "stream")
     req.stream = stream

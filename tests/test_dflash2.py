@@ -185,6 +185,21 @@ def test_scaled_down_checkpoint_round_trip(tmp_path):
     assert isinstance(DFlash2Draft.load(tmp_path / "d"), DFlash2Draft)
 
 
+def test_mlx_refuses_a_dflash2_draft_by_name(tmp_path):
+    """The mlx backend runs v1 drafts only: a DFlash2 folder gets that one line, not a list of
+    unexpected tensors (found by a user trial)."""
+    pytest.importorskip("mlx.core")
+    from dflash.models.draft_mlx import load_draft_mlx
+
+    d = fixture("dflash2-config.json")
+    d.update(hidden_size=128, intermediate_size=384, num_attention_heads=4, num_key_value_heads=1,
+             head_dim=32, vocab_size=500, dflash_config={**d["dflash_config"], "mask_token_id": 499,
+                                                         "selector_rank": 8, "selector_top_k": 5})  # fmt: skip
+    DFlash2Draft(DraftConfig.from_dict(d)).save(tmp_path / "d")
+    with pytest.raises(ConfigError, match="DFlash2 draft; the mlx backend runs DFlash \\(v1\\) drafts only"):
+        load_draft_mlx(tmp_path / "d")
+
+
 def test_v1_folder_is_not_a_dflash2_draft(tmp_path, tiny_target):
     from tests.conftest import make_draft
 

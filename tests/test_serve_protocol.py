@@ -14,6 +14,7 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 def test_parse_request_defaults_and_fields():
     r = parse_request(CHAT, chat=True)
     assert r.sampling.temperature == 1.0 and r.max_tokens is None and not r.stream
+    assert not parse_request({**CHAT, "stream": None}, chat=True).stream  # null as absent (OpenAI)
     r = parse_request({**CHAT, "max_completion_tokens": 5, "top_k": -1, "seed": 7, "stop": "x",
                        "stream": True, "stream_options": {"include_usage": True},
                        "chat_template_kwargs": {"enable_thinking": False},
@@ -45,6 +46,7 @@ def test_parse_request_defaults_and_fields():
         ({**CHAT, "presence_penalty": 0.5}, "presence_penalty"),
         ({**CHAT, "stop": [""]}, "stop"),
         ({**CHAT, "stream": "yes"}, "stream"),
+        ({**CHAT, "stream": 0}, "stream"),
         ({**CHAT, "model": 3}, "model"),
     ],
 )

@@ -289,12 +289,15 @@ def load_draft_mlx(folder: str | Path, *, dtype=mx.float32, bits: int | None = N
 
     Raises:
         CheckpointError: no weights, an unreadable file, or missing/unexpected tensors.
-        ConfigError: an invalid config or an fc width that does not fit it.
+        ConfigError: an invalid config, a DFlash2 draft, or an fc width that does not fit it.
         InputError: bits not in (4, 8) or a window < 1.
     """
     check_draft_options(bits, window)
     folder = Path(folder)
     cfg = DraftConfig.load(folder)
+    if cfg.is_dflash2:
+        raise ConfigError(f"{folder} is a DFlash2 draft; the mlx backend runs DFlash (v1) drafts only.",
+                          hint="run it with the transformers backend")  # fmt: skip
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"No .safetensors weights in draft folder {folder}.",
