@@ -53,6 +53,7 @@ def test_switches_and_configs(monkeypatch):
     assert sl.kernel_config(1, 24576, 4096) == (16, 64, 128, 2, 4)  # its gate+up
     assert sl.kernel_config(20, 4096, 4096) == (32, 32, 256, 4, 4)  # above 16 rows: the rule
     assert sl.kernel_config(1, 4096, 2048) == (16, 32, 256, 4, 4)  # an untuned shape: the rule
+    assert sl.kernel_config(1, 4096, 4096, elem=4) == (16, 32, 256, 4, 4)  # float32: the rule, not TUNED
     assert sl.kernel_config(20, 4096, 12288) == (32, 32, 512, 4, 3)  # 4 stages would need 256 KiB
     smem = {cfg: (16 + cfg[0]) * cfg[1] * 2 * cfg[3] for cfg in sl.TUNED.values()}
     assert max(smem.values()) <= sl.SMEM_BUDGET  # every tuned config fits the pipelined tiles' budget

@@ -89,7 +89,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.
     if weight.shape[1] != k or x.stride(1) != 1 or weight.stride(1) != 1 or m > MAX_ROWS:
         raise ValueError(f"head_argmax: input {tuple(x.shape)} (strides {x.stride()}) does not fit "
                          f"weight {tuple(weight.shape)} or has over {MAX_ROWS} rows")  # fmt: skip
-    bm, bn, bk, warps, stages = kernel_config(m, n, k)
+    bm, bn, bk, warps, stages = kernel_config(m, n, k, weight.element_size())
     slices = triton.cdiv(n, bn)
     pv = torch.empty(m, slices, dtype=torch.float32, device=x.device)
     pi = torch.empty(m, slices, dtype=torch.int32, device=x.device)
@@ -108,7 +108,7 @@ def _slices_op(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, tor
 
 @_slices_op.register_fake
 def _(x, weight):
-    slices = -(-weight.shape[0] // kernel_config(x.shape[0], weight.shape[0], x.shape[1])[1])
+    slices = -(-weight.shape[0] // kernel_config(x.shape[0], weight.shape[0], x.shape[1], weight.element_size())[1])
     return (x.new_empty(x.shape[0], slices, dtype=torch.float32),
             x.new_empty(x.shape[0], slices, dtype=torch.int32))  # fmt: skip
 

@@ -155,15 +155,17 @@ TUNED = {
 }
 
 
-def kernel_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
-    """(BM, BN, BK, num_warps, num_stages) for an [m, k] x [n, k]^T product (n output columns).
+def kernel_config(m: int, n: int, k: int, elem: int = 2) -> tuple[int, int, int, int, int]:
+    """(BM, BN, BK, num_warps, num_stages) for an [m, k] x [n, k]^T product (n output columns)
+    of ``elem``-byte elements.
 
     From sweeps on the H200 (``scripts/small_linear_sweep.py``): 16 columns per program up to
     1,024 columns, 32 up to 8,192, 64 beyond; K tiles of 128 up to K = 1,024, 512 beyond 4,096,
     and in between as many as keep a tile at 8,192 weights (2026-12-02, one row: Qwen3-8B's
     o_proj 7.49 against 7.83 us with 512, its fused qkv 12.92 against 17.73 us and gate+up 46.97
     against 56.80 us, cuBLAS 14.57 and 47.45 us; the demo's shapes keep their configs). Shapes
-    in :data:`TUNED` (Qwen3-8B's, timed with cold weights) take their own up to 16 rows.
+    in :data:`TUNED` (Qwen3-8B's, timed with cold weights) take their own up to 16 rows in
+    2-byte dtypes (their deeper pipelines would not fit shared memory in float32).
     ``DFLASH_LINEAR_CONFIG="BN,BK,warps,stages"`` overrides all but BM for every shape;
     ``"NxK=BN,BK,warps,stages;..."`` (``NxK@M=...`` for m rows only) for the shapes named
     (n = weight rows), the built-in choice for the others.
@@ -178,7 +180,7 @@ def kernel_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
         if picked is not None:
             return (bm, *picked)
     tuned = TUNED.get((n, k))
-    if tuned is not None and m <= 16:
+    if tuned is not None and m <= 16 and elem == 2:
         return (bm, *tuned)
     bn = 16 if n <= 1024 else (32 if n <= 8192 else 64)  # best in the H200 sweeps (2026-12-01/02)
     bk = 128 if k <= 1024 else (512 if k > 4096 else max(128, min(512, 8192 // bn)))

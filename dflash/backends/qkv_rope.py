@@ -182,7 +182,7 @@ def _launch(x, weight, bias, rn_eps, rn, q_w, k_w, eps_q, eps_k, cos, sin, pos, 
                          f"and caches {tuple(kc.shape)} / {tuple(vc.shape)} do not fit (at most {MAX_ROWS} rows, "
                          f"more than {tc} context rows, head dim <= {MAX_HEAD_DIM})")  # fmt: skip
     q = x.new_empty(1, t - tc, heads, d).transpose(1, 2)  # [1, H, L, D]
-    bm, bn, bk, warps, _ = kernel_config(t, weight.shape[0], k)  # small_linear's tiles
+    bm, bn, bk, warps, _ = kernel_config(t, weight.shape[0], k, weight.element_size())  # small_linear's tiles
     norm = q_w is not None
     # columns of each half per program: the whole half with norms (a head's sum of squares),
     # else small_linear's columns per program (pairs of columns RoPE mixes: j and j + D/2)

@@ -233,7 +233,7 @@ def _launch(x, weight, bias, residual, glu: bool = False, rn_eps: float | None =
                          f"weight {tuple(weight.shape)}{' (gate and up halves)' if glu else ''}")  # fmt: skip
     n = rows // 2 if glu else rows  # output columns
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    bm, bn, bk, warps, stages = kernel_config(m, rows, k)  # tiles by the weight read
+    bm, bn, bk, warps, stages = kernel_config(m, rows, k, weight.element_size())  # tiles by the weight read
     if glu:  # each program takes bn weight rows: bn // 2 columns of gate and of up
         bn //= 2
     pdl = pdl_enabled(x.device)
