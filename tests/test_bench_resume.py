@@ -290,6 +290,25 @@ def test_check_parity_on_resumed_unchecked_records_says_none_was_checked(cli, tm
     assert "0/0 identical, 2 of 2 responses not checked" in " ".join(resumed.stdout.split())
 
 
+def test_ctrl_c_says_where_the_results_are_and_how_to_continue(cli, tmp_path):
+    """Ctrl-C during a benchmark keeps the finished records and says to rerun with --resume
+    (found by a user trial: it printed nothing)."""
+
+    out_file = tmp_path / "r.jsonl"
+
+    class Interrupted(FakePipeline):
+        def generate(self, prompt_ids, **kw):
+            if out_file.exists() and out_file.read_text().count("\n") == 1:  # one response written
+                raise KeyboardInterrupt
+            return super().generate(prompt_ids, **kw)
+
+    res = cli(["transformers", "--dataset", "humaneval", "--max-samples", "2", "--data-dir", str(DATA_DIR),
+               "--output", str(out_file)], Interrupted)  # fmt: skip
+    assert res.exit_code != 0
+    assert f"the finished responses are in {out_file}; run the same command with --resume" in res.stderr
+    assert len(read_records(out_file)) == 1
+
+
 def test_torn_last_line_is_dropped_and_repaired(cli, tmp_path):
     out_file = tmp_path / "r.jsonl"
     args = ["transformers", "--dataset", "humaneval", "--max-samples", "3",

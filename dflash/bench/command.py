@@ -12,6 +12,7 @@ No torch import here: cheap checks (options, datasets, output file) run before a
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -288,6 +289,9 @@ def benchmark(
             output,
             resume,
         )
+    except KeyboardInterrupt:
+        _interrupted(output, dist.rank)
+        raise
     finally:
         harness.finish_distributed(dist)
     if gathered is None:  # non-zero ranks: rank 0 reports
@@ -361,6 +365,13 @@ def _run(
         gathered = harness.in_prompt_order(gathered, selected)
         log.write_merged([r for recs in gathered.values() for r in recs])
     return gathered
+
+
+def _interrupted(output: Path | None, rank: int) -> None:
+    """On Ctrl-C: where the finished responses are and how to continue (rank 0, stderr)."""
+    if rank == 0 and output is not None:
+        print(f"interrupted: the finished responses are in {output}; run the same command with --resume "
+              "to continue.", file=sys.stderr)  # fmt: skip
 
 
 def _final_json(
@@ -437,6 +448,9 @@ def _sweep(
             gathered = _run(dist, load_args, selected, config, per_value(output, bs), resume, pipeline=pipeline)
             if gathered is not None:
                 rows.append((bs, {n: summarize(r) for n, r in gathered.items()}))
+    except KeyboardInterrupt:
+        _interrupted(None if output is None else per_value(output, "<L>"), dist.rank)
+        raise
     finally:
         harness.finish_distributed(dist)
     if dist.rank != 0:
