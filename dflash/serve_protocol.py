@@ -148,6 +148,9 @@ def parse_request(body: Any, chat: bool) -> GenRequest:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
+        if isinstance(prompt, list) and prompt:
+            what = "token-id prompts" if all(isinstance(p, int) for p in prompt) else "several prompts in one request"
+            raise _bad(f"'prompt' must be one non-empty string; {what} are not supported.", "prompt")
         if not isinstance(prompt, str) or not prompt:
             raise _bad("'prompt' must be a non-empty string.", "prompt")
         req.prompt = prompt

@@ -26,6 +26,9 @@ def test_parse_request_defaults_and_fields():
     assert r.messages[0] == {"role": "system", "content": "ab"}
     assert r.template_kwargs == {"enable_thinking": False}
     assert parse_request({"prompt": ["once"]}, chat=False).prompt == "once"
+    for prompt, what in (([504, 3575, 282], "token-id prompts"), (["a", "b"], "several prompts in one request")):
+        with pytest.raises(ApiError, match=f"one non-empty string; {what} are not supported"):
+            parse_request({"prompt": prompt}, chat=False)
 
 
 @pytest.mark.parametrize(

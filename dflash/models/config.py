@@ -359,9 +359,11 @@ class DraftConfig:
         try:
             data = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as e:
-            raise CheckpointError(f"Draft config {path} is not valid JSON ({e}).") from e
+            raise CheckpointError(f"Draft config {path} is not valid JSON ({e}).",
+                                  hint="restore the draft's config.json, or re-download the draft") from e  # fmt: skip
         if not isinstance(data, dict):
-            raise CheckpointError(f"Draft config {path} is not a JSON object.")
+            raise CheckpointError(f"Draft config {path} is not a JSON object.",
+                                  hint="restore the draft's config.json, or re-download the draft")  # fmt: skip
         return cls.from_dict(data)
 
     def save(self, folder: str | Path) -> Path:

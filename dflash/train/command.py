@@ -210,7 +210,8 @@ def _train(cfg, info, pause_after: float | None) -> None:
     rate = (f", {speed['samples'] / speed['seconds']:.2f} samples/s "
             f"({speed['tokens'] / speed['seconds']:,.0f} tok/s, {info.world} process(es))"
             if speed["seconds"] > 0 else "")  # fmt: skip
-    console.print(f"wrote {out}: step {base + trainer.cursor['step']}/{base + trainer.total_steps} {state}, "
+    done_steps = base + trainer.cursor["step"]  # past the total when a resume lowered --max-steps
+    console.print(f"wrote {out}: step {done_steps}/{max(done_steps, base + trainer.total_steps)} {state}, "
                   f"held-out τ {tau_text(heldout['tau'], 3)}, loss {tau_text(last.get('loss', math.nan), 3)}"
                   + rate)  # fmt: skip
     if trainer.interrupted:
