@@ -85,6 +85,17 @@ q8b_block1() {
     grep -o '"ms_per_step": [0-9.]*\|"x_floor": [0-9.]*\|"diverged_at": [0-9a-z]*' "/tmp/bb8-$f.log" | tr '\n' ' '; echo
   done
 }
+# q8b_named TAG NAME TIMEOUT [bench_big args]: Qwen3-8B bench_big under the caller's env prefix E
+# (an array, e.g. E=(env VAR=value)), saved as $OUT/bench_big-q8b-TAG-NAME-<n>.json (n: next free)
+q8b_named() {
+  local tag=$1 v=$2 t=$3 n=1; shift 3
+  rm -rf "/tmp/bb8-$v"
+  "${E[@]}" timeout "$t" python3 scripts/bench_big.py --shape qwen3-8b --steps 16 "$@" \
+    --out "/tmp/bb8-$v" > "/tmp/bb8-$v.log" 2>&1; echo "8b $v rc $? at ${SECONDS}s"
+  while [ -e "$OUT/bench_big-q8b-$tag-$v-$n.json" ]; do n=$((n+1)); done
+  cp "/tmp/bb8-$v/bench_big.json" "$OUT/bench_big-q8b-$tag-$v-$n.json"
+  grep -o '"ms_per_step": [0-9.]*\|"x_floor": [0-9.]*\|"diverged_at": [0-9a-zN]*' "/tmp/bb8-$v.log" | tr '\n' ' '; echo
+}
 D=dflash/assets/smollm2-135m-instruct-dflash
 case $phase in
 stage1)
@@ -557,12 +568,7 @@ v24a)  # no carry: cold-weight sweep of small_linear on Qwen3-8B's projections, 
   for v in default best default best; do
     [ "$SECONDS" -gt "${STOP:-470}" ] && { echo "skip $v at ${SECONDS}s"; continue; }
     E=(env); [ "$v" = best ] && E+=("DFLASH_LINEAR_CONFIG=$BEST")
-    rm -rf "/tmp/bb8-$v"
-    "${E[@]}" timeout 150 python3 scripts/bench_big.py --shape qwen3-8b --blocks 1,16 --steps 16 \
-      --out "/tmp/bb8-$v" > "/tmp/bb8-$v.log" 2>&1; echo "8b $v rc $? at ${SECONDS}s"
-    n=1; while [ -e "$OUT/bench_big-q8b-${TAG:-v24}-$v-$n.json" ]; do n=$((n+1)); done
-    cp "/tmp/bb8-$v/bench_big.json" "$OUT/bench_big-q8b-${TAG:-v24}-$v-$n.json"
-    grep -o '"ms_per_step": [0-9.]*\|"x_floor": [0-9.]*\|"diverged_at": [0-9a-zN]*' "/tmp/bb8-$v.log" | tr '\n' ' '; echo
+    q8b_named "${TAG:-v24}" "$v" 150 --blocks 1,16
   done
   ;;
 v24b)  # no carry: see the header
@@ -581,12 +587,7 @@ v24b)  # no carry: see the header
     [ "$SECONDS" -gt "${STOP:-400}" ] && { echo "skip $v at ${SECONDS}s"; continue; }
     case $v in best1) E=(env "DFLASH_LINEAR_CONFIG=$B1");; best2) E=(env "DFLASH_LINEAR_CONFIG=$B2");;
       best1split128) E=(env "DFLASH_LINEAR_CONFIG=$B1" DFLASH_ATTN_SPLIT=128);; esac
-    rm -rf "/tmp/bb8-$v"
-    "${E[@]}" timeout 120 python3 scripts/bench_big.py --shape qwen3-8b --blocks 1,16 --steps 16 \
-      --out "/tmp/bb8-$v" > "/tmp/bb8-$v.log" 2>&1; echo "8b $v rc $? at ${SECONDS}s"
-    n=1; while [ -e "$OUT/bench_big-q8b-v24-$v-$n.json" ]; do n=$((n+1)); done
-    cp "/tmp/bb8-$v/bench_big.json" "$OUT/bench_big-q8b-v24-$v-$n.json"
-    grep -o '"ms_per_step": [0-9.]*\|"x_floor": [0-9.]*\|"diverged_at": [0-9a-zN]*' "/tmp/bb8-$v.log" | tr '\n' ' '; echo
+    q8b_named v24 "$v" 120 --blocks 1,16
   done
   for v in default bestdemo; do
     [ "$SECONDS" -gt 500 ] && { echo "skip demo $v at ${SECONDS}s"; continue; }
@@ -605,12 +606,7 @@ v24c)  # no carry: see the header
     case $v in *new) E=(env);; old) E=(env "DFLASH_LINEAR_CONFIG=$OLD" DFLASH_ATTN_SPLIT=256 DFLASH_ATTN_ONE_SLICE=448);;
       long-256) E=(env DFLASH_ATTN_SPLIT=256 DFLASH_ATTN_ONE_SLICE=448);;
       t128) E=(env DFLASH_ATTN_SPLIT=128 DFLASH_DRAFT_ATTN_SPLIT=256 DFLASH_ATTN_ONE_SLICE=448);; esac
-    rm -rf "/tmp/bb8-$v"
-    "${E[@]}" timeout 120 python3 scripts/bench_big.py --shape qwen3-8b "${B[@]}" --steps 16 \
-      --out "/tmp/bb8-$v" > "/tmp/bb8-$v.log" 2>&1; echo "8b $v rc $? at ${SECONDS}s"
-    n=1; while [ -e "$OUT/bench_big-q8b-v24c-$v-$n.json" ]; do n=$((n+1)); done
-    cp "/tmp/bb8-$v/bench_big.json" "$OUT/bench_big-q8b-v24c-$v-$n.json"
-    grep -o '"ms_per_step": [0-9.]*\|"x_floor": [0-9.]*\|"diverged_at": [0-9a-zN]*' "/tmp/bb8-$v.log" | tr '\n' ' '; echo
+    q8b_named v24c "$v" 120 "${B[@]}"
   done
   ;;
 big8b)  # Qwen3-8B-shaped pair: fused linears on/off
