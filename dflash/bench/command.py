@@ -449,7 +449,7 @@ def _sweep(
             if gathered is not None:
                 rows.append((bs, {n: summarize(r) for n, r in gathered.items()}))
     except KeyboardInterrupt:
-        _interrupted(None if output is None else per_value(output, "<L>"), dist.rank)
+        _interrupted(per_value(output, "<L>"), dist.rank)
         raise
     finally:
         harness.finish_distributed(dist)
