@@ -158,6 +158,12 @@ KERNEL_CHECK = textwrap.dedent("""
         for a, b in ((got, want), (kc, kr), (vc, vr)):
             err = (a - b).abs().max().item()
             assert err < 1e-5, (args, err)
+        # the tables, positions and norm weights loaded before the PDL wait: bitwise the same
+        ke, ve = kc.clone().fill_(7.0), vc.clone().fill_(7.0)
+        kc.fill_(7.0), vc.fill_(7.0)
+        rc.rope_cache(qkv, qn, kn, cos, sin, pos, kc, vc, tc, h, hkv)
+        early = rc.rope_cache(qkv, qn, kn, cos, sin, pos, ke, ve, tc, h, hkv, early=True)
+        assert torch.equal(early, got) and torch.equal(ke, kc) and torch.equal(ve, vc), args
     from tests.test_split_attention import assert_static_greedy
     assert_static_greedy(attention="split", draft_linear=True, draft_rope=True, target_rope=True)
     # the draft's logits with the kernel equal the torch ops' (tokens alone cannot show a draft error)
@@ -198,3 +204,21 @@ def test_triton_kernel_in_interpreter():
     greedy."""
     out = run_interpreted(KERNEL_CHECK)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+@pytest.mark.parametrize("early", [False, True])
+def test_kernel_compiles_for_hopper(early):
+    """The kernel compiles for sm_90 (the H200) with PDL; ``early`` puts the tables', positions'
+    and norm weights' loads before the wait for the previous kernel, and only then."""
+    from tests.triton_helpers import compile_for_hopper
+
+    ptrs = ("QKV", "QW", "KW", "COS", "SIN", "POS", "QO", "KC", "VC")
+    ints = ("TC", "s_row", "s_cos", "s_qh", "s_qt", "s_kh", "s_ks", "s_vh", "s_vs")
+    consts = {"H": 32, "KV": 8, "HALF": 64, "NORM": True, "PDL": True, "EARLY": early}
+    sig = {**{n: "*bf16" for n in ptrs}, **{n: "i32" for n in ints}, "eps_q": "fp32", "eps_k": "fp32",
+           **dict.fromkeys(consts, "constexpr")}  # fmt: skip
+    sig["POS"] = "*i64"
+    ptx = compile_for_hopper(rc._rope_cache_kernel, sig, consts, num_warps=1).asm["ptx"]
+    before = ptx[: ptx.index("griddepcontrol.wait")]
+    assert ("ld.global" in before) == early, before[-2000:]

@@ -115,6 +115,17 @@ def test_attention_switches(monkeypatch):
     assert sa.split_size(1024) == 128
 
 
+def test_early_setting(monkeypatch):
+    """DFLASH_ATTN_EARLY: on by default, 0 turns it off; a bad value names the variable."""
+    monkeypatch.delenv("DFLASH_ATTN_EARLY", raising=False)
+    assert sa.early_setting() is True
+    monkeypatch.setenv("DFLASH_ATTN_EARLY", "0")
+    assert sa.early_setting() is False
+    monkeypatch.setenv("DFLASH_ATTN_EARLY", "2")
+    with pytest.raises(InputError, match="DFLASH_ATTN_EARLY must be 1 or 0"):
+        sa.early_setting()
+
+
 def test_launch_settings(monkeypatch):
     """Keys per iteration (DFLASH_ATTN_BLOCK, checked) and query heads per program: one 16-row
     tile per program, the whole group for a 1-row step."""
@@ -260,6 +271,13 @@ KERNEL_CHECK = textwrap.dedent("""
     q, k, v, pos = _inputs(8, 2, 4, 32, 384, 300)  # 192 keys per program: 64 per iteration
     err = (sa.split_attention_kernel(q, k, v, pos, 0.1, 192, 1, 128) - masked_sdpa(q, k, v, pos, 0.1)).abs().max()
     assert err.item() < 1e-5, err
+    # the positions loaded before the PDL wait (DFLASH_ATTN_EARLY): bitwise the plain launch
+    for shape in ((8, 2, 1, 32, 512, 299), (9, 3, 16, 64, 512, 128)):
+        q, k, v, pos = _inputs(*shape)
+        for split, heads, block, one in ((64, 0, 64, 0), (64, 1, 64, 448)):
+            plain = sa.split_attention_kernel(q, k, v, pos, 0.1, split, heads, block, one_slice=one)
+            got = sa.split_attention_kernel(q, k, v, pos, 0.1, split, heads, block, one_slice=one, early=True)
+            assert torch.equal(got, plain), (shape, split, heads, block, one)
     # the fused static forward with the kernel: plain greedy tokens
     from tests.test_split_attention import assert_static_greedy
     assert_static_greedy(6, attention="split")
@@ -338,17 +356,22 @@ def test_describe_records_split_settings(tiny_target, monkeypatch):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
-@pytest.mark.parametrize("one", [0, 640])
-def test_kernel_compiles_for_hopper(one):
+@pytest.mark.parametrize("one,early", [(0, False), (640, False), (0, True), (448, True)])
+def test_kernel_compiles_for_hopper(one, early):
     """The kernel compiles for sm_90 (the H200) without a GPU, with PDL, with and without the
-    one-program span for short filled lengths (the interpreter checks the maths)."""
+    one-program span for short filled lengths and the loads before the wait (the interpreter
+    checks the maths)."""
 
     ints = ("scale_log2", "cap", "s_pos", "s_qh", "s_qt", "s_kh", "s_ks", "s_vh", "s_vs", "s_oh", "s_ot",
             "s_ph", "s_ps", "s_pr", "s_lh", "s_ls")  # fmt: skip
     consts = {"T": 16, "G": 3, "GP": 1, "D": 64, "ROWS": 16, "SPLIT_N": 256, "BLOCK": 128, "IEEE": False,
-              "MERGE": True, "PDL": True, "ONE": one}  # fmt: skip
+              "MERGE": True, "PDL": True, "ONE": one, "EARLY": early}  # fmt: skip
     sig = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "POS": "*i64", "OUT": "*bf16", "PO": "*fp32", "PL": "*fp32",
            "CNT": "*i32", **{n: "i32" for n in ints}, **dict.fromkeys(consts, "constexpr")}  # fmt: skip
     sig["scale_log2"] = "fp32"
     kernel = compile_for_hopper(sa._split_kernel, sig, consts, num_warps=4, num_stages=2)
-    assert "griddepcontrol.wait" in kernel.asm["ptx"]
+    ptx = kernel.asm["ptx"]
+    assert "griddepcontrol.wait" in ptx
+    # EARLY: global loads (the positions) are issued before the wait, else none
+    before = ptx[: ptx.index("griddepcontrol.wait")]
+    assert ("ld.global" in before) == early, before[-2000:]

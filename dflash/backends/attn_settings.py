@@ -145,3 +145,28 @@ def heads_per_program(groups: int, rows: int) -> int:
         if groups % gp == 0 and gp * rows <= max(16, rows):
             best = gp
     return best
+
+
+EARLY_ENV = "DFLASH_ATTN_EARLY"
+
+
+def early_setting() -> bool:
+    """``DFLASH_ATTN_EARLY`` (``1``, the default, or ``0``): under PDL the split-KV attention
+    loads the query positions (and so the filled length), and the RoPE + cache-write kernel its
+    cos/sin rows, positions and norm weights, before waiting for the kernel just before them:
+    those were written earlier (at the forward's start), so the loads overlap that kernel.
+    Results do not change.
+
+    Measured on the H200 (twenty-fifth session, ``benchmarks/results/h200-v25``, one machine,
+    alternating runs): Qwen3-8B's block 1 4.099 ms against 4.111 / 4.118 without, block 16
+    5.100 against 5.112 / 5.117; the demo-shaped draft graph 0.144 against 0.149 ms. Loading
+    each slice's first K/V tile (the rows below the forward's first position) before the wait
+    as well was slower: 4.203 / 4.200 and 5.197 / 5.193 ms, the demo's verify-1 graph 0.582
+    against 0.569 ms; removed.
+
+    Raises:
+        InputError: another value.
+    """
+    from dflash.errors import env_choice
+
+    return env_choice(EARLY_ENV, ("1", "0")) == "1"

@@ -116,7 +116,12 @@ def preload_bytes() -> int:
     rows, from the second K tile on, up to this total) that the kernel sends to L2 with PTX
     ``prefetch.global.L2`` before it waits for the previous kernel under PDL. The weights do not
     depend on that kernel, so the bytes stream in while it (attention, an activation) still runs.
-    Default 0 (off, until measured on a GPU); nothing without PDL.
+    Default 0 (off); nothing without PDL. Measured on the H200: every projection (fourteenth
+    session) made Qwen3-8B's block 1 1.225x -> 1.238x / 1.250x / 1.279x the HBM floor at 16 / 32 /
+    64 MiB; o_proj alone, the projection after the attention, which leaves HBM idle for ~8 us a
+    layer there (twenty-fifth session, ``benchmarks/results/h200-v25/2-early-prefetch``, one
+    machine): 4.122 / 4.138 / 4.145 ms at 8 / 16 / 32 MiB against 4.121 / 4.122 ms without, so
+    that form was removed.
 
     Raises:
         InputError: not a whole number >= 0.

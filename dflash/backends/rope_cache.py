@@ -77,55 +77,78 @@ def rope_cache_fits(attn, dtype: torch.dtype, norms: bool = True) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _norm_rope(x1, x2, W, COS, SIN, row, s_cos, d, eps, HALF: tl.constexpr, DT: tl.constexpr,
+    def _norm_rope(x1, x2, w1, w2, c1, c2, s1, s2, eps, HALF: tl.constexpr, DT: tl.constexpr,
                    NORM: tl.constexpr):  # fmt: skip
-        """RMSNorm (weight W; NORM) then RoPE of one head's halves x1, x2 [HALF] (float32)."""
+        """RMSNorm (weight halves w1, w2; NORM) then RoPE (tables c1, c2, s1, s2) of one head's
+        halves x1, x2 [HALF] (float32)."""
         n1, n2 = x1, x2
         if NORM:
             r = tl.math.rsqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / (2 * HALF) + eps)
-            n1 = (x1 * r).to(DT).to(tl.float32) * tl.load(W + d).to(tl.float32)
-            n2 = (x2 * r).to(DT).to(tl.float32) * tl.load(W + HALF + d).to(tl.float32)
+            n1 = (x1 * r).to(DT).to(tl.float32) * w1
+            n2 = (x2 * r).to(DT).to(tl.float32) * w2
             n1, n2 = n1.to(DT).to(tl.float32), n2.to(DT).to(tl.float32)
+        return n1 * c1 - n2 * s1, n2 * c2 + n1 * s2
+
+    @triton.jit
+    def _row_inputs(QW, KW, COS, SIN, POS, row, head, s_cos, d, H: tl.constexpr, KV: tl.constexpr,
+                    HALF: tl.constexpr, NORM: tl.constexpr):  # fmt: skip
+        """What a (row, head) program reads besides the projection: the norm's weight halves
+        (float32; ones without NORM or for a value head), the row's cos/sin halves and its
+        cache position."""
+        w1 = tl.full([HALF], 1.0, tl.float32)
+        w2 = tl.full([HALF], 1.0, tl.float32)
+        if NORM:
+            if head < H:
+                w1 = tl.load(QW + d).to(tl.float32)
+                w2 = tl.load(QW + HALF + d).to(tl.float32)
+            elif head < H + KV:
+                w1 = tl.load(KW + d).to(tl.float32)
+                w2 = tl.load(KW + HALF + d).to(tl.float32)
         c1 = tl.load(COS + row * s_cos + d).to(tl.float32)
         c2 = tl.load(COS + row * s_cos + HALF + d).to(tl.float32)
         s1 = tl.load(SIN + row * s_cos + d).to(tl.float32)
         s2 = tl.load(SIN + row * s_cos + HALF + d).to(tl.float32)
-        return n1 * c1 - n2 * s1, n2 * c2 + n1 * s2
+        return w1, w2, c1, c2, s1, s2, tl.load(POS + row)
 
     @triton.jit
     def _rope_cache_kernel(QKV, QW, KW, COS, SIN, POS, QO, KC, VC, TC, s_row, s_cos, s_qh, s_qt,
                            s_kh, s_ks, s_vh, s_vs, eps_q, eps_k, H: tl.constexpr, KV: tl.constexpr,
-                           HALF: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+                           HALF: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr,
+                           EARLY: tl.constexpr = False):  # fmt: skip
         row = tl.program_id(0)
         head = tl.program_id(1)
-        if PDL:  # everything read here but the norm weights comes from the kernels before
+        d = tl.arange(0, HALF)
+        if EARLY:  # the tables and positions come from kernels done before the previous one
+            w1, w2, c1, c2, s1, s2, at = _row_inputs(QW, KW, COS, SIN, POS, row, head, s_cos, d, H, KV, HALF, NORM)
+        if PDL:  # the rest (the projection's output) comes from the kernel just before
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
-        d = tl.arange(0, HALF)
+        if not EARLY:
+            w1, w2, c1, c2, s1, s2, at = _row_inputs(QW, KW, COS, SIN, POS, row, head, s_cos, d, H, KV, HALF, NORM)
         base = QKV + row * s_row + head * (2 * HALF)
         dt = QKV.dtype.element_ty
         if head < H:  # a query head: block rows only (the context rows' queries are dropped)
             if row >= TC:
                 x1 = tl.load(base + d).to(tl.float32)
                 x2 = tl.load(base + HALF + d).to(tl.float32)
-                y1, y2 = _norm_rope(x1, x2, QW, COS, SIN, row, s_cos, d, eps_q, HALF, dt, NORM)
+                y1, y2 = _norm_rope(x1, x2, w1, w2, c1, c2, s1, s2, eps_q, HALF, dt, NORM)
                 out = QO + head * s_qh + (row - TC) * s_qt
                 tl.store(out + d, y1.to(QO.dtype.element_ty))
                 tl.store(out + HALF + d, y2.to(QO.dtype.element_ty))
         elif head < H + KV:  # a key head: into the cache at the row's position
             x1 = tl.load(base + d).to(tl.float32)
             x2 = tl.load(base + HALF + d).to(tl.float32)
-            y1, y2 = _norm_rope(x1, x2, KW, COS, SIN, row, s_cos, d, eps_k, HALF, dt, NORM)
-            out = KC + (head - H) * s_kh + tl.load(POS + row) * s_ks
+            y1, y2 = _norm_rope(x1, x2, w1, w2, c1, c2, s1, s2, eps_k, HALF, dt, NORM)
+            out = KC + (head - H) * s_kh + at * s_ks
             tl.store(out + d, y1.to(KC.dtype.element_ty))
             tl.store(out + HALF + d, y2.to(KC.dtype.element_ty))
         else:  # a value head, as it is
-            out = VC + (head - H - KV) * s_vh + tl.load(POS + row) * s_vs
+            out = VC + (head - H - KV) * s_vh + at * s_vs
             tl.store(out + d, tl.load(base + d))
             tl.store(out + HALF + d, tl.load(base + HALF + d))
 
 
-def _launch(qkv, q_w, k_w, eps_q, eps_k, cos, sin, pos, kc, vc, tc, heads, kv_heads) -> torch.Tensor:
+def _launch(qkv, q_w, k_w, eps_q, eps_k, cos, sin, pos, kc, vc, tc, heads, kv_heads, early=False) -> torch.Tensor:
     t, width = qkv.shape
     d = kc.shape[-1]
     cos, sin = cos[0, 0], sin[0, 0]  # [T, D]: sliced here, inside the op (see rope_cache)
@@ -141,7 +164,7 @@ def _launch(qkv, q_w, k_w, eps_q, eps_k, cos, sin, pos, kc, vc, tc, heads, kv_he
     _rope_cache_kernel[(t, heads + 2 * kv_heads)](
         qkv, q_w if norm else qkv, k_w if norm else qkv, cos, sin, pos, q, kc, vc, tc, qkv.stride(0),
         cos.stride(-2), q.stride(1), q.stride(2), kc.stride(1), kc.stride(2), vc.stride(1), vc.stride(2),
-        eps_q, eps_k, H=heads, KV=kv_heads, HALF=d // 2, NORM=norm, PDL=pdl, num_warps=1,
+        eps_q, eps_k, H=heads, KV=kv_heads, HALF=d // 2, NORM=norm, PDL=pdl, EARLY=early, num_warps=1,
         **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
     return q
@@ -150,12 +173,12 @@ def _launch(qkv, q_w, k_w, eps_q, eps_k, cos, sin, pos, kc, vc, tc, heads, kv_he
 @torch.library.custom_op("dflash::rope_cache", mutates_args=("kc", "vc"))
 def _rope_cache_op(qkv: torch.Tensor, q_w: torch.Tensor | None, k_w: torch.Tensor | None, eps_q: float, eps_k: float,
                    cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor, kc: torch.Tensor,
-                   vc: torch.Tensor, tc: int, heads: int, kv_heads: int) -> torch.Tensor:  # fmt: skip
-    return _launch(qkv, q_w, k_w, eps_q, eps_k, cos, sin, pos, kc, vc, tc, heads, kv_heads)
+                   vc: torch.Tensor, tc: int, heads: int, kv_heads: int, early: bool) -> torch.Tensor:  # fmt: skip
+    return _launch(qkv, q_w, k_w, eps_q, eps_k, cos, sin, pos, kc, vc, tc, heads, kv_heads, early)
 
 
 @_rope_cache_op.register_fake
-def _(qkv, q_w, k_w, eps_q, eps_k, cos, sin, pos, kc, vc, tc, heads, kv_heads):
+def _(qkv, q_w, k_w, eps_q, eps_k, cos, sin, pos, kc, vc, tc, heads, kv_heads, early):
     return qkv.new_empty(1, qkv.shape[0] - tc, heads, kc.shape[-1]).transpose(1, 2)
 
 
@@ -176,7 +199,8 @@ def rope_cache_reference(qkv, q_norm, k_norm, cos, sin, pos, kc, vc, tc: int, he
 
 
 def rope_cache(qkv: torch.Tensor, q_norm, k_norm, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
-               kc: torch.Tensor, vc: torch.Tensor, tc: int, heads: int, kv_heads: int) -> torch.Tensor:  # fmt: skip
+               kc: torch.Tensor, vc: torch.Tensor, tc: int, heads: int, kv_heads: int,
+               early: bool = False) -> torch.Tensor:  # fmt: skip
     """One draft layer's q/k RMSNorm + RoPE and K/V cache writes.
 
     Args:
@@ -190,6 +214,9 @@ def rope_cache(qkv: torch.Tensor, q_norm, k_norm, cos: torch.Tensor, sin: torch.
             one with a block row.
         kc, vc: [1, Hkv, S, D] the layer's caches, written at ``pos`` (keys normed and rotated).
         tc: context rows Tc; heads, kv_heads: H and Hkv.
+        early: cos, sin, pos (and the norms' weights) were written before the kernel that runs
+            just before this one (not the first layer's call): under PDL they load before the
+            wait for that kernel, which writes only ``qkv``.
 
     Pass whole tensors, not views of computed ones: Inductor materialises a view of an unrealised
     tensor once per custom-op call (the cos/sin tables were recomputed by two kernels in every
@@ -201,6 +228,6 @@ def rope_cache(qkv: torch.Tensor, q_norm, k_norm, cos: torch.Tensor, sin: torch.
     if triton is None or (qkv.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1"):
         return rope_cache_reference(qkv, q_norm, k_norm, cos, sin, pos, kc, vc, tc, heads, kv_heads)
     if q_norm is None:
-        return _rope_cache_op(qkv, None, None, 0.0, 0.0, cos, sin, pos, kc, vc, tc, heads, kv_heads)
+        return _rope_cache_op(qkv, None, None, 0.0, 0.0, cos, sin, pos, kc, vc, tc, heads, kv_heads, early)
     return _rope_cache_op(qkv, q_norm.weight, k_norm.weight, norm_eps(q_norm), norm_eps(k_norm),
-                          cos, sin, pos, kc, vc, tc, heads, kv_heads)  # fmt: skip
+                          cos, sin, pos, kc, vc, tc, heads, kv_heads, early)  # fmt: skip

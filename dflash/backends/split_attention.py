@@ -38,6 +38,7 @@ from dflash.backends.attn_settings import (  # noqa: F401 - re-exported
     BLOCK_ENV,
     BLOCK_N,
     DRAFT_SPLIT_ENV,
+    EARLY_ENV,
     ITER_KEYS,
     ONE_SLICE,
     ONE_SLICE_ENV,
@@ -47,6 +48,7 @@ from dflash.backends.attn_settings import (  # noqa: F401 - re-exported
     SPLIT_MAX_ROWS,
     default_one_slice,
     default_split,
+    early_setting,
     heads_per_program,
     iter_keys,
     one_slice_setting,
@@ -116,8 +118,8 @@ if triton is not None:
                       T: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                       ROWS: tl.constexpr, SPLIT_N: tl.constexpr, BLOCK: tl.constexpr,
                       IEEE: tl.constexpr, MERGE: tl.constexpr, PDL: tl.constexpr,
-                      ONE: tl.constexpr):  # fmt: skip
-        if PDL:  # programmatic dependent launch: wait for the previous kernel before any access
+                      ONE: tl.constexpr, EARLY: tl.constexpr = False):  # fmt: skip
+        if PDL and not EARLY:  # programmatic dependent launch: wait for the previous kernel first
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         unit = tl.program_id(0)  # GP query heads of one KV head: G // GP units per KV head
@@ -138,6 +140,9 @@ if triton is not None:
             span = SPLIT_N
         slices = (filled + span - 1) // span  # slices holding keys; later programs idle
         lo = sp * span
+        if PDL and EARLY:  # what the kernel before writes (q, this forward's K/V rows) from here on
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         if lo < filled:
             m_i = tl.full([ROWS], float("-inf"), tl.float32)
             l_i = tl.zeros([ROWS], tl.float32)
@@ -235,7 +240,7 @@ def _out_like(q: torch.Tensor) -> torch.Tensor:
 
 def split_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
                            scale: float, split: int, heads_per_program: int = 0, block: int = 0,
-                           warps: int = 0, stages: int = 0, one_slice: int = 0) -> torch.Tensor:  # fmt: skip
+                           warps: int = 0, stages: int = 0, one_slice: int = 0, early: bool = False) -> torch.Tensor:  # fmt: skip
     """Run the kernel: one launch, slices merged inside it (the last slice of each unit, a KV
     head's ``heads_per_program`` query heads, to
     finish merges, counted by an atomic counter that it resets).
@@ -258,6 +263,9 @@ def split_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
         one_slice: while the filled length (the last position + 1) is at most this many keys
             (and this is more than ``split``), the first program of each unit takes every key
             and no merge runs; past it, slices of ``split`` keys. 0: always slices.
+        early: under PDL, the positions (and so the filled length) load before waiting for
+            the kernel just before (:func:`~dflash.backends.attn_settings.early_setting`): only
+            where they were written before that kernel.
     Returns:
         [1, H, T, D] in q's dtype (memory laid out as [1, T, H, D]).
 
@@ -294,7 +302,7 @@ def split_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
         out.stride(1), out.stride(2), po.stride(0), po.stride(1), po.stride(2),
         pl.stride(0), pl.stride(1),
         T=t, G=groups, GP=gp, D=dim, ROWS=rows, SPLIT_N=split, BLOCK=blk,
-        IEEE=q.dtype == torch.float32, MERGE=nsplit > 1, PDL=pdl, ONE=one_slice if nsplit > 1 else 0,
+        IEEE=q.dtype == torch.float32, MERGE=nsplit > 1, PDL=pdl, ONE=one_slice if nsplit > 1 else 0, EARLY=early,
         **({"launch_pdl": True} if pdl else {}),
         **tune,
     )  # fmt: skip
@@ -316,17 +324,17 @@ def merge_partials(o: torch.Tensor, lse: torch.Tensor, heads: int, t: int, dtype
 
 @torch.library.custom_op("dflash::split_attention", mutates_args=())
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
-                  scale: float, split: int, heads: int, block: int, one: int) -> torch.Tensor:  # fmt: skip
-    return split_attention_kernel(q, k, v, pos, scale, split, heads, block, one_slice=one)
+                  scale: float, split: int, heads: int, block: int, one: int, early: bool) -> torch.Tensor:  # fmt: skip
+    return split_attention_kernel(q, k, v, pos, scale, split, heads, block, one_slice=one, early=early)
 
 
 @_attention_op.register_fake
-def _(q, k, v, pos, scale, split, heads, block, one):
+def _(q, k, v, pos, scale, split, heads, block, one, early):
     return _out_like(q)
 
 
 def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
-                    scale: float | None, draft: bool = False) -> torch.Tensor:  # fmt: skip
+                    scale: float | None, draft: bool = False, early: bool = True) -> torch.Tensor:  # fmt: skip
     """softmax(q k^T * scale) v over the keys at positions <= pos[t], per query row t.
 
     Args:
@@ -336,12 +344,16 @@ def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torc
         scale: None = 1/sqrt(D). Non-causal rows (a draft block that sees all of itself):
         give every row the block's last position, e.g. as a [1] view (``pos[-1:]``).
         draft: the draft's attention (its split size: :func:`split_size`).
+        early: ``pos`` was written before the kernel that runs just before this one (true of
+            the static forwards: their positions are computed before the first layer); under
+            PDL it loads before waiting for that kernel (``DFLASH_ATTN_EARLY``).
     Returns:
         [1, H, T, D] in q's dtype.
 
     Raises:
         InputError: a bad ``DFLASH_ATTN_SPLIT`` (or ``DFLASH_DRAFT_ATTN_SPLIT`` for the draft) or
-            ``DFLASH_ATTN_ONE_SLICE``, or on the kernel's path a bad ``DFLASH_ATTN_BLOCK``.
+            ``DFLASH_ATTN_ONE_SLICE``, or on the kernel's path a bad ``DFLASH_ATTN_BLOCK`` or
+            ``DFLASH_ATTN_EARLY``.
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if triton is None or (q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1"):
@@ -351,7 +363,8 @@ def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torc
                                          one_slice_setting(draft, dim))  # fmt: skip
     dim, groups, rows = q.shape[-1], q.shape[1] // k.shape[1], q.shape[2]
     return _attention_op(q, k, v, pos, float(scale), split_size(k.shape[2], draft, dim),
-                         heads_per_program(groups, rows), iter_keys(), one_slice_setting(draft, dim))  # fmt: skip
+                         heads_per_program(groups, rows), iter_keys(), one_slice_setting(draft, dim),
+                         early and early_setting())  # fmt: skip
 
 
 def split_attention_reference(q, k, v, pos, scale, split: int = SPLIT, one_slice: int = 0) -> torch.Tensor:
