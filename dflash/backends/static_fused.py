@@ -38,6 +38,8 @@ from dflash.backends import l2_prefetch
 from dflash.backends.head_argmax import head_argmax
 from dflash.backends.norm_partials import small_linear_rnp, small_linear_sq
 from dflash.backends.qkv_rope import qkv_rope
+from dflash.backends.rms_norm import MAX_ROWS as NORM_MAX_ROWS
+from dflash.backends.rms_norm import rms_norm
 from dflash.backends.rope_cache import norm_eps, rope_cache
 from dflash.backends.small_linear import MAX_ROWS as LINEAR_MAX_ROWS
 from dflash.backends.small_linear import (
@@ -46,7 +48,7 @@ from dflash.backends.small_linear import (
     small_linear_glu,
     small_linear_rn,
 )
-from dflash.backends.split_attention import split_attention, uses_kernel
+from dflash.backends.split_attention import early_setting, split_attention, uses_kernel
 from dflash.models.draft_torch import rope_cos_sin
 
 NO_FUSE_ENV = "DFLASH_NO_FUSE"
@@ -241,6 +243,14 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), -1) * sin
 
 
+def _norm(kernel: bool, norm, x: torch.Tensor) -> torch.Tensor:
+    """``norm(x)`` for [1, T, H] activations: :func:`~dflash.backends.rms_norm.rms_norm` when
+    ``kernel`` (the caller checked :func:`~dflash.backends.rms_norm.rms_norm_fits`), else the module."""
+    if kernel:
+        return rms_norm(x[0], norm.weight, norm_eps(norm))[None]
+    return norm(x)
+
+
 def _out_proj(lin: bool, proj, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """x + proj(h) for [1, T, *] activations: one small_linear kernel when ``lin``."""
     if lin:
@@ -368,13 +378,14 @@ def target_forward_fused(be, ids: torch.Tensor, pos: torch.Tensor, argmax: bool 
     # compiling the forward on the H200: tried and reverted in the twenty-first session)
     sq = None
     glu = getattr(be, "glu", False)
+    nk = getattr(be, "norm_kernel", False) and t <= NORM_MAX_ROWS  # stand-alone norms: our kernel
     qr = rope and lin_in and not pf and not parts and getattr(be, "qkv_rope_target", False)
     slots: list[torch.Tensor] = [None] * len(be.layer_ids)  # type: ignore[list-item]
     for i, layer in enumerate(be.target.model.layers):
         a, (qkv, gate_up) = layer.self_attn, be.fused_target[i]
         fq, fg = be.folded_target[i] if fuse else (None, None)  # norms folded in (DFLASH_FUSE_NORM)
         fuse_in = fuse and (sq is not None or not parts)  # the input norm inside the qkv kernel
-        h = x if fuse_in else layer.input_layernorm(x)
+        h = x if fuse_in else _norm(nk and i > 0, layer.input_layernorm, x)  # layer 0's: with the embedding
         after = _after_qkv(a, fg if fuse else gate_up, layer.mlp) if pf else ()  # read next (L2 prefetch)
         if early:
             l2_prefetch.prefetch(be.l2_sink, h, after, pf)
@@ -390,7 +401,9 @@ def target_forward_fused(be, ids: torch.Tensor, pos: torch.Tensor, argmax: bool 
                 raw = _in_proj_joint(lin_in, qkv, h)  # [T, (H + 2 Hkv) D]
             if pf and not early:
                 l2_prefetch.prefetch(be.l2_sink, raw, after, pf)
-            q = rope_cache(raw, *norms, cos, sin, pos[0], be.k[i], be.v[i], 0, be.heads, be.kv_heads)
+            # early: past the first layer the tables and positions were written long before
+            q = rope_cache(raw, *norms, cos, sin, pos[0], be.k[i], be.v[i], 0, be.heads, be.kv_heads,
+                           i > 0 and early_setting())  # fmt: skip
             o = split_attention(q, be.k[i], be.v[i], pos[0], a.scaling)
         else:
             if fuse_in:
@@ -422,14 +435,14 @@ def target_forward_fused(be, ids: torch.Tensor, pos: torch.Tensor, argmax: bool 
             x = _mlp_rn(lin, fg, layer.mlp.down_proj, layer.mlp.act_fn, layer.post_attention_layernorm, x, glu)
         else:
             x = _out_proj(lin, a.o_proj, o, x)
-            x = _mlp(lin, lin_in, gate_up, layer.mlp.down_proj, layer.mlp.act_fn, layer.post_attention_layernorm(x),
-                 x, glu)  # fmt: skip
+            x = _mlp(lin, lin_in, gate_up, layer.mlp.down_proj, layer.mlp.act_fn,
+                     _norm(nk, layer.post_attention_layernorm, x), x, glu)  # fmt: skip
         if i < be.n_layers - 1:
             for n in be.feature_layers.get(i, ()):
                 slots[n] = x[0]
     if pf:
         l2_prefetch.join(be.l2_sink, x)
-    x = be.target.model.norm(x)
+    x = _norm(nk, be.target.model.norm, x)
     for n in be.feature_layers.get(be.n_layers - 1, ()):  # HF's hidden_states[N] is final-normed
         slots[n] = x[0]
     if be.layer_ids:

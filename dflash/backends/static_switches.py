@@ -22,9 +22,11 @@ from dflash.backends.linear_settings import (
 from dflash.backends.norm_partials import norm_form
 from dflash.backends.pdl import disable_pdl, pdl_setting
 from dflash.backends.qkv_rope import qkv_rope_setting
+from dflash.backends.rms_norm import norm_kernel_setting
 from dflash.backends.rope_cache import rope_parts
 from dflash.backends.split_attention import (
     attention_mode,
+    early_setting,
     iter_keys,
     one_slice_setting,
     split_setting,
@@ -37,7 +39,8 @@ def check_env() -> None:
     ``DFLASH_LINEAR``, ``DFLASH_LINEAR_CONFIG``, ``DFLASH_GLU``, ``DFLASH_FUSE_NORM``,
     ``DFLASH_FUSE_NORM_FORM``, ``DFLASH_PDL``, ``DFLASH_PDL_PREFETCH``, ``DFLASH_ROPE``, ``DFLASH_QKV_ROPE``,
     ``DFLASH_PREFETCH``, ``DFLASH_STEP_COMPILE``, ``DFLASH_HEAD_ARGMAX``, ``DFLASH_GRAPH_WARM``,
-    ``DFLASH_QUEUE_AHEAD``, ``DFLASH_DRAFT_ATTN_SPLIT``, ``DFLASH_ATTN_BLOCK``, ``DFLASH_ATTN_ONE_SLICE``)
+    ``DFLASH_QUEUE_AHEAD``, ``DFLASH_DRAFT_ATTN_SPLIT``, ``DFLASH_ATTN_BLOCK``, ``DFLASH_ATTN_ONE_SLICE``, ``DFLASH_ATTN_EARLY``,
+    ``DFLASH_NORM_KERNEL``)
     on any device: a typo fails at load on a laptop too, not first on the GPU machine.
 
     Raises:
@@ -48,6 +51,7 @@ def check_env() -> None:
     split_setting()
     split_setting(draft=True)
     one_slice_setting()
+    early_setting()
     iter_keys()
     linear_mode(cpu)
     kernel_config(16, 1024, 1024)
@@ -62,6 +66,7 @@ def check_env() -> None:
     step_compile_default()
     queue_ahead()
     head_argmax_default()
+    norm_kernel_setting()
     warm_replays()
 
 
@@ -117,6 +122,9 @@ def fall_back(be, error: Exception, part: str | None = None, kind: str | None = 
     elif hasattr(be, "qkv_rope_live") and any(be.qkv_rope_live()):
         be.qkv_rope_target = be.qkv_rope_draft = False
         what, fix = "the qkv + RoPE kernel", "the projection and the RoPE kernel apart (DFLASH_QKV_ROPE=0 silences this)"
+    elif getattr(be, "norm_kernel", False):
+        be.norm_kernel = False
+        what, fix = "the RMSNorm kernel", "Inductor's norms (DFLASH_NORM_KERNEL=0 silences this)"
     elif disable_pdl(be.device, part):  # compiled code has no guard on it: compile again
         be._compiled.clear()
         if be.device_loop is not None:

@@ -37,10 +37,13 @@ from dflash.backends.linear_settings import (
 from dflash.backends.norm_partials import norm_form
 from dflash.backends.pdl import pdl_enabled, pdl_part
 from dflash.backends.qkv_rope import qkv_rope_fits, qkv_rope_wanted
+from dflash.backends.rms_norm import available as rms_norm_available
+from dflash.backends.rms_norm import norm_kernel_setting, rms_norm_fits
 from dflash.backends.rope_cache import rope_cache_fits, rope_parts
 from dflash.backends.small_linear import MAX_ROWS
 from dflash.backends.split_attention import (
     attention_mode,
+    early_setting,
     iter_keys,
     one_slice_setting,
     split_setting,
@@ -92,6 +95,14 @@ def _in_proj_rows(mode: str) -> int:
     measured on both the demo pair and Qwen3-8B's shape, see
     :func:`~dflash.backends.small_linear.linear_mode`), else 0."""
     return MAX_ROWS if mode in ("auto", "all") else 0
+
+
+def _target_norms(target: Any) -> list:
+    """The target's RMSNorm modules that can run as their own kernels: every layer's two and the
+    final norm."""
+    layers = target.model.layers
+    return [n for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)] + [
+        target.model.norm]
 
 
 class StaticDraftCache:
@@ -222,6 +233,10 @@ class StaticBackend(StaticGraphs, TransformersBackend):
         self.folded_target = fold_norms(target.model.layers, self.fused_target) if self.fuse_norm else None
         self.folded_draft = (fold_norms(draft.layers, self.fused_draft, ("post",))
                              if self.draft_fuse_norm else None)  # fmt: skip
+        # the target's stand-alone norms through one Triton kernel each (DFLASH_NORM_KERNEL)
+        self.norm_kernel = (norm_kernel_setting() and device.type == "cuda" and rms_norm_available()
+                            and self.fused_target is not None and not self.fuse_norm
+                            and all(rms_norm_fits(n, self.dtype) for n in _target_norms(target)))  # fmt: skip
         # their sums of squares written by the o_proj/down_proj kernels before them (DFLASH_FUSE_NORM_FORM)
         self.norm_partials = norm_form() == "partials" and (self.fuse_norm or self.draft_fuse_norm)
         pdl_enabled(device, inductor=True)  # a bad DFLASH_PDL is an error before any capture
@@ -429,6 +444,7 @@ class StaticBackend(StaticGraphs, TransformersBackend):
                 # rows up to which the in-projections run small_linear (the draft: all or none)
                 "linear_in": {"target": self.linear_in, "draft": MAX_ROWS if self.draft_linear_in else 0},
                 "glu": {"target": self.glu, "draft": self.draft_glu},  # DFLASH_GLU
+                "norm_kernel": self.norm_kernel,  # DFLASH_NORM_KERNEL
                 **({"fuse_norm": {"target": self.fuse_norm, "draft": self.draft_fuse_norm}}
                    if self.fuse_norm or self.draft_fuse_norm else {}),  # DFLASH_FUSE_NORM
                 **({"fuse_norm_form": "partials"} if self.norm_partials else {}),  # DFLASH_FUSE_NORM_FORM
@@ -436,7 +452,8 @@ class StaticBackend(StaticGraphs, TransformersBackend):
                                    "draft": split_setting(draft=True, head_dim=self._draft_head_dim())},
                     "attn_one_slice": {"target": one_slice_setting(head_dim=self.head_dim),
                                        "draft": one_slice_setting(draft=True, head_dim=self._draft_head_dim())},
-                    "attn_block": iter_keys()}
+                    "attn_block": iter_keys(),
+                    "attn_early": early_setting()}
                    if self.attention != "sdpa" else {}),  # the split-KV kernel's keys per program, per iteration
                 "draft_linear": self.draft_linear, "l2_prefetch_bytes": self.prefetch,
                 "step_compile": self.step_compile and self.compile and self.device_loop is not None,
