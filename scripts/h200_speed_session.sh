@@ -44,6 +44,11 @@
 #                  demo loop timings at prompt 300, default against the demo sweep's best
 #   v24c           (no carry)  Qwen3-8B blocks 1,16: new defaults (TUNED configs, 1-row split 128) against the old
 #                  (as env) and against split 128 at every target width; block 1 at prompt 2000, 128 against 256
+#   v25a           (no carry)  DFLASH_ATTN_EARLY 2 against 0 (then 1): Qwen3-8B blocks 1,16 alternating, demo loop
+#                  timings at prompt 300 (2, the first K/V tile before the wait too, was removed after this run)
+#   v25b           (no carry)  DFLASH_ATTN_EARLY 1 against 0, DFLASH_PDL_PREFETCH=<8|16|32>,attn (o_proj only; removed
+#                  after this run): Qwen3-8B blocks 1,16, demo loop timings at prompt 300
+#   v25c           (no carry)  DFLASH_NORM_KERNEL 1 against 0, then both it and DFLASH_ATTN_EARLY off: Qwen3-8B blocks 1,16
 #   2-4 stage ab|ac|ad [torch|triton]  [.stage/t5/<part>]  (with an 8B-shaped bench_big meanwhile)
 #   5 bench      [.stage/t5/ae .stage/data]  gsm8k 64 (bf16, compile, parity) and one single generate;
 #                results in $OUT (b-gsm8k.jsonl / .txt, generate.json, step_profile.json: GPU busy
@@ -607,6 +612,26 @@ v24c)  # no carry: see the header
       long-256) E=(env DFLASH_ATTN_SPLIT=256 DFLASH_ATTN_ONE_SLICE=448);;
       t128) E=(env DFLASH_ATTN_SPLIT=128 DFLASH_DRAFT_ATTN_SPLIT=256 DFLASH_ATTN_ONE_SLICE=448);; esac
     q8b_named v24c "$v" 120 "${B[@]}"
+  done
+  ;;
+v25a)  # no carry: DFLASH_ATTN_EARLY (loads before the PDL wait in the attention and RoPE kernels) 2 against 0:
+  # Qwen3-8B blocks 1,16 alternating, then 1; demo loop timings at prompt 300 (random target)
+  for v in early2 early0 early2 early0 early1; do
+    [ "$SECONDS" -gt "${STOP:-330}" ] && { echo "skip $v at ${SECONDS}s"; continue; }
+    E=(env "DFLASH_ATTN_EARLY=${v#early}")
+    q8b_named v25a "$v" 120 --blocks 1,16
+  done
+  k300_variants 480 "DFLASH_ATTN_EARLY=2 DFLASH_ATTN_EARLY=0"
+  ;;
+v25b)  # measured (benchmarks/results/h200-v25/2-early-prefetch), then the ',attn' form was removed
+  echo "v25b: DFLASH_PDL_PREFETCH=<MiB>,attn was removed after its measurement; nothing to run" >&2; exit 2
+  ;;
+v25c)  # no carry: the RMSNorm kernel (DFLASH_NORM_KERNEL, default 1) against Inductor's norms, Qwen3-8B blocks 1,16
+  # alternating, then the session's start (both DFLASH_NORM_KERNEL=0 and DFLASH_ATTN_EARLY=0)
+  for v in nk1 nk0 nk1 nk0 start; do
+    [ "$SECONDS" -gt "${STOP:-300}" ] && { echo "skip $v at ${SECONDS}s"; continue; }
+    case $v in nk*) E=(env "DFLASH_NORM_KERNEL=${v#nk}");; start) E=(env DFLASH_NORM_KERNEL=0 DFLASH_ATTN_EARLY=0);; esac
+    q8b_named v25c "$v" 120 --blocks 1,16
   done
   ;;
 big8b)  # Qwen3-8B-shaped pair: fused linears on/off
