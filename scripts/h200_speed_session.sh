@@ -614,14 +614,8 @@ v24c)  # no carry: see the header
     q8b_named v24c "$v" 120 "${B[@]}"
   done
   ;;
-v25a)  # no carry: DFLASH_ATTN_EARLY (loads before the PDL wait in the attention and RoPE kernels) 2 against 0:
-  # Qwen3-8B blocks 1,16 alternating, then 1; demo loop timings at prompt 300 (random target)
-  for v in early2 early0 early2 early0 early1; do
-    [ "$SECONDS" -gt "${STOP:-330}" ] && { echo "skip $v at ${SECONDS}s"; continue; }
-    E=(env "DFLASH_ATTN_EARLY=${v#early}")
-    q8b_named v25a "$v" 120 --blocks 1,16
-  done
-  k300_variants 480 "DFLASH_ATTN_EARLY=2 DFLASH_ATTN_EARLY=0"
+v25a)  # measured (benchmarks/results/h200-v25/1-early), then DFLASH_ATTN_EARLY=2 was removed
+  echo "v25a: DFLASH_ATTN_EARLY=2 was removed after its measurement; v25c measures the defaults" >&2; exit 2
   ;;
 v25b)  # measured (benchmarks/results/h200-v25/2-early-prefetch), then the ',attn' form was removed
   echo "v25b: DFLASH_PDL_PREFETCH=<MiB>,attn was removed after its measurement; nothing to run" >&2; exit 2

@@ -33,6 +33,7 @@ def test_setting_and_fits(monkeypatch):
     16-bit dtype fit."""
     from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
 
     monkeypatch.delenv("DFLASH_NORM_KERNEL", raising=False)
     assert rn.norm_kernel_setting() is True
@@ -47,6 +48,7 @@ def test_setting_and_fits(monkeypatch):
     assert not rn.rms_norm_fits(LlamaRMSNorm(64), torch.float32)  # float32: the modules
     assert not rn.rms_norm_fits(GemmaRMSNorm(64).bfloat16(), torch.bfloat16)  # (1 + weight)
     assert not rn.rms_norm_fits(torch.nn.LayerNorm(64).bfloat16(), torch.bfloat16)
+    assert not rn.rms_norm_fits(Olmo2RMSNorm(64).bfloat16(), torch.bfloat16)  # rounds once
     assert not rn.rms_norm_fits(LlamaRMSNorm(rn.MAX_HIDDEN * 2).bfloat16(), torch.bfloat16)
 
 
@@ -113,3 +115,16 @@ def test_static_backend_norm_kernel_off_on_cpu(tiny_target):
 
     be = StaticBackend(tiny_target, make_draft(tiny_target), torch.device("cpu"), use_graphs=False)
     assert be.norm_kernel is False and be.describe()["norm_kernel"] is False
+
+
+def test_fall_back_turns_the_kernel_off(tiny_target, capsys):
+    """A failed capture turns the RMSNorm kernel off (after the qkv + RoPE kernel, before PDL),
+    with one line naming the switch."""
+    from dflash.backends.static_switches import fall_back
+    from dflash.backends.static_torch import StaticBackend
+    from tests.conftest import make_draft
+
+    be = StaticBackend(tiny_target, make_draft(tiny_target), torch.device("cpu"), use_graphs=False)
+    be.norm_kernel = be.fuse_norm = True
+    assert fall_back(be, RuntimeError("capture failed")) and not be.norm_kernel and be.fuse_norm
+    assert "DFLASH_NORM_KERNEL=0" in capsys.readouterr().err

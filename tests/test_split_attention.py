@@ -375,3 +375,49 @@ def test_kernel_compiles_for_hopper(one, early):
     # EARLY: global loads (the positions) are issued before the wait, else none
     before = ptx[: ptx.index("griddepcontrol.wait")]
     assert ("ld.global" in before) == early, before[-2000:]
+
+
+@pytest.mark.parametrize("setting", ["1", "0"])
+def test_early_flags_at_every_call_site(tiny_target, monkeypatch, setting):
+    """Which kernels may load before their PDL wait (DFLASH_ATTN_EARLY): in the target every
+    layer's RoPE kernel and attention but the first layer's; in the draft every RoPE-kernel
+    layer's but the first such layer's, also when the draft's first layer is a sliding-window
+    one (not through the RoPE kernel); never with the switch off. Checked by recording the calls
+    of one block-16 generate (the flags are what the GPU kernels get)."""
+    from dflash.backends import static_draft, static_fused
+    from dflash.backends.split_attention import early_setting
+    from dflash.backends.static_torch import StaticBackend
+    from dflash.loop import speculative_generate
+    from tests.conftest import make_draft
+
+    monkeypatch.setenv("DFLASH_ATTN_EARLY", setting)
+    calls = []
+
+    def spy(where, kind, fn, flag):
+        def call(*args, **kwargs):
+            calls.append((where, kind, bool(flag(args, kwargs))))
+            return fn(*args, **kwargs)
+        return call
+
+    rope_flag = lambda a, k: a[11] if len(a) > 11 else k.get("early", False)  # noqa: E731
+    attn_flag = lambda a, k: k.get("early", False) and early_setting()  # noqa: E731  (as split_attention)
+    for mod, where in ((static_fused, "target"), (static_draft, "draft")):
+        monkeypatch.setattr(mod, "rope_cache", spy(where, "rope", mod.rope_cache, rope_flag))
+        monkeypatch.setattr(mod, "split_attention", spy(where, "attn", mod.split_attention, attn_flag))
+    draft = make_draft(tiny_target, layers=3)
+    draft.config.layer_types = ["sliding_attention", "full_attention", "full_attention"]
+    draft.config.sliding_window = 8
+    be = StaticBackend(tiny_target, draft, torch.device("cpu"), use_graphs=False)
+    be.attention, be.draft_linear, be.draft_rope, be.target_rope = "split", True, True, True
+    list(speculative_generate(be, [1, 2, 3, 4, 5], block_size=16, max_new_tokens=6))
+    on = setting == "1"
+    target = [c for c in calls if c[0] == "target"]
+    layers = tiny_target.config.num_hidden_layers
+    assert target and len(target) % (2 * layers) == 0  # every forward: a RoPE call, then attention
+    for start in range(0, len(target), 2 * layers):
+        flags = [c[2] for c in target[start:start + 2 * layers]]
+        assert flags == [False, False] + [on] * (2 * layers - 2), flags
+    drafted = [c for c in calls if c[0] == "draft"]
+    assert drafted and len(drafted) % 4 == 0  # layers 1 and 2 through the RoPE kernel, layer 0 not
+    for start in range(0, len(drafted), 4):
+        assert [c[2] for c in drafted[start:start + 4]] == [False, False, on, on]

@@ -157,12 +157,18 @@ def early_setting() -> bool:
     those were written earlier (at the forward's start), so the loads overlap that kernel.
     Results do not change.
 
-    Measured on the H200 (twenty-fifth session, ``benchmarks/results/h200-v25``, one machine,
-    alternating runs): Qwen3-8B's block 1 4.099 ms against 4.111 / 4.118 without, block 16
-    5.100 against 5.112 / 5.117; the demo-shaped draft graph 0.144 against 0.149 ms. Loading
-    each slice's first K/V tile (the rows below the forward's first position) before the wait
-    as well was slower: 4.203 / 4.200 and 5.197 / 5.193 ms, the demo's verify-1 graph 0.582
-    against 0.569 ms; removed.
+    The static forwards ask for it past their first layer (the draft: past its first layer
+    through the RoPE kernel), where every buffer made in the graph for these kernels has been
+    read once, so it was written before an earlier layer's kernels.
+
+    Measured on the H200 (twenty-fifth session, ``benchmarks/results/h200-v25``, runs
+    alternating on each of two machines): Qwen3-8B's block 1 4.099 ms against 4.111 / 4.118
+    without, and 4.121 / 4.122 against 4.139 / 4.144; block 16 5.100 against 5.112 / 5.117; on
+    the second machine the demo-shaped draft graph 0.144 against 0.149 ms and the block-16 loop
+    step 0.752 against 0.764 (those runs let the draft's layers load early from their second
+    layer on, before its cache-row positions were made one buffer). Loading each slice's first
+    K/V tile (the rows below the forward's first position) before the wait as well was slower:
+    4.203 / 4.200 and 5.197 / 5.193 ms, the demo's verify-1 graph 0.582 against 0.569 ms; removed.
 
     Raises:
         InputError: another value.

@@ -54,15 +54,19 @@ def norm_kernel_setting() -> bool:
     return env_choice(NORM_KERNEL_ENV, ("1", "0")) == "1"
 
 
+# transformers' RMSNorm classes known to compute weight * (x * rsqrt(mean(x^2) + eps)).to(dtype)
+# (others round once, or scale by 1 + weight: Gemma, Qwen3-Next, OLMo 2 ...)
+KNOWN_NORMS = frozenset({"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm"})
+
+
 def rms_norm_fits(norm, dtype: torch.dtype) -> bool:
-    """Whether ``norm`` is a plain RMSNorm the kernel computes exactly: a module named
-    ``*RMSNorm`` (not Gemma's ``1 + weight`` form) with a 1-d weight of ``dtype`` (bf16 or
-    fp16) of at most :data:`MAX_HIDDEN` and an epsilon (``eps`` or ``variance_epsilon``)."""
+    """Whether ``norm`` is an RMSNorm the kernel computes exactly: one of :data:`KNOWN_NORMS`
+    with a 1-d weight of ``dtype`` (bf16 or fp16) of at most :data:`MAX_HIDDEN` and an epsilon
+    (``eps`` or ``variance_epsilon``)."""
     w = getattr(norm, "weight", None)
-    name = type(norm).__name__
-    return (name.endswith("RMSNorm") and "gemma" not in name.lower() and isinstance(w, torch.Tensor)
-            and w.dim() == 1 and w.dtype == dtype and dtype in (torch.bfloat16, torch.float16)
-            and w.numel() <= MAX_HIDDEN and (hasattr(norm, "eps") or hasattr(norm, "variance_epsilon")))  # fmt: skip
+    return (type(norm).__name__ in KNOWN_NORMS and isinstance(w, torch.Tensor) and w.dim() == 1
+            and w.dtype == dtype and dtype in (torch.bfloat16, torch.float16) and w.numel() <= MAX_HIDDEN
+            and (hasattr(norm, "eps") or hasattr(norm, "variance_epsilon")))  # fmt: skip
 
 
 if triton is not None:
@@ -85,7 +89,7 @@ if triton is not None:
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     m, n = x.shape
-    if m > MAX_ROWS or weight.shape != (n,) or x.stride(1) != 1 or n > MAX_HIDDEN:
+    if m > MAX_ROWS or weight.shape != (n,) or weight.stride(0) != 1 or x.stride(1) != 1 or n > MAX_HIDDEN:
         raise ValueError(f"rms_norm: rows {tuple(x.shape)} (strides {x.stride()}) do not fit weight "
                          f"{tuple(weight.shape)} (at most {MAX_ROWS} rows of {MAX_HIDDEN})")  # fmt: skip
     y = torch.empty_like(x, memory_format=torch.contiguous_format)
@@ -118,7 +122,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
     Args:
         x: [M, N] rows (unit last stride), M <= :data:`MAX_ROWS`, N <= :data:`MAX_HIDDEN`.
-        weight: [N] the norm's weight, x's dtype.
+        weight: [N] the norm's weight (unit stride), x's dtype.
         eps: the norm's epsilon.
     Returns:
         [M, N] in x's dtype (contiguous). Off CUDA (or Triton absent and not interpreting)

@@ -334,7 +334,7 @@ def _(q, k, v, pos, scale, split, heads, block, one, early):
 
 
 def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
-                    scale: float | None, draft: bool = False, early: bool = True) -> torch.Tensor:  # fmt: skip
+                    scale: float | None, draft: bool = False, early: bool = False) -> torch.Tensor:  # fmt: skip
     """softmax(q k^T * scale) v over the keys at positions <= pos[t], per query row t.
 
     Args:
@@ -344,9 +344,13 @@ def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torc
         scale: None = 1/sqrt(D). Non-causal rows (a draft block that sees all of itself):
         give every row the block's last position, e.g. as a [1] view (``pos[-1:]``).
         draft: the draft's attention (its split size: :func:`split_size`).
-        early: ``pos`` was written before the kernel that runs just before this one (true of
-            the static forwards: their positions are computed before the first layer); under
-            PDL it loads before waiting for that kernel (``DFLASH_ATTN_EARLY``).
+        early: ``pos`` was written before the kernel that runs just before this one; under PDL
+            it then loads before waiting for that kernel (``DFLASH_ATTN_EARLY``). The static
+            forwards pass it past their first layer (the draft: its first RoPE-kernel layer),
+            where every position buffer made in the graph has been read once already, so it
+            was written before an earlier layer's kernels (Inductor places a buffer's kernel
+            just before its first reader, and makes a per-call copy of an unrealised tensor
+            just before each: the forwards realise theirs, see ``static_fused.realized``).
     Returns:
         [1, H, T, D] in q's dtype.
 

@@ -90,9 +90,13 @@ def draft_forward_fused(draft, fused, block_embeds, target_hidden, q_pos, ctx_po
     # [1] every block row sees the keys < start + L: a view the split kernel reads in place (an
     # expanded [L] copy was materialised once per layer by Inductor: ~1 us each on the H200)
     see = q_pos[0, -1:] if split_kinds else None
-    wpos = torch.cat((cache.write_pos, q_pos[0])) if rope and split_kinds else None  # [Tc + L] cache rows
+    # [Tc + L] cache rows, one buffer (a per-call copy would be made just before each kernel)
+    wpos = realized(torch.cat((cache.write_pos, q_pos[0])))[0] if rope and split_kinds else None
     qkv_fused = qkv_fused and lin_in and not prefetch and tc + lq <= LINEAR_MAX_ROWS
-    early = False  # qkv_rope: cos/sin/wpos may load before the PDL wait (see qkv_rope)
+    # early: after the first RoPE-kernel call every buffer made in the graph for these kernels
+    # (cos/sin, wpos, q_pos) was written before an earlier layer's kernels, so the RoPE kernel
+    # and the attention may load them before their PDL wait (qkv_rope, DFLASH_ATTN_EARLY)
+    early = False
     for i, layer in enumerate(draft.layers):
         a, (qkv, gate_up) = layer.self_attn, fused[i]
         d, kind = a.head_dim, cfg.layer_types[i]
@@ -104,16 +108,17 @@ def draft_forward_fused(draft, fused, block_embeds, target_hidden, q_pos, ctx_po
             # early: after the first such call the tables and wpos were written long before
             q = qkv_rope(x[0], qkv.weight, qkv.bias, None, a.q_norm, a.k_norm, cos, sin, wpos, kc, vc, tc,
                          a.heads, a.kv_heads, early)  # fmt: skip
+            out = split_attention(q, kc, vc, see, None, draft=True, early=early)
             early = True
-            out = split_attention(q, kc, vc, see, None, draft=True)
         elif wpos is not None and kind in split_kinds:
             raw = _in_proj_joint(lin_in, qkv, x)  # [Tc + L, (H + 2 Hkv) D]
             if prefetch:
                 l2_prefetch.prefetch(prefetch[0], raw, after, prefetch[1])
             kc, vc = cache.keys[i], cache.values[i]
             q = rope_cache(raw, a.q_norm, a.k_norm, cos, sin, wpos, kc, vc, tc, a.heads, a.kv_heads,
-                           i > 0 and early_setting())  # fmt: skip
-            out = split_attention(q, kc, vc, see, None, draft=True)
+                           early and early_setting())  # fmt: skip
+            out = split_attention(q, kc, vc, see, None, draft=True, early=early)
+            early = True
         else:
             q, k, v = _in_proj(lin_in, qkv, x)  # [1, Tc + L, *]
             if prefetch:

@@ -357,6 +357,9 @@ def target_forward_fused(be, ids: torch.Tensor, pos: torch.Tensor, argmax: bool 
     ``pos`` like the unfused one.
     """
     t, hd = ids.shape[-1], be.head_dim
+    # one buffer when the positions are computed in the graph (DFLASH_STEP_COMPILE), so that the
+    # kernels reading them early (settled, below) never read a per-call copy made just before
+    (pos,) = realized(pos)
     x = F.embedding(ids, be.embed_weight)  # [1, T, H]
     cos, sin = realized(*rope_cos_sin(pos, be.inv_freq, be.rope_scale, be.dtype))  # [1, 1, T, D], once
     mode = getattr(be, "attention", "sdpa")  # split-KV kernel: reads filled rows, no mask
@@ -393,7 +396,7 @@ def target_forward_fused(be, ids: torch.Tensor, pos: torch.Tensor, argmax: bool 
         if qr:  # the projection inside the RoPE + cache-write kernel too (DFLASH_QKV_ROPE)
             w, b, eps = (fq.weight, fq.bias, norm_eps(layer.input_layernorm)) if fuse_in else (qkv.weight, qkv.bias, None)
             q = qkv_rope(h[0], w, b, eps, *norms, cos, sin, pos[0], be.k[i], be.v[i], 0, be.heads, be.kv_heads, i > 0)
-            o = split_attention(q, be.k[i], be.v[i], pos[0], a.scaling)
+            o = split_attention(q, be.k[i], be.v[i], pos[0], a.scaling, early=i > 0)
         elif rope:
             if fuse_in:
                 raw = _rn(fq, layer.input_layernorm, x, sq=sq)
@@ -404,7 +407,7 @@ def target_forward_fused(be, ids: torch.Tensor, pos: torch.Tensor, argmax: bool 
             # early: past the first layer the tables and positions were written long before
             q = rope_cache(raw, *norms, cos, sin, pos[0], be.k[i], be.v[i], 0, be.heads, be.kv_heads,
                            i > 0 and early_setting())  # fmt: skip
-            o = split_attention(q, be.k[i], be.v[i], pos[0], a.scaling)
+            o = split_attention(q, be.k[i], be.v[i], pos[0], a.scaling, early=i > 0)
         else:
             if fuse_in:
                 q, k, v = _rn(fq, layer.input_layernorm, x, sq=sq)[None].split(fq.sizes, dim=-1)

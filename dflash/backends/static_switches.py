@@ -97,7 +97,7 @@ def fall_back(be, error: Exception, part: str | None = None, kind: str | None = 
     the L2 weight prefetch (``DFLASH_PREFETCH``), then the whole-step compile
     (``DFLASH_STEP_COMPILE``), then the LM head + argmax kernel (``DFLASH_HEAD_ARGMAX``), then
     the qkv projection inside the RoPE + cache-write kernel (``DFLASH_QKV_ROPE``, where the
-    forwards run it), then programmatic dependent launch (when it was on for the failed capture
+    forwards run it), then the RMSNorm kernel (``DFLASH_NORM_KERNEL``), then programmatic dependent launch (when it was on for the failed capture
     of ``part``, "draft" or "target"; the forwards compile again), then the norms inside the projections
     (``DFLASH_FUSE_NORM``), then the SiLU * up epilogue (``DFLASH_GLU``), then the RoPE +
     cache-write kernel (``DFLASH_ROPE``), then the Triton projections (cuBLAS instead),
