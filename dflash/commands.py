@@ -28,6 +28,17 @@ DraftBitsOpt = Annotated[int | None, typer.Option(help="mlx: quantize the draft 
 DraftWindowOpt = Annotated[int | None, typer.Option(help="mlx: keep at most N context rows in the draft's KV cache (tokens).")]
 
 
+def context_notice(max_new_tokens: int, prompt_tokens: int, context: int) -> str | None:
+    """The stderr line of ``dflash generate`` when ``--max-new-tokens`` is more than the target's
+    context leaves after the prompt (the request stops there, finish reason "length"), else None.
+    A prompt that fills the context is an error elsewhere."""
+    left = context - prompt_tokens
+    if 0 < left < max_new_tokens:
+        return (f"dflash: --max-new-tokens {max_new_tokens} is more than the target's context leaves after the "
+                f"{prompt_tokens}-token prompt; at most {left} new tokens (context {context}).")  # fmt: skip
+    return None
+
+
 def generate(
     backend: Backend,
     prompt: Annotated[str, typer.Argument(help="The user message.")],
@@ -40,7 +51,7 @@ def generate(
     top_k: Annotated[int, typer.Option(help="Keep the k most likely tokens; 0 disables.")] = 0,
     reasoning: Annotated[str | None, typer.Option(help="on, off or a template-supported level.")] = None,
     system: Annotated[str | None, typer.Option(help="System message prepended to the chat.")] = None,
-    device: Annotated[str, typer.Option(help="auto, cuda, cuda:N or cpu.")] = "auto",
+    device: Annotated[str, typer.Option(help="auto, cuda, cuda:N or cpu (mlx: auto, gpu or cpu).")] = "auto",
     dtype: Annotated[str, typer.Option(help="auto (bf16 on CUDA, fp32 on CPU), bfloat16, float16, float32.")] = "auto",
     seed: Annotated[int, typer.Option(help="Seed for sampling.")] = 0,
     cuda_graphs: Annotated[bool | None, typer.Option("--cuda-graphs/--no-cuda-graphs", help="Static caches + CUDA graphs (default: on for CUDA with Llama/Qwen-style targets).")] = None,
@@ -91,6 +102,9 @@ def generate(
     pipe = dflash.load(model, draft, backend=backend, device=device, dtype=dtype, cuda_graphs=cuda_graphs,
                        compile=compile, draft_bits=draft_bits, draft_window=draft_window)  # fmt: skip
     ids = pipe.chat_prompt([{"role": "user", "content": prompt}], system=system, reasoning=reasoning)
+    notice = context_notice(max_new_tokens, len(ids), pipe.backend.max_context)
+    if notice:
+        print(notice, file=sys.stderr)
     kwargs = dict(block_size=block_size, max_new_tokens=max_new_tokens, sampling=sampling)
     pipe.calibrate_for(ids, block_size, max_new_tokens)  # before the clock; cached per device and pair
     warmup_s = 0.0  # untimed warm-up as the benchmark does before it measures (graph path only)

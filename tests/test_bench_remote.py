@@ -220,3 +220,14 @@ def test_serve_meta_info_and_metrics_under_auto_width_feed_the_benchmark_exactly
     summary = side_summary(_run([_record(meta, "q1"), _record(streamed, "q2")], counters))
     assert summary["per_position_acceptance"] == _approx(EXPECTED)
     assert summary["acceptance_source"] == "meta_info and /metrics"
+
+
+def test_summary_counts_prompts_and_requests_apart():
+    """A multi-turn prompt sends one request a turn: the summary counts both (the printed
+    summary says "Num prompts" and, when they differ, "Num requests")."""
+    recs = [RemoteRecord("mt-bench", "q1", 0, "dflash", True, new_tokens=3),
+            RemoteRecord("mt-bench", "q1", 1, "dflash", True, new_tokens=4),
+            RemoteRecord("mt-bench", "q2", 0, "dflash", False, error="boom", error_kind="http")]  # fmt: skip
+    summary = side_summary(_run(recs))
+    assert (summary["prompts"], summary["requests"], summary["ok"]) == (2, 3, 2)
+

@@ -278,3 +278,15 @@ def test_mlx_option_errors_come_before_importing_mlx():
     lines = out.stdout.strip().splitlines()
     assert out.returncode == 0 and lines[-1] == "imported False", (out.stdout, out.stderr[-2000:])
     assert [ln.split()[0] for ln in lines[:-1]] == ["Unknown", "Unknown", "--draft-bits", "--draft-window"]
+
+
+def test_context_notice_only_when_the_context_cuts_the_budget():
+    """`dflash generate` says on stderr when --max-new-tokens is more than the context leaves
+    (seen as a user: an 8,181-token prompt, --max-new-tokens 100, 11 new tokens, "length")."""
+    from dflash.commands import context_notice
+
+    line = context_notice(100, 8181, 8192)
+    assert line is not None and "at most 11 new tokens" in line and "--max-new-tokens 100" in line
+    assert context_notice(11, 8181, 8192) is None  # exactly what is left: nothing to say
+    assert context_notice(100, 20, 8192) is None
+    assert context_notice(100, 8192, 8192) is None  # a full context is an error elsewhere

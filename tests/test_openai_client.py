@@ -232,6 +232,7 @@ def test_benchmark_reads_vllm_metrics_and_lists_errors_apart(tmp_path):
     assert fast["metrics_counters"]["tau"] == pytest.approx(4.9)
     assert summary["speedup"] is None and "no speedup can be computed" in res.output
     assert "prompt rejected" in res.output and "1 failed requests" in res.output
+    assert "Num prompts: 3" in res.output and "Num requests" not in res.output  # one turn each
     lines = [json.loads(x) for x in out.read_text().splitlines()]
     assert sorted(x["ok"] for x in lines) == [False, True, True]
     assert all(x["config"]["model"] == "Qwen/Qwen3-8B" for x in lines)
@@ -257,6 +258,23 @@ def test_benchmark_with_a_baseline_server_reports_a_speedup(tmp_path):
     assert summary["dflash"]["acceptance_source"] == "meta_info"
     assert summary["dflash"]["tau_mean_of_responses"] == 3.5
     assert summary["baseline"]["acceptance_source"] == "meta_info"
+
+
+def test_benchmark_counts_multi_turn_prompts_and_requests_apart(tmp_path):
+    """Two prompts of two turns each: four requests, and the printed summary says both."""
+    from dflash.cli import app
+
+    path = tmp_path / "turns.jsonl"
+    path.write_text("".join(json.dumps({"id": f"p{i}", "turns": [f"question {i}", "and then?"]}) + "\n"
+                            for i in range(2)))  # fmt: skip
+    routes = {"GET /v1/models": [MODELS], "POST /v1/chat/completions": lambda b: sse_reply("sglang_stream.txt")}
+    with ReplayServer(routes) as srv:
+        res = CliRunner().invoke(app, ["benchmark", "openai", "--base-url", srv.url, "--dataset", str(path),
+                                       "--max-new-tokens", "8"])  # fmt: skip
+        assert res.exit_code == 0, res.output
+    summary = next(iter(json.loads(res.stdout.strip().splitlines()[-1])["datasets"].values()))["dflash"]
+    assert (summary["prompts"], summary["requests"]) == (2, 4)
+    assert "Num prompts: 2" in res.output and "Num requests: 4" in res.output
 
 
 def test_benchmark_sends_a_prompt_files_system_message(tmp_path):

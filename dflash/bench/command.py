@@ -113,7 +113,7 @@ def benchmark(
     reasoning: Annotated[
         str | None, typer.Option(help="off/on or a model-supported reasoning level.")
     ] = None,
-    device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N.")] = "auto",
+    device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N (mlx: auto, gpu or cpu).")] = "auto",
     dtype: Annotated[str, typer.Option(help="auto, bfloat16, float16, float32.")] = "auto",
     data_dir: Annotated[
         Path | None,

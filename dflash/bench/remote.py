@@ -339,6 +339,7 @@ def side_summary(run: dict[str, Any]) -> dict[str, Any]:
                                     ("/metrics", bool(counters and counters["drafts"]))) if present]  # fmt: skip
     return {
         "requests": len(records),
+        "prompts": len({(r.dataset, r.id) for r in records}),  # a multi-turn prompt: one request a turn
         "ok": len(ok),
         "errors": len(errors),
         "error_kinds": {

@@ -216,8 +216,11 @@ def print_report(console: Console, name: str, summary: dict[str, Any], endpoints
         if len(failed) > 20:
             console.print(f"  ... and {len(failed) - 20} more (see --output)")
     line = "=" * 50
-    lines = [line, "Backend: openai", f"Dataset: {name}", f"Num prompts: {fast['requests']}",
-             f"Concurrency: {cfg.concurrency}", f"Latency: {fast['wall_s']:.1f}s",
+    prompts = fast["prompts"]
+    lines = [line, "Backend: openai", f"Dataset: {name}", f"Num prompts: {prompts}"]
+    if prompts != fast["requests"]:  # multi-turn prompts: one request per turn
+        lines.append(f"Num requests: {fast['requests']}")
+    lines += [f"Concurrency: {cfg.concurrency}", f"Latency: {fast['wall_s']:.1f}s",
              f"Output tokens: {fast['output_tokens']}",
              f"Throughput: {_fmt(fast['output_tok_s'], ',.2f')} tok/s"]  # fmt: skip
     if fast["tau_mean_of_responses"] is not None:
