@@ -116,8 +116,9 @@ def generate(
         torch.manual_seed(seed)  # after the warm-up: the same seed gives the same sample
     except ImportError:  # pragma: no cover
         pass
-    if json_out:
-        r = pipe.generate(ids, **kwargs)
+    if json_out:  # --verbose: the step lines on stderr as they come, the JSON at the end
+        r = pipe.generate(ids, on_step=(lambda i, s: print_step(i, s, pipe.last_policy)) if verbose else None,
+                          **kwargs)  # fmt: skip
         print(json.dumps({
             "text": r.text, "token_ids": r.token_ids, "prompt_tokens": r.prompt_tokens,
             "new_tokens": r.num_new_tokens, "finish_reason": r.finish_reason,

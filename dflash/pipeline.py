@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numbers
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from dflash.auto_block import (
@@ -228,12 +228,15 @@ class Pipeline:
             self.backend.synchronize()
         return time.perf_counter() - t0
 
-    def generate(self, prompt_ids: list[int], **kwargs: Any) -> GenerationResult:
+    def generate(self, prompt_ids: list[int], *, on_step: Callable[[int, Any], None] | None = None,
+                 **kwargs: Any) -> GenerationResult:  # fmt: skip
         """Run :meth:`stream` to the end and collect tokens, timings (s) and τ per step.
 
         ``ttft_s`` covers prefill and the first token; ``decode_s`` the rest (device-synced).
         A character cut by the budget is kept out of ``text`` (``truncated_mid_character``).
         Under ``block_size="auto"`` (the default) costs are measured before the clock starts.
+        ``on_step(i, result)``: called after verify step i (1, 2, ...) with :meth:`stream`'s
+        result for it (``accepted``, ``proposed``, ``tokens``), inside the timed decode.
         """
         bs = self.resolve_block_size(kwargs.get("block_size", "auto"))
         max_new_tokens = kwargs.get("max_new_tokens", 2048)
@@ -255,6 +258,8 @@ class Pipeline:
             else:
                 accepted.append(r.accepted)
                 proposed.append(r.proposed)
+                if on_step is not None:
+                    on_step(len(accepted), r)
             finish = r.finish_reason or finish
         self.backend.synchronize()
         t2 = time.perf_counter()

@@ -150,7 +150,8 @@ def test_draft_for_another_target(loaded_errors):
 
 def test_generate_json_and_stream(pair):
     args = ["generate", "transformers", "Name three primary colors.", *pair, "--max-new-tokens", "12"]
-    p, p2 = run_many([*args, "--json"], [*args, "--block-size", "16"])  # auto, then a fixed L: same text
+    p, p2, p3 = run_many([*args, "--json"], [*args, "--block-size", "16"],  # auto, then a fixed L: same text
+                         [*args, "--json", "--verbose", "--block-size", "16"])  # fmt: skip
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout)
     assert out["new_tokens"] == len(out["token_ids"]) <= 12
@@ -160,6 +161,12 @@ def test_generate_json_and_stream(pair):
     assert p2.returncode == 0, p2.stderr
     assert p2.stdout.strip() == out["text"].strip()
     assert "new tokens" in p2.stderr and "tok/s" in p2.stderr and "acceptance length" in p2.stderr
+    # --json --verbose: one step line per verify step on stderr, the JSON alone on stdout
+    assert p3.returncode == 0, p3.stderr
+    out3 = json.loads(p3.stdout)
+    steps = [line for line in p3.stderr.splitlines() if line.startswith("[step ")]
+    assert len(steps) == out3["verify_steps"] == len(out3["acceptance_lengths"]) >= 1
+    assert steps[0].endswith(f"committed {out3['acceptance_lengths'][0]}]"), steps[0]
 
 
 def test_init_draft_cli(tmp_path, demo_gguf):
