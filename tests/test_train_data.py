@@ -240,6 +240,16 @@ def test_cli_train_and_regenerate(tiny_chat_target, prompt_file, tmp_path):
     modes = {f.name: f.stat().st_mode & 0o777 for f in out.iterdir() if f.is_file()}
     assert modes["model.safetensors"] == modes["config.json"]  # weights follow the umask too
     assert (out / "train_log.jsonl").is_file() and (out / "state" / "trainer_state.json").is_file()
+    first = [line for line in r.output.splitlines() if line.startswith("step 2/2")][0]
+    # a resume (a larger --max-steps) shows the last held-out τ until its next evaluation (the
+    # last step's): step 3 of 4 logs no evaluation of its own
+    r = runner.invoke(app, ["train", "--target", str(tiny_chat_target), "--data", str(data), "--out",
+                            str(out), "--layers", "1", "--block-size", "4", "--max-steps", "4",
+                            "--log-every", "1", "--device", "cpu"])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    resumed = [line for line in r.output.splitlines() if line.startswith("step 3/4")][0]
+    tau = first.split("held-out τ ")[1].split()[0]
+    assert tau != "n/a" and resumed.split("held-out τ ")[1].split()[0] == tau, (first, resumed)
     r = runner.invoke(
         app, ["train", "--data", str(data), "--out", str(tmp_path / "x"), "--block-size", "1"]
     )

@@ -139,6 +139,9 @@ def test_resume_continues_exactly(setup, tmp_path):
     assert paused.cursor["step"] == 3
     resumed = Trainer(config(root, tmp_path / "b"), target)
     assert resumed.cursor["step"] == 3
+    # the last held-out τ of the earlier segment (`dflash train` shows it until the next eval)
+    last = resumed.last_heldout()
+    assert last is not None and last == paused.last_heldout() and last["tau"] >= 1.0
     resumed.run()
     assert resumed.cursor["step"] == straight.cursor["step"] == 6
     for k, v in straight.draft.state_dict().items():

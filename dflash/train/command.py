@@ -197,6 +197,7 @@ def _train(cfg, info, pause_after: float | None) -> None:
                               f"step {rec['step']}: {stats}", highlight=False)  # fmt: skip
 
     trainer = Trainer(cfg, model, on_log=on_log, dist=info)
+    heldout.update(trainer.last_heldout() or {})  # a resumed run shows its last τ until the next eval
     base = trainer.base_step  # steps of earlier segments (--resume-from)
     bar.update(task, total=base + trainer.total_steps, completed=base + trainer.cursor["step"])
     with bar:

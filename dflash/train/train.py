@@ -265,13 +265,18 @@ class Trainer:
         state = {k: v.detach().to("cpu", dtype) for k, v in self.draft.state_dict().items()}
         copy.load_state_dict(state, assign=True)
         copy.save(self.out)
-        last = next((r["heldout"] for r in reversed(self.cursor["log"]) if r.get("heldout")), None)
+        last = self.last_heldout()
         if last and last.get("per_position"):
             write_acceptance(self.out, last, self.draft.config.block_size,
                              self.base_step + self.cursor["step"])  # fmt: skip
         (self.out / "train_log.jsonl").write_text(
             "".join(json.dumps(r) + "\n" for r in self.cursor["log"])
         )
+
+    def last_heldout(self) -> dict | None:
+        """The latest held-out evaluation in the log (``tau``, ``per_position``...), a resumed
+        run's earlier segments included; None before the first."""
+        return next((r["heldout"] for r in reversed(self.cursor["log"]) if r.get("heldout")), None)
 
     def _progress(self) -> float:
         p = self.cursor["step"] / self.total_steps
