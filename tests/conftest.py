@@ -44,6 +44,20 @@ def tiny_target():
     return LlamaForCausalLM(cfg).eval()
 
 
+def assert_on_off_switch(monkeypatch, name: str, setting, bad: str) -> None:
+    """An on/off environment switch read by ``setting()``: on when unset, off at ``0``, and
+    ``bad`` refused with a message naming the variable and its values."""
+    from dflash.errors import InputError
+
+    monkeypatch.delenv(name, raising=False)
+    assert setting() is True
+    monkeypatch.setenv(name, "0")
+    assert setting() is False
+    monkeypatch.setenv(name, bad)
+    with pytest.raises(InputError, match=f"{name} must be 1 or 0"):
+        setting()
+
+
 def make_draft(target, layers: int = 2, block_size: int = 16, mask_token_id: int = 255, seed: int = 0):
     """A random DFlash draft shaped for ``target``."""
     from dflash.models.draft_torch import DFlashDraft

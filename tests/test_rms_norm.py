@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from dflash.backends import rms_norm as rn
-from dflash.errors import InputError
 from tests.triton_helpers import run_interpreted
 
 
@@ -35,13 +34,9 @@ def test_setting_and_fits(monkeypatch):
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
     from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
 
-    monkeypatch.delenv("DFLASH_NORM_KERNEL", raising=False)
-    assert rn.norm_kernel_setting() is True
-    monkeypatch.setenv("DFLASH_NORM_KERNEL", "0")
-    assert rn.norm_kernel_setting() is False
-    monkeypatch.setenv("DFLASH_NORM_KERNEL", "on")
-    with pytest.raises(InputError, match="DFLASH_NORM_KERNEL must be 1 or 0"):
-        rn.norm_kernel_setting()
+    from tests.conftest import assert_on_off_switch
+
+    assert_on_off_switch(monkeypatch, "DFLASH_NORM_KERNEL", rn.norm_kernel_setting, "on")
     norm = LlamaRMSNorm(64).bfloat16()
     assert rn.rms_norm_fits(norm, torch.bfloat16)
     assert not rn.rms_norm_fits(norm, torch.float16)  # the weight's dtype must be the activations'

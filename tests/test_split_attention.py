@@ -117,13 +117,9 @@ def test_attention_switches(monkeypatch):
 
 def test_early_setting(monkeypatch):
     """DFLASH_ATTN_EARLY: on by default, 0 turns it off; a bad value names the variable."""
-    monkeypatch.delenv("DFLASH_ATTN_EARLY", raising=False)
-    assert sa.early_setting() is True
-    monkeypatch.setenv("DFLASH_ATTN_EARLY", "0")
-    assert sa.early_setting() is False
-    monkeypatch.setenv("DFLASH_ATTN_EARLY", "2")
-    with pytest.raises(InputError, match="DFLASH_ATTN_EARLY must be 1 or 0"):
-        sa.early_setting()
+    from tests.conftest import assert_on_off_switch
+
+    assert_on_off_switch(monkeypatch, "DFLASH_ATTN_EARLY", sa.early_setting, "2")
 
 
 def test_launch_settings(monkeypatch):
@@ -399,7 +395,7 @@ def test_early_flags_at_every_call_site(tiny_target, monkeypatch, setting):
             return fn(*args, **kwargs)
         return call
 
-    rope_flag = lambda a, k: a[11] if len(a) > 11 else k.get("early", False)  # noqa: E731
+    rope_flag = lambda a, k: (a[11] if len(a) > 11 else k.get("early", False)) and early_setting()  # noqa: E731
     attn_flag = lambda a, k: k.get("early", False) and early_setting()  # noqa: E731  (as split_attention)
     for mod, where in ((static_fused, "target"), (static_draft, "draft")):
         monkeypatch.setattr(mod, "rope_cache", spy(where, "rope", mod.rope_cache, rope_flag))

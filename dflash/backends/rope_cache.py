@@ -29,6 +29,7 @@ import os
 
 import torch
 
+from dflash.backends.attn_settings import early_setting
 from dflash.backends.pdl import pdl_enabled
 
 ROPE_ENV = "DFLASH_ROPE"
@@ -216,7 +217,8 @@ def rope_cache(qkv: torch.Tensor, q_norm, k_norm, cos: torch.Tensor, sin: torch.
         tc: context rows Tc; heads, kv_heads: H and Hkv.
         early: cos, sin, pos (and the norms' weights) were written before the kernel that runs
             just before this one (not the first layer's call): under PDL they load before the
-            wait for that kernel, which writes only ``qkv``.
+            wait for that kernel, which writes only ``qkv`` (``DFLASH_ATTN_EARLY``, as
+            :func:`~dflash.backends.split_attention.split_attention`'s ``early``).
 
     Pass whole tensors, not views of computed ones: Inductor materialises a view of an unrealised
     tensor once per custom-op call (the cos/sin tables were recomputed by two kernels in every
@@ -227,6 +229,7 @@ def rope_cache(qkv: torch.Tensor, q_norm, k_norm, cos: torch.Tensor, sin: torch.
     """
     if triton is None or (qkv.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1"):
         return rope_cache_reference(qkv, q_norm, k_norm, cos, sin, pos, kc, vc, tc, heads, kv_heads)
+    early = early and early_setting()
     if q_norm is None:
         return _rope_cache_op(qkv, None, None, 0.0, 0.0, cos, sin, pos, kc, vc, tc, heads, kv_heads, early)
     return _rope_cache_op(qkv, q_norm.weight, k_norm.weight, norm_eps(q_norm), norm_eps(k_norm),

@@ -21,7 +21,7 @@ from dflash.backends.qkv_rope import qkv_rope
 from dflash.backends.rope_cache import rope_cache, rope_cache_fits
 from dflash.backends.small_linear import MAX_ROWS as LINEAR_MAX_ROWS
 from dflash.backends.small_linear import small_linear
-from dflash.backends.split_attention import early_setting, split_attention
+from dflash.backends.split_attention import split_attention
 from dflash.backends.static_fused import (
     _after_qkv,
     _in_proj,
@@ -115,8 +115,7 @@ def draft_forward_fused(draft, fused, block_embeds, target_hidden, q_pos, ctx_po
             if prefetch:
                 l2_prefetch.prefetch(prefetch[0], raw, after, prefetch[1])
             kc, vc = cache.keys[i], cache.values[i]
-            q = rope_cache(raw, a.q_norm, a.k_norm, cos, sin, wpos, kc, vc, tc, a.heads, a.kv_heads,
-                           early and early_setting())  # fmt: skip
+            q = rope_cache(raw, a.q_norm, a.k_norm, cos, sin, wpos, kc, vc, tc, a.heads, a.kv_heads, early)
             out = split_attention(q, kc, vc, see, None, draft=True, early=early)
             early = True
         else:

@@ -48,7 +48,7 @@ from dflash.backends.small_linear import (
     small_linear_glu,
     small_linear_rn,
 )
-from dflash.backends.split_attention import early_setting, split_attention, uses_kernel
+from dflash.backends.split_attention import split_attention, uses_kernel
 from dflash.models.draft_torch import rope_cos_sin
 
 NO_FUSE_ENV = "DFLASH_NO_FUSE"
@@ -358,7 +358,7 @@ def target_forward_fused(be, ids: torch.Tensor, pos: torch.Tensor, argmax: bool 
     """
     t, hd = ids.shape[-1], be.head_dim
     # one buffer when the positions are computed in the graph (DFLASH_STEP_COMPILE), so that the
-    # kernels reading them early (settled, below) never read a per-call copy made just before
+    # kernels reading them early (past layer 0, below) never read a per-call copy made just before
     (pos,) = realized(pos)
     x = F.embedding(ids, be.embed_weight)  # [1, T, H]
     cos, sin = realized(*rope_cos_sin(pos, be.inv_freq, be.rope_scale, be.dtype))  # [1, 1, T, D], once
@@ -405,8 +405,7 @@ def target_forward_fused(be, ids: torch.Tensor, pos: torch.Tensor, argmax: bool 
             if pf and not early:
                 l2_prefetch.prefetch(be.l2_sink, raw, after, pf)
             # early: past the first layer the tables and positions were written long before
-            q = rope_cache(raw, *norms, cos, sin, pos[0], be.k[i], be.v[i], 0, be.heads, be.kv_heads,
-                           i > 0 and early_setting())  # fmt: skip
+            q = rope_cache(raw, *norms, cos, sin, pos[0], be.k[i], be.v[i], 0, be.heads, be.kv_heads, i > 0)
             o = split_attention(q, be.k[i], be.v[i], pos[0], a.scaling, early=i > 0)
         else:
             if fuse_in:
