@@ -49,6 +49,8 @@
 #   v25b           (no carry)  DFLASH_ATTN_EARLY 1 against 0, DFLASH_PDL_PREFETCH=<8|16|32>,attn (o_proj only; removed
 #                  after this run): Qwen3-8B blocks 1,16, demo loop timings at prompt 300
 #   v25c           (no carry)  DFLASH_NORM_KERNEL 1 against 0, then both it and DFLASH_ATTN_EARLY off: Qwen3-8B blocks 1,16
+#   v26a           (no carry)  phase_overhead.py (kernel chain vs persistent kernel), the demo graphs' kernel sequence
+#   v26c           (no carry)  the defaults after the review fixes: Qwen3-8B blocks 1,16 twice, demo loop timings
 #   2-4 stage ab|ac|ad [torch|triton]  [.stage/t5/<part>]  (with an 8B-shaped bench_big meanwhile)
 #   5 bench      [.stage/t5/ae .stage/data]  gsm8k 64 (bf16, compile, parity) and one single generate;
 #                results in $OUT (b-gsm8k.jsonl / .txt, generate.json, step_profile.json: GPU busy
@@ -634,6 +636,25 @@ big8b)  # Qwen3-8B-shaped pair: fused linears on/off
   cp /tmp/bb8-lin/bench_big.json "$OUT/bench_big-q8b-lin.json"; tail -n 2 "$OUT/bb-q8b-lin.log"
   DFLASH_LINEAR=torch timeout 250 "${BB[@]}" --out /tmp/bb8-torch > "$OUT/bb-q8b-torch.log" 2>&1
   cp /tmp/bb8-torch/bench_big.json "$OUT/bench_big-q8b-torch.json"; tail -n 2 "$OUT/bb-q8b-torch.log"
+  ;;
+v26a)  # no carry: a dependent step's cost (scripts/phase_overhead.py: kernel chain, PDL chain, one
+  # persistent kernel with grid barriers), then every kernel of the demo graphs in order
+  timeout 200 python3 scripts/phase_overhead.py --out "$OUT/phase_overhead.json" 2>&1 | grep -v Warn | tail -12
+  timeout 200 python3 scripts/kernel_count.py --random-target --variants fused --prompt-len 300 --sequence \
+    --out "$OUT/kernels-p300-seq.json" > /tmp/k.log 2>&1; echo "seq rc $? at ${SECONDS}s"
+  grep -E "loop|draft-16|verify-1 " /tmp/k.log | cut -c1-100
+  ;;
+v26b)  # measured (benchmarks/results/h200-v26/2-l2-keep), then removed
+  echo "v26b: DFLASH_L2_KEEP (L2 eviction hints on small_linear's weights) was removed after its measurement" >&2; exit 2
+  ;;
+v26c)  # no carry: the defaults after the twenty-fifth session's review fixes: Qwen3-8B blocks 1,16 twice,
+  # demo loop timings at prompt 300
+  E=(env)
+  for v in default default; do
+    [ "$SECONDS" -gt "${STOP:-300}" ] && { echo "skip $v at ${SECONDS}s"; continue; }
+    q8b_named v26c "$v" 120 --blocks 1,16
+  done
+  k300_variants "${STOP:-300}" default
   ;;
 *) echo "unknown phase $phase"; exit 2 ;;
 esac
