@@ -28,6 +28,25 @@ DraftBitsOpt = Annotated[int | None, typer.Option(help="mlx: quantize the draft 
 DraftWindowOpt = Annotated[int | None, typer.Option(help="mlx: keep at most N context rows in the draft's KV cache (tokens).")]
 
 
+def check_utf8(name: str, text: str | None) -> None:
+    """Refuse text that cannot be sent as UTF-8: bytes that were not UTF-8 on the command line
+    reach Python as lone surrogates (``surrogateescape``), which the tokenizer and HTTP refuse
+    with a traceback.
+
+    Raises:
+        InputError: naming ``name`` and the first bad byte's position (in characters).
+    """
+    if text is None:
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = text[e.start]
+        byte = f"byte 0x{ord(bad) - 0xDC00:02x}" if 0xDC80 <= ord(bad) <= 0xDCFF else f"character U+{ord(bad):04X}"
+        raise InputError(f"{name} is not valid UTF-8 ({byte} at character {e.start}).",
+                         hint="pass UTF-8 text, e.g. convert it with iconv -t UTF-8") from None  # fmt: skip
+
+
 def context_notice(max_new_tokens: int, prompt_tokens: int, context: int) -> str | None:
     """The stderr line of ``dflash generate`` when ``--max-new-tokens`` is more than the target's
     context leaves after the prompt (the request stops there, finish reason "length"), else None.
@@ -80,6 +99,8 @@ def generate(
         "--cuda-graphs/--no-cuda-graphs": ("transformers",), "--compile/--no-compile": ("transformers",),
         "--draft-bits": ("mlx",), "--draft-window": ("mlx",), "--verbose": local,
         "--base-url": remote, "--api-key": remote, "--timeout-s": remote})  # fmt: skip
+    check_utf8("PROMPT", prompt)
+    check_utf8("--system", system)
     if backend == "openai":  # torch-free path: the server does the speculative decoding
         from dflash.backends.openai_generate import generate_openai
 

@@ -49,6 +49,7 @@ from dflash.serve_protocol import (
 
 MAX_BODY_BYTES = 4 * 2**20
 DEMO_NAME = "SmolLM2-135M-Instruct"
+DISCONNECT_CHECK_S = 0.5  # how often a non-streamed request asks whether its client is gone
 
 
 class Engine:
@@ -168,8 +169,8 @@ class Engine:
     ) -> AsyncIterator[Any]:
         """Queue a generation and yield its RoundResults; leaving early cancels it.
 
-        With ``request`` given, a client disconnect is noticed while waiting (non-streamed
-        replies; for streamed ones Starlette cancels the response instead).
+        With ``request`` given, a client disconnect is noticed within ``DISCONNECT_CHECK_S``
+        seconds (non-streamed replies; for streamed ones Starlette cancels the response instead).
         """
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
@@ -185,13 +186,20 @@ class Engine:
             self.metrics.waiting += 1
         self.active.add(cancel)
         self.executor.submit(self.run, ids, req, cancel, emit)
+        checked = loop.time()
         try:
             while True:
                 try:
-                    kind, value = await asyncio.wait_for(queue.get(), timeout=0.5)
+                    kind, value = await asyncio.wait_for(queue.get(), timeout=DISCONNECT_CHECK_S)
                 except asyncio.TimeoutError:
-                    if request is not None and await request.is_disconnected():
+                    kind, value = None, None
+                # every DISCONNECT_CHECK_S, also while steps keep coming (a decoding request
+                # never waits that long for its next step)
+                if request is not None and loop.time() - checked >= DISCONNECT_CHECK_S:
+                    checked = loop.time()
+                    if await request.is_disconnected():
                         return
+                if kind is None:
                     continue
                 if kind == "end":
                     if value is not None:
@@ -217,12 +225,26 @@ class _Output:
         self.finish: str | None = None
 
     def add(self, step: Any) -> str:
-        self.tokens += len(step.tokens)
+        """The text of one verify step's committed tokens that is safe to send. With stop
+        strings the tokens are fed one at a time, so that ``tokens`` (the usage's
+        completion_tokens) ends at the token that completed the stop string, as vLLM counts,
+        not at the end of the step that committed it."""
         if step.accepted is not None:
             self.accepted.append(step.accepted)
             self.proposed.append(step.proposed)
         final = step.finish_reason is not None
-        out, hit = self.stop.feed(self.text.feed(step.tokens, final=final), final=final)
+        ids = list(step.tokens)
+        if not self.stop.stops or not ids:
+            self.tokens += len(ids)
+            out, hit = self.stop.feed(self.text.feed(ids, final=final), final=final)
+        else:
+            out, hit = "", False
+            for i, token in enumerate(ids):
+                last = final and i == len(ids) - 1
+                piece, hit = self.stop.feed(self.text.feed([token], final=last), final=last)
+                out, self.tokens = out + piece, self.tokens + 1
+                if hit:
+                    break
         self.finish = "stop" if hit else step.finish_reason
         return out
 

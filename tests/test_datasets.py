@@ -148,6 +148,16 @@ def test_jsonl_system_field(tmp_path):
     assert items[1].start_messages() == [{"role": "system", "content": "S"}]
 
 
+def test_a_jsonl_file_that_is_not_utf8_names_the_line(tmp_path):
+    """A non-UTF-8 byte raised a UnicodeDecodeError traceback; now a DatasetError with the line."""
+    path = tmp_path / "mine.jsonl"
+    path.write_bytes(b'{"prompt": "a"}\n{"prompt": "Hi \xff"}\n')
+    with pytest.raises(DatasetError, match=r"mine.jsonl:2 is not valid UTF-8 \(byte 0xff\)"):
+        load_prompts(str(path))
+    path.write_bytes(b'{"prompt": "a"}\r\n{"prompt": "b"}\r\n')  # CRLF lines still read
+    assert [i.turns for i in load_prompts(str(path))] == [["a"], ["b"]]
+
+
 @pytest.mark.parametrize(
     ("content", "match"),
     [

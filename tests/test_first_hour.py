@@ -69,6 +69,25 @@ def test_an_empty_prompt_is_refused_before_loading(prompt):
     )
 
 
+@pytest.mark.parametrize("backend, extra", [("transformers", []), ("openai", ["--base-url", "http://127.0.0.1:9"])])
+@pytest.mark.parametrize("where", ["PROMPT", "--system"])
+def test_text_that_is_not_utf8_is_refused_before_loading(backend, extra, where):
+    """Bytes that are not UTF-8 on the command line (Python keeps them as lone surrogates)
+    made the tokenizer or httpx raise a traceback after the model had loaded."""
+    bad = b"Hi \xff there"
+    text = [bad] if where == "PROMPT" else ["--system", bad, "hi"]
+    p = subprocess.run([sys.executable, "-m", "dflash", "generate", backend, *extra, *text],
+                       capture_output=True, text=True, env=ENV, timeout=300)  # fmt: skip
+    assert one_error_line(p) == f"error: {where} is not valid UTF-8 (byte 0xff at character 3)."
+
+
+def test_benchmark_openai_refuses_zero_prompts():
+    """--num-prompts 0 was read as 'not given' and ran the whole dataset."""
+    line = one_error_line(dflash_cli("benchmark", "openai", "--base-url", "http://127.0.0.1:9",
+                                     "--dataset", "gsm8k", "--num-prompts", "0"))  # fmt: skip
+    assert line == "error: --num-prompts must be >= 1, got 0."
+
+
 def test_the_api_refuses_an_empty_user_message(demo_pipe):
     with pytest.raises(InputError, match="The prompt is empty"):
         demo_pipe.chat_prompt([{"role": "user", "content": " "}])

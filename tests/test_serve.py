@@ -287,6 +287,25 @@ def test_client_disconnect_cancels_the_generation(server):
     assert _generated(url) - tokens_before < 100  # stopped long before the 500-token budget
 
 
+def test_client_disconnect_cancels_a_non_streamed_generation(server):
+    """A client that gives up on a non-streamed reply cancels its generation too: the check
+    ran only when no step came for 0.5 s, which never happens while decoding, so the whole
+    budget was generated for nobody (and every later request waited behind it)."""
+    url, _ = server
+    aborted = _success(url, "abort")
+    tokens_before = _generated(url)
+    body = {"messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 600,
+            "temperature": 0}  # fmt: skip
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url + "/v1/chat/completions", json=body, headers=auth(), timeout=1)
+    deadline = time.monotonic() + 120
+    while _success(url, "abort") == aborted and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _success(url, "abort") == aborted + 1
+    time.sleep(1)
+    assert _generated(url) - tokens_before < 300  # stopped long before the 600-token budget
+
+
 def _generated(url: str) -> float:
     from dflash.backends.openai_stats import parse_prometheus
 

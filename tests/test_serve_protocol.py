@@ -103,3 +103,35 @@ def test_meta_info_and_metrics_agree_and_round_trip_through_the_client_parsers()
     rows = parse_prometheus(metrics.render())
     assert rows["vllm:generation_tokens_total"][0][1] == 24
     assert rows["vllm:request_success_total"][0][0]["finished_reason"] == "length"
+
+
+class _CharTokenizer:
+    """Token id i is the character chr(i)."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids)
+
+
+@pytest.mark.parametrize("stops, text, tokens, finish", [
+    ([" 6"], "1, 2, 3, 4, 5,", 16, "stop"),  # the stop string ends at the 16th token of step 2
+    ([], "1, 2, 3, 4, 5, 6, 7, 8", 22, "length"),
+    (["9"], "1, 2, 3, 4, 5, 6, 7, 8", 22, "length"),
+])
+def test_usage_counts_tokens_up_to_the_stop_string(stops, text, tokens, finish):
+    """completion_tokens ends at the token that completed a stop string (as vLLM counts), not
+    at the end of the verify step that committed it (that made the count depend on the block
+    size)."""
+    pytest.importorskip("torch")
+    from dflash.serve import _Output
+    from dflash.types import RoundResult
+
+    ids = [ord(c) for c in "1, 2, 3, 4, 5, 6, 7, 8"]  # 22 tokens in 3 steps
+    steps = [RoundResult(tokens=ids[:10], accepted=10, proposed=15),
+             RoundResult(tokens=ids[10:20], accepted=10, proposed=15),
+             RoundResult(tokens=ids[20:], accepted=2, proposed=15, finish_reason="length")]  # fmt: skip
+    out, sent = _Output(_CharTokenizer(), stops), ""
+    for step in steps:
+        sent += out.add(step)
+        if out.finish:
+            break
+    assert (sent, out.tokens, out.finish) == (text, tokens, finish)

@@ -228,7 +228,7 @@ def benchmark(
         benchmark_openai(
             dataset=dataset, base_url=base_url, model=model,
             api_key=api_key or os.environ.get("OPENAI_API_KEY"), baseline_url=baseline_url,
-            baseline_model=baseline_model, num_prompts=num_prompts or max_samples,
+            baseline_model=baseline_model, num_prompts=num_prompts if num_prompts is not None else max_samples,
             concurrency=concurrency, max_new_tokens=max_new_tokens, sampling=sampling,
             reasoning=reasoning, timeout_s=timeout_s, max_retries=max_retries,
             data_dir=data_dir, output=output, plot=plot,
@@ -299,7 +299,7 @@ def benchmark(
     summaries = {name: summarize(recs) for name, recs in gathered.items()}
     console = Console(highlight=False, soft_wrap=True)  # no 80-column wrapping when piped
     for name, summary in summaries.items():
-        report.print_summary(console, name, summary, parity_asked=config.check_parity)
+        report.print_summary(console, name, summary, parity_asked=config.check_parity, requested=config.block_size)
     if plot is not None:
         console.print(f"plot written to {report.save_plot(plot, summaries)}")
     block = max((s["block_size"] for s in summaries.values()), default=1)

@@ -31,10 +31,12 @@ def _fmt(value: float | None, spec: str = ".2f", unit: str = "") -> str:
     return "n/a" if value is None else f"{value:{spec}}{unit}"
 
 
-def summary_table(name: str, summary: dict[str, Any], parity_asked: bool = False) -> Table:
+def summary_table(name: str, summary: dict[str, Any], parity_asked: bool = False,
+                  requested: Any = None) -> Table:  # fmt: skip
     """One rich table of a dataset's summary (see :func:`dflash.bench.metrics.summarize`);
     ``parity_asked`` (``--check-parity``): the parity row even when no response was checked
-    (all resumed from a run without it)."""
+    (all resumed from a run without it); ``requested``: the ``--block-size`` asked for, so that
+    ``auto`` reads "auto (widest N)" rather than as a fixed N."""
     table = Table(title=f"dflash benchmark: {name}", title_justify="left", show_header=True)
     table.add_column("metric")
     table.add_column("value", justify="right")
@@ -42,7 +44,7 @@ def summary_table(name: str, summary: dict[str, Any], parity_asked: bool = False
     parity = summary["parity"]
     rows = [
         ("responses (prompts)", f"{summary['responses']} ({summary['prompts']})"),
-        ("block size", str(summary["block_size"])),
+        ("block size", f"auto (widest {summary['block_size']})" if requested == "auto" else str(summary["block_size"])),
         ("baseline decode tok/s", _fmt(summary["baseline_tok_s"])),
         ("DFlash decode tok/s", _fmt(summary["dflash_tok_s"])),
         ("decoding speedup", _fmt(summary["speedup"], ".2f", "x")),
@@ -138,10 +140,11 @@ def upstream_lines(summary: dict[str, Any]) -> list[str]:
     ]
 
 
-def print_summary(console: Console, name: str, summary: dict[str, Any], parity_asked: bool = False) -> None:
+def print_summary(console: Console, name: str, summary: dict[str, Any], parity_asked: bool = False,
+                  requested: Any = None) -> None:  # fmt: skip
     """Table, terminal histogram, parity mismatches and upstream-format lines of one dataset
-    (``parity_asked``: see :func:`summary_table`)."""
-    console.print(summary_table(name, summary, parity_asked))
+    (``parity_asked``, ``requested``: see :func:`summary_table`)."""
+    console.print(summary_table(name, summary, parity_asked, requested))
     for line in histogram_lines(summary):
         console.print(line)
     for m in summary["parity"]["mismatches"]:

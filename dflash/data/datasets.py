@@ -455,9 +455,19 @@ def _read_rows(path: Path) -> list[dict]:
 
 
 def _open_text(path: Path) -> Iterable[str]:
+    """The lines of a UTF-8 text file (gzipped when it ends in .gz).
+
+    Raises:
+        DatasetError: a line is not valid UTF-8 (naming the file and line).
+    """
     opener = gzip.open if path.name.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        yield from f
+    with opener(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                yield raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise DatasetError(f"{path}:{lineno} is not valid UTF-8 (byte 0x{raw[err.start]:02x}).",
+                                   hint="convert the file to UTF-8, e.g. with iconv -t UTF-8") from None  # fmt: skip
 
 
 def _write_jsonl_atomic(path: Path, rows: list[dict]) -> None:

@@ -189,8 +189,11 @@ def init_draft(target: str | None, out: str | Path, *, layers: int = 5, block_si
     rows = int(text.vocab_size)
     ids = default_target_layer_ids(text.num_hidden_layers, layers)
     if len(set(ids)) < len(ids):
+        most = max((n for n in range(1, layers) if len(set(default_target_layer_ids(text.num_hidden_layers, n))) == n),
+                   default=0)  # fmt: skip
         raise InputError(f"--layers {layers} is too many for a {text.num_hidden_layers}-layer target "
-                         "(feature layers would repeat).", hint="use fewer draft layers")  # fmt: skip
+                         "(feature layers would repeat).", hint=f"use --layers {most} or fewer" if most else
+                         "use a target with more layers")  # fmt: skip
     context = int(getattr(text, "max_position_embeddings", 1 << 30))
     if block_size > context:
         raise InputError(f"--block-size {block_size} exceeds the target's context ({context}).")
