@@ -81,6 +81,32 @@ def test_text_that_is_not_utf8_is_refused_before_loading(backend, extra, where):
     assert one_error_line(p) == f"error: {where} is not valid UTF-8 (byte 0xff at character 3)."
 
 
+@pytest.mark.parametrize("cmd", [["generate", "transformers"], ["generate", "mlx"], ["init-draft", "--out", "unused"]])
+def test_a_draft_passed_as_the_target_is_named_a_draft(cmd, tmp_path):
+    """--model <a draft folder> said its layer ids reach past the target's 5 layers (and
+    init-draft wrote a draft of the draft)."""
+    from dflash.models.target_torch import DEMO_DRAFT_DIR
+
+    args = [*cmd, "--model" if cmd[0] == "generate" else "--target", str(DEMO_DRAFT_DIR)]
+    if cmd[0] == "generate":
+        args += ["--draft", str(DEMO_DRAFT_DIR), "hi"]
+    else:
+        args[2] = str(tmp_path / "out")
+    line = one_error_line(dflash_cli(*args))
+    assert line == f"error: --model {DEMO_DRAFT_DIR} is a DFlash draft, not a target."
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("device", ["gpu", "cuda", "metal"])
+def test_mlx_without_a_gpu_names_the_device_asked_for(device):
+    """`--device cuda` was reported as '--device gpu was asked for'."""
+    mx = pytest.importorskip("mlx.core")
+    if mx.metal.is_available() or mx.cuda.is_available():
+        pytest.skip("this mlx build has a GPU")
+    line = one_error_line(dflash_cli("generate", "mlx", "--device", device, "hi"))
+    assert line == f"error: --device {device} was asked for but this mlx build has no GPU."
+
+
 def test_benchmark_openai_refuses_zero_prompts():
     """--num-prompts 0 was read as 'not given' and ran the whole dataset."""
     line = one_error_line(dflash_cli("benchmark", "openai", "--base-url", "http://127.0.0.1:9",

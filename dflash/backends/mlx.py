@@ -226,7 +226,7 @@ def load_pipeline(model: str | None, draft: str | None, *, device: str = "auto",
 
     if device in ("gpu", "metal", "cuda"):
         if not (mx.metal.is_available() or mx.cuda.is_available()):
-            raise BackendError("--device gpu was asked for but this mlx build has no GPU.",
+            raise BackendError(f"--device {device} was asked for but this mlx build has no GPU.",
                                hint="use --device cpu (or auto)")  # fmt: skip
         mx.set_default_device(mx.gpu)
     elif device == "cpu":

@@ -373,3 +373,26 @@ class DraftConfig:
         path = out / "config.json"
         path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
         return path
+
+
+def is_draft_folder(path: Path) -> bool:
+    """Whether ``path`` is a local folder holding a DFlash (or DFlash2) draft: its config.json
+    has a ``dflash_config`` section or a ``*DraftModel`` architecture."""
+    try:
+        cfg = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    archs = cfg.get("architectures") if isinstance(cfg, dict) else None
+    return isinstance(cfg, dict) and ("dflash_config" in cfg or any(
+        isinstance(a, str) and a.endswith("DraftModel") for a in archs or []))  # fmt: skip
+
+
+def refuse_draft_as_target(model: str) -> None:
+    """Refuse a ``--model`` that is a local DFlash draft folder (:func:`is_draft_folder`).
+
+    Raises:
+        CheckpointError: naming the value, with the fix as the hint.
+    """
+    if is_draft_folder(Path(model).expanduser()):
+        raise CheckpointError(f"--model {model} is a DFlash draft, not a target.",
+                              hint="pass it as --draft, with the target it was trained for as --model")  # fmt: skip

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash.errors import CheckpointError
+from dflash.models.config import refuse_draft_as_target
 from dflash.models.target_torch import demo_target_path, resolve_draft  # torch-free helpers
 
 __all__ = ["load_target", "resolve_draft", "resolve_target"]
@@ -37,6 +38,7 @@ def resolve_target(model: str | None) -> str:
         raise CheckpointError(
             f"--model {model} is a file; pass an mlx-lm folder, hub id or .gguf file."
         )
+    refuse_draft_as_target(model)
     return str(p) if p.exists() else model
 
 

@@ -16,6 +16,7 @@ import tempfile
 from pathlib import Path
 
 from dflash.errors import BackendError, CheckpointError
+from dflash.models.config import refuse_draft_as_target
 
 # Target families the transformers backend speculates on: full-attention causal LMs whose KV
 # cache can be cut back to any length (Llama, Qwen2/Qwen3 without use_sliding_window, Mistral with
@@ -318,7 +319,9 @@ def resolve_target(model: str | None) -> str:
         return str(gguf_to_cached_folder(p))
     if p.exists() and not p.is_dir():
         raise CheckpointError(f"--model {model} is a file; pass a model folder, hub id or .gguf file.")
+    refuse_draft_as_target(model)
     return str(p) if p.exists() else model
+
 
 
 def is_hub_id(name: str) -> bool:
