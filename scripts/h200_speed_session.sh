@@ -51,6 +51,7 @@
 #   v25c           (no carry)  DFLASH_NORM_KERNEL 1 against 0, then both it and DFLASH_ATTN_EARLY off: Qwen3-8B blocks 1,16
 #   v26a           (no carry)  phase_overhead.py (kernel chain vs persistent kernel), the demo graphs' kernel sequence
 #   v26c           (no carry)  the defaults after the review fixes: Qwen3-8B blocks 1,16 twice, demo loop timings
+#   v26d           (no carry)  DFLASH_LINEAR_ONE_TILE=1 against the default: demo loop timings, alternating
 #   2-4 stage ab|ac|ad [torch|triton]  [.stage/t5/<part>]  (with an 8B-shaped bench_big meanwhile)
 #   5 bench      [.stage/t5/ae .stage/data]  gsm8k 64 (bf16, compile, parity) and one single generate;
 #                results in $OUT (b-gsm8k.jsonl / .txt, generate.json, step_profile.json: GPU busy
@@ -655,6 +656,9 @@ v26c)  # no carry: the defaults after the twenty-fifth session's review fixes: Q
     q8b_named v26c "$v" 120 --blocks 1,16
   done
   k300_variants "${STOP:-300}" default
+  ;;
+v26d)  # no carry: DFLASH_LINEAR_ONE_TILE on/off alternating, demo loop timings at prompt 300
+  k300_variants "${STOP:-250}" "DFLASH_LINEAR_ONE_TILE=1 default DFLASH_LINEAR_ONE_TILE=1 default"
   ;;
 *) echo "unknown phase $phase"; exit 2 ;;
 esac

@@ -449,6 +449,49 @@ def test_pdl_path_in_interpreter():
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
 
 
+ONE_TILE_CHECK = textwrap.dedent("""
+    import os
+    import torch, triton, triton.language as tl
+    from dflash.backends import small_linear as sl
+
+    @triton.jit
+    def _no_wait():
+        pass
+
+    tl.extra.cuda.gdc_wait = tl.extra.cuda.gdc_launch_dependents = _no_wait
+    os.environ["DFLASH_LINEAR_ONE_TILE"] = "1"
+    torch.manual_seed(0)
+    for pdl in (False, True):
+        sl.pdl_enabled = lambda device, inductor=False, pdl=pdl: pdl
+        for m, n, k in ((3, 40, 300), (16, 24, 1024), (1, 17, 64), (32, 20, 576)):
+            x, w, r, b = torch.randn(m, k), torch.randn(n, k), torch.randn(m, n), torch.randn(n)
+            for bias, res in ((None, r), (b, None), (b, r)):
+                want = x @ w.T + (0 if bias is None else bias) + (0 if res is None else res)
+                assert (sl.small_linear(x, w, bias, res) - want).abs().max().item() < 1e-4, (pdl, m, n, k)
+    print("ok")
+""")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+def test_one_tile_path_in_interpreter():
+    """DFLASH_LINEAR_ONE_TILE: all of K in one tile (K not a power of two masked), with and
+    without PDL, bias and residual: the exact product (Triton interpreter, float32)."""
+    out = run_interpreted(ONE_TILE_CHECK)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+def test_one_tile_switch(monkeypatch):
+    from tests.conftest import assert_on_off_switch  # noqa: F401 - the form of the other switches
+
+    monkeypatch.delenv("DFLASH_LINEAR_ONE_TILE", raising=False)
+    assert sl.one_tile_setting() is False  # off by default (an experiment)
+    monkeypatch.setenv("DFLASH_LINEAR_ONE_TILE", "1")
+    assert sl.one_tile_setting() is True
+    monkeypatch.setenv("DFLASH_LINEAR_ONE_TILE", "yes")
+    with pytest.raises(InputError, match="DFLASH_LINEAR_ONE_TILE must be 1 or 0"):
+        sl.one_tile_setting()
+
+
 def test_draft_logits_with_fused_linears_match(tiny_target):
     """The draft's logits through small_linear (final norm in the LM head) equal the module path's
     at a first and a second step."""

@@ -82,6 +82,29 @@ from dflash.backends.pdl import (  # noqa: F401 - re-exported
 )
 
 MAX_ROWS = 32  # rows (M) the kernel takes; longer forwards (prefill) use torch
+ONE_TILE_ENV = "DFLASH_LINEAR_ONE_TILE"
+ONE_TILE_MAX_K = 1024  # K up to this in one tile (the x and weight tiles stay in registers)
+
+
+def one_tile_setting() -> bool:
+    """``DFLASH_LINEAR_ONE_TILE`` (an experiment, off by default): plain projections (no norm
+    inside, no SiLU epilogue) with K <= :data:`ONE_TILE_MAX_K` take all of K in one tile: a
+    program's whole weight slice loads before the PDL wait, x and the residual in one round trip
+    after it, where the K loop waits on three (the first x tile, the rest of K, the residual).
+    ``1`` on, unset or ``0`` off. H200, demo shapes at prompt 300 (twenty-sixth session,
+    ``benchmarks/results/h200-v26/5-one-tile``): verify-1 graph 0.537 against 0.562 ms, block-1
+    loop step 0.556 against 0.580, block-16 step 0.735 against 0.757; off by default until the
+    real pair's bf16 parity is checked.
+
+    Raises:
+        InputError: another value.
+    """
+    raw = os.environ.get(ONE_TILE_ENV, "").strip()
+    if raw not in ("", "0", "1"):
+        from dflash.errors import InputError
+
+        raise InputError(f"{ONE_TILE_ENV} must be 1 or 0, got {raw!r}.", hint="unset it for the default (0)")
+    return raw == "1"
 
 try:
     import triton
@@ -181,7 +204,8 @@ if triton is not None:
                              HAS_RES: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr,
                              BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr,
                              LINE: tl.constexpr, GLU: tl.constexpr, RN: tl.constexpr, EPS,
-                             SQO, SQ, NP, S_SQ, HAS_SQO: tl.constexpr, RNP: tl.constexpr, PP: tl.constexpr):  # fmt: skip
+                             SQO, SQ, NP, S_SQ, HAS_SQO: tl.constexpr, RNP: tl.constexpr, PP: tl.constexpr,
+                             KT: tl.constexpr = 0):  # fmt: skip
         rm = tl.arange(0, BM)
         m_ok = rm < M
         if GLU:  # W holds [gate; up] (2N rows): this program's N columns of each, side by side
@@ -203,14 +227,34 @@ if triton is not None:
         else:
             rn = tl.program_id(0) * BN + tl.arange(0, BN)  # output columns of this program
             n_ok = rn < N
-            acc = _rows_times_weight(X, W, rm, rn, m_ok, n_ok, K, s_xm, s_wn, IEEE, BM, BN, BK, PDL, PRE_K, LINE,
-                                     RN, EPS, SQ, NP, S_SQ, RNP, PP)  # fmt: skip
+            if KT > 0:  # DFLASH_LINEAR_ONE_TILE: all of K in one tile, the weights before the wait,
+                # x and the residual in one round trip after it (no RN/RNP/GLU/PRE_K: see _launch)
+                rk = tl.arange(0, KT)
+                k_ok = rk < K
+                w = tl.load(W + rn[:, None] * s_wn + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+                if PDL:
+                    tl.extra.cuda.gdc_wait()
+                    tl.extra.cuda.gdc_launch_dependents()
+                x = tl.load(X + rm[:, None] * s_xm + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+                if HAS_RES:
+                    r_early = tl.load(RES + rm[:, None] * s_rm + rn[None, :], mask=m_ok[:, None] & n_ok[None, :],
+                                      other=0.0)  # fmt: skip
+                if IEEE:
+                    acc = tl.dot(x, tl.trans(w), input_precision="ieee")
+                else:
+                    acc = tl.dot(x, tl.trans(w))
+            else:
+                acc = _rows_times_weight(X, W, rm, rn, m_ok, n_ok, K, s_xm, s_wn, IEEE, BM, BN, BK, PDL, PRE_K,
+                                         LINE, RN, EPS, SQ, NP, S_SQ, RNP, PP)  # fmt: skip
             if HAS_BIAS:
                 acc += tl.load(B + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         y = acc.to(Y.dtype.element_ty)
         ym = m_ok[:, None] & n_ok[None, :]
         if HAS_RES:  # torch: residual + linear(...) adds two rounded tensors
-            r = tl.load(RES + rm[:, None] * s_rm + rn[None, :], mask=ym, other=0.0)
+            if KT > 0 and not GLU:
+                r = r_early
+            else:
+                r = tl.load(RES + rm[:, None] * s_rm + rn[None, :], mask=ym, other=0.0)
             y = (r.to(tl.float32) + y.to(tl.float32)).to(Y.dtype.element_ty)
         tl.store(Y + rm[:, None] * s_ym + rn[None, :], y, mask=ym)
         if HAS_SQO:  # this program's share of each row's sum of squares, for the next kernel's norm
@@ -240,6 +284,8 @@ def _launch(x, weight, bias, residual, glu: bool = False, rn_eps: float | None =
     elem = weight.element_size()
     pre_k = preload_columns(rows, k, bk, elem, preload_bytes()) if pdl else 0
     programs = triton.cdiv(n, bn)
+    kt = (triton.next_power_of_2(k) if one_tile_setting() and not glu and rn_eps is None and sq is None
+          and not pre_k and k <= ONE_TILE_MAX_K else 0)  # fmt: skip
     sqo = torch.empty(programs, m, dtype=torch.float32, device=x.device) if sq_out else y
     _small_linear_kernel[(programs,)](
         x, weight, bias if bias is not None else y, residual if residual is not None else y, y, m, n, k,
@@ -248,7 +294,7 @@ def _launch(x, weight, bias, residual, glu: bool = False, rn_eps: float | None =
         BM=bm, BN=bn, BK=bk, PDL=pdl, LINE=128 // elem, GLU=glu, RN=rn_eps is not None and sq is None,
         EPS=float(rn_eps or 0.0), SQO=sqo, SQ=sq if sq is not None else y, NP=sq.shape[0] if sq is not None else 0,
         S_SQ=sq.stride(0) if sq is not None else 0, HAS_SQO=sq_out, RNP=sq is not None,
-        PP=triton.next_power_of_2(sq.shape[0]) if sq is not None else 1,
+        PP=triton.next_power_of_2(sq.shape[0]) if sq is not None else 1, KT=kt,
         num_warps=warps, num_stages=stages, **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
     return (y, sqo) if sq_out else y
