@@ -480,9 +480,16 @@ def test_one_tile_path_in_interpreter():
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
 
 
-def test_one_tile_switch(monkeypatch):
-    from tests.conftest import assert_on_off_switch  # noqa: F401 - the form of the other switches
+def test_one_tile_switch(monkeypatch, tiny_target):
+    """Off unless 1; a bad value is refused; a record names it where small_linear runs."""
+    from dflash.backends.static_torch import StaticBackend
+    from tests.conftest import make_draft
 
+    be = StaticBackend(tiny_target, make_draft(tiny_target), torch.device("cpu"), use_graphs=False)
+    monkeypatch.setenv("DFLASH_LINEAR_ONE_TILE", "1")
+    assert "linear_one_tile" not in be.describe()  # the CPU keeps torch's linears
+    be.linear = "auto"  # as on CUDA
+    assert be.describe()["linear_one_tile"] is True
     monkeypatch.delenv("DFLASH_LINEAR_ONE_TILE", raising=False)
     assert sl.one_tile_setting() is False  # off by default (an experiment)
     monkeypatch.setenv("DFLASH_LINEAR_ONE_TILE", "1")

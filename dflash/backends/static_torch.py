@@ -40,7 +40,7 @@ from dflash.backends.qkv_rope import qkv_rope_fits, qkv_rope_wanted
 from dflash.backends.rms_norm import available as rms_norm_available
 from dflash.backends.rms_norm import norm_kernel_setting, rms_norm_fits
 from dflash.backends.rope_cache import rope_cache_fits, rope_parts
-from dflash.backends.small_linear import MAX_ROWS
+from dflash.backends.small_linear import MAX_ROWS, one_tile_setting
 from dflash.backends.split_attention import (
     attention_mode,
     early_setting,
@@ -445,6 +445,7 @@ class StaticBackend(StaticGraphs, TransformersBackend):
                 "linear_in": {"target": self.linear_in, "draft": MAX_ROWS if self.draft_linear_in else 0},
                 "glu": {"target": self.glu, "draft": self.draft_glu},  # DFLASH_GLU
                 "norm_kernel": self.norm_kernel,  # DFLASH_NORM_KERNEL
+                **({"linear_one_tile": True} if self.linear != "torch" and one_tile_setting() else {}),
                 **({"fuse_norm": {"target": self.fuse_norm, "draft": self.draft_fuse_norm}}
                    if self.fuse_norm or self.draft_fuse_norm else {}),  # DFLASH_FUSE_NORM
                 **({"fuse_norm_form": "partials"} if self.norm_partials else {}),  # DFLASH_FUSE_NORM_FORM
