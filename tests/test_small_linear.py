@@ -537,7 +537,7 @@ def test_preload_switch_and_columns(monkeypatch):
     assert sl.preload_columns(64, 1000, 128, 4, 1 << 20) == 1000  # float32: 32-element lines
 
 
-OFF_EXTRAS = {"GLU": False, "RN": False, "HAS_SQO": False, "RNP": False, "PP": 1}  # the plain projection's switches
+OFF_EXTRAS = {"GLU": False, "RN": False, "HAS_SQO": False, "RNP": False, "PP": 1, "KT": 0}  # the plain projection's switches
 
 
 def _kernel_signature(consts: dict) -> dict:
@@ -645,3 +645,19 @@ def test_sweep_shapes_parse_named_sets_and_custom_roles():
     for bad in ("proj=4096x4096", "o=4096", "llama"):
         with pytest.raises(SystemExit, match="ROLE=NxK"):
             parse_shapes(bad)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+def test_one_tile_kernel_compiles_for_hopper_without_a_k_loop():
+    """DFLASH_LINEAR_ONE_TILE's form for sm_90: weight loads before griddepcontrol.wait, x and
+    the residual after it, and no K loop (the default form keeps its loop)."""
+    consts = {"HAS_BIAS": False, "HAS_RES": True, "IEEE": False, "BM": 16, "BN": 16, "BK": 128, "PDL": True,
+              "LINE": 64, "PRE_K": 0, **OFF_EXTRAS}  # fmt: skip
+    ptx = {}
+    for kt in (0, 1024):
+        c = {**consts, "KT": kt}
+        ptx[kt] = compile_for_hopper(sl._small_linear_kernel, _kernel_signature(c), c, num_warps=4, num_stages=4).asm["ptx"]
+    one = ptx[1024]
+    wait = one.index("griddepcontrol.wait")
+    assert one.index("ld.global") < wait and one.rfind("ld.global") > wait
+    assert "Loop Header" not in one and "Loop Header" in ptx[0]
