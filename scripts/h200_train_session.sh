@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Train a shallower demo draft on one H200 (the `device` tool's nvidia-h200) in back-to-back calls,
 # then benchmark it beside the shipped draft in one run. Issue each call within 30 s of the previous
-# one: /tmp on the machine holds the target, the data and the training state only while it is warm.
+# one: /tmp on the machine holds the target, the data and the training state only while it is warm
+# (the twenty-seventh session lost it between `train` and `bench` and staged again; see `bench`).
 #
 # Prepare here (CPU), under the git-ignored .stage/:
 #   .stage/t5/{aa..ae}/part   the demo GGUF cut in 20 MB parts (split -b 20000000)
@@ -75,8 +76,10 @@ train)
   cp "$W"/draft/*.safetensors "$W"/draft/*.json "$OUT/" 2>/dev/null
   cp "$W/draft/train_log.jsonl" "$OUT/" 2>/dev/null
   ;;
-bench)
-  D=$W/draft
+bench)  # a machine lost since `train`: re-stage (1-4, prep's cat only) and carry .stage/newdraft
+  D=$W/draft   # (the draft `train` returned in $OUT, 24 MB for 3 layers) in a call of its own
+  if [ -d .stage/newdraft ]; then mkdir -p "$D" && cp .stage/newdraft/* "$D/"; fi
+  [ -f "$GGUF" ] || cat "$W"/stage/{aa,ab,ac,ad}.part .stage/t5/ae/part > "$GGUF"
   B=(python3 -m dflash benchmark transformers --model "$GGUF" --max-new-tokens 256 --data-dir "$W/datasets"
      --dataset gsm8k --max-samples 64 --block-size 16)
   timeout "${BENCH_S:-170}" "${B[@]}" --draft "$D" --check-parity --output "$OUT/b-new.jsonl" > "$OUT/b-new.txt" 2>&1
