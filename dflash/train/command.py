@@ -117,7 +117,7 @@ def train(
 ) -> None:  # fmt: skip
     """Train a DFlash draft on target-regenerated data (paper recipe); resumable.
 
-    Under ``torchrun --nproc-per-node N -m dflash train ...`` the run is data-parallel over N
+    Under 'torchrun --nproc-per-node N -m dflash train ...' the run is data-parallel over N
     processes (one GPU each): --batch-tokens is per process, rank 0 prints, evaluates and writes.
     """
     from dflash.bench.distributed import finish_distributed, init_distributed
