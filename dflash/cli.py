@@ -3,7 +3,7 @@
     dflash generate transformers "Write a Python function that returns the square of a number."
     dflash benchmark transformers --dataset gsm8k --max-samples 8
     dflash init-draft --target M --out DIR
-    dflash serve --port 8000    # then: dflash generate openai --base-url http://127.0.0.1:8000 "Hi"
+    dflash serve                # port 30000; then: dflash generate openai "Hi"
 """
 
 from __future__ import annotations

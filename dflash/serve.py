@@ -1,6 +1,6 @@
 """``dflash serve``: an OpenAI-compatible HTTP server that decodes with DFlash.
 
-    dflash serve                                   # demo pair on http://127.0.0.1:8000/v1
+    dflash serve                                   # demo pair on http://127.0.0.1:30000/v1
     dflash serve --model M --draft D --port 30000 --api-key KEY
 
 Endpoints: ``POST /v1/chat/completions`` and ``/v1/completions`` (streamed over SSE or not),
@@ -456,7 +456,7 @@ def serve(
     draft: Annotated[str | None, typer.Option("--draft", "-d", help="DFlash draft: hub id or folder (default: the shipped demo draft).")] = None,
     backend: Annotated[str, typer.Option(help="Local backend: transformers or mlx.")] = "transformers",
     host: Annotated[str, typer.Option(help="Interface to bind; 0.0.0.0 exposes the server to the network.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
+    port: Annotated[int, typer.Option(help="TCP port (30000, as SGLang; the openai backend's default --base-url).")] = 30000,
     api_key: Annotated[str | None, typer.Option(help="Require 'Authorization: Bearer KEY' on /v1 (default: $DFLASH_API_KEY; none = open).", show_default=False)] = None,
     served_model_name: Annotated[str | None, typer.Option(help="Model name in the API (default: the --model name).")] = None,
     block_size: Annotated[str | None, typer.Option(help="auto (default: chosen per step from measured costs and acceptance) or the verify width incl. the anchor; 1 = no drafting.")] = None,

@@ -323,4 +323,4 @@ def test_unreachable_server_error_names_the_flag_that_gave_it():
     for flag, want in (((), "--base-url"), (("--baseline-url",), "--baseline-url")):
         with pytest.raises(ServerError) as err:
             asyncio.run(ask(flag))
-        assert err.value.hint == f"start the server or fix {want}"
+        assert err.value.hint.startswith("start the server (dflash serve") and err.value.hint.endswith(f"or fix {want}")

@@ -135,3 +135,18 @@ def test_usage_counts_tokens_up_to_the_stop_string(stops, text, tokens, finish):
         if out.finish:
             break
     assert (sent, out.tokens, out.finish) == (text, tokens, finish)
+
+
+def test_serve_listens_where_the_openai_backend_looks_by_default():
+    """`dflash serve` then `dflash generate openai` (or `benchmark openai`) needs no --base-url
+    (found by a user trial: the server listened on 8000, the clients asked 30000)."""
+    import inspect
+
+    from dflash import commands, serve
+    from dflash.backends.openai import DEFAULT_BASE_URL
+    from dflash.bench import command as bench_command
+
+    port = inspect.signature(serve.serve).parameters["port"].default
+    port = getattr(port, "default", port)  # a typer.Option default or a plain one
+    for url in (DEFAULT_BASE_URL, commands.BASE_URL_DEFAULT, bench_command.BASE_URL_DEFAULT):
+        assert url == f"http://127.0.0.1:{port}"

@@ -455,7 +455,7 @@ async def first_model(client: httpx.AsyncClient, root: str, api_key: str | None,
         ) from None
     except httpx.TransportError as err:
         raise ServerError(f"Cannot reach the server at {root} ({type(err).__name__}).",
-                          hint=f"start the server or fix {flag}") from None  # fmt: skip
+                          hint=f"start the server (dflash serve and SGLang listen on port 30000 by default, vLLM on 8000) or fix {flag}") from None  # fmt: skip
     if resp.status_code >= 400:
         hint = "pass --api-key or set OPENAI_API_KEY" if resp.status_code == 401 else None
         raise ServerError(f"{root}/models answered HTTP {resp.status_code}: "
