@@ -93,8 +93,20 @@ def test_a_draft_passed_as_the_target_is_named_a_draft(cmd, tmp_path):
     else:
         args[2] = str(tmp_path / "out")
     line = one_error_line(dflash_cli(*args))
-    assert line == f"error: --model {DEMO_DRAFT_DIR} is a DFlash draft, not a target."
+    flag = "--model" if cmd[0] == "generate" else "--target"  # the option the command has
+    assert line == f"error: {flag} {DEMO_DRAFT_DIR} is a DFlash draft, not a target."
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("cmd", [["init-draft", "--out", "OUT"], ["train", "--data", "DATA", "--out", "OUT"],
+                                 ["data", "regenerate", "--prompts", "gsm8k:train", "--out", "OUT"]])  # fmt: skip
+def test_a_missing_target_is_named_by_the_commands_own_option(cmd, tmp_path):
+    """init-draft, train and data regenerate take --target; their errors said --model (user trial)."""
+    (tmp_path / "data").mkdir()
+    args = [str(tmp_path / "out") if a == "OUT" else str(tmp_path / "data") if a == "DATA" else a for a in cmd]
+    line = one_error_line(dflash_cli(*args, "--target", str(tmp_path / "nope"), "--data-dir", str(DATA_DIR))
+                          if cmd[0] == "data" else dflash_cli(*args, "--target", str(tmp_path / "nope")))  # fmt: skip
+    assert line == f"error: --target {tmp_path / 'nope'}: no such file or folder."
 
 
 @pytest.mark.parametrize("device", ["gpu", "cuda", "metal"])

@@ -387,12 +387,14 @@ def is_draft_folder(path: Path) -> bool:
         isinstance(a, str) and a.endswith("DraftModel") for a in archs or []))  # fmt: skip
 
 
-def refuse_draft_as_target(model: str) -> None:
-    """Refuse a ``--model`` that is a local DFlash draft folder (:func:`is_draft_folder`).
+def refuse_draft_as_target(model: str, flag: str = "--model") -> None:
+    """Refuse a ``--model`` (``flag``: the option as the command names it) that is a local DFlash
+    draft folder (:func:`is_draft_folder`).
 
     Raises:
         CheckpointError: naming the value, with the fix as the hint.
     """
     if is_draft_folder(Path(model).expanduser()):
-        raise CheckpointError(f"--model {model} is a DFlash draft, not a target.",
-                              hint="pass it as --draft, with the target it was trained for as --model")  # fmt: skip
+        fix = "pass it as --draft, with the target it was trained for as --model" if flag == "--model" \
+            else f"pass the target model as {flag}, not a draft"  # fmt: skip
+        raise CheckpointError(f"{flag} {model} is a DFlash draft, not a target.", hint=fix)

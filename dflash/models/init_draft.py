@@ -172,7 +172,7 @@ def init_draft(target: str | None, out: str | Path, *, layers: int = 5, block_si
     else:
         from dflash.models.target_mlx import resolve_target
 
-    path = resolve_target(target)
+    path = resolve_target(target, "--target")
     cfg_t = target_config(path)
     # Sliding-window and chunked targets cannot be rolled back on any backend; recurrent
     # (GatedDeltaNet) hybrids speculate on the mlx backend, so a draft may be made for them.

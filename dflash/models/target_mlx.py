@@ -17,8 +17,9 @@ from dflash.models.target_torch import demo_target_path, resolve_draft  # torch-
 __all__ = ["load_target", "resolve_draft", "resolve_target"]
 
 
-def resolve_target(model: str | None) -> str:
-    """``--model`` -> something ``mlx_lm.load`` accepts (a folder or a hub id).
+def resolve_target(model: str | None, flag: str = "--model") -> str:
+    """``--model`` -> something ``mlx_lm.load`` accepts (a folder or a hub id); ``flag`` names
+    the option in errors (``--target`` in init-draft).
 
     None -> the demo GGUF's cached conversion; a ``.gguf`` file -> its cached conversion.
 
@@ -36,9 +37,9 @@ def resolve_target(model: str | None) -> str:
         return str(gguf_to_mlx_folder(p))
     if p.exists() and not p.is_dir():
         raise CheckpointError(
-            f"--model {model} is a file; pass an mlx-lm folder, hub id or .gguf file."
+            f"{flag} {model} is a file; pass an mlx-lm folder, hub id or .gguf file."
         )
-    refuse_draft_as_target(model)
+    refuse_draft_as_target(model, flag)
     return str(p) if p.exists() else model
 
 

@@ -287,8 +287,9 @@ def check_full_attention(config, name: str, allow: tuple[str, ...] = ()) -> None
     )
 
 
-def check_model_path(model: str) -> None:
-    """A ``--model`` value that is a path (./x, /x, ~/x, a/b/c, x.gguf) must exist.
+def check_model_path(model: str, flag: str = "--model") -> None:
+    """A ``--model`` value (``flag``: the option as the command names it, e.g. ``--target``) that
+    is a path (./x, /x, ~/x, a/b/c, x.gguf) must exist.
 
     Raises:
         CheckpointError: no such file or folder (rather than hub repo-id rules).
@@ -297,12 +298,13 @@ def check_model_path(model: str) -> None:
     looks_local = (model.startswith((".", "/", "~")) or model.count("/") > 1 or "\\" in model
                    or p.suffix in (".gguf", ".safetensors", ".json"))  # fmt: skip
     if looks_local and not p.exists():
-        raise CheckpointError(f"--model {model}: no such file or folder.",
+        raise CheckpointError(f"{flag} {model}: no such file or folder.",
                               hint="pass an existing model folder, a .gguf file or a hub id (org/name)")  # fmt: skip
 
 
-def resolve_target(model: str | None) -> str:
-    """Turn the ``--model`` value into something ``from_pretrained`` accepts.
+def resolve_target(model: str | None, flag: str = "--model") -> str:
+    """Turn the ``--model`` value into something ``from_pretrained`` accepts (``flag``: the
+    option as the command names it, for the errors: ``--target`` in init-draft, train and data).
 
     None -> the demo GGUF; a ``.gguf`` file -> its cached conversion; a folder or a hub id
     is returned as given.
@@ -313,13 +315,13 @@ def resolve_target(model: str | None) -> str:
     quiet_transformers()
     if model is None:
         return str(gguf_to_cached_folder(demo_target_path()))
-    check_model_path(model)
+    check_model_path(model, flag)
     p = Path(model).expanduser()
     if p.suffix == ".gguf":
         return str(gguf_to_cached_folder(p))
     if p.exists() and not p.is_dir():
-        raise CheckpointError(f"--model {model} is a file; pass a model folder, hub id or .gguf file.")
-    refuse_draft_as_target(model)
+        raise CheckpointError(f"{flag} {model} is a file; pass a model folder, hub id or .gguf file.")
+    refuse_draft_as_target(model, flag)
     return str(p) if p.exists() else model
 
 

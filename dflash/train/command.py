@@ -158,7 +158,7 @@ def _train(cfg, info, pause_after: float | None) -> None:
         from dflash.models.target_torch import resolve_target
 
         cfg.device = rank_device(info, cfg.device)
-        once_per_machine(info, lambda: resolve_target(cfg.target))  # a .gguf converts once
+        once_per_machine(info, lambda: resolve_target(cfg.target, "--target"))  # a .gguf converts once
     torch.manual_seed(cfg.seed)
     model, _tok = load_training_target(cfg.target, cfg.device)
     out, rank0 = cfg.out, info.rank == 0

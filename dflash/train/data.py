@@ -185,7 +185,7 @@ def regenerate(
         return {"done": n, "total": n, "tokens": 0, "seconds": 0.0, "finished": True,
                 "skipped": None, "engine": None}  # complete: the target is not even loaded  # fmt: skip
     dev = pick_device(device)
-    model, tok = load_target(resolve_target(target), dev, pick_dtype(dtype, dev))
+    model, tok = load_target(resolve_target(target, "--target"), dev, pick_dtype(dtype, dev))
     stops = stop_token_ids(getattr(model, "generation_config", None), tok)
     pad = tok.pad_token_id if tok.pad_token_id is not None else (stops[0] if stops else 0)
     prompts = [encode_chat(tok, it.turns[0], it.system) for it in items]

@@ -460,4 +460,4 @@ def load_training_target(target: str | None, device: str = "auto"):
 
     dev = pick_device(device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    return load_target(resolve_target(target), dev, dtype)
+    return load_target(resolve_target(target, "--target"), dev, dtype)
