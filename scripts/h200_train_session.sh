@@ -32,9 +32,9 @@ export PYTHONPATH=/tmp/site:$PWD
 GGUF=$W/smollm2.gguf
 SHIPPED=dflash/assets/smollm2-135m-instruct-dflash
 KEEP=${KEEP:-0,1,4}              # layers of the shipped draft the new one starts from
-LR=${LR:-6e-4}
+LR=${LR:-5e-4}
 STEPS=${STEPS:-6000}             # cap on steps; --time-limit anneals the schedule first
-TRAIN_LIMIT=${TRAIN_LIMIT:-540}  # seconds of training in all (the cosine schedule fits them)
+TRAIN_LIMIT=${TRAIN_LIMIT:-800}  # seconds of training in all (the cosine schedule fits them)
 PAUSE=${PAUSE:-540}              # seconds of training per `train` call
 REGEN_S=${REGEN_S:-180}          # seconds of regeneration of training answers
 train_args() {  # same data, seed and schedule in every call
@@ -55,10 +55,10 @@ stage)
   cp ".stage/t5/$2/part" "$W/stage/$2.part" && ls -la "$W/stage"
   ;;
 prep)
-  cat "$W"/stage/{aa,ab,ac,ad}.part .stage/t5/ae/part > "$GGUF"
+  cat "$W"/stage/{aa,ab,ac,ad}.part .stage/t5/ae/part > "$GGUF" || exit 1
   sha256sum "$GGUF" | cut -c1-16
-  cp .stage/prompts/train-prompts.jsonl.gz "$W/"
-  rm -rf "$W/init" && python3 scripts/truncate_draft.py --draft "$SHIPPED" --keep-layers "$KEEP" --out "$W/init"
+  cp .stage/prompts/train-prompts.jsonl.gz "$W/" || exit 1
+  rm -rf "$W/init" && python3 scripts/truncate_draft.py --draft "$SHIPPED" --keep-layers "$KEEP" --out "$W/init" || exit 1
   python3 -m dflash data regenerate --target "$GGUF" --eval-only \
     --prompts gsm8k@16,math500@16,humaneval@16,mbpp@16,mt-bench@16 --out "$W/eval" --data-dir "$W/datasets" \
     --max-new-tokens 256 --batch-size 128 > "$W/logs/regen-eval.txt" 2>&1

@@ -26,19 +26,25 @@ from torch import nn
 
 
 def parse_layers(text: str, depth: int) -> list[int]:
-    """``"0,1,4"`` -> [0, 1, 4]: distinct layer indices below ``depth``, at least one.
+    """``"0,1,4"`` -> [0, 1, 4]: layer indices below ``depth`` in increasing order, at least one
+    (a draft's layers keep their order; "4,1" is refused as a likely typo).
 
     Raises:
-        ValueError: an index is not an integer, repeated or out of range, or none is given.
+        ValueError: an index is not an integer, not above the one before or out of range, or
+            none is given.
     """
-    keep = [int(x) for x in text.split(",") if x.strip()]
-    if not keep or len(set(keep)) != len(keep) or not all(0 <= i < depth for i in keep):
-        raise ValueError(f"--keep-layers must name distinct layers in 0..{depth - 1}, got {text!r}")
+    msg = f"--keep-layers must list layers of 0..{depth - 1} in increasing order, e.g. 0,1,{depth - 1}; got {text!r}"
+    try:
+        keep = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(msg) from None
+    if not keep or keep != sorted(set(keep)) or not all(0 <= i < depth for i in keep):
+        raise ValueError(msg)
     return keep
 
 
 def truncate(draft, keep: list[int]):
-    """The draft with only the layers ``keep`` (in that order); modifies and returns ``draft``."""
+    """The draft with only the layers ``keep`` (in the order given); modifies and returns ``draft``."""
     cfg = draft.config
     draft.config = dataclasses.replace(cfg, num_hidden_layers=len(keep),
                                        layer_types=[cfg.layer_types[i] for i in keep])  # fmt: skip

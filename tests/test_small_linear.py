@@ -497,6 +497,10 @@ def test_one_tile_switch(monkeypatch, tiny_target):
     monkeypatch.setenv("DFLASH_LINEAR_ONE_TILE", "yes")
     with pytest.raises(InputError, match="DFLASH_LINEAR_ONE_TILE must be 1 or 0"):
         sl.one_tile_setting()
+    from dflash.backends.static_switches import check_env
+
+    with pytest.raises(InputError, match="DFLASH_LINEAR_ONE_TILE"):  # at load, on any device
+        check_env()
 
 
 def test_draft_logits_with_fused_linears_match(tiny_target):

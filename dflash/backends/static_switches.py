@@ -24,6 +24,7 @@ from dflash.backends.pdl import disable_pdl, pdl_setting
 from dflash.backends.qkv_rope import qkv_rope_setting
 from dflash.backends.rms_norm import norm_kernel_setting
 from dflash.backends.rope_cache import rope_parts
+from dflash.backends.small_linear import one_tile_setting
 from dflash.backends.split_attention import (
     attention_mode,
     early_setting,
@@ -40,7 +41,7 @@ def check_env() -> None:
     ``DFLASH_FUSE_NORM_FORM``, ``DFLASH_PDL``, ``DFLASH_PDL_PREFETCH``, ``DFLASH_ROPE``, ``DFLASH_QKV_ROPE``,
     ``DFLASH_PREFETCH``, ``DFLASH_STEP_COMPILE``, ``DFLASH_HEAD_ARGMAX``, ``DFLASH_GRAPH_WARM``,
     ``DFLASH_QUEUE_AHEAD``, ``DFLASH_DRAFT_ATTN_SPLIT``, ``DFLASH_ATTN_BLOCK``, ``DFLASH_ATTN_ONE_SLICE``, ``DFLASH_ATTN_EARLY``,
-    ``DFLASH_NORM_KERNEL``)
+    ``DFLASH_NORM_KERNEL``, ``DFLASH_LINEAR_ONE_TILE``)
     on any device: a typo fails at load on a laptop too, not first on the GPU machine.
 
     Raises:
@@ -67,6 +68,7 @@ def check_env() -> None:
     queue_ahead()
     head_argmax_default()
     norm_kernel_setting()
+    one_tile_setting()
     warm_replays()
 
 
