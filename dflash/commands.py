@@ -20,7 +20,7 @@ BaseUrlOpt = Annotated[str, typer.Option(help="openai: server URL, with or witho
 ApiKeyOpt = Annotated[str | None, typer.Option(help="openai: API key (default: $OPENAI_API_KEY); never printed.", show_default=False)]  # fmt: skip
 TimeoutOpt = Annotated[float, typer.Option(help="openai: HTTP timeout per connect/read, seconds.")]
 DraftOpt = Annotated[str | None, typer.Option("--draft", "-d",
-                     help="DFlash draft: hub id or folder (default: the shipped demo draft, only without --model).")]  # fmt: skip
+                     help="DFlash draft: hub id or folder (default: the shipped demo draft, for the demo target only: no --model, or its .gguf).")]  # fmt: skip
 
 BASE_URL_DEFAULT = "http://127.0.0.1:30000"  # SGLang's default port
 TIMEOUT_DEFAULT = 3600.0

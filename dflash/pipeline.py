@@ -81,7 +81,7 @@ class Pipeline:
         ``chat_template_kwargs``); a template ignores the ones it does not use.
 
         Raises:
-            InputError: messages not a list of ``{"role", "content"}`` dicts, an empty user
+            InputError: messages not a non-empty list of ``{"role", "content"}`` dicts, an empty user
                 message, a bad ``reasoning`` value, or a prompt longer than the context.
         """
         if not isinstance(messages, (list, tuple)) or not all(
@@ -89,6 +89,9 @@ class Pipeline:
         ):
             raise InputError("chat_prompt takes a list of chat messages.",
                              hint='e.g. pipe.chat_prompt([{"role": "user", "content": "Hi"}])')  # fmt: skip
+        if not messages:
+            raise InputError("chat_prompt got no messages.",
+                             hint='pass at least one, e.g. [{"role": "user", "content": "Hi"}]')  # fmt: skip
         for m in messages:
             if m.get("role") == "user" and not str(m.get("content") or "").strip():
                 raise InputError("The prompt is empty.", hint="pass a question or instruction")

@@ -466,6 +466,8 @@ def test_python_api_misuse_raises_input_errors(tiny_backend, truth, tmp_path, mo
     for bad in ("Hi", ["Hi"], [{"content": "Hi"}]):
         with pytest.raises(InputError, match="list of chat messages"):
             pipe.chat_prompt(bad)
+    with pytest.raises(InputError, match="chat_prompt got no messages"):  # not a template error (user trial)
+        pipe.chat_prompt([])
     # numpy integers are integers
     assert pipe.generate(PROMPT, max_new_tokens=np.int64(6), block_size=np.int64(4)).token_ids == truth[:6]
 

@@ -322,3 +322,28 @@ def test_resumed_parity_says_how_many_responses_were_not_checked(bench, tmp_path
     assert "2/2 identical, 1 of 3 responses not checked" in out.stdout
     summary = json.loads(out.stdout.strip().splitlines()[-1])["datasets"]["humaneval"]
     assert summary["responses"] == 3 and summary["parity"]["checked"] == 2
+
+
+@pytest.mark.parametrize("backend, words", [("openai", "the openai backend is a client of a server"),
+                                            ("vllm", "Unknown backend 'vllm'; choose one of transformers, mlx.")])  # fmt: skip
+def test_the_python_api_names_the_backends_it_loads(backend, words):
+    """dflash.load(backend="vllm") listed openai, and backend="openai" then said it was not in
+    this version although `dflash generate openai` works (user trial)."""
+    import dflash
+    from dflash.errors import BackendError
+
+    with pytest.raises(BackendError) as err:
+        dflash.load(backend=backend)
+    assert words in str(err.value)
+
+
+def test_the_demo_gguf_as_model_gets_the_shipped_draft(demo_gguf, tmp_path):
+    """`--model <the demo .gguf>` without --draft said --draft is required, although the shipped
+    draft was trained for exactly that file (user trial); another .gguf still needs --draft."""
+    from dflash.models.target_torch import DEMO_DRAFT_DIR, resolve_draft
+
+    assert resolve_draft(None, str(demo_gguf)) == DEMO_DRAFT_DIR
+    other = tmp_path / "other.gguf"
+    other.write_bytes(demo_gguf.read_bytes()[:64])
+    with pytest.raises(CheckpointError, match="--draft is required"):
+        resolve_draft(None, str(other))

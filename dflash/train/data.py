@@ -89,9 +89,9 @@ def check_regenerate_options(max_new_tokens: int, batch_size: int, samples: int,
     Raises:
         InputError: a count below 1, a negative temperature, or an unknown engine.
     """
-    if max_new_tokens < 1 or batch_size < 1 or samples < 1:
-        raise InputError("--max-new-tokens, --batch-size and --samples must be >= 1.",
-                         hint="see dflash data regenerate --help")  # fmt: skip
+    for flag, value in (("--max-new-tokens", max_new_tokens), ("--batch-size", batch_size), ("--samples", samples)):
+        if value < 1:
+            raise InputError(f"{flag} must be >= 1, got {value}.", hint="see dflash data regenerate --help")
     if temperature < 0 or sample_temperature <= 0:
         raise InputError("--temperature must be >= 0 and --sample-temperature > 0.",
                          hint="0 is greedy; 0.7-1.0 are usual for sampled answers")  # fmt: skip

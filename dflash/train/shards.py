@@ -17,6 +17,12 @@ from dflash.errors import DatasetError, InputError
 RECORDS_PER_SHARD = 4000
 
 
+def _short(value, width: int = 60) -> str:
+    """``repr`` of a setting for an error line, cut to ``width`` characters."""
+    text = repr(value)
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
 @dataclass
 class Sample:
     """One training sequence: a chat-templated prompt and the target's response (token ids)."""
@@ -71,7 +77,8 @@ class ShardWriter:
         old = json.loads(meta_path.read_text())
         if old != meta:
             diff = sorted(k for k in set(old) | set(meta) if old.get(k) != meta.get(k))
-            raise InputError(f"{folder} holds data made with other settings ({', '.join(diff)}).",
+            said = ", ".join(f"{k} {_short(old.get(k))} -> {_short(meta.get(k))}" for k in diff)
+            raise InputError(f"{folder} holds data made with other settings ({said}).",
                              hint="use a new --out folder or the same settings to resume")  # fmt: skip
         return True
 
