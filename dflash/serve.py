@@ -122,20 +122,28 @@ class Engine:
             raise ApiError(503, msg, code="model_loading")
 
     def prompt_ids(self, req: GenRequest) -> list[int]:
-        """Template + tokenize on the event-loop thread; ApiError 400 for a bad or long prompt."""
+        """Template + tokenize on the event-loop thread; ApiError 400 for a bad or long prompt,
+        or a ``max_tokens`` that does not fit beside it in the context (as vLLM refuses it)."""
         pipe = self.pipe
         try:
             if req.chat:
-                return pipe.chat_prompt(req.messages, template_kwargs=req.template_kwargs)
-            ids = list(pipe.tokenizer(req.prompt)["input_ids"])
-            pipe.check_prompt(ids)
-            return ids
+                ids = pipe.chat_prompt(req.messages, template_kwargs=req.template_kwargs)
+            else:
+                ids = list(pipe.tokenizer(req.prompt)["input_ids"])
+                pipe.check_prompt(ids)
         except InputError as err:
             code = "context_length_exceeded" if "context" in err.message else None
             raise ApiError(400, err.message, param="messages" if req.chat else "prompt",
                            code=code) from None  # fmt: skip
         except Exception as err:  # noqa: BLE001 - e.g. a template that rejects the roles
             raise ApiError(400, f"The prompt cannot be built: {err}", param="messages") from None
+        context = pipe.backend.max_context
+        if req.max_tokens is not None and len(ids) + req.max_tokens > context:
+            raise ApiError(400, f"This model's maximum context length is {context} tokens. However, you "
+                           f"requested {len(ids) + req.max_tokens} tokens ({len(ids)} in the prompt, "
+                           f"{req.max_tokens} in the completion). Please reduce the length of the "
+                           "prompt or max_tokens.", param="max_tokens", code="context_length_exceeded")  # fmt: skip
+        return ids
 
     def run(self, ids: list[int], req: GenRequest, cancel: threading.Event,
             emit: Callable[[tuple[str, Any]], None]) -> None:  # fmt: skip

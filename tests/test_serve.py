@@ -186,7 +186,7 @@ LOAD_PROMPTS = ["What is 2+2?", "Name a fruit.", "Say hello in French.", "Write 
 
 
 def malformed(url: str, model: str) -> list[tuple[dict, int]]:
-    """(httpx request kwargs, expected status) for ten bad requests."""
+    """(httpx request kwargs, expected status) for twelve bad requests."""
     chat = url + "/v1/chat/completions"
     ok = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     return [
@@ -202,7 +202,21 @@ def malformed(url: str, model: str) -> list[tuple[dict, int]]:
         ({"url": chat, "content": b"x" * (5 * 2**20), "headers": auth()}, 413),
         ({"url": chat, "json": {**ok, "messages": [{"role": "user", "content": "hello " * 9000}]},
           "headers": auth()}, 400),
+        ({"url": chat, "json": {**ok, "max_tokens": 10**6}, "headers": auth()}, 400),
     ]  # fmt: skip
+
+
+def test_max_tokens_past_the_context_is_refused_as_vllm_does(server):
+    """A short prompt with max_tokens past the context was cut to what fits, silently, with
+    finish_reason "length" (user trial); vLLM answers 400."""
+    url, _ = server
+    for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+                       ("/v1/completions", {"prompt": "hi"})):  # fmt: skip
+        r = httpx.post(url + path, json={**body, "max_tokens": 10**6}, headers=auth(), timeout=60)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["code"] == "context_length_exceeded" and err["param"] == "max_tokens"
+        assert "maximum context length is 8192 tokens" in err["message"]
 
 
 def test_32_concurrent_streams_and_malformed_requests(server, local):
