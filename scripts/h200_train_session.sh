@@ -15,6 +15,8 @@
 #   2-4 stage ab|ac|ad   [.stage/t5/<part>]
 #   5 prep     [.stage/t5/ae .stage/prompts]  assemble the target, regenerate REGEN_S seconds of
 #              training answers and the held-out set, cut the shipped draft to KEEP layers
+#              (INIT=DIR: start from that draft instead, e.g. the last session's result carried
+#              in .stage/newdraft; it must then travel in an earlier call, the carry limit)
 #   6 train    []  `dflash train --resume-from` the cut draft for PAUSE s (run again to resume,
 #              up to TRAIN_LIMIT s in all); the draft comes back in $OUT
 #   7 bench    []  gsm8k 64: the new draft (--check-parity), then the shipped one, same process
@@ -58,7 +60,11 @@ prep)
   cat "$W"/stage/{aa,ab,ac,ad}.part .stage/t5/ae/part > "$GGUF" || exit 1
   sha256sum "$GGUF" | cut -c1-16
   cp .stage/prompts/train-prompts.jsonl.gz "$W/" || exit 1
-  rm -rf "$W/init" && python3 scripts/truncate_draft.py --draft "$SHIPPED" --keep-layers "$KEEP" --out "$W/init" || exit 1
+  if [ -n "${INIT:-}" ]; then  # continue a draft carried in (e.g. .stage/newdraft, a `train` result)
+    rm -rf "$W/init" && cp -r "$INIT" "$W/init" || exit 1
+  else
+    rm -rf "$W/init" && python3 scripts/truncate_draft.py --draft "$SHIPPED" --keep-layers "$KEEP" --out "$W/init" || exit 1
+  fi
   python3 -m dflash data regenerate --target "$GGUF" --eval-only \
     --prompts gsm8k@16,math500@16,humaneval@16,mbpp@16,mt-bench@16 --out "$W/eval" --data-dir "$W/datasets" \
     --max-new-tokens 256 --batch-size 128 > "$W/logs/regen-eval.txt" 2>&1
