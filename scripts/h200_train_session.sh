@@ -16,7 +16,8 @@
 #   5 prep     [.stage/t5/ae .stage/prompts]  assemble the target, regenerate REGEN_S seconds of
 #              training answers and the held-out set, cut the shipped draft to KEEP layers
 #              (INIT=DIR: start from that draft instead, e.g. the last session's result carried
-#              in .stage/newdraft; it must then travel in an earlier call, the carry limit)
+#              in .stage/newdraft: carry it in a call of its own, copy it to /tmp there and pass
+#              that path, as the 64 MiB carry limit leaves no room beside ae and the prompts)
 #   6 train    []  `dflash train --resume-from` the cut draft for PAUSE s (run again to resume,
 #              up to TRAIN_LIMIT s in all); the draft comes back in $OUT
 #   7 bench    []  gsm8k 64: the new draft (--check-parity), then the shipped one, same process
