@@ -104,8 +104,8 @@ def test_a_missing_target_is_named_by_the_commands_own_option(cmd, tmp_path):
     """init-draft, train and data regenerate take --target; their errors said --model (user trial)."""
     (tmp_path / "data").mkdir()
     args = [str(tmp_path / "out") if a == "OUT" else str(tmp_path / "data") if a == "DATA" else a for a in cmd]
-    line = one_error_line(dflash_cli(*args, "--target", str(tmp_path / "nope"), "--data-dir", str(DATA_DIR))
-                          if cmd[0] == "data" else dflash_cli(*args, "--target", str(tmp_path / "nope")))  # fmt: skip
+    args += ["--target", str(tmp_path / "nope")] + (["--data-dir", str(DATA_DIR)] if cmd[0] == "data" else [])
+    line = one_error_line(dflash_cli(*args))
     assert line == f"error: --target {tmp_path / 'nope'}: no such file or folder."
 
 
