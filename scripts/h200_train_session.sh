@@ -23,8 +23,12 @@
 #   7 bench    []  gsm8k 64: the new draft (--check-parity), then the shipped one, same process
 #              settings; a single generate with the new draft (ONE_TILE=1: the new draft again
 #              under DFLASH_LINEAR_ONE_TILE=1, parity checked)
+#   8 bench2   []  the shipped draft with a draft vocabulary (`train` writes both drafts' from
+#              the regenerated answers, VOCAB=16384 tokens; 0: none), the new one without its own
+# Continuing a draft (twenty-eighth session): after stage ad, `init` [.stage/newdraft], then
+# `INIT=/tmp/demo/newinit prep` [.stage/t5/ae .stage/prompts].
 set -uo pipefail
-phase=${1:?usage: h200_train_session.sh stage1|stage PART|prep|train|bench}
+phase=${1:?usage: h200_train_session.sh stage1|stage PART|init|prep|train|bench|bench2}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 DFLASH_CACHE=/tmp/dflash-cache
 OUT=${OUT:-/tmp/train-out}; mkdir -p "$OUT"
 W=/tmp/demo; mkdir -p "$W/logs" "$W/stage"
@@ -80,8 +84,25 @@ train)
   timeout "${TRAIN_S:-590}" python3 -m dflash train $(train_args) --pause-after "$PAUSE" >> "$W/logs/train.txt" 2>&1
   log "train exit $?"
   grep -v '^\s*$' "$W/logs/train.txt" | tail -n 12
+  if [ "${VOCAB:-16384}" != 0 ]; then  # draft vocabularies from the target's regenerated answers
+    python3 -m dflash data vocab --data "$W/data" --eval-data "$W/eval" --draft "$W/draft" --size "${VOCAB:-16384}"
+    rm -rf "$W/v6vocab" && cp -r "$SHIPPED" "$W/v6vocab" && rm -f "$W/v6vocab/README.md"
+    python3 -m dflash data vocab --data "$W/data" --eval-data "$W/eval" --draft "$W/v6vocab" --size "${VOCAB:-16384}"
+  fi
   cp "$W"/draft/*.safetensors "$W"/draft/*.json "$OUT/" 2>/dev/null
   cp "$W/draft/train_log.jsonl" "$OUT/" 2>/dev/null
+  ;;
+init)  # carry .stage/newdraft (a draft `train` returned) in a call of its own; prep INIT=/tmp/demo/newinit
+  rm -rf "$W/newinit" && cp -r .stage/newdraft "$W/newinit" && ls "$W/newinit"
+  ;;
+bench2)  # the shipped draft with the same draft vocabulary, and the new one without its own
+  B=(python3 -m dflash benchmark transformers --model "$GGUF" --max-new-tokens 256 --data-dir "$W/datasets"
+     --dataset gsm8k --max-samples 64 --block-size 16)
+  timeout "${BENCH_S:-170}" "${B[@]}" --draft "$W/v6vocab" --output "$OUT/b-shipped-vocab.jsonl" > "$OUT/b-shipped-vocab.txt" 2>&1
+  tail -n 6 "$OUT/b-shipped-vocab.txt"
+  DFLASH_DRAFT_VOCAB=0 timeout "${BENCH_S:-170}" "${B[@]}" --draft "$W/draft" --output "$OUT/b-new-novocab.jsonl" \
+    > "$OUT/b-new-novocab.txt" 2>&1
+  tail -n 6 "$OUT/b-new-novocab.txt"
   ;;
 bench)  # a machine lost since `train`: re-stage (1-4, prep's cat only) and carry .stage/newdraft
   D=$W/draft   # (the draft `train` returned in $OUT, 24 MB for 3 layers) in a call of its own

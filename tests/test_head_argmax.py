@@ -146,11 +146,13 @@ def test_step_compile_wraps_glue_and_forward_once_per_graph(tiny_target, monkeyp
     lp = be.device_loop
     verify, draft = be._fn("dverify", 16), be._fn("ddraft", 16)
     assert be._fn("dverify", 16) is verify and len(seen) == 2  # cached per (kind, width)
-    for (fn, kw), method, forward in ((seen[0], lp.verify_step, be._target_forward),
-                                      (seen[1], lp.draft_step, be._draft_forward)):  # fmt: skip
+    draft_kw = {"argmax": True} if head else {"logits": False}  # proposals only (device loop)
+    for (fn, kw), method, forward, want in ((seen[0], lp.verify_step, be._target_forward,
+                                             {"argmax": True} if head else {}),
+                                            (seen[1], lp.draft_step, be._draft_forward, draft_kw)):  # fmt: skip
         assert isinstance(fn, partial) and fn.func == method and fn.keywords == {"whole": True}
         inner = fn.args[-1]
-        assert inner.func == forward and inner.keywords == ({"argmax": True} if head else {})
+        assert inner.func == forward and inner.keywords == want
         assert kw == {"dynamic": False, "mode": "max-autotune-no-cudagraphs"}
     from tests.test_loop_scripted import PROMPT, greedy_reference
 

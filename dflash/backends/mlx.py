@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 
 from dflash.api import Pipeline
@@ -97,6 +98,7 @@ class MLXBackend:
         self.mask_token_id = cfg.mask_token_id if cfg else -1
         self.draft_block_size = cfg.block_size if cfg else 1
         self.draft_head_rows = draft is not None  # draft(..., rows=k): the head on k rows only
+        self.draft_vocab, self.draft_weight = draft_vocab_head(self.head, self.embed, draft)
         self.layer_ids = list(cfg.target_layer_ids) if cfg else []
         self.max_context = max_context
         self.gdn_indices = check_caches(target, self.layers)
@@ -156,8 +158,14 @@ class MLXBackend:
         dtype = model.norm.weight.dtype
         emb = self.embed(block).astype(dtype)  # [1, L, H] raw lookup (brief §1.4)
         h = model(emb, context[None].astype(dtype), start, self.draft_cache)
-        logits = self.head(h[0, 1 : (rows or length - 1) + 1])  # [rows, V]
-        return mx.argmax(logits, axis=-1), logits
+        h = h[0, 1 : (rows or length - 1) + 1]  # [rows, H]
+        if self.draft_vocab is None:
+            logits = self.head(h)  # [rows, V]
+            return mx.argmax(logits, axis=-1), logits
+        small = h @ self.draft_weight.T  # [rows, Vd]: the draft vocabulary's rows only
+        full = mx.full((small.shape[0], self.vocab_size), -mx.inf, dtype=small.dtype)
+        full[:, self.draft_vocab] = small  # q = 0 outside the draft vocabulary (sampling)
+        return self.draft_vocab[mx.argmax(small, axis=-1)], full
 
     def verify(self, anchor: int, proposals, start: int, with_features: bool):
         assert start == self.length, f"verify at {start} but the target cache holds {self.length}"
@@ -200,6 +208,23 @@ class MLXBackend:
 def _text_config(config: dict) -> dict:
     """The text-model part of an mlx-lm config (``text_config`` for multimodal wrappers)."""
     return {**config, **(config.get("text_config") or {})}
+
+
+def draft_vocab_head(head, embed, draft) -> tuple[mx.array | None, mx.array | None]:
+    """(ids [Vd], weight [Vd, H]) of the draft's LM head over its draft vocabulary
+    (:mod:`dflash.models.draft_vocab`), or (None, None): no draft, no ``draft_vocab.json``,
+    ``DFLASH_DRAFT_VOCAB=0``, or a quantized or biased head (which then scores the full
+    vocabulary: still lossless, only slower)."""
+    from dflash.models.draft_vocab import vocab_enabled
+
+    ids = getattr(draft, "draft_vocab", None)
+    module = head if isinstance(head, nn.Module) else embed  # embed.as_linear: tied embeddings
+    if ids is None or not vocab_enabled() or "scales" in module or "bias" in module:
+        return None, None
+    idx = mx.array(ids)
+    weight = module.weight[idx]
+    mx.eval(weight)
+    return idx, weight
 
 
 def load_pipeline(model: str | None, draft: str | None, *, device: str = "auto",

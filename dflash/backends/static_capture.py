@@ -56,13 +56,14 @@ class StaticGraphs:
         """The forward a graph captures: eager, or once wrapped in ``torch.compile``; for the
         device loop's kinds (``dverify``, ``ddraft``) its glue around that forward."""
         head = {"argmax": True} if self.head_argmax else {}  # DFLASH_HEAD_ARGMAX: no logits
+        dhead = self.device_loop_draft_kw()  # the device loop's draft: proposals only
         if kind in ("dverify", "ddraft") and self.compile and self.step_compile:
             key = f"{kind}-{width}"  # glue and forward traced as one function (DFLASH_STEP_COMPILE)
             if key not in self._compiled:
                 inductor_cache_dir()
                 lp = self.device_loop
                 step = (partial(lp.verify_step, width, partial(self._target_forward, **head), whole=True)
-                        if kind == "dverify" else partial(lp.draft_step, partial(self._draft_forward, **head),
+                        if kind == "dverify" else partial(lp.draft_step, partial(self._draft_forward, **dhead),
                                                           whole=True))  # fmt: skip
                 mode = os.environ.get("DFLASH_COMPILE_MODE") or None  # as the forwards below
                 self._compiled[key] = torch.compile(step, dynamic=False, mode=mode)
@@ -70,7 +71,7 @@ class StaticGraphs:
         if kind == "dverify":
             return lambda: self.device_loop.verify_step(width, partial(self._fn("verify"), **head))
         if kind == "ddraft":
-            return lambda: self.device_loop.draft_step(partial(self._fn("draft"), **head))
+            return lambda: self.device_loop.draft_step(partial(self._fn("draft"), **dhead))
         eager = self._target_forward if kind == "verify" else self._draft_forward
         if not self.compile:
             return eager

@@ -43,7 +43,8 @@ from dflash.models.draft_torch import rope_cos_sin
 def draft_forward_fused(draft, fused, block_embeds, target_hidden, q_pos, ctx_pos, cache, masks,
                         pack_gqa: bool = False, split_kinds=frozenset(), lin: bool = False,
                         lin_in: bool = False, rope: bool = False, prefetch=None, glu: bool = False,
-                        folded=None, partials: bool = False, qkv_fused: bool = False):  # fmt: skip
+                        folded=None, partials: bool = False, qkv_fused: bool = False,
+                        final_norm: bool = True):  # fmt: skip
     """:meth:`DFlashDraft.forward` for the static cache with fused projections.
 
     Context and block rows go through one QKV matmul ([Tc + L] rows; the context rows' Q is
@@ -71,7 +72,9 @@ def draft_forward_fused(draft, fused, block_embeds, target_hidden, q_pos, ctx_po
     prefetch of each layer's o_proj, gate+up and down_proj weights after its qkv projection
     (:mod:`dflash.backends.l2_prefetch`), or None; ``qkv_fused``: with ``rope`` (and ``lin_in``,
     no ``prefetch``) the qkv projection inside that kernel too
-    (:func:`~dflash.backends.qkv_rope.qkv_rope`, ``DFLASH_QKV_ROPE``).
+    (:func:`~dflash.backends.qkv_rope.qkv_rope`, ``DFLASH_QKV_ROPE``); ``final_norm=False``: the
+    last layer's output without the final norm (the caller's head has the norm's weight folded
+    in and takes only the argmax, which the norm's positive per-row scale does not change).
     """
     cfg, tc, lq = draft.config, target_hidden.shape[1], block_embeds.shape[1]
     groups = cfg.num_attention_heads // cfg.num_key_value_heads
@@ -146,7 +149,7 @@ def draft_forward_fused(draft, fused, block_embeds, target_hidden, q_pos, ctx_po
             h = _mlp(lin, lin_in, gate_up, layer.mlp.down_proj, F.silu, layer.post_attention_layernorm(h), h, glu)
     if prefetch:
         l2_prefetch.join(prefetch[0], h)
-    return draft.norm(h)
+    return draft.norm(h) if final_norm else h
 
 
 def draft_rope_fits(draft) -> bool:

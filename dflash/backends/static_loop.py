@@ -236,7 +236,7 @@ class DeviceLoop:
             be._device_graph("ddraft", self.width)[0].replay()
         else:
             with torch.inference_mode():
-                self.draft_step(partial(be._draft_forward, **self._head()))
+                self.draft_step(partial(be._draft_forward, **be.device_loop_draft_kw()))
 
     def launch_verify(self, block_size: int) -> int:
         """Queue the verify and commit of the step whose draft is queued (width 1 for

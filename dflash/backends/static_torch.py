@@ -182,6 +182,8 @@ class StaticBackend(StaticGraphs, TransformersBackend):
         fuse = fuse_default() if fuse is None else fuse
         self.fused_target = fuse_target(target) if fuse else None
         self.fused_draft = fuse_draft(draft) if fuse and draft is not None else None
+        if self.fused_draft is not None:  # the device loop's draft skips its final norm
+            self.draft_head.fold_norm(draft.norm.weight)
         self.pack_gqa = pack_gqa_default() if pack_gqa is None else pack_gqa
         # the fused forwards' attention (target; the draft's all-visible layers when the draft is
         # fused too): split-KV kernel over the filled rows or SDPA with a position mask (see
@@ -323,11 +325,14 @@ class StaticBackend(StaticGraphs, TransformersBackend):
 
     # -- draft forward --------------------------------------------------------------------
     def _draft_forward(self, block: torch.Tensor, start: torch.Tensor, ctx_pos: torch.Tensor,
-                       argmax: bool = False):  # fmt: skip
+                       argmax: bool = False, logits: bool = True):  # fmt: skip
         """block [1, L] ids, start [1] position of the anchor, ctx_pos [Tc] context rows.
 
         Returns (proposals [L-1] int64, logits [L-1, V]); ``argmax``: (proposals, None), the
-        proposals through :func:`~dflash.backends.head_argmax.head_argmax` (no logits)."""
+        proposals through :func:`~dflash.backends.head_argmax.head_argmax` (no logits);
+        ``logits=False``: (proposals, None) (the device loop): no full-vocabulary scatter with a
+        draft vocabulary, and on the fused path no final norm (its weight folded into the
+        head's copy, :meth:`~dflash.backends.draft_head.DraftHead.fold_norm`)."""
         length = block.shape[-1]
         q_pos = (start + torch.arange(length, device=self.device))[None]  # [1, L]
         self.dcache.write_pos = ctx_pos
@@ -338,6 +343,8 @@ class StaticBackend(StaticGraphs, TransformersBackend):
         masks = {kind: valid.expand(1, 1, length, -1) if rule is None else rule & valid
                  for kind, rule in rules.items()}  # fmt: skip
         embeds, ctx = F.embedding(block, self.embed_weight), self.feats[ctx_pos][None]
+        head = self.draft_head  # the draft vocabulary's rows when the draft has one
+        fold = not (logits or argmax) and self.fused_draft is not None and head.folded is not None
         if self.fused_draft is not None:
             split = uses_kernel(self.attention, length)
             kinds = frozenset(kind for kind, rule in rules.items() if rule is None) if split else frozenset()
@@ -348,13 +355,23 @@ class StaticBackend(StaticGraphs, TransformersBackend):
                                     (self.l2_sink, self.prefetch) if self.prefetch and lin else None,
                                     lin and self.draft_glu,
                                     self.folded_draft if lin and self.draft_fuse_norm else None,
-                                    self.norm_partials, lin and self.qkv_rope_draft)  # fmt: skip
+                                    self.norm_partials, lin and self.qkv_rope_draft,
+                                    final_norm=not fold)  # fmt: skip
         else:
             h = self.draft_model(embeds, ctx, q_pos, ctx_pos[None], cache=self.dcache, masks=masks)
+        if fold:  # no final norm: its weight is in the head's copy (DraftHead.fold_norm)
+            return head.argmax_folded(h[0, 1:], row_argmax), None
         if argmax:
-            return head_argmax(h[0, 1:], self.lm_head.weight), None
-        logits = self.lm_head(h[0, 1:])  # [L-1, V]
-        return row_argmax(logits), logits
+            return head.to_target(head_argmax(h[0, 1:], head.weight if head.ids is not None
+                                              else self.lm_head.weight)), None  # fmt: skip
+        small = head.small_logits(h[0, 1:])  # [L-1, Vd]
+        props = head.to_target(row_argmax(small))
+        return props, (head.widen(small) if logits else None)  # [L-1, V] for sampling
+
+    def device_loop_draft_kw(self) -> dict:
+        """``_draft_forward``'s keywords in the device loop, which needs the proposals only:
+        ``argmax`` under ``DFLASH_HEAD_ARGMAX``, else ``logits=False`` (see ``_draft_forward``)."""
+        return {"argmax": True} if self.head_argmax else {"logits": False}
 
     # -- protocol -------------------------------------------------------------------------
     def prefill(self, prompt_ids: list[int], with_features: bool):

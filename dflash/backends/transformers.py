@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from dflash.backends.base import SelectorProposal
+from dflash.backends.draft_head import DraftHead
 from dflash.errors import BackendError, CheckpointError, ConfigError, InputError
 from dflash.models.config import DraftConfig
 from dflash.models.draft_torch import DFlashDraft
@@ -122,6 +123,8 @@ class TransformersBackend:
         self.draft_uses_sampling = bool(getattr(draft, "is_dflash2", False))  # DFlash2 selector
         self.draft_head_rows = draft is not None and not self.draft_uses_sampling  # ``rows=``
         self.embed_scale = float(getattr(draft, "embed_scale", 1.0))
+        # the draft's LM head, over its draft vocabulary when it has one (draft_vocab.json)
+        self.draft_head = DraftHead.for_draft(self.lm_head, draft) if draft is not None else None
         self._draft_rng: torch.Generator | None = None
 
     # -- protocol ---------------------------------------------------------------------------
@@ -171,8 +174,7 @@ class TransformersBackend:
                     h[:, 1:], block[:, 0], self.lm_head, temp, rng
                 )
                 return tokens[0], SelectorProposal(cand[0], None if q is None else q[0])
-            logits = self.lm_head(h[0, 1 : (rows or length - 1) + 1])  # [rows, V]
-        return logits.argmax(-1), logits
+            return self.draft_head(h[0, 1 : (rows or length - 1) + 1])  # [rows], [rows, V]
 
     def _selector_rng(self, sampling) -> torch.Generator:
         """The torch generator of the DFlash2 selector's draws, seeded once per request."""

@@ -17,6 +17,7 @@ from mlx.utils import tree_flatten
 
 from dflash.errors import CheckpointError, ConfigError, InputError
 from dflash.models.config import DraftConfig
+from dflash.models.draft_vocab import load_draft_vocab
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
@@ -195,7 +196,12 @@ class DFlashDraftMLX(nn.Module):
         window: ``--draft-window N``: keep at most the N most recent context rows per layer
             (positions stay absolute); None keeps all (sliding layers still drop rows that
             their window hides).
+
+    ``draft_vocab``: the draft vocabulary's target ids (numpy [Vd]) set by
+    :func:`load_draft_mlx`, or None (:mod:`dflash.models.draft_vocab`).
     """
+
+    draft_vocab = None
 
     def __init__(self, cfg: DraftConfig, window: int | None = None):
         super().__init__()
@@ -288,7 +294,8 @@ def load_draft_mlx(folder: str | Path, *, dtype=mx.float32, bits: int | None = N
         window: ``--draft-window`` (see :class:`DFlashDraftMLX`).
 
     Raises:
-        CheckpointError: no weights, an unreadable file, or missing/unexpected tensors.
+        CheckpointError: no weights, an unreadable file, missing/unexpected tensors, or a bad
+            ``draft_vocab.json``.
         ConfigError: an invalid config, a DFlash2 draft, or an fc width that does not fit it.
         InputError: bits not in (4, 8) or a window < 1.
     """
@@ -327,6 +334,8 @@ def load_draft_mlx(folder: str | Path, *, dtype=mx.float32, bits: int | None = N
                     class_predicate=lambda _p, m: isinstance(m, nn.Linear)
                     and m.weight.shape[-1] % group_size == 0)  # fmt: skip
     mx.eval(model.parameters())
+    vocab = load_draft_vocab(folder, cfg.vocab_size)  # dflash.models.draft_vocab
+    model.draft_vocab = None if vocab is None else np.array(vocab, dtype=np.int64)  # not a child
     return model
 
 

@@ -18,6 +18,7 @@ from torch import nn
 
 from dflash.errors import CheckpointError, ConfigError
 from dflash.models.config import DraftConfig
+from dflash.models.draft_vocab import load_draft_vocab, save_draft_vocab
 
 SHARD_BYTES = 15_000_000
 
@@ -269,6 +270,7 @@ class DFlashDraft(nn.Module):
         inv_freq, self.rope_scale = rope_inv_freq(cfg)
         self._inv_freq_f32 = inv_freq  # master copy: RoPE tables stay float32 in every dtype
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.draft_vocab: list[int] | None = None  # draft_vocab.json (dflash.models.draft_vocab)
 
     def _apply(self, fn, recurse=True):
         """``.to()``/``.half()``/``.bfloat16()`` move the RoPE frequencies but keep them float32
@@ -403,6 +405,8 @@ class DFlashDraft(nn.Module):
             size += nbytes
         for old in out.glob("model*.safetensors*"):
             old.unlink()
+        if self.draft_vocab is not None:
+            save_draft_vocab(out, self.draft_vocab)
         meta = {"format": "pt"}
         if len(shards) == 1:
             save_safetensors(shards[0], out / "model.safetensors", metadata=meta)
@@ -437,7 +441,8 @@ class DFlashDraft(nn.Module):
         ``architectures``).
 
         Raises:
-            CheckpointError: no weights, an unreadable shard, or missing/unexpected tensors.
+            CheckpointError: no weights, an unreadable shard, missing/unexpected tensors, or a
+                bad ``draft_vocab.json`` (kept as ``draft_vocab``, :mod:`dflash.models.draft_vocab`).
             ConfigError: an invalid config, or a v1 config given to a DFlash2 class.
         """
         folder = Path(folder)
@@ -470,6 +475,7 @@ class DFlashDraft(nn.Module):
         model.load_state_dict(state, assign=True)
         inv_freq, model.rope_scale = rope_inv_freq(cfg)
         model._inv_freq_f32, model.inv_freq = inv_freq, inv_freq
+        model.draft_vocab = load_draft_vocab(folder, cfg.vocab_size)
         return model.to(device=device, dtype=dtype)  # inv_freq stays float32 (see _apply)
 
 

@@ -1,0 +1,174 @@
+"""Draft vocabulary (draft_vocab.json): the draft scores only Vd target tokens; outputs stay the
+target's (greedy parity) and proposals are exactly the argmax over the kept tokens."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from dflash.backends.static_torch import StaticBackend
+from dflash.backends.transformers import TransformersBackend
+from dflash.cli import app
+from dflash.errors import CheckpointError, InputError
+from dflash.loop import speculative_generate
+from dflash.models.draft_torch import DFlashDraft
+from dflash.models.draft_vocab import VOCAB_FILE, choose, count_tokens, coverage, load_draft_vocab
+from tests.conftest import make_draft
+from tests.test_cli import assert_one_line_error, run
+from tests.test_loop_scripted import PROMPT, greedy_reference
+
+VOCAB = sorted(int(i) for i in torch.randperm(256, generator=torch.Generator().manual_seed(3))[:64])
+
+
+def test_choose_keeps_the_most_frequent_and_reports_coverage():
+    counts = count_tokens([{"response_ids": [5, 5, 5, 7, 7, 9]}, {"response_ids": [9, 9, 9, 9, 2]}])
+    assert counts == Counter({9: 5, 5: 3, 7: 2, 2: 1})
+    assert choose(counts, 2, 100) == [5, 9]
+    assert choose(counts, 6, 100) == [0, 1, 2, 5, 7, 9]  # topped up with the lowest unseen ids
+    assert coverage([5, 9], counts) == 8 / 11
+    with pytest.raises(InputError, match="outside 1..100"):
+        choose(counts, 101, 100)
+
+
+def test_save_load_roundtrip_and_bad_files(tiny_target, tmp_path):
+    draft = make_draft(tiny_target)
+    draft.draft_vocab = VOCAB
+    draft.save(tmp_path / "d")
+    assert DFlashDraft.load(tmp_path / "d").draft_vocab == VOCAB
+    path = tmp_path / "d" / VOCAB_FILE
+    for bad in ('{"token_ids": [1, 1]}', '{"token_ids": [256]}', '{"ids": [1]}', "not json"):
+        path.write_text(bad)
+        with pytest.raises(CheckpointError, match="draft_vocab.json"):
+            DFlashDraft.load(tmp_path / "d")
+    path.unlink()
+    assert load_draft_vocab(tmp_path / "d", 256) is None
+
+
+def _backends(tiny_target, kind, vocab=VOCAB):
+    cls = TransformersBackend if kind == "plain" else StaticBackend
+    kw = {"plain": {}, "static": {"use_graphs": False}, "device": {"use_graphs": False, "device_loop": True}}[kind]
+    with_vocab, without = make_draft(tiny_target), make_draft(tiny_target)
+    with_vocab.draft_vocab = vocab
+    return (cls(tiny_target, with_vocab, torch.device("cpu"), **kw),
+            cls(tiny_target, without, torch.device("cpu"), **kw))  # fmt: skip
+
+
+def _draft_once(be):
+    be.reset(len(PROMPT) + 64)
+    with torch.inference_mode():
+        _, ctx = be.prefill(PROMPT, True)
+        props, logits = be.draft(PROMPT[-1], ctx, len(PROMPT), 16)
+    return props.clone(), logits.clone()
+
+
+@pytest.mark.parametrize("kind", ["plain", "static"])
+def test_proposals_are_the_argmax_over_the_draft_vocabulary(tiny_target, kind):
+    _, ref = _backends(tiny_target, kind)
+    _, full = _draft_once(ref)
+    top = set(full.topk(3, dim=-1).indices.flatten().tolist())  # leave out the draft's favourites
+    vocab = [i for i in VOCAB if i not in top] + [sorted(top)[0]]
+    be, _ = _backends(tiny_target, kind, sorted(vocab))
+    assert be.draft_head.size == len(vocab) and ref.draft_head.size == 256
+    props, logits = _draft_once(be)
+    keep = torch.zeros(256, dtype=torch.bool)
+    keep[vocab] = True
+    expected = full.masked_fill(~keep, float("-inf")).argmax(-1)
+    assert props.tolist() == expected.tolist()
+    assert full.argmax(-1).tolist() != expected.tolist()  # the vocabulary changed some proposals
+    assert torch.isinf(logits[:, ~keep]).all()
+    torch.testing.assert_close(logits[:, keep], full[:, keep])
+
+
+@pytest.mark.parametrize("kind", ["plain", "static", "device"])
+def test_greedy_output_is_the_targets_with_a_draft_vocabulary(tiny_target, kind):
+    be, _ = _backends(tiny_target, kind)
+    proposed = []
+    if kind == "device":  # the device loop's own draft call (logits=False): proposals in the vocab
+        be.device_loop.proposals_hook = lambda p: proposed.append(p.tolist()) or p
+    truth = greedy_reference(tiny_target, PROMPT, 50)
+    for block_size in (4, 16):
+        toks = [t for r in speculative_generate(be, PROMPT, block_size=block_size, max_new_tokens=50)
+                for t in r.tokens]  # fmt: skip
+        assert toks == truth
+    assert kind != "device" or (proposed and set(sum(proposed, [])) <= set(VOCAB))
+
+
+def test_switch_off_ignores_the_vocabulary(tiny_target, monkeypatch):
+    monkeypatch.setenv("DFLASH_DRAFT_VOCAB", "0")
+    be, _ = _backends(tiny_target, "plain")
+    assert be.draft_head.ids is None
+    monkeypatch.setenv("DFLASH_DRAFT_VOCAB", "maybe")
+    with pytest.raises(InputError, match="DFLASH_DRAFT_VOCAB"):
+        _backends(tiny_target, "plain")
+
+
+def test_cli_data_vocab_writes_reports_and_removes(tiny_target, tmp_path):
+    make_draft(tiny_target).save(tmp_path / "d")
+    (tmp_path / "data").mkdir()
+    rows = [{"id": f"a/{i}", "prompt_ids": [1], "response_ids": [3, 3, 4, 200]} for i in range(5)]
+    (tmp_path / "data" / "s.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = ["data", "vocab", "--data", str(tmp_path / "data"), "--draft", str(tmp_path / "d"), "--size"]
+    res = CliRunner().invoke(app, [*args, "2"])
+    assert res.exit_code == 0, res.output
+    assert "2 of 256 tokens; covers 75.00% of 20 response tokens" in res.output
+    assert DFlashDraft.load(tmp_path / "d").draft_vocab == [3, 4]
+    assert_one_line_error(run(*args, "300"), "outside 1..256")
+    res = CliRunner().invoke(app, [*args, "0"])
+    assert res.exit_code == 0 and not (tmp_path / "d" / VOCAB_FILE).exists()
+
+
+def test_mlx_backend_uses_the_draft_vocabulary(tmp_path):
+    mx = pytest.importorskip("mlx.core")
+    pytest.importorskip("mlx_lm")
+    import dflash
+    from dflash.models.draft_vocab import save_draft_vocab
+    from tests.mlx_models import VOCAB as V
+    from tests.mlx_models import build_draft, build_target, random_prompt
+    from tests.mlx_models import greedy_reference as mlx_greedy
+
+    target = build_target(tmp_path / "target", "qwen3")
+    draft = build_draft(tmp_path / "draft", target)
+    prompt = random_prompt(12)
+    ref = dflash.load(str(target), str(draft), backend="mlx")
+    kept = sorted(int(i) for i in torch.randperm(V, generator=torch.Generator().manual_seed(1))[: V // 4])
+    save_draft_vocab(draft, kept)
+    pipe = dflash.load(str(target), str(draft), backend="mlx")
+    be, rb = pipe.backend, ref.backend
+    assert be.draft_vocab is not None and rb.draft_vocab is None
+    outs = []
+    for b in (be, rb):
+        b.reset(len(prompt) + 64)
+        _, ctx = b.prefill(prompt, True)
+        outs.append(b.draft(prompt[-1], ctx, len(prompt), 16))
+    (props, logits), (_, full) = outs
+    mask = mx.full(full.shape, -mx.inf)
+    mask[:, mx.array(kept)] = 0
+    expected = mx.argmax(full + mask, axis=-1)
+    assert props.tolist() == expected.tolist() != mx.argmax(full, axis=-1).tolist()
+    assert bool(mx.all(mx.isinf(logits + mask) == mx.isinf(mask)))
+    got = pipe.generate(prompt, block_size=16, max_new_tokens=40, stop_ids=[])
+    assert got.token_ids == mlx_greedy(target, prompt, 40)
+
+
+@pytest.mark.parametrize("vocab", [None, VOCAB])
+def test_folded_final_norm_gives_the_same_argmax(vocab):
+    """DraftHead.fold_norm: argmax(h (W * w)^T) over un-normed rows == argmax(norm(h) W^T)."""
+    from dflash.backends.draft_head import DraftHead
+    from dflash.models.draft_torch import RMSNorm
+
+    torch.manual_seed(0)
+    lm_head, norm = torch.nn.Linear(32, 256, bias=False), RMSNorm(32)
+    norm.weight.data = torch.rand(32) + 0.5
+    h = 5 * torch.randn(15, 32)
+    head = DraftHead(lm_head, vocab)
+    head.fold_norm(norm.weight)
+    want, _ = head(norm(h))
+    assert head.argmax_folded(h, lambda x: x.argmax(-1)).tolist() == want.tolist()
+    assert len(set(want.tolist())) > 3  # varied rows: the check can fail
+    biased = DraftHead(torch.nn.Linear(32, 256), vocab)
+    biased.fold_norm(norm.weight)
+    assert biased.folded is None  # a bias does not scale with the norm: no fold
