@@ -164,6 +164,13 @@ KERNEL_CHECK = textwrap.dedent("""
         rc.rope_cache(qkv, qn, kn, cos, sin, pos, kc, vc, tc, h, hkv)
         early = rc.rope_cache(qkv, qn, kn, cos, sin, pos, ke, ve, tc, h, hkv, early=True)
         assert torch.equal(early, got) and torch.equal(ke, kc) and torch.equal(ve, vc), args
+        # [S, D] tables read at the rows' positions == [1, 1, T, D] tables of those rows
+        ct, st = torch.randn(kc.shape[2], cos.shape[-1]), torch.randn(kc.shape[2], cos.shape[-1])
+        kt, vt, kr, vr = kc.clone(), vc.clone(), kc.clone(), vc.clone()
+        want = rc.rope_cache_reference(qkv, qn, kn, ct[pos][None, None], st[pos][None, None], pos, kr, vr, tc, h, hkv)
+        got = rc.rope_cache(qkv, qn, kn, ct, st, pos, kt, vt, tc, h, hkv)
+        for a, b in ((got, want), (kt, kr), (vt, vr)):
+            assert (a - b).abs().max().item() < 1e-5, args
     from tests.test_split_attention import assert_static_greedy
     assert_static_greedy(attention="split", draft_linear=True, draft_rope=True, target_rope=True)
     # the draft's logits with the kernel equal the torch ops' (tokens alone cannot show a draft error)
@@ -207,15 +214,16 @@ def test_triton_kernel_in_interpreter():
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
-@pytest.mark.parametrize("early", [False, True])
-def test_kernel_compiles_for_hopper(early):
+@pytest.mark.parametrize("early,table", [(False, False), (True, False), (True, True)])
+def test_kernel_compiles_for_hopper(early, table):
     """The kernel compiles for sm_90 (the H200) with PDL; ``early`` puts the tables', positions'
-    and norm weights' loads before the wait for the previous kernel, and only then."""
+    and norm weights' loads before the wait for the previous kernel, and only then (``table``:
+    tables read by position)."""
     from tests.triton_helpers import compile_for_hopper
 
     ptrs = ("QKV", "QW", "KW", "COS", "SIN", "POS", "QO", "KC", "VC")
     ints = ("TC", "s_row", "s_cos", "s_qh", "s_qt", "s_kh", "s_ks", "s_vh", "s_vs")
-    consts = {"H": 32, "KV": 8, "HALF": 64, "NORM": True, "PDL": True, "EARLY": early}
+    consts = {"H": 32, "KV": 8, "HALF": 64, "NORM": True, "PDL": True, "EARLY": early, "TABLE": table}
     sig = {**{n: "*bf16" for n in ptrs}, **{n: "i32" for n in ints}, "eps_q": "fp32", "eps_k": "fp32",
            **dict.fromkeys(consts, "constexpr")}  # fmt: skip
     sig["POS"] = "*i64"

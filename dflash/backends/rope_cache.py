@@ -33,6 +33,7 @@ from dflash.backends.attn_settings import early_setting
 from dflash.backends.pdl import pdl_enabled
 
 ROPE_ENV = "DFLASH_ROPE"
+ROPE_TABLE_ENV = "DFLASH_ROPE_TABLE"
 
 try:
     import triton
@@ -55,6 +56,13 @@ def rope_parts() -> frozenset[str]:
 
         raise InputError(f"{ROPE_ENV} must be 0, 1 or draft, got {raw!r}.", hint="unset it for the default (1)")
     return frozenset() if raw == "0" else frozenset({"draft"}) if raw == "draft" else frozenset({"draft", "target"})
+
+
+def rope_table_default() -> bool:
+    """``DFLASH_ROPE_TABLE``: unset or anything but ``0``: the static draft's RoPE kernel reads
+    cos/sin tables made once per cache size, by position; ``0``: tables of the call's rows,
+    computed in every draft call (one kernel more; side-by-side timing)."""
+    return os.environ.get(ROPE_TABLE_ENV, "").strip() != "0"
 
 
 def norm_eps(norm) -> float:
@@ -92,10 +100,12 @@ if triton is not None:
 
     @triton.jit
     def _row_inputs(QW, KW, COS, SIN, POS, row, head, s_cos, d, H: tl.constexpr, KV: tl.constexpr,
-                    HALF: tl.constexpr, NORM: tl.constexpr):  # fmt: skip
+                    HALF: tl.constexpr, NORM: tl.constexpr, TABLE: tl.constexpr = False):  # fmt: skip
         """What a (row, head) program reads besides the projection: the norm's weight halves
         (float32; ones without NORM or for a value head), the row's cos/sin halves and its
-        cache position."""
+        cache position (TABLE: cos/sin are tables by position, read at that position)."""
+        at = tl.load(POS + row)
+        t = at if TABLE else row
         w1 = tl.full([HALF], 1.0, tl.float32)
         w2 = tl.full([HALF], 1.0, tl.float32)
         if NORM:
@@ -105,27 +115,27 @@ if triton is not None:
             elif head < H + KV:
                 w1 = tl.load(KW + d).to(tl.float32)
                 w2 = tl.load(KW + HALF + d).to(tl.float32)
-        c1 = tl.load(COS + row * s_cos + d).to(tl.float32)
-        c2 = tl.load(COS + row * s_cos + HALF + d).to(tl.float32)
-        s1 = tl.load(SIN + row * s_cos + d).to(tl.float32)
-        s2 = tl.load(SIN + row * s_cos + HALF + d).to(tl.float32)
-        return w1, w2, c1, c2, s1, s2, tl.load(POS + row)
+        c1 = tl.load(COS + t * s_cos + d).to(tl.float32)
+        c2 = tl.load(COS + t * s_cos + HALF + d).to(tl.float32)
+        s1 = tl.load(SIN + t * s_cos + d).to(tl.float32)
+        s2 = tl.load(SIN + t * s_cos + HALF + d).to(tl.float32)
+        return w1, w2, c1, c2, s1, s2, at
 
     @triton.jit
     def _rope_cache_kernel(QKV, QW, KW, COS, SIN, POS, QO, KC, VC, TC, s_row, s_cos, s_qh, s_qt,
                            s_kh, s_ks, s_vh, s_vs, eps_q, eps_k, H: tl.constexpr, KV: tl.constexpr,
                            HALF: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr,
-                           EARLY: tl.constexpr = False):  # fmt: skip
+                           EARLY: tl.constexpr = False, TABLE: tl.constexpr = False):  # fmt: skip
         row = tl.program_id(0)
         head = tl.program_id(1)
         d = tl.arange(0, HALF)
         if EARLY:  # the tables and positions come from kernels done before the previous one
-            w1, w2, c1, c2, s1, s2, at = _row_inputs(QW, KW, COS, SIN, POS, row, head, s_cos, d, H, KV, HALF, NORM)
+            w1, w2, c1, c2, s1, s2, at = _row_inputs(QW, KW, COS, SIN, POS, row, head, s_cos, d, H, KV, HALF, NORM, TABLE)
         if PDL:  # the rest (the projection's output) comes from the kernel just before
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         if not EARLY:
-            w1, w2, c1, c2, s1, s2, at = _row_inputs(QW, KW, COS, SIN, POS, row, head, s_cos, d, H, KV, HALF, NORM)
+            w1, w2, c1, c2, s1, s2, at = _row_inputs(QW, KW, COS, SIN, POS, row, head, s_cos, d, H, KV, HALF, NORM, TABLE)
         base = QKV + row * s_row + head * (2 * HALF)
         dt = QKV.dtype.element_ty
         if head < H:  # a query head: block rows only (the context rows' queries are dropped)
@@ -152,9 +162,11 @@ if triton is not None:
 def _launch(qkv, q_w, k_w, eps_q, eps_k, cos, sin, pos, kc, vc, tc, heads, kv_heads, early=False) -> torch.Tensor:
     t, width = qkv.shape
     d = kc.shape[-1]
-    cos, sin = cos[0, 0], sin[0, 0]  # [T, D]: sliced here, inside the op (see rope_cache)
+    table = cos.dim() == 2  # [S, D] tables by position, else [1, 1, T, D] by row
+    cos, sin = (cos, sin) if table else (cos[0, 0], sin[0, 0])  # sliced here, inside the op (see rope_cache)
     if width != (heads + 2 * kv_heads) * d or qkv.stride(1) != 1 or cos.stride(-1) != 1 \
-            or sin.stride() != cos.stride() or cos.shape[0] != t or pos.shape != (t,) or pos.stride(0) != 1 \
+            or sin.stride() != cos.stride() or cos.shape[-1] != d or (not table and cos.shape[0] != t) \
+            or (table and cos.shape[0] < kc.shape[2]) or pos.shape != (t,) or pos.stride(0) != 1 \
             or kc.shape[1] != kv_heads or vc.shape != kc.shape or kc.stride(-1) != 1 or vc.stride(-1) != 1:
         raise ValueError(f"rope_cache: qkv {tuple(qkv.shape)} (strides {qkv.stride()}) does not fit "
                          f"{heads} + 2 x {kv_heads} heads of {d}, cos/sin {tuple(cos.shape)}, positions "
@@ -165,7 +177,8 @@ def _launch(qkv, q_w, k_w, eps_q, eps_k, cos, sin, pos, kc, vc, tc, heads, kv_he
     _rope_cache_kernel[(t, heads + 2 * kv_heads)](
         qkv, q_w if norm else qkv, k_w if norm else qkv, cos, sin, pos, q, kc, vc, tc, qkv.stride(0),
         cos.stride(-2), q.stride(1), q.stride(2), kc.stride(1), kc.stride(2), vc.stride(1), vc.stride(2),
-        eps_q, eps_k, H=heads, KV=kv_heads, HALF=d // 2, NORM=norm, PDL=pdl, EARLY=early, num_warps=1,
+        eps_q, eps_k, H=heads, KV=kv_heads, HALF=d // 2, NORM=norm, PDL=pdl, EARLY=early, TABLE=table,
+        num_warps=1,
         **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
     return q
@@ -189,6 +202,8 @@ def rope_cache_reference(qkv, q_norm, k_norm, cos, sin, pos, kc, vc, tc: int, he
     from dflash.models.draft_torch import apply_rope
 
     t, d = qkv.shape[0], kc.shape[-1]
+    if cos.dim() == 2:  # [S, D] tables by position
+        cos, sin = cos[pos][None, None], sin[pos][None, None]
     q, k, v = qkv[None].split((heads * d, kv_heads * d, kv_heads * d), dim=-1)
     q, k = q[:, tc:].view(1, t - tc, heads, d).transpose(1, 2), k.view(1, t, kv_heads, d).transpose(1, 2)
     if q_norm is not None:
@@ -209,7 +224,9 @@ def rope_cache(qkv: torch.Tensor, q_norm, k_norm, cos: torch.Tensor, sin: torch.
             rows (unit last stride): queries, keys, values, head after head.
         q_norm, k_norm: the layer's RMSNorm modules (``weight`` [D], ``eps`` or
             ``variance_epsilon``), or both None (no norms: Llama, Qwen2).
-        cos, sin: [1, 1, T, D] RoPE tables of the T rows (row-major last two dims).
+        cos, sin: [1, 1, T, D] RoPE tables of the T rows (row-major last two dims), or [S, D]
+            tables of every cache position S (read at ``pos``: no per-call tables to compute,
+            ``DFLASH_ROPE_TABLE``).
         pos: [T] int64 cache positions of the rows; rows sharing a position must hold the same
             values (the static loop's clamped context rows do), and no context row may share
             one with a block row.

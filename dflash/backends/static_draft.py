@@ -44,7 +44,7 @@ def draft_forward_fused(draft, fused, block_embeds, target_hidden, q_pos, ctx_po
                         pack_gqa: bool = False, split_kinds=frozenset(), lin: bool = False,
                         lin_in: bool = False, rope: bool = False, prefetch=None, glu: bool = False,
                         folded=None, partials: bool = False, qkv_fused: bool = False,
-                        final_norm: bool = True):  # fmt: skip
+                        final_norm: bool = True, tables=None):  # fmt: skip
     """:meth:`DFlashDraft.forward` for the static cache with fused projections.
 
     Context and block rows go through one QKV matmul ([Tc + L] rows; the context rows' Q is
@@ -74,7 +74,9 @@ def draft_forward_fused(draft, fused, block_embeds, target_hidden, q_pos, ctx_po
     no ``prefetch``) the qkv projection inside that kernel too
     (:func:`~dflash.backends.qkv_rope.qkv_rope`, ``DFLASH_QKV_ROPE``); ``final_norm=False``: the
     last layer's output without the final norm (the caller's head has the norm's weight folded
-    in and takes only the argmax, which the norm's positive per-row scale does not change).
+    in and takes only the argmax, which the norm's positive per-row scale does not change);
+    ``tables``: (cos, sin) [S, D] RoPE tables of every cache position, which the RoPE kernel
+    reads by position when every layer runs it (no per-call tables), or None.
     """
     cfg, tc, lq = draft.config, target_hidden.shape[1], block_embeds.shape[1]
     groups = cfg.num_attention_heads // cfg.num_key_value_heads
@@ -86,16 +88,22 @@ def draft_forward_fused(draft, fused, block_embeds, target_hidden, q_pos, ctx_po
         ctx = draft.hidden_norm(small_linear(target_hidden[0].contiguous(), fc.weight, fc.bias)[None])
     else:  # cuBLAS's split-K GEMM and its reduction (two, ~7 us on the H200)
         ctx = draft.hidden_norm(fc(target_hidden))  # [1, Tc, H]
-    cos, sin = rope_cos_sin(torch.cat((ctx_pos, q_pos), 1), draft.inv_freq, draft.rope_scale,
-                            block_embeds.dtype)  # [1, 1, Tc + L, D], shared by layers  # fmt: skip
-    cos, sin, q_pos = realized(cos, sin, q_pos)  # not once per layer
+    qkv_fused = qkv_fused and lin_in and not prefetch and tc + lq <= LINEAR_MAX_ROWS
+    by_pos = (tables is not None and rope and not qkv_fused
+              and all(kind in split_kinds for kind in cfg.layer_types))  # fmt: skip
+    if by_pos:  # every layer's RoPE kernel reads the tables at its rows' positions
+        cos, sin = tables
+        (q_pos,) = realized(q_pos)
+    else:
+        cos, sin = rope_cos_sin(torch.cat((ctx_pos, q_pos), 1), draft.inv_freq, draft.rope_scale,
+                                block_embeds.dtype)  # [1, 1, Tc + L, D], shared by layers  # fmt: skip
+        cos, sin, q_pos = realized(cos, sin, q_pos)  # not once per layer
     h = block_embeds
     # [1] every block row sees the keys < start + L: a view the split kernel reads in place (an
     # expanded [L] copy was materialised once per layer by Inductor: ~1 us each on the H200)
     see = q_pos[0, -1:] if split_kinds else None
     # [Tc + L] cache rows, one buffer (a per-call copy would be made just before each kernel)
     wpos = realized(torch.cat((cache.write_pos, q_pos[0])))[0] if rope and split_kinds else None
-    qkv_fused = qkv_fused and lin_in and not prefetch and tc + lq <= LINEAR_MAX_ROWS
     # early: after the first RoPE-kernel call every buffer made in the graph for these kernels
     # (cos/sin, wpos, q_pos) was written before an earlier layer's kernels, so the RoPE kernel
     # and the attention may load them before their PDL wait (qkv_rope, DFLASH_ATTN_EARLY)

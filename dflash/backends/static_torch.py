@@ -39,7 +39,7 @@ from dflash.backends.pdl import pdl_enabled, pdl_part
 from dflash.backends.qkv_rope import qkv_rope_fits, qkv_rope_wanted
 from dflash.backends.rms_norm import available as rms_norm_available
 from dflash.backends.rms_norm import norm_kernel_setting, rms_norm_fits
-from dflash.backends.rope_cache import rope_cache_fits, rope_parts
+from dflash.backends.rope_cache import rope_cache_fits, rope_parts, rope_table_default
 from dflash.backends.small_linear import MAX_ROWS, one_tile_setting
 from dflash.backends.split_attention import (
     attention_mode,
@@ -182,6 +182,7 @@ class StaticBackend(StaticGraphs, TransformersBackend):
         fuse = fuse_default() if fuse is None else fuse
         self.fused_target = fuse_target(target) if fuse else None
         self.fused_draft = fuse_draft(draft) if fuse and draft is not None else None
+        self.rope_table = rope_table_default()  # the draft's RoPE kernel reads [S, D] tables
         if self.fused_draft is not None:  # the device loop's draft skips its final norm
             self.draft_head.fold_norm(draft.norm.weight)
         self.pack_gqa = pack_gqa_default() if pack_gqa is None else pack_gqa
@@ -280,6 +281,10 @@ class StaticBackend(StaticGraphs, TransformersBackend):
             c = self.draft_model.config
             self.dcache = StaticDraftCache(c.num_hidden_layers, c.num_key_value_heads, capacity,
                                            c.head_dim, dt, dev)  # fmt: skip
+            # cos/sin [S, D] of every position for the draft's RoPE kernel (DFLASH_ROPE_TABLE)
+            d = self.draft_model
+            cos, sin = rope_cos_sin(self.key_pos[None], d.inv_freq, d.rope_scale, dt)
+            self.draft_rope_tables = (cos[0, 0].contiguous(), sin[0, 0].contiguous())
         self.capacity = capacity
         self.graphs.clear()
 
@@ -356,7 +361,8 @@ class StaticBackend(StaticGraphs, TransformersBackend):
                                     lin and self.draft_glu,
                                     self.folded_draft if lin and self.draft_fuse_norm else None,
                                     self.norm_partials, lin and self.qkv_rope_draft,
-                                    final_norm=not fold)  # fmt: skip
+                                    final_norm=not fold,
+                                    tables=self.draft_rope_tables if self.rope_table else None)  # fmt: skip
         else:
             h = self.draft_model(embeds, ctx, q_pos, ctx_pos[None], cache=self.dcache, masks=masks)
         if fold:  # no final norm: its weight is in the head's copy (DraftHead.fold_norm)
