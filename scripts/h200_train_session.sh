@@ -124,6 +124,22 @@ bench)  # a machine lost since `train`: re-stage (1-4, prep's cat only) and carr
     --max-new-tokens 256 --json > "$OUT/generate.json" 2> "$OUT/generate.err"
   python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print({k: r[k] for k in ('decode_tok_per_s','ttft_s','verify_steps','new_tokens')})" "$OUT/generate.json" || tail -n 3 "$OUT/generate.err"
   ;;
+restage)  # a fresh machine after `train`: `stage ae` too, then this [.stage/newdraft] assembles the
+  # target and puts the trained draft in place for `vbench`
+  cat "$W"/stage/{aa,ab,ac,ad,ae}.part > "$GGUF" && sha256sum "$GGUF" | cut -c1-16
+  rm -rf "$W/draft" && cp -r .stage/newdraft "$W/draft" && ls "$W/draft"
+  ;;
+vbench)  # gsm8k 64: the new draft (its draft vocabulary; --check-parity), the shipped one with the
+  # same vocabulary, the shipped one as is; BENCH_S seconds at most each
+  rm -rf "$W/v6vocab" && cp -r "$SHIPPED" "$W/v6vocab" && cp "$W/draft/draft_vocab.json" "$W/v6vocab/"
+  B=(python3 -m dflash benchmark transformers --model "$GGUF" --max-new-tokens 256 --data-dir "$W/datasets"
+     --dataset gsm8k --max-samples 64 --block-size 16)
+  for run in new:$W/draft v6vocab:$W/v6vocab shipped:$SHIPPED; do
+    name=${run%%:*}; extra=(); [ "$name" = new ] && extra=(--check-parity)
+    timeout "${BENCH_S:-170}" "${B[@]}" --draft "${run#*:}" "${extra[@]}" --output "$OUT/b-$name.jsonl" > "$OUT/b-$name.txt" 2>&1
+    log "$name exit $?"; grep -E "DFlash decode|baseline decode|τ|parity" "$OUT/b-$name.txt" | head -8
+  done
+  ;;
 *) echo "unknown phase $phase"; exit 2 ;;
 esac
 log "phase $phase done"
