@@ -152,6 +152,25 @@ def test_mlx_backend_uses_the_draft_vocabulary(tmp_path):
     assert bool(mx.all(mx.isinf(logits + mask) == mx.isinf(mask)))
     got = pipe.generate(prompt, block_size=16, max_new_tokens=40, stop_ids=[])
     assert got.token_ids == mlx_greedy(target, prompt, 40)
+    # a quantized head (as a GGUF target's): its kept rows stay quantized, the same proposals
+    import mlx.nn as nn
+
+    from dflash.backends.mlx import MLXBackend
+    from dflash.models.draft_mlx import load_draft_mlx
+
+    qouts = []
+    for vocab in (True, False):
+        model, _ = __import__("mlx_lm").load(str(target))
+        nn.quantize(model, group_size=32, bits=4, class_predicate=lambda _p, m: isinstance(m, nn.Embedding))
+        d = load_draft_mlx(draft)
+        d.draft_vocab = d.draft_vocab if vocab else None
+        qb = MLXBackend(model, d)
+        assert callable(qb.draft_weight) == vocab
+        qb.reset(len(prompt) + 64)
+        _, ctx = qb.prefill(prompt, True)
+        qouts.append(qb.draft(prompt[-1], ctx, len(prompt), 16))
+    (qprops, _), (_, qfull) = qouts
+    assert qprops.tolist() == mx.argmax(qfull + mask, axis=-1).tolist()
 
 
 @pytest.mark.parametrize("vocab", [None, VOCAB])

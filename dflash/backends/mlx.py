@@ -162,7 +162,8 @@ class MLXBackend:
         if self.draft_vocab is None:
             logits = self.head(h)  # [rows, V]
             return mx.argmax(logits, axis=-1), logits
-        small = h @ self.draft_weight.T  # [rows, Vd]: the draft vocabulary's rows only
+        w = self.draft_weight  # [Vd, H], or the quantized rows' matmul
+        small = w(h) if callable(w) else h @ w.T  # [rows, Vd]: the draft vocabulary's rows only
         full = mx.full((small.shape[0], self.vocab_size), -mx.inf, dtype=small.dtype)
         full[:, self.draft_vocab] = small  # q = 0 outside the draft vocabulary (sampling)
         return self.draft_vocab[mx.argmax(small, axis=-1)], full
@@ -212,19 +213,27 @@ def _text_config(config: dict) -> dict:
 
 def draft_vocab_head(head, embed, draft) -> tuple[mx.array | None, mx.array | None]:
     """(ids [Vd], weight [Vd, H]) of the draft's LM head over its draft vocabulary
-    (:mod:`dflash.models.draft_vocab`), or (None, None): no draft, no ``draft_vocab.json``,
-    ``DFLASH_DRAFT_VOCAB=0``, or a quantized or biased head (which then scores the full
-    vocabulary: still lossless, only slower)."""
+    (:mod:`dflash.models.draft_vocab`); for a quantized head the weight is a function h [R, H]
+    -> [R, Vd] over the kept rows, still quantized. (None, None): no draft, no
+    ``draft_vocab.json``, ``DFLASH_DRAFT_VOCAB=0``, or a head with a bias (which then scores the
+    full vocabulary: still lossless, only slower)."""
     from dflash.models.draft_vocab import vocab_enabled
 
     ids = getattr(draft, "draft_vocab", None)
     module = head if isinstance(head, nn.Module) else embed  # embed.as_linear: tied embeddings
-    if ids is None or not vocab_enabled() or "scales" in module or "bias" in module:
+    if ids is None or not vocab_enabled() or "bias" in module:
         return None, None
     idx = mx.array(ids)
-    weight = module.weight[idx]
-    mx.eval(weight)
-    return idx, weight
+    if "scales" not in module:
+        weight = module.weight[idx]
+        mx.eval(weight)
+        return idx, weight
+    # a quantized head (e.g. a GGUF target): its kept rows, still quantized (rows are independent)
+    rows = {k: module[k][idx] for k in ("weight", "scales", "biases") if k in module}
+    mx.eval(list(rows.values()))
+    gs, bits, mode = module.group_size, module.bits, getattr(module, "mode", "affine")
+    return idx, lambda h: mx.quantized_matmul(h, rows["weight"], rows["scales"], rows.get("biases"),
+                                              transpose=True, group_size=gs, bits=bits, mode=mode)  # fmt: skip
 
 
 def load_pipeline(model: str | None, draft: str | None, *, device: str = "auto",
