@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from dflash.errors import BackendError, InputError
-from dflash.pipeline import Pipeline, check_run_args, package_versions  # noqa: F401 - re-exported
+from dflash.pipeline import Pipeline, check_run_args, key_path, package_versions  # noqa: F401 - re-exported
 from dflash.text import (  # noqa: F401 - re-exported
     TextStream,
     encode_messages,
@@ -182,7 +182,7 @@ def load(model: str | None = None, draft: str | None = None, *, backend: str = "
                          uniform_width=uniform_width,
                          ) if fast else TransformersBackend(target_model, draft_model, dev)  # fmt: skip
     cost_key = {"backend": type(impl).__name__, "device": device_name(dev), "dtype": str(dt),
-                "target": target_path, "draft": str(draft_dir),
+                "target": target_path, "draft": key_path(draft_dir), "draft_vocab": impl.draft_vocab_size,
                 "threads": torch.get_num_threads() if dev.type == "cpu" else None}  # fmt: skip
     return Pipeline(impl, tokenizer, stops, name=str(model or "demo"), draft_dir=draft_dir,
                     cost_key=cost_key)  # fmt: skip

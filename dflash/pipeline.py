@@ -278,6 +278,9 @@ class Pipeline:
         """What produces this pipeline's tokens: the backend's own description (impl, device,
         dtype, CUDA graphs, compile) plus package versions; stored with benchmark records."""
         info = dict(getattr(self.backend, "describe", dict)())
+        vocab = getattr(self.backend, "draft_vocab_size", None)
+        if vocab is not None:  # draft_vocab.json in use (named only then: older records stay comparable)
+            info["draft_vocab"] = vocab
         info["versions"] = package_versions()
         return info
 
@@ -312,3 +315,12 @@ def package_versions() -> dict[str, str | None]:
         except metadata.PackageNotFoundError:
             out[name] = None
     return out
+
+
+def key_path(path) -> str:
+    """A cost-cache key's path: absolute for a local file or folder (two folders both named
+    ``draft`` in different places are different drafts), as given otherwise (a hub id)."""
+    from pathlib import Path
+
+    p = Path(str(path))
+    return str(p.resolve()) if p.exists() else str(path)

@@ -3,7 +3,9 @@ target's (greedy parity) and proposals are exactly the argmax over the kept toke
 
 from __future__ import annotations
 
+import gzip
 import json
+import os
 from collections import Counter
 
 import pytest
@@ -44,6 +46,14 @@ def test_save_load_roundtrip_and_bad_files(tiny_target, tmp_path):
         path.write_text(bad)
         with pytest.raises(CheckpointError, match="draft_vocab.json"):
             DFlashDraft.load(tmp_path / "d")
+    path.write_text('{"token_ids": [true, 2]}')  # a bool is not a token id
+    with pytest.raises(CheckpointError, match="it has True"):
+        DFlashDraft.load(tmp_path / "d")
+    os.environ["DFLASH_DRAFT_VOCAB"] = "0"  # switched off: the file is not even read
+    try:
+        assert DFlashDraft.load(tmp_path / "d").draft_vocab is None
+    finally:
+        del os.environ["DFLASH_DRAFT_VOCAB"]
     path.unlink()
     assert load_draft_vocab(tmp_path / "d", 256) is None
 
@@ -97,6 +107,14 @@ def test_greedy_output_is_the_targets_with_a_draft_vocabulary(tiny_target, kind)
     assert kind != "device" or (proposed and set(sum(proposed, [])) <= set(VOCAB))
 
 
+def test_records_and_cost_keys_name_the_vocabulary(tiny_target):
+    from dflash.pipeline import Pipeline
+
+    be, ref = _backends(tiny_target, "plain")
+    assert Pipeline(be, None, []).describe()["draft_vocab"] == len(VOCAB)
+    assert "draft_vocab" not in Pipeline(ref, None, []).describe()  # older records stay comparable
+
+
 def test_switch_off_ignores_the_vocabulary(tiny_target, monkeypatch):
     monkeypatch.setenv("DFLASH_DRAFT_VOCAB", "0")
     be, _ = _backends(tiny_target, "plain")
@@ -119,6 +137,23 @@ def test_cli_data_vocab_writes_reports_and_removes(tiny_target, tmp_path):
     assert_one_line_error(run(*args, "300"), "outside 1..256")
     res = CliRunner().invoke(app, [*args, "0"])
     assert res.exit_code == 0 and not (tmp_path / "d" / VOCAB_FILE).exists()
+    res = CliRunner().invoke(app, [*args, "5"])  # more than the 3 distinct tokens seen: said so
+    assert res.exit_code == 0 and "only 3 distinct tokens seen" in res.output, res.output
+    bad = {"eval": ('{"eval_only": true}', [3]), "range": (None, [3, 256]), "float": (None, [3.5])}
+    for name, (meta, resp) in bad.items():
+        (tmp_path / name).mkdir()
+        if meta:
+            (tmp_path / name / "meta.json").write_text(meta)
+        (tmp_path / name / "s.jsonl").write_text(json.dumps({"id": "a/0", "prompt_ids": [1], "response_ids": resp}) + "\n\n")
+    (tmp_path / "gz").mkdir()
+    (tmp_path / "gz" / "s.jsonl.gz").write_bytes(gzip.compress(b'{"id": "a/0"}\n' * 50)[:30])
+    (tmp_path / "utf").mkdir()
+    (tmp_path / "utf" / "s.jsonl").write_bytes(b"\xff\xfe\n")
+    for folder, fragment in (("eval", "--eval-only"), ("range", "outside the draft's vocabulary"),
+                             ("float", "s.jsonl:1 is not a training record"), ("gz", "Cannot read shard"),
+                             ("utf", "Cannot read shard"), ("data/s.jsonl", "is a file, not a folder")):  # fmt: skip
+        assert_one_line_error(run("data", "vocab", "--data", str(tmp_path / folder), "--draft", str(tmp_path / "d"),
+                                  "--size", "2"), fragment)  # fmt: skip
 
 
 def test_mlx_backend_uses_the_draft_vocabulary(tmp_path):

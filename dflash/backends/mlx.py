@@ -18,7 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from dflash.api import Pipeline
+from dflash.api import Pipeline, key_path
 from dflash.backends import mlx_hooks
 from dflash.errors import BackendError
 from dflash.models.draft_mlx import DFlashDraftMLX
@@ -148,6 +148,11 @@ class MLXBackend:
         logits, f = self._forward(prompt_ids[done:], with_features)
         feats.append(f)
         return logits[-1], (mx.concatenate(feats, axis=0) if with_features else None)
+
+    @property
+    def draft_vocab_size(self) -> int | None:
+        """Vd of the draft vocabulary in use, or None (full vocabulary)."""
+        return None if self.draft_vocab is None else int(self.draft_vocab.shape[0])
 
     def draft(self, anchor: int, context: mx.array, start: int, length: int,
               rows: int | None = None):
@@ -288,8 +293,8 @@ def load_pipeline(model: str | None, draft: str | None, *, device: str = "auto",
 
     # measured step costs are kept per device, dtype, target, draft (and its quantization/window)
     cost_key = {"backend": "MLXBackend", "device": f"{mx.default_device()} {device_name(None)}", "dtype": str(dt),
-                "target": str(target_path), "draft": str(draft_dir), "draft_bits": draft_bits,
-                "draft_window": draft_window}  # fmt: skip
+                "target": str(target_path), "draft": key_path(draft_dir), "draft_bits": draft_bits,
+                "draft_window": draft_window, "draft_vocab": backend.draft_vocab_size}  # fmt: skip
     return MLXPipeline(backend, tokenizer, stops, name=str(model or "demo"), draft_dir=draft_dir, cost_key=cost_key)
 
 

@@ -221,6 +221,12 @@ class TransformersBackend:
 
         return TorchSampler(params, self.device)
 
+    @property
+    def draft_vocab_size(self) -> int | None:
+        """Vd of the draft vocabulary in use, or None (full vocabulary)."""
+        head = self.draft_head
+        return None if head is None or head.ids is None else int(head.ids.shape[0])
+
     def describe(self) -> dict[str, Any]:
         """What runs the forwards: impl, device (with the GPU name), dtype, graphs, compile."""
         dev = str(self.device)

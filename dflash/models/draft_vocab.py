@@ -50,7 +50,8 @@ def vocab_enabled() -> bool:
 
 
 def load_draft_vocab(folder: str | Path, vocab_size: int) -> list[int] | None:
-    """The sorted target token ids of a draft folder's ``draft_vocab.json``, or None (no file).
+    """The sorted target token ids of a draft folder's ``draft_vocab.json``, or None (no file,
+    or ``DFLASH_DRAFT_VOCAB=0``).
 
     Args:
         folder: the draft folder; vocab_size: V, the target (and draft config) vocabulary.
@@ -59,10 +60,13 @@ def load_draft_vocab(folder: str | Path, vocab_size: int) -> list[int] | None:
         CheckpointError: an unreadable file, or ids that are not distinct integers in [0, V).
     """
     path = Path(folder) / VOCAB_FILE
-    if not path.is_file():
+    if not path.is_file() or not vocab_enabled():  # DFLASH_DRAFT_VOCAB=0: not even read
         return None
     try:
-        ids = json.loads(path.read_text())["token_ids"]
+        data = json.loads(path.read_text())
+        ids = data["token_ids"] if isinstance(data, dict) else None
+        if ids is None:
+            raise KeyError("token_ids")
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"Cannot read {path}: {type(e).__name__} {e}.",
                               hint="delete it to use the full vocabulary, or rewrite it with 'dflash data vocab'") from e  # fmt: skip
@@ -72,16 +76,26 @@ def load_draft_vocab(folder: str | Path, vocab_size: int) -> list[int] | None:
 
 def check_ids(ids, vocab_size: int, where: str | Path = "draft vocabulary") -> None:
     """Raise CheckpointError unless ``ids`` is a non-empty list of distinct ints in [0, V)."""
-    ok = isinstance(ids, list) and ids and all(isinstance(i, int) and 0 <= i < vocab_size for i in ids)
-    if not ok or len(set(ids)) != len(ids):
-        raise CheckpointError(f"{where} must list distinct token ids in [0, {vocab_size}).",
+    bad = None
+    if not isinstance(ids, list) or not ids:
+        bad = "an empty or missing list"
+    else:
+        wrong = [i for i in ids if type(i) is not int or not 0 <= i < vocab_size]
+        if wrong:
+            bad = f"{wrong[0]!r}"
+        elif len(set(ids)) != len(ids):
+            bad = f"{next(i for i in ids if ids.count(i) > 1)} twice"
+    if bad is not None:
+        raise CheckpointError(f"{where} must list distinct token ids in [0, {vocab_size}); it has {bad}.",
                               hint="rewrite it with 'dflash data vocab'")  # fmt: skip
 
 
 def save_draft_vocab(folder: str | Path, token_ids: Iterable[int], **meta) -> Path:
     """Write ``draft_vocab.json`` (sorted ids plus ``meta``) into ``folder``; returns its path."""
     path = Path(folder) / VOCAB_FILE
-    path.write_text(json.dumps({**meta, "size": len(ids := sorted(set(token_ids))), "token_ids": ids}))
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({**meta, "size": len(ids := sorted(set(token_ids))), "token_ids": ids}))
+    os.replace(tmp, path)  # a reader never sees half a file
     return path
 
 
@@ -94,6 +108,23 @@ def count_tokens(samples: Iterable) -> Counter:
     return counts
 
 
+def check_counts(counts: Counter, vocab_size: int, where: str | Path) -> None:
+    """Raise DatasetError when counted ids fall outside [0, V) (shards of another target)."""
+    from dflash.errors import DatasetError
+
+    bad = sorted(i for i in counts if not 0 <= i < vocab_size)
+    if bad:
+        raise DatasetError(f"{where} holds token ids outside the draft's vocabulary of {vocab_size} "
+                           f"(e.g. {bad[0]}).", hint="regenerate the data with this draft's target")  # fmt: skip
+
+
+def check_size(size: int, vocab_size: int) -> None:
+    """Raise InputError unless 1 <= size <= V."""
+    if not 1 <= size <= vocab_size:
+        raise InputError(f"--size {size} is outside 1..{vocab_size} (the target vocabulary).",
+                         hint="pick a draft vocabulary size such as 16384, or 0 to remove it")  # fmt: skip
+
+
 def choose(counts: Counter, size: int, vocab_size: int) -> list[int]:
     """The ``size`` most frequent ids of ``counts`` (ties by lower id), topped up with the lowest
     ids never counted when fewer were seen; sorted.
@@ -101,9 +132,7 @@ def choose(counts: Counter, size: int, vocab_size: int) -> list[int]:
     Raises:
         InputError: ``size`` outside [1, V].
     """
-    if not 1 <= size <= vocab_size:
-        raise InputError(f"--size {size} is outside 1..{vocab_size} (the target vocabulary).",
-                         hint="pick a draft vocabulary size such as 16384, or 0 to remove it")  # fmt: skip
+    check_size(size, vocab_size)
     seen = sorted((i for i in counts if 0 <= i < vocab_size), key=lambda i: (-counts[i], i))[:size]
     if len(seen) < size:
         have = set(seen)

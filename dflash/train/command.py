@@ -27,16 +27,22 @@ data_app = typer.Typer(no_args_is_help=True, help="Training data for DFlash draf
 
 @data_app.command("vocab")
 def vocab(
-    data: Annotated[Path, typer.Option("--data", help="Folder of regenerated JSONL shards (the target's own answers) to count tokens in.")],
-    draft: Annotated[Path, typer.Option("--draft", help="Draft folder to write draft_vocab.json into.")],
-    size: Annotated[int, typer.Option(help="Tokens kept (Vd): the most frequent in --data; 0 removes the draft vocabulary.")] = DEFAULT_SIZE,
+    draft: Annotated[Path, typer.Option("--draft", help="Draft folder (local) to write draft_vocab.json into.")],
+    data: Annotated[Path | None, typer.Option("--data", help="Folder of regenerated JSONL shards (the target's own answers, not --eval-only ones) to count tokens in.")] = None,
+    size: Annotated[int, typer.Option(help="Tokens kept (Vd): the most frequent in --data (topped up with the lowest unseen ids when fewer were seen); 0 removes the draft vocabulary.")] = DEFAULT_SIZE,
     eval_data: Annotated[Path | None, typer.Option(help="Held-out shards: also report the coverage there.")] = None,
 ) -> None:  # fmt: skip
     """Give a draft a draft vocabulary: its LM head scores only the SIZE tokens the target uses most
-    (lossless; a smaller head read per step; see README 'Draft vocabulary')."""
+    (lossless; a smaller head read per step; DFLASH_DRAFT_VOCAB=0 ignores it; README 'Draft
+    vocabulary')."""
+    import json
+
+    from dflash.errors import DatasetError
     from dflash.models.config import DraftConfig
     from dflash.models.draft_vocab import (
         VOCAB_FILE,
+        check_counts,
+        check_size,
         choose,
         count_tokens,
         coverage,
@@ -44,22 +50,37 @@ def vocab(
     )
     from dflash.train.shards import read_shards
 
-    cfg = DraftConfig.load(draft)  # a one-line error for a folder that is not a draft
+    if not (draft / "config.json").is_file():
+        raise InputError(f"--draft {draft} is not a draft folder (no config.json).",
+                         hint="pass a local draft folder, e.g. one written by dflash train or init-draft")  # fmt: skip
+    cfg = DraftConfig.load(draft)  # a one-line error for a malformed config
     path = draft / VOCAB_FILE
     if size == 0:
         path.unlink(missing_ok=True)
         typer.echo(f"{draft}: no draft vocabulary (the full {cfg.vocab_size:,} tokens)")
         return
+    check_size(size, cfg.vocab_size)
+    if data is None:
+        raise InputError("--data is required to choose a draft vocabulary.",
+                         hint="pass the folder 'dflash data regenerate --out' wrote")  # fmt: skip
+    meta = data / "meta.json"
+    if meta.is_file() and json.loads(meta.read_text()).get("eval_only"):
+        raise DatasetError(f"{data} was regenerated with --eval-only (benchmark test prompts); a "
+                           "vocabulary chosen on it inflates benchmark τ.", hint="pass it as --eval-data instead")  # fmt: skip
     counts = count_tokens(read_shards(data))
+    check_counts(counts, cfg.vocab_size, data)
     ids = choose(counts, size, cfg.vocab_size)
     cover = coverage(ids, counts)
     extra = {}
     line = f"covers {cover:.2%} of {sum(counts.values()):,} response tokens in {data}"
     if eval_data is not None:
         held = count_tokens(read_shards(eval_data))
+        check_counts(held, cfg.vocab_size, eval_data)
         extra["eval_coverage"] = coverage(ids, held)
         line += f", {extra['eval_coverage']:.2%} of {sum(held.values()):,} in {eval_data}"
-    save_draft_vocab(draft, ids, source=str(data), coverage=cover, **extra)
+    if len(counts) < size:
+        line += f" (only {len(counts):,} distinct tokens seen; the rest are the lowest unseen ids)"
+    save_draft_vocab(draft, ids, source=str(data.resolve()), coverage=cover, **extra)
     typer.echo(f"{path}: {len(ids):,} of {cfg.vocab_size:,} tokens; {line}")
 
 

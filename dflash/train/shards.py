@@ -152,8 +152,9 @@ def read_shards(folder: str | Path) -> list[Sample]:
     """
     folder = Path(folder)
     if not folder.is_dir():
-        raise DatasetError(f"Data folder {folder} does not exist.",
-                           hint="create it with 'dflash data regenerate --out DIR'")  # fmt: skip
+        what = "is a file, not a folder" if folder.exists() else "does not exist"
+        raise DatasetError(f"Data folder {folder} {what}.",
+                           hint="pass the folder 'dflash data regenerate --out DIR' wrote")  # fmt: skip
     files = sorted(p for p in folder.iterdir() if p.name.endswith((".jsonl", ".jsonl.gz")))
     if not files:
         raise DatasetError(f"Data folder {folder} holds no .jsonl shards.",
@@ -161,21 +162,28 @@ def read_shards(folder: str | Path) -> list[Sample]:
     samples: list[Sample] = []
     for path in files:
         opener = gzip.open if path.name.endswith(".gz") else open
-        with opener(path, "rt", encoding="utf-8") as f:
-            lines = f.read().split("\n")
+        try:
+            with opener(path, "rt", encoding="utf-8") as f:
+                lines = f.read().split("\n")
+        except (OSError, EOFError, UnicodeDecodeError) as e:  # a bad or truncated gzip, not UTF-8
+            raise DatasetError(f"Cannot read shard {path}: {type(e).__name__} {e}.",
+                               hint="regenerate the shard with 'dflash data regenerate'") from e  # fmt: skip
         last = len(lines) - 1  # the text after the final newline ('' when complete)
         for n, line in enumerate(lines):
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
-                samples.append(Sample(str(row["id"]), [int(t) for t in row["prompt_ids"]],
-                                      [int(t) for t in row["response_ids"]]))  # fmt: skip
+                ids = row["prompt_ids"], row["response_ids"]
+                if not all(isinstance(x, list) and all(type(t) is int for t in x) for x in ids):
+                    raise TypeError("token ids must be lists of integers")
+                samples.append(Sample(str(row["id"]), list(ids[0]), list(ids[1])))
             except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
                 if n == last:  # cut off by an interrupted write
                     continue
                 raise DatasetError(f"{path}:{n + 1} is not a training record ({type(e).__name__}).",
                                    hint="regenerate the shard with 'dflash data regenerate'") from e  # fmt: skip
     if not samples:
-        raise DatasetError(f"Data folder {folder} holds no records.")
+        raise DatasetError(f"Data folder {folder} holds no records.",
+                           hint="regenerate it with 'dflash data regenerate'")  # fmt: skip
     return samples
