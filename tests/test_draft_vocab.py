@@ -19,6 +19,7 @@ from dflash.errors import CheckpointError, InputError
 from dflash.loop import speculative_generate
 from dflash.models.draft_torch import DFlashDraft
 from dflash.models.draft_vocab import VOCAB_FILE, choose, count_tokens, coverage, load_draft_vocab
+from dflash.models.target_torch import DEMO_DRAFT_DIR
 from tests.conftest import make_draft
 from tests.test_cli import assert_one_line_error, run
 from tests.test_loop_scripted import PROMPT, greedy_reference
@@ -32,8 +33,10 @@ def test_choose_keeps_the_most_frequent_and_reports_coverage():
     assert choose(counts, 2, 100) == [5, 9]
     assert choose(counts, 6, 100) == [0, 1, 2, 5, 7, 9]  # topped up with the lowest unseen ids
     assert coverage([5, 9], counts) == 8 / 11
-    with pytest.raises(InputError, match="outside 1..100"):
+    with pytest.raises(InputError, match="outside 1..99"):
         choose(counts, 101, 100)
+    with pytest.raises(InputError, match="outside 1..99"):  # all V ids would change nothing
+        choose(counts, 100, 100)
 
 
 def test_save_load_roundtrip_and_bad_files(tiny_target, tmp_path):
@@ -134,7 +137,7 @@ def test_cli_data_vocab_writes_reports_and_removes(tiny_target, tmp_path):
     assert res.exit_code == 0, res.output
     assert "2 of 256 tokens; covers 75.00% of 20 response tokens" in res.output
     assert DFlashDraft.load(tmp_path / "d").draft_vocab == [3, 4]
-    assert_one_line_error(run(*args, "300"), "outside 1..256")
+    assert_one_line_error(run(*args, "300"), "outside 1..255")
     res = CliRunner().invoke(app, [*args, "0"])
     assert res.exit_code == 0 and not (tmp_path / "d" / VOCAB_FILE).exists()
     res = CliRunner().invoke(app, [*args, "5"])  # more than the 3 distinct tokens seen: said so
@@ -154,6 +157,63 @@ def test_cli_data_vocab_writes_reports_and_removes(tiny_target, tmp_path):
                              ("utf", "Cannot read shard"), ("data/s.jsonl", "is a file, not a folder")):  # fmt: skip
         assert_one_line_error(run("data", "vocab", "--data", str(tmp_path / folder), "--draft", str(tmp_path / "d"),
                                   "--size", "2"), fragment)  # fmt: skip
+
+
+def _one_shard(tmp_path):
+    (tmp_path / "data").mkdir(parents=True)
+    row = {"id": "a/0", "prompt_ids": [1], "response_ids": [3]}
+    (tmp_path / "data" / "s.jsonl").write_text(json.dumps(row) + "\n")
+    return tmp_path / "data"
+
+
+def _vocab(data, draft, size: str):
+    return run("data", "vocab", "--data", str(data), "--draft", str(draft), "--size", size)
+
+
+def test_cli_data_vocab_refuses_the_whole_vocabulary(tiny_target, tmp_path):
+    """--size V was accepted: a draft vocabulary of every id changes nothing but the file."""
+    make_draft(tiny_target).save(tmp_path / "d")
+    data = _one_shard(tmp_path)
+    for size in ("256", "257"):
+        p = _vocab(data, tmp_path / "d", size)
+        assert_one_line_error(p, f"--size {size} is outside 1..255")
+        assert "use a smaller size, or --size 0 to remove one" in p.stderr
+    assert not (tmp_path / "d" / VOCAB_FILE).exists()
+    assert _vocab(data, tmp_path / "d", "255").returncode == 0
+
+
+def test_a_folder_named_draft_vocab_json_is_an_error(tiny_target, tmp_path):
+    """A folder called draft_vocab.json was skipped without a word (full vocabulary)."""
+    make_draft(tiny_target).save(tmp_path / "d")
+    path = tmp_path / "d" / VOCAB_FILE
+    path.mkdir()
+    with pytest.raises(CheckpointError, match=f"{path} is a folder"):
+        load_draft_vocab(tmp_path / "d", 256)
+    with pytest.raises(CheckpointError, match="is a folder"):
+        DFlashDraft.load(tmp_path / "d")
+    for size in ("2", "0"):  # writing or removing: the same line, not an OSError
+        p = _vocab(_one_shard(tmp_path / size), tmp_path / "d", size)
+        assert_one_line_error(p, f"{path} is a folder")
+    path.rmdir()
+    path.symlink_to(tmp_path / "d" / "missing")  # a dangling link
+    with pytest.raises(CheckpointError, match="not a readable file"):
+        load_draft_vocab(tmp_path / "d", 256)
+
+
+def test_cli_data_vocab_refuses_the_shipped_draft(tmp_path):
+    """It wrote draft_vocab.json into the installed package's assets (the shipped demo draft)."""
+    shipped = DEMO_DRAFT_DIR / VOCAB_FILE
+    assert not shipped.exists()
+    data = _one_shard(tmp_path)
+    (tmp_path / "link").symlink_to(DEMO_DRAFT_DIR)
+    try:
+        for draft, size in ((DEMO_DRAFT_DIR, "2"), (tmp_path / "link", "2"), (tmp_path / "link", "0")):  # fmt: skip
+            p = _vocab(data, draft, size)
+            assert_one_line_error(p, f"--draft {draft} is a draft shipped inside the dflash")
+            assert "copy the draft folder elsewhere first, e.g. cp -r" in p.stderr
+            assert not shipped.exists()
+    finally:
+        shipped.unlink(missing_ok=True)  # never leave a file in the package, even on failure
 
 
 def test_mlx_backend_uses_the_draft_vocabulary(tmp_path):

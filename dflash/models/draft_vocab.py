@@ -57,11 +57,13 @@ def load_draft_vocab(folder: str | Path, vocab_size: int) -> list[int] | None:
         folder: the draft folder; vocab_size: V, the target (and draft config) vocabulary.
 
     Raises:
-        CheckpointError: an unreadable file, or ids that are not distinct integers in [0, V).
+        CheckpointError: a folder (or dangling link) of that name, an unreadable file, or ids that
+            are not distinct integers in [0, V).
     """
     path = Path(folder) / VOCAB_FILE
-    if not path.is_file() or not vocab_enabled():  # DFLASH_DRAFT_VOCAB=0: not even read
+    if not (path.exists() or path.is_symlink()) or not vocab_enabled():  # =0: not even read
         return None
+    check_vocab_path(path)
     try:
         data = json.loads(path.read_text())
         ids = data["token_ids"] if isinstance(data, dict) else None
@@ -72,6 +74,26 @@ def load_draft_vocab(folder: str | Path, vocab_size: int) -> list[int] | None:
                               hint="delete it to use the full vocabulary, or rewrite it with 'dflash data vocab'") from e  # fmt: skip
     check_ids(ids, vocab_size, path)
     return sorted(ids)
+
+
+def check_vocab_path(path: Path) -> None:
+    """Raise CheckpointError when ``path`` (a draft's ``draft_vocab.json``) exists but is not a
+    file: a folder of that name would otherwise be skipped without a word."""
+    if (path.exists() or path.is_symlink()) and not path.is_file():
+        kind = "a folder" if path.is_dir() else "not a readable file"
+        raise CheckpointError(f"{path} is {kind}, not a draft vocabulary file.",
+                              hint="remove it, then rewrite it with 'dflash data vocab' if you want one")  # fmt: skip
+
+
+def check_not_shipped(folder: Path) -> None:
+    """Raise InputError when ``folder`` lies inside the installed dflash package's ``assets``
+    (the shipped demo draft): a shipped draft is never modified in place."""
+    assets = Path(__file__).resolve().parent.parent / "assets"
+    if Path(folder).resolve().is_relative_to(assets):
+        raise InputError(f"--draft {folder} is a draft shipped inside the dflash package ({assets}); "
+                         "it is not modified in place.",
+                         hint=f"copy the draft folder elsewhere first, e.g. cp -r {folder} my-draft, "
+                         "and pass --draft my-draft")  # fmt: skip
 
 
 def check_ids(ids, vocab_size: int, where: str | Path = "draft vocabulary") -> None:
@@ -119,10 +141,11 @@ def check_counts(counts: Counter, vocab_size: int, where: str | Path) -> None:
 
 
 def check_size(size: int, vocab_size: int) -> None:
-    """Raise InputError unless 1 <= size <= V."""
-    if not 1 <= size <= vocab_size:
-        raise InputError(f"--size {size} is outside 1..{vocab_size} (the target vocabulary).",
-                         hint="pick a draft vocabulary size such as 16384, or 0 to remove it")  # fmt: skip
+    """Raise InputError unless 1 <= size < V (all V ids would change nothing)."""
+    if not 1 <= size < vocab_size:
+        raise InputError(f"--size {size} is outside 1..{vocab_size - 1}: a draft vocabulary keeps fewer "
+                         f"tokens than the target's {vocab_size:,}.",
+                         hint="use a smaller size, or --size 0 to remove one")  # fmt: skip
 
 
 def choose(counts: Counter, size: int, vocab_size: int) -> list[int]:
@@ -130,7 +153,7 @@ def choose(counts: Counter, size: int, vocab_size: int) -> list[int]:
     ids never counted when fewer were seen; sorted.
 
     Raises:
-        InputError: ``size`` outside [1, V].
+        InputError: ``size`` outside [1, V).
     """
     check_size(size, vocab_size)
     seen = sorted((i for i in counts if 0 <= i < vocab_size), key=lambda i: (-counts[i], i))[:size]

@@ -42,7 +42,9 @@ def vocab(
     from dflash.models.draft_vocab import (
         VOCAB_FILE,
         check_counts,
+        check_not_shipped,
         check_size,
+        check_vocab_path,
         choose,
         count_tokens,
         coverage,
@@ -54,7 +56,9 @@ def vocab(
         raise InputError(f"--draft {draft} is not a draft folder (no config.json).",
                          hint="pass a local draft folder, e.g. one written by dflash train or init-draft")  # fmt: skip
     cfg = DraftConfig.load(draft)  # a one-line error for a malformed config
+    check_not_shipped(draft)
     path = draft / VOCAB_FILE
+    check_vocab_path(path)
     if size == 0:
         path.unlink(missing_ok=True)
         typer.echo(f"{draft}: no draft vocabulary (the full {cfg.vocab_size:,} tokens)")
