@@ -1,5 +1,5 @@
 """Prompt datasets: local copies in the ``--data-dir`` layout (``tests/data``: a few real rows of
-each dataset), prompt construction, selection, JSONL prompt files, and the hub path (with
+each dataset), prompt construction, selection, JSONL and text prompt files, and the hub path (with
 ``datasets.load_dataset`` replaced; no network)."""
 
 from __future__ import annotations
@@ -184,6 +184,59 @@ def test_bad_jsonl_files_raise_dataset_errors(tmp_path, content, match):
         load_prompts(str(path))
     with pytest.raises(DatasetError, match="does not exist"):
         load_prompts(str(tmp_path / "missing.jsonl"))
+
+
+def test_txt_prompt_files_hold_one_prompt_per_line(tmp_path, monkeypatch):
+    """A .txt file was read as JSONL ("prompts.txt:1 is not valid JSON"); a user means one
+    prompt per non-empty line, taken as written, JSON-looking or not."""
+    import gzip
+
+    text = 'What is 2+2?\r\n\n  Name a colour.  \n{"prompt": "literal"}\n   \n'
+    (tmp_path / "prompts.txt").write_text(text)
+    monkeypatch.chdir(tmp_path)  # a bare file name, no path separator
+    items = load_prompts("prompts.txt")
+    assert [(i.id, i.turns, i.system) for i in items] == [
+        ("prompts/1", ["What is 2+2?"], None),
+        ("prompts/3", ["Name a colour."], None),
+        ("prompts/4", ['{"prompt": "literal"}'], None),
+    ]
+    (tmp_path / "p.txt.gz").write_bytes(gzip.compress(text.encode()))
+    assert [i.id for i in load_prompts("p.txt.gz")] == ["p/1", "p/3", "p/4"]
+    (tmp_path / "empty.txt").write_text("\n  \n")
+    with pytest.raises(DatasetError, match="empty.txt holds no prompts"):
+        load_prompts("empty.txt")
+    with pytest.raises(DatasetError, match="missing.txt does not exist"):
+        load_prompts("missing.txt")
+    (tmp_path / "bad.txt").write_bytes(b"ok\nHi \xff\n")
+    with pytest.raises(DatasetError, match=r"bad.txt:2 is not valid UTF-8"):
+        load_prompts("bad.txt")
+
+
+def test_other_file_names_are_jsonl_only_when_they_look_like_json(tmp_path):
+    """A file that is neither .txt nor .jsonl: JSONL when its first line starts with { or [
+    (a bad line is named), refused otherwise (it was parsed as JSONL and failed at line 1)."""
+    path = tmp_path / "prompts"
+    path.write_text('\n{"prompt": "a"}\n{"prompt": "b"}\n')
+    assert [i.turns for i in load_prompts(str(path))] == [["a"], ["b"]]
+    path.write_text('{"prompt": "a"}\n{bad\n')
+    with pytest.raises(DatasetError, match="prompts:2 is not valid JSON") as err:
+        load_prompts(str(path))
+    assert "one JSON object per line" in err.value.hint
+    (tmp_path / "notes.md").write_text("hello\n")
+    with pytest.raises(DatasetError, match="neither .txt nor .jsonl") as err:
+        load_prompts(str(tmp_path / "notes.md"))
+    assert ".txt for one prompt per line" in err.value.hint
+
+
+def test_benchmark_cli_reads_a_txt_file_and_names_a_bad_json_line(tmp_path):
+    from tests.test_cli import assert_one_line_error, run
+
+    (tmp_path / "p.json").write_text('{"prompt": "a"}\n{"prompt": \n')
+    bad = run("benchmark", "transformers", "--dataset", str(tmp_path / "p.json"))
+    assert_one_line_error(bad, "p.json:2 is not valid JSON")
+    (tmp_path / "q.txt").write_text("Hi\n")  # read (no JSON error), then --max-samples 0 refused
+    ok = run("benchmark", "transformers", "--dataset", str(tmp_path / "q.txt"), "--max-samples", "0")  # fmt: skip
+    assert_one_line_error(ok, "--max-samples must be >= 1")
 
 
 class FakeHub:

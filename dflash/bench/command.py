@@ -85,7 +85,8 @@ def benchmark(
         typer.Option(
             "--dataset",
             help="gsm8k, math500, humaneval, mbpp, mt-bench, a name:split such as gsm8k:train, "
-            "or a .jsonl file; comma-separate several for one table each.",
+            "a .txt file (one prompt per non-empty line) or a .jsonl file (one JSON object per "
+            "line: prompt, turns or messages); comma-separate several for one table each.",
         ),
     ],
     model: Annotated[

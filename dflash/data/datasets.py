@@ -3,6 +3,7 @@
     load_prompts("gsm8k")                       # benchmark split, prompts built as in brief §7.1
     load_prompts("mbpp:train", data_dir="../shared/datasets")
     load_prompts("my_prompts.jsonl")            # lines with "prompt", "turns" or "messages"
+    load_prompts("my_prompts.txt")              # one prompt per non-empty line
 
 Where rows come from: the ``data_dir`` argument, else ``$DFLASH_DATA_DIR``, else the Hugging Face
 hub through ``datasets.load_dataset``, cached as JSONL under ``$DFLASH_CACHE/datasets`` (default
@@ -223,7 +224,7 @@ ALIASES = {
 
 
 def available_datasets() -> list[str]:
-    """Names accepted by :func:`load_prompts` (besides a path to a ``.jsonl`` file)."""
+    """Names accepted by :func:`load_prompts` (besides a path to a ``.jsonl`` or ``.txt`` file)."""
     return list(SOURCES)
 
 
@@ -236,10 +237,12 @@ def load_prompts(spec: str, data_dir: str | Path | None = None) -> list[PromptIt
 
     Args:
         spec: a name from :func:`available_datasets` (``name`` or ``name:split``, e.g. ``gsm8k``,
-            ``gsm8k:train``, ``mbpp:train``, ``mmlu``), or a path to a ``.jsonl`` file whose lines
-            hold ``prompt`` (string), ``turns`` (list of strings) or ``messages`` (chat list; the
-            user turns are answered in order, the file's assistant turns are not used, and one
-            leading system message is kept), plus an optional ``id`` and ``system`` (string).
+            ``gsm8k:train``, ``mbpp:train``, ``mmlu``), or a path to a prompt file
+            (:func:`dflash.data.prompt_files.load_prompt_file`): a ``.txt`` file holds one prompt
+            per non-empty line; a ``.jsonl`` file's lines hold ``prompt`` (string), ``turns``
+            (list of strings) or ``messages`` (chat list; the user turns are answered in order,
+            the file's assistant turns are not used, and one leading system message is kept),
+            plus an optional ``id`` and ``system`` (string).
         data_dir: folder laid out like ``shared/datasets``; None falls back to
             ``$DFLASH_DATA_DIR``, then to the hub (cached as JSONL, see module docstring).
 
@@ -253,11 +256,14 @@ def load_prompts(spec: str, data_dir: str | Path | None = None) -> list[PromptIt
     key = ALIASES.get(spec.lower(), spec.lower())
     source = SOURCES.get(key)
     if source is None and _looks_like_path(spec):
-        return load_jsonl_prompts(spec)
+        from dflash.data.prompt_files import load_prompt_file  # it imports PromptItem from here
+
+        return load_prompt_file(spec)
     if source is None:
         raise DatasetError(
             f"Unknown dataset '{spec}'. Available: {', '.join(available_datasets())}.",
-            hint="or pass a path to a .jsonl file with a 'prompt', 'turns' or 'messages' field",
+            hint="or pass a .txt file (one prompt per line) or a .jsonl file with a 'prompt', "
+            "'turns' or 'messages' field",
         )
     rows = _load_rows(key, source, data_dir)
     if source.keep is not None:
@@ -290,102 +296,10 @@ def select(items: list[PromptItem], max_samples: int | None) -> list[PromptItem]
     return [items[i] for i in order]
 
 
-def load_jsonl_prompts(path: str | Path) -> list[PromptItem]:
-    """Read a user prompt file; one JSON object per line (see :func:`load_prompts`).
-
-    Raises:
-        DatasetError: the file is missing, a line is not JSON or has none of the prompt fields
-            or an empty one, or two lines share an ``id``.
-    """
-    path = Path(path).expanduser()
-    if not path.is_file():
-        raise DatasetError(f"Prompt file {path} does not exist.")
-    items: list[PromptItem] = []
-    seen: set[str] = set()
-    for lineno, line in enumerate(_open_text(path), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise DatasetError(f"{path}:{lineno} is not valid JSON ({err.msg}).") from None
-        turns = _turns_of(row)
-        if turns is None:
-            raise DatasetError(
-                f"{path}:{lineno} has no 'prompt' string, 'turns' list or 'messages' list.",
-                hint='write one object per line, e.g. {"prompt": "Hello"}',
-            )
-        if not all(turn.strip() for turn in turns):
-            raise DatasetError(f"{path}:{lineno} has an empty prompt.")
-        system = _system_of(row, f"{path}:{lineno}")
-        rid = str(row["id"]) if isinstance(row.get("id"), (str, int)) else f"{path.stem}/{lineno}"
-        if rid in seen:
-            raise DatasetError(f"{path}:{lineno} repeats the id '{rid}'.")
-        seen.add(rid)
-        items.append(PromptItem(rid, turns, system))
-    if not items:
-        raise DatasetError(f"Prompt file {path} holds no prompts.")
-    return items
-
-
-def _plain_turns(row: dict) -> list[str] | None:
-    """The turns of a ``prompt`` string or a ``turns`` list (these win over ``messages``)."""
-    if isinstance(row.get("prompt"), str):
-        return [row["prompt"]]
-    turns = row.get("turns")
-    if isinstance(turns, list) and turns and all(isinstance(t, str) for t in turns):
-        return list(turns)
-    return None
-
-
-def _turns_of(row: object) -> list[str] | None:
-    if not isinstance(row, dict):
-        return None
-    turns = _plain_turns(row)
-    if turns is not None:
-        return turns
-    messages = row.get("messages")
-    if isinstance(messages, list):
-        user = [
-            m["content"]
-            for m in messages
-            if isinstance(m, dict) and m.get("role") == "user" and isinstance(m.get("content"), str)
-        ]
-        return user or None
-    return None
-
-
-def _system_of(row: dict, where: str) -> str | None:
-    """A row's system message: a ``system`` string, or one ``system`` message leading
-    ``messages``. Any other system or developer message in ``messages`` is refused, never
-    dropped (``messages`` is not read at all when the row has ``prompt`` or ``turns``)."""
-    system = row.get("system")
-    if system is not None and not isinstance(system, str):
-        raise DatasetError(f"{where} has a 'system' field that is not a string.")
-    messages = row.get("messages")
-    if isinstance(messages, list) and not _plain_turns(row):
-        roles = [m.get("role") if isinstance(m, dict) else None for m in messages]
-        if "developer" in roles:
-            raise DatasetError(f"{where} has a 'developer' message; chat templates know 'system'.",
-                               hint="rename its role to system (first message)")  # fmt: skip
-        where_sys = [i for i, r in enumerate(roles) if r == "system"]
-        if where_sys:
-            if where_sys != [0] or not isinstance(messages[0].get("content"), str):
-                raise DatasetError(
-                    f"{where} has a system message that is not the first message, or several.",
-                    hint="keep one system message with string content, first in 'messages'",
-                )
-            if system is not None:
-                raise DatasetError(f"{where} has both a 'system' field and a system message.")
-            system = messages[0]["content"]
-    if system is not None and not system.strip():
-        raise DatasetError(f"{where} has an empty system message.", hint="remove it or fill it")
-    return system
-
-
 def _looks_like_path(spec: str) -> bool:
     lower = spec.lower()
-    return lower.endswith((".jsonl", ".jsonl.gz")) or os.sep in spec or Path(spec).is_file()
+    suffixes = (".jsonl", ".jsonl.gz", ".txt", ".txt.gz")
+    return lower.endswith(suffixes) or os.sep in spec or Path(spec).is_file()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -449,12 +363,12 @@ def _read_rows(path: Path) -> list[dict]:
             if not isinstance(data, list):
                 raise DatasetError(f"{path} should hold a JSON list of rows.")
             return data
-        return [json.loads(line) for line in _open_text(path) if line.strip()]
+        return [json.loads(line) for line in open_text(path) if line.strip()]
     except (OSError, json.JSONDecodeError, UnicodeDecodeError, EOFError) as err:
         raise DatasetError(f"Could not read {path}: {err}.") from None
 
 
-def _open_text(path: Path) -> Iterable[str]:
+def open_text(path: Path) -> Iterable[str]:
     """The lines of a UTF-8 text file (gzipped when it ends in .gz).
 
     Raises:

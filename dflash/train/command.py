@@ -91,7 +91,7 @@ def vocab(
 @data_app.command("regenerate")
 def regenerate(
     prompts: Annotated[list[str], typer.Option("--prompts", "-p",
-                       help="Prompt source, repeatable: gsm8k:train, mbpp:train, mmlu, a benchmark name or a .jsonl file with 'prompt', 'turns' or 'messages' (its first user turn is answered, after its system message if any); SPEC@N keeps the first N in Random(42) order.")],  # fmt: skip
+                       help="Prompt source, repeatable: gsm8k:train, mbpp:train, mmlu, a benchmark name, a .txt file (one prompt per non-empty line) or a .jsonl file with 'prompt', 'turns' or 'messages' (its first user turn is answered, after its system message if any); SPEC@N keeps the first N in Random(42) order.")],  # fmt: skip
     out: Annotated[Path, typer.Option("--out", help="Data folder (resumed if it exists).")],
     target: TargetOpt = None,
     max_new_tokens: Annotated[int, typer.Option(help="Response budget per prompt (tokens).")] = 1024,
