@@ -120,9 +120,8 @@ def load(model: str | None = None, draft: str | None = None, *, backend: str = "
     if any(importlib.util.find_spec(m) is None for m in ("torch", "transformers")):  # before a download
         raise BackendError("The transformers backend needs torch and transformers.",
                            hint='pip install "dflash[torch]"')  # fmt: skip
-    _check_dtype_name(dtype)
-    if device not in ("auto", "cpu") and not device.startswith("cuda"):
-        raise InputError(f"Unknown --device {device!r}; use auto, cuda, cuda:N or cpu.")
+    check_dtype_name(dtype)
+    check_device_name(device, "transformers")
     if model is not None:
         check_model_path(model)
 
@@ -188,7 +187,21 @@ def load(model: str | None = None, draft: str | None = None, *, backend: str = "
                     cost_key=cost_key)  # fmt: skip
 
 
-def _check_dtype_name(dtype: str) -> None:
+def check_device_name(device: str, backend: str) -> None:
+    """Refuse a ``--device`` name that ``backend`` does not know, without importing torch or mlx.
+    mlx has one GPU (Metal or CUDA build): ``gpu``, and ``cuda``/``metal`` as its synonyms.
+
+    Raises:
+        InputError: naming the values the backend accepts.
+    """
+    if backend == "mlx" and device not in ("auto", "cpu", "gpu", "metal", "cuda"):
+        raise InputError(f"Unknown --device {device!r} for the mlx backend; use auto, cpu or gpu.",
+                         hint="mlx picks its one GPU itself (cuda and metal mean gpu); cuda:N is for transformers")  # fmt: skip
+    if backend != "mlx" and device not in ("auto", "cpu") and not device.startswith("cuda"):
+        raise InputError(f"Unknown --device {device!r}; use auto, cuda, cuda:N or cpu.")
+
+
+def check_dtype_name(dtype: str) -> None:
     """Refuse an unknown ``--dtype`` name without importing torch or mlx.
 
     Raises:
@@ -208,9 +221,8 @@ def _check_mlx_options(model: str | None, draft: str | None, device: str, dtype:
     """
     from dflash.models.target_torch import check_model_path, resolve_draft  # torch-free helpers
 
-    if device not in ("auto", "cpu", "gpu", "metal", "cuda"):
-        raise InputError(f"Unknown --device {device!r} for the mlx backend; use auto, cpu or gpu.")
-    _check_dtype_name(dtype)
+    check_device_name(device, "mlx")
+    check_dtype_name(dtype)
     if draft_bits not in (None, 4, 8):
         raise InputError(f"--draft-bits must be 4 or 8, got {draft_bits}.", hint="4 is smaller and faster, 8 closer")
     if draft_window is not None and draft_window < 1:

@@ -429,19 +429,24 @@ def _check_port_free(host: str, port: int) -> None:
                              hint="pick another --port or stop what uses it") from None  # fmt: skip
 
 
-def _check_pair(model: str | None, draft: str | None, width: int | None, backend: str = "transformers") -> None:
+def _check_pair(model: str | None, draft: str | None, width: int | None, backend: str = "transformers",
+                device: str = "auto", dtype: str = "auto") -> None:  # fmt: skip
     """The checks of ``dflash.load`` that read no weights, before the server binds its port: the
-    CUDA path's ``DFLASH_*`` switches (transformers), the target path exists, the draft resolves
-    to a folder (a hub id is downloaded now rather than after binding) and ``--block-size`` fits
-    the draft's trained block size.
+    ``--device`` and ``--dtype`` names (for ``backend``), the CUDA path's ``DFLASH_*`` switches
+    (transformers), the target path exists, the draft resolves to a folder (a hub id is
+    downloaded now rather than after binding) and ``--block-size`` fits the draft's trained
+    block size.
 
     Raises:
-        CheckpointError: a missing model path or draft; InputError: a bad switch or a block size
-            too large.
+        CheckpointError: a missing model path or draft; InputError: a bad device, dtype or
+            switch, or a block size too large.
     """
+    from dflash.api import check_device_name, check_dtype_name
     from dflash.models.config import DraftConfig
     from dflash.models.target_torch import check_model_path, resolve_draft  # torch-free helpers
 
+    check_device_name(device, backend)
+    check_dtype_name(dtype)
     if backend == "transformers":
         try:
             from dflash.backends.static_switches import check_env
@@ -494,7 +499,7 @@ def serve(
     if log_level.lower() not in LOG_LEVELS:
         raise InputError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {log_level!r}.",
                          hint="info (the default) logs each request; warning only problems")  # fmt: skip
-    _check_pair(model, draft, width, backend)  # before the port is bound: a bad path fails here, at once
+    _check_pair(model, draft, width, backend, device, dtype)  # before binding: fails at once
     _check_port_free(host, port)
     api_key = api_key or os.environ.get("DFLASH_API_KEY") or None
     names = [served_model_name or (DEMO_NAME if model is None else Path(model).name or model)]

@@ -355,6 +355,9 @@ def test_cli_block_size_takes_auto_or_an_integer(value, message):
     (["--draft", os.devnull], "CheckpointError", "is a file; a draft is a folder"),
     (["--block-size", "99"], "InputError", "exceeds the draft's trained block size 16"),
     (["--no-cuda-graphs"], "InputError", "DFLASH_ATTN must be"),  # with DFLASH_ATTN=bogus below
+    (["--device", "tpu"], "InputError", "Unknown --device 'tpu'; use auto, cuda, cuda:N or cpu"),
+    (["--dtype", "fp8"], "InputError", "Unknown --dtype 'fp8'"),
+    (["--backend", "mlx", "--device", "cuda:0"], "InputError", "for the mlx backend; use auto, cpu or gpu"),
 ])
 def test_cli_checks_before_binding_the_port(args, error, message, monkeypatch):
     """A bad log level, a missing model or draft, or a block size over the draft's trained one is
