@@ -66,6 +66,21 @@ if [ ! -d /tmp/site/gguf ] && ls .stage/whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH=/tmp/site:$PWD
 GGUF=$W/smollm2.gguf
+# real_pair [t5|t6|t7]: the demo GGUF joined from the parts staged in $W/stage and the last part
+# carried (t5: 5 parts of 20 MB, t6: 6 of 16.5 MB, t7: 7 of 14.1 MB; none given: the finest split
+# carried), and the benchmark datasets copied to $W/datasets
+real_pair() {
+  local t=${1:-}
+  if [ -z "$t" ]; then
+    if [ -d .stage/t7/ag ]; then t=t7; elif [ -d .stage/t6/af ]; then t=t6; else t=t5; fi
+  fi
+  case $t in
+  t7) cat "$W"/stage/{aa,ab,ac,ad,ae,af}.part .stage/t7/ag/part > "$GGUF" ;;
+  t6) cat "$W"/stage/{aa,ab,ac,ad,ae}.part .stage/t6/af/part > "$GGUF" ;;
+  t5) cat "$W"/stage/{aa,ab,ac,ad}.part .stage/t5/ae/part > "$GGUF" ;;
+  esac
+  rm -rf "$W/datasets" && cp -r .stage/data "$W/datasets"
+}
 # k300_variants STOP "V1 V2 ...": demo loop timings at prompt 300 (kernel_count.py, random target)
 # once per env variant (a comma-separated list of VAR=value, or "default"), none started past STOP s
 k300_variants() {
@@ -141,10 +156,7 @@ glue)  # random SmolLM2-shaped pair: compiled device-loop glue on/off, fused lin
   done
   ;;
 bench)  # the last part carried: .stage/t5/ae (20 MB parts) or .stage/t6/af (16.5 MB parts, twelfth session)
-  if [ -d .stage/t7/ag ]; then cat "$W"/stage/{aa,ab,ac,ad,ae,af}.part .stage/t7/ag/part > "$GGUF"  # 7 parts of 14.1 MB
-  elif [ -d .stage/t6/af ]; then cat "$W"/stage/{aa,ab,ac,ad,ae}.part .stage/t6/af/part > "$GGUF"
-  else cat "$W"/stage/{aa,ab,ac,ad}.part .stage/t5/ae/part > "$GGUF"; fi
-  rm -rf "$W/datasets" && cp -r .stage/data "$W/datasets"
+  real_pair
   B=(python3 -m dflash benchmark transformers --model "$GGUF" --draft "$D" --max-new-tokens 256
      --data-dir "$W/datasets")
   timeout "${BENCH_S:-300}" "${B[@]}" --dataset gsm8k --max-samples 64 --block-size 16 --check-parity \
@@ -168,8 +180,7 @@ bench)  # the last part carried: .stage/t5/ae (20 MB parts) or .stage/t6/af (16.
   ;;
 benchpdl)  # [.stage/t5/ae .stage/data] gsm8k 64 on the real pair with DFLASH_PDL 0, draft, 1
   # (each a whole benchmark run: its baseline and DFlash side by side); $2 = the variants
-  cat "$W"/stage/{aa,ab,ac,ad}.part .stage/t5/ae/part > "$GGUF"
-  rm -rf "$W/datasets" && cp -r .stage/data "$W/datasets"
+  real_pair t5
   B=(python3 -m dflash benchmark transformers --model "$GGUF" --draft "$D" --max-new-tokens 256
      --data-dir "$W/datasets" --dataset gsm8k --max-samples 64 --block-size 16 --check-parity)
   for v in ${2:-0 draft 1}; do
@@ -183,10 +194,7 @@ benchvar)  # [.stage/t7/ag .stage/data] after stage1..af (t7: 14.1 MB parts, so 
   # 51 MB checkout fit a call's 64 MiB; t6's 16.5 MB parts no longer do): gsm8k 64 on the real pair once per
   # variant in $2 (space-separated; each a comma-separated list of VAR=value, "default" for none),
   # e.g. "default DFLASH_ATTN_SPLIT=128 DFLASH_ATTN_SPLIT=64" (fourteenth session's next step)
-  if [ -d .stage/t7/ag ]; then cat "$W"/stage/{aa,ab,ac,ad,ae,af}.part .stage/t7/ag/part > "$GGUF"  # 7 parts of 14.1 MB
-  elif [ -d .stage/t6/af ]; then cat "$W"/stage/{aa,ab,ac,ad,ae}.part .stage/t6/af/part > "$GGUF"
-  else cat "$W"/stage/{aa,ab,ac,ad}.part .stage/t5/ae/part > "$GGUF"; fi
-  rm -rf "$W/datasets" && cp -r .stage/data "$W/datasets"
+  real_pair
   B=(python3 -m dflash benchmark transformers --model "$GGUF" --draft "$D" --max-new-tokens 256
      --data-dir "$W/datasets" --dataset gsm8k --max-samples 64 --block-size 16 --check-parity)
   for v in ${2:-default DFLASH_ATTN_SPLIT=128 DFLASH_ATTN_SPLIT=64}; do
@@ -523,8 +531,7 @@ v20d)  # no carry: demo loop timings at prompt 300, squares against partials, tw
   done
   ;;
 v20e)  # [.stage/t7/ag .stage/data] after stage aa..af: real pair, gsm8k 16 with parity, partials then default
-  cat "$W"/stage/{aa,ab,ac,ad,ae,af}.part .stage/t7/ag/part > "$GGUF"
-  rm -rf "$W/datasets" && cp -r .stage/data "$W/datasets"
+  real_pair t7
   for v in DFLASH_FUSE_NORM_FORM=partials default; do
     E=(env); [ "$v" = default ] || E+=($v); f=${v//[=,]/-}
     "${E[@]}" timeout "${BENCH_S:-150}" python3 -m dflash benchmark transformers --model "$GGUF" --draft "$D" \
@@ -550,8 +557,7 @@ v23b)  # [.stage/t7/aa .stage/whl] stage aa, then DFLASH_QKV_ROPE (column pairs 
   done
   ;;
 v23c)  # [.stage/t7/ag .stage/data] after stage aa..af: real pair, gsm8k NS (16) with parity per variant (VARS)
-  cat "$W"/stage/{aa,ab,ac,ad,ae,af}.part .stage/t7/ag/part > "$GGUF"
-  rm -rf "$W/datasets" && cp -r .stage/data "$W/datasets"
+  real_pair t7
   for v in ${VARS:-default DFLASH_QKV_ROPE=0}; do
     E=(env); [ "$v" = default ] || E+=(${v//,/ }); f=${v//[=,]/-}
     "${E[@]}" timeout "${BENCH_S:-150}" python3 -m dflash benchmark transformers --model "$GGUF" --draft "$D" \
