@@ -357,11 +357,12 @@ def test_cli_block_size_takes_auto_or_an_integer(value, message):
     (["--no-cuda-graphs"], "InputError", "DFLASH_ATTN must be"),  # with DFLASH_ATTN=bogus below
     (["--device", "tpu"], "InputError", "Unknown --device 'tpu'; use auto, cuda, cuda:N or cpu"),
     (["--dtype", "fp8"], "InputError", "Unknown --dtype 'fp8'"),
-    (["--backend", "mlx", "--device", "cuda:0"], "InputError", "for the mlx backend; use auto, cpu or gpu"),
+    (["--backend", "mlx", "--device", "cuda:0"], "InputError", "'cuda:0' for the mlx backend; use"),
 ])
 def test_cli_checks_before_binding_the_port(args, error, message, monkeypatch):
-    """A bad log level, a missing model or draft, or a block size over the draft's trained one is
-    a one-line error before the server starts (before it binds its port and loads)."""
+    """A bad log level, device or dtype name, a missing model or draft, or a block size over the
+    draft's trained one is a one-line error before the server starts (before it binds its port
+    and loads; a bad --device was found only after the server had started)."""
     import uvicorn
 
     from dflash.cli import app
