@@ -5,6 +5,7 @@ request argument checks and the package versions it reports. Re-exported by :mod
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 import time
 from collections.abc import Callable, Iterator
@@ -63,14 +64,24 @@ class Pipeline:
             self.costs = load_or_measure_costs(self.backend, self.cost_key, widths)
         return self.costs
 
-    def block_policy(self) -> BlockPolicy:
-        """A fresh ``--block-size auto`` policy for one request (costs measured if needed)."""
+    def block_policy(self, repeatable: bool = False) -> BlockPolicy:
+        """A fresh ``--block-size auto`` policy for one request (costs measured if needed).
+
+        ``repeatable=True`` (a seeded sampled request): the policy prices widths with the
+        calibrated table as measured (no online timing correction, none of earlier requests'
+        corrections), so its choices depend only on the request's own acceptance, and the same
+        seed gives the same text again (in one process, or across runs that read the same
+        cached cost table). Otherwise steps are timed and correct the shared table online.
+        """
         if self.acceptance is None:
             self.acceptance = load_acceptance(self.draft_dir, self.block_size)
+        costs = self.calibrate()
+        if repeatable:
+            costs = dataclasses.replace(costs, scale={"plain": 1.0, "drafted": 1.0})
         # The costs are measured as the loop drafts: at the trained width, the head on L-1 rows.
-        return BlockPolicy(self.calibrate(), self.acceptance, self.block_size,
+        return BlockPolicy(costs, self.acceptance, self.block_size,
                            widths=getattr(self.backend, "auto_widths", None),
-                           clock=time.perf_counter)  # steps timed: costs corrected online  # fmt: skip
+                           clock=None if repeatable else time.perf_counter)  # fmt: skip
 
     def chat_prompt(self, messages: list[dict], *, system: str | None = None,
                     reasoning: str | None = None,
@@ -165,7 +176,10 @@ class Pipeline:
         self.check_prompt(prompt_ids)
         budget = self._budget(prompt_ids, max_new_tokens)
         # one token comes from the prefill alone: no step to choose a block size for
-        policy = self.block_policy() if bs == "auto" and budget > 1 else None
+        # A seeded sample draws its random numbers per step, so the widths must not depend on
+        # timings for the same seed to give the same text (greedy is the same at any width).
+        repeatable = sampling.temperature > 0 and sampling.seed is not None
+        policy = self.block_policy(repeatable) if bs == "auto" and budget > 1 else None
         self.last_policy = policy
         bs = self.block_size if bs == "auto" else bs
         stops = self.stop_ids if stop_ids is None else stop_ids

@@ -603,3 +603,33 @@ def test_timed_plain_steps_end_a_plain_run_only_at_a_probe():
     assert costs.scale["plain"] > 1.5  # plain steps timed at twice the table
     resumed = [i for i in range(1, 60) if widths[i] > 1 and widths[i - 1] == 1]
     assert resumed and all(policy.history[i].probe and features[i - 1] for i in resumed)
+
+
+def test_seeded_sample_under_auto_repeats_whatever_the_timings(tiny_backend, truth, tmp_path, monkeypatch):
+    """User trial (serve): the same seed gave different text from request to request under
+    auto, as timed steps moved the shared costs and with them the widths (each width draws its
+    own random numbers). A seeded sampled request now prices widths with the calibrated table
+    alone: the same widths and tokens after the table's online scale moved; an unseeded or
+    greedy request still times its steps."""
+    from dflash.api import Pipeline
+    from dflash.types import SamplingParams
+
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path))
+    pipe = Pipeline(tiny_backend, FakeTokenizer(), [], "tiny", cost_key={"test": "tiny"})
+    pipe.costs = linear_costs(1.0, 0.05, 0.3, 0.0)
+    sampling = SamplingParams(temperature=0.8, seed=7)
+
+    def run():
+        res = pipe.generate(PROMPT, max_new_tokens=40, sampling=sampling)
+        return res.token_ids, [s["block_size"] for s in res.block_policy["steps"]]
+
+    first = run()
+    assert pipe.last_policy.clock is None and pipe.costs.scale == {"plain": 1.0, "drafted": 1.0}
+    pipe.costs.scale["drafted"] = 4.0  # as if earlier requests timed drafted steps 4x dearer
+    assert run() == first
+    assert max(first[1]) > 1  # it drafted, where the moved scale would now choose plain
+    greedy = pipe.generate(PROMPT, max_new_tokens=40)
+    assert greedy.token_ids == truth[:40] and pipe.last_policy.clock is not None
+    unseeded = SamplingParams(temperature=0.8, seed=None)
+    pipe.generate(PROMPT, max_new_tokens=8, sampling=unseeded)
+    assert pipe.last_policy.clock is not None
