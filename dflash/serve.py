@@ -158,8 +158,10 @@ class Engine:
         error = None
         try:
             budget = req.max_tokens or (self.pipe.backend.max_context - len(ids))
+            eos = [] if req.ignore_eos else list(self.pipe.stop_ids)
+            stops = eos + [t for t in req.stop_token_ids if t not in eos]
             for step in self.pipe.stream(ids, block_size=self.stream_block, max_new_tokens=budget,
-                                         sampling=req.sampling):  # fmt: skip
+                                         sampling=req.sampling, stop_ids=stops):  # fmt: skip
                 if step.accepted is not None:
                     self.metrics.step(step.accepted, step.proposed)
                 emit(("step", step))

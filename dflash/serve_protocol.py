@@ -59,6 +59,9 @@ class GenRequest:
         sampling: temperature/top-k/top-p/seed.
         stream, include_usage, return_meta_info: output switches.
         stop: stop strings (the text before the first match is returned).
+        stop_token_ids: token ids that also end generation (vLLM's; the token is returned,
+            its text too unless it is a special token).
+        ignore_eos: True: the model's end-of-sequence tokens do not end generation (vLLM's).
         template_kwargs: ``chat_template_kwargs`` passed to the chat template.
     """
 
@@ -72,6 +75,8 @@ class GenRequest:
     include_usage: bool = False
     return_meta_info: bool = False
     stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
     template_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
@@ -101,6 +106,34 @@ def _integer(body: dict, key: str, lo: int, hi: int | None = None) -> int | None
         raise _bad(f"'{key}' must be >= {lo}" + (f" and <= {hi}" if hi is not None else "")
                    + f", got {value}.", key)  # fmt: skip
     return value
+
+
+def _flag(body: dict, key: str, where: str | None = None) -> bool:
+    value = body.get(key)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        name = f"{where}.{key}" if where else key
+        raise _bad(f"'{name}' must be true or false.", where or key)
+    return value
+
+
+# Options that change what is generated, each with the values that leave it unchanged: any
+# other value is refused with 400 (README: unsupported options are refused, not ignored).
+_OUTPUT_CHANGING: dict[str, tuple] = {
+    "logit_bias": ({},),
+    "min_tokens": (0,),
+    "repetition_penalty": (1, 1.0),
+    "min_p": (0, 0.0),
+    "response_format": ({"type": "text"},),
+    "tool_choice": ("none",),
+    "functions": ([],),
+    "function_call": ("none",),
+    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
+    "structured_outputs": (), "bad_words": ([],), "allowed_token_ids": (),
+    "prompt_logprobs": (0,), "use_beam_search": (False,), "length_penalty": (1, 1.0),
+    "prediction": (), "audio": (), "modalities": (["text"],),
+}
 
 
 def _text_content(content: Any, where: str) -> str:
@@ -161,6 +194,11 @@ def parse_request(body: Any, chat: bool) -> GenRequest:
     for key in ("logprobs", "top_logprobs", "tools", "echo", "suffix"):
         if body.get(key):
             raise _bad(f"'{key}' is not supported by dflash serve.", key)
+    for key, neutral in _OUTPUT_CHANGING.items():
+        value = body.get(key)
+        if value is not None and value not in neutral:
+            raise _bad(f"'{key}' is not supported by dflash serve (it would change the output, "
+                       "so it is refused rather than ignored).", key)  # fmt: skip
     if body.get("best_of") not in (None, 1):
         raise _bad("Only best_of=1 is supported.", "best_of")
     for key in ("presence_penalty", "frequency_penalty"):
@@ -176,11 +214,20 @@ def parse_request(body: Any, chat: bool) -> GenRequest:
     if not isinstance(stream, bool):
         raise _bad("'stream' must be true or false.", "stream")
     req.stream = stream
-    options = body.get("stream_options") or {}
-    if not isinstance(options, dict):
-        raise _bad("'stream_options' must be an object.", "stream_options")
-    req.include_usage = bool(options.get("include_usage", False))
-    req.return_meta_info = bool(body.get("return_meta_info", False))
+    options = body.get("stream_options")
+    if options is not None:
+        if not isinstance(options, dict):
+            raise _bad("'stream_options' must be an object.", "stream_options")
+        if not stream:  # as vLLM and OpenAI refuse it
+            raise _bad("'stream_options' needs 'stream': true.", "stream_options")
+        req.include_usage = _flag(options, "include_usage", "stream_options")
+    req.return_meta_info = _flag(body, "return_meta_info")
+    req.ignore_eos = _flag(body, "ignore_eos")
+    ids = body.get("stop_token_ids")
+    if ids is not None and not (isinstance(ids, list) and all(
+            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)):
+        raise _bad("'stop_token_ids' must be a list of token ids (integers >= 0).", "stop_token_ids")
+    req.stop_token_ids = list(ids or [])
     stop = body.get("stop")
     if isinstance(stop, str):
         stop = [stop]

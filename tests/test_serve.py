@@ -374,3 +374,46 @@ def test_cli_checks_before_binding_the_port(args, error, message, monkeypatch):
     res = CliRunner().invoke(app, ["serve", "--port", str(free_port()), *args])
     assert res.exit_code != 0 and type(res.exception).__name__ == error and message in str(res.exception)
     assert "\n" not in str(res.exception) and not started
+
+
+def test_stop_token_ids_end_the_reply_at_the_first_such_token(server, local):
+    """vLLM's ``stop_token_ids``: the reply ends with the first generated token among them
+    (returned, as vLLM returns a non-special stop token), finish_reason "stop"."""
+    url, _ = server
+    _, ref = local(PROMPT, 8)
+    stop = ref.token_ids[3]
+    first = ref.token_ids.index(stop)
+    body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 8, "temperature": 0,
+            "stop_token_ids": [stop]}  # fmt: skip
+    r = httpx.post(url + "/v1/chat/completions", json=body, headers=auth(), timeout=300)
+    assert r.status_code == 200, r.text
+    got = r.json()
+    assert got["usage"]["completion_tokens"] == first + 1
+    assert got["choices"][0]["finish_reason"] == "stop"
+    assert ref.text.startswith(got["choices"][0]["message"]["content"])
+
+
+def test_engine_passes_eos_and_stop_token_ids_to_the_loop():
+    """``ignore_eos`` drops the model's EOS ids from the loop's stops; ``stop_token_ids`` add to
+    them (the loop's own exactness is tested elsewhere)."""
+    import threading
+    from types import SimpleNamespace
+
+    from dflash.serve import Engine
+    from dflash.serve_protocol import parse_request
+
+    seen = []
+
+    def stream(ids, **kwargs):
+        seen.append(kwargs["stop_ids"])
+        return iter(())
+
+    pipe = SimpleNamespace(stop_ids=[2], stream=stream, backend=SimpleNamespace(max_context=64))
+    engine = Engine(lambda: pipe, ["m"])
+    engine.pipe = pipe
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    for extra in ({}, {"ignore_eos": True}, {"stop_token_ids": [7, 2]},
+                  {"ignore_eos": True, "stop_token_ids": [7]}):  # fmt: skip
+        engine.metrics.waiting += 1
+        engine.run([1], parse_request({**chat, **extra}, chat=True), threading.Event(), lambda e: None)
+    assert seen == [[2], [], [2, 7], [7]]

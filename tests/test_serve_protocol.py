@@ -51,6 +51,21 @@ def test_parse_request_defaults_and_fields():
         ({**CHAT, "stream": "yes"}, "stream"),
         ({**CHAT, "stream": 0}, "stream"),
         ({**CHAT, "model": 3}, "model"),
+        # user trial: options that change the output were accepted and ignored
+        ({**CHAT, "logit_bias": {"42": 100}}, "logit_bias"),
+        ({**CHAT, "min_tokens": 5}, "min_tokens"),
+        ({**CHAT, "repetition_penalty": 1.2}, "repetition_penalty"),
+        ({**CHAT, "min_p": 0.1}, "min_p"),
+        ({**CHAT, "response_format": {"type": "json_object"}}, "response_format"),
+        ({**CHAT, "tool_choice": "auto"}, "tool_choice"),
+        ({**CHAT, "guided_regex": "[0-9]+"}, "guided_regex"),
+        ({**CHAT, "stop_token_ids": [2, -1]}, "stop_token_ids"),
+        ({**CHAT, "stop_token_ids": 2}, "stop_token_ids"),
+        ({**CHAT, "ignore_eos": "yes"}, "ignore_eos"),
+        ({**CHAT, "return_meta_info": 1}, "return_meta_info"),
+        ({**CHAT, "stream": True, "stream_options": {"include_usage": "false"}}, "stream_options"),
+        ({**CHAT, "stream_options": {"include_usage": True}}, "stream_options"),  # no stream
+        ({**CHAT, "stream": False, "stream_options": {}}, "stream_options"),
     ],
 )
 def test_bad_requests_are_400_naming_the_field(body, param):
@@ -58,6 +73,18 @@ def test_bad_requests_are_400_naming_the_field(body, param):
         parse_request(body, chat=True)
     assert err.value.status == 400 and err.value.param == param
     assert err.value.body()["error"]["type"] == "invalid_request_error"
+
+
+def test_neutral_values_of_output_changing_options_and_vllm_stop_fields_are_taken():
+    """The values that leave the output unchanged pass (clients send them as defaults);
+    ``stop_token_ids`` and ``ignore_eos`` (vLLM's) are read, not dropped."""
+    neutral = {"logit_bias": {}, "min_tokens": 0, "repetition_penalty": 1.0, "min_p": 0,
+               "response_format": {"type": "text"}, "tool_choice": "none", "ignore_eos": None,
+               "stream_options": None}  # fmt: skip
+    r = parse_request({**CHAT, **neutral}, chat=True)
+    assert r.stop_token_ids == [] and not r.ignore_eos and not r.include_usage
+    r = parse_request({**CHAT, "stop_token_ids": [13, 2], "ignore_eos": True}, chat=True)
+    assert r.stop_token_ids == [13, 2] and r.ignore_eos
 
 
 def test_stop_matcher_holds_back_possible_starts_and_cuts_at_the_first_match():
