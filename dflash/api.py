@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from dflash.backend_names import LOCAL_BACKENDS, one_of
 from dflash.errors import BackendError, InputError
 from dflash.pipeline import Pipeline, check_run_args, key_path, package_versions  # noqa: F401 - re-exported
 from dflash.text import (  # noqa: F401 - re-exported
@@ -25,7 +26,7 @@ from dflash.text import (  # noqa: F401 - re-exported
 )
 from dflash.types import GenerationResult, RoundResult, SamplingParams  # noqa: F401 - re-exported
 
-BACKENDS = ("transformers", "mlx")  # local pipelines; openai is a client (`dflash generate openai`)
+BACKENDS = LOCAL_BACKENDS  # local pipelines; openai is a client (`dflash generate openai`)
 
 
 def warmup_tokens() -> int:
@@ -82,9 +83,10 @@ def load(model: str | None = None, draft: str | None = None, *, backend: str = "
     if backend == "openai":
         raise BackendError("dflash.load runs a model locally; the openai backend is a client of a server.",
                            hint="use 'dflash generate openai' / 'dflash benchmark openai', or load with "
-                           "backend='transformers' or 'mlx'")  # fmt: skip
+                           f"backend={' or '.join(repr(b) for b in BACKENDS)}")  # fmt: skip
     if backend not in BACKENDS:
-        raise BackendError(f"Unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}.")
+        raise BackendError(f"Unknown backend {backend!r}; dflash.load runs {one_of(BACKENDS)} (openai is a "
+                           "client of a server: dflash generate openai).")  # fmt: skip
     if backend == "mlx":
         import importlib.util
 

@@ -10,10 +10,11 @@ from typing import Annotated
 
 import typer
 
+from dflash.backend_names import CLIENT_BACKENDS, LOCAL_BACKENDS, backend_help, check_backend
 from dflash.errors import InputError
 from dflash.types import SamplingParams
 
-Backend = Annotated[str, typer.Argument(help="transformers (torch: CUDA or CPU), mlx (mlx-lm: Apple Silicon or Linux CPU) or openai (an OpenAI-compatible server).")]  # fmt: skip
+Backend = Annotated[str, typer.Argument(help=backend_help())]
 ModelOpt = Annotated[str | None, typer.Option("--model", "-m",
                      help="Target: hub id, local folder or .gguf file (default: demo SmolLM2-135M-Instruct); openai: the served model name (default: the first of /v1/models).")]  # fmt: skip
 BaseUrlOpt = Annotated[str, typer.Option(help="openai: server URL, with or without /v1.")]
@@ -87,7 +88,8 @@ def generate(
     import os
     import time
 
-    local, remote = LOCAL_ONLY, ("openai",)
+    check_backend(backend, "generate")  # before the option checks: they name the backend
+    local, remote = LOCAL_BACKENDS, CLIENT_BACKENDS
     refuse_foreign_options(backend, {
         "--block-size": str(block_size).strip().lower() != "auto", "--draft": draft is not None,
         "--device": device != "auto", "--dtype": dtype != "auto",
@@ -181,7 +183,6 @@ def generate(
 
 
 # options that only some backends read: option -> (backends that read it, what it does there)
-LOCAL_ONLY = ("transformers", "mlx")
 SERVER_SIDE = ("--block-size", "--draft", "--device", "--dtype", "--cuda-graphs/--no-cuda-graphs")
 
 

@@ -325,7 +325,7 @@ def test_resumed_parity_says_how_many_responses_were_not_checked(bench, tmp_path
 
 
 @pytest.mark.parametrize("backend, words", [("openai", "the openai backend is a client of a server"),
-                                            ("vllm", "Unknown backend 'vllm'; choose one of transformers, mlx.")])  # fmt: skip
+                                            ("vllm", "Unknown backend 'vllm'; dflash.load runs transformers or mlx (openai is a client")])  # fmt: skip
 def test_the_python_api_names_the_backends_it_loads(backend, words):
     """dflash.load(backend="vllm") listed openai, and backend="openai" then said it was not in
     this version although `dflash generate openai` works (user trial)."""

@@ -19,14 +19,13 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
+from dflash.backend_names import BACKENDS, CLIENT_BACKENDS, LOCAL_BACKENDS, check_backend
 from dflash.bench import harness, report
 from dflash.bench.metrics import ResponseRecord, summarize
 from dflash.data.datasets import PromptItem, load_prompts, select
 from dflash.errors import BackendError, InputError
 from dflash.types import SamplingParams
 
-BACKENDS = ("transformers", "mlx", "openai")
-LOCAL_BACKENDS = ("transformers", "mlx")
 # --help groups the options that only one backend reads under a panel of their own.
 OPENAI_PANEL = "openai backend only"
 BASE_URL_DEFAULT, TIMEOUT_DEFAULT, RETRIES_DEFAULT = "http://127.0.0.1:30000", 3600.0, 3
@@ -57,10 +56,7 @@ def _check_options(
     plot: Path | None,
 ) -> None:
     """Reject bad flag values and combinations before anything is loaded."""
-    if backend not in BACKENDS:
-        raise BackendError(
-            f"Unknown backend '{backend}'. Available: {', '.join(BACKENDS)}.",
-        )
+    check_backend(backend, "benchmark")
     if backend not in LOCAL_BACKENDS:
         raise BackendError(f"dflash benchmark cannot drive the '{backend}' backend yet.")
     if max_new_tokens < 1:
@@ -79,7 +75,7 @@ def _check_options(
 
 
 def benchmark(
-    backend: Annotated[str, typer.Argument(help="Backend: transformers | mlx | openai.")],
+    backend: Annotated[str, typer.Argument(help=f"Backend: {' | '.join(BACKENDS)}.")],
     dataset: Annotated[
         str,
         typer.Option(
@@ -199,9 +195,10 @@ def benchmark(
     """Benchmark DFlash against plain decoding (block size 1; on mlx also mlx_lm's own
     stream_generate) on prompt datasets."""
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-    from dflash.commands import LOCAL_ONLY, refuse_foreign_options
+    from dflash.commands import refuse_foreign_options
 
-    local, remote = LOCAL_ONLY, ("openai",)
+    check_backend(backend, "benchmark")  # before the option checks: they name the backend
+    local, remote = LOCAL_BACKENDS, CLIENT_BACKENDS
     refuse_foreign_options(backend, {
         "--draft": draft is not None, "--device": device != "auto",
         "--block-size": block_size is not None and block_size.strip().lower() != "auto",  # auto: as generate
@@ -213,7 +210,7 @@ def benchmark(
         "--concurrency": concurrency != 1, "--timeout-s": timeout_s != TIMEOUT_DEFAULT,
         "--api-key": api_key is not None, "--baseline-url": baseline_url is not None,
         "--baseline-model": baseline_model is not None, "--max-retries": max_retries != RETRIES_DEFAULT,
-    } if backend in BACKENDS else {}, {
+    }, {
         **dict.fromkeys(("--draft", "--block-size", "--device", "--dtype", "--check-parity", "--resume"), local),
         **dict.fromkeys(("--cuda-graphs/--no-cuda-graphs", "--compile/--no-compile", "--uniform-width"),
                         ("transformers",)),
