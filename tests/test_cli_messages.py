@@ -49,3 +49,57 @@ def test_every_backend_list_comes_from_one_place():
     assert BACKENDS == ("transformers", "mlx", "openai") and api.BACKENDS == LOCAL_BACKENDS
     assert all(f"{name} (" in backend_help() for name in BACKENDS)
     assert command.BACKENDS is BACKENDS
+
+
+# -- 2. a --base-url that ends in an endpoint path ---------------------------------------------
+
+
+@pytest.mark.parametrize("args, flag, given, base", [
+    (["generate", "openai", "hi"], "--base-url", "/v1/chat/completions", "/v1"),
+    (["generate", "openai", "--model", "m", "hi"], "--base-url", "/v1/completions/", "/v1"),
+    (["benchmark", "openai", "--dataset", "gsm8k"], "--base-url", "/v1/models", "/v1"),
+    (["benchmark", "openai", "--dataset", "gsm8k", "--base-url", "URL"], "--baseline-url", "/chat/completions", ""),
+])  # fmt: skip
+def test_a_base_url_ending_in_an_endpoint_is_refused_naming_the_base_url(args, flag, given, base):
+    """`--base-url http://host:port/v1/chat/completions` was sent to .../chat/completions/v1/...
+    and answered 404 with no hint (user trial); now no request is sent and the error names the
+    base URL to pass, as openai-python's base_url expects it."""
+    from tests.openai_replay import ReplayServer
+
+    with ReplayServer({}) as srv:
+        args = [srv.url + "/v1" if a == "URL" else a for a in args]
+        lines = error_lines(dflash_cli(*args, flag, srv.url + given, "--data-dir", str(DATA_DIR))
+                            if args[0] == "benchmark" else dflash_cli(*args, flag, srv.url + given))  # fmt: skip
+        assert not srv.requests
+    endpoint = given.rstrip("/").rsplit("/v1", 1)[-1]
+    assert lines == [
+        f"error: {flag} {srv.url}{given.rstrip('/')} ends in the endpoint path {endpoint}, which dflash adds itself.",
+        f"hint: pass the server's base URL: {flag} {srv.url}{base}",
+    ]
+
+
+def test_the_base_url_check_keeps_paths_that_are_no_endpoint():
+    from dflash.backends.openai import api_root
+
+    for url, root in (("http://h:1/proxy", "http://h:1/proxy/v1"), ("http://h:1/models-api/v1/", "http://h:1/models-api/v1"),
+                      ("http://h:1/v1", "http://h:1/v1"), ("http://completions:8000", "http://completions:8000/v1")):  # fmt: skip
+        assert api_root(url) == root
+
+
+def test_a_404_names_the_base_url_as_the_thing_to_check():
+    """A server that answers 404 (a wrong path under --base-url, or a model it does not serve)
+    gets a hint naming --base-url's form instead of none."""
+    from tests.openai_replay import ReplayServer, json_reply
+
+    gone = json_reply({"error": {"message": "The model `m` does not exist."}}, status=404)
+    with ReplayServer({"POST /v1/chat/completions": [gone]}) as srv:
+        wrong_path = error_lines(dflash_cli("generate", "openai", "--base-url", srv.url + "/api", "hi"))
+        wrong_model = error_lines(dflash_cli("generate", "openai", "--base-url", srv.url, "--model", "m", "hi"))
+    assert wrong_path == [
+        f"error: {srv.url}/api/v1/models answered HTTP 404: no route GET /api/v1/models",
+        "hint: check --base-url: the server's base URL, e.g. http://127.0.0.1:30000/v1",
+    ]
+    assert wrong_model == [
+        f"error: {srv.url}/v1/chat/completions failed: HTTP 404: The model `m` does not exist.",
+        "hint: check --base-url (the server's base URL, e.g. http://127.0.0.1:30000/v1) and --model",
+    ]

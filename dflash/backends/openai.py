@@ -38,16 +38,31 @@ RETRY_STATUSES = frozenset({429, 502, 503, 504})
 # URLs and request bodies
 
 
-def api_root(base_url: str) -> str:
+# paths a server answers under its base URL; a --base-url ending in one gets it twice
+ENDPOINT_PATHS = ("chat/completions", "completions", "models", "embeddings", "responses",
+                  "generate", "health", "metrics")  # fmt: skip
+
+
+def api_root(base_url: str, flag: str = "--base-url") -> str:
     """The ``.../v1`` root of a server URL given with or without ``/v1`` (trailing ``/`` dropped).
 
+    A URL ending in an endpoint path (``.../v1/chat/completions``, ``.../v1/models``) is refused,
+    not trimmed: the client adds the endpoint itself, as openai-python's ``base_url`` does, and
+    the error names the base URL to pass. ``flag`` names the option in errors.
+
     Raises:
-        InputError: the URL is not http(s)://host[:port][/path].
+        InputError: the URL is not http(s)://host[:port][/path], or ends in an endpoint path.
     """
     url = base_url.strip().rstrip("/")
     if not url.startswith(("http://", "https://")) or len(url.split("://", 1)[1]) == 0:
-        raise InputError(f"--base-url {base_url!r} is not an http(s) URL.",
-                         hint="e.g. --base-url http://127.0.0.1:30000")  # fmt: skip
+        raise InputError(f"{flag} {base_url!r} is not an http(s) URL.",
+                         hint=f"e.g. {flag} http://127.0.0.1:30000")  # fmt: skip
+    path = url.split("://", 1)[1].partition("/")[2].lower()
+    for endpoint in ENDPOINT_PATHS:
+        if path == endpoint or path.endswith("/" + endpoint):
+            base = url[: -len(endpoint) - 1]
+            raise InputError(f"{flag} {url} ends in the endpoint path /{endpoint}, which dflash adds itself.",
+                             hint=f"pass the server's base URL: {flag} {base}")  # fmt: skip
     return url if url.endswith("/v1") else url + "/v1"
 
 
@@ -458,6 +473,8 @@ async def first_model(client: httpx.AsyncClient, root: str, api_key: str | None,
                           hint=f"start the server (dflash serve and SGLang listen on port 30000 by default, vLLM on 8000) or fix {flag}") from None  # fmt: skip
     if resp.status_code >= 400:
         hint = "pass --api-key or set OPENAI_API_KEY" if resp.status_code == 401 else None
+        if resp.status_code == 404:
+            hint = f"check {flag}: the server's base URL, e.g. http://127.0.0.1:30000/v1"
         raise ServerError(f"{root}/models answered HTTP {resp.status_code}: "
                           f"{_error_message(resp.content)}", hint=hint)  # fmt: skip
     try:

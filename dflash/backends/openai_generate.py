@@ -90,6 +90,8 @@ async def _run(root: str, messages: list[dict], model: str | None, api_key: str 
         if printer is not None and printer.section is not None:
             sys.stdout.write("\n")
         hint = "pass --api-key or set OPENAI_API_KEY" if result.status == 401 else None
+        if result.status == 404:  # a path the server does not serve, or a model it does not know
+            hint = "check --base-url (the server's base URL, e.g. http://127.0.0.1:30000/v1) and --model"
         if result.error_kind == "timeout":
             hint = "raise --timeout-s"
         raise ServerError(f"{root}/chat/completions failed: {result.error.rstrip('.')}.", hint=hint)

@@ -59,7 +59,7 @@ def benchmark_openai(*, dataset: str, base_url: str, model: str | None, api_key:
     endpoints = [Endpoint("dflash", base_url, model)]
     api_root(base_url)
     if baseline_url:
-        api_root(baseline_url)
+        api_root(baseline_url, "--baseline-url")
         endpoints.insert(0, Endpoint("baseline", baseline_url, baseline_model))
     names = check_dataset_names(dataset.split(","))
     datasets: dict[str, list[PromptItem]] = {}
@@ -93,7 +93,9 @@ def benchmark_openai(*, dataset: str, base_url: str, model: str | None, api_key:
     if all(s["dflash"]["ok"] == 0 for s in summaries.values()):
         first = next((r for recs in runs["dflash"].values() for r in recs["records"]), None)
         why = first.error if first is not None else "no requests"
-        raise ServerError(f"Every request to {base_url} failed (first: {why}).")
+        hint = ("check --base-url (the server's base URL, e.g. http://127.0.0.1:30000/v1) and --model"
+                if first is not None and first.status == 404 else None)  # fmt: skip
+        raise ServerError(f"Every request to {base_url} failed (first: {why}).", hint=hint)
     return final
 
 
