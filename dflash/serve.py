@@ -390,13 +390,14 @@ async def _stream(engine: Engine, ids: list[int], req: GenRequest, rid: str, cre
 
     t0, out, finish = time.perf_counter(), _Output(engine.pipe.tokenizer, req.stop), "abort"
     try:
-        yield sse(chunk(rid, req.chat, name, created, "", None, role=True))
+        nulls = req.include_usage  # "usage": null in every chunk before the usage chunk
+        yield sse(chunk(rid, req.chat, name, created, "", None, role=True, include_usage=nulls))
         try:
             async with aclosing(engine.steps(ids, req)) as steps:  # leaving cancels at once
                 async for step in steps:
                     text = out.add(step)
                     if text:
-                        yield sse(chunk(rid, req.chat, name, created, text, None))
+                        yield sse(chunk(rid, req.chat, name, created, text, None, include_usage=nulls))
                     if out.finish:
                         break
         except Exception as err:  # noqa: BLE001 - headers are sent: report in the stream
@@ -406,7 +407,7 @@ async def _stream(engine: Engine, ids: list[int], req: GenRequest, rid: str, cre
         finish = out.finish or "length"
         meta = (meta_info(out.accepted, out.proposed, engine.block_size, len(ids), out.tokens,
                           time.perf_counter() - t0) if req.return_meta_info else None)  # fmt: skip
-        yield sse(chunk(rid, req.chat, name, created, None, finish, meta=meta))
+        yield sse(chunk(rid, req.chat, name, created, None, finish, meta=meta, include_usage=nulls))
         if req.include_usage:
             yield sse({"id": rid, "object": "chat.completion.chunk" if req.chat else "text_completion",
                        "created": created, "model": name, "choices": [],

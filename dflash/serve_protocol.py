@@ -310,20 +310,26 @@ def completion_id(chat: bool) -> str:
 
 
 def chunk(rid: str, chat: bool, model: str, created: int, text: str | None,
-          finish: str | None, *, role: bool = False, meta: dict | None = None) -> dict[str, Any]:  # fmt: skip
-    """One streamed chunk (``chat.completion.chunk`` or ``text_completion``)."""
+          finish: str | None, *, role: bool = False, meta: dict | None = None,
+          include_usage: bool = False) -> dict[str, Any]:  # fmt: skip
+    """One streamed chunk (``chat.completion.chunk`` or ``text_completion``); with
+    ``include_usage`` it carries ``"usage": null``, as OpenAI's chunks before the usage chunk."""
     if chat:
         delta: dict[str, Any] = {"role": "assistant"} if role else {}
         if text is not None:
             delta["content"] = text
-        choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish}
+        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None,
+                                  "finish_reason": finish}  # fmt: skip
         obj = "chat.completion.chunk"
     else:
         choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
         obj = "text_completion"
     if meta is not None:
         choice["meta_info"] = meta
-    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
+    out = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
+    if include_usage:
+        out["usage"] = None
+    return out
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -337,7 +343,7 @@ def full_response(rid: str, chat: bool, model: str, created: int, text: str, fin
     """A non-streamed ``chat.completion`` / ``text_completion``."""
     if chat:
         choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
-                                  "finish_reason": finish}  # fmt: skip
+                                  "logprobs": None, "finish_reason": finish}  # fmt: skip
     else:
         choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
     if meta is not None:

@@ -238,6 +238,8 @@ def test_32_concurrent_streams_and_malformed_requests(server, local):
                 events += decoder.feed(part)
         assert events[-1] == "[DONE]"
         chunks = [json.loads(e) for e in events[:-1]]
+        assert all(c["usage"] is None for c in chunks[:-1])  # as OpenAI: null until the last
+        assert all(c["choices"][0]["logprobs"] is None for c in chunks[:-1])
         text = "".join(
             c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]
         )
