@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 from typing import Annotated
@@ -83,8 +84,16 @@ def main() -> None:
     except OSError as err:  # a path that is a file where a folder is needed, and the like
         if os.environ.get("DFLASH_DEBUG"):
             raise
-        where = f": {err.filename}" if getattr(err, "filename", None) else ""
-        report_error(DflashError(f"{err.strerror or err}{where}.", hint="check the path"))
+        from dflash.paths import file_in_the_way
+
+        name = getattr(err, "filename", None)
+        blocker = file_in_the_way(name) if name and err.errno in (errno.EEXIST, errno.ENOTDIR) else None
+        if blocker is not None:  # mkdir -p through a file: "File exists: <the folder to make>"
+            report_error(DflashError(f"{name} cannot be made: {blocker} is a file, not a folder.",
+                                     hint=f"choose another path, or move the file {blocker} away"))  # fmt: skip
+        else:
+            where = f": {name}" if name else ""
+            report_error(DflashError(f"{err.strerror or err}{where}.", hint="check the path"))
         sys.exit(1)
     except KeyboardInterrupt:
         sys.exit(130)

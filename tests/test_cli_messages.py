@@ -103,3 +103,38 @@ def test_a_404_names_the_base_url_as_the_thing_to_check():
         f"error: {srv.url}/v1/chat/completions failed: HTTP 404: The model `m` does not exist.",
         "hint: check --base-url (the server's base URL, e.g. http://127.0.0.1:30000/v1) and --model",
     ]
+
+
+# -- 3a. an output path under a file -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend, extra, flag, name", [
+    ("transformers", [], "--output", "x.jsonl"),
+    ("transformers", ["--block-size", "1,4"], "--output", "x.jsonl"),  # a sweep: the name given, not x.bs1.jsonl
+    ("openai", ["--base-url", "http://127.0.0.1:9"], "--output", "x.jsonl"),
+    ("transformers", [], "--plot", "x.png"),
+])  # fmt: skip
+def test_an_output_path_under_a_file_names_the_file_in_the_way(tmp_path, backend, extra, flag, name):
+    """`--output afile/x.jsonl` with afile a file printed a bare 'File exists' (user trial)."""
+    (tmp_path / "afile").write_text("not a folder\n")
+    p = dflash_cli("benchmark", backend, "--dataset", "gsm8k", "--data-dir", str(DATA_DIR), *extra,
+                   flag, f"afile/sub/{name}", cwd=tmp_path)  # fmt: skip
+    assert error_lines(p) == [
+        f"error: {flag} afile/sub/{name} cannot be written: afile is a file, not a folder.",
+        f"hint: write it elsewhere (e.g. {flag} {name}) or move the file afile away",
+    ]
+
+
+def test_any_other_folder_under_a_file_is_one_line_naming_the_file(tmp_path, monkeypatch, capsys):
+    """The CLI's last resort for an OSError: a folder made under a file says which file."""
+    from dflash import cli
+
+    (tmp_path / "afile").write_text("")
+    monkeypatch.setattr(cli, "app", lambda **kw: os.makedirs(tmp_path / "afile" / "q"))
+    with pytest.raises(SystemExit) as end:
+        cli.main()
+    assert end.value.code == 1
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: {tmp_path / 'afile' / 'q'} cannot be made: {tmp_path / 'afile'} is a file, not a folder.",
+        f"hint: choose another path, or move the file {tmp_path / 'afile'} away",
+    ]

@@ -16,6 +16,7 @@ from typing import Any
 
 from dflash.bench.metrics import ResponseRecord
 from dflash.errors import DatasetError, InputError
+from dflash.paths import make_parent
 from dflash.types import SamplingParams
 
 Key = tuple[str, str, int]
@@ -101,8 +102,9 @@ class ResultsLog:
         for p in existing:
             for record in read_records(p, repair=(p == self.write_path)):
                 self.done.setdefault(record.key, record)
-        try:  # find out now, not after loading the models and measuring the first response
-            self.write_path.parent.mkdir(parents=True, exist_ok=True)
+        # find out now, not after loading the models and measuring the first response
+        make_parent(self.write_path, "--output")
+        try:
             with open(self.write_path, "a", encoding="utf-8"):
                 pass
         except OSError as e:

@@ -46,6 +46,7 @@ from dflash.bench.metrics import (
 )
 from dflash.data.datasets import PromptItem
 from dflash.errors import InputError
+from dflash.paths import make_parent
 from dflash.types import SamplingParams
 
 WARMUP_TOKENS = 64
@@ -160,7 +161,7 @@ class JsonlWriter:
         if path is not None:
             if path.is_file() and path.stat().st_size > 0:
                 raise InputError(f"{path} already holds results.", hint="choose another --output")
-            path.parent.mkdir(parents=True, exist_ok=True)
+            make_parent(path, "--output")
 
     def write(self, record: RemoteRecord) -> None:
         if self.path is None:

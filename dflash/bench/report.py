@@ -23,6 +23,7 @@ from rich.text import Text
 
 from dflash.bench.metrics import ResponseRecord, mean_acceptance_length, throughput
 from dflash.errors import InputError
+from dflash.paths import make_parent
 
 BAR_WIDTH = 40
 
@@ -228,10 +229,7 @@ def check_plot(path: Path) -> None:
     if suffix and suffix not in kinds:  # no suffix: PNG (see save_plot)
         raise InputError(f"--plot {path}: matplotlib cannot write .{suffix}.",
                          hint=f"end the name with one of {', '.join('.' + k for k in sorted(kinds))}")  # fmt: skip
-    try:  # find out now, not after the whole benchmark (and create no file: ranks may race)
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise InputError(f"--plot {path} cannot be written: {e.strerror}.", hint="choose a writable --plot file") from e
+    make_parent(path, "--plot")  # now, not after the whole benchmark (and no file: ranks may race)
     target = path if path.exists() else path.parent
     if not os.access(target, os.W_OK):
         raise InputError(f"--plot {path} cannot be written: {target} is not writable.",
