@@ -232,6 +232,11 @@ def summary_line(new_tokens: int, steps: list[int], decode_s: float, ttft_s: flo
             f"{plural(len(steps), 'verify step')} | TTFT {ttft_s * 1000:.0f} ms]")  # fmt: skip
 
 
+# the valid --block-size values, the hint of every out-of-range error (generate and benchmark)
+BLOCK_SIZE_RANGE = ("use auto (picked per step) or 1 (no drafting) up to the draft's trained block size "
+                    "(16 for the demo draft)")  # fmt: skip
+
+
 def parse_block_size(value: str | int | None) -> int | str:
     """``--block-size``: "auto" or an integer >= 1 (a list only for ``benchmark``).
 
@@ -245,8 +250,7 @@ def parse_block_size(value: str | int | None) -> int | str:
         raise InputError(f"--block-size must be auto or an integer >= 1, got {value!r}.",
                          hint="auto picks it per step; 1 decodes without a draft; the draft's trained size drafts most")  # fmt: skip
     if int(text) < 1:
-        raise InputError(f"--block-size must be >= 1, got {int(text)}.",
-                         hint="auto picks it per step; 1 decodes without a draft")  # fmt: skip
+        raise InputError(f"--block-size must be >= 1, got {int(text)}.", hint=BLOCK_SIZE_RANGE)
     return int(text)
 
 

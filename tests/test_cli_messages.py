@@ -138,3 +138,17 @@ def test_any_other_folder_under_a_file_is_one_line_naming_the_file(tmp_path, mon
         f"error: {tmp_path / 'afile' / 'q'} cannot be made: {tmp_path / 'afile'} is a file, not a folder.",
         f"hint: choose another path, or move the file {tmp_path / 'afile'} away",
     ]
+
+
+# -- 3b. --block-size 0 ------------------------------------------------------------------------
+
+RANGE = "use auto (picked per step) or 1 (no drafting) up to the draft's trained block size (16 for the demo draft)"
+
+
+@pytest.mark.parametrize("args", [["generate", "transformers", "hi", "--block-size", "0"],
+                                  ["generate", "mlx", "hi", "--block-size", "0"],
+                                  ["benchmark", "transformers", "--dataset", "gsm8k", "--block-size", "0"],
+                                  ["benchmark", "transformers", "--dataset", "gsm8k", "--block-size", "auto,4,0"]])  # fmt: skip
+def test_block_size_zero_has_a_hint_with_the_valid_range(args):
+    """`dflash benchmark ... --block-size 0` said 'must be >= 1' and nothing more (user trial)."""
+    assert error_lines(dflash_cli(*args)) == ["error: --block-size must be >= 1, got 0.", f"hint: {RANGE}"]

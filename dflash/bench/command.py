@@ -399,9 +399,11 @@ def parse_block_sizes(value: str | None) -> list[int | str | None]:
                              f"got {item.strip()!r}.", hint="e.g. --block-size auto,1,4,8,16")  # fmt: skip
         v: int | str = text if text == "auto" else int(text)
         if isinstance(v, int) and v < 1:
-            raise InputError(f"--block-size must be >= 1, got {v}.")
+            from dflash.commands import BLOCK_SIZE_RANGE
+
+            raise InputError(f"--block-size must be >= 1, got {v}.", hint=BLOCK_SIZE_RANGE)
         if v in out:
-            raise InputError(f"--block-size lists {v} twice.")
+            raise InputError(f"--block-size lists {v} twice.", hint="list each value once")
         out.append(v)
     return out
 
