@@ -152,3 +152,35 @@ RANGE = "use auto (picked per step) or 1 (no drafting) up to the draft's trained
 def test_block_size_zero_has_a_hint_with_the_valid_range(args):
     """`dflash benchmark ... --block-size 0` said 'must be >= 1' and nothing more (user trial)."""
     assert error_lines(dflash_cli(*args)) == ["error: --block-size must be >= 1, got 0.", f"hint: {RANGE}"]
+
+
+# -- 3c. no blank line before an error ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("args, message, hint", [
+    (["--block-size", "100"], "--block-size 100 exceeds the draft's trained block size 16.", "use --block-size 16 or less"),
+    (["--reasoning", "maybe"], "Unknown --reasoning level 'maybe' for this model's chat template.",
+     "this template supports only --reasoning on/off, if any"),
+])  # fmt: skip
+def test_a_benchmark_error_before_the_first_dataset_has_no_blank_line_before_it(args, message, hint, monkeypatch,
+                                                                                capsys):  # fmt: skip
+    """`dflash benchmark ... --block-size 100 2>&1 | cat` printed an empty line, then the error:
+    rich's progress display, stopped before any bar, rendered nothing plus a newline (user trial).
+    The pipeline raises the error the real one raises in the warm-up."""
+    from dflash import cli
+    from dflash.bench import command
+    from dflash.errors import InputError
+
+    class Refusing:
+        block_size = 16
+
+        def chat_prompt(self, messages, **kw):
+            raise InputError(message, hint=hint)
+
+    monkeypatch.setattr(command, "_load_pipeline", lambda *a, **kw: Refusing())
+    monkeypatch.setattr(sys, "argv", ["dflash", "benchmark", "transformers", "--dataset", "gsm8k",
+                                      "--data-dir", str(DATA_DIR), *args])  # fmt: skip
+    with pytest.raises(SystemExit) as end:
+        cli.main()
+    assert end.value.code == 1
+    assert capsys.readouterr().err == f"error: {message}\nhint: {hint}\n"

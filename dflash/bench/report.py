@@ -187,15 +187,20 @@ class BenchProgress:
         )
 
     def __enter__(self) -> BenchProgress:
-        self._progress.start()
+        # The display starts with the first dataset: stopped before it, rich's final render of
+        # no bars was an empty line on stderr (not a terminal) before an error such as
+        # "--block-size 100 exceeds ..." raised by the warm-up.
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._progress.stop()
+        if self._progress.live.is_started:
+            self._progress.stop()
 
     def start(self, name: str, total: int) -> None:
         """Begin a dataset of ``total`` responses."""
         self._records = []
+        if not self._progress.live.is_started:
+            self._progress.start()
         self._task = self._progress.add_task(name, total=total, tau="-", tps="-")
 
     def update(self, record: ResponseRecord) -> None:
