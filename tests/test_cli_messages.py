@@ -184,3 +184,36 @@ def test_a_benchmark_error_before_the_first_dataset_has_no_blank_line_before_it(
         cli.main()
     assert end.value.code == 1
     assert capsys.readouterr().err == f"error: {message}\nhint: {hint}\n"
+
+
+# -- 3d. Ctrl-C during a block-size sweep ------------------------------------------------------
+
+
+@pytest.mark.parametrize("stop_at", [1, 4])
+def test_ctrl_c_in_a_sweep_names_the_real_files(tmp_path, monkeypatch, stop_at):
+    """Ctrl-C during `--block-size 1,4 --output r.jsonl` printed 'r.bs<L>.jsonl', a template,
+    instead of the files (user trial); it names the files of the values run so far."""
+    from typer.testing import CliRunner
+
+    from dflash.bench import command
+    from dflash.bench.harness import read_records
+    from tests.test_bench_resume import FakePipeline, make_app
+
+    monkeypatch.setattr(command, "_load_pipeline", command._load_pipeline)  # restored afterwards
+    out = tmp_path / "r.jsonl"
+    running = tmp_path / f"r.bs{stop_at}.jsonl"
+
+    class Interrupted(FakePipeline):
+        def generate(self, prompt_ids, **kw):
+            if running.exists() and len(running.read_text().splitlines()) == 1:  # one response written
+                raise KeyboardInterrupt
+            return super().generate(prompt_ids, **kw)
+
+    res = CliRunner().invoke(make_app(Interrupted), [
+        "transformers", "--dataset", "humaneval", "--max-samples", "2", "--data-dir", str(DATA_DIR),
+        "--block-size", "1,4", "--output", str(out)])  # fmt: skip
+    assert res.exit_code != 0
+    files = " and ".join(str(tmp_path / f"r.bs{bs}.jsonl") for bs in (1, 4) if bs <= stop_at)
+    assert res.stderr.splitlines()[-1] == (f"interrupted: the finished responses are in {files}; "
+                                           "run the same command with --resume to continue.")  # fmt: skip
+    assert len(read_records(running)) == 1

@@ -368,10 +368,13 @@ def _run(
     return gathered
 
 
-def _interrupted(output: Path | None, rank: int) -> None:
-    """On Ctrl-C: where the finished responses are and how to continue (rank 0, stderr)."""
-    if rank == 0 and output is not None:
-        print(f"interrupted: the finished responses are in {output}; run the same command with --resume "
+def _interrupted(output: Path | list[Path] | None, rank: int) -> None:
+    """On Ctrl-C: where the finished responses are (one file, or a sweep's files) and how to
+    continue (rank 0, stderr)."""
+    files = [output] if isinstance(output, Path) else list(output or [])
+    if rank == 0 and files:
+        where = str(files[0]) if len(files) == 1 else ", ".join(map(str, files[:-1])) + f" and {files[-1]}"
+        print(f"interrupted: the finished responses are in {where}; run the same command with --resume "
               "to continue.", file=sys.stderr)  # fmt: skip
 
 
@@ -440,6 +443,7 @@ def _sweep(
     dist = harness.init_distributed(load_args[3])  # load_args[3]: --device
     rows: list[tuple[int | str | None, dict[str, dict[str, Any]]]] = []
     pipeline = None
+    started: list[int | str | None] = []  # the values whose files may hold responses
     try:
         for bs in block_sizes:  # every value's file, before a model loads or a value runs
             log = harness.ResultsLog(per_value(output, bs), resume=resume, rank=dist.rank, world=dist.world)
@@ -447,12 +451,13 @@ def _sweep(
         *first, draft_bits, draft_window = load_args
         pipeline = _load_pipeline(*first, draft_bits=draft_bits, draft_window=draft_window)
         for bs in block_sizes:
+            started.append(bs)
             config = replace(base_config, block_size=bs)
             gathered = _run(dist, load_args, selected, config, per_value(output, bs), resume, pipeline=pipeline)
             if gathered is not None:
                 rows.append((bs, {n: summarize(r) for n, r in gathered.items()}))
     except KeyboardInterrupt:
-        _interrupted(per_value(output, "<L>"), dist.rank)
+        _interrupted([per_value(output, bs) for bs in started or block_sizes] if output else None, dist.rank)
         raise
     finally:
         harness.finish_distributed(dist)
