@@ -217,3 +217,31 @@ def test_ctrl_c_in_a_sweep_names_the_real_files(tmp_path, monkeypatch, stop_at):
     assert res.stderr.splitlines()[-1] == (f"interrupted: the finished responses are in {files}; "
                                            "run the same command with --resume to continue.")  # fmt: skip
     assert len(read_records(running)) == 1
+
+
+# -- 3e. --num-prompts and --max-samples -------------------------------------------------------
+
+
+def test_num_prompts_and_max_samples_are_one_option_and_may_not_disagree(monkeypatch):
+    """--num-prompts silently won over --max-samples when both were given (user trial): they
+    are aliases on the openai backend, so different values are refused and equal ones run."""
+    from typer.testing import CliRunner
+
+    from dflash.bench import remote_command
+    from dflash.cli import app
+
+    p = dflash_cli("benchmark", "openai", "--dataset", "gsm8k", "--base-url", "http://127.0.0.1:9",
+                   "--num-prompts", "8", "--max-samples", "4")  # fmt: skip
+    assert error_lines(p) == [
+        "error: --num-prompts 8 and --max-samples 4 disagree; they are the same option (prompts per dataset).",
+        "hint: give one of them",
+    ]
+    asked = []
+    monkeypatch.setattr(remote_command, "benchmark_openai", lambda **kw: asked.append(kw["num_prompts"]))
+    for given in (["--num-prompts", "3", "--max-samples", "3"], ["--max-samples", "3"], ["--num-prompts", "3"]):
+        res = CliRunner().invoke(app, ["benchmark", "openai", "--dataset", "gsm8k", *given])
+        assert res.exit_code == 0, res.output
+    assert asked == [3, 3, 3]
+    help_text = " ".join(CliRunner().invoke(app, ["benchmark", "--help"], env={"COLUMNS": "200"}).stdout.split())
+    assert "alias of --max-samples: prompts per dataset" in help_text
+    assert "giving both with different values is an error" in help_text

@@ -97,7 +97,8 @@ def benchmark(
         typer.Option("--draft", "-d", help="Draft id or folder (default: the demo draft)."),
     ] = None,
     max_samples: Annotated[
-        int | None, typer.Option(help="Prompts per dataset after the Random(42) shuffle.")
+        int | None, typer.Option(help="Prompts per dataset after the Random(42) shuffle (openai: "
+                                 "the same as --num-prompts).")
     ] = None,
     block_size: Annotated[
         str | None,
@@ -169,8 +170,8 @@ def benchmark(
     num_prompts: Annotated[
         int | None,
         typer.Option(
-            rich_help_panel=OPENAI_PANEL, help="prompts per dataset (default: --max-samples, else all; "
-            "repeats when larger than the dataset)."
+            rich_help_panel=OPENAI_PANEL, help="alias of --max-samples: prompts per dataset (default: all; "
+            "repeats when larger than the dataset); giving both with different values is an error."
         ),
     ] = None,
     concurrency: Annotated[int, typer.Option(rich_help_panel=OPENAI_PANEL, help="parallel requests.")] = 1,
@@ -221,6 +222,11 @@ def benchmark(
         **dict.fromkeys(("--base-url", "--num-prompts", "--concurrency", "--timeout-s", "--api-key",
                          "--baseline-url", "--baseline-model", "--max-retries"), remote),
     })  # fmt: skip
+    if max_samples is not None and max_samples < 1:  # named as given (openai reads it as --num-prompts)
+        raise InputError(f"--max-samples must be >= 1, got {max_samples}.", hint="drop it to use every prompt")
+    if num_prompts is not None and max_samples is not None and num_prompts != max_samples:
+        raise InputError(f"--num-prompts {num_prompts} and --max-samples {max_samples} disagree; they are "
+                         "the same option (prompts per dataset).", hint="give one of them")  # fmt: skip
     if backend == "openai":  # torch-free path: the server does the speculative decoding
         import os
 
