@@ -97,8 +97,7 @@ def benchmark(
         typer.Option("--draft", "-d", help="Draft id or folder (default: the demo draft)."),
     ] = None,
     max_samples: Annotated[
-        int | None, typer.Option(help="Prompts per dataset after the Random(42) shuffle (openai: "
-                                 "the same as --num-prompts).")
+        int | None, typer.Option(help="Prompts per dataset after the Random(42) shuffle.")
     ] = None,
     block_size: Annotated[
         str | None,
