@@ -189,6 +189,12 @@ def load(model: str | None = None, draft: str | None = None, *, backend: str = "
                     cost_key=cost_key)  # fmt: skip
 
 
+# the mlx backend's devices, in every --device error of it (here and in dflash/backends/mlx.py)
+MLX_DEFAULT_DEVICE = "the Metal GPU on Apple Silicon, the CPU on Linux"
+MLX_DEVICES = "the mlx backend takes --device auto (its default device), cpu or gpu (cuda and metal mean gpu)"
+MLX_NO_GPU_HINT = f"use --device auto or cpu; {MLX_DEVICES}"
+
+
 def check_device_name(device: str, backend: str) -> None:
     """Refuse a ``--device`` name that ``backend`` does not know, without importing torch or mlx.
     mlx has one GPU (Metal or CUDA build): ``gpu``, and ``cuda``/``metal`` as its synonyms.
@@ -198,7 +204,7 @@ def check_device_name(device: str, backend: str) -> None:
     """
     if backend == "mlx" and device not in ("auto", "cpu", "gpu", "metal", "cuda"):
         raise InputError(f"Unknown --device {device!r} for the mlx backend; use auto, cpu or gpu.",
-                         hint="mlx picks its one GPU itself (cuda and metal mean gpu); cuda:N is for transformers")  # fmt: skip
+                         hint=MLX_DEVICES + "; cuda:N is for the transformers backend")  # fmt: skip
     if backend != "mlx" and device not in ("auto", "cpu") and not device.startswith("cuda"):
         raise InputError(f"Unknown --device {device!r}; use auto, cuda, cuda:N or cpu.")
 

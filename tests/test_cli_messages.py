@@ -245,3 +245,31 @@ def test_num_prompts_and_max_samples_are_one_option_and_may_not_disagree(monkeyp
     help_text = " ".join(CliRunner().invoke(app, ["benchmark", "--help"], env={"COLUMNS": "200"}).stdout.split())
     assert "alias of --max-samples: prompts per dataset" in help_text
     assert "giving both with different values is an error" in help_text
+
+
+# -- 3f. the mlx backend's --device ------------------------------------------------------------
+
+MLX_TAKES = "the mlx backend takes --device auto (its default device), cpu or gpu (cuda and metal mean gpu)"
+
+
+@pytest.mark.parametrize("command", [["generate", "mlx", "hi"], ["benchmark", "mlx", "--dataset", "gsm8k"]])
+def test_mlx_with_device_cuda_says_where_mlx_runs_and_what_it_takes(command):
+    """`dflash generate mlx --device cuda` on a machine whose mlx has no GPU: the error says that
+    mlx runs on its default device and which --device values the backend takes (user trial)."""
+    mx = pytest.importorskip("mlx.core")
+    if mx.metal.is_available() or mx.cuda.is_available():
+        pytest.skip("this mlx build has a GPU")
+    assert error_lines(dflash_cli(*command, "--device", "cuda", "--data-dir", str(DATA_DIR), "--max-samples", "1")
+                       if command[0] == "benchmark" else dflash_cli(*command, "--device", "cuda")) == [
+        "error: --device cuda needs a GPU, and this mlx build has none: mlx runs on its default device "
+        "(the Metal GPU on Apple Silicon, the CPU on Linux).",
+        f"hint: use --device auto or cpu; {MLX_TAKES}",
+    ]  # fmt: skip
+
+
+def test_mlx_with_device_cuda_n_names_the_values_it_takes():
+    pytest.importorskip("mlx.core")
+    assert error_lines(dflash_cli("generate", "mlx", "hi", "--device", "cuda:1")) == [
+        "error: Unknown --device 'cuda:1' for the mlx backend; use auto, cpu or gpu.",
+        f"hint: {MLX_TAKES}; cuda:N is for the transformers backend",
+    ]

@@ -18,7 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from dflash.api import Pipeline, key_path
+from dflash.api import MLX_DEFAULT_DEVICE, MLX_DEVICES, MLX_NO_GPU_HINT, Pipeline, key_path
 from dflash.backends import mlx_hooks
 from dflash.errors import BackendError
 from dflash.models.draft_mlx import DFlashDraftMLX
@@ -265,13 +265,14 @@ def load_pipeline(model: str | None, draft: str | None, *, device: str = "auto",
 
     if device in ("gpu", "metal", "cuda"):
         if not (mx.metal.is_available() or mx.cuda.is_available()):
-            raise BackendError(f"--device {device} was asked for but this mlx build has no GPU.",
-                               hint="use --device cpu (or auto)")  # fmt: skip
+            raise BackendError(f"--device {device} needs a GPU, and this mlx build has none: mlx runs on its "
+                               f"default device ({MLX_DEFAULT_DEVICE}).", hint=MLX_NO_GPU_HINT)  # fmt: skip
         mx.set_default_device(mx.gpu)
     elif device == "cpu":
         mx.set_default_device(mx.cpu)
     elif device != "auto":
-        raise InputError(f"Unknown --device {device!r} for the mlx backend; use auto, cpu or gpu.")
+        raise InputError(f"Unknown --device {device!r} for the mlx backend; use auto, cpu or gpu.",
+                         hint=MLX_DEVICES + "; cuda:N is for the transformers backend")  # fmt: skip
     if dtype != "auto" and dtype not in DTYPES:
         raise InputError(f"Unknown --dtype {dtype!r}; use auto, bfloat16, float16 or float32.")
     check_draft_options(draft_bits, draft_window)
