@@ -482,9 +482,11 @@ def serve(
     log_level: Annotated[str, typer.Option(help="uvicorn log level: warning, info (access log), debug.")] = "info",
 ) -> None:  # fmt: skip
     """Serve a target/draft pair over an OpenAI-compatible HTTP API (one generation at a time)."""
-    if backend not in ("transformers", "mlx"):
-        raise BackendError(f"dflash serve runs a local backend; got {backend!r}.",
-                           hint="use --backend transformers or --backend mlx")  # fmt: skip
+    from dflash.backend_names import LOCAL_BACKENDS, one_of
+
+    if backend not in LOCAL_BACKENDS:
+        raise BackendError(f"dflash serve runs a local backend ({one_of(LOCAL_BACKENDS)}); got {backend!r}.",
+                           hint="use " + " or ".join(f"--backend {b}" for b in LOCAL_BACKENDS))  # fmt: skip
     if not 0 < port < 65536:
         raise InputError(f"--port must be in 1..65535, got {port}.")
     from dflash.commands import parse_block_size

@@ -162,6 +162,7 @@ class _AutoPipe:
     """Resolves the block size to auto (trained L = 16) and streams the scripted steps."""
 
     block_size = 16
+    stop_ids: list[int] = []
 
     def __init__(self):
         self.backend, self.tokenizer, self.widths = _Backend(), _Tokenizer(), []
@@ -176,7 +177,7 @@ class _AutoPipe:
     def chat_prompt(self, messages, template_kwargs=None):
         return [1, 2, 3]
 
-    def stream(self, ids, block_size, max_new_tokens, sampling):
+    def stream(self, ids, block_size, max_new_tokens, sampling, stop_ids):
         self.widths.append(block_size)
         yield RoundResult([0], None)  # the token sampled after prefill
         for i, (a, p) in enumerate(zip(TAUS, PROPOSED, strict=True)):
