@@ -165,7 +165,9 @@ class Pipeline:
 
         Generation also ends at the target's context length (finish_reason "length").
         ``block_size="auto"`` (the default) picks L per step (see ``dflash.auto_block``); the
-        choices are in ``self.last_policy.history``.
+        choices are in ``self.last_policy.history``. A seeded sampled request (temperature > 0,
+        ``sampling.seed`` set) chooses them without timing its steps (``block_policy(True)``),
+        so the same seed gives the same tokens again.
 
         Raises:
             InputError: bad block size, budget < 1, ``sampling`` not a ``SamplingParams``, or a
@@ -175,10 +177,10 @@ class Pipeline:
         check_run_args(max_new_tokens, sampling)
         self.check_prompt(prompt_ids)
         budget = self._budget(prompt_ids, max_new_tokens)
-        # one token comes from the prefill alone: no step to choose a block size for
         # A seeded sample draws its random numbers per step, so the widths must not depend on
         # timings for the same seed to give the same text (greedy is the same at any width).
         repeatable = sampling.temperature > 0 and sampling.seed is not None
+        # one token comes from the prefill alone: no step to choose a block size for
         policy = self.block_policy(repeatable) if bs == "auto" and budget > 1 else None
         self.last_policy = policy
         bs = self.block_size if bs == "auto" else bs
