@@ -125,9 +125,10 @@ class Engine:
         """Template + tokenize on the event-loop thread; ApiError 400 for a bad or long prompt,
         or a ``max_tokens`` that does not fit beside it in the context (as vLLM refuses it)."""
         pipe = self.pipe
+        kwargs = self._template_kwargs(req) if req.chat else {}
         try:
             if req.chat:
-                ids = pipe.chat_prompt(req.messages, template_kwargs=req.template_kwargs)
+                ids = pipe.chat_prompt(req.messages, template_kwargs=kwargs)
             else:
                 ids = list(pipe.tokenizer(req.prompt)["input_ids"])
                 pipe.check_prompt(ids)
@@ -144,6 +145,19 @@ class Engine:
                            f"{req.max_tokens} in the completion). Please reduce the length of the "
                            "prompt or max_tokens.", param="max_tokens", code="context_length_exceeded")  # fmt: skip
         return ids
+
+    def _template_kwargs(self, req: GenRequest) -> dict[str, Any]:
+        """The request's template kwargs, with ``reasoning_effort`` under the name this model's
+        chat template reads (ApiError 400 when it reads none: it would be ignored)."""
+        if req.reasoning_effort is None:
+            return req.template_kwargs
+        template = getattr(self.pipe.tokenizer, "chat_template", None)
+        template = template if isinstance(template, str) else ""
+        key = next((k for k in ("reasoning_effort", "reasoning_strength") if k in template), None)
+        if key is None:
+            raise ApiError(400, "'reasoning_effort' cannot apply: this model's chat template has no "
+                           "reasoning-effort setting.", param="reasoning_effort")  # fmt: skip
+        return {key: req.reasoning_effort, **req.template_kwargs}
 
     def run(self, ids: list[int], req: GenRequest, cancel: threading.Event,
             emit: Callable[[tuple[str, Any]], None]) -> None:  # fmt: skip
@@ -224,11 +238,11 @@ class Engine:
 class _Output:
     """Turns committed tokens into text, applying stop strings, and keeps the statistics."""
 
-    def __init__(self, tokenizer: Any, stops: list[str]):
+    def __init__(self, tokenizer: Any, req: GenRequest):
         from dflash.api import TextStream
 
-        self.text = TextStream(tokenizer)
-        self.stop = StopMatcher(stops)
+        self.text = TextStream(tokenizer, skip_special_tokens=req.skip_special_tokens)
+        self.stop = StopMatcher(req.stop, include=req.include_stop_str)
         self.tokens = 0
         self.accepted: list[int] = []
         self.proposed: list[int] = []
@@ -333,7 +347,7 @@ def build_app(engine: Engine, api_key: str | None = None, max_body: int = MAX_BO
                                      headers={"Cache-Control": "no-cache"})  # fmt: skip
         t0, out, text, finish = (
             time.perf_counter(),
-            _Output(engine.pipe.tokenizer, req.stop),
+            _Output(engine.pipe.tokenizer, req),
             "",
             "abort",
         )
@@ -388,16 +402,24 @@ async def _stream(engine: Engine, ids: list[int], req: GenRequest, rid: str, cre
     def sse(obj: dict) -> str:
         return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
-    t0, out, finish = time.perf_counter(), _Output(engine.pipe.tokenizer, req.stop), "abort"
+    t0, out, finish = time.perf_counter(), _Output(engine.pipe.tokenizer, req), "abort"
     try:
-        nulls = req.include_usage  # "usage": null in every chunk before the usage chunk
-        yield sse(chunk(rid, req.chat, name, created, "", None, role=True, include_usage=nulls))
+        def part(text: str | None, finish: str | None = None, **kw: Any) -> dict:
+            """A chunk; under include_usage with "usage": null (OpenAI), or the usage so far
+            under continuous_usage_stats (vLLM)."""
+            c = chunk(rid, req.chat, name, created, text, finish, **kw)
+            if req.include_usage or req.continuous_usage:
+                c["usage"] = usage(len(ids), out.tokens) if req.continuous_usage else None
+            return c
+
+        if req.chat:  # the role delta; completions start with text, as OpenAI's and vLLM's
+            yield sse(part("", role=True))
         try:
             async with aclosing(engine.steps(ids, req)) as steps:  # leaving cancels at once
                 async for step in steps:
                     text = out.add(step)
                     if text:
-                        yield sse(chunk(rid, req.chat, name, created, text, None, include_usage=nulls))
+                        yield sse(part(text))
                     if out.finish:
                         break
         except Exception as err:  # noqa: BLE001 - headers are sent: report in the stream
@@ -407,7 +429,7 @@ async def _stream(engine: Engine, ids: list[int], req: GenRequest, rid: str, cre
         finish = out.finish or "length"
         meta = (meta_info(out.accepted, out.proposed, engine.block_size, len(ids), out.tokens,
                           time.perf_counter() - t0) if req.return_meta_info else None)  # fmt: skip
-        yield sse(chunk(rid, req.chat, name, created, None, finish, meta=meta, include_usage=nulls))
+        yield sse(part(None, finish, meta=meta))
         if req.include_usage:
             yield sse({"id": rid, "object": "chat.completion.chunk" if req.chat else "text_completion",
                        "created": created, "model": name, "choices": [],

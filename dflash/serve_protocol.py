@@ -62,7 +62,15 @@ class GenRequest:
         stop_token_ids: token ids that also end generation (vLLM's; the token is returned,
             its text too unless it is a special token).
         ignore_eos: True: the model's end-of-sequence tokens do not end generation (vLLM's).
-        template_kwargs: ``chat_template_kwargs`` passed to the chat template.
+        include_stop_str: vLLM's ``include_stop_str_in_output``: the text ends after the stop
+            string instead of before it.
+        skip_special_tokens: False: special tokens' text is kept in the output (vLLM's).
+        continuous_usage: ``stream_options.continuous_usage_stats`` (vLLM's): every chunk
+            carries the usage so far.
+        reasoning_effort: OpenAI's ``reasoning_effort``, given to a chat template that has a
+            reasoning-effort setting (None: not given).
+        template_kwargs: ``chat_template_kwargs`` passed to the chat template, over the
+            request's ``add_generation_prompt``/``continue_final_message`` when given.
     """
 
     chat: bool
@@ -77,6 +85,10 @@ class GenRequest:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    include_stop_str: bool = False
+    skip_special_tokens: bool = True
+    continuous_usage: bool = False
+    reasoning_effort: str | None = None
     template_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
@@ -100,6 +112,8 @@ def _integer(body: dict, key: str, lo: int, hi: int | None = None) -> int | None
     value = body.get(key)
     if value is None:
         return None
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)  # 8.0 as 8, as vLLM's (pydantic's) lax integers take it
     if isinstance(value, bool) or not isinstance(value, int):
         raise _bad(f"'{key}' must be an integer.", key)
     if value < lo or (hi is not None and value > hi):
@@ -133,7 +147,15 @@ _OUTPUT_CHANGING: dict[str, tuple] = {
     "structured_outputs": (), "bad_words": ([],), "allowed_token_ids": (),
     "prompt_logprobs": (0,), "use_beam_search": (False,), "length_penalty": (1, 1.0),
     "prediction": (), "audio": (), "modalities": (["text"],),
+    "chat_template": (), "documents": (), "truncate_prompt_tokens": (), "logits_processors": (),
+    "spaces_between_special_tokens": (True,), "verbosity": (), "typical_p": (1, 1.0),
+    "mirostat": (0,), "tfs_z": (1, 1.0), "dry_multiplier": (0, 0.0), "xtc_probability": (0, 0.0),
+    "top_a": (0, 0.0), "top_n_sigma": (),
 }
+# chat_template_kwargs that are apply_chat_template's own arguments, not the template's
+_TEMPLATE_CALL_ARGS = {"conversation", "messages", "tokenize", "chat_template", "tools", "documents",
+                       "return_dict", "return_tensors", "tokenizer_kwargs", "padding", "truncation",
+                       "max_length", "return_assistant_tokens_mask", "sanitize_control_tokens"}  # fmt: skip
 
 
 def _text_content(content: Any, where: str) -> str:
@@ -170,13 +192,37 @@ def parse_request(body: Any, chat: bool) -> GenRequest:
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or m.get("role") not in ROLES:
                 raise _bad(f"messages[{i}] needs a 'role' among {sorted(ROLES)}.", "messages")
+            if m.get("tool_calls"):
+                raise _bad(f"messages[{i}]: tool calls are not supported by dflash serve.", "messages")
             role = "system" if m["role"] == "developer" else m["role"]
             req.messages.append({"role": role,
                                  "content": _text_content(m.get("content"), f"messages[{i}]")})  # fmt: skip
         kwargs = body.get("chat_template_kwargs") or {}
         if not isinstance(kwargs, dict):
             raise _bad("'chat_template_kwargs' must be an object.", "chat_template_kwargs")
-        req.template_kwargs = dict(kwargs)
+        reserved = sorted(_TEMPLATE_CALL_ARGS & set(kwargs))
+        if reserved:
+            raise _bad(f"'chat_template_kwargs' cannot set {reserved[0]!r}: it is not a template "
+                       "variable.", "chat_template_kwargs")  # fmt: skip
+        template: dict[str, Any] = {}
+        for key in ("add_generation_prompt", "continue_final_message"):  # vLLM's, as theirs
+            if body.get(key) is not None:
+                template[key] = _flag(body, key)
+        template.update(kwargs)  # chat_template_kwargs win, as in vLLM
+        add = template.get("add_generation_prompt", True)
+        cont = template.get("continue_final_message", False)
+        if add and cont:
+            raise _bad("'continue_final_message' and 'add_generation_prompt' cannot both be true; "
+                       "send \"add_generation_prompt\": false to continue the last message.",
+                       "continue_final_message")  # fmt: skip
+        if cont and req.messages[-1]["role"] != "assistant":
+            raise _bad("'continue_final_message' needs the last message to be the assistant's.",
+                       "continue_final_message")  # fmt: skip
+        req.template_kwargs = template
+        effort = body.get("reasoning_effort")
+        if effort is not None and not (isinstance(effort, str) and effort):
+            raise _bad("'reasoning_effort' must be a string such as \"low\".", "reasoning_effort")
+        req.reasoning_effort = effort
     else:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
@@ -192,10 +238,16 @@ def parse_request(body: Any, chat: bool) -> GenRequest:
     if n not in (None, 1):
         raise _bad("Only n=1 is supported.", "n")
     for key in ("logprobs", "top_logprobs", "tools", "echo", "suffix"):
-        if body.get(key):
+        value = body.get(key)
+        # completions' logprobs is a count: 0 asks for the chosen tokens' logprobs
+        if value or (key == "logprobs" and not chat and value is not None and value is not False):
             raise _bad(f"'{key}' is not supported by dflash serve.", key)
     for key, neutral in _OUTPUT_CHANGING.items():
         value = body.get(key)
+        if key == "logit_bias" and isinstance(value, dict) and all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and v == 0
+                for v in value.values()):  # fmt: skip
+            continue  # biases of 0 change nothing
         if value is not None and value not in neutral:
             raise _bad(f"'{key}' is not supported by dflash serve (it would change the output, "
                        "so it is refused rather than ignored).", key)  # fmt: skip
@@ -205,7 +257,9 @@ def parse_request(body: Any, chat: bool) -> GenRequest:
         if _number(body, key, 0.0, -2.0, 2.0) != 0.0:
             raise _bad(f"'{key}' other than 0 is not supported by dflash serve.", key)
     top_k = _integer(body, "top_k", -1) or 0
-    seed = _integer(body, "seed", 0, 2**63 - 1)
+    seed = _integer(body, "seed", -(2**63), 2**63 - 1)  # vLLM's int64 range
+    if seed is not None and seed < 0:
+        seed %= 2**63  # a fixed seed, as in vLLM (some UIs send -1): taken modulo 2^63
     req.sampling = SamplingParams(temperature=_number(body, "temperature", 1.0, 0.0, 100.0),
                                   top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
                                   top_k=max(top_k, 0), seed=seed)  # fmt: skip
@@ -221,8 +275,12 @@ def parse_request(body: Any, chat: bool) -> GenRequest:
         if not stream:  # as vLLM and OpenAI refuse it
             raise _bad("'stream_options' needs 'stream': true.", "stream_options")
         req.include_usage = _flag(options, "include_usage", "stream_options")
+        req.continuous_usage = _flag(options, "continuous_usage_stats", "stream_options")
     req.return_meta_info = _flag(body, "return_meta_info")
     req.ignore_eos = _flag(body, "ignore_eos")
+    req.include_stop_str = _flag(body, "include_stop_str_in_output")
+    if body.get("skip_special_tokens") is not None:
+        req.skip_special_tokens = _flag(body, "skip_special_tokens")
     ids = body.get("stop_token_ids")
     if ids is not None and not (isinstance(ids, list) and all(
             isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)):
@@ -242,8 +300,9 @@ def parse_request(body: Any, chat: bool) -> GenRequest:
 class StopMatcher:
     """Cuts streamed text at the first stop string, holding back text that may start one."""
 
-    def __init__(self, stops: list[str]):
+    def __init__(self, stops: list[str], include: bool = False):
         self.stops = stops
+        self.include = include  # the text ends after the stop string (vLLM's include_stop_str_in_output)
         self.hold = max((len(s) for s in stops), default=1) - 1
         self.pending = ""
 
@@ -251,9 +310,11 @@ class StopMatcher:
         """Add text; return (text safe to send, stop string found)."""
         self.pending += text
         if self.stops:
-            hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+            hits = [(i, -len(s)) for s in self.stops if (i := self.pending.find(s)) >= 0]
             if hits:
-                out, self.pending = self.pending[: min(hits)], ""
+                start, neg_len = min(hits)  # the first match; of two at one place, the longer
+                end = start - neg_len if self.include else start
+                out, self.pending = self.pending[:end], ""
                 return out, True
         if final or not self.stops:
             out, self.pending = self.pending, ""
@@ -310,10 +371,8 @@ def completion_id(chat: bool) -> str:
 
 
 def chunk(rid: str, chat: bool, model: str, created: int, text: str | None,
-          finish: str | None, *, role: bool = False, meta: dict | None = None,
-          include_usage: bool = False) -> dict[str, Any]:  # fmt: skip
-    """One streamed chunk (``chat.completion.chunk`` or ``text_completion``); with
-    ``include_usage`` it carries ``"usage": null``, as OpenAI's chunks before the usage chunk."""
+          finish: str | None, *, role: bool = False, meta: dict | None = None) -> dict[str, Any]:  # fmt: skip
+    """One streamed chunk (``chat.completion.chunk`` or ``text_completion``)."""
     if chat:
         delta: dict[str, Any] = {"role": "assistant"} if role else {}
         if text is not None:
@@ -326,10 +385,7 @@ def chunk(rid: str, chat: bool, model: str, created: int, text: str | None,
         obj = "text_completion"
     if meta is not None:
         choice["meta_info"] = meta
-    out = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
-    if include_usage:
-        out["usage"] = None
-    return out
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

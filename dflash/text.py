@@ -51,8 +51,9 @@ class TextStream:
     then says so.
     """
 
-    def __init__(self, tokenizer: Any):
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = []
         self.printed = 0
         self.truncated_mid_character = False
@@ -60,7 +61,7 @@ class TextStream:
     def feed(self, ids: list[int], final: bool = False) -> str:
         """Add token ids; return text that is complete (held back while it ends in U+FFFD)."""
         self.ids.extend(ids)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=self.skip_special_tokens)
         if text.endswith("\ufffd"):
             if not final:
                 return ""
@@ -72,7 +73,9 @@ class TextStream:
 def encode_messages(tokenizer: Any, messages: list[dict], **template_kwargs: Any) -> list[int]:
     """Prompt token ids of chat ``messages``: the tokenizer's chat template with the generation
     prompt (no BOS added twice), or the contents joined by newlines when it has no template.
-    Shared by :meth:`Pipeline.chat_prompt` and training-data regeneration.
+    Shared by :meth:`Pipeline.chat_prompt` and training-data regeneration. ``template_kwargs``
+    go to the template; ``add_generation_prompt=False`` and ``continue_final_message=True``
+    among them (a server's assistant prefill) replace the defaults.
 
     Raises:
         InputError: the template refuses the messages (e.g. a system message for a model
@@ -81,8 +84,8 @@ def encode_messages(tokenizer: Any, messages: list[dict], **template_kwargs: Any
     if not getattr(tokenizer, "chat_template", None):
         return list(tokenizer("\n".join(str(m.get("content") or "") for m in messages))["input_ids"])
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                             **template_kwargs)  # fmt: skip
+        options = {"add_generation_prompt": True, **template_kwargs}
+        text = tokenizer.apply_chat_template(messages, tokenize=False, **options)
     except Exception as err:  # noqa: BLE001 - jinja2.TemplateError and what templates raise
         roles = ", ".join(dict.fromkeys(str(m.get("role")) for m in messages))
         raise InputError(f"The model's chat template refuses these messages (roles: {roles}): {err}",

@@ -97,6 +97,7 @@ def local():
             cache[(prompt, n, chat)] = (ids, pipe.generate(ids, max_new_tokens=n, block_size=16))
         return cache[(prompt, n, chat)]
 
+    run.pipe = pipe
     return run
 
 
@@ -157,6 +158,7 @@ def test_completions_endpoint_streamed_and_not(server, local):
         events = [e for part in resp.iter_bytes() for e in decoder.feed(part)]
     assert events[-1] == "[DONE]"
     assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == ref.text
+    assert json.loads(events[0])["choices"][0]["text"]  # no empty first chunk (user trial)
 
 
 def test_official_openai_package_works_unchanged(server, local):
@@ -419,3 +421,44 @@ def test_engine_passes_eos_and_stop_token_ids_to_the_loop():
         engine.metrics.waiting += 1
         engine.run([1], parse_request({**chat, **extra}, chat=True), threading.Event(), lambda e: None)
     assert seen == [[2], [], [2, 7], [7]]
+
+
+def test_assistant_prefill_include_stop_str_usage_stats_and_reasoning_effort(server, local):
+    """Second user trial: vLLM's continue_final_message (the assistant prefill), its
+    include_stop_str_in_output and continuous_usage_stats were accepted and ignored;
+    reasoning_effort on a template without the setting was ignored too."""
+    url, _ = server
+    pipe = local.pipe
+    msgs = [{"role": "user", "content": PROMPT}, {"role": "assistant", "content": "12 times 7 is"}]
+    prefill = {"add_generation_prompt": False, "continue_final_message": True}
+    ids = pipe.chat_prompt(msgs, template_kwargs=prefill)
+    assert ids != pipe.chat_prompt(msgs)  # the prefill is a different prompt
+    ref = pipe.generate(ids, max_new_tokens=6, block_size=16)
+    body = {"messages": msgs, "max_tokens": 6, "temperature": 0, **prefill}
+    r = httpx.post(url + "/v1/chat/completions", json=body, headers=auth(), timeout=300)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == ref.text
+    assert r.json()["usage"]["prompt_tokens"] == len(ids)
+
+    _, greedy = local(PROMPT, 8)
+    stop = greedy.text[4:7]
+    cut = greedy.text.index(stop)
+    base = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 8, "temperature": 0,
+            "stop": [stop]}  # fmt: skip
+    for include, text in ((False, greedy.text[:cut]), (True, greedy.text[: cut + len(stop)])):
+        r = httpx.post(url + "/v1/chat/completions", json={**base, "include_stop_str_in_output": include},
+                       headers=auth(), timeout=300)  # fmt: skip
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == text
+
+    stream = {**base, "stop": None, "stream": True, "stream_options": {"continuous_usage_stats": True}}
+    with httpx.stream("POST", url + "/v1/chat/completions", json=stream, headers=auth(),
+                      timeout=300) as resp:  # fmt: skip
+        decoder = SSEDecoder()
+        events = [e for part in resp.iter_bytes() for e in decoder.feed(part)]
+    chunks = [json.loads(e) for e in events[:-1]]
+    counts = [c["usage"]["completion_tokens"] for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == 8 and counts[0] == 0
+
+    r = httpx.post(url + "/v1/chat/completions", json={**base, "reasoning_effort": "low"},
+                   headers=auth(), timeout=300)  # fmt: skip
+    assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning_effort"

@@ -66,6 +66,30 @@ def test_parse_request_defaults_and_fields():
         ({**CHAT, "stream": True, "stream_options": {"include_usage": "false"}}, "stream_options"),
         ({**CHAT, "stream_options": {"include_usage": True}}, "stream_options"),  # no stream
         ({**CHAT, "stream": False, "stream_options": {}}, "stream_options"),
+        # second user trial: more output-changing fields, template-call args, tool calls
+        ({**CHAT, "include_stop_str_in_output": "yes"}, "include_stop_str_in_output"),
+        ({**CHAT, "skip_special_tokens": 0}, "skip_special_tokens"),
+        ({**CHAT, "spaces_between_special_tokens": False}, "spaces_between_special_tokens"),
+        ({**CHAT, "chat_template": "{{ messages }}"}, "chat_template"),
+        ({**CHAT, "documents": [{"text": "x"}]}, "documents"),
+        ({**CHAT, "truncate_prompt_tokens": 8}, "truncate_prompt_tokens"),
+        ({**CHAT, "typical_p": 0.9}, "typical_p"),
+        ({**CHAT, "mirostat": 2}, "mirostat"),
+        ({**CHAT, "verbosity": "low"}, "verbosity"),
+        ({**CHAT, "logit_bias": {"504": 0, "13": -5}}, "logit_bias"),
+        ({**CHAT, "reasoning_effort": 3}, "reasoning_effort"),
+        ({**CHAT, "chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
+        ({**CHAT, "chat_template_kwargs": {"add_generation_prompt": False, "messages": []}},
+         "chat_template_kwargs"),
+        ({**CHAT, "continue_final_message": True}, "continue_final_message"),  # generation prompt too
+        ({**CHAT, "continue_final_message": True, "add_generation_prompt": False},
+         "continue_final_message"),  # the last message is the user's
+        ({**CHAT, "add_generation_prompt": "no"}, "add_generation_prompt"),
+        ({"messages": [{"role": "user", "content": "hi"},
+                       {"role": "assistant", "content": None, "tool_calls": [{"id": "c1"}]},
+                       {"role": "tool", "content": "42"}]}, "messages"),
+        ({**CHAT, "max_tokens": 8.5}, "max_tokens"),
+        ({**CHAT, "seed": 2**63}, "seed"),
     ],
 )
 def test_bad_requests_are_400_naming_the_field(body, param):
@@ -73,6 +97,33 @@ def test_bad_requests_are_400_naming_the_field(body, param):
         parse_request(body, chat=True)
     assert err.value.status == 400 and err.value.param == param
     assert err.value.body()["error"]["type"] == "invalid_request_error"
+
+
+def test_vllm_lax_values_and_the_assistant_prefill():
+    """Whole floats as integers (pydantic's lax mode in vLLM), negative seeds modulo 2^63,
+    logit biases of 0, completions' logprobs=0 refused (it asks for logprobs), and the
+    assistant prefill: continue_final_message with add_generation_prompt false, top level or in
+    chat_template_kwargs (which win, as in vLLM)."""
+    r = parse_request({**CHAT, "max_tokens": 8.0, "n": 1.0, "seed": -1, "logit_bias": {"504": 0}},
+                      chat=True)  # fmt: skip
+    assert r.max_tokens == 8 and r.sampling.seed == 2**63 - 1
+    assert parse_request({**CHAT, "seed": 5.0}, chat=True).sampling.seed == 5
+    with pytest.raises(ApiError, match="'logprobs' is not supported"):
+        parse_request({"prompt": "x", "logprobs": 0}, chat=False)
+    assert parse_request({"prompt": "x", "logprobs": None}, chat=False).prompt == "x"
+    prefill = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The"}]}
+    r = parse_request({**prefill, "continue_final_message": True, "add_generation_prompt": False}, chat=True)
+    assert r.template_kwargs == {"add_generation_prompt": False, "continue_final_message": True}
+    r = parse_request({**prefill, "continue_final_message": True,
+                       "chat_template_kwargs": {"add_generation_prompt": False, "enable_thinking": False}},
+                      chat=True)  # fmt: skip
+    assert r.template_kwargs == {"continue_final_message": True, "add_generation_prompt": False,
+                                 "enable_thinking": False}  # fmt: skip
+    assert parse_request(CHAT, chat=True).template_kwargs == {}
+    r = parse_request({**CHAT, "reasoning_effort": "low", "include_stop_str_in_output": True,
+                       "stream": True, "stream_options": {"continuous_usage_stats": True}}, chat=True)  # fmt: skip
+    assert r.reasoning_effort == "low" and r.include_stop_str and r.continuous_usage
+    assert not r.include_usage
 
 
 def test_neutral_values_of_output_changing_options_and_vllm_stop_fields_are_taken():
@@ -133,18 +184,20 @@ def test_meta_info_and_metrics_agree_and_round_trip_through_the_client_parsers()
 
 
 class _CharTokenizer:
-    """Token id i is the character chr(i)."""
+    """Token id i is the character chr(i); "#" (35) is a special token."""
 
     def decode(self, ids, skip_special_tokens=True):
-        return "".join(chr(i) for i in ids)
+        return "".join(chr(i) for i in ids if not (skip_special_tokens and i == 35))
 
 
-@pytest.mark.parametrize("stops, text, tokens, finish", [
-    ([" 6"], "1, 2, 3, 4, 5,", 16, "stop"),  # the stop string ends at the 16th token of step 2
-    ([], "1, 2, 3, 4, 5, 6, 7, 8", 22, "length"),
-    (["9"], "1, 2, 3, 4, 5, 6, 7, 8", 22, "length"),
+@pytest.mark.parametrize("stops, text, tokens, finish, include", [
+    ([" 6"], "1, 2, 3, 4, 5,", 16, "stop", False),  # the stop string ends at the 16th token of step 2
+    ([" 6"], "1, 2, 3, 4, 5, 6", 16, "stop", True),  # vLLM's include_stop_str_in_output
+    ([", 6", " 6,"], "1, 2, 3, 4, 5, 6", 16, "stop", True),  # the first match wins
+    ([], "1, 2, 3, 4, 5, 6, 7, 8", 22, "length", False),
+    (["9"], "1, 2, 3, 4, 5, 6, 7, 8", 22, "length", True),
 ])
-def test_usage_counts_tokens_up_to_the_stop_string(stops, text, tokens, finish):
+def test_usage_counts_tokens_up_to_the_stop_string(stops, text, tokens, finish, include):
     """completion_tokens ends at the token that completed a stop string (as vLLM counts), not
     at the end of the verify step that committed it (that made the count depend on the block
     size)."""
@@ -156,12 +209,25 @@ def test_usage_counts_tokens_up_to_the_stop_string(stops, text, tokens, finish):
     steps = [RoundResult(tokens=ids[:10], accepted=10, proposed=15),
              RoundResult(tokens=ids[10:20], accepted=10, proposed=15),
              RoundResult(tokens=ids[20:], accepted=2, proposed=15, finish_reason="length")]  # fmt: skip
-    out, sent = _Output(_CharTokenizer(), stops), ""
+    req = parse_request({**CHAT, "stop": stops or None, "include_stop_str_in_output": include}, chat=True)
+    out, sent = _Output(_CharTokenizer(), req), ""
     for step in steps:
         sent += out.add(step)
         if out.finish:
             break
     assert (sent, out.tokens, out.finish) == (text, tokens, finish)
+
+
+@pytest.mark.parametrize("skip, text", [(None, "ab"), (True, "ab"), (False, "a#b#")])
+def test_skip_special_tokens_false_keeps_their_text(skip, text):
+    pytest.importorskip("torch")
+    from dflash.serve import _Output
+    from dflash.types import RoundResult
+
+    out = _Output(_CharTokenizer(), parse_request({**CHAT, "skip_special_tokens": skip}, chat=True))
+    sent = out.add(RoundResult(tokens=[97, 35], accepted=2, proposed=3))
+    sent += out.add(RoundResult(tokens=[98, 35], accepted=2, proposed=3, finish_reason="stop"))
+    assert sent == text and out.tokens == 4
 
 
 def test_serve_listens_where_the_openai_backend_looks_by_default():
