@@ -43,3 +43,20 @@ def make_parent(path: str | Path, flag: str) -> None:
                              f"or move the file {blocker} away") from None  # fmt: skip
         raise InputError(f"{flag} {path} cannot be written: {e.strerror or e}.",
                          hint=f"choose a writable {flag} file") from None  # fmt: skip
+
+
+def refuse_folder(path: str | Path, flag: str, name: str) -> None:
+    """Refuse an output option that names a folder: the error asks for a file path and the hint
+    names one inside that folder (``--output runs/`` -> ``--output runs/results.jsonl``).
+
+    Args:
+        path: what the option was given.
+        flag: the option (``--output``, ``--plot``), named in the error.
+        name: the example file name in the hint; its suffix is the kind of file asked for.
+
+    Raises:
+        InputError: ``path`` is an existing folder or ends in a path separator.
+    """
+    if Path(path).is_dir() or str(path).endswith(("/", "\\")):
+        raise InputError(f"{flag} {path} is a folder; pass a {Path(name).suffix} file path.",
+                         hint=f"name a file in it, e.g. {flag} {Path(path) / name}")  # fmt: skip

@@ -273,3 +273,47 @@ def test_mlx_with_device_cuda_n_names_the_values_it_takes():
         "error: Unknown --device 'cuda:1' for the mlx backend; use auto, cpu or gpu.",
         f"hint: {MLX_TAKES}; cuda:N is for the transformers backend",
     ]
+
+
+# -- 4a. the openai benchmark's bounds all carry a hint ----------------------------------------
+
+CONCURRENCY_HINT = ("it is how many requests are in flight at once: use 1 (the default, one after another) "
+                    "or more, e.g. --concurrency 8")  # fmt: skip
+
+
+@pytest.mark.parametrize("flag, value, message, hint", [
+    ("--num-prompts", "0", "--num-prompts must be >= 1, got 0.", "drop it to use every prompt"),
+    ("--num-prompts", "-1", "--num-prompts must be >= 1, got -1.", "drop it to use every prompt"),
+    ("--max-samples", "0", "--max-samples must be >= 1, got 0.", "drop it to use every prompt"),
+    ("--concurrency", "0", "--concurrency must be >= 1, got 0.", CONCURRENCY_HINT),
+    ("--concurrency", "-3", "--concurrency must be >= 1, got -3.", CONCURRENCY_HINT),
+    ("--max-retries", "-1", "--max-retries must be >= 0, got -1.",
+     "use 0 to send each request once, or more to retry a failed one (default 3)"),
+    ("--timeout-s", "0", "--timeout-s must be > 0, got 0.0.", "it is the seconds to wait for one request, e.g. --timeout-s 600"),
+])  # fmt: skip
+def test_every_openai_benchmark_bound_has_a_hint(flag, value, message, hint):
+    """`--num-prompts 0` and `--concurrency 0` said 'must be >= 1' and nothing more, while
+    `--max-samples 0` had a hint (user trial)."""
+    p = dflash_cli("benchmark", "openai", "--dataset", "gsm8k", "--base-url", "http://127.0.0.1:9",
+                   "--data-dir", str(DATA_DIR), flag, value)  # fmt: skip
+    assert error_lines(p) == [f"error: {message}", f"hint: {hint}"]
+
+
+# -- 4b. --output or --plot naming a folder ----------------------------------------------------
+
+
+@pytest.mark.parametrize("backend, flag, name, suffix", [
+    ("transformers", "--output", "results.jsonl", ".jsonl"),
+    ("openai", "--output", "results.jsonl", ".jsonl"),
+    ("transformers", "--plot", "hist.png", ".png"),
+    ("openai", "--plot", "hist.png", ".png"),
+])  # fmt: skip
+def test_an_output_folder_gets_a_hint_naming_a_file_in_it(tmp_path, backend, flag, name, suffix):
+    """`--output /some/folder` said 'is a folder; pass a .jsonl file path.' with no hint (user
+    trial); the hint names a file in that folder."""
+    extra = ["--base-url", "http://127.0.0.1:9"] if backend == "openai" else []
+    p = dflash_cli("benchmark", backend, "--dataset", "gsm8k", "--data-dir", str(DATA_DIR), *extra, flag, str(tmp_path))
+    assert error_lines(p) == [
+        f"error: {flag} {tmp_path} is a folder; pass a {suffix} file path.",
+        f"hint: name a file in it, e.g. {flag} {tmp_path / name}",
+    ]

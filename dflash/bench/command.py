@@ -24,7 +24,7 @@ from dflash.bench import harness, report
 from dflash.bench.metrics import ResponseRecord, summarize
 from dflash.data.datasets import PromptItem, load_prompts, select
 from dflash.errors import BackendError, InputError
-from dflash.paths import make_parent
+from dflash.paths import make_parent, refuse_folder
 from dflash.types import SamplingParams
 
 # --help groups the options that only one backend reads under a panel of their own.
@@ -69,9 +69,8 @@ def _check_options(
         )
     if resume and output is None:
         raise InputError("--resume needs --output FILE to resume from.")
-    if output is not None and output.is_dir():
-        raise InputError(f"--output {output} is a folder; pass a .jsonl file path.")
     if output is not None:  # the path given, not a sweep's per-value name (made from it)
+        refuse_folder(output, "--output", "results.jsonl")
         make_parent(output, "--output")
     if plot is not None:
         report.check_plot(plot)

@@ -28,9 +28,22 @@ from dflash.bench.remote import (
 )
 from dflash.data.datasets import PromptItem, load_prompts, select
 from dflash.errors import InputError, ServerError
+from dflash.paths import refuse_folder
 from dflash.types import SamplingParams
 
 NOT_REPORTED = "not reported by server"
+
+
+def _bounds(concurrency: int, num_prompts: int | None, max_new_tokens: int,
+           max_retries: int) -> tuple[tuple[str, int | None, int, str], ...]:  # fmt: skip
+    """(option, value, least value, hint) of the integer options, checked before any request."""
+    return (
+        ("--concurrency", concurrency, 1, "it is how many requests are in flight at once: use 1 (the default, "
+         "one after another) or more, e.g. --concurrency 8"),
+        ("--num-prompts", num_prompts, 1, "drop it to use every prompt"),
+        ("--max-new-tokens", max_new_tokens, 1, "e.g. --max-new-tokens 256"),
+        ("--max-retries", max_retries, 0, "use 0 to send each request once, or more to retry a failed one (default 3)"),
+    )  # fmt: skip
 
 
 def benchmark_openai(*, dataset: str, base_url: str, model: str | None, api_key: str | None,
@@ -46,14 +59,13 @@ def benchmark_openai(*, dataset: str, base_url: str, model: str | None, api_key:
         DatasetError: unknown or unreadable dataset.
         ServerError: a server cannot be reached, or every request failed.
     """
-    for flag, value, lo in (("--concurrency", concurrency, 1), ("--num-prompts", num_prompts, 1),
-                            ("--max-new-tokens", max_new_tokens, 1), ("--max-retries", max_retries, 0)):  # fmt: skip
+    for flag, value, lo, hint in _bounds(concurrency, num_prompts, max_new_tokens, max_retries):
         if value is not None and value < lo:
-            raise InputError(f"{flag} must be >= {lo}, got {value}.")
+            raise InputError(f"{flag} must be >= {lo}, got {value}.", hint=hint)
     if not timeout_s > 0:
-        raise InputError(f"--timeout-s must be > 0, got {timeout_s}.")
-    if output is not None and output.is_dir():
-        raise InputError(f"--output {output} is a folder; pass a .jsonl file path.")
+        raise InputError(f"--timeout-s must be > 0, got {timeout_s}.", hint="it is the seconds to wait for one request, e.g. --timeout-s 600")
+    if output is not None:
+        refuse_folder(output, "--output", "results.jsonl")
     if plot is not None:
         report.check_plot(plot)
     endpoints = [Endpoint("dflash", base_url, model)]

@@ -23,7 +23,7 @@ from rich.text import Text
 
 from dflash.bench.metrics import ResponseRecord, mean_acceptance_length, throughput
 from dflash.errors import InputError
-from dflash.paths import make_parent
+from dflash.paths import make_parent, refuse_folder
 
 BAR_WIDTH = 40
 
@@ -221,8 +221,7 @@ def check_plot(path: Path) -> None:
     Raises:
         InputError: with the fix in its hint.
     """
-    if path.is_dir() or str(path).endswith(("/", "\\")):
-        raise InputError(f"--plot {path} is a folder; pass a .png file path.")
+    refuse_folder(path, "--plot", "hist.png")
     if importlib.util.find_spec("matplotlib") is None:
         raise InputError(
             "--plot needs matplotlib, which is not installed.", hint="pip install matplotlib"
