@@ -317,3 +317,25 @@ def test_an_output_folder_gets_a_hint_naming_a_file_in_it(tmp_path, backend, fla
         f"error: {flag} {tmp_path} is a folder; pass a {suffix} file path.",
         f"hint: name a file in it, e.g. {flag} {tmp_path / name}",
     ]
+
+
+# -- 4c. a --base-url without http:// -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("args, flag, given, suggested", [
+    (["generate", "openai", "hi"], "--base-url", "127.0.0.1:30222", "http://127.0.0.1:30222"),
+    (["generate", "openai", "hi"], "--base-url", "localhost:8000/v1/", "http://localhost:8000/v1"),
+    (["generate", "openai", "hi"], "--base-url", "ftp://h:1", "http://h:1"),
+    (["generate", "openai", "hi"], "--base-url", "http://", "http://127.0.0.1:30000"),
+    (["benchmark", "openai", "--dataset", "gsm8k"], "--base-url", "127.0.0.1:30222", "http://127.0.0.1:30222"),
+    (["benchmark", "openai", "--dataset", "gsm8k", "--base-url", "http://127.0.0.1:9"], "--baseline-url",
+     "127.0.0.1:8000", "http://127.0.0.1:8000"),
+])  # fmt: skip
+def test_a_base_url_without_a_scheme_is_suggested_back_with_http(args, flag, given, suggested):
+    """`--base-url 127.0.0.1:30222` got the hint 'e.g. --base-url http://127.0.0.1:30000', a
+    port the user did not type (user trial); the hint is what was typed, after http://."""
+    assert error_lines(dflash_cli(*args, flag, given, "--data-dir", str(DATA_DIR))
+                       if args[0] == "benchmark" else dflash_cli(*args, flag, given)) == [
+        f"error: {flag} {given!r} is not an http(s) URL.",
+        f"hint: e.g. {flag} {suggested}",
+    ]  # fmt: skip

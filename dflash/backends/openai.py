@@ -55,8 +55,7 @@ def api_root(base_url: str, flag: str = "--base-url") -> str:
     """
     url = base_url.strip().rstrip("/")
     if not url.startswith(("http://", "https://")) or len(url.split("://", 1)[1]) == 0:
-        raise InputError(f"{flag} {base_url!r} is not an http(s) URL.",
-                         hint=f"e.g. {flag} http://127.0.0.1:30000")  # fmt: skip
+        raise InputError(f"{flag} {base_url!r} is not an http(s) URL.", hint=f"e.g. {flag} {_with_scheme(base_url)}")
     path = url.split("://", 1)[1].partition("/")[2].lower()
     for endpoint in ENDPOINT_PATHS:
         if path == endpoint or path.endswith("/" + endpoint):
@@ -64,6 +63,14 @@ def api_root(base_url: str, flag: str = "--base-url") -> str:
             raise InputError(f"{flag} {url} ends in the endpoint path /{endpoint}, which dflash adds itself.",
                              hint=f"pass the server's base URL: {flag} {base}")  # fmt: skip
     return url if url.endswith("/v1") else url + "/v1"
+
+
+def _with_scheme(url: str) -> str:
+    """``url`` as an http URL: the host and port typed (``127.0.0.1:30222``, ``ftp://h:1``,
+    ``//h:1``) after ``http://``; the default server's URL when no host was typed."""
+    url = url.strip()
+    rest = (url.split("://", 1)[1] if "://" in url else url).strip("/")
+    return f"http://{rest}" if rest and " " not in rest else DEFAULT_BASE_URL
 
 
 def server_root(base_url: str) -> str:
