@@ -339,3 +339,40 @@ def test_a_base_url_without_a_scheme_is_suggested_back_with_http(args, flag, giv
         f"error: {flag} {given!r} is not an http(s) URL.",
         f"hint: e.g. {flag} {suggested}",
     ]  # fmt: skip
+
+
+# -- 4d. a --data-dir without the dataset ------------------------------------------------------
+
+DATA_DIR_HINT = ("point --data-dir (or DFLASH_DATA_DIR) at a folder laid out like tests/data in the dflash "
+                 "repository (gsm8k/test.jsonl, gsm8k/train.jsonl, humaneval/HumanEval.jsonl.gz, math500/test.jsonl, "
+                 "mbpp/sanitized-mbpp.json, mmlu/mmlu.jsonl, mt-bench/question.jsonl), or drop it to fetch the "
+                 "dataset from the Hugging Face hub")  # fmt: skip
+
+
+@pytest.mark.parametrize("backend, dataset, file, by_env", [
+    ("transformers", "gsm8k", "gsm8k/test.jsonl", False),
+    ("openai", "mt-bench", "mt-bench/question.jsonl", False),
+    ("openai", "humaneval", "humaneval/HumanEval.jsonl.gz", True),
+])  # fmt: skip
+def test_a_data_dir_without_the_dataset_names_the_documented_layout(tmp_path, monkeypatch, backend, dataset, file,
+                                                                    by_env):  # fmt: skip
+    """A bad --data-dir got the hint 'laid out like shared/datasets', a folder users do not have
+    (user trial); the hint names tests/data, the layout the README documents, and its files."""
+    if by_env:
+        monkeypatch.setitem(ENV, "DFLASH_DATA_DIR", str(tmp_path))
+    args = ["--base-url", "http://127.0.0.1:9"] if backend == "openai" else []
+    args += [] if by_env else ["--data-dir", str(tmp_path)]
+    assert error_lines(dflash_cli("benchmark", backend, "--dataset", dataset, *args)) == [
+        f"error: Dataset '{dataset}' is not in {tmp_path}: {tmp_path / file} does not exist.",
+        f"hint: {DATA_DIR_HINT}",
+    ]
+
+
+def test_the_data_dir_hint_lists_the_files_of_tests_data():
+    """The layout the hint names is the one tests/data has: every file it lists is there, and
+    every dataset file there is listed."""
+    from dflash.data.datasets import DATA_DIR_FILES
+
+    assert all((DATA_DIR / f).is_file() for f in DATA_DIR_FILES)
+    held = {str(p.relative_to(DATA_DIR)) for p in DATA_DIR.rglob("*") if p.is_file() and p.name != "README.md"}
+    assert held == set(DATA_DIR_FILES)

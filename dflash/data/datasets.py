@@ -7,7 +7,8 @@
 
 Where rows come from: the ``data_dir`` argument, else ``$DFLASH_DATA_DIR``, else the Hugging Face
 hub through ``datasets.load_dataset``, cached as JSONL under ``$DFLASH_CACHE/datasets`` (default
-``~/.cache/dflash/datasets``). Local folders use the layout of ``shared/datasets``.
+``~/.cache/dflash/datasets``). Local folders use the layout of ``tests/data`` in the repository
+(:data:`DATA_DIR_FILES`).
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ def _text(row: dict, key: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# hub rows -> the local (shared/datasets) row format
+# hub rows -> the local (tests/data layout) row format
 
 
 def _mt_bench_from_hub(row: dict) -> dict:
@@ -138,7 +139,7 @@ class _Source:
     """Where one named source lives locally, on the hub and in the cache, and how to build items.
 
     Attributes:
-        local: file under the data dir, in the shared/datasets layout.
+        local: file under the data dir, in the tests/data layout.
         cache: JSONL file under the cache dir holding the hub rows in the local row format.
         hub: (repo, config, [(split, row converter or None), ...]) for ``datasets.load_dataset``.
         build: (row index among kept rows, row) -> PromptItem.
@@ -223,6 +224,12 @@ ALIASES = {
 }
 
 
+# the files a --data-dir holds (as tests/data in the repository does), one folder per dataset
+DATA_DIR_FILES = tuple(sorted({source.local for source in SOURCES.values()}))
+DATA_DIR_HINT = (f"point --data-dir (or DFLASH_DATA_DIR) at a folder laid out like tests/data in the dflash "
+                 f"repository ({', '.join(DATA_DIR_FILES)}), or drop it to fetch the dataset from the Hugging Face hub")  # fmt: skip
+
+
 def available_datasets() -> list[str]:
     """Names accepted by :func:`load_prompts` (besides a path to a ``.jsonl`` or ``.txt`` file)."""
     return list(SOURCES)
@@ -243,7 +250,7 @@ def load_prompts(spec: str, data_dir: str | Path | None = None) -> list[PromptIt
             (list of strings) or ``messages`` (chat list; the user turns are answered in order,
             the file's assistant turns are not used, and one leading system message is kept),
             plus an optional ``id`` and ``system`` (string).
-        data_dir: folder laid out like ``shared/datasets``; None falls back to
+        data_dir: folder laid out like ``tests/data``; None falls back to
             ``$DFLASH_DATA_DIR``, then to the hub (cached as JSONL, see module docstring).
 
     Returns:
@@ -322,11 +329,7 @@ def _load_rows(name: str, source: _Source, data_dir: str | Path | None) -> list[
     if data_dir is not None:
         path = Path(data_dir).expanduser() / source.local
         if not path.is_file():
-            raise DatasetError(
-                f"Dataset '{name}' is not in {data_dir}: {path} does not exist.",
-                hint="point --data-dir (or DFLASH_DATA_DIR) at a folder laid out like "
-                "shared/datasets",
-            )
+            raise DatasetError(f"Dataset '{name}' is not in {data_dir}: {path} does not exist.", hint=DATA_DIR_HINT)
         return _read_rows(path)
     cached = cache_dir() / source.cache
     if cached.is_file():
