@@ -103,6 +103,8 @@ def generate(
         "--base-url": remote, "--api-key": remote, "--timeout-s": remote})  # fmt: skip
     check_utf8("PROMPT", prompt)
     check_utf8("--system", system)
+    if not prompt.strip():  # refused here for every backend: a server may answer it with a bare 400
+        raise InputError("The prompt is empty.", hint="pass a question or instruction as PROMPT")
     if backend == "openai":  # torch-free path: the server does the speculative decoding
         from dflash.backends.openai_generate import generate_openai
 
@@ -116,8 +118,6 @@ def generate(
     from dflash.api import TextStream, warmup_tokens
 
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-    if not prompt.strip():
-        raise InputError("The prompt is empty.", hint="pass a question or instruction as PROMPT")
     if max_new_tokens < 1:
         raise InputError(f"--max-new-tokens must be >= 1, got {max_new_tokens}.", hint="e.g. --max-new-tokens 256")
     block_size = parse_block_size(block_size)

@@ -376,3 +376,60 @@ def test_the_data_dir_hint_lists_the_files_of_tests_data():
     assert all((DATA_DIR / f).is_file() for f in DATA_DIR_FILES)
     held = {str(p.relative_to(DATA_DIR)) for p in DATA_DIR.rglob("*") if p.is_file() and p.name != "README.md"}
     assert held == set(DATA_DIR_FILES)
+
+
+# -- 4e. a request the server refuses with HTTP 400 --------------------------------------------
+
+# the bodies vLLM, dflash serve and an option check answer with (status 400)
+TOO_LONG = ("This model's maximum context length is 8192 tokens. However, you requested 100031 tokens (31 in the "
+            "prompt, 100000 in the completion). Please reduce the length of the prompt or max_tokens.")  # fmt: skip
+PROMPT_TOO_LONG = "The prompt has 9031 tokens but the target's context is 8192."
+BAD_TOP_K = "top_k must be -1 (disable), or at least 1, got -5."
+CONTEXT_HINT = ("lower --max-new-tokens or shorten the prompt: the prompt and the new tokens must fit in the model's "
+                "context together")  # fmt: skip
+REFUSED_HINT = ("the server refused the request as invalid: check the options sent with it (--model, "
+                "--max-new-tokens, --temperature, --top-p, --top-k, --reasoning)")  # fmt: skip
+
+
+@pytest.mark.parametrize("message, hint", [(TOO_LONG, CONTEXT_HINT), (PROMPT_TOO_LONG, CONTEXT_HINT),
+                                           (BAD_TOP_K, REFUSED_HINT)])  # fmt: skip
+def test_a_400_from_the_server_gets_a_hint_that_fits(message, hint):
+    """`dflash generate openai --max-new-tokens 100000` showed the server's 400 (context length)
+    with no hint (user trial); a context-length 400 says what to lower, any other 400 says the
+    server refused the options."""
+    from tests.openai_replay import ReplayServer, json_reply
+
+    refused = json_reply({"object": "error", "message": message, "type": "BadRequestError", "code": 400}, status=400)
+    with ReplayServer({"POST /v1/chat/completions": [refused]}) as srv:
+        lines = error_lines(dflash_cli("generate", "openai", "--base-url", srv.url, "--model", "m",
+                                       "--max-new-tokens", "100000", "hi"))  # fmt: skip
+        assert len(srv.requests) == 1  # a 400 is not retried
+    assert lines == [f"error: {srv.url}/v1/chat/completions failed: HTTP 400: {message.rstrip('.')}.", f"hint: {hint}"]
+
+
+def test_a_benchmark_whose_every_request_is_too_long_says_to_lower_max_new_tokens():
+    """The benchmark's 'Every request ... failed' gets the same hints; its prompts are the
+    dataset's, so only --max-new-tokens is named."""
+    from tests.openai_replay import ReplayServer, json_reply
+
+    refused = json_reply({"error": {"message": TOO_LONG, "code": "context_length_exceeded"}}, status=400)
+    with ReplayServer({"POST /v1/chat/completions": [refused]}) as srv:
+        p = dflash_cli("benchmark", "openai", "--base-url", srv.url, "--model", "m", "--dataset", "gsm8k",
+                       "--data-dir", str(DATA_DIR), "--num-prompts", "1", "--max-new-tokens", "100000")  # fmt: skip
+    assert p.returncode == 1, p.stderr
+    assert p.stderr.splitlines()[-2:] == [
+        f"error: Every request to {srv.url} failed (first: HTTP 400: {TOO_LONG}).",
+        "hint: lower --max-new-tokens: each prompt and its new tokens must fit in the model's context together",
+    ]
+
+
+@pytest.mark.parametrize("prompt", ["", "  \n"])
+def test_an_empty_prompt_is_refused_before_any_request(prompt):
+    """`dflash generate openai ""` showed the server's 400 'The prompt is empty.' with no hint
+    (user trial); it is refused before the request, with the local backends' message and hint."""
+    from tests.openai_replay import ReplayServer
+
+    with ReplayServer({}) as srv:
+        lines = error_lines(dflash_cli("generate", "openai", "--base-url", srv.url, "--model", "m", prompt))
+        assert not srv.requests
+    assert lines == ["error: The prompt is empty.", "hint: pass a question or instruction as PROMPT"]

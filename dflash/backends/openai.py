@@ -457,6 +457,30 @@ def _error_message(raw: bytes) -> str:
     return text[:200]
 
 
+def chat_error_hint(status: int | None, error: str, *, one_prompt: bool = True) -> str | None:
+    """The hint for a chat request a server refused with HTTP ``status`` and message ``error``.
+
+    401: the API key; 404: --base-url and --model; 400 or 422 (an invalid request): for the
+    prompt plus --max-new-tokens past the model's context (the message names the context, as
+    vLLM's, SGLang's, llama.cpp's and dflash serve's do), lower --max-new-tokens (or shorten the
+    prompt, when ``one_prompt``: ``dflash generate``; a benchmark's prompts are the dataset's), else
+    check the options sent.
+    """
+    if status == 401:
+        return "pass --api-key or set OPENAI_API_KEY"
+    if status == 404:  # a path the server does not serve, or a model it does not know
+        return "check --base-url (the server's base URL, e.g. http://127.0.0.1:30000/v1) and --model"
+    if status in (400, 422):
+        if "context" in error.lower():
+            if one_prompt:
+                return ("lower --max-new-tokens or shorten the prompt: the prompt and the new tokens must fit in "
+                        "the model's context together")
+            return "lower --max-new-tokens: each prompt and its new tokens must fit in the model's context together"
+        return ("the server refused the request as invalid: check the options sent with it "
+                "(--model, --max-new-tokens, --temperature, --top-p, --top-k, --reasoning)")  # fmt: skip
+    return None
+
+
 # ---------------------------------------------------------------------------------------------
 # models and /metrics
 

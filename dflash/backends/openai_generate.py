@@ -20,6 +20,7 @@ from dflash.backends.openai import (
     api_root,
     chat_body,
     chat_completion,
+    chat_error_hint,
     first_model,
 )
 from dflash.backends.openai_stats import meta_stats
@@ -66,7 +67,8 @@ def generate_openai(
     if max_new_tokens < 1:
         raise InputError(f"--max-new-tokens must be >= 1, got {max_new_tokens}.", hint="e.g. --max-new-tokens 256")
     if not timeout_s > 0:
-        raise InputError(f"--timeout-s must be > 0, got {timeout_s}.")
+        raise InputError(f"--timeout-s must be > 0, got {timeout_s}.",
+                         hint="it is the seconds to wait for the reply, e.g. --timeout-s 600")  # fmt: skip
     root = api_root(base_url)
     messages = ([{"role": "system", "content": system}] if system else []) + [
         {"role": "user", "content": prompt}
@@ -89,11 +91,7 @@ async def _run(root: str, messages: list[dict], model: str | None, api_key: str 
     if not result.ok:
         if printer is not None and printer.section is not None:
             sys.stdout.write("\n")
-        hint = "pass --api-key or set OPENAI_API_KEY" if result.status == 401 else None
-        if result.status == 404:  # a path the server does not serve, or a model it does not know
-            hint = "check --base-url (the server's base URL, e.g. http://127.0.0.1:30000/v1) and --model"
-        if result.error_kind == "timeout":
-            hint = "raise --timeout-s"
+        hint = "raise --timeout-s" if result.error_kind == "timeout" else chat_error_hint(result.status, result.error)
         raise ServerError(f"{root}/chat/completions failed: {result.error.rstrip('.')}.", hint=hint)
     stats = meta_stats(result.meta)
     if json_out:

@@ -14,7 +14,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
-from dflash.backends.openai import RetryPolicy, api_root
+from dflash.backends.openai import RetryPolicy, api_root, chat_error_hint
 from dflash.bench import report
 from dflash.bench.harness import check_dataset_names
 from dflash.bench.remote import (
@@ -105,8 +105,7 @@ def benchmark_openai(*, dataset: str, base_url: str, model: str | None, api_key:
     if all(s["dflash"]["ok"] == 0 for s in summaries.values()):
         first = next((r for recs in runs["dflash"].values() for r in recs["records"]), None)
         why = first.error if first is not None else "no requests"
-        hint = ("check --base-url (the server's base URL, e.g. http://127.0.0.1:30000/v1) and --model"
-                if first is not None and first.status == 404 else None)  # fmt: skip
+        hint = chat_error_hint(first.status, first.error or "", one_prompt=False) if first is not None else None
         raise ServerError(f"Every request to {base_url} failed (first: {why}).", hint=hint)
     return final
 
