@@ -433,3 +433,10 @@ def test_an_empty_prompt_is_refused_before_any_request(prompt):
         lines = error_lines(dflash_cli("generate", "openai", "--base-url", srv.url, "--model", "m", prompt))
         assert not srv.requests
     assert lines == ["error: The prompt is empty.", "hint: pass a question or instruction as PROMPT"]
+
+
+def test_generate_openai_timeout_zero_has_a_hint():
+    assert error_lines(dflash_cli("generate", "openai", "--timeout-s", "0", "hi")) == [
+        "error: --timeout-s must be > 0, got 0.0.",
+        "hint: it is the seconds to wait for the reply, e.g. --timeout-s 600",
+    ]
