@@ -3,9 +3,9 @@
 Public API: :func:`load` -> :class:`Pipeline` (``chat_prompt``, ``generate``, ``stream``).
 """
 
+from dflash._version import __version__
 from dflash.types import GenerationResult, RoundResult, SamplingParams
 
-__version__ = "0.1.0"
 __all__ = ["load", "Pipeline", "GenerationResult", "RoundResult", "SamplingParams", "__version__"]
 
 

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from dflash.backend_names import LOCAL_BACKENDS, one_of
+from dflash.backend_names import LOCAL_BACKENDS, MLX_DEVICES, one_of  # noqa: F401 - MLX_* re-exported
 from dflash.errors import BackendError, InputError
+from dflash.models.config import stop_token_ids  # noqa: F401 - re-exported
 from dflash.pipeline import Pipeline, check_run_args, key_path, package_versions  # noqa: F401 - re-exported
 from dflash.text import (  # noqa: F401 - re-exported
     TextStream,
@@ -43,16 +44,6 @@ def warmup_tokens() -> int:
         raise InputError(f"DFLASH_GENERATE_WARMUP must be a whole number >= 0, got {raw!r}.",
                          hint="unset it for the default of 64 tokens, or 0 to skip the warm-up")  # fmt: skip
     return int(raw)
-
-
-def stop_token_ids(generation_config: Any, tokenizer: Any) -> list[int]:
-    """Stop ids: the generation config's ``eos_token_id`` (int or list), else the tokenizer's."""
-    eos = getattr(generation_config, "eos_token_id", None)
-    if eos is None:
-        eos = tokenizer.eos_token_id
-    if eos is None:
-        return []
-    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
 
 
 def load(model: str | None = None, draft: str | None = None, *, backend: str = "transformers",
@@ -101,98 +92,28 @@ def load(model: str | None = None, draft: str | None = None, *, backend: str = "
         except ImportError as e:
             raise BackendError(f"The mlx backend needs mlx and mlx-lm ({e}).",
                                hint='pip install "dflash[mlx]"') from e  # fmt: skip
-        from dflash.backends.mlx import load_pipeline
+        from dflash.backends.mlx import load as load_mlx
 
-        return load_pipeline(model, draft, device=device, dtype=dtype, draft_bits=draft_bits,
-                             draft_window=draft_window)  # fmt: skip
+        return _pipeline(load_mlx(model, draft, device=device, dtype=dtype, draft_bits=draft_bits,
+                                  draft_window=draft_window))  # fmt: skip
     if draft_bits is not None or draft_window is not None:
         raise InputError("--draft-bits and --draft-window are options of the mlx backend.",
                          hint="drop them, or use: dflash generate mlx")  # fmt: skip
-    # checks that need no weights, before torch's and transformers' imports (seconds on a small CPU)
-    import importlib.util
-
-    from dflash.models.config import DraftConfig
-    from dflash.models.target_torch import (  # torch-free
-        check_model_path,
-        is_hub_id,
-        resolve_draft,
-        resolve_target,
-    )
-
-    if any(importlib.util.find_spec(m) is None for m in ("torch", "transformers")):  # before a download
-        raise BackendError("The transformers backend needs torch and transformers.",
-                           hint='pip install "dflash[torch]"')  # fmt: skip
     check_dtype_name(dtype)
     check_device_name(device, "transformers")
-    if model is not None:
-        check_model_path(model)
+    from dflash.backends.transformers import load as load_torch
 
-    def draft_folder():
-        """The draft's folder and config; a DFlash2 draft with ``cuda_graphs`` refused."""
-        folder = resolve_draft(draft, model)
-        cfg = DraftConfig.load(folder)
-        if cuda_graphs and cfg.is_dflash2:  # auto mode falls back to the plain path
-            raise BackendError("CUDA graphs do not support DFlash2 drafts yet.", hint="drop --cuda-graphs")
-        return folder, cfg
-
-    hub_draft = draft is not None and is_hub_id(draft)
-    if not hub_draft:  # a local folder (or none): checked now; a hub id downloads after the device checks
-        draft_dir, draft_cfg = draft_folder()
-    try:
-        import torch
-        import transformers  # noqa: F401
-    except ImportError as e:
-        raise BackendError("The transformers backend needs torch and transformers.",
-                           hint='pip install "dflash[torch]"') from e  # fmt: skip
-    from dflash.backends.static_switches import check_env
-    from dflash.backends.static_torch import StaticBackend, supports_static
-    from dflash.backends.transformers import (
-        TransformersBackend,
-        check_pair,
-        load_draft,
-        load_target,  # fmt: skip
-        pick_device,
-        pick_dtype,
-    )
-
-    dev = pick_device(device)
-    dt = pick_dtype(dtype, dev)
-    check_env()  # the CUDA path's DFLASH_* switches, checked on every device
-    if hub_draft:
-        draft_dir, draft_cfg = draft_folder()
-    target_path = resolve_target(model)
-    target_model, tokenizer = load_target(target_path, dev, dt)
-    stops = stop_token_ids(getattr(target_model, "generation_config", None), tokenizer)
-    rows = target_model.get_input_embeddings().weight.shape[0]
-    check_pair(draft_cfg, target_model.config, rows, stops)
-    draft_model = load_draft(draft_dir, dev, dt)
-
-    fast = dev.type == "cuda" and supports_static(target_model) and cuda_graphs is not False
-    fast = fast and not draft_cfg.is_dflash2  # DFlash2 runs on the plain path
-    if cuda_graphs and not fast:
-        raise BackendError("CUDA graphs need a CUDA device and a Llama/Qwen2/Qwen3-style target.",
-                           hint="drop --cuda-graphs")  # fmt: skip
-    if compile and not fast:
-        raise BackendError("--compile needs the CUDA-graph path (a CUDA device and a "
-                           "Llama/Qwen2/Qwen3-style target).", hint="drop --compile")  # fmt: skip
-    from dflash.backends.graph_plan import resolve_compile
-
-    if uniform_width and not fast:
-        raise BackendError("--uniform-width needs the CUDA-graph path.", hint="drop --uniform-width")
-    impl = StaticBackend(target_model, draft_model, dev, compile=resolve_compile(compile, fast),
-                         uniform_width=uniform_width,
-                         ) if fast else TransformersBackend(target_model, draft_model, dev)  # fmt: skip
-    cost_key = {"backend": type(impl).__name__, "device": device_name(dev), "dtype": str(dt),
-                "target": target_path, "draft": key_path(draft_dir), "draft_vocab": impl.draft_vocab_size,
-                "threads": torch.get_num_threads() if dev.type == "cpu" else None}  # fmt: skip
-    return Pipeline(impl, tokenizer, stops, name=str(model or "demo"), draft_dir=draft_dir,
-                    cost_key=cost_key)  # fmt: skip
+    return _pipeline(load_torch(model, draft, device=device, dtype=dtype, cuda_graphs=cuda_graphs,
+                                compile=compile, uniform_width=uniform_width))  # fmt: skip
 
 
-# the mlx backend's devices, in every --device error of it (here and in dflash/backends/mlx.py)
-MLX_DEFAULT_DEVICE = "the Metal GPU on Apple Silicon, the CPU on Linux"
-MLX_DEVICES = "the mlx backend takes --device auto (its default device), cpu or gpu (cuda and metal mean gpu)"
-MLX_NO_GPU_HINT = f"use --device auto or cpu; {MLX_DEVICES}"
+def _pipeline(loaded: Any) -> Pipeline:
+    """A :class:`Pipeline` over what a backend's ``load`` returned (:class:`dflash.backends.base.Loaded`)."""
+    pipe = Pipeline(loaded.backend, loaded.tokenizer, loaded.stop_ids, loaded.name,
+                    draft_dir=loaded.draft_dir, cost_key=loaded.cost_key)  # fmt: skip
+    if loaded.reference is not None:  # the benchmark's second baseline (mlx-lm's own generator)
+        pipe.reference_generate = loaded.reference
+    return pipe
 
 
 def check_device_name(device: str, backend: str) -> None:
@@ -238,22 +159,3 @@ def _check_mlx_options(model: str | None, draft: str | None, device: str, dtype:
     if model is not None:
         check_model_path(model)
     resolve_draft(draft, model)
-
-
-def device_name(dev: Any) -> str:
-    """A device's model name for the cost cache key (GPU name, or CPU model and core count)."""
-    import os
-    import platform
-
-    if getattr(dev, "type", "cpu") == "cuda":
-        import torch
-
-        return f"{torch.cuda.get_device_name(dev)} x{torch.cuda.device_count()}"
-    model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            names = [ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")]
-        model = names[0] if names else model
-    except OSError:
-        pass
-    return f"{model} ({os.cpu_count()} cores)"

@@ -39,3 +39,9 @@ def check_backend(backend: str, command: str) -> None:
     if backend not in BACKENDS:
         raise BackendError(f"Unknown backend {backend!r}; choose one of {one_of(BACKENDS)}.",
                            hint=f"the backend is the first argument: dflash {command} transformers ...")  # fmt: skip
+
+
+# the mlx backend's devices, in every --device error of it (dflash/api.py and dflash/backends/mlx.py)
+MLX_DEFAULT_DEVICE = "the Metal GPU on Apple Silicon, the CPU on Linux"
+MLX_DEVICES = "the mlx backend takes --device auto (its default device), cpu or gpu (cuda and metal mean gpu)"
+MLX_NO_GPU_HINT = f"use --device auto or cpu; {MLX_DEVICES}"

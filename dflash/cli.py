@@ -15,7 +15,7 @@ from typing import Annotated
 
 import typer
 
-from dflash.errors import DflashError
+from dflash.errors import DflashError, report_error  # noqa: F401 - report_error re-exported
 
 app = typer.Typer(
     pretty_exceptions_enable=False,
@@ -35,7 +35,7 @@ from dflash.train.command import data_app, train  # noqa: E402
 
 app.command("benchmark")(benchmark)
 
-from dflash.serve import serve  # noqa: E402  (fastapi/uvicorn are imported when it runs)
+from dflash.serve.server import serve  # noqa: E402  (fastapi/uvicorn are imported when it runs)
 
 app.command("serve")(serve)
 app.command("train")(train)
@@ -56,20 +56,6 @@ def _options(
                                           help="Print the version and exit.")] = False,
 ) -> None:
     """Lossless speculative decoding with block-diffusion (DFlash) drafts."""
-
-
-def report_error(err: DflashError) -> None:
-    """Print a :class:`DflashError` as one red ``error:`` line (+ dim ``hint:``) on stderr;
-    under torchrun the line names the rank (``error: rank 1: ...``)."""
-    from rich.console import Console
-    from rich.text import Text
-
-    console = Console(stderr=True, highlight=False, soft_wrap=True)
-    multi = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not err.message.startswith("rank ")
-    rank = f"rank {os.environ.get('RANK', '?')}: " if multi else ""
-    console.print(Text.assemble(("error: ", "bold red"), rank + err.message))
-    if err.hint:
-        console.print(Text("hint: " + err.hint, style="dim"))
 
 
 def main() -> None:

@@ -12,6 +12,12 @@ import typer
 
 from dflash.backend_names import CLIENT_BACKENDS, LOCAL_BACKENDS, backend_help, check_backend
 from dflash.errors import InputError
+from dflash.options import (  # noqa: F401 - re-exported
+    BLOCK_SIZE_RANGE,
+    SERVER_SIDE,
+    parse_block_size,
+    refuse_foreign_options,
+)
 from dflash.types import SamplingParams
 
 Backend = Annotated[str, typer.Argument(help=backend_help())]
@@ -182,32 +188,6 @@ def generate(
     print(summary_line(n, steps, decode, (t1 or t0) - t0), file=sys.stderr)
 
 
-# options that only some backends read: option -> (backends that read it, what it does there)
-SERVER_SIDE = ("--block-size", "--draft", "--device", "--dtype", "--cuda-graphs/--no-cuda-graphs")
-
-
-def refuse_foreign_options(backend: str, given: dict[str, bool], readers: dict[str, tuple[str, ...]]) -> None:
-    """Refuse an option the chosen backend would silently ignore (``--block-size`` on ``openai``:
-    the server picks its own; ``--base-url`` on a local backend), naming the option.
-
-    Args:
-        backend: the chosen backend.
-        given: option flag (e.g. ``"--block-size"``) -> whether the user set it (not its default).
-        readers: option flag -> the backends that read it.
-
-    Raises:
-        InputError: the first option set that ``backend`` does not read.
-    """
-    for flag, was_set in given.items():
-        if was_set and backend not in readers[flag]:
-            many = len(readers[flag]) > 1
-            where = " and ".join(readers[flag]) + (" backends read" if many else " backend reads")
-            server = backend == "openai" and flag in SERVER_SIDE  # a setting of the server's
-            raise InputError(f"{flag} does not apply to the {backend} backend; only the {where} it.",
-                             hint=f"drop {flag}" + (" (the server decodes with its own settings: give it "
-                                                    "to the server, e.g. dflash serve)" if server else ""))  # fmt: skip
-
-
 def same_stream(a, b) -> bool:
     """Whether two text streams write to the same file or terminal (``2>&1``, a console), where
     stderr notes and stdout text interleave on one screen."""
@@ -230,28 +210,6 @@ def summary_line(new_tokens: int, steps: list[int], decode_s: float, ttft_s: flo
     tau = f"{sum(steps) / len(steps):.2f}" if steps else "n/a"
     return (f"[{plural(new_tokens, 'new token')} | decode {speed} | mean acceptance length τ {tau} | "
             f"{plural(len(steps), 'verify step')} | TTFT {ttft_s * 1000:.0f} ms]")  # fmt: skip
-
-
-# the valid --block-size values, the hint of every out-of-range error (generate and benchmark)
-BLOCK_SIZE_RANGE = ("use auto (picked per step) or 1 (no drafting) up to the draft's trained block size "
-                    "(16 for the demo draft)")  # fmt: skip
-
-
-def parse_block_size(value: str | int | None) -> int | str:
-    """``--block-size``: "auto" or an integer >= 1 (a list only for ``benchmark``).
-
-    Raises:
-        InputError: anything else.
-    """
-    text = str("auto" if value is None else value).strip().lower()
-    if text == "auto":
-        return "auto"
-    if not text.lstrip("-").isdigit():
-        raise InputError(f"--block-size must be auto or an integer >= 1, got {value!r}.",
-                         hint="auto picks it per step; 1 decodes without a draft; the draft's trained size drafts most")  # fmt: skip
-    if int(text) < 1:
-        raise InputError(f"--block-size must be >= 1, got {int(text)}.", hint=BLOCK_SIZE_RANGE)
-    return int(text)
 
 
 def print_step(i: int, r, policy) -> None:

@@ -62,3 +62,19 @@ def env_choice(name: str, choices: tuple[str, ...]) -> str:
         allowed = f"{', '.join(choices[:-1])} or {choices[-1]}"
         raise InputError(f"{name} must be {allowed}, got {raw!r}.", hint=f"unset it for the default ({choices[0]})")
     return raw
+
+
+def report_error(err: DflashError) -> None:
+    """Print a :class:`DflashError` as one red ``error:`` line (+ dim ``hint:``) on stderr;
+    under torchrun the line names the rank (``error: rank 1: ...``)."""
+    import os
+
+    from rich.console import Console
+    from rich.text import Text
+
+    console = Console(stderr=True, highlight=False, soft_wrap=True)
+    multi = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not err.message.startswith("rank ")
+    rank = f"rank {os.environ.get('RANK', '?')}: " if multi else ""
+    console.print(Text.assemble(("error: ", "bold red"), rank + err.message))
+    if err.hint:
+        console.print(Text("hint: " + err.hint, style="dim"))

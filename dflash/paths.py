@@ -60,3 +60,12 @@ def refuse_folder(path: str | Path, flag: str, name: str) -> None:
     if Path(path).is_dir() or str(path).endswith(("/", "\\")):
         raise InputError(f"{flag} {path} is a folder; pass a {Path(name).suffix} file path.",
                          hint=f"name a file in it, e.g. {flag} {Path(path) / name}")  # fmt: skip
+
+
+def key_path(path) -> str:
+    """A cost-cache key's path: absolute for a local file or folder (two folders both named
+    ``draft`` in different places are different drafts), as given otherwise (a hub id)."""
+    from pathlib import Path
+
+    p = Path(str(path))
+    return str(p.resolve()) if p.exists() else str(path)

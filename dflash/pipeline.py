@@ -21,6 +21,7 @@ from dflash.auto_block import (
 )
 from dflash.errors import InputError
 from dflash.loop import speculative_generate
+from dflash.paths import key_path  # noqa: F401 - re-exported
 from dflash.text import encode_messages, reasoning_kwargs, split_incomplete_char
 from dflash.types import GenerationResult, RoundResult, SamplingParams
 
@@ -322,21 +323,12 @@ def package_versions() -> dict[str, str | None]:
     """Versions of dflash and the packages that shape its numerics (None when absent)."""
     from importlib import metadata
 
-    import dflash
+    from dflash._version import __version__
 
-    out: dict[str, str | None] = {"dflash": dflash.__version__}
+    out: dict[str, str | None] = {"dflash": __version__}
     for name in ("torch", "transformers", "mlx"):
         try:
             out[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
             out[name] = None
     return out
-
-
-def key_path(path) -> str:
-    """A cost-cache key's path: absolute for a local file or folder (two folders both named
-    ``draft`` in different places are different drafts), as given otherwise (a hub id)."""
-    from pathlib import Path
-
-    p = Path(str(path))
-    return str(p.resolve()) if p.exists() else str(path)

@@ -4,7 +4,7 @@
 
 For the demo pair's head layout (target and draft: 9 query heads, 3 KV heads, head dim 64) and
 Qwen3-8B's (32, 8, 128), 1 and 16 query rows, several filled lengths: the time of one
-:func:`~dflash.backends.split_attention.split_attention_kernel` call (CUDA graphs of 20 calls,
+:func:`~dflash.kernels.split_attention.split_attention_kernel` call (CUDA graphs of 20 calls,
 launch overhead excluded) for each keys-per-program split, query heads per program, keys per
 inner iteration and num_warps, then num_stages for the best of each case. The 16-row draft call
 (``non_causal``) gives every row the block's last position, as the draft does.
@@ -56,7 +56,7 @@ def cases(which: str = "short"):
 
 
 def main(argv=None) -> list[dict]:
-    from dflash.backends.split_attention import (
+    from dflash.kernels.split_attention import (
         default_one_slice,
         default_split,
         heads_per_program,

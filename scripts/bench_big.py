@@ -11,7 +11,7 @@ matching random 5-layer DFlash draft, and driven through the real loop and stati
 measured independently of draft quality: ms per verify step for block sizes 1, 4, 8, 16 and
 k = 0 and k = L-1, next to the HBM floor (bytes read per step / measured copy bandwidth).
 
-Greedy requests run through the device loop (:mod:`dflash.backends.static_loop`) unless
+Greedy requests run through the device loop (:mod:`dflash.backends.static.device_loop`) unless
 ``--no-device-loop``; there the proposals are scripted on the device inside the draft graph.
 A step's time is taken in steady state: from the host's read of the first step (whose draft
 reads the whole prompt, eagerly) to its read of step ``--steps`` + 1. ``diverged_at`` is the
@@ -99,8 +99,8 @@ def build(tiny: bool, device: torch.device, dtype: torch.dtype, compile: bool,
     """
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-    from dflash.backends.graph_plan import GraphPlan
-    from dflash.backends.static_torch import StaticBackend
+    from dflash.backends.static.backend import StaticBackend
+    from dflash.backends.static.graph_plan import GraphPlan
     from dflash.models.draft_torch import DFlashDraft
     from dflash.models.init_draft import draft_config_for
 
@@ -275,7 +275,7 @@ def main(argv: list[str] | None = None) -> dict:
     kv_per_pos = 2 * c.num_hidden_layers * c.num_key_value_heads * be.head_dim * be.dtype.itemsize
     kv = kv_per_pos * (args.prompt_len + args.steps * max(blocks) // 2)
     bw = copy_bandwidth(device, 1 << (22 if args.tiny else 32))
-    from dflash.backends.small_linear import pdl_enabled
+    from dflash.kernels.small_linear import pdl_enabled
 
     desc = be.describe()
     report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

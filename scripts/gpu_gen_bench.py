@@ -1,4 +1,4 @@
-"""Checks and times the batched generator (``dflash.backends.batched_torch``) on a random target.
+"""Checks and times the batched generator (``dflash.backends.static.batched``) on a random target.
 
     PYTHONPATH=. python3 scripts/gpu_gen_bench.py [--tiny] [--batches 512,1024]
         [--settings dense,kv,kv+compile] [--jobs-per-row 2] [--out F]
@@ -55,7 +55,7 @@ def parse_setting(name: str) -> dict:
 
 def parity(model, dev, vocab: int, rng: random.Random) -> dict:
     """Graphs vs eager per attention kind; kv_lengths vs the dense eager reference."""
-    from dflash.backends.batched_torch import BatchedGenerator
+    from dflash.backends.static.batched import BatchedGenerator
 
     ragged = [[rng.randrange(vocab) for _ in range(rng.randint(5, 300))] for _ in range(12)]
     res: dict = {}
@@ -75,7 +75,7 @@ def parity(model, dev, vocab: int, rng: random.Random) -> dict:
 
 def throughput(model, dev, vocab: int, bsz: int, setting: str, args) -> dict:
     """One setting at batch ``bsz``: tokens / second (see the module docstring)."""
-    from dflash.backends.batched_torch import BatchedGenerator, Job
+    from dflash.backends.static.batched import BatchedGenerator, Job
 
     rng = random.Random(bsz)  # the same jobs for every setting at this batch size
     lo, hi = args.prompt_range

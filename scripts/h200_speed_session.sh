@@ -345,7 +345,7 @@ exp13)  # no carry: the thirteenth session's experiments on the demo shape's loo
   # check of its ids), DFLASH_PREFETCH=8, all three
   python3 -c "
 import torch, torch.nn.functional as F
-from dflash.backends.head_argmax import head_argmax
+from dflash.kernels.head_argmax import head_argmax
 g = torch.Generator(device='cuda').manual_seed(0)
 for m, n, k in ((1, 49152, 576), (16, 49152, 576), (15, 151936, 4096), (32, 151936, 4096)):
     x = torch.randn(m, k, device='cuda', generator=g).bfloat16()
@@ -459,7 +459,7 @@ rope)  # no carry: DFLASH_ROPE (q/k norm + RoPE + cache writes in one kernel) 0 
   # sequence, then the 8B shape's block-1 step
   python3 -c "
 import torch
-from dflash.backends import rope_cache as rc
+from dflash.kernels import rope_cache as rc
 from tests.test_rope_cache import _case
 for args in ((32, 16, 9, 3, 64), (32, 16, 32, 8, 128), (16, 0, 32, 8, 128, 128, 0, False)):
     qkv, qn, kn, cos, sin, pos, kc, vc, tc, h, hkv = _case(*args) if len(args) > 5 else _case(*args, cap=128)

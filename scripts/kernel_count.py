@@ -46,7 +46,7 @@ def load_pair(args, device: torch.device, dtype: torch.dtype):
     if args.random_target:
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        from dflash.backends.transformers import load_draft
+        from dflash.backends.plain import load_draft
         from dflash.models.target_torch import resolve_draft
 
         torch.manual_seed(0)
@@ -64,7 +64,7 @@ def load_pair(args, device: torch.device, dtype: torch.dtype):
         dcfg = draft_config_for(cfg, layers=2, block_size=16, mask_token_id=cfg.vocab_size - 1,
                                 vocab_rows=cfg.vocab_size)  # fmt: skip
         return target, DFlashDraft(dcfg).to(device, dtype).eval()
-    from dflash.backends.transformers import load_draft, load_target
+    from dflash.backends.plain import load_draft, load_target
     from dflash.models.target_torch import resolve_draft, resolve_target
 
     target, _ = load_target(resolve_target(args.model), device, dtype)
@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--sequence", action="store_true",
                     help="store every kernel of each profiled call in launch order (name, us)")
     args = ap.parse_args(argv)
-    from dflash.backends.static_torch import StaticBackend
+    from dflash.backends.static.backend import StaticBackend
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype) if device.type == "cuda" else torch.float32

@@ -1,4 +1,4 @@
-"""Does an L2 prefetch make a weight GEMV faster on this GPU? (``dflash.backends.l2_prefetch``)
+"""Does an L2 prefetch make a weight GEMV faster on this GPU? (``dflash.kernels.l2_prefetch``)
 
     PYTHONPATH=. python3 scripts/l2_prefetch_check.py [--out l2_check.json]
 
@@ -28,8 +28,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--gap-us", type=float, default=10.0)
     args = ap.parse_args(argv)
-    from dflash.backends import l2_prefetch as lp
-    from dflash.backends.small_linear import small_linear
+    from dflash.kernels import l2_prefetch as lp
+    from dflash.kernels.small_linear import small_linear
 
     dev = torch.device("cuda")
     flush = torch.empty(1 << 29, dtype=torch.float16, device=dev)  # 1 GiB

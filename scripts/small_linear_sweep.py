@@ -1,4 +1,4 @@
-"""Time the fused few-row linear (dflash.backends.small_linear) against cuBLAS on the GPU.
+"""Time the fused few-row linear (dflash.kernels.small_linear) against cuBLAS on the GPU.
 
     PYTHONPATH=. python3 scripts/small_linear_sweep.py [--out DIR] [--shapes smollm2,qwen3-8b|o=NxK,...]
         [--cold] [--configs small|wide|deep] [--compile-procs 8]
@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from dflash.backends import small_linear as sl
+from dflash.kernels import small_linear as sl
 from scripts.split_attention_check import graph_time_us
 
 SHAPES = {  # name -> (N, K): the projections followed by a residual add

@@ -4,7 +4,7 @@
 
 For the demo target's and Qwen3-8B's head layouts, 1 and 16 query rows, capacities 1024 and
 4096 and several filled lengths: max abs error (bf16 and float32) of
-:func:`dflash.backends.split_attention.split_attention` against
+:func:`dflash.kernels.split_attention.split_attention` against
 ``F.scaled_dot_product_attention`` with the [T, S] position mask, and the time of one call of
 each in bf16, and for 16 rows in float32 too, where the kernel took 600-740 us in the ninth
 session (the static path now uses SDPA in float32; this shows whether that is still needed)
@@ -56,7 +56,7 @@ def graph_time_us(fn, reps: int = 20, replays: int = 10) -> float:
 
 
 def main(argv=None) -> list[dict]:
-    from dflash.backends.split_attention import split_attention
+    from dflash.kernels.split_attention import split_attention
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -109,8 +109,8 @@ def pdl_check(dev: torch.device) -> dict:
     with the residual; K below and above the first tile) and split attention (1 and 16 rows,
     several slices), each eager and inside a graph of 20 back-to-back calls, must give the same
     bits (PDL changes when a kernel starts, never its maths)."""
-    from dflash.backends import small_linear as sl
-    from dflash.backends.split_attention import split_attention
+    from dflash.kernels import small_linear as sl
+    from dflash.kernels.split_attention import split_attention
 
     g = torch.Generator(device=dev).manual_seed(0)
     cases = []
@@ -158,7 +158,7 @@ def stress(dev: torch.device, launches: int = 500) -> dict:
     of each KV head merges, by an atomic counter). The merge order is fixed, so every output
     must equal the first bit for bit, and the counters must be zero afterwards. Also counts the
     acquire-release atomics and barriers in the kernel's PTX."""
-    from dflash.backends import split_attention as sa
+    from dflash.kernels import split_attention as sa
 
     os.environ[sa.SPLIT_ENV] = "256"
     g = torch.Generator(device=dev).manual_seed(1)

@@ -163,7 +163,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--programs", type=int, nargs="+", default=[32, 66, 132])
     args = ap.parse_args(argv)
-    from dflash.backends.small_linear import small_linear
+    from dflash.kernels.small_linear import small_linear
 
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count

@@ -72,7 +72,7 @@ def make_draft(target, layers: int = 2, block_size: int = 16, mask_token_id: int
 @pytest.fixture(scope="session")
 def tiny_backend(tiny_target):
     """TransformersBackend over the tiny target with a random 2-layer block-16 draft."""
-    from dflash.backends.transformers import TransformersBackend
+    from dflash.backends.plain import TransformersBackend
 
     return TransformersBackend(tiny_target, make_draft(tiny_target), torch.device("cpu"))
 

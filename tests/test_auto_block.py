@@ -337,7 +337,7 @@ def test_every_choice_is_lossless_and_feeds_all_context(tiny_backend, truth, gre
 def test_static_path_after_plain_steps_matches_the_dynamic_one(tiny_target, tiny_backend, truth):
     """The static backend re-reads by position; after plain steps it must catch up exactly as
     the dynamic one (same draft weights -> the same proposals at every step)."""
-    from dflash.backends.static_torch import StaticBackend
+    from dflash.backends.static.backend import StaticBackend
 
     static = StaticBackend(tiny_target, tiny_backend.draft_model, torch.device("cpu"),
                            use_graphs=False)  # fmt: skip

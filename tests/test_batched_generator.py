@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash.backends.batched_torch import BatchedGenerator, Job
+from dflash.backends.static.batched import BatchedGenerator, Job
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 
-from dflash.backends.batched_torch import (
+from dflash.backends.static.batched import (
     KV_LENGTHS_ENV,
     BatchedGenerator,
     Job,
@@ -128,7 +128,7 @@ def test_failing_kv_lengths_step_falls_back_with_same_tokens(model, monkeypatch,
     after steps that wrote wrong tokens, warns once, restores the decode state from before the
     replay and finishes on the dense path with its greedy tokens; an error of the dense path
     itself is raised, not hidden."""
-    import dflash.backends.batched_torch as bt
+    import dflash.backends.static.batched as bt
 
     ps = prompts(5, seed=8, hi=60)
     ref = BatchedGenerator(model, max_batch=3, capacity=160, kv_lengths=False).generate(ps, 14)

@@ -56,7 +56,7 @@ def test_smaller_block_size_drafts_at_trained_width(tiny_backend, tiny_target):
 
 def test_budgets_23_and_40_accept_alike_demo_pair(demo_pipe):
     """The shipped (trained) demo draft on its target (float32, CPU): identical τ per step."""
-    from dflash.backends.transformers import TransformersBackend
+    from dflash.backends.plain import TransformersBackend
     from dflash.models.draft_torch import DFlashDraft
     from dflash.models.target_torch import DEMO_DRAFT_DIR
 

@@ -141,7 +141,7 @@ def test_fc_width_mismatch(tmp_path, tiny_target):
 
 
 def test_check_pair(tiny_target):
-    from dflash.backends.transformers import check_pair
+    from dflash.backends.plain import check_pair
     from tests.conftest import make_draft
 
     cfg = make_draft(tiny_target).config

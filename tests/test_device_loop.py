@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash.backends.static_loop import DeviceLoop, device_loop_default
-from dflash.backends.static_torch import StaticBackend
+from dflash.backends.static.backend import StaticBackend
+from dflash.backends.static.device_loop import DeviceLoop, device_loop_default
 from dflash.loop import speculative_generate
 from tests.conftest import make_draft
 from tests.test_loop_scripted import PROMPT, greedy_reference
@@ -129,7 +129,7 @@ def test_commit_glue_is_greedy_acceptance(width):
     """The device loop's commit equals accept_greedy trimmed to the budget, on 50 random steps
     (budgets below, at and above the tokens committed so far)."""
     from dflash.accept import accept_greedy
-    from dflash.backends.static_loop import commit
+    from dflash.backends.static.device_loop import commit
 
     for seed in range(50):
         logits, s = _commit_case(seed, width)
@@ -148,7 +148,7 @@ def test_commit_glue_is_greedy_acceptance(width):
 def test_compiled_glue_equals_eager():
     """What the CUDA graphs run with --compile (Inductor; here its CPU backend): the same state
     after every step as the eager glue."""
-    from dflash.backends.static_loop import commit, draft_inputs, verify_inputs
+    from dflash.backends.static.device_loop import commit, draft_inputs, verify_inputs
 
     try:
         compiled = torch.compile(commit, dynamic=False)
@@ -168,7 +168,7 @@ def test_compiled_glue_equals_eager():
     for fn, args in ((verify_inputs, (tok, props, pos, arange, 16)), (draft_inputs, (tok, masks, pos, arange))):
         for x, y in zip(fn(*args), torch.compile(fn, dynamic=False)(*args), strict=True):
             assert torch.equal(x, y)
-    from dflash.backends.static_fused import row_argmax  # its two-pass path (V >= 256), compiled
+    from dflash.backends.static.fused import row_argmax  # its two-pass path (V >= 256), compiled
 
     fast = torch.compile(row_argmax, dynamic=False)
     g = torch.Generator().manual_seed(3)
@@ -252,7 +252,7 @@ def test_queue_ahead_same_tokens_and_exact_waste(tiny_target, monkeypatch, ahead
 
 
 def test_queue_ahead_checked(monkeypatch):
-    from dflash.backends.static_loop import queue_ahead
+    from dflash.backends.static.device_loop import queue_ahead
     from dflash.errors import InputError
 
     monkeypatch.setenv("DFLASH_QUEUE_AHEAD", "verify")

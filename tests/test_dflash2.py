@@ -159,7 +159,11 @@ def test_scaled_down_checkpoint_round_trip(tmp_path):
     model.save(tmp_path / "d")
     stored = read_safetensors(tmp_path / "d")
     assert {k: list(v.shape) for k, v in stored.items()} == expected_shapes(cfg)
-    again = DFlashDraft.load(tmp_path / "d")  # the class follows `architectures`
+    from dflash.models.draft_load import load_draft
+
+    again = load_draft(tmp_path / "d")  # the class follows `architectures`
+    with pytest.raises(ConfigError, match="DFlash2 draft, not a DFlash v1"):
+        DFlashDraft.load(tmp_path / "d")
     assert isinstance(again, DFlash2Draft)
     emb, ctx = torch.randn(1, 16, 128), torch.randn(1, 7, 5 * 128)
     q, c = torch.arange(7, 23)[None], torch.arange(0, 7)[None]
@@ -178,7 +182,7 @@ def test_scaled_down_checkpoint_round_trip(tmp_path):
     name = "candidate_selector.successor_codebook"
     save_file({name + ".weight": stored[name]}, str(tmp_path / "d" / "extra.safetensors"))
     with pytest.raises(CheckpointError, match="both"):
-        DFlashDraft.load(tmp_path / "d")
+        load_draft(tmp_path / "d")
     stored[name + ".weight"] = stored.pop(name)
     (tmp_path / "d" / "extra.safetensors").unlink()
     save_file(stored, str(tmp_path / "d" / "model.safetensors"))
@@ -299,7 +303,7 @@ def truth(tiny_target):
 @pytest.mark.parametrize("settings", [{}, {"output_multiplier": 0.2, "final_logit_softcapping": 3.0,
                                            "input_embedding_scale": 2.0}])  # fmt: skip
 def test_greedy_parity_with_dflash2_draft(tiny_target, truth, settings):
-    from dflash.backends.transformers import TransformersBackend
+    from dflash.backends.plain import TransformersBackend
 
     be = TransformersBackend(tiny_target, make_draft2(tiny_target, **settings), torch.device("cpu"))
     assert be.draft_uses_sampling
@@ -310,7 +314,7 @@ def test_greedy_parity_with_dflash2_draft(tiny_target, truth, settings):
 
 def test_greedy_parity_sliding_noncausal_dflash2(tiny_target, truth):
     """The published layout: sliding layers (window 5) with is_causal false."""
-    from dflash.backends.transformers import TransformersBackend
+    from dflash.backends.plain import TransformersBackend
 
     draft = make_draft2(tiny_target)
     draft.config.layer_types = ["sliding_attention"] * 2
@@ -321,7 +325,7 @@ def test_greedy_parity_sliding_noncausal_dflash2(tiny_target, truth):
 
 
 def test_sampling_through_the_backend_is_seeded(tiny_target):
-    from dflash.backends.transformers import TransformersBackend
+    from dflash.backends.plain import TransformersBackend
 
     be = TransformersBackend(tiny_target, make_draft2(tiny_target), torch.device("cpu"))
     sp = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=3)

@@ -12,8 +12,8 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from dflash.backends.static_torch import StaticBackend
-from dflash.backends.transformers import TransformersBackend
+from dflash.backends.plain import TransformersBackend
+from dflash.backends.static.backend import StaticBackend
 from dflash.cli import app
 from dflash.errors import CheckpointError, InputError
 from dflash.loop import speculative_generate

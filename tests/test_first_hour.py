@@ -202,7 +202,7 @@ def test_generate_result_keeps_a_cut_character_out_of_text(tiny_target):
     """A budget that ends inside a character: text holds whole characters only, the flag says it
     was cut, and token_ids still hold every token."""
     from dflash.api import Pipeline
-    from dflash.backends.transformers import TransformersBackend
+    from dflash.backends.plain import TransformersBackend
     from tests.conftest import make_draft
 
     backend = TransformersBackend(tiny_target, make_draft(tiny_target), torch.device("cpu"))

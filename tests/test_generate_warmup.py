@@ -85,7 +85,7 @@ class _Pipe:
 
 @pytest.mark.parametrize("use_graphs", [True, False])
 def test_serve_warms_up_at_load_on_the_graph_path_only(monkeypatch, use_graphs):
-    from dflash.serve import Engine
+    from dflash.serve.server import Engine
 
     monkeypatch.setenv("DFLASH_GENERATE_WARMUP", "32")
     pipe = _Pipe(use_graphs)
@@ -96,7 +96,7 @@ def test_serve_warms_up_at_load_on_the_graph_path_only(monkeypatch, use_graphs):
 
 
 def test_serve_starts_when_the_warm_up_fails(capsys):
-    from dflash.serve import Engine
+    from dflash.serve.server import Engine
 
     pipe = _Pipe(True)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dflash.backends.graph_plan import plan_graphs, resolve_compile
+from dflash.backends.static.graph_plan import plan_graphs, resolve_compile
 
 
 def test_plan_with_a_block_16_draft():
@@ -43,7 +43,7 @@ def test_uniform_plan_pads_block_1_decoding_to_the_block():
 
 
 def test_warm_replays_env(monkeypatch):
-    from dflash.backends.graph_plan import WARM_ENV, warm_replays
+    from dflash.backends.static.graph_plan import WARM_ENV, warm_replays
     from dflash.errors import InputError
 
     monkeypatch.delenv(WARM_ENV, raising=False)
@@ -63,7 +63,7 @@ def test_allow_recompiles_keeps_every_width_compiled():
     import torch._dynamo
     import torch._dynamo.config as dynamo_config
 
-    from dflash.backends.graph_plan import RECOMPILE_LIMIT, allow_recompiles
+    from dflash.backends.static.graph_plan import RECOMPILE_LIMIT, allow_recompiles
 
     name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
 

@@ -1,4 +1,4 @@
-"""The LM head + greedy argmax kernel (dflash.backends.head_argmax): the device loop decodes plain
+"""The LM head + greedy argmax kernel (dflash.kernels.head_argmax): the device loop decodes plain
 greedy tokens with it (its torch reference off CUDA), and the Triton kernel (Triton's CPU
 interpreter, float32) gives argmax(x @ W^T) exactly, ties to the first column included."""
 
@@ -10,13 +10,13 @@ import textwrap
 import pytest
 import torch
 
-from dflash.backends import head_argmax as ha
 from dflash.errors import InputError
+from dflash.kernels import head_argmax as ha
 from tests.triton_helpers import compile_for_hopper, run_interpreted
 
 
 def test_switch_and_fits(monkeypatch, tiny_target):
-    from dflash.backends.static_torch import StaticBackend
+    from dflash.backends.static.backend import StaticBackend
     from tests.conftest import make_draft
 
     monkeypatch.delenv("DFLASH_HEAD_ARGMAX", raising=False)
@@ -37,7 +37,7 @@ def test_switch_and_fits(monkeypatch, tiny_target):
 def test_device_loop_with_head_argmax_decodes_greedy(tiny_target, monkeypatch):
     """The device loop's verify and draft forwards with the fused head (its reference on CPU):
     plain greedy tokens at block 1 and 16, and every head of theirs went through it."""
-    from dflash.backends.static_torch import StaticBackend
+    from dflash.backends.static.backend import StaticBackend
     from dflash.loop import speculative_generate
     from tests.conftest import make_draft
     from tests.test_loop_scripted import PROMPT, greedy_reference
@@ -67,7 +67,7 @@ def test_launch_checks_shapes():
 
 KERNEL_CHECK = textwrap.dedent("""
     import torch
-    from dflash.backends import head_argmax as ha
+    from dflash.kernels import head_argmax as ha
 
     g = torch.Generator().manual_seed(0)
     for m, n, k in ((1, 1000, 64), (15, 1000, 96), (16, 4096, 64), (32, 2100, 160)):
@@ -111,7 +111,7 @@ def test_kernel_compiles_for_hopper(pdl):
 def test_fall_back_order_and_the_failed_graphs_kind(tiny_target, capsys):
     """After a failed capture: the L2 prefetch goes first, then (device-loop graphs only) the
     whole-step compile, then the fused head; a host-loop graph's failure skips those two."""
-    from dflash.backends.static_torch import StaticBackend
+    from dflash.backends.static.backend import StaticBackend
     from tests.conftest import make_draft
 
     be = StaticBackend(tiny_target, make_draft(tiny_target), torch.device("cpu"), use_graphs=False, device_loop=True)
@@ -135,7 +135,7 @@ def test_step_compile_wraps_glue_and_forward_once_per_graph(tiny_target, monkeyp
     the compiled step (run here as is) commits greedy tokens."""
     from functools import partial
 
-    from dflash.backends.static_torch import StaticBackend
+    from dflash.backends.static.backend import StaticBackend
     from tests.conftest import make_draft
 
     monkeypatch.setenv("DFLASH_COMPILE_MODE", "max-autotune-no-cudagraphs")

@@ -1,4 +1,4 @@
-"""L2 weight prefetch on a side stream (dflash.backends.l2_prefetch): the switch, the byte plan,
+"""L2 weight prefetch on a side stream (dflash.kernels.l2_prefetch): the switch, the byte plan,
 where the static forwards ask for it (every layer after its qkv projection, one join per forward;
 tokens unchanged) and the capture fall-back. The kernel itself (PTX prefetches) needs a GPU:
 ``scripts/l2_prefetch_check.py`` and ``scripts/h200_speed_session.sh prefetch``."""
@@ -8,15 +8,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash.backends import l2_prefetch as lp
 from dflash.errors import InputError
+from dflash.kernels import l2_prefetch as lp
 from tests.triton_helpers import compile_for_hopper
 
 
 def test_budget_switch(monkeypatch, tiny_target):
     """DFLASH_PREFETCH is MiB per layer (default off); a bad value is a one-line error when a
     backend is built, on CPU too; off CUDA (or without Triton) the budget is 0."""
-    from dflash.backends.static_torch import StaticBackend
+    from dflash.backends.static.backend import StaticBackend
     from tests.conftest import make_draft
 
     cuda = torch.device("cuda")
@@ -53,8 +53,9 @@ def test_forwards_prefetch_each_layer_after_qkv_and_join_once(tiny_target, monke
     for its o_proj, gate+up and down_proj weights, in that order, after its qkv projection (the
     target's before it with ``,early``: after its normed input), and each such forward joins once
     at its end; greedy tokens are plain greedy decoding's."""
-    from dflash.backends import static_draft, static_fused
-    from dflash.backends.static_torch import StaticBackend
+    from dflash.backends.static import draft as static_draft
+    from dflash.backends.static import fused as static_fused
+    from dflash.backends.static.backend import StaticBackend
     from dflash.loop import speculative_generate
     from tests.conftest import make_draft
     from tests.test_loop_scripted import PROMPT, greedy_reference
@@ -117,7 +118,7 @@ def test_forwards_prefetch_each_layer_after_qkv_and_join_once(tiny_target, monke
 
 
 def test_capture_failure_with_prefetch_turns_it_off_first(tiny_target, capsys):
-    from dflash.backends.static_torch import StaticBackend
+    from dflash.backends.static.backend import StaticBackend
     from tests.conftest import make_draft
 
     be = StaticBackend(tiny_target, make_draft(tiny_target), torch.device("cpu"), use_graphs=False)

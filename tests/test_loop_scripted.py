@@ -106,7 +106,7 @@ def test_random_draft_parity(tiny_backend, truth, block_size):
 
 def test_mask_token_output_is_kept(tiny_target, truth):
     """A generated token equal to the mask id stays in the output (positional, never filtered)."""
-    from dflash.backends.transformers import TransformersBackend
+    from dflash.backends.plain import TransformersBackend
     from tests.conftest import make_draft
 
     mask = truth[2]

@@ -1,5 +1,5 @@
 """RMSNorms inside the in-projections with their sums of squares written by the kernel before
-(dflash.backends.norm_partials): the references' maths, the switch, the static path's tokens
+(dflash.kernels.norm_partials): the references' maths, the switch, the static path's tokens
 and values, and the Triton kernels (interpreter; sm_90 compile)."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash.backends import norm_partials as npart
-from dflash.backends import small_linear as sl
 from dflash.errors import InputError
+from dflash.kernels import norm_partials as npart
+from dflash.kernels import small_linear as sl
 from tests.triton_helpers import compile_for_hopper, run_interpreted
 
 
@@ -51,7 +51,7 @@ def test_references_give_the_norm_then_the_projection():
 def test_form_switch(monkeypatch):
     """DFLASH_FUSE_NORM_FORM: squares unless told partials; another value is refused, also by the
     static path's check of every switch (on any device)."""
-    from dflash.backends.static_switches import check_env
+    from dflash.backends.static.switches import check_env
 
     monkeypatch.delenv(npart.FORM_ENV, raising=False)
     assert npart.norm_form() == "squares"
@@ -67,8 +67,8 @@ def test_static_path_with_partials_decodes_greedy(tiny_target, monkeypatch):
     """The static path with the partial-sums form (references on CPU) reaches target and draft
     where the norms fold, is recorded, and decodes exactly plain greedy at block 1 and 16, with
     and without the SwiGLU epilogue and the RoPE kernel's path."""
-    from dflash.backends import static_torch
-    from dflash.backends.static_torch import StaticBackend
+    from dflash.backends.static import backend as static_torch
+    from dflash.backends.static.backend import StaticBackend
     from tests.conftest import make_draft
     from tests.test_split_attention import assert_static_greedy
 
@@ -93,8 +93,8 @@ def test_partials_equal_the_norm_modules(tiny_target, monkeypatch, glu):
     per target forward every o_proj and every down_proj but the last write partial sums, every
     input norm but the first (after the embedding) and every post-attention norm read them; per
     draft layer o_proj writes them and gate+up reads them."""
-    from dflash.backends import static_fused
-    from dflash.backends.static_torch import StaticBackend
+    from dflash.backends.static import fused as static_fused
+    from dflash.backends.static.backend import StaticBackend
     from tests.conftest import make_draft
     from tests.test_small_linear import prefill_verify_draft
 
@@ -138,7 +138,7 @@ def test_partials_equal_the_norm_modules(tiny_target, monkeypatch, glu):
 def test_capture_failure_drops_the_partial_sums_first(tiny_target, capsys):
     """A failed capture with the partial-sums form turns it off first (the squares form keeps the
     folded weights), then the norms inside the projections, one line each naming the switch."""
-    from dflash.backends.static_torch import StaticBackend
+    from dflash.backends.static.backend import StaticBackend
     from tests.conftest import make_draft
 
     be = StaticBackend(tiny_target, make_draft(tiny_target), torch.device("cpu"), use_graphs=False)
@@ -166,7 +166,7 @@ def test_capture_failure_drops_the_partial_sums_first(tiny_target, capsys):
 KERNEL_CHECK = textwrap.dedent("""
     import os, sys
     import torch, triton, triton.language as tl
-    from dflash.backends import norm_partials as npart, small_linear as sl
+    from dflash.kernels import norm_partials as npart, small_linear as sl
 
     if sys.argv[1] == "pdl":  # the interpreter has no grid-dependency control: nothing to wait for
         @triton.jit

@@ -1,4 +1,4 @@
-"""The fused qkv projection + q/k norm + RoPE + cache-write kernel (dflash.backends.qkv_rope):
+"""The fused qkv projection + q/k norm + RoPE + cache-write kernel (dflash.kernels.qkv_rope):
 its switch, its torch reference on the static path (tokens and draft logits), the Triton kernel
 in the interpreter against the two-kernel references, and an sm_90 compile."""
 
@@ -10,8 +10,8 @@ import textwrap
 import pytest
 import torch
 
-from dflash.backends import qkv_rope as qr
 from dflash.errors import InputError
+from dflash.kernels import qkv_rope as qr
 from tests.triton_helpers import compile_for_hopper, run_interpreted
 
 
@@ -30,7 +30,7 @@ def test_setting(monkeypatch):
     monkeypatch.setenv(qr.QKV_ROPE_ENV, "yes")
     with pytest.raises(InputError, match="DFLASH_QKV_ROPE"):
         qr.qkv_rope_setting()
-    from dflash.backends.static_switches import check_env
+    from dflash.backends.static.switches import check_env
 
     with pytest.raises(InputError, match="DFLASH_QKV_ROPE"):
         check_env()
@@ -50,7 +50,7 @@ def test_launch_checks_shapes():
 def test_fits_and_backend_off_on_cpu(tiny_target):
     """The kernel needs a head size <= 128 and a dense weight; on CPU the backend leaves it off
     (no Triton projections); records say so when it is on."""
-    from dflash.backends.static_torch import StaticBackend
+    from dflash.backends.static.backend import StaticBackend
     from tests.conftest import make_draft
 
     be = StaticBackend(tiny_target, make_draft(tiny_target), torch.device("cpu"), use_graphs=False)
@@ -89,7 +89,7 @@ def test_static_greedy_through_the_fused_path(fuse_norm, monkeypatch):
 def test_draft_logits_match_the_two_kernel_path(tiny_target, monkeypatch):
     """The draft's logits through the fused path equal the rope_cache path's at two steps (the
     tokens alone cannot show a draft error)."""
-    from dflash.backends.static_torch import StaticBackend
+    from dflash.backends.static.backend import StaticBackend
     from tests.test_static_backend import PROMPT, _custom_draft, _draft_twice
 
     draft = _custom_draft(tiny_target)
@@ -109,8 +109,8 @@ def test_fall_back_order_and_live_flags(tiny_target, capsys):
     """After a failed capture the fused kernel goes right after the fused LM head, before the
     norms inside the projections; where the forwards cannot run it (the norms' partial sums)
     records leave it out and the fall-back skips it."""
-    from dflash.backends.static_switches import fall_back
-    from dflash.backends.static_torch import StaticBackend
+    from dflash.backends.static.backend import StaticBackend
+    from dflash.backends.static.switches import fall_back
     from tests.conftest import make_draft
 
     be = StaticBackend(tiny_target, make_draft(tiny_target), torch.device("cpu"), use_graphs=False)
@@ -127,8 +127,8 @@ def test_fall_back_order_and_live_flags(tiny_target, capsys):
 
 KERNEL_CHECK = textwrap.dedent("""
     import torch
-    from dflash.backends import qkv_rope as qr
-    from dflash.backends.small_linear import fold_norm_weight
+    from dflash.kernels import qkv_rope as qr
+    from dflash.kernels.small_linear import fold_norm_weight
     from tests.test_rope_cache import _case
 
     launched = []

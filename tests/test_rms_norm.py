@@ -1,4 +1,4 @@
-"""The RMSNorm kernel (dflash.backends.rms_norm): the modules' maths, its switch, the static path with it."""
+"""The RMSNorm kernel (dflash.kernels.rms_norm): the modules' maths, its switch, the static path with it."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import textwrap
 import pytest
 import torch
 
-from dflash.backends import rms_norm as rn
+from dflash.kernels import rms_norm as rn
 from tests.triton_helpers import run_interpreted
 
 
@@ -49,7 +49,7 @@ def test_setting_and_fits(monkeypatch):
 
 KERNEL_CHECK = textwrap.dedent("""
     import torch
-    from dflash.backends import rms_norm as rn
+    from dflash.kernels import rms_norm as rn
 
     torch.manual_seed(0)
     # float32 and float16: the interpreter rounds float32 to bfloat16 by truncation (the GPU to
@@ -105,7 +105,7 @@ def test_kernel_compiles_for_hopper():
 
 def test_static_backend_norm_kernel_off_on_cpu(tiny_target):
     """On the CPU the static backend keeps the modules (the kernel is CUDA's) and says so."""
-    from dflash.backends.static_torch import StaticBackend
+    from dflash.backends.static.backend import StaticBackend
     from tests.conftest import make_draft
 
     be = StaticBackend(tiny_target, make_draft(tiny_target), torch.device("cpu"), use_graphs=False)
@@ -115,8 +115,8 @@ def test_static_backend_norm_kernel_off_on_cpu(tiny_target):
 def test_fall_back_turns_the_kernel_off(tiny_target, capsys):
     """A failed capture turns the RMSNorm kernel off (after the qkv + RoPE kernel, before PDL),
     with one line naming the switch."""
-    from dflash.backends.static_switches import fall_back
-    from dflash.backends.static_torch import StaticBackend
+    from dflash.backends.static.backend import StaticBackend
+    from dflash.backends.static.switches import fall_back
     from tests.conftest import make_draft
 
     be = StaticBackend(tiny_target, make_draft(tiny_target), torch.device("cpu"), use_graphs=False)

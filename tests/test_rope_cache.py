@@ -1,4 +1,4 @@
-"""The draft layer's q/k norm + RoPE + cache-write kernel (dflash.backends.rope_cache): the torch
+"""The draft layer's q/k norm + RoPE + cache-write kernel (dflash.kernels.rope_cache): the torch
 reference is the module path's maths, the draft's logits are the same with it on and off, and
 the Triton kernel (Triton's CPU interpreter, float32) equals the reference."""
 
@@ -10,15 +10,15 @@ import textwrap
 import pytest
 import torch
 
-from dflash.backends import rope_cache as rc
 from dflash.errors import InputError
+from dflash.kernels import rope_cache as rc
 from tests.triton_helpers import run_interpreted
 
 
 def test_switch(monkeypatch, tiny_target):
     """DFLASH_ROPE: draft and target by default, ``draft`` the draft only, 0 none, anything else
     a one-line error when a backend is built (on CPU too); off CPU's cuBLAS/torch path it is off."""
-    from dflash.backends.static_torch import StaticBackend
+    from dflash.backends.static.backend import StaticBackend
     from tests.conftest import make_draft
 
     monkeypatch.delenv("DFLASH_ROPE", raising=False)
@@ -97,7 +97,7 @@ def test_reference_is_the_module_maths():
 def test_draft_logits_with_rope_kernel_path_match(tiny_target):
     """The static draft's logits with the kernel's path (its torch reference off CUDA: the write
     positions and caches as the kernel gets them) equal the module path's at two steps."""
-    from dflash.backends.static_torch import StaticBackend
+    from dflash.backends.static.backend import StaticBackend
     from tests.test_static_backend import PROMPT, _custom_draft, _draft_twice
 
     draft = _custom_draft(tiny_target)
@@ -122,7 +122,7 @@ def test_target_with_rope_kernel_path_decodes_greedy(qwen3, monkeypatch):
     layer, with q/k norms (Qwen3) and without (Llama): plain greedy tokens at block 1 and 16."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-    from dflash.backends.static_torch import StaticBackend
+    from dflash.backends.static.backend import StaticBackend
     from dflash.loop import speculative_generate
     from tests.conftest import make_draft
     from tests.test_loop_scripted import PROMPT, greedy_reference
@@ -145,7 +145,7 @@ def test_target_with_rope_kernel_path_decodes_greedy(qwen3, monkeypatch):
 
 KERNEL_CHECK = textwrap.dedent("""
     import torch
-    from dflash.backends import rope_cache as rc
+    from dflash.kernels import rope_cache as rc
     from tests.test_rope_cache import _case
 
     for args in ((20, 4, 4, 2, 16), (17, 16, 9, 3, 64), (3, 1, 2, 2, 32), (5, 0, 4, 2, 16, 64, 1, False)):
@@ -175,7 +175,7 @@ KERNEL_CHECK = textwrap.dedent("""
     assert_static_greedy(attention="split", draft_linear=True, draft_rope=True, target_rope=True)
     # the draft's logits with the kernel equal the torch ops' (tokens alone cannot show a draft error)
     from transformers import LlamaConfig, LlamaForCausalLM
-    from dflash.backends.static_torch import StaticBackend
+    from dflash.backends.static.backend import StaticBackend
     from tests.test_static_backend import PROMPT, _custom_draft, _draft_twice
     torch.manual_seed(0)
     target = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from dflash.backends.openai_stats import SpecCounters, meta_stats, parse_prometheus
-from dflash.serve_protocol import ApiError, ServerMetrics, StopMatcher, meta_info, parse_request
+from dflash.serve.protocol import ApiError, ServerMetrics, StopMatcher, meta_info, parse_request
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 
@@ -202,7 +202,7 @@ def test_usage_counts_tokens_up_to_the_stop_string(stops, text, tokens, finish, 
     at the end of the verify step that committed it (that made the count depend on the block
     size)."""
     pytest.importorskip("torch")
-    from dflash.serve import _Output
+    from dflash.serve.server import _Output
     from dflash.types import RoundResult
 
     ids = [ord(c) for c in "1, 2, 3, 4, 5, 6, 7, 8"]  # 22 tokens in 3 steps
@@ -221,7 +221,7 @@ def test_usage_counts_tokens_up_to_the_stop_string(stops, text, tokens, finish, 
 @pytest.mark.parametrize("skip, text", [(None, "ab"), (True, "ab"), (False, "a#b#")])
 def test_skip_special_tokens_false_keeps_their_text(skip, text):
     pytest.importorskip("torch")
-    from dflash.serve import _Output
+    from dflash.serve.server import _Output
     from dflash.types import RoundResult
 
     out = _Output(_CharTokenizer(), parse_request({**CHAT, "skip_special_tokens": skip}, chat=True))
@@ -235,7 +235,8 @@ def test_serve_listens_where_the_openai_backend_looks_by_default():
     (found by a user trial: the server listened on 8000, the clients asked 30000)."""
     import inspect
 
-    from dflash import commands, serve
+    from dflash import commands
+    from dflash.serve import server as serve
     from dflash.backends.openai import DEFAULT_BASE_URL
     from dflash.bench import command as bench_command
 

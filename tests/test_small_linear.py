@@ -1,4 +1,4 @@
-"""The few-row output projection with its residual add (dflash.backends.small_linear): the torch
+"""The few-row output projection with its residual add (dflash.kernels.small_linear): the torch
 reference rounds exactly like the unfused modules, the Triton kernel (Triton's CPU interpreter,
 float32) equals it, and the static backend decodes plain greedy tokens with it."""
 
@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash.backends import linear_settings, pdl
-from dflash.backends import small_linear as sl
 from dflash.errors import InputError
+from dflash.kernels import linear_settings, pdl
+from dflash.kernels import small_linear as sl
 from tests.triton_helpers import compile_for_hopper, run_interpreted
 
 
@@ -77,7 +77,7 @@ def test_switches_and_configs(monkeypatch):
 def test_static_backend_with_fused_linears_decodes_greedy(tiny_target):
     """The fused target and draft forwards with small_linear (reference maths off CUDA) keep plain
     greedy tokens at block 1 and 16, host and device loop, with the same per-step acceptance."""
-    from dflash.backends.static_torch import StaticBackend
+    from dflash.backends.static.backend import StaticBackend
     from dflash.loop import speculative_generate
     from tests.conftest import make_draft
     from tests.test_loop_scripted import PROMPT, greedy_reference
@@ -104,8 +104,8 @@ def test_auto_takes_in_projections_at_every_width(tiny_target, monkeypatch):
     """DFLASH_LINEAR=auto (and all): a model's fused qkv and gate+up projections run small_linear
     in every forward of up to MAX_ROWS rows, target and draft, whatever their size (the H200's
     Qwen3-8B shape too); triton and torch never; recorded with benchmark results."""
-    from dflash.backends import static_torch
-    from dflash.backends.static_torch import StaticBackend
+    from dflash.backends.static import backend as static_torch
+    from dflash.backends.static.backend import StaticBackend
     from tests.conftest import make_draft
 
     draft = make_draft(tiny_target)
@@ -167,8 +167,8 @@ def test_glu_switch_and_where_it_runs(tiny_target, monkeypatch):
     """DFLASH_GLU (default on; 0 off; another value refused) reaches the target's SiLU MLPs and
     the draft's where their gate+up projections run small_linear; recorded; a target with
     another activation keeps its own; the unfused maths equal the fused reference."""
-    from dflash.backends import static_torch
-    from dflash.backends.static_torch import StaticBackend
+    from dflash.backends.static import backend as static_torch
+    from dflash.backends.static.backend import StaticBackend
     from tests.conftest import make_draft
 
     monkeypatch.delenv("DFLASH_GLU", raising=False)
@@ -208,8 +208,9 @@ def test_fuse_norm_switch_and_greedy_parity(tiny_target, monkeypatch):
     value refused) reaches the target and the draft where their in-projections run small_linear and their norms are plain RMSNorms
     (recorded when on); the static path with it (reference maths on CPU) decodes exactly plain
     greedy, with and without the SwiGLU epilogue and the RoPE kernel's path."""
-    from dflash.backends import static_fused, static_torch
-    from dflash.backends.static_torch import StaticBackend
+    from dflash.backends.static import backend as static_torch
+    from dflash.backends.static import fused as static_fused
+    from dflash.backends.static.backend import StaticBackend
     from tests.conftest import make_draft
     from tests.test_split_attention import assert_static_greedy
 
@@ -277,8 +278,8 @@ def test_fuse_norm_equals_the_norm_modules(tiny_target, monkeypatch, glu):
     (float32 roundings of the folded weights, through every layer), and the folded projections
     run where they should: 2 x layers per target forward (every layer's input and
     post-attention norm), one per draft layer (the post-attention norm)."""
-    from dflash.backends import static_fused
-    from dflash.backends.static_torch import StaticBackend
+    from dflash.backends.static import fused as static_fused
+    from dflash.backends.static.backend import StaticBackend
     from tests.conftest import make_draft
 
     draft = make_draft(tiny_target)
@@ -315,7 +316,7 @@ def test_fuse_norm_equals_the_norm_modules(tiny_target, monkeypatch, glu):
 def test_capture_failure_turns_off_fused_norm_then_glu(tiny_target, capsys):
     """A failed capture turns off the norms inside the projections first, then the SiLU * up
     epilogue, one warning line each naming the switch, before the Triton projections."""
-    from dflash.backends.static_torch import StaticBackend
+    from dflash.backends.static.backend import StaticBackend
     from tests.conftest import make_draft
 
     be = StaticBackend(tiny_target, make_draft(tiny_target), torch.device("cpu"), use_graphs=False)
@@ -340,8 +341,8 @@ def test_capture_failure_turns_off_fused_norm_then_glu(tiny_target, capsys):
 
 
 def test_fits_only_plain_row_major_linears(tiny_target):
-    from dflash.backends.static_draft import draft_small_linear_fits
-    from dflash.backends.static_fused import small_linear_fits
+    from dflash.backends.static.draft import draft_small_linear_fits
+    from dflash.backends.static.fused import small_linear_fits
     from tests.conftest import make_draft
 
     assert small_linear_fits(tiny_target)
@@ -355,7 +356,7 @@ KERNEL_CHECK = textwrap.dedent("""
     import os
     import torch
     import torch.nn.functional as F
-    from dflash.backends import small_linear as sl
+    from dflash.kernels import small_linear as sl
 
     g = torch.Generator().manual_seed(0)
     for m, n, k in ((1, 48, 64), (3, 100, 96), (16, 40, 300), (20, 33, 64), (32, 64, 16)):
@@ -412,7 +413,7 @@ def test_triton_kernel_in_interpreter():
 PDL_CHECK = textwrap.dedent("""
     import os
     import torch, triton, triton.language as tl
-    from dflash.backends import small_linear as sl
+    from dflash.kernels import small_linear as sl
 
     @triton.jit
     def _no_wait():  # the interpreter has no grid-dependency control: nothing to wait for
@@ -452,7 +453,7 @@ def test_pdl_path_in_interpreter():
 ONE_TILE_CHECK = textwrap.dedent("""
     import os
     import torch, triton, triton.language as tl
-    from dflash.backends import small_linear as sl
+    from dflash.kernels import small_linear as sl
 
     @triton.jit
     def _no_wait():
@@ -482,7 +483,7 @@ def test_one_tile_path_in_interpreter():
 
 def test_one_tile_switch(monkeypatch, tiny_target):
     """Off unless 1; a bad value is refused; a record names it where small_linear runs."""
-    from dflash.backends.static_torch import StaticBackend
+    from dflash.backends.static.backend import StaticBackend
     from tests.conftest import make_draft
 
     be = StaticBackend(tiny_target, make_draft(tiny_target), torch.device("cpu"), use_graphs=False)
@@ -497,7 +498,7 @@ def test_one_tile_switch(monkeypatch, tiny_target):
     monkeypatch.setenv("DFLASH_LINEAR_ONE_TILE", "yes")
     with pytest.raises(InputError, match="DFLASH_LINEAR_ONE_TILE must be 1 or 0"):
         sl.one_tile_setting()
-    from dflash.backends.static_switches import check_env
+    from dflash.backends.static.switches import check_env
 
     with pytest.raises(InputError, match="DFLASH_LINEAR_ONE_TILE"):  # at load, on any device
         check_env()
@@ -506,7 +507,7 @@ def test_one_tile_switch(monkeypatch, tiny_target):
 def test_draft_logits_with_fused_linears_match(tiny_target):
     """The draft's logits through small_linear (final norm in the LM head) equal the module path's
     at a first and a second step."""
-    from dflash.backends.static_torch import StaticBackend
+    from dflash.backends.static.backend import StaticBackend
     from tests.test_static_backend import PROMPT, _custom_draft, _draft_twice
 
     draft = _custom_draft(tiny_target)
@@ -600,8 +601,8 @@ def test_glu_kernel_compiles_for_hopper(rows, rn):
 def test_describe_records_pdl_prefetch_for_the_draft_only_setting(tiny_target, monkeypatch):
     """DFLASH_PDL_PREFETCH is recorded when PDL reaches some small_linear call, including PDL in
     the draft's graphs only (DFLASH_PDL=draft), and not when no call has PDL."""
-    from dflash.backends import static_torch
-    from dflash.backends.static_torch import StaticBackend
+    from dflash.backends.static import backend as static_torch
+    from dflash.backends.static.backend import StaticBackend
     from tests.conftest import make_draft
 
     be = StaticBackend(tiny_target, make_draft(tiny_target), torch.device("cpu"), use_graphs=False)
@@ -617,8 +618,8 @@ def test_prefetch_takes_the_folded_gate_up_with_fused_norms(tiny_target, monkeyp
     """With the norms inside the projections, the L2 prefetch after each qkv projection asks for
     the gate+up weight the kernel then reads (the folded copy), target and draft, not the
     module's."""
-    from dflash.backends import static_fused
-    from dflash.backends.static_torch import StaticBackend
+    from dflash.backends.static import fused as static_fused
+    from dflash.backends.static.backend import StaticBackend
     from tests.conftest import make_draft
 
     draft = make_draft(tiny_target)

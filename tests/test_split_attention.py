@@ -1,4 +1,4 @@
-"""The split-KV attention over a position-indexed cache (dflash.backends.split_attention) equals
+"""The split-KV attention over a position-indexed cache (dflash.kernels.split_attention) equals
 SDPA with the position mask; the Triton kernel itself runs in Triton's CPU interpreter when
 Triton is installed (float32: the interpreter has no bfloat16)."""
 
@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash.backends import split_attention as sa
 from dflash.errors import InputError
+from dflash.kernels import split_attention as sa
 from tests.triton_helpers import compile_for_hopper, run_interpreted
 
 SHAPES = [  # heads, kv heads, query rows T, head dim, capacity S, first query position
@@ -184,7 +184,7 @@ def assert_static_greedy(layers: int = 4, **attrs) -> None:
     checks run it with their path switched on)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from dflash.backends.static_torch import StaticBackend
+    from dflash.backends.static.backend import StaticBackend
     from dflash.loop import speculative_generate
     from tests.conftest import make_draft
     from tests.test_loop_scripted import PROMPT, greedy_reference
@@ -198,7 +198,7 @@ def assert_static_greedy(layers: int = 4, **attrs) -> None:
     for name, value in attrs.items():
         setattr(be, name, value)
     if attrs.get("fuse_norm") or attrs.get("draft_fuse_norm"):  # DFLASH_FUSE_NORM's folded weights
-        from dflash.backends.static_fused import fold_norms
+        from dflash.backends.static.fused import fold_norms
 
         be.folded_target = fold_norms(target.model.layers, be.fused_target)
         be.folded_draft = fold_norms(be.draft_model.layers, be.fused_draft, ("post",))
@@ -211,7 +211,7 @@ def assert_static_greedy(layers: int = 4, **attrs) -> None:
 
 KERNEL_CHECK = textwrap.dedent("""
     import torch
-    from dflash.backends import split_attention as sa
+    from dflash.kernels import split_attention as sa
     from tests.test_split_attention import SHAPES, _inputs, masked_sdpa
 
     import os
@@ -290,7 +290,7 @@ def test_triton_kernel_in_interpreter():
 
 
 def _static(target, draft, split: bool, device_loop: bool = False):
-    from dflash.backends.static_torch import StaticBackend
+    from dflash.backends.static.backend import StaticBackend
 
     be = StaticBackend(target, draft, torch.device("cpu"), use_graphs=False, device_loop=device_loop)
     be.attention = "split" if split else "sdpa"  # CPU defaults to SDPA; force the split path
@@ -336,7 +336,7 @@ def test_static_split_draft_logits_match_sdpa(tiny_target):
 def test_describe_records_split_settings(tiny_target, monkeypatch):
     """Benchmark records carry the split-KV settings where the kernel runs (a resumed run under
     other settings is refused), and nothing with SDPA."""
-    from dflash.backends.static_torch import StaticBackend
+    from dflash.backends.static.backend import StaticBackend
     from tests.conftest import make_draft
 
     be = StaticBackend(tiny_target, make_draft(tiny_target), torch.device("cpu"), use_graphs=False)
@@ -380,9 +380,10 @@ def test_early_flags_at_every_call_site(tiny_target, monkeypatch, setting):
     layer's but the first such layer's, also when the draft's first layer is a sliding-window
     one (not through the RoPE kernel); never with the switch off. Checked by recording the calls
     of one block-16 generate (the flags are what the GPU kernels get)."""
-    from dflash.backends import static_draft, static_fused
-    from dflash.backends.split_attention import early_setting
-    from dflash.backends.static_torch import StaticBackend
+    from dflash.backends.static import draft as static_draft
+    from dflash.backends.static import fused as static_fused
+    from dflash.backends.static.backend import StaticBackend
+    from dflash.kernels.split_attention import early_setting
     from dflash.loop import speculative_generate
     from tests.conftest import make_draft
 

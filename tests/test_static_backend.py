@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash.backends.static_torch import StaticBackend, supports_static
+from dflash.backends.static.backend import StaticBackend, supports_static
 from dflash.loop import speculative_generate
 from tests.conftest import make_draft
 from tests.test_loop_scripted import PROMPT, greedy_reference
@@ -57,7 +57,7 @@ def _custom_draft(target, seed=0, **changes):
 
 def _draft_twice(be, prompt):
     """prefill -> draft -> verify -> keep 2 rows -> draft again; returns both draft logits."""
-    from dflash.backends.transformers import TransformersBackend
+    from dflash.backends.plain import TransformersBackend
 
     be.reset(len(prompt) + 64)
     with torch.inference_mode():
@@ -74,7 +74,7 @@ def _draft_twice(be, prompt):
 def test_static_honours_sliding_and_causal_draft_layers(tiny_target):
     """A draft with a sliding-window layer and causal blocks: static == plain path, and the
     result differs from the same weights run all-visible (so the check can fail)."""
-    from dflash.backends.transformers import TransformersBackend
+    from dflash.backends.plain import TransformersBackend
 
     prompt = PROMPT * 3  # 24 rows: longer than the window
     kw = dict(layer_types=["sliding_attention", "full_attention"], sliding_window=5, is_causal=True)
@@ -91,7 +91,7 @@ def test_static_honours_sliding_and_causal_draft_layers(tiny_target):
 
 def test_last_layer_features_are_final_normed_like_hf(tiny_target):
     """target_layer_ids holding the last layer: static features == HF hidden_states[N]."""
-    from dflash.backends.transformers import TransformersBackend
+    from dflash.backends.plain import TransformersBackend
 
     n = tiny_target.config.num_hidden_layers
     with torch.no_grad():  # a non-trivial final norm, so raw and normed outputs differ
@@ -206,7 +206,7 @@ def test_capture_failures_fall_back_one_piece_at_a_time(tiny_target, capsys):
 def test_capture_failure_with_pdl_turns_pdl_off_first(tiny_target, capsys, monkeypatch):
     """DFLASH_PDL=1: the first fall-back after a failed capture is plain launches (one line naming
     it), the compiled forwards are dropped so they compile again, and PDL stays off afterwards."""
-    from dflash.backends import pdl
+    from dflash.kernels import pdl
 
     monkeypatch.setattr(pdl, "_PDL_OFF", False)
     monkeypatch.setenv("DFLASH_PDL", "1")
@@ -233,7 +233,7 @@ def test_capture_failure_with_pdl_turns_pdl_off_first(tiny_target, capsys, monke
 def test_captures_mark_draft_and_target_forwards(tiny_target, monkeypatch):
     """DFLASH_PDL=draft turns PDL on in the draft's graphs only: each capture runs inside
     pdl_part("draft") for the draft kinds and pdl_part("target") for the verify kinds."""
-    from dflash.backends import pdl
+    from dflash.kernels import pdl
 
     be = StaticBackend(tiny_target, make_draft(tiny_target), torch.device("cpu"), use_graphs=False)
     parts = {}
@@ -253,7 +253,7 @@ def test_inductor_pdl_setting_is_restored_after_each_capture():
     also when the capture raises; off CUDA it is never touched."""
     import torch._inductor.config as inductor_config
 
-    from dflash.backends.static_switches import inductor_pdl as _inductor_pdl
+    from dflash.backends.static.switches import inductor_pdl as _inductor_pdl
 
     if not hasattr(inductor_config.triton, "enable_pdl"):
         pytest.skip("this torch has no Inductor PDL setting")
@@ -293,7 +293,7 @@ def test_draft_weights_that_do_not_fit_their_config_give_one_line(tiny_target, t
     first mismatch and a count, not torch's multi-line state-dict report (found by a user trial)."""
     import json
 
-    from dflash.backends.transformers import load_draft
+    from dflash.backends.plain import load_draft
     from dflash.errors import CheckpointError
     from tests.conftest import make_draft
 

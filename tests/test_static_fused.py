@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash.backends.static_torch import StaticBackend
+from dflash.backends.static.backend import StaticBackend
 from dflash.loop import speculative_generate
 from tests.conftest import make_draft
 from tests.test_loop_scripted import PROMPT, greedy_reference
@@ -145,7 +145,7 @@ def test_kernel_count_script_tiny(tmp_path):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("vocab", [49152, 4096, 1000])  # 1000: not a multiple of 64, plain argmax
 def test_row_argmax_is_argmax_with_ties(dtype, vocab):
-    from dflash.backends.static_fused import row_argmax
+    from dflash.backends.static.fused import row_argmax
 
     g = torch.Generator().manual_seed(vocab)
     for _ in range(20):
@@ -159,7 +159,7 @@ def test_row_argmax_is_argmax_with_ties(dtype, vocab):
 def test_realized_is_an_identity_eager_and_compiled():
     """realized(): the same tensors outside torch.compile (no copy), equal values inside it
     (Inductor's force-stride-order prim, traced here without codegen)."""
-    from dflash.backends.static_fused import realized
+    from dflash.backends.static.fused import realized
 
     a, b = torch.arange(6.0).reshape(2, 3), torch.arange(4)
     assert all(x is y for x, y in zip(realized(a, b), (a, b), strict=True))

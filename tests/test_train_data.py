@@ -128,7 +128,7 @@ def test_regenerate_writes_responses_and_resumes_after_a_crash(
     assert s.response_ids == ref[: len(s.response_ids)]
     # a finished folder is not redone (the target is not even loaded), and other settings are
     # refused before the target loads
-    import dflash.backends.transformers as tb
+    import dflash.backends.plain as tb
 
     def no_load(*args, **kwargs):
         raise AssertionError("the target was loaded")

@@ -160,7 +160,7 @@ def test_resume_refuses_other_settings(setup, tmp_path):
 
 def test_overfit_one_response_reaches_tau_3(setup, tmp_path):
     """Two hundred CPU steps on one regenerated response: the real greedy loop accepts >= 3."""
-    from dflash.backends.transformers import TransformersBackend
+    from dflash.backends.plain import TransformersBackend
     from dflash.loop import speculative_generate
 
     target, root, response = setup

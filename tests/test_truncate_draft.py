@@ -25,7 +25,7 @@ def _script():
 
 
 def test_cut_draft_keeps_the_chosen_layers_and_decodes_losslessly(tmp_path, tiny_target, monkeypatch, capsys):
-    from dflash.backends.transformers import TransformersBackend
+    from dflash.backends.plain import TransformersBackend
 
     mod = _script()
     src, out = tmp_path / "src", tmp_path / "cut"

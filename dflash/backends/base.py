@@ -111,3 +111,44 @@ class LocalBackend(Protocol):
 
     def synchronize(self) -> None:
         """Wait for queued device work (before reading a clock)."""
+
+
+def device_name(dev: Any) -> str:
+    """A device's model name for the cost cache key (GPU name, or CPU model and core count)."""
+    import os
+    import platform
+
+    if getattr(dev, "type", "cpu") == "cuda":
+        import torch
+
+        return f"{torch.cuda.get_device_name(dev)} x{torch.cuda.device_count()}"
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            names = [ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")]
+        model = names[0] if names else model
+    except OSError:
+        pass
+    return f"{model} ({os.cpu_count()} cores)"
+
+
+@dataclass
+class Loaded:
+    """What a backend's ``load`` returns; :func:`dflash.api.load` wraps it in a Pipeline.
+
+    Attributes:
+        backend: the :class:`LocalBackend`; tokenizer: a HF tokenizer (encode/decode, chat
+        template); stop_ids: EOS ids; name: what the user passed as the model ("demo" for none);
+        draft_dir: the draft folder (its ``acceptance.json`` seeds ``--block-size auto``);
+        cost_key: what keys the measured step costs (device, dtype, target, draft, ...);
+        reference: optional ``(prompt_ids, *, max_new_tokens, sampling) -> GenerationResult``,
+        the backend's own plain generator (mlx-lm's ``stream_generate``) for the benchmark.
+    """
+
+    backend: Any
+    tokenizer: Any
+    stop_ids: list[int]
+    name: str
+    draft_dir: Any
+    cost_key: dict[str, Any]
+    reference: Any = None

@@ -12,16 +12,19 @@ target's embedding table (raw lookup) and LM head (``lm_head`` or tied embedding
 from __future__ import annotations
 
 import time
+from functools import partial
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from dflash.api import MLX_DEFAULT_DEVICE, MLX_DEVICES, MLX_NO_GPU_HINT, Pipeline, key_path
+from dflash.backend_names import MLX_DEFAULT_DEVICE, MLX_DEVICES, MLX_NO_GPU_HINT
 from dflash.backends import mlx_hooks
+from dflash.backends.base import Loaded, device_name
 from dflash.errors import BackendError
 from dflash.models.draft_mlx import DFlashDraftMLX
+from dflash.paths import key_path
 from dflash.types import GenerationResult, SamplingParams
 
 PREFILL_CHUNK = 2048  # tokens per prefill forward, as mlx-lm's generate_step
@@ -241,10 +244,9 @@ def draft_vocab_head(head, embed, draft) -> tuple[mx.array | None, mx.array | No
                                               transpose=True, group_size=gs, bits=bits, mode=mode)  # fmt: skip
 
 
-def load_pipeline(model: str | None, draft: str | None, *, device: str = "auto",
-                  dtype: str = "auto", draft_bits: int | None = None,
-                  draft_window: int | None = None):  # fmt: skip
-    """Load an mlx-lm target and a DFlash draft into a :class:`dflash.api.Pipeline`.
+def load(model: str | None, draft: str | None, *, device: str = "auto", dtype: str = "auto",
+         draft_bits: int | None = None, draft_window: int | None = None) -> Loaded:  # fmt: skip
+    """Load an mlx-lm target and a DFlash draft (what :func:`dflash.api.load` wraps in a Pipeline).
 
     Args:
         model: mlx-lm hub id or folder, or a ``.gguf`` file; None = the demo target (the
@@ -290,55 +292,41 @@ def load_pipeline(model: str | None, draft: str | None, *, device: str = "auto",
     draft_model = load_draft_mlx(draft_dir, dtype=dt, bits=draft_bits, window=draft_window)
     context = int(text.get("max_position_embeddings") or (1 << 30))
     backend = MLXBackend(target, draft_model, max_context=context)
-    from dflash.api import device_name
-
     # measured step costs are kept per device, dtype, target, draft (and its quantization/window)
     cost_key = {"backend": "MLXBackend", "device": f"{mx.default_device()} {device_name(None)}", "dtype": str(dt),
                 "target": str(target_path), "draft": key_path(draft_dir), "draft_bits": draft_bits,
                 "draft_window": draft_window, "draft_vocab": backend.draft_vocab_size}  # fmt: skip
-    return MLXPipeline(backend, tokenizer, stops, name=str(model or "demo"), draft_dir=draft_dir, cost_key=cost_key)
+    reference = partial(reference_generate, backend.target, tokenizer)
+    return Loaded(backend, getattr(tokenizer, "_tokenizer", tokenizer), stops, str(model or "demo"), draft_dir,
+                  cost_key, reference=reference)  # fmt: skip
 
 
-class MLXPipeline(Pipeline):
-    """A :class:`dflash.api.Pipeline` over :class:`MLXBackend`, plus mlx-lm's own generator
-    as the benchmark's reference (brief §5.5).
+def reference_generate(target: Any, tokenizer: Any, prompt_ids: list[int], *, max_new_tokens: int = 2048,
+                       sampling: SamplingParams | None = None) -> GenerationResult:  # fmt: skip
+    """Plain ``mlx_lm.stream_generate`` on the same target and prompt (no draft): the benchmark's
+    second baseline (brief §5.5). ``tokenizer`` is mlx-lm's TokenizerWrapper.
 
-    Args:
-        backend: the MLX backend; tokenizer: mlx-lm's TokenizerWrapper; stop_ids: its EOS ids;
-        draft_dir, cost_key: as :class:`dflash.api.Pipeline` (the draft's ``acceptance.json``
-        seeds ``--block-size auto``; measured costs are cached under ``cost_key``).
+    Timing as :meth:`dflash.pipeline.Pipeline.generate`: ``ttft_s`` until the first token,
+    ``decode_s`` after it.
     """
+    from mlx_lm import stream_generate
+    from mlx_lm.sample_utils import make_sampler
 
-    def __init__(self, backend: MLXBackend, tokenizer: Any, stop_ids: list[int], name: str = "", *,
-                 draft_dir: Any = None, cost_key: dict[str, Any] | None = None):  # fmt: skip
-        super().__init__(backend, getattr(tokenizer, "_tokenizer", tokenizer), stop_ids, name,
-                         draft_dir=draft_dir, cost_key=cost_key)  # fmt: skip
-        self.mlx_tokenizer = tokenizer
-
-    def reference_generate(self, prompt_ids: list[int], *, max_new_tokens: int = 2048,
-                           sampling: SamplingParams | None = None) -> GenerationResult:  # fmt: skip
-        """Plain ``mlx_lm.stream_generate`` on the same target and prompt (no draft).
-
-        Timing as :meth:`generate`: ``ttft_s`` until the first token, ``decode_s`` after it.
-        """
-        from mlx_lm import stream_generate
-        from mlx_lm.sample_utils import make_sampler
-
-        sp = sampling or SamplingParams()
-        if sp.seed is not None:
-            mx.random.seed(sp.seed)
-        sampler = make_sampler(temp=sp.temperature, top_p=sp.top_p, top_k=sp.top_k)
-        tokens: list[int] = []
-        finish = "length"
-        mx.synchronize()
-        t0 = t1 = time.perf_counter()
-        for r in stream_generate(self.backend.target, self.mlx_tokenizer, prompt_ids,
-                                 max_tokens=max_new_tokens, sampler=sampler):  # fmt: skip
-            tokens.append(int(r.token))  # the final response carries the last or stop token
-            if len(tokens) == 1:
-                t1 = time.perf_counter()
-            finish = r.finish_reason or finish
-        t2 = time.perf_counter()
-        return GenerationResult(token_ids=tokens, text=self.decode(tokens),
-                                prompt_tokens=len(prompt_ids), ttft_s=t1 - t0,
-                                decode_s=t2 - t1, finish_reason=finish)  # fmt: skip
+    sp = sampling or SamplingParams()
+    if sp.seed is not None:
+        mx.random.seed(sp.seed)
+    sampler = make_sampler(temp=sp.temperature, top_p=sp.top_p, top_k=sp.top_k)
+    tokens: list[int] = []
+    finish = "length"
+    mx.synchronize()
+    t0 = t1 = time.perf_counter()
+    for r in stream_generate(target, tokenizer, prompt_ids,
+                             max_tokens=max_new_tokens, sampler=sampler):  # fmt: skip
+        tokens.append(int(r.token))  # the final response carries the last or stop token
+        if len(tokens) == 1:
+            t1 = time.perf_counter()
+        finish = r.finish_reason or finish
+    t2 = time.perf_counter()
+    return GenerationResult(token_ids=tokens, text=getattr(tokenizer, "_tokenizer", tokenizer).decode(tokens, skip_special_tokens=True),
+                            prompt_tokens=len(prompt_ids), ttft_s=t1 - t0,
+                            decode_s=t2 - t1, finish_reason=finish)  # fmt: skip

@@ -197,7 +197,7 @@ def benchmark(
     """Benchmark DFlash against plain decoding (block size 1; on mlx also mlx_lm's own
     stream_generate) on prompt datasets."""
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-    from dflash.commands import refuse_foreign_options
+    from dflash.options import refuse_foreign_options
 
     check_backend(backend, "benchmark")  # before the option checks: they name the backend
     local, remote = LOCAL_BACKENDS, CLIENT_BACKENDS
@@ -361,7 +361,7 @@ def _run(
         gathered = harness.gather_records(results, dist, error)
     except harness.RankFailure as err:
         if dist.rank == 0:  # report before any rank exits: torchrun then stops the others
-            from dflash.cli import report_error
+            from dflash.errors import report_error
 
             report_error(err)
         harness.barrier(dist)
@@ -406,7 +406,7 @@ def parse_block_sizes(value: str | None) -> list[int | str | None]:
                              f"got {item.strip()!r}.", hint="e.g. --block-size auto,1,4,8,16")  # fmt: skip
         v: int | str = text if text == "auto" else int(text)
         if isinstance(v, int) and v < 1:
-            from dflash.commands import BLOCK_SIZE_RANGE
+            from dflash.options import BLOCK_SIZE_RANGE
 
             raise InputError(f"--block-size must be >= 1, got {v}.", hint=BLOCK_SIZE_RANGE)
         if v in out:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from dflash.data.datasets import PromptItem, open_text
+from dflash.data.items import PromptItem, open_text
 from dflash.errors import DatasetError
 
 TEXT_SUFFIXES = (".txt", ".txt.gz")

@@ -398,3 +398,13 @@ def refuse_draft_as_target(model: str, flag: str = "--model") -> None:
         fix = "pass it as --draft, with the target it was trained for as --model" if flag == "--model" \
             else f"pass the target model as {flag}, not a draft"  # fmt: skip
         raise CheckpointError(f"{flag} {model} is a DFlash draft, not a target.", hint=fix)
+
+
+def stop_token_ids(generation_config: Any, tokenizer: Any) -> list[int]:
+    """Stop ids: the generation config's ``eos_token_id`` (int or list), else the tokenizer's."""
+    eos = getattr(generation_config, "eos_token_id", None)
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        return []
+    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]

@@ -29,6 +29,12 @@ except ImportError:  # pragma: no cover
 _FLEX_COMPILED = None
 
 
+def fast_path() -> bool:
+    """False when ``DFLASH_TRAIN_FAST=0``: training then builds FlexAttention masks with
+    ``create_block_mask`` and compiles flex_attention per shape, as before the fast path."""
+    return os.environ.get("DFLASH_TRAIN_FAST", "1") != "0"
+
+
 def flex_attention_fn(device: torch.device):
     """flex_attention, compiled once on CUDA (eager flex is a slow reference), eager on CPU.
 
@@ -41,8 +47,6 @@ def flex_attention_fn(device: torch.device):
     if device.type != "cuda":
         return flex_attention
     if _FLEX_COMPILED is None:
-        from dflash.train.masks import fast_path
-
         if fast_path():
             _FLEX_COMPILED = _no_duck_sizing(torch.compile(flex_attention, dynamic=True))
         else:
@@ -436,9 +440,8 @@ class DFlashDraft(nn.Module):
     def load(cls, folder: str | Path, dtype: torch.dtype | None = None, device="cpu") -> DFlashDraft:
         """Load a draft folder (config.json + safetensors, sharded or not).
 
-        ``DFlashDraft.load`` of a DFlash2 folder returns a
-        :class:`dflash.models.draft2_torch.DFlash2Draft` (brief §4.3: the class follows
-        ``architectures``).
+        The folder must hold this class's architecture (v1 or DFlash2);
+        :func:`dflash.models.draft_load.load_draft` picks the class from ``architectures``.
 
         Raises:
             CheckpointError: no weights, an unreadable shard, missing/unexpected tensors, or a
@@ -447,12 +450,10 @@ class DFlashDraft(nn.Module):
         """
         folder = Path(folder)
         cfg = DraftConfig.load(folder)
-        if cfg.is_dflash2 and cls is DFlashDraft:
-            from dflash.models.draft2_torch import DFlash2Draft
-
-            cls = DFlash2Draft
-        elif cfg.is_dflash2 != getattr(cls, "is_dflash2", False):
-            raise ConfigError(f"Draft {folder} is a DFlash v1 draft, not a DFlash2 draft.")
+        if cfg.is_dflash2 != getattr(cls, "is_dflash2", False):
+            kind = "a DFlash2 draft, not a DFlash v1" if cfg.is_dflash2 else "a DFlash v1 draft, not a DFlash2"
+            raise ConfigError(f"Draft {folder} is {kind} draft.",
+                              hint="load it with dflash.models.draft_load.load_draft, which picks the class")  # fmt: skip
         state = cls.module_names(read_safetensors(folder))
         fc = state.get("fc.weight")
         width = cfg.num_features * cfg.hidden_size

@@ -162,7 +162,7 @@ def init_draft(target: str | None, out: str | Path, *, layers: int = 5, block_si
                          hint="pass --force to overwrite it, or choose another folder")  # fmt: skip
     from transformers import AutoTokenizer, GenerationConfig
 
-    from dflash.api import stop_token_ids
+    from dflash.models.config import stop_token_ids
 
     torch = _import_torch()  # None on mlx-only installs: the draft is written with MLX
     from dflash.models.target_torch import check_full_attention

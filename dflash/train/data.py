@@ -136,7 +136,7 @@ def regenerate(
         eval_only: allow benchmark test prompts (held-out evaluation); the folder is marked so
             and ``dflash train`` refuses it as training data.
         engine: ``batched`` (continuous batching, static caches, CUDA graphs:
-            ``dflash.backends.batched_torch``), ``hf`` (``generate``), or ``auto`` (batched when
+            ``dflash.backends.static.batched``), ``hf`` (``generate``), or ``auto`` (batched when
             the target is Llama/Qwen2/Qwen3, else hf).
         max_prompt_tokens: longer prompts are skipped (counted in ``skipped``).
         data_dir: folder laid out like ``tests/data`` for the named datasets.
@@ -160,7 +160,7 @@ def regenerate(
     import torch
 
     from dflash.api import stop_token_ids
-    from dflash.backends.transformers import load_target, pick_device, pick_dtype
+    from dflash.backends.plain import load_target, pick_device, pick_dtype
     from dflash.data.datasets import ALIASES, BENCHMARK_NAMES
     from dflash.models.target_torch import resolve_target
 
@@ -194,7 +194,7 @@ def regenerate(
     skipped = len(items) - len({i for i, _ in jobs})
     order = generation_order([len(prompts[i]) for i, _ in jobs])
     writer = ShardWriter(out, meta)
-    from dflash.backends.static_torch import supports_static
+    from dflash.backends.static.backend import supports_static
 
     use_batched = engine == "batched" or (engine == "auto" and supports_static(model))
     t_start = time.perf_counter()
@@ -227,7 +227,7 @@ def regenerate(
 
     todo = [k for k in range(len(order)) if k not in writer.completed()]
     if use_batched and todo:
-        from dflash.backends.batched_torch import BatchedGenerator, Job
+        from dflash.backends.static.batched import BatchedGenerator, Job
 
         longest = max(len(prompts[jobs[order[k]][0]]) for k in todo)
         gen = BatchedGenerator(model, max_batch=min(batch_size, len(todo)),

@@ -12,9 +12,10 @@ BlockMask (CUDA).
 from __future__ import annotations
 
 import math
-import os
 
 import torch
+
+from dflash.models.draft_torch import fast_path  # noqa: F401 - re-exported
 
 PAPER_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 FLEX_TILE = 128  # FlexAttention's query and key tile (BlockMask BLOCK_SIZE)
@@ -171,12 +172,6 @@ def dense_mask(
     a_per_q = anchors.repeat_interleave(block_size, dim=1)[:, :, None]  # [B, Lq, 1]
     ok = _visible(q, kv, lambda j: a_per_q, seq_len, block_size, window, causal)
     return ok[:, None]
-
-
-def fast_path() -> bool:
-    """False when ``DFLASH_TRAIN_FAST=0``: training then builds FlexAttention masks with
-    ``create_block_mask`` and compiles flex_attention per shape, as before the fast path."""
-    return os.environ.get("DFLASH_TRAIN_FAST", "1") != "0"
 
 
 def flex_block_mask(

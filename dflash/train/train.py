@@ -164,7 +164,7 @@ class Trainer:
         return seqs, eval_sets
 
     def _check_pair(self, draft, target_model) -> None:
-        from dflash.backends.transformers import check_pair
+        from dflash.backends.plain import check_pair
 
         rows = target_model.get_input_embeddings().weight.shape[0]
         check_pair(draft.config, target_model.config, rows, [])
@@ -455,7 +455,7 @@ def _check_data_target(folder: str, samples, target: str | None, vocab: int | No
 
 def load_training_target(target: str | None, device: str = "auto"):
     """Load the target for training: bfloat16 on CUDA, float32 on CPU. Returns (model, tokenizer)."""
-    from dflash.backends.transformers import load_target, pick_device
+    from dflash.backends.plain import load_target, pick_device
     from dflash.models.target_torch import resolve_target
 
     dev = pick_device(device)

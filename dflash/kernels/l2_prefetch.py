@@ -13,7 +13,7 @@ stream back long after it ended. Tokens do not change: a prefetch reads weights 
 
 ``DFLASH_PREFETCH``: the byte budget per layer in MiB (default :data:`DEFAULT_MIB`; ``0`` turns
 it off); ``<MiB>,early`` forks the target's prefetch before the qkv projection instead. CUDA with Triton only; a failed capture turns it off first (see
-:meth:`~dflash.backends.static_torch.StaticBackend._fall_back`).
+:meth:`~dflash.backends.static.backend.StaticBackend._fall_back`).
 
 How the prefetch is issued: on Hopper and newer (compute capability >= 9) with PTX
 ``cp.async.bulk.prefetch.L2`` (the TMA unit fetches :data:`CHUNK` bytes per instruction: a few

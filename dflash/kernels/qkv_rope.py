@@ -1,8 +1,8 @@
 """A layer's qkv projection, q/k norm, RoPE and K/V cache writes in one kernel (static path).
 
 On the demo pair every layer's attention input took two kernels: the fused qkv projection
-(:func:`~dflash.backends.small_linear.small_linear`, or ``small_linear_rn`` with the input norm
-inside) and :func:`~dflash.backends.rope_cache.rope_cache` (q/k norm, RoPE, cache writes), both
+(:func:`~dflash.kernels.small_linear.small_linear`, or ``small_linear_rn`` with the input norm
+inside) and :func:`~dflash.kernels.rope_cache.rope_cache` (q/k norm, RoPE, cache writes), both
 latency-bound there (a 1.1 MB weight). This kernel does both: each program computes some
 columns of the projection for every row, streaming their weight rows along K as
 ``small_linear`` does (same K tiles, same float32 accumulator, the input norm's row factor on
@@ -39,9 +39,9 @@ import os
 
 import torch
 
-from dflash.backends.linear_settings import SMEM_BUDGET, kernel_config
-from dflash.backends.pdl import pdl_enabled
-from dflash.backends.rope_cache import norm_eps, rope_cache_fits, rope_cache_reference
+from dflash.kernels.linear_settings import SMEM_BUDGET, kernel_config
+from dflash.kernels.pdl import pdl_enabled
+from dflash.kernels.rope_cache import norm_eps, rope_cache_fits, rope_cache_reference
 
 QKV_ROPE_ENV = "DFLASH_QKV_ROPE"
 AUTO_MAX_BYTES = 8 << 20  # DFLASH_QKV_ROPE unset: on for qkv weights up to this size
@@ -52,7 +52,7 @@ try:
     import triton
     import triton.language as tl
 
-    from dflash.backends.small_linear import _rows_times_weight
+    from dflash.kernels.small_linear import _rows_times_weight
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
@@ -74,7 +74,7 @@ def qkv_rope_setting() -> bool | None:
 
 def qkv_rope_fits(attn, weight: torch.Tensor, norms: bool) -> bool:
     """Whether :func:`qkv_rope` can run an attention module ``attn`` whose fused qkv weight is
-    ``weight`` ([(H + 2 Hkv) D, K]): what :func:`~dflash.backends.rope_cache.rope_cache_fits`
+    ``weight`` ([(H + 2 Hkv) D, K]): what :func:`~dflash.kernels.rope_cache.rope_cache_fits`
     asks, a head size of at most :data:`MAX_HEAD_DIM`, a dense row-major weight."""
     d = getattr(attn, "head_dim", 0)
     return (rope_cache_fits(attn, weight.dtype, norms) and d <= MAX_HEAD_DIM and weight.dim() == 2
@@ -218,8 +218,8 @@ def qkv_rope_reference(x, weight, bias, rn_eps, q_norm, k_norm, cos, sin, pos, k
                        kv_heads: int) -> torch.Tensor:  # fmt: skip
     """:func:`qkv_rope` as the two-kernel path's torch references (same args): the projection
     (``small_linear_rn_reference`` with ``rn_eps``, else ``small_linear_reference``), then
-    :func:`~dflash.backends.rope_cache.rope_cache_reference`. Writes kc/vc, returns q."""
-    from dflash.backends.small_linear import small_linear_reference, small_linear_rn_reference
+    :func:`~dflash.kernels.rope_cache.rope_cache_reference`. Writes kc/vc, returns q."""
+    from dflash.kernels.small_linear import small_linear_reference, small_linear_rn_reference
 
     if rn_eps is None:
         raw = small_linear_reference(x, weight, bias)
@@ -238,11 +238,11 @@ def qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, r
             T <= 32); with ``rn_eps`` the un-normed residual rows.
         weight: [(H + 2 Hkv) D, K] the fused q, k, v projection weight (row major), with the
             input norm's weight folded in when ``rn_eps`` is given
-            (:func:`~dflash.backends.small_linear.fold_norm_weight`); bias: [(H + 2 Hkv) D] or None.
+            (:func:`~dflash.kernels.small_linear.fold_norm_weight`); bias: [(H + 2 Hkv) D] or None.
         rn_eps: the input RMSNorm's epsilon to apply its row factor inside (as
-            :func:`~dflash.backends.small_linear.small_linear_rn`), or None (x is already normed).
+            :func:`~dflash.kernels.small_linear.small_linear_rn`), or None (x is already normed).
         q_norm, k_norm, cos, sin, pos, kc, vc, tc, heads, kv_heads: as
-            :func:`~dflash.backends.rope_cache.rope_cache` (cos/sin [1, 1, T, D], pos [T] int64,
+            :func:`~dflash.kernels.rope_cache.rope_cache` (cos/sin [1, 1, T, D], pos [T] int64,
             caches [1, Hkv, S, D] written at ``pos``).
         early: cos, sin and pos were written before the kernel that runs just before this one
             (not the first layer's call): under PDL they load before the wait for that kernel.

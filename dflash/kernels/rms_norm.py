@@ -22,7 +22,7 @@ import os
 
 import torch
 
-from dflash.backends.pdl import pdl_enabled
+from dflash.kernels.pdl import pdl_enabled
 
 NORM_KERNEL_ENV = "DFLASH_NORM_KERNEL"
 MAX_ROWS = 32  # rows the kernel takes (decode and verify); prefill runs the module

@@ -13,7 +13,7 @@ per step does not stall the GPU, as long as the host queues the next verify with
 time (about 0.17 ms on the demo pair) after reading a step.
 
 Used by :func:`dflash.loop.speculative_generate` for greedy requests at a fixed block size on a
-:class:`~dflash.backends.static_torch.StaticBackend` that has it (CUDA graphs; ``DFLASH_DEVICE_LOOP=0``
+:class:`~dflash.backends.static.backend.StaticBackend` that has it (CUDA graphs; ``DFLASH_DEVICE_LOOP=0``
 turns it off). The committed tokens are exactly those of the host loop: the same graphs'
 forwards, the same greedy prefix rule (paper §4 / brief §3.3), the same budget trimming. One
 difference in kernels: the step that has a single token of budget left verifies at the padded
@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from dflash.backends.static_fused import row_argmax
+from dflash.backends.static.fused import row_argmax
 
 DEVICE_LOOP_ENV = "DFLASH_DEVICE_LOOP"
 RING = 4  # pinned host slots: at most two steps are in flight

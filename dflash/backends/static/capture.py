@@ -1,4 +1,4 @@
-"""CUDA-graph capture of :class:`~dflash.backends.static_torch.StaticBackend` (a mixin it
+"""CUDA-graph capture of :class:`~dflash.backends.static.backend.StaticBackend` (a mixin it
 inherits): the plan's graphs captured before a request (:meth:`StaticGraphs.capture_all`), each
 forward once per (kind, width) with its own memory pool, optionally through ``torch.compile``,
 under the PDL part of its forward, and the fall-back after a failed capture.
@@ -11,20 +11,20 @@ from functools import partial
 
 import torch
 
-from dflash.backends.graph_plan import allow_recompiles, inductor_cache_dir, warm_replays
-from dflash.backends.pdl import pdl_enabled, pdl_part
-from dflash.backends.static_switches import fall_back, inductor_pdl
+from dflash.backends.static.graph_plan import allow_recompiles, inductor_cache_dir, warm_replays
+from dflash.backends.static.switches import fall_back, inductor_pdl
+from dflash.kernels.pdl import pdl_enabled, pdl_part
 
 
 class StaticGraphs:
-    """The graph methods of :class:`~dflash.backends.static_torch.StaticBackend` (which holds
+    """The graph methods of :class:`~dflash.backends.static.backend.StaticBackend` (which holds
     the state they use: ``graphs``, ``plan``, ``device_loop``, ``compile``, the forwards)."""
 
     def capture_all(self) -> None:
         """Capture the plan's graphs that are not captured yet (verify 1 and L, draft L).
 
         Each new graph is then replayed ``DFLASH_GRAPH_WARM`` times (default 3, see
-        :func:`~dflash.backends.graph_plan.warm_replays`) before the request's first token: a
+        :func:`~dflash.backends.static.graph_plan.warm_replays`) before the request's first token: a
         graph's first launch uploads it to the device, and in a fresh process the GPU is still
         idle from compiling; both would otherwise land in the first decode steps of the first
         request. The static inputs made at capture point at the last cache rows, which no request
@@ -110,7 +110,7 @@ class StaticGraphs:
 
     def _fall_back(self, error: Exception, part: str | None = None, kind: str | None = None) -> bool:
         """After a failed capture (of a ``kind`` graph), turn off the next optional piece (see
-        :func:`~dflash.backends.static_switches.fall_back`); False when nothing is left."""
+        :func:`~dflash.backends.static.switches.fall_back`); False when nothing is left."""
         return fall_back(self, error, part, kind)
 
     def _capture(self, fn, static_inputs):

@@ -1,6 +1,6 @@
 """The LM head and the greedy argmax of a few rows in one pass over the head's weight.
 
-The device loop (:mod:`dflash.backends.static_loop`) needs only the argmax of the target's
+The device loop (:mod:`dflash.backends.static.device_loop`) needs only the argmax of the target's
 logits (to accept and commit) and of the draft's (its proposals). The LM head is the largest
 single matmul of a step on the demo pair (49,152 x 576, 57 MB in bf16: about 17 us on the H200
 with cuBLAS, against about 13 us to stream the weight), and the argmax after it took two more
@@ -26,8 +26,8 @@ import os
 import torch
 import torch.nn.functional as F
 
-from dflash.backends.linear_settings import kernel_config
-from dflash.backends.pdl import pdl_enabled
+from dflash.kernels.linear_settings import kernel_config
+from dflash.kernels.pdl import pdl_enabled
 
 HEAD_ENV = "DFLASH_HEAD_ARGMAX"
 MAX_ROWS = 32
@@ -63,7 +63,7 @@ def head_fits(head, dtype: torch.dtype) -> bool:
 
 
 if triton is not None:
-    from dflash.backends.small_linear import _rows_times_weight
+    from dflash.kernels.small_linear import _rows_times_weight
 
     @triton.jit
     def _head_argmax_kernel(X, W, PV, PI, M, N, K, s_xm, s_wn, s_pm, IEEE: tl.constexpr, BM: tl.constexpr,

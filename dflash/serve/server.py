@@ -7,7 +7,7 @@ Endpoints: ``POST /v1/chat/completions`` and ``/v1/completions`` (streamed over 
 ``GET /v1/models``, ``/health`` (503 while the model loads) and ``/metrics`` (Prometheus text,
 vLLM's spec-decode counter names, plus ``num_drafts_per_pos``). ``"return_meta_info": true``
 adds SGLang-style per-choice ``meta_info`` (τ, verify steps, histogram, and each step's τ and
-proposals: :func:`dflash.serve_protocol.meta_info`). Requests are queued and served one
+proposals: :func:`dflash.serve.protocol.meta_info`). Requests are queued and served one
 generation at a time (no batching); each generation runs in one worker thread and streams back
 through an asyncio queue; a client that disconnects cancels its generation at the next verify
 step.
@@ -34,7 +34,7 @@ from typing import Annotated, Any
 import typer
 
 from dflash.errors import BackendError, DflashError, InputError
-from dflash.serve_protocol import (
+from dflash.serve.protocol import (
     ApiError,
     GenRequest,
     ServerMetrics,
@@ -474,7 +474,7 @@ def _check_pair(model: str | None, draft: str | None, width: int | None, backend
     check_dtype_name(dtype)
     if backend == "transformers":
         try:
-            from dflash.backends.static_switches import check_env
+            from dflash.backends.static.switches import check_env
         except ImportError:  # no torch: dflash.load says what to install
             pass
         else:
@@ -511,7 +511,7 @@ def serve(
                            hint="use " + " or ".join(f"--backend {b}" for b in LOCAL_BACKENDS))  # fmt: skip
     if not 0 < port < 65536:
         raise InputError(f"--port must be in 1..65535, got {port}.")
-    from dflash.commands import parse_block_size
+    from dflash.options import parse_block_size
 
     chosen = parse_block_size(block_size)  # "auto" (also for None) or an int, as for generate
     width = None if chosen == "auto" else int(chosen)  # the Engine takes None for auto

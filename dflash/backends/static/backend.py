@@ -10,11 +10,11 @@ re-reads the last L committed rows each step (re-writing identical context K/V),
 its input shape fixed. ``../shared/gpu/FACTS.md`` explains why HF's own static cache is avoided.
 
 Every graph a request can need is captured in :meth:`StaticBackend.reset`, before the first token
-(see :mod:`dflash.backends.graph_plan`); with ``compile`` the captured forwards are first wrapped
+(see :mod:`dflash.backends.static.graph_plan`); with ``compile`` the captured forwards are first wrapped
 in ``torch.compile`` (Inductor, kernels cached on disk), which fuses the small kernels.
 
-The graph capture methods live in :mod:`dflash.backends.static_capture` (the
-:class:`~dflash.backends.static_capture.StaticGraphs` mixin that :class:`StaticBackend` inherits).
+The graph capture methods live in :mod:`dflash.backends.static.capture` (the
+:class:`~dflash.backends.static.capture.StaticGraphs` mixin that :class:`StaticBackend` inherits).
 """
 
 from __future__ import annotations
@@ -24,38 +24,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from dflash.backends.graph_plan import plan_graphs
-from dflash.backends.head_argmax import head_argmax, head_argmax_default, head_fits
-from dflash.backends.l2_prefetch import prefetch_setting
-from dflash.backends.linear_settings import (
-    fuse_norm_auto,
-    fuse_norm_setting,
-    glu_setting,
-    linear_mode,
-    preload_bytes,
-)
-from dflash.backends.norm_partials import norm_form
-from dflash.backends.pdl import pdl_enabled, pdl_part
-from dflash.backends.qkv_rope import qkv_rope_fits, qkv_rope_wanted
-from dflash.backends.rms_norm import available as rms_norm_available
-from dflash.backends.rms_norm import norm_kernel_setting, rms_norm_fits
-from dflash.backends.rope_cache import rope_cache_fits, rope_parts, rope_table_default
-from dflash.backends.small_linear import MAX_ROWS, one_tile_setting
-from dflash.backends.split_attention import (
-    attention_mode,
-    early_setting,
-    iter_keys,
-    one_slice_setting,
-    split_setting,
-    uses_kernel,
-)
-from dflash.backends.static_capture import StaticGraphs
-from dflash.backends.static_draft import (
+from dflash.backends.plain import TransformersBackend
+from dflash.backends.static.capture import StaticGraphs
+from dflash.backends.static.device_loop import DeviceLoop, device_loop_default, step_compile_default
+from dflash.backends.static.draft import (
     draft_forward_fused,
     draft_rope_fits,
     draft_small_linear_fits,
 )
-from dflash.backends.static_fused import (
+from dflash.backends.static.fused import (
     fold_norms,
     fuse_default,
     fuse_draft,
@@ -66,9 +43,32 @@ from dflash.backends.static_fused import (
     small_linear_fits,
     target_forward_fused,
 )
-from dflash.backends.static_loop import DeviceLoop, device_loop_default, step_compile_default
-from dflash.backends.transformers import TransformersBackend
+from dflash.backends.static.graph_plan import plan_graphs
 from dflash.errors import BackendError
+from dflash.kernels.head_argmax import head_argmax, head_argmax_default, head_fits
+from dflash.kernels.l2_prefetch import prefetch_setting
+from dflash.kernels.linear_settings import (
+    fuse_norm_auto,
+    fuse_norm_setting,
+    glu_setting,
+    linear_mode,
+    preload_bytes,
+)
+from dflash.kernels.norm_partials import norm_form
+from dflash.kernels.pdl import pdl_enabled, pdl_part
+from dflash.kernels.qkv_rope import qkv_rope_fits, qkv_rope_wanted
+from dflash.kernels.rms_norm import available as rms_norm_available
+from dflash.kernels.rms_norm import norm_kernel_setting, rms_norm_fits
+from dflash.kernels.rope_cache import rope_cache_fits, rope_parts, rope_table_default
+from dflash.kernels.small_linear import MAX_ROWS, one_tile_setting
+from dflash.kernels.split_attention import (
+    attention_mode,
+    early_setting,
+    iter_keys,
+    one_slice_setting,
+    split_setting,
+    uses_kernel,
+)
 from dflash.models.draft_torch import DFlashDraft, rope_cos_sin
 
 SUPPORTED_TYPES = ("llama", "qwen2", "qwen3")
@@ -91,9 +91,9 @@ def supports_static(target: Any) -> bool:
 def _in_proj_rows(mode: str) -> int:
     """Forwards of up to how many rows run the fused qkv and gate+up projections through
     ``small_linear`` under ``DFLASH_LINEAR`` mode ``mode``:
-    :data:`~dflash.backends.small_linear.MAX_ROWS` under ``auto`` and ``all`` (every width, as
+    :data:`~dflash.kernels.small_linear.MAX_ROWS` under ``auto`` and ``all`` (every width, as
     measured on both the demo pair and Qwen3-8B's shape, see
-    :func:`~dflash.backends.small_linear.linear_mode`), else 0."""
+    :func:`~dflash.kernels.small_linear.linear_mode`), else 0."""
     return MAX_ROWS if mode in ("auto", "all") else 0
 
 
@@ -146,13 +146,13 @@ class StaticBackend(StaticGraphs, TransformersBackend):
         compile: wrap the captured forwards in ``torch.compile`` (graphs only); a compile
             failure falls back to eager with a warning on stderr.
         uniform_width: verify everything at the draft's block size, block-1 decoding included
-            (see :func:`dflash.backends.graph_plan.plan_graphs`).
+            (see :func:`dflash.backends.static.graph_plan.plan_graphs`).
         fuse: one QKV and one gate+up matmul per layer in the static forwards (see
-            :mod:`dflash.backends.static_fused`); None = on unless ``DFLASH_NO_FUSE=1``.
+            :mod:`dflash.backends.static.fused`); None = on unless ``DFLASH_NO_FUSE=1``.
         pack_gqa: fold GQA query heads into rows in the fused forwards' attention; None = off
             unless ``DFLASH_GQA_PACK=1``.
         device_loop: run greedy fixed-block requests with acceptance and commit on the device
-            (:mod:`dflash.backends.static_loop`); None = on with CUDA graphs unless
+            (:mod:`dflash.backends.static.device_loop`); None = on with CUDA graphs unless
             ``DFLASH_DEVICE_LOOP=0``. True without graphs runs the same glue eagerly (tests).
     """
 
@@ -188,10 +188,10 @@ class StaticBackend(StaticGraphs, TransformersBackend):
         self.pack_gqa = pack_gqa_default() if pack_gqa is None else pack_gqa
         # the fused forwards' attention (target; the draft's all-visible layers when the draft is
         # fused too): split-KV kernel over the filled rows or SDPA with a position mask (see
-        # dflash.backends.split_attention.attention_mode)
+        # dflash.kernels.split_attention.attention_mode)
         self.attention = attention_mode(device, self.dtype) if self.fused_target is not None else "sdpa"
         # o_proj/down_proj of the fused forwards for <= 32 rows: one Triton kernel each with the
-        # residual add fused in, or torch (see dflash.backends.small_linear)
+        # residual add fused in, or torch (see dflash.kernels.small_linear)
         linear = linear_mode(device) if self.fused_target is not None else "torch"
         self.linear = linear if small_linear_fits(target) else "torch"
         self.draft_linear = self.fused_draft is not None and linear != "torch" and draft_small_linear_fits(draft)
@@ -203,14 +203,14 @@ class StaticBackend(StaticGraphs, TransformersBackend):
         glu = glu_setting()
         self.glu = glu and self.linear_in > 0 and getattr(target.config, "hidden_act", None) in ("silu", "swish")
         self.draft_glu = glu and self.draft_linear_in
-        # q/k (norm +) RoPE + cache writes as one kernel (see dflash.backends.rope_cache)
+        # q/k (norm +) RoPE + cache writes as one kernel (see dflash.kernels.rope_cache)
         parts = rope_parts()  # a bad DFLASH_ROPE errs on CPU too
         split = self.attention != "sdpa"  # the kernel feeds the split-KV attention only
         self.draft_rope = "draft" in parts and self.draft_linear and split and draft_rope_fits(draft)
         attn = target.model.layers[0].self_attn
         self.target_rope = ("target" in parts and self.linear != "torch" and split
                             and rope_cache_fits(attn, self.dtype, norms=hasattr(attn, "q_norm")))  # fmt: skip
-        # the qkv projection inside that kernel too (DFLASH_QKV_ROPE, dflash.backends.qkv_rope)
+        # the qkv projection inside that kernel too (DFLASH_QKV_ROPE, dflash.kernels.qkv_rope)
         self.qkv_rope_target = self.qkv_rope_draft = False
         if self.target_rope and self.linear_in > 0:
             qkvs = [qkv.weight for qkv, _ in self.fused_target]
@@ -243,7 +243,7 @@ class StaticBackend(StaticGraphs, TransformersBackend):
         # their sums of squares written by the o_proj/down_proj kernels before them (DFLASH_FUSE_NORM_FORM)
         self.norm_partials = norm_form() == "partials" and (self.fuse_norm or self.draft_fuse_norm)
         pdl_enabled(device, inductor=True)  # a bad DFLASH_PDL is an error before any capture
-        # L2 prefetch of each layer's weights after its qkv projection (dflash.backends.l2_prefetch)
+        # L2 prefetch of each layer's weights after its qkv projection (dflash.kernels.l2_prefetch)
         budget, self.prefetch_early = prefetch_setting(device)  # a bad DFLASH_PREFETCH errs on CPU too
         self.prefetch = budget if self.fused_target is not None and self.use_graphs else 0
         self.l2_sink = torch.zeros(1, device=device)  # orders the prefetches before their join
@@ -252,7 +252,7 @@ class StaticBackend(StaticGraphs, TransformersBackend):
             device_loop = device_loop_default() and self.use_graphs
         self.device_loop = DeviceLoop(self) if device_loop else None
         self.step_compile = step_compile_default()  # a bad DFLASH_STEP_COMPILE errs on CPU too
-        # the device loop's LM head + greedy argmax in one kernel (dflash.backends.head_argmax)
+        # the device loop's LM head + greedy argmax in one kernel (dflash.kernels.head_argmax)
         self.head_argmax = (head_argmax_default() and self.device_loop is not None and self.linear != "torch"
                             and head_fits(self.lm_head, self.dtype))  # fmt: skip
         self.graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, Any, tuple]] = {}
@@ -291,7 +291,7 @@ class StaticBackend(StaticGraphs, TransformersBackend):
     # -- target forward -------------------------------------------------------------------
     def _target_forward(self, ids: torch.Tensor, pos: torch.Tensor, argmax: bool = False):
         """ids, pos [1, T] -> logits [T, V] (``argmax``: the greedy ids [T] instead, through
-        :func:`~dflash.backends.head_argmax.head_argmax`); writes K/V and features at pos."""
+        :func:`~dflash.kernels.head_argmax.head_argmax`); writes K/V and features at pos."""
         if self.fused_target is not None:
             return target_forward_fused(self, ids, pos, argmax)
         t = ids.shape[-1]
@@ -334,7 +334,7 @@ class StaticBackend(StaticGraphs, TransformersBackend):
         """block [1, L] ids, start [1] position of the anchor, ctx_pos [Tc] context rows.
 
         Returns (proposals [L-1] int64, logits [L-1, V]); ``argmax``: (proposals, None), the
-        proposals through :func:`~dflash.backends.head_argmax.head_argmax` (no logits);
+        proposals through :func:`~dflash.kernels.head_argmax.head_argmax` (no logits);
         ``logits=False``: (proposals, None) (the device loop): no full-vocabulary scatter with a
         draft vocabulary, and on the fused path no final norm (its weight folded into the
         head's copy, :meth:`~dflash.backends.draft_head.DraftHead.fold_norm`)."""
@@ -487,7 +487,7 @@ class StaticBackend(StaticGraphs, TransformersBackend):
                    if any(self.qkv_rope_live()) else {})}  # DFLASH_QKV_ROPE  # fmt: skip
 
     def qkv_rope_live(self) -> tuple[bool, bool]:
-        """Whether the forwards run :func:`~dflash.backends.qkv_rope.qkv_rope` (target, draft):
+        """Whether the forwards run :func:`~dflash.kernels.qkv_rope.qkv_rope` (target, draft):
         its switches, less what keeps the forwards from using it (the norms' partial sums, the L2
         prefetch)."""
         off = bool(self.norm_partials or self.prefetch)

@@ -1,7 +1,7 @@
 """The split-KV attention's host-side settings: keys per program, the one-slice threshold, keys
 per inner iteration and query heads per program (``DFLASH_ATTN_SPLIT``,
 ``DFLASH_DRAFT_ATTN_SPLIT``, ``DFLASH_ATTN_ONE_SLICE``, ``DFLASH_ATTN_BLOCK``). The kernel and
-the ``DFLASH_ATTN`` switch live in :mod:`dflash.backends.split_attention`, which re-exports
+the ``DFLASH_ATTN`` switch live in :mod:`dflash.kernels.split_attention`, which re-exports
 these names.
 """
 

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from dflash.backends.graph_plan import allow_recompiles, inductor_cache_dir
+from dflash.backends.static.graph_plan import allow_recompiles, inductor_cache_dir
 from dflash.errors import InputError
 from dflash.models.draft_torch import apply_rope, rope_cos_sin
 

@@ -43,8 +43,8 @@ three runs side by side): block 1 0.987 ms against 1.007 / 1.010 ms, block 16 1.
 runs the kernel on CPU.
 
 The host-side settings (``DFLASH_LINEAR``, ``DFLASH_GLU``, ``DFLASH_FUSE_NORM``,
-``DFLASH_PDL_PREFETCH``, :func:`kernel_config`) live in :mod:`dflash.backends.linear_settings`
-and the PDL switch with its process state in :mod:`dflash.backends.pdl`; their public names
+``DFLASH_PDL_PREFETCH``, :func:`kernel_config`) live in :mod:`dflash.kernels.linear_settings`
+and the PDL switch with its process state in :mod:`dflash.kernels.pdl`; their public names
 are re-exported here.
 """
 
@@ -55,7 +55,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from dflash.backends.linear_settings import (  # noqa: F401 - re-exported
+from dflash.kernels.linear_settings import (  # noqa: F401 - re-exported
     CONFIG_ENV,
     FUSE_NORM_AUTO_MAX_K,
     FUSE_NORM_ENV,
@@ -72,7 +72,7 @@ from dflash.backends.linear_settings import (  # noqa: F401 - re-exported
     preload_bytes,
     preload_columns,
 )
-from dflash.backends.pdl import (  # noqa: F401 - re-exported
+from dflash.kernels.pdl import (  # noqa: F401 - re-exported
     PDL_ENV,
     PDL_VALUES,
     disable_pdl,
@@ -153,7 +153,7 @@ if triton is not None:
         """x[rm, :] @ W[rn, :]^T in float32 ([BM, BN]), streaming the weight rows along K; with
         PDL the first weight tile is loaded before waiting for the previous kernel, and (``PRE_K``
         > 0, ``DFLASH_PDL_PREFETCH``) columns BK..PRE_K of the rows are sent to L2 meanwhile
-        (shared by this module's kernel and :mod:`dflash.backends.head_argmax`). ``RN``: the
+        (shared by this module's kernel and :mod:`dflash.kernels.head_argmax`). ``RN``: the
         product scaled by each x row's RMS factor rsqrt(mean(x^2) + ``EPS``), the sums of
         squares taken from the tiles as they pass (the diagonal of x x^T on the tensor cores);
         ``RNP``: the same factor from the previous kernel's partial sums (:func:`_partial_sums`)."""
@@ -266,7 +266,7 @@ def _launch(x, weight, bias, residual, glu: bool = False, rn_eps: float | None =
             sq: torch.Tensor | None = None, sq_out: bool = False):  # fmt: skip
     """One kernel launch: y [M, N]; ``rn_eps``: the product scaled by x's rows' RMS factors
     rsqrt(mean(x^2) + rn_eps) (see :func:`small_linear_rn`), the sums of squares from ``sq``
-    ([P, M] partial sums, :mod:`dflash.backends.norm_partials`) when given; ``sq_out``: (y,
+    ([P, M] partial sums, :mod:`dflash.kernels.norm_partials`) when given; ``sq_out``: (y,
     [P, M] float32 partial sums of y's squares, P = the programs)."""
     m = x.shape[0]
     rows, k = weight.shape

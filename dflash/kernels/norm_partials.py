@@ -1,6 +1,6 @@
 """RMSNorm inside an in-projection, its sums of squares written by the kernel before it.
 
-:func:`~dflash.backends.small_linear.small_linear_rn` runs an RMSNorm inside the projection
+:func:`~dflash.kernels.small_linear.small_linear_rn` runs an RMSNorm inside the projection
 after it (the norm's weight folded into the projection's, the row factor
 rsqrt(mean(x^2) + eps) applied to the float32 accumulator), and takes the rows' sums of squares
 from the input tiles it streams (x x^T on the tensor cores). Over a K of 4,096 (Qwen3-8B) those
@@ -30,8 +30,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dflash.backends.linear_settings import kernel_config
-from dflash.backends.small_linear import _launch, _on_cpu, _silu_times_up
+from dflash.kernels.linear_settings import kernel_config
+from dflash.kernels.small_linear import _launch, _on_cpu, _silu_times_up
 
 FORM_ENV = "DFLASH_FUSE_NORM_FORM"
 
@@ -92,7 +92,7 @@ def small_linear_sq_reference(x, weight, bias=None, residual=None) -> tuple[torc
 def small_linear_sq(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                     residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """``y = residual + linear(x, weight, bias)`` in one kernel (as
-    :func:`~dflash.backends.small_linear.small_linear`), and the partial sums of y's squares
+    :func:`~dflash.kernels.small_linear.small_linear`), and the partial sums of y's squares
     for the norm that follows (each program's output columns, in float32 from y's rounded
     values, as an RMSNorm squares them).
 
@@ -120,9 +120,9 @@ def small_linear_rnp_reference(x, weight, bias, sq, eps: float = 1e-6, glu: bool
 def small_linear_rnp(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sq: torch.Tensor,
                      eps: float = 1e-6, glu: bool = False) -> torch.Tensor:  # fmt: skip
     """``linear(RMSNorm(x), W, bias)`` in one kernel, the norm's weight folded into ``weight``
-    (:func:`~dflash.backends.small_linear.fold_norm_weight`) and the rows' sums of squares
+    (:func:`~dflash.kernels.small_linear.fold_norm_weight`) and the rows' sums of squares
     from ``sq``, the partial sums :func:`small_linear_sq` wrote with x. As
-    :func:`~dflash.backends.small_linear.small_linear_rn` otherwise (roundings, ``glu``).
+    :func:`~dflash.kernels.small_linear.small_linear_rn` otherwise (roundings, ``glu``).
 
     Args:
         x: [M, K], unit last stride; M <= 32. weight: [N, K] (``glu``: [2N, K]); bias or None.

@@ -1,7 +1,7 @@
 """A layer's q/k norm, RoPE and K/V cache writes in one kernel (static path, draft and target).
 
 After its fused qkv projection a draft layer (the static path, layers whose block rows see the
-whole context and block: :func:`~dflash.backends.static_draft.draft_forward_fused`'s
+whole context and block: :func:`~dflash.backends.static.draft.draft_forward_fused`'s
 ``split_kinds``) normalises and rotates the block's queries and every row's keys, and writes the
 keys and values of the context rows and of the block rows into its position-indexed cache. Under
 ``torch.compile`` that was seven small kernels per layer on the H200 (the query norm + RoPE kernel
@@ -29,8 +29,8 @@ import os
 
 import torch
 
-from dflash.backends.attn_settings import early_setting
-from dflash.backends.pdl import pdl_enabled
+from dflash.kernels.attn_settings import early_setting
+from dflash.kernels.pdl import pdl_enabled
 
 ROPE_ENV = "DFLASH_ROPE"
 ROPE_TABLE_ENV = "DFLASH_ROPE_TABLE"
@@ -235,7 +235,7 @@ def rope_cache(qkv: torch.Tensor, q_norm, k_norm, cos: torch.Tensor, sin: torch.
         early: cos, sin, pos (and the norms' weights) were written before the kernel that runs
             just before this one (not the first layer's call): under PDL they load before the
             wait for that kernel, which writes only ``qkv`` (``DFLASH_ATTN_EARLY``, as
-            :func:`~dflash.backends.split_attention.split_attention`'s ``early``).
+            :func:`~dflash.kernels.split_attention.split_attention`'s ``early``).
 
     Pass whole tensors, not views of computed ones: Inductor materialises a view of an unrealised
     tensor once per custom-op call (the cos/sin tables were recomputed by two kernels in every

@@ -1,5 +1,5 @@
 """The static path's switches: checked on any device, and turned off one at a time after a failed
-CUDA-graph capture (:meth:`dflash.backends.static_torch.StaticBackend._fall_back`)."""
+CUDA-graph capture (:meth:`dflash.backends.static.backend.StaticBackend._fall_back`)."""
 
 from __future__ import annotations
 
@@ -9,30 +9,30 @@ from contextlib import contextmanager
 
 import torch
 
-from dflash.backends.graph_plan import warm_replays
-from dflash.backends.head_argmax import head_argmax_default
-from dflash.backends.l2_prefetch import prefetch_setting
-from dflash.backends.linear_settings import (
+from dflash.backends.static.device_loop import queue_ahead, step_compile_default
+from dflash.backends.static.graph_plan import warm_replays
+from dflash.kernels.head_argmax import head_argmax_default
+from dflash.kernels.l2_prefetch import prefetch_setting
+from dflash.kernels.linear_settings import (
     fuse_norm_setting,
     glu_setting,
     kernel_config,
     linear_mode,
     preload_bytes,
 )
-from dflash.backends.norm_partials import norm_form
-from dflash.backends.pdl import disable_pdl, pdl_setting
-from dflash.backends.qkv_rope import qkv_rope_setting
-from dflash.backends.rms_norm import norm_kernel_setting
-from dflash.backends.rope_cache import rope_parts
-from dflash.backends.small_linear import one_tile_setting
-from dflash.backends.split_attention import (
+from dflash.kernels.norm_partials import norm_form
+from dflash.kernels.pdl import disable_pdl, pdl_setting
+from dflash.kernels.qkv_rope import qkv_rope_setting
+from dflash.kernels.rms_norm import norm_kernel_setting
+from dflash.kernels.rope_cache import rope_parts
+from dflash.kernels.small_linear import one_tile_setting
+from dflash.kernels.split_attention import (
     attention_mode,
     early_setting,
     iter_keys,
     one_slice_setting,
     split_setting,
 )
-from dflash.backends.static_loop import queue_ahead, step_compile_default
 
 
 def check_env() -> None:
@@ -94,7 +94,7 @@ def inductor_pdl(on: bool, device: torch.device):
 
 
 def fall_back(be, error: Exception, part: str | None = None, kind: str | None = None) -> bool:
-    """After a failed capture of a :class:`~dflash.backends.static_torch.StaticBackend` (``be``)
+    """After a failed capture of a :class:`~dflash.backends.static.backend.StaticBackend` (``be``)
     graph, turn off the next optional piece, with one line on stderr:
     the L2 weight prefetch (``DFLASH_PREFETCH``), then the whole-step compile
     (``DFLASH_STEP_COMPILE``), then the LM head + argmax kernel (``DFLASH_HEAD_ARGMAX``), then

@@ -1,6 +1,6 @@
 """Fused projections for the static path: one QKV matmul and one gate+up matmul per layer.
 
-The static forwards of :mod:`dflash.backends.static_torch` are launch-bound on a GPU (a small
+The static forwards of :mod:`dflash.backends.static.backend` are launch-bound on a GPU (a small
 target runs ~600 kernels per forward), so each layer's q/k/v projections become one matmul over
 a concatenated weight, and gate/up another; the outputs are split by views. Results match the
 unfused forward up to float rounding of the matmul (row-wise identical maths).
@@ -14,7 +14,7 @@ the qkv and gate+up weights with the norms' weights folded in are copies made wh
 is built, so a later in-place update does not reach them (build the backend after loading).
 Moving a model to another device or dtype after the backend is built is not supported.
 
-The draft's forward is in :mod:`dflash.backends.static_draft`.
+The draft's forward is in :mod:`dflash.backends.static.draft`.
 
 ``DFLASH_NO_FUSE=1`` (or ``StaticBackend(fuse=False)``) runs the unfused forwards, to measure
 both side by side.
@@ -34,21 +34,21 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from dflash.backends import l2_prefetch
-from dflash.backends.head_argmax import head_argmax
-from dflash.backends.norm_partials import small_linear_rnp, small_linear_sq
-from dflash.backends.qkv_rope import qkv_rope
-from dflash.backends.rms_norm import MAX_ROWS as NORM_MAX_ROWS
-from dflash.backends.rms_norm import rms_norm
-from dflash.backends.rope_cache import norm_eps, rope_cache
-from dflash.backends.small_linear import MAX_ROWS as LINEAR_MAX_ROWS
-from dflash.backends.small_linear import (
+from dflash.kernels import l2_prefetch
+from dflash.kernels.head_argmax import head_argmax
+from dflash.kernels.norm_partials import small_linear_rnp, small_linear_sq
+from dflash.kernels.qkv_rope import qkv_rope
+from dflash.kernels.rms_norm import MAX_ROWS as NORM_MAX_ROWS
+from dflash.kernels.rms_norm import rms_norm
+from dflash.kernels.rope_cache import norm_eps, rope_cache
+from dflash.kernels.small_linear import MAX_ROWS as LINEAR_MAX_ROWS
+from dflash.kernels.small_linear import (
     fold_norm_weight,
     small_linear,
     small_linear_glu,
     small_linear_rn,
 )
-from dflash.backends.split_attention import split_attention, uses_kernel
+from dflash.kernels.split_attention import split_attention, uses_kernel
 from dflash.models.draft_torch import rope_cos_sin
 
 NO_FUSE_ENV = "DFLASH_NO_FUSE"
@@ -184,7 +184,7 @@ def fuse_draft(draft) -> list[tuple[FusedLinear, FusedLinear]] | None:
 
 def small_linear_fits(target) -> bool:
     """Whether the fused target forward can run o_proj and down_proj (with their residual adds)
-    through :func:`~dflash.backends.small_linear.small_linear`: dense row-major linears of the
+    through :func:`~dflash.kernels.small_linear.small_linear`: dense row-major linears of the
     activations' dtype."""
     return _out_projs_fit(target.model.layers, target.get_input_embeddings().weight.dtype)
 
@@ -244,8 +244,8 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 def _norm(kernel: bool, norm, x: torch.Tensor) -> torch.Tensor:
-    """``norm(x)`` for [1, T, H] activations: :func:`~dflash.backends.rms_norm.rms_norm` when
-    ``kernel`` (the caller checked :func:`~dflash.backends.rms_norm.rms_norm_fits`), else the module."""
+    """``norm(x)`` for [1, T, H] activations: :func:`~dflash.kernels.rms_norm.rms_norm` when
+    ``kernel`` (the caller checked :func:`~dflash.kernels.rms_norm.rms_norm_fits`), else the module."""
     if kernel:
         return rms_norm(x[0], norm.weight, norm_eps(norm))[None]
     return norm(x)
@@ -286,7 +286,7 @@ def _mlp(lin: bool, lin_in: bool, gate_up: FusedLinear, down, act, h: torch.Tens
 
 def fold_norm(fused: FusedLinear, norm) -> FusedLinear:
     """A copy of ``fused`` with the RMSNorm ``norm``'s weight folded into its weight (per input
-    column), for :func:`~dflash.backends.small_linear.small_linear_rn` (``DFLASH_FUSE_NORM``)."""
+    column), for :func:`~dflash.kernels.small_linear.small_linear_rn` (``DFLASH_FUSE_NORM``)."""
     return FusedLinear(fold_norm_weight(fused.weight, norm.weight), fused.bias, fused.sizes)
 
 
@@ -301,7 +301,7 @@ def fold_norms(layers, fused, which=("input", "post")) -> list[tuple[FusedLinear
 def _rn(folded: FusedLinear, norm, x: torch.Tensor, glu: bool = False, sq: torch.Tensor | None = None) -> torch.Tensor:
     """folded's projection of norm(x) for [1, T, H] activations, the norm inside the kernel:
     [T, sum(out_i)] (``glu``: [T, I], SiLU(gate) * up); ``sq``: x's partial sums of squares
-    (:func:`~dflash.backends.norm_partials.small_linear_rnp`), else from x's tiles."""
+    (:func:`~dflash.kernels.norm_partials.small_linear_rnp`), else from x's tiles."""
     if sq is not None:
         return small_linear_rnp(x[0], folded.weight, folded.bias, sq, norm_eps(norm), glu)
     return small_linear_rn(x[0], folded.weight, folded.bias, norm_eps(norm), glu)
@@ -311,7 +311,7 @@ def _mlp_rn(lin: bool, folded: FusedLinear, down, act, norm, x: torch.Tensor, gl
             sq: torch.Tensor | None = None, sq_out: bool = False):  # fmt: skip
     """x + down(act(gate) * up) of norm(x), the norm inside the gate+up kernel (its sums of
     squares from ``sq``, x's partial sums, when given; ``sq_out``: (x + ..., its partial sums),
-    :mod:`dflash.backends.norm_partials`)."""
+    :mod:`dflash.kernels.norm_partials`)."""
     if glu:
         a = _rn(folded, norm, x, glu=True, sq=sq)
     else:
@@ -324,7 +324,7 @@ def _mlp_rn(lin: bool, folded: FusedLinear, down, act, norm, x: torch.Tensor, gl
 
 def _out_proj_sq(proj, h: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + proj(h) for [1, T, *] activations, its rows' partial sums of squares [P, T]) in one
-    small_linear kernel (:func:`~dflash.backends.norm_partials.small_linear_sq`)."""
+    small_linear kernel (:func:`~dflash.kernels.norm_partials.small_linear_sq`)."""
     y, sq = small_linear_sq(h[0], proj.weight, proj.bias, x[0])
     return y[None], sq
 
@@ -332,7 +332,7 @@ def _out_proj_sq(proj, h: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, 
 def norms_fit(layers, dtype: torch.dtype) -> bool:
     """Whether every layer's input and post-attention norms are plain RMSNorms (a [H] weight of
     ``dtype``, an epsilon; the module's ``weight * (x * rsqrt(mean(x^2) + eps)).to(dtype)``) that
-    :func:`~dflash.backends.small_linear.small_linear_rn` can run inside a projection."""
+    :func:`~dflash.kernels.small_linear.small_linear_rn` can run inside a projection."""
     for layer in layers:
         for norm in (layer.input_layernorm, layer.post_attention_layernorm):
             w = getattr(norm, "weight", None)
@@ -353,7 +353,7 @@ def target_forward_fused(be, ids: torch.Tensor, pos: torch.Tensor, argmax: bool 
     """The static target forward of ``be`` (a StaticBackend) with fused projections.
 
     ids, pos [1, T] -> logits [T, V] (``argmax``: the greedy ids [T] from
-    :func:`~dflash.backends.head_argmax.head_argmax`, no logits); writes K/V and features at
+    :func:`~dflash.kernels.head_argmax.head_argmax`, no logits); writes K/V and features at
     ``pos`` like the unfused one.
     """
     t, hd = ids.shape[-1], be.head_dim

@@ -1,4 +1,4 @@
-"""Host-side settings of the few-row projection kernel (:mod:`dflash.backends.small_linear`,
+"""Host-side settings of the few-row projection kernel (:mod:`dflash.kernels.small_linear`,
 which re-exports every name here): ``DFLASH_LINEAR`` (:func:`linear_mode`), ``DFLASH_GLU``
 (:func:`glu_setting`), ``DFLASH_FUSE_NORM`` (:func:`fuse_norm_setting`,
 :func:`fuse_norm_auto`), ``DFLASH_PDL_PREFETCH`` (:func:`preload_bytes`,

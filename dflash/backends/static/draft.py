@@ -1,6 +1,6 @@
 """The draft's static forward with fused projections (the CUDA-graph path).
 
-Split from :mod:`dflash.backends.static_fused` (the target's forward and the shared helpers
+Split from :mod:`dflash.backends.static.fused` (the target's forward and the shared helpers
 stay there). :func:`draft_forward_fused` is :meth:`DFlashDraft.forward
 <dflash.models.draft_torch.DFlashDraft.forward>` for the static cache.
 
@@ -16,13 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dflash.backends import l2_prefetch
-from dflash.backends.qkv_rope import qkv_rope
-from dflash.backends.rope_cache import rope_cache, rope_cache_fits
-from dflash.backends.small_linear import MAX_ROWS as LINEAR_MAX_ROWS
-from dflash.backends.small_linear import small_linear
-from dflash.backends.split_attention import split_attention
-from dflash.backends.static_fused import (
+from dflash.backends.static.fused import (
     _after_qkv,
     _in_proj,
     _in_proj_joint,
@@ -37,6 +31,12 @@ from dflash.backends.static_fused import (
     pack_mask,
     realized,
 )
+from dflash.kernels import l2_prefetch
+from dflash.kernels.qkv_rope import qkv_rope
+from dflash.kernels.rope_cache import rope_cache, rope_cache_fits
+from dflash.kernels.small_linear import MAX_ROWS as LINEAR_MAX_ROWS
+from dflash.kernels.small_linear import small_linear
+from dflash.kernels.split_attention import split_attention
 from dflash.models.draft_torch import rope_cos_sin
 
 
@@ -56,23 +56,23 @@ def draft_forward_fused(draft, fused, block_embeds, target_hidden, q_pos, ctx_po
     (no causal rule, no window). Those layers write the block's K/V into the cache at the block's
     positions (rows the next call's context write overwrites before any query can read them as
     context) and attend with the split-KV kernel over the rows < start + L, instead of SDPA over
-    the whole capacity with a mask (:mod:`dflash.backends.split_attention`).
+    the whole capacity with a mask (:mod:`dflash.kernels.split_attention`).
 
     ``lin``: o_proj and down_proj with their residual adds, and the context projection ``fc``
     (up to ``MAX_ROWS`` context rows), run as
-    :func:`~dflash.backends.small_linear.small_linear` kernels; ``lin_in``: the fused qkv and
+    :func:`~dflash.kernels.small_linear.small_linear` kernels; ``lin_in``: the fused qkv and
     gate+up projections too (``glu``: with SiLU(gate) * up as that kernel's epilogue,
-    :func:`~dflash.backends.small_linear.small_linear_glu`); ``folded``: per layer (None, gate+up
+    :func:`~dflash.kernels.small_linear.small_linear_glu`); ``folded``: per layer (None, gate+up
     with the post-attention norm's weight folded in, :func:`fold_norms`) to run that norm inside
     the gate+up kernel (``DFLASH_FUSE_NORM``), or None; ``partials``: with ``folded``, that
-    norm's sums of squares written by the o_proj kernel (:mod:`dflash.backends.norm_partials`);
+    norm's sums of squares written by the o_proj kernel (:mod:`dflash.kernels.norm_partials`);
     ``rope``: in ``split_kinds`` layers the q/k norm, RoPE and the
-    context and block rows' cache writes run as one :func:`~dflash.backends.rope_cache.rope_cache`
+    context and block rows' cache writes run as one :func:`~dflash.kernels.rope_cache.rope_cache`
     kernel (the caller checks :func:`draft_rope_fits`); ``prefetch``: (sink, bytes) for an L2
     prefetch of each layer's o_proj, gate+up and down_proj weights after its qkv projection
-    (:mod:`dflash.backends.l2_prefetch`), or None; ``qkv_fused``: with ``rope`` (and ``lin_in``,
+    (:mod:`dflash.kernels.l2_prefetch`), or None; ``qkv_fused``: with ``rope`` (and ``lin_in``,
     no ``prefetch``) the qkv projection inside that kernel too
-    (:func:`~dflash.backends.qkv_rope.qkv_rope`, ``DFLASH_QKV_ROPE``); ``final_norm=False``: the
+    (:func:`~dflash.kernels.qkv_rope.qkv_rope`, ``DFLASH_QKV_ROPE``); ``final_norm=False``: the
     last layer's output without the final norm (the caller's head has the norm's weight folded
     in and takes only the argmax, which the norm's positive per-row scale does not change);
     ``tables``: (cos, sin) [S, D] RoPE tables of every cache position, which the RoPE kernel
@@ -162,7 +162,7 @@ def draft_forward_fused(draft, fused, block_embeds, target_hidden, q_pos, ctx_po
 
 def draft_rope_fits(draft) -> bool:
     """Whether :func:`draft_forward_fused` can run with ``rope`` (every layer's attention fits
-    :func:`~dflash.backends.rope_cache.rope_cache_fits` in the draft's dtype)."""
+    :func:`~dflash.kernels.rope_cache.rope_cache_fits` in the draft's dtype)."""
     dtype = draft.norm.weight.dtype
     return all(rope_cache_fits(layer.self_attn, dtype) for layer in draft.layers)
 

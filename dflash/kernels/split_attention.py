@@ -34,7 +34,7 @@ import os
 
 import torch
 
-from dflash.backends.attn_settings import (  # noqa: F401 - re-exported
+from dflash.kernels.attn_settings import (  # noqa: F401 - re-exported
     BLOCK_ENV,
     BLOCK_N,
     DRAFT_SPLIT_ENV,
@@ -55,7 +55,7 @@ from dflash.backends.attn_settings import (  # noqa: F401 - re-exported
     split_setting,
     split_size,
 )
-from dflash.backends.pdl import pdl_enabled
+from dflash.kernels.pdl import pdl_enabled
 
 ATTN_ENV = "DFLASH_ATTN"
 
@@ -264,7 +264,7 @@ def split_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
             (and this is more than ``split``), the first program of each unit takes every key
             and no merge runs; past it, slices of ``split`` keys. 0: always slices.
         early: under PDL, the positions (and so the filled length) load before waiting for
-            the kernel just before (:func:`~dflash.backends.attn_settings.early_setting`): only
+            the kernel just before (:func:`~dflash.kernels.attn_settings.early_setting`): only
             where they were written before that kernel.
     Returns:
         [1, H, T, D] in q's dtype (memory laid out as [1, T, H, D]).

@@ -2,7 +2,7 @@
 (:func:`pdl_enabled`, :func:`pdl_setting`), the forward being captured (:func:`pdl_part`) and
 the fall-back that turns PDL off after a failed capture (:func:`disable_pdl`).
 
-:mod:`dflash.backends.small_linear` re-exports the public names; the process state
+:mod:`dflash.kernels.small_linear` re-exports the public names; the process state
 (``_PDL_OFF``, ``_PART``, ``_CAPABILITY``, ``_HAS_GDC``) lives here only: read and patch it here.
 """
 

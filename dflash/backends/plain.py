@@ -1,0 +1,292 @@
+"""The plain path of the transformers backend: any ``AutoModelForCausalLM`` target with a torch DFlash draft.
+
+Target: HF model with a ``DynamicCache`` (rollback = crop). Context features are the outputs
+of the target layers in ``target_layer_ids`` (``hidden_states[L + 1]`` in HF numbering,
+brief §1.3), concatenated. Draft: :class:`dflash.models.draft_torch.DFlashDraft` (or the
+DFlash2 subclass, whose candidate selector picks the proposals) with the target's embedding
+table (raw lookup) and LM head.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import numpy as np
+import torch
+
+from dflash.backends.base import SelectorProposal
+from dflash.backends.draft_head import DraftHead
+from dflash.errors import BackendError, CheckpointError, ConfigError, InputError
+from dflash.models.config import DraftConfig
+from dflash.models.draft_load import load_draft as load_draft_module
+from dflash.models.draft_torch import DFlashDraft
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def pick_device(device: str) -> torch.device:
+    """Resolve ``auto|cuda|cuda:N|cpu``.
+
+    Raises:
+        BackendError: cuda requested but not available.
+    """
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise BackendError("CUDA was requested but no CUDA device is available.",
+                           hint="use --device cpu (or auto)")  # fmt: skip
+    if device != "cpu" and not device.startswith("cuda"):
+        raise InputError(f"Unknown --device {device!r}; use auto, cuda, cuda:N or cpu.")
+    return torch.device(device)
+
+
+def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """Resolve ``auto|bfloat16|float16|float32``; auto = bfloat16 on CUDA, float32 on CPU."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise InputError(f"Unknown --dtype {dtype!r}; use auto, bfloat16, float16 or float32.")
+    return DTYPES[dtype]
+
+
+def check_pair(cfg: DraftConfig, target_cfg: Any, vocab_rows: int, stop_ids: list[int]) -> None:
+    """Check that a draft fits a target, from the configs alone (before any forward).
+
+    Raises:
+        ConfigError: feature width, layer ids, vocabulary or mask id do not fit.
+    """
+    text_cfg = target_cfg.get_text_config() if hasattr(target_cfg, "get_text_config") else target_cfg
+    cfg.check_target(text_cfg.hidden_size, text_cfg.num_hidden_layers, vocab_rows, stop_ids)
+
+
+def cache_kwarg(model: Any) -> str:
+    """Name of the keyword that passes a KV cache to ``model.forward``.
+
+    Newer transformers (5.24 checked) call it ``cache`` and warn that ``past_key_values`` goes
+    away in 5.40; older 5.x releases (5.17 checked) only know ``past_key_values``.
+    """
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):  # pragma: no cover - a forward without a signature
+        return "past_key_values"
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _crop_cache(cache: Any, length: int) -> None:
+    """Keep the first ``length`` positions of a DynamicCache.
+
+    transformers changed ``crop``'s meaning between releases (kept length vs tokens removed),
+    so full-attention layers are sliced directly; anything else cannot be rolled back safely.
+
+    Raises:
+        BackendError: a sliding-window or recurrent (linear-attention) cache layer.
+    """
+    if cache.get_seq_length() <= length:
+        return
+    for layer in getattr(cache, "layers", []):
+        if getattr(layer, "is_sliding", False) or getattr(layer, "is_linear", False) or not hasattr(layer, "keys"):
+            raise BackendError(
+                f"The target's {type(layer).__name__} cache cannot be rolled back exactly.",
+                hint="use a pure full-attention target on the transformers backend",
+            )
+        if layer.keys is not None and layer.keys.numel():
+            layer.keys = layer.keys[..., :length, :]
+            layer.values = layer.values[..., :length, :]
+
+
+class TransformersBackend:
+    """Target + draft on one torch device; implements ``dflash.backends.base.LocalBackend``.
+
+    Caches: the target ``DynamicCache`` holds K/V of committed positions (plus, between
+    verify and rollback, the proposals); the draft cache holds context K/V only.
+
+    Args:
+        target: a loaded HF causal LM (eval mode).
+        draft: a loaded DFlashDraft or None (autoregressive only).
+        device: torch device of both.
+    """
+
+    def __init__(self, target: Any, draft: DFlashDraft | None, device: torch.device):
+        self.target, self.draft_model, self.device = target, draft, device
+        self.embed_weight = target.get_input_embeddings().weight  # [V, H]
+        self.lm_head = target.get_output_embeddings()
+        self.vocab_size = int(self.embed_weight.shape[0])
+        cfg = draft.config if draft is not None else None
+        self.mask_token_id = cfg.mask_token_id if cfg else -1
+        self.draft_block_size = cfg.block_size if cfg else 1
+        self.layer_ids = [i + 1 for i in cfg.target_layer_ids] if cfg else []
+        text_cfg = target.config.get_text_config()
+        self.max_context = int(getattr(text_cfg, "max_position_embeddings", 1 << 30))
+        self.cache = None
+        self.cache_kw = cache_kwarg(target)
+        self.draft_cache = draft.new_cache() if draft is not None else None
+        self.draft_uses_sampling = bool(getattr(draft, "is_dflash2", False))  # DFlash2 selector
+        self.draft_head_rows = draft is not None and not self.draft_uses_sampling  # ``rows=``
+        self.embed_scale = float(getattr(draft, "embed_scale", 1.0))
+        # the draft's LM head, over its draft vocabulary when it has one (draft_vocab.json)
+        self.draft_head = DraftHead.for_draft(self.lm_head, draft) if draft is not None else None
+        self._draft_rng: torch.Generator | None = None
+
+    # -- protocol ---------------------------------------------------------------------------
+    def reset(self, max_positions: int | None = None) -> None:
+        from transformers import DynamicCache
+
+        self.cache = DynamicCache(config=self.target.config)
+        if self.draft_cache is not None:
+            self.draft_cache.reset()
+        self._draft_rng = None  # re-seeded from the request's sampling seed at its first draft
+
+    def _forward(self, ids: torch.Tensor, start: int, with_features: bool, last_only: bool):
+        pos = torch.arange(start, start + ids.shape[-1], device=self.device)[None]
+        with torch.inference_mode():
+            out = self.target(input_ids=ids, position_ids=pos, use_cache=True,
+                              output_hidden_states=with_features,
+                              logits_to_keep=1 if last_only else 0,
+                              **{self.cache_kw: self.cache})  # fmt: skip
+        feats = None
+        if with_features:
+            feats = torch.cat([out.hidden_states[i][0] for i in self.layer_ids], dim=-1)  # [T, F]
+        return out.logits[0], feats
+
+    def prefill(self, prompt_ids: list[int], with_features: bool):
+        ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)
+        logits, feats = self._forward(ids, 0, with_features, last_only=True)
+        return logits[-1], feats
+
+    def draft(self, anchor: int, context: torch.Tensor, start: int, length: int, sampling=None,
+              rows: int | None = None):
+        dev = self.device
+        if isinstance(context, (list, tuple)):  # chunks left by plain steps (--block-size auto)
+            context = torch.cat(list(context))
+        with torch.inference_mode():
+            block = torch.full((1, length), self.mask_token_id, dtype=torch.long, device=dev)
+            block[0, 0] = anchor
+            emb = self.embed_weight[block]  # [1, L, H] raw lookup (brief §1.4)
+            if self.embed_scale != 1.0:
+                emb = emb * self.embed_scale
+            ctx_pos = torch.arange(start - context.shape[0], start, device=dev)[None]
+            q_pos = torch.arange(start, start + length, device=dev)[None]
+            h = self.draft_model(emb, context[None], q_pos, ctx_pos, cache=self.draft_cache)
+            if self.draft_uses_sampling:  # DFlash2: the selector walks the candidates (§4.2)
+                temp = 0.0 if sampling is None else float(sampling.temperature)
+                rng = self._selector_rng(sampling) if temp > 0 else None
+                tokens, cand, q = self.draft_model.propose(
+                    h[:, 1:], block[:, 0], self.lm_head, temp, rng
+                )
+                return tokens[0], SelectorProposal(cand[0], None if q is None else q[0])
+            return self.draft_head(h[0, 1 : (rows or length - 1) + 1])  # [rows], [rows, V]
+
+    def _selector_rng(self, sampling) -> torch.Generator:
+        """The torch generator of the DFlash2 selector's draws, seeded once per request."""
+        if self._draft_rng is None:
+            self._draft_rng = torch.Generator(device=self.device)
+            if sampling.seed is None:
+                self._draft_rng.seed()
+            else:
+                self._draft_rng.manual_seed(sampling.seed)
+        return self._draft_rng
+
+    def verify(self, anchor: int, proposals, start: int, with_features: bool):
+        head = torch.tensor([anchor], dtype=torch.long, device=self.device)
+        ids = head if proposals is None else torch.cat((head, proposals))
+        return self._forward(ids[None], start, with_features, last_only=False)
+
+    def rollback(self, length: int) -> None:
+        _crop_cache(self.cache, length)
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits.argmax(-1)
+
+    def to_list(self, *arrays: torch.Tensor) -> list[list[int]]:
+        if len(arrays) == 1:
+            return [arrays[0].tolist()]
+        sizes = [a.numel() for a in arrays]
+        flat = torch.cat([a.reshape(-1) for a in arrays]).tolist()  # one sync
+        out, i = [], 0
+        for s in sizes:
+            out.append(flat[i : i + s])
+            i += s
+        return out
+
+    def to_numpy(self, logits: torch.Tensor) -> np.ndarray:
+        return logits.float().cpu().numpy()
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def sampler(self, params):
+        """Device sampler for temperature > 0 (see :class:`dflash.sampling_torch.TorchSampler`)."""
+        from dflash.sampling_torch import TorchSampler
+
+        return TorchSampler(params, self.device)
+
+    @property
+    def draft_vocab_size(self) -> int | None:
+        """Vd of the draft vocabulary in use, or None (full vocabulary)."""
+        head = self.draft_head
+        return None if head is None or head.ids is None else int(head.ids.shape[0])
+
+    def describe(self) -> dict[str, Any]:
+        """What runs the forwards: impl, device (with the GPU name), dtype, graphs, compile."""
+        dev = str(self.device)
+        if self.device.type == "cuda":
+            dev += f" ({torch.cuda.get_device_name(self.device)})"
+        return {"impl": "dynamic", "device": dev, "dtype": str(self.embed_weight.dtype).split(".")[-1],
+                "cuda_graphs": False, "compile": False}  # fmt: skip
+
+
+def load_target(path: str, device: torch.device, dtype: torch.dtype):
+    """Load an HF causal LM and its tokenizer from a folder or hub id (no remote code).
+
+    The config is read and checked first, so a target this backend cannot speculate on is
+    refused before any weights load.
+
+    Raises:
+        CheckpointError: the model cannot be found or read.
+        BackendError: a sliding-window or recurrent target (see ``check_full_attention``).
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from dflash.models.target_torch import check_full_attention, quiet_transformers
+
+    quiet_transformers()
+    try:
+        check_full_attention(AutoConfig.from_pretrained(path), path)
+        tok = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    except OSError as e:
+        raise CheckpointError(f"Cannot load target {path}: {str(e).splitlines()[0]}",
+                              hint="pass a local model folder, a .gguf file or a reachable hub id") from e  # fmt: skip
+    except ValueError as e:
+        raise CheckpointError(f"Target {path} is not a supported causal LM: {str(e).splitlines()[0]}",
+                              hint="pass a transformers causal-LM folder (config.json with a model_type)") from e  # fmt: skip
+    model.to(device).eval()
+    cache_cls = getattr(model, "_supports_cache_class", True)
+    if not cache_cls:
+        raise BackendError(f"Target {path} does not support a rollback-able KV cache.")
+    return model, tok
+
+
+def load_draft(folder, device: torch.device, dtype: torch.dtype) -> DFlashDraft:
+    """Load a v1 or DFlash2 draft folder onto a device in a dtype (see dflash.models.draft_load.load_draft)."""
+    try:
+        return load_draft_module(folder, dtype=dtype, device=device).eval()
+    except (ConfigError, CheckpointError):
+        raise
+    except (RuntimeError, ValueError) as e:
+        raise CheckpointError(f"Cannot load draft weights from {folder}: {_first_lines(e)}.",
+                              hint="the weights do not fit config.json: restore the folder's own config "
+                                   "or its weights") from e  # fmt: skip
+
+
+def _first_lines(e: Exception) -> str:
+    """One line for a load error: torch's multi-line state-dict report shortened to its first
+    mismatch and a count ("size mismatch for layers.0.mlp.up_proj.weight: ... (and 14 more)")."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    details = [ln for ln in lines[1:] if ln.lower().startswith(("size mismatch", "missing key", "unexpected key"))]
+    if not details:
+        return lines[0].rstrip(":.") if lines else type(e).__name__
+    more = f" (and {len(details) - 1} more)" if len(details) > 1 else ""
+    return details[0].rstrip(".") + more

@@ -1,0 +1,53 @@
+"""Command-line option checks shared by every command (``generate``, ``benchmark``, ``serve``):
+which backend reads which option, and ``--block-size`` parsing."""
+
+from __future__ import annotations
+
+from dflash.errors import InputError
+
+# options that only some backends read: option -> (backends that read it, what it does there)
+SERVER_SIDE = ("--block-size", "--draft", "--device", "--dtype", "--cuda-graphs/--no-cuda-graphs")
+
+
+def refuse_foreign_options(backend: str, given: dict[str, bool], readers: dict[str, tuple[str, ...]]) -> None:
+    """Refuse an option the chosen backend would silently ignore (``--block-size`` on ``openai``:
+    the server picks its own; ``--base-url`` on a local backend), naming the option.
+
+    Args:
+        backend: the chosen backend.
+        given: option flag (e.g. ``"--block-size"``) -> whether the user set it (not its default).
+        readers: option flag -> the backends that read it.
+
+    Raises:
+        InputError: the first option set that ``backend`` does not read.
+    """
+    for flag, was_set in given.items():
+        if was_set and backend not in readers[flag]:
+            many = len(readers[flag]) > 1
+            where = " and ".join(readers[flag]) + (" backends read" if many else " backend reads")
+            server = backend == "openai" and flag in SERVER_SIDE  # a setting of the server's
+            raise InputError(f"{flag} does not apply to the {backend} backend; only the {where} it.",
+                             hint=f"drop {flag}" + (" (the server decodes with its own settings: give it "
+                                                    "to the server, e.g. dflash serve)" if server else ""))  # fmt: skip
+
+
+# the valid --block-size values, the hint of every out-of-range error (generate and benchmark)
+BLOCK_SIZE_RANGE = ("use auto (picked per step) or 1 (no drafting) up to the draft's trained block size "
+                    "(16 for the demo draft)")  # fmt: skip
+
+
+def parse_block_size(value: str | int | None) -> int | str:
+    """``--block-size``: "auto" or an integer >= 1 (a list only for ``benchmark``).
+
+    Raises:
+        InputError: anything else.
+    """
+    text = str("auto" if value is None else value).strip().lower()
+    if text == "auto":
+        return "auto"
+    if not text.lstrip("-").isdigit():
+        raise InputError(f"--block-size must be auto or an integer >= 1, got {value!r}.",
+                         hint="auto picks it per step; 1 decodes without a draft; the draft's trained size drafts most")  # fmt: skip
+    if int(text) < 1:
+        raise InputError(f"--block-size must be >= 1, got {int(text)}.", hint=BLOCK_SIZE_RANGE)
+    return int(text)
