@@ -81,14 +81,19 @@ class TorchSampler:
         n = 0 if proposals is None else int(proposals.shape[0])
         props = (proposals if n else p.new_zeros(0)).to(device=p.device, dtype=torch.long)
         u = torch.rand(n, generator=self.gen, device=p.device, dtype=p.dtype) if n else None
-        a, bonus = accept_one_hot(props, p, u,
-                                  lambda w: torch.multinomial(w, 1, generator=self.gen))  # fmt: skip
+        a, bonus = accept_one_hot(props, p, u, self._multinomial)
         host = torch.cat((a.view(1), bonus, props)).tolist()  # the one sync
         return int(host[0]), int(host[1]), host[2:]
 
+    def _multinomial(self, weights: torch.Tensor) -> torch.Tensor:
+        """One id [1] drawn from weights [V] (not normalised) with the sampler's generator."""
+        return torch.multinomial(weights, 1, generator=self.gen)
 
-def accept_one_hot(props: torch.Tensor, p: torch.Tensor, u: torch.Tensor | None,
-                   draw: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+
+def accept_one_hot(
+    props: torch.Tensor, p: torch.Tensor, u: torch.Tensor | None,
+    draw: Callable[[torch.Tensor], torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`dflash.accept.accept_sampling` with q one-hot at each proposal, as device ops (no
     host sync): proposal d_i is accepted when u_i < p_i(d_i); on the first rejection the bonus
     is drawn from p_i with d_i removed (p_i itself when that has no mass), else from p_n.

@@ -17,8 +17,16 @@ import numpy as np
 import pytest
 import torch
 
-from dflash.accept import (Uniforms, accept_greedy, accept_sampling, accept_sampling_candidates,
-                           commit_tokens, draw, greedy_step, verify_width)  # fmt: skip
+from dflash.accept import (
+    Uniforms,
+    accept_greedy,
+    accept_sampling,
+    accept_sampling_candidates,
+    commit_tokens,
+    draw,
+    greedy_step,
+    verify_width,
+)
 from dflash.backends.base import SelectorProposal
 from dflash.backends.static_loop import commit
 from dflash.loop import speculative_generate
@@ -121,8 +129,9 @@ def test_torch_sampler_ops_equal_accept_sampling(dtype):
         if n and rng.random() < 0.2:
             u[0] = float(p[0, props[0]]) if p[0, props[0]] < 1 else u[0]  # u == p: a rejection
         want = accept_sampling(props, p, None, Uniforms(u, u_bonus))
-        a, bonus = accept_one_hot(torch.tensor(props, dtype=torch.long), torch.tensor(p, dtype=dtype),
-                                  torch.tensor(u, dtype=dtype) if n else None, fixed_draw(u_bonus))  # fmt: skip
+        u_t = torch.tensor(u, dtype=dtype) if n else None
+        a, bonus = accept_one_hot(torch.tensor(props, dtype=torch.long),
+                                  torch.tensor(p, dtype=dtype), u_t, fixed_draw(u_bonus))  # fmt: skip
         assert (int(a), int(bonus.item())) == want, (props, p, u, u_bonus)
 
 
