@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from dflash.accept import accept_greedy, accept_sampling_candidates
+from dflash.accept import accept_greedy, accept_sampling_candidates, commit_tokens, verify_width
 from dflash.backends.base import LocalBackend, SelectorProposal
 from dflash.sampling import NumpySampler, sampling_probs
 from dflash.types import RoundResult, SamplingParams
@@ -71,13 +71,13 @@ def speculative_generate(
         first = backend.to_list(backend.argmax(logits[None]))[0][0]  # sync: first token
     else:
         first = sampler.first(logits)
-    _, n, finish = _commit([first], stops, 0, max_new_tokens)
+    _, n, finish = commit_tokens([first], stops, 0, max_new_tokens)
     yield RoundResult(tokens=[first], accepted=None, finish_reason=finish)
     anchor, start = first, len(prompt_ids)  # anchor sits at position `start`, not yet in cache
     pending = [context]  # feature chunks the draft has not seen (several after L = 1 steps)
     draft_seen = False  # the draft has seen the prompt
     while finish is None:
-        length = min(block_size, max_new_tokens - n)  # verify width: trimmed to the budget
+        length = verify_width(block_size, n, max_new_tokens)  # trimmed to the budget
         if policy is not None:
             length = min(policy.choose(max_new_tokens - n), length)
         proposals_arr = drafted = None
@@ -110,7 +110,7 @@ def speculative_generate(
             a, bonus, proposals = sampler.accept(proposals_arr, logits)  # sync: one host copy
         if policy is not None:
             policy.observe(a, length - 1)
-        new, n, finish = _commit(proposals[:a] + [bonus], stops, n, max_new_tokens)
+        new, n, finish = commit_tokens(proposals[:a] + [bonus], stops, n, max_new_tokens)
         if finish is None:
             produced = len(new)  # anchor + accepted proposals now sit in the target cache
             backend.rollback(start + produced)
@@ -120,16 +120,6 @@ def speculative_generate(
                 pending = []
             anchor, start = new[-1], start + produced
         yield RoundResult(tokens=new, accepted=len(new), proposed=length - 1, finish_reason=finish)
-
-
-def _commit(new: list[int], stops: set[int], n: int, max_new_tokens: int):
-    """A step's tokens cut after the first stop token among them; returns (tokens, tokens
-    generated so far n + len(tokens), finish reason "stop"/"length" or None)."""
-    for i, tok in enumerate(new):  # stop tokens are looked for among new tokens only
-        if tok in stops:
-            return new[: i + 1], n + i + 1, "stop"
-    n += len(new)
-    return new, n, ("length" if n >= max_new_tokens else None)
 
 
 def _device_greedy(backend, prompt_ids: list[int], block_size: int, max_new_tokens: int,
@@ -145,7 +135,7 @@ def _device_greedy(backend, prompt_ids: list[int], block_size: int, max_new_toke
     logits, _ = backend.prefill(list(prompt_ids), block_size > 1)
     first_dev = backend.argmax(logits[None])  # [1]
     first = backend.to_list(first_dev)[0][0]  # sync: the first token (TTFT)
-    _, n, finish = _commit([first], stops, 0, max_new_tokens)
+    _, n, finish = commit_tokens([first], stops, 0, max_new_tokens)
     yield RoundResult(tokens=[first], accepted=None, finish_reason=finish)
     if finish is not None:
         return
@@ -157,9 +147,9 @@ def _device_greedy(backend, prompt_ids: list[int], block_size: int, max_new_toke
     while finish is None:
         if not drafts_ahead and len(in_flight) == 1 and n + 1 < max_new_tokens:  # the step in
             in_flight.append(loop.launch(block_size))  # flight may not be the last: queue the next
-        length = min(block_size, max_new_tokens - n)  # as the host loop trims the last block
+        length = verify_width(block_size, n, max_new_tokens)  # as the host loop trims it
         new = loop.read(in_flight.pop(0))  # sync: the one host copy of this step
-        new, n, finish = _commit(new, stops, n, max_new_tokens)
+        new, n, finish = commit_tokens(new, stops, n, max_new_tokens)
         if drafts_ahead and finish is None:  # its draft is queued: verify it, draft the next
             in_flight.append(loop.launch_verify(block_size))  # before the consumer runs
             if n + 1 < max_new_tokens:  # else that verify commits the last token

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from dflash.accept import accept_sampling, sample
 from dflash.types import SamplingParams
+
+__all__ = ["NumpySampler", "sample", "sampling_probs"]  # sample: defined in dflash.accept
 
 
 def sampling_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
@@ -47,13 +50,6 @@ def sampling_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     return p
 
 
-def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
-    """Draw one token id from probs [V] (float, sums to 1)."""
-    cdf = np.cumsum(probs)
-    u = rng.random() * cdf[-1]
-    return int(min(np.searchsorted(cdf, u, side="right"), len(probs) - 1))
-
-
 class NumpySampler:
     """Sampling + acceptance on the host (numpy, float64), for backends without a device
     sampler (see ``dflash.sampling_torch.TorchSampler`` for the torch one); same interface.
@@ -73,8 +69,6 @@ class NumpySampler:
 
     def accept(self, proposals, logits) -> tuple[int, int, list[int]]:
         """(a, bonus, proposals as a list) for proposals [n] (None: n = 0), logits [n + 1, V]."""
-        from dflash.accept import accept_sampling
-
         props = self.backend.to_list(proposals)[0] if proposals is not None else []
         p_target = sampling_probs(self.backend.to_numpy(logits), self.params)
         return (*accept_sampling(props, p_target, None, self.rng), props)

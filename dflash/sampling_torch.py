@@ -10,6 +10,8 @@ rejection. Every uniform draw comes from one ``torch.Generator`` on the device s
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from dflash.types import SamplingParams
@@ -77,17 +79,43 @@ class TorchSampler:
         """
         p = sampling_probs_torch(logits, self.params)  # [n+1, V]
         n = 0 if proposals is None else int(proposals.shape[0])
-        if n == 0:
-            return 0, int(torch.multinomial(p[0], 1, generator=self.gen).item()), []
-        props = proposals.to(device=p.device, dtype=torch.long)
-        p_d = p[:n].gather(1, props[:, None])[:, 0]  # [n] p_i(d_i)
-        u = torch.rand(n, generator=self.gen, device=p.device, dtype=p.dtype)
-        a = (u < p_d).to(torch.int64).cumprod(0).sum()  # leading accepts (device scalar)
-        row = p.index_select(0, a.view(1))[0]  # [V] p_a
-        d = torch.cat((props, props[:1])).index_select(0, a.view(1))  # d_a (unused when a = n)
-        drop = torch.zeros_like(row).scatter(0, d, (a < n).to(row.dtype).view(1))
-        residual = row * (1 - drop)  # p_a with d_a removed on a rejection
-        residual = torch.where(residual.sum() > 0, residual, row)
-        bonus = torch.multinomial(residual, 1, generator=self.gen)
+        props = (proposals if n else p.new_zeros(0)).to(device=p.device, dtype=torch.long)
+        u = torch.rand(n, generator=self.gen, device=p.device, dtype=p.dtype) if n else None
+        a, bonus = accept_one_hot(props, p, u, self._multinomial)
         host = torch.cat((a.view(1), bonus, props)).tolist()  # the one sync
         return int(host[0]), int(host[1]), host[2:]
+
+    def _multinomial(self, weights: torch.Tensor) -> torch.Tensor:
+        """One id [1] drawn from weights [V] (not normalised) with the sampler's generator."""
+        return torch.multinomial(weights, 1, generator=self.gen)
+
+
+def accept_one_hot(
+    props: torch.Tensor, p: torch.Tensor, u: torch.Tensor | None,
+    draw: Callable[[torch.Tensor], torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`dflash.accept.accept_sampling` with q one-hot at each proposal, as device ops (no
+    host sync): proposal d_i is accepted when u_i < p_i(d_i); on the first rejection the bonus
+    is drawn from p_i with d_i removed (p_i itself when that has no mass), else from p_n.
+
+    Args:
+        props: [n] int64 draft tokens on p's device (n >= 0).
+        p: [n + 1, V] processed target probabilities; row i follows [anchor, d_0 .. d_{i-1}].
+        u: [n] the accept tests' uniforms in [0, 1), dtype of p (None when n = 0).
+        draw: weights [V] (>= 0, mass > 0, not normalised) -> [1] int64 token id drawn from
+            them: ``torch.multinomial`` with the sampler's generator, or a fixed draw in tests.
+
+    Returns:
+        (a, bonus): a [] int64 accepted proposals, bonus [1] int64 (device tensors).
+    """
+    n = int(props.shape[0])
+    if n == 0:
+        return torch.zeros((), dtype=torch.long, device=p.device), draw(p[0])
+    p_d = p[:n].gather(1, props[:, None])[:, 0]  # [n] p_i(d_i)
+    a = (u < p_d).to(torch.int64).cumprod(0).sum()  # leading accepts (device scalar)
+    row = p.index_select(0, a.view(1))[0]  # [V] p_a
+    d = torch.cat((props, props[:1])).index_select(0, a.view(1))  # d_a (unused when a = n)
+    drop = torch.zeros_like(row).scatter(0, d, (a < n).to(row.dtype).view(1))
+    residual = row * (1 - drop)  # p_a with d_a removed on a rejection
+    residual = torch.where(residual.sum() > 0, residual, row)
+    return a, draw(residual)
