@@ -28,7 +28,7 @@ from dflash.accept import (
     verify_width,
 )
 from dflash.backends.base import SelectorProposal
-from dflash.backends.static_loop import commit
+from dflash.backends.static.device_loop import commit
 from dflash.loop import speculative_generate
 from dflash.sampling import sampling_probs
 from dflash.sampling_torch import TorchSampler, accept_one_hot, sampling_probs_torch
