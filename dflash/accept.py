@@ -1,7 +1,7 @@
 """The acceptance rule of speculative decoding: the one definition, backend-free (numpy).
 
 Every implementation on a device - :class:`dflash.sampling_torch.TorchSampler`, the device
-loop's commit (:func:`dflash.backends.static_loop.commit`), the host loop on MLX arrays - returns
+loop's commit (:func:`dflash.backends.static.device_loop.commit`), the host loop on MLX arrays - returns
 exactly what these functions return for the same inputs (tests/test_accept_equivalence.py).
 
 Greedy (paper §4 / brief §3.3): keep the longest prefix of draft proposals equal to the target's

@@ -2,7 +2,7 @@
 
 Randomized (seeded) property tests over the same inputs: the torch sampler's device ops
 (:func:`dflash.sampling_torch.accept_one_hot`) with fixed uniforms, the device loop's commit
-(:func:`dflash.backends.static_loop.commit`, on CPU tensors) and the host loop driving MLX arrays
+(:func:`dflash.backends.static.device_loop.commit`, on CPU tensors) and the host loop driving MLX arrays
 (and torch arrays), over random proposals, target argmaxes with ties, probability tables, stop
 tokens inside a block, budget trims, block sizes 1..16 and the DFlash2 candidate restriction.
 
