@@ -350,7 +350,7 @@ def test_host_loop_on_mlx_arrays_equals_accept():
 
 def test_host_loop_on_torch_arrays_equals_accept():
     """The transformers backend's host path (torch argmax / to_list), greedy, step by step."""
-    from dflash.backends.transformers import TransformersBackend
+    from dflash.backends.plain import TransformersBackend
 
     class OnTorch(ScriptedArrays):
         argmax, to_list = TransformersBackend.argmax, TransformersBackend.to_list
