@@ -8,7 +8,7 @@
 2. real: ``dflash.load`` + ``Pipeline.generate`` (greedy) on the ``--prompts`` in order, for as
    many prompts as ``--real-seconds`` allows; τ is the mean of per-response means, and the
    per-position rate is P(slot k accepted | slots 1..k-1 accepted), pooled over steps.
-A measurement, not a test (benchmark numbers live in README).
+A measurement, not a test (figures: docs/training.md).
 """
 
 from __future__ import annotations

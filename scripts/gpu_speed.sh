@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Speed figures of issue 10 on one H200, in two device calls (a third is optional) (see ../shared/gpu/FACTS.md).
+# The demo pair's speed figures on one GPU (docs/benchmarks.md), in two device calls (a third is
+# optional); the staging follows ../shared/gpu/FACTS.md.
 # Prepare here (once):
 #   ../shared/gpu/split-target.sh                        # .stage/target/{a,b}/part (2 x <= 50 MB)
 #   mkdir -p .stage/data/gsm8k && cp ../shared/datasets/gsm8k/test.jsonl .stage/data/gsm8k/

@@ -14,7 +14,7 @@ a ``DFLASH_LINEAR_CONFIG`` value naming each shape's best.
 ``--cold`` cycles the calls through enough copies of each weight to pass three times the L2
 cache, as a decode step reads each layer's weights once: without it the weights of Qwen3-8B's
 o_proj (33.5 MB) and qkv (50 MB) stay in the H200's L2 between calls and the times are those of
-L2, not HBM (twenty-fourth session). ``--compile-procs`` compiles the configs in that many
+L2, not HBM. ``--compile-procs`` compiles the configs in that many
 processes first (Triton's disk cache), so the timing process only loads them.
 
 For a model of your own, name its projections' weight shapes (``--shapes
@@ -37,13 +37,12 @@ import torch
 import torch.nn.functional as F
 
 from dflash.kernels import small_linear as sl
-from scripts.split_attention_check import graph_time_us
 
 SHAPES = {  # name -> (N, K): the projections followed by a residual add
     "smollm2": {"o": (576, 576), "down": (576, 1536)},
     "qwen3-8b": {"o": (4096, 4096), "down": (4096, 12288)},
     # the fused in-projections (no residual add): DFLASH_LINEAR=auto sends them to cuBLAS above
-    # 8 MiB; this times whether some config would beat cuBLAS there (sixteenth session)
+    # 8 MiB; this times whether some config would beat cuBLAS there
     "qwen3-8b-in": {"qkv": (6144, 4096), "gate_up": (24576, 4096)},
     "smollm2-in": {"qkv": (960, 576), "gate_up": (3072, 576)},
 }
@@ -56,6 +55,27 @@ DEEP = [(bn, bk, w, st) for bn in (16, 32, 64) for bk in (128, 256)
 
 
 ROLES = ("o", "down", "qkv", "gate_up")  # o/down with a residual add, gate_up with its SwiGLU epilogue
+
+
+def graph_time_us(fn, reps: int = 20, replays: int = 10) -> float:
+    """Mean time of one ``fn()`` replayed inside a CUDA graph of ``reps`` calls, the graph
+    replayed ``replays`` times (microseconds)."""
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        g.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / (replays * reps)
 
 
 def parse_shapes(text: str) -> dict[str, dict[str, tuple[int, int]]]:

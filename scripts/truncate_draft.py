@@ -9,7 +9,7 @@ the target layer ids and the kept decoder layers' weights (in the order given); 
 ``dflash train --resume-from`` (weights only; its step count is 0): without training its
 acceptance length is far lower (the demo draft's first, second and last layers gave τ 2.34
 against 4.23 on 8 gsm8k prompts on a CPU). A draft of fewer layers costs less per verify step
-(paper Table 6: 3 layers gave the same speed as 5 at a lower τ), see README's speed section.
+(paper Table 6: 3 layers gave the same speed as 5 at a lower τ), see docs/benchmarks.md.
 
 Exit status 1 with a one-line error for bad input.
 """
