@@ -126,6 +126,10 @@ def load(model: str | None = None, draft: str | None = None, *, backend: str = "
     check_device_name(device, "transformers")
     if model is not None:
         check_model_path(model)
+        if draft is None:  # a registered target's published draft (a hub id: downloaded below)
+            from dflash.registry import registered_draft
+
+            draft = registered_draft(model)
 
     def draft_folder():
         """The draft's folder and config; a DFlash2 draft with ``cuda_graphs`` refused."""

@@ -41,6 +41,10 @@ app.command("serve")(serve)
 app.command("train")(train)
 app.add_typer(data_app, name="data")
 
+from dflash.registry import models  # noqa: E402
+
+app.command("models")(models)
+
 
 def _version(value: bool) -> None:
     if value:

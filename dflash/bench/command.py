@@ -240,6 +240,10 @@ def benchmark(
         )  # fmt: skip
         return
     block_sizes = parse_block_sizes(block_size)
+    if draft is None and model is not None:  # the published draft of a registered target
+        from dflash.registry import registered_draft
+
+        draft = registered_draft(model)
     names = harness.check_dataset_names(dataset.split(","))
     _check_options(
         backend, max_new_tokens, block_sizes, sampling, check_parity, output, resume, plot

@@ -346,18 +346,24 @@ def _is_demo_target(model: str) -> bool:
 def resolve_draft(draft: str | None, model: str | None) -> Path:
     """Turn the ``--draft`` value into a local folder (downloading a hub id's json+safetensors).
 
-    Without ``--draft`` the shipped demo draft is used for the demo target: ``model`` None or
-    the demo GGUF file itself (the draft was trained for exactly that file).
+    Without ``--draft`` the shipped demo draft is used for the demo target (``model`` None or
+    the demo GGUF file itself: the draft was trained for exactly that file), and the published
+    draft for a target of the registry (:mod:`dflash.registry`, said once on stderr).
 
     Raises:
         InputError-like CheckpointError: no draft for a custom target, or a missing folder.
     """
-    if draft is None:
-        if model is not None and not _is_demo_target(model):
+    if draft is None and model is not None and not _is_demo_target(model):
+        from dflash.registry import registered_draft
+
+        draft = registered_draft(model)
+        if draft is None:
             raise CheckpointError(
-                "--draft is required when --model is given.",
-                hint="pass a DFlash draft folder or hub id, or create one with 'dflash init-draft'",
+                f"--draft is required: --model {model} has no published draft in dflash's registry.",
+                hint="'dflash models' lists the published pairs; 'dflash init-draft --target "
+                f"{model}' makes an untrained one",
             )
+    if draft is None:
         if not (DEMO_DRAFT_DIR / "config.json").is_file():
             raise CheckpointError("The shipped demo draft is missing from this installation.",
                                   hint="pass --draft DIR")  # fmt: skip
@@ -376,5 +382,9 @@ def resolve_draft(draft: str | None, model: str | None) -> Path:
 
         return Path(snapshot_download(draft, allow_patterns=["*.json", "*.safetensors"]))
     except Exception as e:
+        if type(e).__name__ in ("LocalEntryNotFoundError", "OfflineModeIsEnabled"):
+            raise CheckpointError(f"Draft {draft} is not in the hub cache, and the hub is offline or "
+                                  "unreachable.", hint="connect once to download it (unset "
+                                  "HF_HUB_OFFLINE), or pass --draft DIR") from e  # fmt: skip
         raise CheckpointError(f"Cannot download draft {draft}: {type(e).__name__}.",
                               hint="check the hub id and the network, or pass a local folder") from e
