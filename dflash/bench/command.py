@@ -120,6 +120,10 @@ def benchmark(
             envvar="DFLASH_DATA_DIR", help="Read datasets from this folder instead of the hub."
         ),
     ] = None,
+    offline: Annotated[
+        bool, typer.Option("--offline", help="Never ask the hub for a dataset: a benchmark set not "
+                           "in the cache comes from the test prompts shipped with dflash.")
+    ] = False,
     output: Annotated[
         Path | None, typer.Option(help="Append one JSON record per response to this file.")
     ] = None,
@@ -236,7 +240,7 @@ def benchmark(
             baseline_model=baseline_model, num_prompts=num_prompts if num_prompts is not None else max_samples,
             concurrency=concurrency, max_new_tokens=max_new_tokens, sampling=sampling,
             reasoning=reasoning, timeout_s=timeout_s, max_retries=max_retries,
-            data_dir=data_dir, output=output, plot=plot,
+            data_dir=data_dir, output=output, plot=plot, offline=offline,
         )  # fmt: skip
         return
     block_sizes = parse_block_sizes(block_size)
@@ -263,7 +267,7 @@ def benchmark(
             (backend, model, draft, device, dtype, cuda_graphs, compile, uniform_width,
              draft_bits, draft_window),
             names,
-            data_dir,
+            (data_dir, offline),
             max_samples,
             harness.BenchConfig(
                 max_new_tokens=max_new_tokens,
@@ -277,7 +281,7 @@ def benchmark(
             plot,
         )
         return
-    selected = {name: select(load_prompts(name, data_dir), max_samples) for name in names}
+    selected = {name: select(load_prompts(name, data_dir, offline), max_samples) for name in names}
 
     config = harness.BenchConfig(
         block_size=block_sizes[0],
@@ -423,7 +427,7 @@ def _sweep(
     block_sizes: list[int | str | None],
     load_args: tuple,
     names: list[str],
-    data_dir: Path | None,
+    data: tuple[Path | None, bool],
     max_samples: int | None,
     base_config: harness.BenchConfig,
     output: Path | None,
@@ -447,7 +451,7 @@ def _sweep(
     def per_value(path: Path | None, bs: int | str | None) -> Path | None:
         return None if path is None else path.with_name(f"{path.stem}.bs{bs}{path.suffix}")
 
-    selected = {name: select(load_prompts(name, data_dir), max_samples) for name in names}
+    selected = {name: select(load_prompts(name, *data), max_samples) for name in names}  # data: dir, offline
     dist = harness.init_distributed(load_args[3])  # load_args[3]: --device
     rows: list[tuple[int | str | None, dict[str, dict[str, Any]]]] = []
     pipeline = None

@@ -239,7 +239,7 @@ def available_datasets() -> list[str]:
 # public entry points
 
 
-def load_prompts(spec: str, data_dir: str | Path | None = None) -> list[PromptItem]:
+def load_prompts(spec: str, data_dir: str | Path | None = None, offline: bool = False) -> list[PromptItem]:
     """Load the prompts of one dataset.
 
     Args:
@@ -252,9 +252,13 @@ def load_prompts(spec: str, data_dir: str | Path | None = None) -> list[PromptIt
             plus an optional ``id`` and ``system`` (string).
         data_dir: folder laid out like ``tests/data``; None falls back to
             ``$DFLASH_DATA_DIR``, then to the hub (cached as JSONL, see module docstring).
+        offline: never ask the hub: a benchmark set not in the cache comes from the copy
+            shipped with dflash (:mod:`dflash.data.offline`), as it does when the hub is
+            unreachable or ``HF_HUB_OFFLINE=1`` is set.
 
     Returns:
-        The items in file order; ids are unique within the dataset.
+        The items in file order, ids unique within the dataset; for a shipped copy a
+        :class:`~dflash.data.offline.ShippedPrompts` in the benchmark's selection order.
 
     Raises:
         DatasetError: unknown name, missing or malformed file, or the hub cannot be reached.
@@ -272,7 +276,12 @@ def load_prompts(spec: str, data_dir: str | Path | None = None) -> list[PromptIt
             hint="or pass a .txt file (one prompt per line) or a .jsonl file with a 'prompt', "
             "'turns' or 'messages' field",
         )
-    rows = _load_rows(key, source, data_dir)
+    rows = _load_rows(key, source, data_dir, offline)
+    if isinstance(rows, tuple):  # the shipped copy: kept rows already, in selection order
+        from dflash.data.offline import ShippedPrompts
+
+        shipped, total = rows
+        return ShippedPrompts([source.build(row["_index"], row) for row in shipped], total)
     if source.keep is not None:
         rows = [row for row in rows if source.keep(row)]
     items = [source.build(i, row) for i, row in enumerate(rows)]
@@ -296,6 +305,8 @@ def select(items: list[PromptItem], max_samples: int | None) -> list[PromptItem]
     """
     if max_samples is not None and max_samples < 1:
         raise InputError(f"--max-samples must be >= 1, got {max_samples}.", hint="drop it to use every prompt")
+    if getattr(items, "preselected", False):  # a shipped copy: the same order's first rows
+        return list(items[:max_samples])
     order = list(range(len(items)))
     random.Random(SELECT_SEED).shuffle(order)
     if max_samples is not None:
@@ -323,7 +334,10 @@ def cache_dir() -> Path:
     return base / "dflash" / "datasets"
 
 
-def _load_rows(name: str, source: _Source, data_dir: str | Path | None) -> list[dict]:
+def _load_rows(name: str, source: _Source, data_dir: str | Path | None,
+               offline: bool = False) -> list[dict] | tuple[list[dict], int]:  # fmt: skip
+    """The rows of ``name``: from the data dir, the cache or the hub (a list), or the shipped
+    copy when the hub is not to be asked or cannot be reached ((rows, full split size))."""
     if data_dir is None and os.environ.get("DFLASH_DATA_DIR"):
         data_dir = os.environ["DFLASH_DATA_DIR"]
     if data_dir is not None:
@@ -334,9 +348,28 @@ def _load_rows(name: str, source: _Source, data_dir: str | Path | None) -> list[
     cached = cache_dir() / source.cache
     if cached.is_file():
         return _read_rows(cached)
-    rows = _download(name, source)
-    _write_jsonl_atomic(cached, rows)
-    return rows
+    from dflash.data import offline as shipped
+    from dflash.hub import unreachable_reason
+
+    entry = shipped.shipped_index().get(name)
+    why = "--offline" if offline else unreachable_reason()
+    if why is None:
+        try:
+            rows = _download(name, source)
+        except DatasetError as err:
+            if entry is None:
+                raise
+            why = err.message.rstrip(".")
+        else:
+            _write_jsonl_atomic(cached, rows)
+            return rows
+    if entry is None:
+        raise DatasetError(f"Dataset '{name}' is not in the cache and cannot be fetched ({why}); dflash "
+                           f"ships only the test prompts of {', '.join(BENCHMARK_NAMES)}.",
+                           hint="pass --data-dir DIR (or set DFLASH_DATA_DIR) to read a local copy")  # fmt: skip
+    rows, total = shipped.shipped_rows(name)
+    shipped.announce(name, why, len(rows), total)
+    return rows, total
 
 
 def _download(name: str, source: _Source) -> list[dict]:
