@@ -75,9 +75,13 @@ def _options(
     """Lossless speculative decoding with block-diffusion (DFlash) drafts."""
 
 
+COMMANDS = ("generate", "benchmark", "serve", "train", "data", "init-draft", "models", "doctor")
+
+
 def report_error(err: DflashError) -> None:
-    """Print a :class:`DflashError` as one red ``error:`` line (+ dim ``hint:``) on stderr;
-    under torchrun the line names the rank (``error: rank 1: ...``)."""
+    """Print a :class:`DflashError` as one red ``error:`` line and a dim ``hint:`` line on
+    stderr (the error kind's general hint where the raise site gave none); under torchrun the
+    line names the rank (``error: rank 1: ...``)."""
     from rich.console import Console
     from rich.text import Text
 
@@ -85,8 +89,8 @@ def report_error(err: DflashError) -> None:
     multi = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not err.message.startswith("rank ")
     rank = f"rank {os.environ.get('RANK', '?')}: " if multi else ""
     console.print(Text.assemble(("error: ", "bold red"), rank + err.message))
-    if err.hint:
-        console.print(Text("hint: " + err.hint, style="dim"))
+    command = next((a for a in sys.argv[1:] if not a.startswith("-")), "")
+    console.print(Text("hint: " + err.hint_for(command if command in COMMANDS else ""), style="dim"))
 
 
 def main() -> None:

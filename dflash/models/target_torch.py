@@ -322,8 +322,11 @@ def resolve_target(model: str | None, flag: str = "--model") -> str:
     if p.exists() and not p.is_dir():
         raise CheckpointError(f"{flag} {model} is a file; pass a model folder, hub id or .gguf file.")
     refuse_draft_as_target(model, flag)
-    return str(p) if p.exists() else model
+    if is_hub_id(model):
+        from dflash.hub import cache_only
 
+        cache_only()  # an unreachable hub: the cached copy at once, or one error line
+    return str(p) if p.exists() else model
 
 
 def is_hub_id(name: str) -> bool:
@@ -377,14 +380,15 @@ def resolve_draft(draft: str | None, model: str | None) -> Path:
     if not is_hub_id(draft):
         raise CheckpointError(f"Draft folder {draft} does not exist.",
                               hint="pass a folder holding config.json and model.safetensors")  # fmt: skip
+    from dflash import hub
+
+    hub.cache_only()  # an unreachable hub: the cached copy at once, or one error line
     try:
         from huggingface_hub import snapshot_download
 
         return Path(snapshot_download(draft, allow_patterns=["*.json", "*.safetensors"]))
     except Exception as e:
-        if type(e).__name__ in ("LocalEntryNotFoundError", "OfflineModeIsEnabled"):
-            raise CheckpointError(f"Draft {draft} is not in the hub cache, and the hub is offline or "
-                                  "unreachable.", hint="connect once to download it (unset "
-                                  "HF_HUB_OFFLINE), or pass --draft DIR") from e  # fmt: skip
+        if hub.is_cache_miss(e):
+            raise hub.cache_miss("Draft", draft, "--draft DIR (a local draft folder)") from e
         raise CheckpointError(f"Cannot download draft {draft}: {type(e).__name__}.",
                               hint="check the hub id and the network, or pass a local folder") from e
