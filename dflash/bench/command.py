@@ -133,6 +133,10 @@ def benchmark(
     check_parity: Annotated[
         bool, typer.Option(help="Compare baseline and DFlash token ids per response.")
     ] = False,
+    score: Annotated[
+        bool, typer.Option("--score", help="Score the answers of baseline and DFlash: gsm8k/math500 exact "
+                           "answer, humaneval/mbpp pass@1 (RUNS the generated code, in a separate process).")
+    ] = False,
     plot: Annotated[
         Path | None, typer.Option(help="Save histogram + per-position plot (needs matplotlib).")
     ] = None,
@@ -211,13 +215,14 @@ def benchmark(
         "--dtype": dtype != "auto", "--cuda-graphs/--no-cuda-graphs": cuda_graphs is not None,
         "--compile/--no-compile": compile is not None, "--uniform-width": uniform_width,
         "--draft-bits": draft_bits is not None, "--draft-window": draft_window is not None,
-        "--check-parity": check_parity, "--resume": resume,
+        "--check-parity": check_parity, "--resume": resume, "--score": score,
         "--base-url": base_url != BASE_URL_DEFAULT, "--num-prompts": num_prompts is not None,
         "--concurrency": concurrency != 1, "--timeout-s": timeout_s != TIMEOUT_DEFAULT,
         "--api-key": api_key is not None, "--baseline-url": baseline_url is not None,
         "--baseline-model": baseline_model is not None, "--max-retries": max_retries != RETRIES_DEFAULT,
     }, {
-        **dict.fromkeys(("--draft", "--block-size", "--device", "--dtype", "--check-parity", "--resume"), local),
+        **dict.fromkeys(("--draft", "--block-size", "--device", "--dtype", "--check-parity", "--resume",
+                         "--score"), local),
         **dict.fromkeys(("--cuda-graphs/--no-cuda-graphs", "--compile/--no-compile", "--uniform-width"),
                         ("transformers",)),
         "--draft-bits": ("mlx",), "--draft-window": ("mlx",),
@@ -244,6 +249,8 @@ def benchmark(
         )  # fmt: skip
         return
     block_sizes = parse_block_sizes(block_size)
+    if score and len(block_sizes) > 1:
+        raise InputError("--score scores one run; --block-size lists several.", hint="drop --score or list one block size")
     if draft is None and model is not None:  # the published draft of a registered target
         from dflash.registry import registered_draft
 
@@ -313,6 +320,10 @@ def benchmark(
     console = Console(highlight=False, soft_wrap=True)  # no 80-column wrapping when piped
     for name, summary in summaries.items():
         report.print_summary(console, name, summary, parity_asked=config.check_parity, requested=config.block_size)
+    if score:
+        from dflash.bench.score import add_scores
+
+        add_scores(summaries, gathered, selected, console)
     if plot is not None:
         console.print(f"plot written to {report.save_plot(plot, summaries)}")
     block = max((s["block_size"] for s in summaries.values()), default=1)

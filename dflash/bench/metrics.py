@@ -60,6 +60,8 @@ class ResponseRecord:
         parity: baseline and DFlash token ids identical; None when not checked.
         first_mismatch: first differing position (0-based, among new tokens) when parity failed.
         text: DFlash output text; the next MT-Bench turn is built from it when a run resumes.
+        baseline_text: the baseline's output text (``--score`` scores both); None when no
+            baseline ran, or in records written before it was kept.
         config: the run settings the record was made with (checked on ``--resume``).
         near_tie: for a parity mismatch, whether the first divergence is a near-tie of the
             target (see :func:`classify_divergence`); None when parity held or was not checked.
@@ -93,6 +95,7 @@ class ResponseRecord:
     top2_gap: float | None = None
     reference: RunStats | None = None
     prompt_sha1: str | None = None
+    baseline_text: str | None = None
 
     @property
     def key(self) -> tuple[str, str, int]:

@@ -40,11 +40,15 @@ class PromptItem:
         id: stable identifier, unique within its dataset (used to resume benchmark runs).
         turns: user turns in order; one for single-turn prompts, two for MT-Bench.
         system: an optional system message sent before the first user turn (prompt files only).
+        reference: what ``dflash benchmark --score`` checks a response against: ``answer``
+            (gsm8k, math500), ``prompt``/``test``/``entry_point`` (humaneval),
+            ``test_list``/``test_imports`` (mbpp); None for other sets.
     """
 
     id: str
     turns: list[str] = field(default_factory=list)
     system: str | None = None
+    reference: dict | None = field(default=None, compare=False, repr=False)
 
     def start_messages(self) -> list[dict]:
         """The chat messages before the first user turn: the system message, if any."""
@@ -61,20 +65,28 @@ class PromptItem:
 
 def _gsm8k(split: str) -> Callable[[int, dict], PromptItem]:
     prefix = "gsm8k" if split == "test" else f"gsm8k-{split}"
-    return lambda i, row: PromptItem(f"{prefix}/{i}", [_text(row, "question") + MATH_SUFFIX])
+    return lambda i, row: PromptItem(f"{prefix}/{i}", [_text(row, "question") + MATH_SUFFIX],
+                                     reference=_pick(row, "answer"))  # fmt: skip
 
 
 def _math500(i: int, row: dict) -> PromptItem:
-    return PromptItem(f"math500/{i}", [_text(row, "problem") + MATH_SUFFIX])
+    return PromptItem(f"math500/{i}", [_text(row, "problem") + MATH_SUFFIX], reference=_pick(row, "answer"))
 
 
 def _humaneval(i: int, row: dict) -> PromptItem:
     rid = str(row.get("task_id", f"HumanEval/{i}"))
-    return PromptItem(rid, [HUMANEVAL_TEMPLATE.format(prompt=_text(row, "prompt"))])
+    return PromptItem(rid, [HUMANEVAL_TEMPLATE.format(prompt=_text(row, "prompt"))],
+                      reference=_pick(row, "prompt", "test", "entry_point"))  # fmt: skip
 
 
 def _mbpp(i: int, row: dict) -> PromptItem:
-    return PromptItem(f"mbpp/{row['task_id']}", [_text(row, "prompt")])
+    return PromptItem(f"mbpp/{row['task_id']}", [_text(row, "prompt")],
+                      reference=_pick(row, "test_list", "test_imports"))  # fmt: skip
+
+
+def _pick(row: dict, *keys: str) -> dict | None:
+    """The scoring fields of a row (:attr:`PromptItem.reference`); None when the first is missing."""
+    return {k: row[k] for k in keys if k in row} if keys[0] in row else None
 
 
 def _mt_bench(i: int, row: dict) -> PromptItem:
