@@ -277,6 +277,10 @@ def load_prompts(spec: str, data_dir: str | Path | None = None, offline: bool = 
     """
     spec = spec.strip()
     key = ALIASES.get(spec.lower(), spec.lower())
+    if key == "long" or key.startswith("long:"):  # synthetic long prompts, built from shipped rows
+        from dflash.data.long_context import long_prompts
+
+        return long_prompts(key)
     source = SOURCES.get(key)
     if source is None and _looks_like_path(spec):
         from dflash.data.prompt_files import load_prompt_file  # it imports PromptItem from here
@@ -284,7 +288,7 @@ def load_prompts(spec: str, data_dir: str | Path | None = None, offline: bool = 
         return load_prompt_file(spec)
     if source is None:
         raise DatasetError(
-            f"Unknown dataset '{spec}'. Available: {', '.join(available_datasets())}.",
+            f"Unknown dataset '{spec}'. Available: {', '.join(available_datasets())}, long (or long:1k-32k).",
             hint="or pass a .txt file (one prompt per line) or a .jsonl file with a 'prompt', "
             "'turns' or 'messages' field",
         )
