@@ -380,6 +380,7 @@ class BlockPolicy:
         return {
             "acceptance_source": self.prior.source,
             "cost_source": self.costs.source,
+            "cost_table": self.costs.provenance(),
             "step_cost_ms": {str(w): round(1000 * c, 3) for w, c in self.step_cost.items()},
             "cost_scale": {k: round(v, 4) for k, v in self.costs.scale.items()},
             "steps": [

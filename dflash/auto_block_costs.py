@@ -34,8 +34,12 @@ class CostTable:
         draft_s: width L -> seconds of the draft forward of a width-L step, run as the loop
             runs it (at the draft's trained width, the head on L-1 rows where the backend
             takes ``rows``).
-        key: what the table was measured for (backend, device, dtype, model, threads...).
+        key: what the table was measured for (backend, device, host, dtype, model, threads...).
         source: "measured" now, or "cache" when read from disk.
+        path: the cache file it was read from or saved to (None: not cached).
+        measured: when and under what load it was measured: ``at`` (ISO time), ``host``,
+            ``load_per_core`` (the 1-minute load average per CPU core then; None where the
+            platform has none).
         scale: online correction factors, ``plain`` (L = 1) and ``drafted`` (L > 1): the
             running ratio of timed steps to the table's cost (``BlockPolicy`` with a clock
             updates them; they live as long as the table object, not on disk).
@@ -46,6 +50,8 @@ class CostTable:
     key: dict[str, Any] = field(default_factory=dict)
     source: str = "measured"
     scale: dict[str, float] = field(default_factory=lambda: {"plain": 1.0, "drafted": 1.0})
+    path: str | None = None
+    measured: dict[str, Any] = field(default_factory=dict)
 
     @staticmethod
     def _at(table: dict[int, float], width: int) -> float:
@@ -71,13 +77,29 @@ class CostTable:
 
     def to_dict(self) -> dict[str, Any]:
         return {"key": self.key, "verify_s": {str(k): v for k, v in self.verify_s.items()},
-                "draft_s": {str(k): v for k, v in self.draft_s.items()}}  # fmt: skip
+                "draft_s": {str(k): v for k, v in self.draft_s.items()}, "measured": self.measured}  # fmt: skip
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "cache") -> CostTable:
         return cls({int(k): float(v) for k, v in data["verify_s"].items()},
                    {int(k): float(v) for k, v in data.get("draft_s", {}).items()},
-                   dict(data.get("key", {})), source)  # fmt: skip
+                   dict(data.get("key", {})), source, measured=dict(data.get("measured") or {}))  # fmt: skip
+
+    def provenance(self) -> dict[str, Any]:
+        """Where the table comes from, for ``--verbose`` and ``--json``: ``source`` ("measured"
+        now or "cache"), ``path``, and when, where and under what load it was measured."""
+        return {"source": self.source, "path": self.path, **self.measured}
+
+    def describe(self) -> str:
+        """One line for ``--verbose``: measured now, or loaded from where, measured when."""
+        load = self.measured.get("load_per_core")
+        under = f", load {load:.2f} per core" if isinstance(load, (int, float)) else ""
+        if self.source == "measured":
+            saved = f"; saved to {self.path}" if self.path else ""
+            return f"cost table measured now{under}{saved}"
+        when = self.measured.get("at", "at an unknown time")
+        host = self.measured.get("host")
+        return f"cost table loaded from {self.path} (measured {when}{' on ' + host if host else ''}{under})"
 
 
 def ladder(max_width: int, widths: list[int] | tuple[int, ...] | None = None) -> list[int]:
@@ -89,7 +111,7 @@ def ladder(max_width: int, widths: list[int] | tuple[int, ...] | None = None) ->
 
 
 def measure_costs(backend: Any, widths: list[int], *, prompt_len: int = CALIBRATION_PROMPT,
-                  repeats: int = CALIBRATION_REPEATS) -> CostTable:  # fmt: skip
+                  repeats: int = CALIBRATION_REPEATS, on_step: Any = None) -> CostTable:  # fmt: skip
     """Time verify and draft forwards of every width through the ``LocalBackend`` protocol.
 
     A random prompt of ``prompt_len`` tokens is prefilled, one token committed, then each width
@@ -107,6 +129,8 @@ def measure_costs(backend: Any, widths: list[int], *, prompt_len: int = CALIBRAT
     Args:
         backend: any ``dflash.backends.base.LocalBackend`` (torch, MLX...).
         widths: widths L to time (1 = a plain one-token step, no draft).
+        on_step: called with no argument after each of the ``(repeats + 1) * len(widths)``
+            steps (a progress bar).
 
     Returns:
         CostTable with ``verify_s`` for every width and ``draft_s`` for widths > 1.
@@ -156,6 +180,8 @@ def measure_costs(backend: Any, widths: list[int], *, prompt_len: int = CALIBRAT
             start += 1
             if rep:
                 verify[w].append(time.perf_counter() - t0)
+            if on_step is not None:
+                on_step()
     backend.reset(prompt_len + max(widths) + 8)
     return CostTable(monotone({w: statistics.median(v) for w, v in verify.items() if v}),
                      monotone({w: statistics.median(v) for w, v in draft.items() if v}))  # fmt: skip
@@ -183,32 +209,60 @@ def cost_cache_path(key: dict[str, Any]) -> Path:
     return cache_root() / "costs" / f"{digest[:16]}.json"
 
 
-def load_or_measure_costs(backend: Any, key: dict[str, Any], widths: list[int]) -> CostTable:
-    """The cost table for ``key`` from the cache, else measured now and cached.
+def load_per_core() -> float | None:
+    """The 1-minute load average per CPU core (None where the platform has none)."""
+    try:
+        return round(os.getloadavg()[0] / (os.cpu_count() or 1), 2)
+    except (AttributeError, OSError):
+        return None
 
-    ``DFLASH_RECALIBRATE=1`` ignores the cache. A missing, corrupt or unwritable cache only
-    means measuring again (never an error).
+
+LOAD_GAP = 0.5  # load per core, then vs now, from which a cached table's note is printed
+
+
+def load_or_measure_costs(backend: Any, key: dict[str, Any], widths: list[int]) -> CostTable:
+    """The cost table for ``key`` from the cache, else measured now (with a progress bar on
+    stderr) and cached.
+
+    The key holds the machine's name (``host``) besides ``key``'s backend, device, dtype and
+    pair, so a cache folder shared between machines never hands one machine another's costs.
+    A table measured under a load per core that differs from the present one by
+    :data:`LOAD_GAP` or more is used, with a one-line note on stderr (the block sizes it picks
+    may suit the other load). ``DFLASH_RECALIBRATE=1`` ignores the cache. A missing, corrupt
+    or unwritable cache only means measuring again (never an error).
     """
-    key = {**key, "widths": list(widths), "cost_version": COST_VERSION}
+    import platform
+    import sys
+
+    key = {**key, "host": platform.node(), "widths": list(widths), "cost_version": COST_VERSION}
     path = cost_cache_path(key)
     if not os.environ.get("DFLASH_RECALIBRATE") and path.is_file():
         try:
             table = CostTable.from_dict(json.loads(path.read_text(encoding="utf-8")))
             if set(widths) <= set(table.verify_s):
+                table.path = str(path)
+                then, now = table.measured.get("load_per_core"), load_per_core()
+                if isinstance(then, (int, float)) and now is not None and abs(now - then) >= LOAD_GAP:
+                    print(f"dflash: the --block-size auto cost table was measured under another load "
+                          f"({then:.2f} per core then, {now:.2f} now): its block sizes may suit that load; "
+                          f"delete {path} to measure again", file=sys.stderr, flush=True)  # fmt: skip
                 return table
         except (OSError, ValueError, KeyError, TypeError):
             pass
-    import sys
-
     print(f"dflash: measuring step costs at widths {', '.join(map(str, widths))} for --block-size auto "
-          f"(once per device, dtype, target and draft; cached in {path.parent})", file=sys.stderr, flush=True)  # fmt: skip
-    table = measure_costs(backend, widths)
-    table.key = key
+          f"(once per machine, device, dtype, target and draft; cached in {path.parent})", file=sys.stderr, flush=True)  # fmt: skip
+    from dflash.progress import step_progress
+
+    measured = {"at": time.strftime("%Y-%m-%d %H:%M:%S %z"), "host": key["host"], "load_per_core": load_per_core()}
+    with step_progress("calibrating --block-size auto", (CALIBRATION_REPEATS + 1) * len(widths)) as advance:
+        table = measure_costs(backend, widths, on_step=advance)
+    table.key, table.measured = key, measured
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(table.to_dict(), indent=1) + "\n", encoding="utf-8")
         os.replace(tmp, path)
+        table.path = str(path)
     except OSError:
         pass
     return table

@@ -41,12 +41,29 @@ app.command("serve")(serve)
 app.command("train")(train)
 app.add_typer(data_app, name="data")
 
+from dflash.doctor import doctor  # noqa: E402
+from dflash.registry import models  # noqa: E402
+
+app.command("models")(models)
+app.command("doctor")(doctor)
+
+
+def version_line() -> str:
+    """What ``dflash --version`` prints: this project's version and the distribution that
+    installed it, kept apart from the DFlash authors' PyPI package of the same import name."""
+    from importlib import metadata
+
+    from dflash import __version__
+
+    dists = metadata.packages_distributions().get("dflash") or []
+    where = f"distribution {dists[0]}" if dists else "a source tree"
+    return (f"dflash {__version__} (this project, from its repository: {where}; the PyPI package "
+            "'dflash' is the DFlash authors' reference code, not this)")  # fmt: skip
+
 
 def _version(value: bool) -> None:
     if value:
-        from dflash import __version__
-
-        print(f"dflash {__version__}")
+        print(version_line())
         raise typer.Exit()
 
 

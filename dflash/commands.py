@@ -217,6 +217,7 @@ def print_step(i: int, r, policy) -> None:
     if policy is not None and policy.history:
         if i == 1:
             costs = " ".join(f"{w}:{1000 * c:.1f}" for w, c in policy.step_cost.items())
+            print(f"[auto: {policy.costs.describe()}]", file=sys.stderr)
             print(f"[auto: step cost ms by L {costs}; acceptance prior: {policy.prior.source}]",
                   file=sys.stderr)  # fmt: skip
         c = policy.history[-1]

@@ -516,8 +516,9 @@ def test_generate_block_size_option_and_verbose_line(capsys):
     policy.choose(50)
     print_step(1, RoundResult(tokens=[5], accepted=1, proposed=0), policy)
     lines = capsys.readouterr().err.splitlines()
-    assert lines[0].startswith("[auto: step cost ms by L 1:11.0 2:14.0")
-    assert lines[1] == "[step 1: L=1 predicted τ 1.00 cost 11.0 ms (90.9 tok/s) -> committed 1]"
+    assert lines[0] == "[auto: cost table measured now]"  # where it comes from (issue 51)
+    assert lines[1].startswith("[auto: step cost ms by L 1:11.0 2:14.0")
+    assert lines[2] == "[step 1: L=1 predicted τ 1.00 cost 11.0 ms (90.9 tok/s) -> committed 1]"
 
 
 class RowsSpy:

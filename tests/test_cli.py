@@ -270,7 +270,8 @@ def test_version_flag_prints_the_package_version():
     from dflash.cli import app
 
     res = CliRunner().invoke(app, ["--version"])
-    assert res.exit_code == 0 and res.stdout.strip() == f"dflash {dflash.__version__}"
+    assert res.exit_code == 0 and res.stdout.startswith(f"dflash {dflash.__version__} (this project")
+    assert "the PyPI package 'dflash' is the DFlash authors' reference code" in res.stdout
 
 
 def test_mlx_option_errors_come_before_importing_mlx():

@@ -267,6 +267,7 @@ def hub(monkeypatch, tmp_path):
     datasets = pytest.importorskip("datasets")
     fake = FakeHub()
     monkeypatch.setattr(datasets, "load_dataset", fake)
+    monkeypatch.setattr("dflash.hub.unreachable_reason", lambda: None)  # the hub answers
     monkeypatch.delenv("DFLASH_DATA_DIR", raising=False)
     monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "cache"))
     return fake
@@ -288,6 +289,7 @@ def test_hub_rows_are_cached_as_jsonl_in_the_local_format(hub, tmp_path):
 
 
 def test_hub_failure_is_a_dataset_error_with_a_hint(hub):
-    with pytest.raises(DatasetError, match="Could not load dataset 'gsm8k'") as err:
-        load_prompts("gsm8k")
+    """(A benchmark set falls back to the copy shipped with dflash: tests/test_offline_data.py.)"""
+    with pytest.raises(DatasetError, match="Could not load dataset 'gsm8k:train'") as err:
+        load_prompts("gsm8k:train")
     assert "--data-dir" in err.value.hint

@@ -257,6 +257,11 @@ def load_target(path: str, device: torch.device, dtype: torch.dtype):
         tok = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     except OSError as e:
+        from dflash import hub
+        from dflash.models.target_torch import is_hub_id
+
+        if is_hub_id(path) and hub.is_cache_miss(e):
+            raise hub.cache_miss("Target", path, "--model DIR (a local folder) or a .gguf file") from e
         raise CheckpointError(f"Cannot load target {path}: {str(e).splitlines()[0]}",
                               hint="pass a local model folder, a .gguf file or a reachable hub id") from e  # fmt: skip
     except ValueError as e:

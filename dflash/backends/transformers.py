@@ -39,6 +39,10 @@ def load(model: str | None, draft: str | None, *, device: str = "auto", dtype: s
                            hint='pip install "dflash[torch]"')  # fmt: skip
     if model is not None:
         check_model_path(model)
+        if draft is None:  # a registered target's published draft (a hub id: downloaded below)
+            from dflash.registry import registered_draft
+
+            draft = registered_draft(model)
 
     def draft_folder() -> tuple[Any, DraftConfig]:
         """The draft's folder and config; a DFlash2 draft with ``cuda_graphs`` refused."""

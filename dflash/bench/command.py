@@ -82,7 +82,8 @@ def benchmark(
         str,
         typer.Option(
             "--dataset",
-            help="gsm8k, math500, humaneval, mbpp, mt-bench, a name:split such as gsm8k:train, "
+            help="gsm8k, math500, humaneval, mbpp, mt-bench, long (synthetic long prompts, 1k-32k "
+            "tokens; long:8k, long:1k-8k), a name:split such as gsm8k:train, "
             "a .txt file (one prompt per non-empty line) or a .jsonl file (one JSON object per "
             "line: prompt, turns or messages); comma-separate several for one table each.",
         ),
@@ -120,6 +121,10 @@ def benchmark(
             envvar="DFLASH_DATA_DIR", help="Read datasets from this folder instead of the hub."
         ),
     ] = None,
+    offline: Annotated[
+        bool, typer.Option("--offline", help="Never ask the hub for a dataset: a benchmark set not "
+                           "in the cache comes from the test prompts shipped with dflash.")
+    ] = False,
     output: Annotated[
         Path | None, typer.Option(help="Append one JSON record per response to this file.")
     ] = None,
@@ -128,6 +133,10 @@ def benchmark(
     ] = False,
     check_parity: Annotated[
         bool, typer.Option(help="Compare baseline and DFlash token ids per response.")
+    ] = False,
+    score: Annotated[
+        bool, typer.Option("--score", help="Score the answers of baseline and DFlash: gsm8k/math500 exact "
+                           "answer, humaneval/mbpp pass@1 (RUNS the generated code, in a separate process).")
     ] = False,
     plot: Annotated[
         Path | None, typer.Option(help="Save histogram + per-position plot (needs matplotlib).")
@@ -207,13 +216,14 @@ def benchmark(
         "--dtype": dtype != "auto", "--cuda-graphs/--no-cuda-graphs": cuda_graphs is not None,
         "--compile/--no-compile": compile is not None, "--uniform-width": uniform_width,
         "--draft-bits": draft_bits is not None, "--draft-window": draft_window is not None,
-        "--check-parity": check_parity, "--resume": resume,
+        "--check-parity": check_parity, "--resume": resume, "--score": score,
         "--base-url": base_url != BASE_URL_DEFAULT, "--num-prompts": num_prompts is not None,
         "--concurrency": concurrency != 1, "--timeout-s": timeout_s != TIMEOUT_DEFAULT,
         "--api-key": api_key is not None, "--baseline-url": baseline_url is not None,
         "--baseline-model": baseline_model is not None, "--max-retries": max_retries != RETRIES_DEFAULT,
     }, {
-        **dict.fromkeys(("--draft", "--block-size", "--device", "--dtype", "--check-parity", "--resume"), local),
+        **dict.fromkeys(("--draft", "--block-size", "--device", "--dtype", "--check-parity", "--resume",
+                         "--score"), local),
         **dict.fromkeys(("--cuda-graphs/--no-cuda-graphs", "--compile/--no-compile", "--uniform-width"),
                         ("transformers",)),
         "--draft-bits": ("mlx",), "--draft-window": ("mlx",),
@@ -236,10 +246,16 @@ def benchmark(
             baseline_model=baseline_model, num_prompts=num_prompts if num_prompts is not None else max_samples,
             concurrency=concurrency, max_new_tokens=max_new_tokens, sampling=sampling,
             reasoning=reasoning, timeout_s=timeout_s, max_retries=max_retries,
-            data_dir=data_dir, output=output, plot=plot,
+            data_dir=data_dir, output=output, plot=plot, offline=offline,
         )  # fmt: skip
         return
     block_sizes = parse_block_sizes(block_size)
+    if score and len(block_sizes) > 1:
+        raise InputError("--score scores one run; --block-size lists several.", hint="drop --score or list one block size")
+    if draft is None and model is not None:  # the published draft of a registered target
+        from dflash.registry import registered_draft
+
+        draft = registered_draft(model)
     names = harness.check_dataset_names(dataset.split(","))
     _check_options(
         backend, max_new_tokens, block_sizes, sampling, check_parity, output, resume, plot
@@ -259,7 +275,7 @@ def benchmark(
             (backend, model, draft, device, dtype, cuda_graphs, compile, uniform_width,
              draft_bits, draft_window),
             names,
-            data_dir,
+            (data_dir, offline),
             max_samples,
             harness.BenchConfig(
                 max_new_tokens=max_new_tokens,
@@ -273,7 +289,7 @@ def benchmark(
             plot,
         )
         return
-    selected = {name: select(load_prompts(name, data_dir), max_samples) for name in names}
+    selected = {name: select(load_prompts(name, data_dir, offline), max_samples) for name in names}
 
     config = harness.BenchConfig(
         block_size=block_sizes[0],
@@ -305,6 +321,10 @@ def benchmark(
     console = Console(highlight=False, soft_wrap=True)  # no 80-column wrapping when piped
     for name, summary in summaries.items():
         report.print_summary(console, name, summary, parity_asked=config.check_parity, requested=config.block_size)
+    if score:
+        from dflash.bench.score import add_scores
+
+        add_scores(summaries, gathered, selected, console)
     if plot is not None:
         console.print(f"plot written to {report.save_plot(plot, summaries)}")
     block = max((s["block_size"] for s in summaries.values()), default=1)
@@ -419,7 +439,7 @@ def _sweep(
     block_sizes: list[int | str | None],
     load_args: tuple,
     names: list[str],
-    data_dir: Path | None,
+    data: tuple[Path | None, bool],
     max_samples: int | None,
     base_config: harness.BenchConfig,
     output: Path | None,
@@ -443,7 +463,7 @@ def _sweep(
     def per_value(path: Path | None, bs: int | str | None) -> Path | None:
         return None if path is None else path.with_name(f"{path.stem}.bs{bs}{path.suffix}")
 
-    selected = {name: select(load_prompts(name, data_dir), max_samples) for name in names}
+    selected = {name: select(load_prompts(name, *data), max_samples) for name in names}  # data: dir, offline
     dist = harness.init_distributed(load_args[3])  # load_args[3]: --device
     rows: list[tuple[int | str | None, dict[str, dict[str, Any]]]] = []
     pipeline = None

@@ -121,6 +121,7 @@ def make_record(
         parity=parity,
         first_mismatch=mismatch,
         text=fast.text,
+        baseline_text=base.text if base is not None else None,
         config=config.record_config(block_size),
         prompt_sha1=fingerprint,
     )

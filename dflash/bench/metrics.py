@@ -60,6 +60,8 @@ class ResponseRecord:
         parity: baseline and DFlash token ids identical; None when not checked.
         first_mismatch: first differing position (0-based, among new tokens) when parity failed.
         text: DFlash output text; the next MT-Bench turn is built from it when a run resumes.
+        baseline_text: the baseline's output text (``--score`` scores both); None when no
+            baseline ran, or in records written before it was kept.
         config: the run settings the record was made with (checked on ``--resume``).
         near_tie: for a parity mismatch, whether the first divergence is a near-tie of the
             target (see :func:`classify_divergence`); None when parity held or was not checked.
@@ -93,6 +95,7 @@ class ResponseRecord:
     top2_gap: float | None = None
     reference: RunStats | None = None
     prompt_sha1: str | None = None
+    baseline_text: str | None = None
 
     @property
     def key(self) -> tuple[str, str, int]:
@@ -337,6 +340,28 @@ def first_mismatch(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
+LONG_PROMPT = 1024  # tokens: a summary with a prompt this long reports τ and speedup by length
+
+
+def by_prompt_length(records: list[ResponseRecord]) -> list[dict[str, Any]]:
+    """τ and speedup per prompt-length bucket (tokens: < 1k, 1k-2k, 2k-4k, ... doubling), the
+    buckets that hold responses, shortest first: ``bucket``, ``responses``, ``prompt_tokens``
+    (mean), ``tau`` (mean of responses), ``baseline_tok_s``, ``dflash_tok_s``, ``speedup``."""
+    groups: dict[int, list[ResponseRecord]] = {}
+    for r in records:
+        low = 0 if r.prompt_tokens < 1024 else 1024 << max(0, (r.prompt_tokens // 1024).bit_length() - 1)
+        groups.setdefault(low, []).append(r)
+
+    def name(low: int) -> str:
+        return "<1k" if low == 0 else f"{low // 1024}k-{2 * low // 1024}k"
+
+    return [{"bucket": name(low), "responses": len(g),
+             "prompt_tokens": sum(r.prompt_tokens for r in g) / len(g),
+             "tau": mean_acceptance_length(g), "baseline_tok_s": throughput(g, "baseline"),
+             "dflash_tok_s": throughput(g, "dflash"), "speedup": speedup(g)}
+            for low, g in sorted(groups.items())]  # fmt: skip
+
+
 def summarize(records: list[ResponseRecord]) -> dict[str, Any]:
     """All summary numbers of one dataset, JSON-ready; rates in 0..1, times in seconds.
 
@@ -345,9 +370,11 @@ def summarize(records: list[ResponseRecord]) -> dict[str, Any]:
     records = sorted(records, key=lambda r: r.key)
     size = max_block_size(records)
     counts = acceptance_histogram(records, size)
-    extra = {}
+    extra: dict[str, Any] = {}
+    if any(r.prompt_tokens >= LONG_PROMPT for r in records):
+        extra["by_prompt_length"] = by_prompt_length(records)
     if any(r.reference is not None for r in records):  # mlx: mlx_lm.stream_generate
-        extra = {"reference_tok_s": throughput(records, "reference"),
+        extra |= {"reference_tok_s": throughput(records, "reference"),
                  "speedup_vs_reference": speedup(records, "reference"),
                  "reference_tokens": sum(r.reference.new_tokens for r in records if r.reference)}  # fmt: skip
     return {

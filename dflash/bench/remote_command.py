@@ -51,7 +51,7 @@ def benchmark_openai(*, dataset: str, base_url: str, model: str | None, api_key:
                      concurrency: int, max_new_tokens: int, sampling: SamplingParams,
                      reasoning: str | None, timeout_s: float, max_retries: int,
                      data_dir: Path | None, output: Path | None, plot: Path | None,
-                     warmup: bool = True) -> dict[str, Any]:  # fmt: skip
+                     warmup: bool = True, offline: bool = False) -> dict[str, Any]:  # fmt: skip
     """Run the benchmark, print the report, return the final JSON object.
 
     Raises:
@@ -77,7 +77,7 @@ def benchmark_openai(*, dataset: str, base_url: str, model: str | None, api_key:
     datasets: dict[str, list[PromptItem]] = {}
     warm: list[PromptItem] = []
     for name in names:
-        datasets[name], extra = take_prompts(select(load_prompts(name, data_dir), None),
+        datasets[name], extra = take_prompts(select(load_prompts(name, data_dir, offline), None),
                                              num_prompts, concurrency)  # fmt: skip
         warm = warm or extra
     cfg = RemoteConfig(max_new_tokens=max_new_tokens, sampling=sampling, reasoning=reasoning,

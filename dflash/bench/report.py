@@ -146,6 +146,8 @@ def print_summary(console: Console, name: str, summary: dict[str, Any], parity_a
     """Table, terminal histogram, parity mismatches and upstream-format lines of one dataset
     (``parity_asked``, ``requested``: see :func:`summary_table`)."""
     console.print(summary_table(name, summary, parity_asked, requested))
+    if summary.get("by_prompt_length"):
+        console.print(length_table(name, summary["by_prompt_length"]))
     for line in histogram_lines(summary):
         console.print(line)
     for m in summary["parity"]["mismatches"]:
@@ -162,6 +164,18 @@ def print_summary(console: Console, name: str, summary: dict[str, Any], parity_a
     for line in upstream_lines(summary):
         console.print(line, highlight=False)
     console.print()
+
+
+def length_table(name: str, rows: list[dict[str, Any]]) -> Table:
+    """τ and speedup by prompt length (:func:`dflash.bench.metrics.by_prompt_length`)."""
+    table = Table(title=f"{name}: by prompt length (tokens)", title_justify="left")
+    for col in ("prompt", "responses", "mean prompt", "τ", "baseline tok/s", "DFlash tok/s", "speedup"):
+        table.add_column(col, justify="left" if col == "prompt" else "right")
+    for r in rows:
+        table.add_row(r["bucket"], str(r["responses"]), f"{r['prompt_tokens']:,.0f}", _fmt(r["tau"], ".2f"),
+                      _fmt(r["baseline_tok_s"], ".1f"), _fmt(r["dflash_tok_s"], ".1f"),
+                      _fmt(r["speedup"], ".2f") + ("x" if r["speedup"] else ""))  # fmt: skip
+    return table
 
 
 class BenchProgress:

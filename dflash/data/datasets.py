@@ -38,20 +38,28 @@ SELECT_SEED = 42
 
 def _gsm8k(split: str) -> Callable[[int, dict], PromptItem]:
     prefix = "gsm8k" if split == "test" else f"gsm8k-{split}"
-    return lambda i, row: PromptItem(f"{prefix}/{i}", [_text(row, "question") + MATH_SUFFIX])
+    return lambda i, row: PromptItem(f"{prefix}/{i}", [_text(row, "question") + MATH_SUFFIX],
+                                     reference=_pick(row, "answer"))  # fmt: skip
 
 
 def _math500(i: int, row: dict) -> PromptItem:
-    return PromptItem(f"math500/{i}", [_text(row, "problem") + MATH_SUFFIX])
+    return PromptItem(f"math500/{i}", [_text(row, "problem") + MATH_SUFFIX], reference=_pick(row, "answer"))
 
 
 def _humaneval(i: int, row: dict) -> PromptItem:
     rid = str(row.get("task_id", f"HumanEval/{i}"))
-    return PromptItem(rid, [HUMANEVAL_TEMPLATE.format(prompt=_text(row, "prompt"))])
+    return PromptItem(rid, [HUMANEVAL_TEMPLATE.format(prompt=_text(row, "prompt"))],
+                      reference=_pick(row, "prompt", "test", "entry_point"))  # fmt: skip
 
 
 def _mbpp(i: int, row: dict) -> PromptItem:
-    return PromptItem(f"mbpp/{row['task_id']}", [_text(row, "prompt")])
+    return PromptItem(f"mbpp/{row['task_id']}", [_text(row, "prompt")],
+                      reference=_pick(row, "test_list", "test_imports"))  # fmt: skip
+
+
+def _pick(row: dict, *keys: str) -> dict | None:
+    """The scoring fields of a row (:attr:`PromptItem.reference`); None when the first is missing."""
+    return {k: row[k] for k in keys if k in row} if keys[0] in row else None
 
 
 def _mt_bench(i: int, row: dict) -> PromptItem:
@@ -216,7 +224,7 @@ def available_datasets() -> list[str]:
 # public entry points
 
 
-def load_prompts(spec: str, data_dir: str | Path | None = None) -> list[PromptItem]:
+def load_prompts(spec: str, data_dir: str | Path | None = None, offline: bool = False) -> list[PromptItem]:
     """Load the prompts of one dataset.
 
     Args:
@@ -229,15 +237,23 @@ def load_prompts(spec: str, data_dir: str | Path | None = None) -> list[PromptIt
             plus an optional ``id`` and ``system`` (string).
         data_dir: folder laid out like ``tests/data``; None falls back to
             ``$DFLASH_DATA_DIR``, then to the hub (cached as JSONL, see module docstring).
+        offline: never ask the hub: a benchmark set not in the cache comes from the copy
+            shipped with dflash (:mod:`dflash.data.offline`), as it does when the hub is
+            unreachable or ``HF_HUB_OFFLINE=1`` is set.
 
     Returns:
-        The items in file order; ids are unique within the dataset.
+        The items in file order, ids unique within the dataset; for a shipped copy a
+        :class:`~dflash.data.offline.ShippedPrompts` in the benchmark's selection order.
 
     Raises:
         DatasetError: unknown name, missing or malformed file, or the hub cannot be reached.
     """
     spec = spec.strip()
     key = ALIASES.get(spec.lower(), spec.lower())
+    if key == "long" or key.startswith("long:"):  # synthetic long prompts, built from shipped rows
+        from dflash.data.long_context import long_prompts
+
+        return long_prompts(key)
     source = SOURCES.get(key)
     if source is None and _looks_like_path(spec):
         from dflash.data.prompt_files import load_prompt_file  # it imports PromptItem from here
@@ -245,11 +261,16 @@ def load_prompts(spec: str, data_dir: str | Path | None = None) -> list[PromptIt
         return load_prompt_file(spec)
     if source is None:
         raise DatasetError(
-            f"Unknown dataset '{spec}'. Available: {', '.join(available_datasets())}.",
+            f"Unknown dataset '{spec}'. Available: {', '.join(available_datasets())}, long (or long:1k-32k).",
             hint="or pass a .txt file (one prompt per line) or a .jsonl file with a 'prompt', "
             "'turns' or 'messages' field",
         )
-    rows = _load_rows(key, source, data_dir)
+    rows = _load_rows(key, source, data_dir, offline)
+    if isinstance(rows, tuple):  # the shipped copy: kept rows already, in selection order
+        from dflash.data.offline import ShippedPrompts
+
+        shipped, total = rows
+        return ShippedPrompts([source.build(row["_index"], row) for row in shipped], total)
     if source.keep is not None:
         rows = [row for row in rows if source.keep(row)]
     items = [source.build(i, row) for i, row in enumerate(rows)]
@@ -273,6 +294,8 @@ def select(items: list[PromptItem], max_samples: int | None) -> list[PromptItem]
     """
     if max_samples is not None and max_samples < 1:
         raise InputError(f"--max-samples must be >= 1, got {max_samples}.", hint="drop it to use every prompt")
+    if getattr(items, "preselected", False):  # a shipped copy: the same order's first rows
+        return list(items[:max_samples])
     order = list(range(len(items)))
     random.Random(SELECT_SEED).shuffle(order)
     if max_samples is not None:
@@ -300,7 +323,10 @@ def cache_dir() -> Path:
     return base / "dflash" / "datasets"
 
 
-def _load_rows(name: str, source: _Source, data_dir: str | Path | None) -> list[dict]:
+def _load_rows(name: str, source: _Source, data_dir: str | Path | None,
+               offline: bool = False) -> list[dict] | tuple[list[dict], int]:  # fmt: skip
+    """The rows of ``name``: from the data dir, the cache or the hub (a list), or the shipped
+    copy when the hub is not to be asked or cannot be reached ((rows, full split size))."""
     if data_dir is None and os.environ.get("DFLASH_DATA_DIR"):
         data_dir = os.environ["DFLASH_DATA_DIR"]
     if data_dir is not None:
@@ -311,9 +337,28 @@ def _load_rows(name: str, source: _Source, data_dir: str | Path | None) -> list[
     cached = cache_dir() / source.cache
     if cached.is_file():
         return _read_rows(cached)
-    rows = _download(name, source)
-    _write_jsonl_atomic(cached, rows)
-    return rows
+    from dflash.data import offline as shipped
+    from dflash.hub import unreachable_reason
+
+    entry = shipped.shipped_index().get(name)
+    why = "--offline" if offline else unreachable_reason()
+    if why is None:
+        try:
+            rows = _download(name, source)
+        except DatasetError as err:
+            if entry is None:
+                raise
+            why = err.message.rstrip(".")
+        else:
+            _write_jsonl_atomic(cached, rows)
+            return rows
+    if entry is None:
+        raise DatasetError(f"Dataset '{name}' is not in the cache and cannot be fetched ({why}); dflash "
+                           f"ships only the test prompts of {', '.join(BENCHMARK_NAMES)}.",
+                           hint="pass --data-dir DIR (or set DFLASH_DATA_DIR) to read a local copy")  # fmt: skip
+    rows, total = shipped.shipped_rows(name)
+    shipped.announce(name, why, len(rows), total)
+    return rows, total
 
 
 def _download(name: str, source: _Source) -> list[dict]:

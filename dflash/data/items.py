@@ -18,11 +18,15 @@ class PromptItem:
         id: stable identifier, unique within its dataset (used to resume benchmark runs).
         turns: user turns in order; one for single-turn prompts, two for MT-Bench.
         system: an optional system message sent before the first user turn (prompt files only).
+        reference: what ``dflash benchmark --score`` checks a response against: ``answer``
+            (gsm8k, math500), ``prompt``/``test``/``entry_point`` (humaneval),
+            ``test_list``/``test_imports`` (mbpp); None for other sets.
     """
 
     id: str
     turns: list[str] = field(default_factory=list)
     system: str | None = None
+    reference: dict | None = field(default=None, compare=False, repr=False)
 
     def start_messages(self) -> list[dict]:
         """The chat messages before the first user turn: the system message, if any."""

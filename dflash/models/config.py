@@ -364,6 +364,7 @@ class DraftConfig:
         if not isinstance(data, dict):
             raise CheckpointError(f"Draft config {path} is not a JSON object.",
                                   hint="restore the draft's config.json, or re-download the draft")  # fmt: skip
+        refuse_target_as_draft(data, folder)
         return cls.from_dict(data)
 
     def save(self, folder: str | Path) -> Path:
@@ -408,3 +409,30 @@ def stop_token_ids(generation_config: Any, tokenizer: Any) -> list[int]:
     if eos is None:
         return []
     return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+
+
+def refuse_target_as_draft(config: dict[str, Any], folder: str | Path) -> None:
+    """Refuse a draft folder whose config.json is a target model's: no DFlash fields
+    (``dflash_config``, ``mask_token_id``, ``target_layer_ids``) and a causal-LM architecture
+    or a ``model_type``, the usual mistake of passing the target as ``--draft``.
+
+    Raises:
+        ConfigError: naming the folder and the architecture, with ``--model`` and the registry
+            (the published draft, when the registry knows the target) in the hint.
+    """
+    dc = config.get("dflash_config")
+    if isinstance(dc, dict) or any(k in config for k in ("mask_token_id", "target_layer_ids")):
+        return
+    archs = [a for a in config.get("architectures") or [] if isinstance(a, str)]
+    if any(a.endswith("DraftModel") for a in archs) or not (archs or config.get("model_type")):
+        return
+    from dflash.registry import find
+
+    what = archs[0] if archs else f"model_type {config.get('model_type')}"
+    name = str(config.get("_name_or_path") or folder)
+    found = find(name) or find(str(folder))
+    published = f" (its published draft: {found[0].draft})" if found else ""
+    raise ConfigError(f"--draft {folder} looks like a target model ({what}), not a DFlash draft: its "
+                      "config.json has no dflash_config.",
+                      hint=f"pass it as --model{published}; 'dflash models' lists the published drafts, "
+                      f"'dflash init-draft --target {folder}' makes an untrained one")  # fmt: skip

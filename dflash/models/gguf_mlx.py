@@ -130,6 +130,24 @@ def gguf_to_mlx_folder(gguf: Path) -> Path:
     folder = cache_root() / "mlx" / gguf_key(gguf)
     if (folder / "config.json").is_file() and (folder / "model.safetensors").is_file():
         return folder
+    import sys
+
+    from dflash.progress import step_progress
+
+    print(f"dflash: converting {gguf.name} to an mlx-lm folder once (cached in {folder.parent})",
+          file=sys.stderr, flush=True)  # fmt: skip
+    with step_progress("reading the weights", None) as advance:
+        _convert(gguf, folder, advance)
+    return folder
+
+
+def _convert(gguf: Path, folder: Path, advance) -> None:
+    """Write the mlx-lm folder of ``gguf`` (weights, config, tokenizer), reporting each phase
+    to ``advance``.
+
+    Raises:
+        CheckpointError, BackendError: as :func:`gguf_to_mlx_folder`.
+    """
     try:
         weights, meta = mx.load(str(gguf), return_metadata=True)
     except (RuntimeError, ValueError, OSError) as e:
@@ -141,6 +159,7 @@ def gguf_to_mlx_folder(gguf: Path) -> Path:
     if quant:
         common = max(quant.values(), key=list(quant.values()).count)
         cfg["quantization"] = {**common, **{k: v for k, v in quant.items() if v != common}}
+    advance(0, description="writing the mlx-lm folder")
     tmp = folder.with_name(folder.name + ".tmp")
     try:
         tmp.mkdir(parents=True, exist_ok=True)
@@ -154,7 +173,6 @@ def gguf_to_mlx_folder(gguf: Path) -> Path:
     if folder.exists():
         shutil.rmtree(folder)
     tmp.rename(folder)
-    return folder
 
 
 def _save_tokenizer(gguf: Path, out: Path) -> None:

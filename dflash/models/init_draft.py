@@ -106,6 +106,11 @@ def target_config(path: str) -> Any:
         return AutoConfig.from_pretrained(path)
     except (ValueError, KeyError, OSError, ImportError) as e:
         file = Path(path) / "config.json"
+        from dflash import hub
+        from dflash.models.target_torch import is_hub_id
+
+        if not file.is_file() and is_hub_id(path) and hub.is_cache_miss(e):
+            raise hub.cache_miss("Target", path, "--target DIR (a local folder) or a .gguf file") from e
         if not file.is_file():
             raise ConfigError(
                 f"Cannot read the config of target {path}: {str(e).splitlines()[0]}"

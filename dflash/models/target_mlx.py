@@ -12,7 +12,11 @@ from typing import Any
 
 from dflash.errors import CheckpointError
 from dflash.models.config import refuse_draft_as_target
-from dflash.models.target_torch import demo_target_path, resolve_draft  # torch-free helpers
+from dflash.models.target_torch import (  # torch-free helpers
+    demo_target_path,
+    is_hub_id,
+    resolve_draft,
+)
 
 __all__ = ["load_target", "resolve_draft", "resolve_target"]
 
@@ -40,6 +44,10 @@ def resolve_target(model: str | None, flag: str = "--model") -> str:
             f"{flag} {model} is a file; pass an mlx-lm folder, hub id or .gguf file."
         )
     refuse_draft_as_target(model, flag)
+    if is_hub_id(model):
+        from dflash.hub import cache_only
+
+        cache_only()  # an unreachable hub: the cached copy at once, or one error line
     return str(p) if p.exists() else model
 
 
@@ -54,14 +62,19 @@ def load_target(path: str) -> tuple[Any, Any, dict]:
     from dflash.models.target_torch import quiet_transformers
 
     quiet_transformers()
+    from dflash import hub
+
     try:
         model, tokenizer, config = mlx_lm.load(path, return_config=True)
-    except FileNotFoundError as e:
-        raise CheckpointError(f"Cannot find mlx-lm model {path}: {str(e).splitlines()[0]}",
-                              hint="pass an mlx-lm folder, a .gguf file or a reachable hub id") from e  # fmt: skip
-    except ValueError as e:
-        raise CheckpointError(f"mlx-lm cannot load {path}: {str(e).splitlines()[0]}") from e
-    except Exception as e:  # hub errors, bad weights: one line, not a traceback
+    except Exception as e:
+        if is_hub_id(path) and hub.is_cache_miss(e):
+            raise hub.cache_miss("Target", path, "--model DIR (an mlx-lm folder) or a .gguf file") from e
+        if isinstance(e, FileNotFoundError):
+            raise CheckpointError(f"Cannot find mlx-lm model {path}: {str(e).splitlines()[0]}",
+                                  hint="pass an mlx-lm folder, a .gguf file or a reachable hub id") from e  # fmt: skip
+        if isinstance(e, ValueError):
+            raise CheckpointError(f"mlx-lm cannot load {path}: {str(e).splitlines()[0]}") from e
+        # hub errors, bad weights: one line, not a traceback
         raise CheckpointError(f"Cannot load mlx-lm model {path}: {type(e).__name__}: "
                               f"{str(e).splitlines()[0] if str(e) else ''}",
                               hint="pass an mlx-lm folder, a .gguf file or a reachable hub id") from e  # fmt: skip

@@ -111,9 +111,10 @@ def gguf_key(gguf: Path) -> str:
 
 
 @contextlib.contextmanager
-def _quiet_gguf_bar():
+def _gguf_bar(advance):
     """transformers' GGUF reader draws its own tqdm bar (not covered by its logging switches):
-    replace it by a plain iterator while converting, unless ``DFLASH_DEBUG`` is set."""
+    route it to ``advance`` (a :func:`dflash.progress.step_progress` bar: one unit per tensor)
+    while converting, unless ``DFLASH_DEBUG`` is set."""
     try:
         import transformers.modeling_gguf_pytorch_utils as gguf_utils
     except ImportError:
@@ -123,7 +124,15 @@ def _quiet_gguf_bar():
     if saved is None or os.environ.get("DFLASH_DEBUG"):
         yield
         return
-    gguf_utils.tqdm = lambda it, *a, **k: it
+
+    def tracked(it, *args, **kwargs):
+        total = len(it) if hasattr(it, "__len__") else None
+        advance(0, description="dequantizing tensors", total=total)
+        for item in it:
+            yield item
+            advance()
+
+    gguf_utils.tqdm = tracked
     try:
         yield
     finally:
@@ -176,34 +185,21 @@ def _converted(folder: Path) -> bool:
     return (folder / "config.json").is_file() and any(folder.glob("*.safetensors"))
 
 
-def gguf_to_cached_folder(gguf: Path) -> Path:
-    """Convert a GGUF file once into a transformers folder (float32 safetensors + tokenizer).
-
-    Returns:
-        The cached folder, ``cache_root()/targets/<sha256[:16]>``.
+def _convert_gguf(gguf: Path, out: Path, advance) -> None:
+    """Read ``gguf`` with transformers (dequantized to float32) and save it to ``out`` as
+    safetensors and a tokenizer, reporting each phase and tensor to ``advance``.
 
     Raises:
-        CheckpointError: the file is missing or transformers cannot read it.
+        BackendError: the gguf reader is not installed; CheckpointError: transformers cannot
+            read the file.
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if not gguf.is_file():
-        raise CheckpointError(f"GGUF file {gguf} does not exist.")
-    key = gguf_key(gguf)
-    folder = cache_root() / "targets" / key
-    if _converted(folder):
-        return folder
-    # one temporary folder per process: concurrent conversions (two jobs on two GPUs) never mix
-    tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
     try:
-        tmp.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise CheckpointError(f"Cannot create the cache folder {tmp}: {e.strerror}.",
-                              hint="set DFLASH_CACHE to a writable folder") from e  # fmt: skip
-    try:
-        with _quiet_gguf_bar(), _gguf_read_once():
+        with _gguf_bar(advance), _gguf_read_once():
             tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+            advance(0, description="reading the weights")
             model = AutoModelForCausalLM.from_pretrained(
                 str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
             )
@@ -218,8 +214,41 @@ def gguf_to_cached_folder(gguf: Path) -> Path:
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    model.save_pretrained(str(tmp), safe_serialization=True)
-    tok.save_pretrained(str(tmp))
+    advance(0, description="writing safetensors")
+    model.save_pretrained(str(out), safe_serialization=True)
+    tok.save_pretrained(str(out))
+
+
+def gguf_to_cached_folder(gguf: Path) -> Path:
+    """Convert a GGUF file once into a transformers folder (float32 safetensors + tokenizer).
+
+    Returns:
+        The cached folder, ``cache_root()/targets/<sha256[:16]>``.
+
+    Raises:
+        CheckpointError: the file is missing or transformers cannot read it.
+    """
+    if not gguf.is_file():
+        raise CheckpointError(f"GGUF file {gguf} does not exist.")
+    key = gguf_key(gguf)
+    folder = cache_root() / "targets" / key
+    if _converted(folder):
+        return folder
+    # one temporary folder per process: concurrent conversions (two jobs on two GPUs) never mix
+    tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
+    try:
+        tmp.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CheckpointError(f"Cannot create the cache folder {tmp}: {e.strerror}.",
+                              hint="set DFLASH_CACHE to a writable folder") from e  # fmt: skip
+    import sys
+
+    from dflash.progress import step_progress
+
+    print(f"dflash: converting {gguf.name} to safetensors once (cached in {folder.parent})",
+          file=sys.stderr, flush=True)  # fmt: skip
+    with step_progress("reading the tokenizer", None) as advance:
+        _convert_gguf(gguf, tmp, advance)
     (tmp / "dflash_source.json").write_text(json.dumps({"gguf": str(gguf), "sha256_16": key}))
     import shutil
 
@@ -322,8 +351,11 @@ def resolve_target(model: str | None, flag: str = "--model") -> str:
     if p.exists() and not p.is_dir():
         raise CheckpointError(f"{flag} {model} is a file; pass a model folder, hub id or .gguf file.")
     refuse_draft_as_target(model, flag)
-    return str(p) if p.exists() else model
+    if is_hub_id(model):
+        from dflash.hub import cache_only
 
+        cache_only()  # an unreachable hub: the cached copy at once, or one error line
+    return str(p) if p.exists() else model
 
 
 def is_hub_id(name: str) -> bool:
@@ -346,18 +378,24 @@ def _is_demo_target(model: str) -> bool:
 def resolve_draft(draft: str | None, model: str | None) -> Path:
     """Turn the ``--draft`` value into a local folder (downloading a hub id's json+safetensors).
 
-    Without ``--draft`` the shipped demo draft is used for the demo target: ``model`` None or
-    the demo GGUF file itself (the draft was trained for exactly that file).
+    Without ``--draft`` the shipped demo draft is used for the demo target (``model`` None or
+    the demo GGUF file itself: the draft was trained for exactly that file), and the published
+    draft for a target of the registry (:mod:`dflash.registry`, said once on stderr).
 
     Raises:
         InputError-like CheckpointError: no draft for a custom target, or a missing folder.
     """
-    if draft is None:
-        if model is not None and not _is_demo_target(model):
+    if draft is None and model is not None and not _is_demo_target(model):
+        from dflash.registry import registered_draft
+
+        draft = registered_draft(model)
+        if draft is None:
             raise CheckpointError(
-                "--draft is required when --model is given.",
-                hint="pass a DFlash draft folder or hub id, or create one with 'dflash init-draft'",
+                f"--draft is required: --model {model} has no published draft in dflash's registry.",
+                hint="'dflash models' lists the published pairs; 'dflash init-draft --target "
+                f"{model}' makes an untrained one",
             )
+    if draft is None:
         if not (DEMO_DRAFT_DIR / "config.json").is_file():
             raise CheckpointError("The shipped demo draft is missing from this installation.",
                                   hint="pass --draft DIR")  # fmt: skip
@@ -371,10 +409,15 @@ def resolve_draft(draft: str | None, model: str | None) -> Path:
     if not is_hub_id(draft):
         raise CheckpointError(f"Draft folder {draft} does not exist.",
                               hint="pass a folder holding config.json and model.safetensors")  # fmt: skip
+    from dflash import hub
+
+    hub.cache_only()  # an unreachable hub: the cached copy at once, or one error line
     try:
         from huggingface_hub import snapshot_download
 
         return Path(snapshot_download(draft, allow_patterns=["*.json", "*.safetensors"]))
     except Exception as e:
+        if hub.is_cache_miss(e):
+            raise hub.cache_miss("Draft", draft, "--draft DIR (a local draft folder)") from e
         raise CheckpointError(f"Cannot download draft {draft}: {type(e).__name__}.",
                               hint="check the hub id and the network, or pass a local folder") from e
