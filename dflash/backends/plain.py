@@ -195,6 +195,22 @@ class TransformersBackend:
     def rollback(self, length: int) -> None:
         _crop_cache(self.cache, length)
 
+    def score(self, ids: list[int]) -> torch.Tensor:
+        """Logits [T, V] of every position of ``ids`` in one forward on a fresh cache (the
+        server's prompt log-probabilities); leaves the backend reset.
+
+        Raises:
+            BackendError: on the static-cache path (a subclass with its own caches).
+        """
+        if hasattr(self, "use_graphs"):
+            raise BackendError("Prompt scoring runs on the plain path only.",
+                               hint="load with cuda_graphs=False")  # fmt: skip
+        self.reset()
+        t = torch.tensor([ids], dtype=torch.long, device=self.device)
+        logits, _ = self._forward(t, 0, False, last_only=False)
+        self.reset()
+        return logits
+
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         return logits.argmax(-1)
 
