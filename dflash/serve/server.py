@@ -3,7 +3,8 @@
     dflash serve                                   # demo pair on http://127.0.0.1:30000/v1
     dflash serve --model M --draft D --port 30000 --api-key KEY
 
-Endpoints: ``POST /v1/chat/completions`` and ``/v1/completions`` (streamed over SSE or not),
+Endpoints: ``POST /v1/chat/completions``, ``/v1/completions`` and ``/v1/responses`` (streamed
+over SSE or not; tool calls: :mod:`dflash.serve.tools`; Responses: :mod:`dflash.serve.responses`),
 ``GET /v1/models``, ``/health`` (503 while the model loads) and ``/metrics`` (Prometheus text,
 vLLM's spec-decode counter names, plus ``num_drafts_per_pos``). ``"return_meta_info": true``
 adds SGLang-style per-choice ``meta_info`` (τ, verify steps, histogram, and each step's τ and
@@ -281,6 +282,16 @@ class Engine:
                 for _ in jobs]  # fmt: skip
         return jobs, outs
 
+    def prepare(self, req: GenRequest, body: dict) -> None:
+        """The request's structured-output constraint (``response_format``, ``guided_*``)."""
+        for key in ("guided_json", "guided_regex", "guided_choice"):
+            if body.get(key) is not None:
+                raise ApiError(400, f"'{key}' is not supported by dflash serve.", param=key)
+        fmt = body.get("response_format")
+        if fmt is not None and fmt != {"type": "text"}:
+            raise ApiError(400, "'response_format' is not supported by dflash serve.",
+                           param="response_format")  # fmt: skip
+
     def check_host_path(self, what: str) -> None:
         """ApiError 400 on the CUDA-graph path, whose steps do not hand their logits to the
         host loop's hooks yet (log-probabilities, grammars)."""
@@ -388,6 +399,7 @@ def build_app(engine: Engine, api_key: str | None = None, max_body: int = MAX_BO
             for key in ("tools", "tool_choice", "functions", "function_call"):
                 if body.get(key) not in (None, [], "none"):
                     raise ApiError(400, f"'{key}' applies to /v1/chat/completions only.", param=key)
+        engine.prepare(req, body)
         jobs, outs = await engine.jobs(req)
         head = {"id": completion_id(chat), "created": int(time.time()), "model": engine.names[0]}
         t0 = time.perf_counter()
@@ -409,6 +421,21 @@ def build_app(engine: Engine, api_key: str | None = None, max_body: int = MAX_BO
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
         return await complete(request, chat=False)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Any:
+        from dflash.serve.responses import respond
+
+        check_key(request)
+        engine.check_ready()
+        body = await read_json(request)
+        model = body.get("model") if isinstance(body, dict) else None
+        check_model(model if isinstance(model, str) else None)
+        reply = await respond(engine, body, request)
+        if isinstance(reply, dict):
+            return reply
+        return StreamingResponse(reply, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})  # fmt: skip
 
     @app.get("/v1/models")
     async def models(request: Request) -> Any:
