@@ -98,19 +98,21 @@ class ScriptedPipe:
             yield RoundResult(tokens=step, accepted=len(step), proposed=7, finish_reason=finish)
 
 
-def client_for(pipe, **engine_kw):
-    """A started TestClient over ``dflash serve``'s app around ``pipe`` (ready to answer)."""
+def client_for(pipe, names=("scripted",), block_size=None, **engine_kw):
+    """A started TestClient over ``dflash serve``'s app around ``pipe`` (ready to answer);
+    ``engine_kw`` are set on the Engine before it loads."""
     from starlette.testclient import TestClient
 
     from dflash.serve.server import Engine, build_app
 
-    engine = Engine(lambda: pipe, ["scripted"], block_size=None)
+    engine = Engine(lambda: pipe, list(names), block_size=block_size)
     for key, value in engine_kw.items():
         setattr(engine, key, value)
     client = TestClient(build_app(engine))
     client.__enter__()
-    deadline = time.monotonic() + 30
-    while client.get("/health").status_code != 200 and time.monotonic() < deadline:
+    deadline = time.monotonic() + 300
+    while client.get("/health").status_code != 200:
+        assert time.monotonic() < deadline and engine.error is None, engine.error
         time.sleep(0.02)
     client.engine = engine
     return client

