@@ -5,6 +5,8 @@ prompts with ``n``, and log-probabilities equal to a plain forward of the target
 from __future__ import annotations
 
 import importlib.util
+import json
+import re
 
 import numpy as np
 import pytest
@@ -140,3 +142,54 @@ def test_completions_logprobs_with_echo_as_lm_eval_sends_them(oa, pipe):
         assert out.choices[0].text.startswith(pipe.tokenizer.decode(ids))
         assert lp.text_offset[:2] == [0, len(lp.tokens[0])]
         assert all(len(t) == 1 for t in lp.top_logprobs[1:])
+
+
+SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer"},
+                                           "unit": {"type": "string", "enum": ["apples", "pears"]}},
+          "required": ["answer", "unit"], "additionalProperties": False}  # fmt: skip
+
+
+def test_json_schema_output_validates_and_is_the_same_at_block_sizes_1_and_16(oa, http):
+    jsonschema = pytest.importorskip("jsonschema")
+    msgs = [{"role": "user", "content": "I had 12 apples and ate 5. How many are left? Answer in JSON."}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}}
+    texts = {}
+    for width in (1, 16):
+        http.engine.stream_block = width
+        try:
+            out = oa.chat.completions.create(model=NAME, messages=msgs, max_tokens=40, temperature=0,
+                                             response_format=fmt, extra_body={"return_meta_info": True})  # fmt: skip
+        finally:
+            http.engine.stream_block = 16
+        texts[width] = out.choices[0].message.content
+        assert out.choices[0].finish_reason == "stop"
+        if width == 16:  # the draft proposed under the grammar too: some proposals accepted
+            assert out.choices[0].model_extra["meta_info"]["spec_num_correct_drafts"] > 0
+    assert texts[1] == texts[16]
+    jsonschema.validate(json.loads(texts[16]), SCHEMA)
+    obj = oa.chat.completions.create(model=NAME, messages=msgs, max_tokens=40, temperature=0,
+                                     response_format={"type": "json_object"})  # fmt: skip
+    assert obj.choices[0].message.content.startswith("{")  # an object (cut by max_tokens here)
+    choice = oa.completions.create(model=NAME, prompt="The best fruit is", max_tokens=5,
+                                   temperature=0, extra_body={"guided_choice": ["pears", "kiwis"]})  # fmt: skip
+    assert choice.choices[0].text in ("pears", "kiwis")
+    regex = oa.completions.create(model=NAME, prompt="My phone number is", max_tokens=12,
+                                  temperature=0, extra_body={"guided_regex": "[0-9]{3}-[0-9]{4}"})  # fmt: skip
+    assert re.fullmatch("[0-9]{3}-[0-9]{4}", regex.choices[0].text)
+    with pytest.raises(openai.BadRequestError):
+        oa.chat.completions.create(model=NAME, messages=msgs, max_tokens=4,
+                                   response_format={"type": "json_schema"})  # fmt: skip
+
+
+def test_forced_tool_choice_is_generated_under_the_tool_schema(oa):
+    tools = [{"type": "function", "function": {"name": "count", "parameters": SCHEMA}}]
+    msgs = [{"role": "user", "content": "I had 12 apples and ate 5. How many are left?"}]
+    named = oa.chat.completions.create(model=NAME, messages=msgs, max_tokens=40, temperature=0,
+                                       tools=tools, tool_choice={"type": "function",
+                                                                 "function": {"name": "count"}})  # fmt: skip
+    call = named.choices[0].message.tool_calls[0]
+    assert call.function.name == "count" and named.choices[0].finish_reason == "tool_calls"
+    assert set(json.loads(call.function.arguments)) == {"answer", "unit"}
+    required = oa.chat.completions.create(model=NAME, messages=msgs, max_tokens=60, temperature=0,
+                                          tools=tools, tool_choice="required")  # fmt: skip
+    assert [c.function.name for c in required.choices[0].message.tool_calls][:1] == ["count"]

@@ -284,14 +284,26 @@ class Engine:
         return jobs, outs
 
     def prepare(self, req: GenRequest, body: dict) -> None:
-        """The request's structured-output constraint (``response_format``, ``guided_*``)."""
-        for key in ("guided_json", "guided_regex", "guided_choice"):
-            if body.get(key) is not None:
-                raise ApiError(400, f"'{key}' is not supported by dflash serve.", param=key)
-        fmt = body.get("response_format")
-        if fmt is not None and fmt != {"type": "text"}:
-            raise ApiError(400, "'response_format' is not supported by dflash serve.",
-                           param="response_format")  # fmt: skip
+        """Set the request's structured-output constraint (``response_format``, ``guided_*``,
+        or a forced ``tool_choice``: see :mod:`dflash.serve.grammar`); ApiError 400 for a bad
+        one or a path that cannot apply it."""
+        from dflash.serve.grammar import Grammar, spec_from, tool_grammar
+
+        spec = spec_from(body)
+        tools = req.tools
+        if tools is not None and tools.choice not in ("none", "auto"):
+            if spec is not None:
+                raise ApiError(400, f"'{spec[1]}' cannot be combined with a forced 'tool_choice'.",
+                               param=spec[1])  # fmt: skip
+            spec = tool_grammar(tools.schemas, tools.choice), "tool_choice"
+        if spec is None:
+            return
+        self.check_host_path("structured output")
+        if "mlx" in type(self.pipe.backend).__module__:
+            raise ApiError(400, "Structured output runs on the transformers backend only.",
+                           param=spec[1])  # fmt: skip
+        req.grammar = Grammar(*spec)
+        req.grammar.check(self.pipe)
 
     def check_host_path(self, what: str) -> None:
         """ApiError 400 on the CUDA-graph path, whose steps do not hand their logits to the
@@ -313,6 +325,8 @@ class Engine:
         spec = req.tools
         if spec is None or spec.choice == "none":
             return None
+        if spec.choice != "auto":  # forced: the grammar shapes the text, read as JSON
+            return make_parser("forced", spec)
         name = self.tool_parser_name
         if name is None:
             template = getattr(self.pipe.tokenizer, "chat_template", None)

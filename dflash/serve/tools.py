@@ -164,7 +164,12 @@ def detect_parser(template: str | None, model_type: str | None = None) -> str | 
 
 
 def make_parser(name: str, spec: ToolSpec) -> ToolParser:
-    """A fresh parser of the format ``name`` (a key of ``ALIASES``) for one reply."""
+    """A fresh parser of the format ``name`` (a key of ``ALIASES``) for one reply; "forced":
+    the reply of a forced ``tool_choice`` (generated under a grammar, as vLLM does it): the
+    named function's arguments object, or for "required" a JSON list of ``{"name",
+    "parameters"}`` objects."""
+    if name == "forced":
+        return _WholeReply(lambda text: _parse_forced(text, spec.choice))
     kind = ALIASES[name]
     if kind == "hermes":
         return _Tagged("<tool_call>", "</tool_call>", _parse_json_calls)
@@ -320,6 +325,20 @@ def _parse_llama3(text: str) -> list[tuple[str, Any]]:
         calls.append(call)
         while i < len(body) and body[i] in " \t\n;":
             i += 1
+    return [("call", c) for c in calls]
+
+
+def _parse_forced(text: str, choice: str) -> list[tuple[str, Any]]:
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError:
+        return _content(text)  # e.g. cut by the budget
+    if choice != "required":
+        args = _arguments(obj)
+        return [("call", ToolCall(choice, args))] if args is not None else _content(text)
+    calls = [_call_from(o, "parameters") for o in obj] if isinstance(obj, list) else [None]
+    if not calls or any(c is None for c in calls):
+        return _content(text)
     return [("call", c) for c in calls]
 
 
