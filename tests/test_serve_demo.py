@@ -193,3 +193,43 @@ def test_forced_tool_choice_is_generated_under_the_tool_schema(oa):
     required = oa.chat.completions.create(model=NAME, messages=msgs, max_tokens=60, temperature=0,
                                           tools=tools, tool_choice="required")  # fmt: skip
     assert [c.function.name for c in required.choices[0].message.tool_calls][:1] == ["count"]
+
+
+def test_prefix_cache_gives_the_same_ids_and_prefills_only_the_new_tokens(pipe):
+    """The second turn of a chat reuses the first turn's rows: same ids as without the cache,
+    and its prefill runs only the tokens after the cached prefix (counted by the backend)."""
+    from dflash.backends.prefix_cache import PrefixCache
+    from tests.serve_scripted import client_for
+
+    be = pipe.backend
+    turn1 = [{"role": "user", "content": PROMPT}]
+    p1 = pipe.chat_prompt(turn1)
+    try:
+        be.prefix_cache = PrefixCache(2**30)
+        r1 = pipe.generate(p1, max_new_tokens=16, block_size=16)
+        turn2 = turn1 + [{"role": "assistant", "content": r1.text},
+                         {"role": "user", "content": "And 12 times 8?"}]  # fmt: skip
+        p2 = pipe.chat_prompt(turn2)
+        ref = p1 + r1.token_ids  # the rows of the first turn: all but its last token were run
+        lcp = next((i for i, (a, b) in enumerate(zip(p2, ref)) if a != b), min(len(p2), len(ref)))
+        before = be.prefill_tokens
+        cached = pipe.generate(p2, max_new_tokens=16, block_size=16)
+        shared = be.last_cached
+        assert min(lcp, len(ref) - 1) <= shared <= len(p2) - 1 and shared > len(p1)
+        assert be.prefill_tokens - before == len(p2) - shared  # only the new tokens ran
+        be.prefix_cache = None
+        plain = pipe.generate(p2, max_new_tokens=16, block_size=16)
+        assert cached.token_ids == plain.token_ids
+        assert be.last_cached == 0
+        with client_for(pipe, names=[NAME], block_size=16, prefix_cache_bytes=2**30) as http:
+            body = {"messages": turn1, "max_tokens": 16, "temperature": 0, "return_meta_info": True}
+            first = http.post("/v1/chat/completions", json=body).json()
+            assert first["choices"][0]["meta_info"]["cached_tokens"] == 0
+            second = http.post("/v1/chat/completions", json={**body, "messages": turn2}).json()
+            assert second["choices"][0]["meta_info"]["cached_tokens"] == shared
+            assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == shared
+            assert second["choices"][0]["message"]["content"] == plain.text
+            metrics = http.get("/metrics").text
+            assert f'vllm:prefix_cache_hits_total{{model_name="{NAME}"}} {shared}' in metrics
+    finally:
+        be.prefix_cache = None

@@ -108,7 +108,7 @@ class Job:
     echo_text: str = ""
     echo_logprobs: list | None = None
     prompt_first: int | None = None  # the first prompt token (no log-probability) when echoed
-    events: list = field(default_factory=list)
+    info: dict = field(default_factory=dict)  # the engine's state of the job (cached_tokens)
 
 
 def chat_logprobs(out: Output, entries: list) -> dict[str, Any]:
@@ -150,7 +150,8 @@ async def run_job(engine: Any, job: Job, req: GenRequest, out: Output,
         yield out.close("length")
         return
     finish = "abort"
-    async with aclosing(engine.steps(job.ids, req, request, sampling=job.sampling)) as steps:
+    async with aclosing(engine.steps(job.ids, req, request, sampling=job.sampling,
+                                     info=job.info)) as steps:  # fmt: skip
         async for step in steps:
             events = out.add(step)
             if events:
@@ -162,6 +163,15 @@ async def run_job(engine: Any, job: Job, req: GenRequest, out: Output,
     elif request is None or not await request.is_disconnected():
         finish = "length"
     yield out.close(finish)
+
+
+def _usage(jobs: list[Job], outs: list[Output], req: GenRequest) -> dict[str, Any]:
+    """The reply's usage: each prompt counted once (not per choice), with OpenAI's
+    ``prompt_tokens_details.cached_tokens`` (prompt tokens the prefix cache supplied)."""
+    first = jobs[:: req.n]
+    use: dict[str, Any] = usage(sum(len(j.ids) for j in first), sum(o.tokens for o in outs))
+    use["prompt_tokens_details"] = {"cached_tokens": sum(j.info.get("cached_tokens", 0) for j in first)}
+    return use
 
 
 def _content(events: list) -> str:
@@ -184,8 +194,7 @@ async def full_reply(engine: Any, jobs: list[Job], req: GenRequest, outs: list[O
         finally:
             engine.metrics.request_done(len(job.ids), out.tokens, out.finish or "abort")
         choices.append(_choice(engine, job, req, out, events, t0))
-    prompts = sum(len(j.ids) for j in jobs[:: req.n])
-    use = usage(prompts, sum(o.tokens for o in outs))
+    use = _usage(jobs, outs, req)
     return {**head, "object": "chat.completion" if req.chat else "text_completion",
             "choices": choices, "usage": use}  # fmt: skip
 
@@ -223,7 +232,6 @@ async def stream_reply(engine: Any, jobs: list[Job], req: GenRequest, outs: list
     """SSE events of a streamed reply: per choice a role chunk (chat), text / tool-call chunks
     and a final chunk; then the usage (``include_usage``) and ``[DONE]``."""
     obj = "chat.completion.chunk" if req.chat else "text_completion"
-    prompts = sum(len(j.ids) for j in jobs[:: req.n])
 
     def sse(x: dict) -> str:
         return f"data: {json.dumps(x, ensure_ascii=False)}\n\n"
@@ -232,8 +240,7 @@ async def stream_reply(engine: Any, jobs: list[Job], req: GenRequest, outs: list
         c = chunk(head["id"], req.chat, head["model"], head["created"], text, finish, **kw)
         c["choices"][0]["index"] = job.index
         if req.include_usage or req.continuous_usage:
-            done = sum(o.tokens for o in outs)
-            c["usage"] = usage(prompts, done) if req.continuous_usage else None
+            c["usage"] = _usage(jobs, outs, req) if req.continuous_usage else None
         return c
 
     for job, out in zip(jobs, outs, strict=True):
@@ -279,5 +286,5 @@ async def stream_reply(engine: Any, jobs: list[Job], req: GenRequest, outs: list
     if req.include_usage:
         yield sse({"id": head["id"], "object": obj, "created": head["created"],
                    "model": head["model"], "choices": [],
-                   "usage": usage(prompts, sum(o.tokens for o in outs))})  # fmt: skip
+                   "usage": _usage(jobs, outs, req)})  # fmt: skip
     yield "data: [DONE]\n\n"

@@ -467,6 +467,7 @@ class ServerMetrics:
         self.prompt_tokens = self.generation_tokens = 0
         self.finished: dict[str, int] = {}
         self.running = self.waiting = 0
+        self.prefix_queries = self.prefix_hits = 0
         self.started = time.time()
 
     def step(self, accepted: int, proposed: int) -> None:
@@ -483,6 +484,12 @@ class ServerMetrics:
                     self.reached[p] += 1  # and the first rejected one, if it was proposed
                 for p in range(accepted - 1):
                     self.per_pos[p] += 1
+
+    def prefix(self, prompt_tokens: int, cached_tokens: int) -> None:
+        """Count a prefill: its prompt tokens and those the prefix cache supplied."""
+        with self.lock:
+            self.prefix_queries += prompt_tokens
+            self.prefix_hits += cached_tokens
 
     def request_done(self, prompt_tokens: int, completion_tokens: int, finish: str) -> None:
         """Count a finished request (finish: stop, length or abort)."""
@@ -523,6 +530,10 @@ class ServerMetrics:
                    [(label, self.generation_tokens)])  # fmt: skip
             metric("vllm:request_success_total", "counter", "Finished requests by reason.",
                    [(f'{label},finished_reason="{k}"', v) for k, v in sorted(self.finished.items())])  # fmt: skip
+            metric("vllm:prefix_cache_queries_total", "counter", "Prompt tokens looked up in "
+                   "the prefix cache.", [(label, self.prefix_queries)])  # fmt: skip
+            metric("vllm:prefix_cache_hits_total", "counter", "Prompt tokens the prefix cache "
+                   "supplied.", [(label, self.prefix_hits)])  # fmt: skip
             metric("vllm:num_requests_running", "gauge", "Requests generating now (at most 1).",
                    [(label, self.running)])  # fmt: skip
             metric("vllm:num_requests_waiting", "gauge", "Requests queued behind it.",

@@ -143,13 +143,14 @@ class ResponseState:
         self.seq += 1
         return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
 
-    def response(self, status: str, out: Any = None, prompt_tokens: int = 0) -> dict[str, Any]:
+    def response(self, status: str, out: Any = None, prompt_tokens: int = 0,
+                 cached: int = 0) -> dict[str, Any]:  # fmt: skip
         """The ``response`` object (status ``in_progress``, ``completed`` or ``incomplete``)."""
         body, use = self.body, None
         if out is not None:
             use = {"input_tokens": prompt_tokens, "output_tokens": out.tokens,
                    "total_tokens": prompt_tokens + out.tokens,
-                   "input_tokens_details": {"cached_tokens": 0},
+                   "input_tokens_details": {"cached_tokens": cached},
                    "output_tokens_details": {"reasoning_tokens": 0}}  # fmt: skip
         incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
         return {"id": self.id, "object": "response", "created_at": self.created, "status": status,
@@ -210,11 +211,11 @@ class ResponseState:
                            content_index=0, part=item["content"][0]),
                 self.event("response.output_item.done", output_index=index, item=item)]  # fmt: skip
 
-    def finish(self, out: Any, prompt_tokens: int) -> tuple[list[str], dict[str, Any]]:
+    def finish(self, out: Any, prompt_tokens: int, cached: int = 0) -> tuple[list[str], dict[str, Any]]:
         """The closing SSE events and the final response object."""
         sse = self._close_text()
         status = "incomplete" if out.finish == "length" else "completed"
-        final = self.response(status, out, prompt_tokens)
+        final = self.response(status, out, prompt_tokens, cached)
         kind = "response.incomplete" if status == "incomplete" else "response.completed"
         return sse + [self.event(kind, response=final)], final
 
@@ -240,7 +241,7 @@ async def respond(engine: Any, body: dict, request: Any) -> Any:
                 state.add(events)
         finally:
             engine.metrics.request_done(len(job.ids), out.tokens, out.finish or "abort")
-        return state.finish(out, len(job.ids))[1]
+        return state.finish(out, len(job.ids), job.info.get("cached_tokens", 0))[1]
 
     async def stream() -> AsyncIterator[str]:
         try:
@@ -254,7 +255,7 @@ async def respond(engine: Any, body: dict, request: Any) -> Any:
                 yield state.event("error", code="server_error", param=None,
                                   message=f"Generation failed: {type(err).__name__}: {err}")  # fmt: skip
                 return
-            for text in state.finish(out, len(job.ids))[0]:
+            for text in state.finish(out, len(job.ids), job.info.get("cached_tokens", 0))[0]:
                 yield text
         finally:
             engine.metrics.request_done(len(job.ids), out.tokens, out.finish or "abort")

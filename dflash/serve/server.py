@@ -66,6 +66,7 @@ class Engine:
         self.active: set[threading.Event] = set()
         self.created = int(time.time())
         self.tool_parser_name: str | None = None  # --tool-call-parser (None: from the template)
+        self.prefix_cache_bytes = 0  # --prefix-cache-mb (0: off)
 
     def start_loading(self) -> None:
         """Load in a daemon thread; on failure store the error and call ``on_failure``."""
@@ -82,6 +83,12 @@ class Engine:
                 pipe.calibrate()  # costs measured (or read from the cache) before any request
             if getattr(pipe.backend, "use_graphs", False):  # as `dflash generate` does
                 self._warm_up(pipe)
+            describe = getattr(pipe.backend, "describe", dict)
+            if self.prefix_cache_bytes and hasattr(pipe.backend, "prefix_cache") \
+                    and describe().get("impl") == "dynamic":  # the plain path  # fmt: skip
+                from dflash.backends.prefix_cache import PrefixCache
+
+                pipe.backend.prefix_cache = PrefixCache(self.prefix_cache_bytes)
             self.metrics = ServerMetrics(self.names[0], self.block_size)
             self.pipe = pipe
             print(f"dflash serve: {self.names[0]} ready in {time.perf_counter() - t0:.1f} s "
@@ -155,18 +162,19 @@ class Engine:
 
     def run(self, ids: list[int], req: GenRequest, cancel: threading.Event,
             emit: Callable[[tuple[str, Any]], None], sampling: Any = None,
-            started: list | None = None) -> None:  # fmt: skip
+            info: dict | None = None) -> None:  # fmt: skip
         """Worker thread: stream the generation's steps into ``emit``, then ("end", error|None).
 
-        ``sampling``: the choice's settings (default ``req.sampling``); ``started``: the job's
-        one-item state shared with :meth:`steps` ("queued", "running" or "dropped" when its
-        client left while it waited, already counted out of the waiting gauge)."""
-        state = started if started is not None else ["queued"]
+        ``sampling``: the choice's settings (default ``req.sampling``); ``info``: the job's
+        state shared with :meth:`steps`: "state" ("queued", "running" or "dropped" when its
+        client left while it waited, already counted out of the waiting gauge), and
+        "cached_tokens" (prompt tokens the prefix cache supplied) set here."""
+        state = info if info is not None else {"state": "queued"}
         with self.metrics.lock:
-            if state[0] == "dropped":
+            if state["state"] == "dropped":
                 emit(("end", None))
                 return
-            state[0] = "running"
+            state["state"] = "running"
             self.metrics.waiting -= 1
             if cancel.is_set():
                 emit(("end", None))
@@ -187,6 +195,9 @@ class Engine:
                                          **extra):  # fmt: skip
                 if step.accepted is not None:
                     self.metrics.step(step.accepted, step.proposed)
+                else:  # the prefill's token: what the prefix cache gave is known now
+                    state["cached_tokens"] = getattr(self.pipe.backend, "last_cached", 0)
+                    self.metrics.prefix(len(ids), state["cached_tokens"])
                 emit(("step", step))
                 if cancel.is_set():
                     break
@@ -198,7 +209,7 @@ class Engine:
         emit(("end", error))
 
     async def steps(self, ids: list[int], req: GenRequest, request: Any = None, *,
-                    sampling: Any = None) -> AsyncIterator[Any]:  # fmt: skip
+                    sampling: Any = None, info: dict | None = None) -> AsyncIterator[Any]:  # fmt: skip
         """Queue a generation and yield its RoundResults; leaving early cancels it (and a job
         still queued leaves the waiting gauge at once).
 
@@ -208,7 +219,8 @@ class Engine:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         cancel = threading.Event()
-        state = ["queued"]
+        state = info if info is not None else {}
+        state["state"] = "queued"
 
         def emit(item: tuple[str, Any]) -> None:
             try:
@@ -244,8 +256,8 @@ class Engine:
             cancel.set()
             self.active.discard(cancel)
             with self.metrics.lock:
-                if state[0] == "queued":  # never started: out of the queue now, not when reached
-                    state[0] = "dropped"
+                if state["state"] == "queued":  # never started: out of the queue now
+                    state["state"] = "dropped"
                     self.metrics.waiting -= 1
 
     async def call(self, fn: Callable[[], Any]) -> Any:
@@ -314,8 +326,9 @@ class Engine:
                            "server with --no-cuda-graphs to use it.", param=what.strip("'"))  # fmt: skip
 
     def choice_meta(self, job: Any) -> dict[str, Any]:
-        """Extra ``meta_info`` of a choice (none yet)."""
-        return {}
+        """Extra ``meta_info`` of a choice: ``cached_tokens`` (SGLang's name), the prompt
+        tokens the prefix cache supplied."""
+        return {"cached_tokens": job.info.get("cached_tokens", 0)}
 
     def tool_parser(self, req: GenRequest) -> Any:
         """A fresh tool-call parser for one reply to ``req`` (None: no tools, or
@@ -565,6 +578,7 @@ def serve(
     dtype: Annotated[str, typer.Option(help="auto (bf16 on CUDA, fp32 on CPU), bfloat16, float16, float32.")] = "auto",
     cuda_graphs: Annotated[bool | None, typer.Option("--cuda-graphs/--no-cuda-graphs", help="Static caches + CUDA graphs (default: on for CUDA with Llama/Qwen-style targets).")] = None,
     log_level: Annotated[str, typer.Option(help="uvicorn log level: warning, info (access log), debug.")] = "info",
+    prefix_cache_mb: Annotated[int, typer.Option(help="Prefix cache size in MiB (target K/V rows and features of earlier requests, reused by one that starts alike; plain transformers path); 0 = off.")] = 2048,
     tool_call_parser: Annotated[str | None, typer.Option(help="Tool-call format: hermes, qwen3_coder, llama3_json, openai (gpt-oss), gemma4 (default: from the chat template).")] = None,
 ) -> None:  # fmt: skip
     """Serve a target/draft pair over an OpenAI-compatible HTTP API (one generation at a time)."""
@@ -610,6 +624,9 @@ def serve(
 
     engine = Engine(load, names, width)
     engine.tool_parser_name = tool_call_parser
+    if prefix_cache_mb < 0:
+        raise InputError(f"--prefix-cache-mb must be >= 0, got {prefix_cache_mb}.", hint="0 turns it off")
+    engine.prefix_cache_bytes = prefix_cache_mb * 2**20
     app = build_app(engine, api_key)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(),
                                            timeout_graceful_shutdown=5))  # fmt: skip
