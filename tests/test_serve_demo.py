@@ -211,7 +211,7 @@ def test_prefix_cache_gives_the_same_ids_and_prefills_only_the_new_tokens(pipe):
                          {"role": "user", "content": "And 12 times 8?"}]  # fmt: skip
         p2 = pipe.chat_prompt(turn2)
         ref = p1 + r1.token_ids  # the rows of the first turn: all but its last token were run
-        lcp = next((i for i, (a, b) in enumerate(zip(p2, ref)) if a != b), min(len(p2), len(ref)))
+        lcp = next((i for i, (a, b) in enumerate(zip(p2, ref, strict=False)) if a != b), min(len(p2), len(ref)))
         before = be.prefill_tokens
         cached = pipe.generate(p2, max_new_tokens=16, block_size=16)
         shared = be.last_cached

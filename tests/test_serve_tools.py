@@ -172,3 +172,51 @@ def test_malformed_calls_are_plain_content(fmt, text):
     parser = make_parser(fmt, check_tools({"tools": TOOLS}))
     events = parser.feed(text) + parser.finish()
     assert all(k == "content" for k, _ in events) and events
+
+
+def test_waiting_and_running_gauges_return_to_zero_after_disconnects():
+    """Clients that leave while queued leave the waiting gauge at once (it stayed at 11 after
+    11 waiting clients had gone, until the worker reached their jobs); the running gauge
+    returns to 0 when the generation in progress is cancelled."""
+    import asyncio
+    import threading
+
+    from dflash.serve.protocol import parse_request
+
+    gate = threading.Event()
+
+    def reply(msgs):
+        gate.wait(30)  # the first generation holds the worker until released
+        return "ok"
+
+    http = client_for(ScriptedPipe(reply))
+    engine = http.engine
+    req = parse_request({"messages": [{"role": "user", "content": "hi"}]}, chat=True)
+    gauges = []
+
+    async def main():
+        first = engine.steps([1, 2], req)
+        task = asyncio.ensure_future(first.__anext__())  # starts the blocked generation
+        await asyncio.sleep(0.2)
+        queued = [engine.steps([1, 2], req) for _ in range(11)]
+        starts = [asyncio.ensure_future(q.__anext__()) for q in queued]
+        await asyncio.sleep(0.2)
+        gauges.append((engine.metrics.running, engine.metrics.waiting))
+        for s in starts:  # as Starlette cancels the response of a client that hung up
+            s.cancel()
+        await asyncio.gather(*starts, return_exceptions=True)
+        gauges.append((engine.metrics.running, engine.metrics.waiting))
+        gate.set()
+        await task
+        await first.aclose()
+        await asyncio.sleep(0.5)  # the worker runs through the dropped jobs
+        gauges.append((engine.metrics.running, engine.metrics.waiting))
+
+    try:
+        asyncio.run(main())
+    finally:
+        gate.set()
+        http.__exit__(None, None, None)
+    assert gauges == [(1, 11), (1, 0), (0, 0)]
+    text = http.engine.metrics.render()
+    assert 'vllm:num_requests_waiting{model_name="scripted"} 0' in text
