@@ -167,6 +167,7 @@ def test_meta_info_and_metrics_agree_and_round_trip_through_the_client_parsers()
     metrics = ServerMetrics('m"x', 16)
     for a, p in zip(accepted, proposed, strict=True):
         metrics.step(a, p)
+    metrics.tokens(24)  # counted as the steps commit them
     metrics.request_done(10, 24, "length")
     counters = SpecCounters.from_text(metrics.render())
     assert (counters.drafts, counters.draft_tokens, counters.accepted) == (4, 60, 18)

@@ -220,3 +220,7 @@ def test_waiting_and_running_gauges_return_to_zero_after_disconnects():
     assert gauges == [(1, 11), (1, 0), (0, 0)]
     text = http.engine.metrics.render()
     assert 'vllm:num_requests_waiting{model_name="scripted"} 0' in text
+    latency = http.engine.latency.render()  # the one generation that ran; "ok" + EOS = 3 tokens
+    for name, count in (("time_to_first_token", 1), ("e2e_request_latency", 1), ("inter_token_latency", 2)):
+        assert f'vllm:{name}_seconds_count{{model_name="scripted"}} {count}.0' in latency
+    assert 'vllm:generation_tokens_total{model_name="scripted"} 3' in text

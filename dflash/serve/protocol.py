@@ -491,11 +491,16 @@ class ServerMetrics:
             self.prefix_queries += prompt_tokens
             self.prefix_hits += cached_tokens
 
+    def tokens(self, n: int) -> None:
+        """Count tokens as a step commits them (``generation_tokens_total`` moves per step)."""
+        with self.lock:
+            self.generation_tokens += n
+
     def request_done(self, prompt_tokens: int, completion_tokens: int, finish: str) -> None:
-        """Count a finished request (finish: stop, length or abort)."""
+        """Count a finished request (finish: stop, length, tool_calls or abort; its generated
+        tokens were counted step by step, ``completion_tokens`` is not added again)."""
         with self.lock:
             self.prompt_tokens += prompt_tokens
-            self.generation_tokens += completion_tokens
             self.finished[finish] = self.finished.get(finish, 0) + 1
 
     def render(self) -> str:

@@ -63,6 +63,7 @@ class Engine:
         self.on_failure: Callable[[], None] | None = None
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-generate")
         self.metrics = ServerMetrics(names[0], 1)
+        self.latency: Any = None  # dflash.serve.metrics.Latency once prometheus_client is there
         self.active: set[threading.Event] = set()
         self.created = int(time.time())
         self.tool_parser_name: str | None = None  # --tool-call-parser (None: from the template)
@@ -90,6 +91,12 @@ class Engine:
 
                 pipe.backend.prefix_cache = PrefixCache(self.prefix_cache_bytes)
             self.metrics = ServerMetrics(self.names[0], self.block_size)
+            try:
+                from dflash.serve.metrics import Latency
+
+                self.latency = Latency(self.names[0])
+            except ImportError:  # prometheus_client missing: /metrics without the histograms
+                self.latency = None
             self.pipe = pipe
             print(f"dflash serve: {self.names[0]} ready in {time.perf_counter() - t0:.1f} s "
                   f"(block size {self.stream_block})", file=sys.stderr, flush=True)  # fmt: skip
@@ -190,14 +197,22 @@ class Engine:
                 extra["logprobs"] = req.logprobs
             if req.grammar is not None:
                 extra["processor"] = req.grammar.processor(self.pipe)
+            last = time.perf_counter()
             for step in self.pipe.stream(ids, block_size=self.stream_block, max_new_tokens=budget,
                                          sampling=sampling or req.sampling, stop_ids=stops,
                                          **extra):  # fmt: skip
+                now = time.perf_counter()
+                self.metrics.tokens(len(step.tokens))
                 if step.accepted is not None:
                     self.metrics.step(step.accepted, step.proposed)
+                    if self.latency is not None:
+                        self.latency.step(now - last, len(step.tokens))
                 else:  # the prefill's token: what the prefix cache gave is known now
                     state["cached_tokens"] = getattr(self.pipe.backend, "last_cached", 0)
                     self.metrics.prefix(len(ids), state["cached_tokens"])
+                    if self.latency is not None:
+                        self.latency.ttft.observe(now - state.get("submitted", now))
+                last = now
                 emit(("step", step))
                 if cancel.is_set():
                     break
@@ -206,6 +221,8 @@ class Engine:
         finally:
             with self.metrics.lock:
                 self.metrics.running -= 1
+            if self.latency is not None:
+                self.latency.e2e.observe(time.perf_counter() - state.get("submitted", time.perf_counter()))
         emit(("end", error))
 
     async def steps(self, ids: list[int], req: GenRequest, request: Any = None, *,
@@ -220,7 +237,7 @@ class Engine:
         queue: asyncio.Queue = asyncio.Queue()
         cancel = threading.Event()
         state = info if info is not None else {}
-        state["state"] = "queued"
+        state["state"], state["submitted"] = "queued", time.perf_counter()
 
         def emit(item: tuple[str, Any]) -> None:
             try:
@@ -510,7 +527,8 @@ def build_app(engine: Engine, api_key: str | None = None, max_body: int = MAX_BO
 
     @app.get("/metrics")
     async def metrics() -> Any:
-        return PlainTextResponse(engine.metrics.render(), media_type="text/plain; version=0.0.4")
+        text = engine.metrics.render() + (engine.latency.render() if engine.latency else "")
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     return app
 
