@@ -8,14 +8,14 @@ autoregressive decoding through the same code (no draft call, verify width 1).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from dflash.accept import accept_greedy, accept_sampling_candidates, commit_tokens, verify_width
 from dflash.backends.base import LocalBackend, SelectorProposal
-from dflash.sampling import NumpySampler, sampling_probs
-from dflash.types import RoundResult, SamplingParams
+from dflash.sampling import NumpySampler, sampling_probs, token_logprobs
+from dflash.types import RoundResult, SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:
     from dflash.auto_block import BlockPolicy
@@ -30,6 +30,8 @@ def speculative_generate(
     sampling: SamplingParams = SamplingParams(),
     stop_ids: list[int] | tuple[int, ...] = (),
     policy: BlockPolicy | None = None,
+    logprobs: int | None = None,
+    processor: Any = None,
 ) -> Iterator[RoundResult]:
     """Generate up to ``max_new_tokens`` tokens, yielding what each step commits.
 
@@ -44,13 +46,25 @@ def speculative_generate(
             step (``choose(remaining)``, <= block_size) and told the outcome after its verify
             (``observe(accepted drafts, proposed)``); ``needs_features()`` says whether a
             step's target features are kept for later drafts. None = every step uses block_size.
+        logprobs: None = off; k >= 0: each result carries the target's log-probabilities of
+            its tokens (``RoundResult.logprobs``) with the k most likely alternatives, from the
+            log-softmax of the same logits the step accepted with (the raw logits, after the
+            processor's mask if any; before temperature/top-k/top-p), so they equal what plain
+            decoding reports.
+        processor: a constraint on the target's tokens (structured output), with
+            ``mask(logits [R, V], tokens) -> logits``: row i masked for the state after
+            ``tokens[:i]`` on top of what was committed; ``propose(proposals [n], draft_logits
+            [n, V] | None) -> proposals``: the draft's proposals under the constraint;
+            ``commit(tokens)``: advance by committed tokens. Acceptance then runs on the
+            masked logits, so it stays exact with respect to the constrained target.
 
     Yields:
         RoundResult for the token sampled after prefill (accepted=None), then one per verify
         step with accepted = tokens committed including the bonus. The last result carries
         finish_reason "stop" or "length".
     """
-    if sampling.greedy and policy is None and getattr(backend, "device_loop", None) is not None:
+    plain_steps = policy is None and logprobs is None and processor is None
+    if sampling.greedy and plain_steps and getattr(backend, "device_loop", None) is not None:
         yield from _device_greedy(backend, prompt_ids, block_size, max_new_tokens, stop_ids)
         return
     stops = set(stop_ids)
@@ -67,12 +81,17 @@ def speculative_generate(
         cand_rng = getattr(sampler, "rng", None) or np.random.default_rng(sampling.seed)
     backend.reset(len(prompt_ids) + max_new_tokens + block_size)
     logits, context = backend.prefill(list(prompt_ids), want_features)
+    if processor is not None:
+        logits = processor.mask(logits[None], [])[0]
     if sampling.greedy:
         first = backend.to_list(backend.argmax(logits[None]))[0][0]  # sync: first token
     else:
         first = sampler.first(logits)
     _, n, finish = commit_tokens([first], stops, 0, max_new_tokens)
-    yield RoundResult(tokens=[first], accepted=None, finish_reason=finish)
+    if processor is not None:
+        processor.commit([first])
+    yield RoundResult(tokens=[first], accepted=None, finish_reason=finish,
+                      logprobs=_logprobs(backend, logits[None], [first], logprobs))  # fmt: skip
     anchor, start = first, len(prompt_ids)  # anchor sits at position `start`, not yet in cache
     pending = [context]  # feature chunks the draft has not seen (several after L = 1 steps)
     draft_seen = False  # the draft has seen the prompt
@@ -91,9 +110,14 @@ def speculative_generate(
             proposals_arr, drafted = backend.draft(anchor, context, start, width, **draft_kwargs,
                                                    **rows)  # fmt: skip
             proposals_arr = proposals_arr[: length - 1]
+            if processor is not None:  # the draft's choice among the tokens the grammar allows
+                draft_logits = None if isinstance(drafted, SelectorProposal) else drafted
+                proposals_arr = processor.propose(proposals_arr, draft_logits)
             pending, draft_seen = [], True
         keep = want_features and (policy is None or not draft_seen or policy.needs_features())
         logits, feats = backend.verify(anchor, proposals_arr, start, keep)
+        if processor is not None:
+            logits = processor.mask(logits, proposals_arr if length > 1 else [])
         if sampling.greedy:
             arrays = [backend.argmax(logits)] + ([proposals_arr] if length > 1 else [])
             lists = backend.to_list(*arrays)  # sync: the one host copy of this step
@@ -111,6 +135,8 @@ def speculative_generate(
         if policy is not None:
             policy.observe(a, length - 1)
         new, n, finish = commit_tokens(proposals[:a] + [bonus], stops, n, max_new_tokens)
+        if processor is not None and finish is None:
+            processor.commit(new)
         if finish is None:
             produced = len(new)  # anchor + accepted proposals now sit in the target cache
             backend.rollback(start + produced)
@@ -119,7 +145,17 @@ def speculative_generate(
             elif want_features:  # a gap: the draft gets only rows that end at its anchor
                 pending = []
             anchor, start = new[-1], start + produced
-        yield RoundResult(tokens=new, accepted=len(new), proposed=length - 1, finish_reason=finish)
+        yield RoundResult(tokens=new, accepted=len(new), proposed=length - 1, finish_reason=finish,
+                          logprobs=_logprobs(backend, logits[: len(new)], new, logprobs))  # fmt: skip
+
+
+def _logprobs(backend: LocalBackend, logits: Any, tokens: list[int],
+              top: int | None) -> list[TokenLogprob] | None:  # fmt: skip
+    """Log-probabilities of ``tokens`` under logits [n, V] (row i scores tokens[i]), None when
+    not asked for (``top`` None). One device-to-host copy of the n rows."""
+    if top is None:
+        return None
+    return token_logprobs(backend.to_numpy(logits), tokens, top)
 
 
 def _device_greedy(backend, prompt_ids: list[int], block_size: int, max_new_tokens: int,

@@ -22,8 +22,9 @@ from dflash.auto_block import (
 from dflash.errors import InputError
 from dflash.loop import speculative_generate
 from dflash.paths import key_path  # noqa: F401 - re-exported
+from dflash.sampling import token_logprobs
 from dflash.text import encode_messages, reasoning_kwargs, split_incomplete_char
-from dflash.types import GenerationResult, RoundResult, SamplingParams
+from dflash.types import GenerationResult, RoundResult, SamplingParams, TokenLogprob
 
 
 class Pipeline:
@@ -161,8 +162,10 @@ class Pipeline:
 
     def stream(self, prompt_ids: list[int], *, block_size: int | str | None = "auto",
                max_new_tokens: int = 2048, sampling: SamplingParams = SamplingParams(),
-               stop_ids: list[int] | None = None) -> Iterator[RoundResult]:  # fmt: skip
-        """Yield what each step commits (see ``dflash.loop.speculative_generate``).
+               stop_ids: list[int] | None = None, logprobs: int | None = None,
+               processor: Any = None) -> Iterator[RoundResult]:  # fmt: skip
+        """Yield what each step commits (see ``dflash.loop.speculative_generate``, which also
+        describes ``logprobs`` and ``processor``).
 
         Generation also ends at the target's context length (finish_reason "length").
         ``block_size="auto"`` (the default) picks L per step (see ``dflash.auto_block``); the
@@ -188,7 +191,27 @@ class Pipeline:
         stops = self.stop_ids if stop_ids is None else stop_ids
         yield from speculative_generate(self.backend, prompt_ids, block_size=bs,
                                         max_new_tokens=budget, sampling=sampling,
-                                        stop_ids=stops, policy=policy)  # fmt: skip
+                                        stop_ids=stops, policy=policy, logprobs=logprobs,
+                                        processor=processor)  # fmt: skip
+
+    def prompt_logprobs(self, prompt_ids: list[int], top: int) -> list[TokenLogprob]:
+        """The target's log-probabilities of prompt tokens 1..T-1 (each given the tokens before
+        it), with the ``top`` most likely alternatives: one forward over the prompt
+        (``backend.score``), as the raw log-softmax that :meth:`stream` reports for generated
+        tokens.
+
+        Raises:
+            InputError: a bad prompt, or a backend without ``score`` (the CUDA-graph path, mlx).
+        """
+        self.check_prompt(prompt_ids)
+        score = getattr(self.backend, "score", None)
+        if score is None:
+            raise InputError("Prompt log-probabilities need the plain transformers path.",
+                             hint="load with cuda_graphs=False (dflash serve --no-cuda-graphs)")  # fmt: skip
+        if len(prompt_ids) < 2:
+            return []
+        logits = score(prompt_ids)  # [T, V]
+        return token_logprobs(self.backend.to_numpy(logits[:-1]), prompt_ids[1:], top)
 
     def calibrate_for(self, prompt_ids: list[int], block_size: int | str | None, max_new_tokens: int) -> None:
         """Measure (or read) the ``auto`` costs when this request will use them: under

@@ -9,9 +9,28 @@ from __future__ import annotations
 import numpy as np
 
 from dflash.accept import accept_sampling, sample
-from dflash.types import SamplingParams
+from dflash.types import SamplingParams, TokenLogprob
 
-__all__ = ["NumpySampler", "sample", "sampling_probs"]  # sample: defined in dflash.accept
+__all__ = ["NumpySampler", "sample", "sampling_probs", "token_logprobs"]  # sample: in dflash.accept
+
+
+def token_logprobs(logits: np.ndarray, tokens: list[int], top: int) -> list[TokenLogprob]:
+    """Log-softmax (float32, natural log) of each row of logits [n, V] at tokens[i], with the
+    ``top`` most likely ids of the row (ties: the lower id first). Masked entries (-inf) get
+    -inf; ``top`` never lists them."""
+    x = np.asarray(logits, dtype=np.float32).reshape(len(tokens), -1)
+    peak = x.max(-1, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        lp = x - (peak + np.log(np.exp(x - peak).sum(-1, keepdims=True)))
+    out = []
+    for row, tok in zip(lp, tokens, strict=True):
+        best: list[tuple[int, float]] = []
+        if top > 0:
+            ids = np.argpartition(-row, min(top, row.shape[0] - 1))[:top]
+            ids = sorted(ids.tolist(), key=lambda i: (-row[i], i))
+            best = [(i, float(row[i])) for i in ids if np.isfinite(row[i])]
+        out.append(TokenLogprob(int(tok), float(row[tok]), best))
+    return out
 
 
 def sampling_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:

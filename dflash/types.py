@@ -7,6 +7,7 @@ F target-feature width (= len(target_layer_ids) x target hidden size).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from dflash.errors import InputError
 
@@ -48,6 +49,15 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+class TokenLogprob(NamedTuple):
+    """A committed token's log-probability under the target (natural log) and the ``top`` most
+    likely tokens of the same distribution as (id, log-probability), most likely first."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
 @dataclass
 class RoundResult:
     """What one step of the loop commits: the first token after prefill, then one verify step.
@@ -60,12 +70,14 @@ class RoundResult:
             narrowed to fit instead of cut. None for the token sampled after prefill.
         proposed: draft tokens proposed in this step (L-1, 0 for block size 1 and for prefill).
         finish_reason: None while running, "stop" after a stop token, "length" at the budget.
+        logprobs: one :class:`TokenLogprob` per token when the generation was asked for them.
     """
 
     tokens: list[int]
     accepted: int | None
     proposed: int = 0
     finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass

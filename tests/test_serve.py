@@ -195,7 +195,7 @@ def malformed(url: str, model: str) -> list[tuple[dict, int]]:
         ({"url": chat, "content": b"{not json", "headers": auth()}, 400),
         ({"url": chat, "json": {"model": model}, "headers": auth()}, 400),
         ({"url": chat, "json": {**ok, "temperature": -1}, "headers": auth()}, 400),
-        ({"url": chat, "json": {**ok, "n": 3}, "headers": auth()}, 400),
+        ({"url": chat, "json": {**ok, "n": 17}, "headers": auth()}, 400),
         ({"url": chat, "json": {**ok, "max_tokens": 0}, "headers": auth()}, 400),
         ({"url": chat, "json": {**ok, "messages": [{"role": "robot", "content": "x"}]}, "headers": auth()}, 400),
         ({"url": chat, "json": {**ok, "model": "nope"}, "headers": auth()}, 404),

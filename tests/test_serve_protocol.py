@@ -26,8 +26,13 @@ def test_parse_request_defaults_and_fields():
     assert r.messages[0] == {"role": "system", "content": "ab"}
     assert r.template_kwargs == {"enable_thinking": False}
     assert parse_request({"prompt": ["once"]}, chat=False).prompt == "once"
-    for prompt, what in (([504, 3575, 282], "token-id prompts"), (["a", "b"], "several prompts in one request")):
-        with pytest.raises(ApiError, match=f"one non-empty string; {what} are not supported"):
+    for prompt, prompts in (([504, 3575, 282], [[504, 3575, 282]]), ([[1, 2]], [[1, 2]]),
+                            (["a", [3], "b"], ["a", [3], "b"])):  # fmt: skip
+        assert parse_request({"prompt": prompt}, chat=False).prompts == prompts
+    for prompt, got in (([], "an empty list"), ([[1], []], "a list holding a list, an empty list"),
+                        (["a", 2], "a list holding a string, int"), ("", "an empty string"),
+                        (None, "null"), ([[1, -2]], "a list holding a list"), (3, "int")):  # fmt: skip
+        with pytest.raises(ApiError, match=f"; got {got}[.]$"):
             parse_request({"prompt": prompt}, chat=False)
 
 
@@ -44,8 +49,10 @@ def test_parse_request_defaults_and_fields():
         ({**CHAT, "top_p": 0}, "top_p"),
         ({**CHAT, "max_tokens": 0}, "max_tokens"),
         ({**CHAT, "max_tokens": True}, "max_tokens"),
-        ({**CHAT, "n": 2}, "n"),
-        ({**CHAT, "logprobs": True}, "logprobs"),
+        ({**CHAT, "n": 17}, "n"),
+        ({**CHAT, "logprobs": 1}, "logprobs"),
+        ({**CHAT, "top_logprobs": 2}, "top_logprobs"),
+        ({**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({**CHAT, "presence_penalty": 0.5}, "presence_penalty"),
         ({**CHAT, "stop": [""]}, "stop"),
         ({**CHAT, "stream": "yes"}, "stream"),
@@ -56,9 +63,6 @@ def test_parse_request_defaults_and_fields():
         ({**CHAT, "min_tokens": 5}, "min_tokens"),
         ({**CHAT, "repetition_penalty": 1.2}, "repetition_penalty"),
         ({**CHAT, "min_p": 0.1}, "min_p"),
-        ({**CHAT, "response_format": {"type": "json_object"}}, "response_format"),
-        ({**CHAT, "tool_choice": "auto"}, "tool_choice"),
-        ({**CHAT, "guided_regex": "[0-9]+"}, "guided_regex"),
         ({**CHAT, "stop_token_ids": [2, -1]}, "stop_token_ids"),
         ({**CHAT, "stop_token_ids": 2}, "stop_token_ids"),
         ({**CHAT, "ignore_eos": "yes"}, "ignore_eos"),
@@ -85,9 +89,6 @@ def test_parse_request_defaults_and_fields():
         ({**CHAT, "continue_final_message": True, "add_generation_prompt": False},
          "continue_final_message"),  # the last message is the user's
         ({**CHAT, "add_generation_prompt": "no"}, "add_generation_prompt"),
-        ({"messages": [{"role": "user", "content": "hi"},
-                       {"role": "assistant", "content": None, "tool_calls": [{"id": "c1"}]},
-                       {"role": "tool", "content": "42"}]}, "messages"),
         ({**CHAT, "max_tokens": 8.5}, "max_tokens"),
         ({**CHAT, "seed": 2**63}, "seed"),
     ],
@@ -101,16 +102,17 @@ def test_bad_requests_are_400_naming_the_field(body, param):
 
 def test_vllm_lax_values_and_the_assistant_prefill():
     """Whole floats as integers (pydantic's lax mode in vLLM), negative seeds modulo 2^63,
-    logit biases of 0, completions' logprobs=0 refused (it asks for logprobs), and the
+    logit biases of 0, completions' logprobs=0 (it asks for the chosen tokens'), and the
     assistant prefill: continue_final_message with add_generation_prompt false, top level or in
     chat_template_kwargs (which win, as in vLLM)."""
     r = parse_request({**CHAT, "max_tokens": 8.0, "n": 1.0, "seed": -1, "logit_bias": {"504": 0}},
                       chat=True)  # fmt: skip
     assert r.max_tokens == 8 and r.sampling.seed == 2**63 - 1
     assert parse_request({**CHAT, "seed": 5.0}, chat=True).sampling.seed == 5
-    with pytest.raises(ApiError, match="'logprobs' is not supported"):
-        parse_request({"prompt": "x", "logprobs": 0}, chat=False)
-    assert parse_request({"prompt": "x", "logprobs": None}, chat=False).prompt == "x"
+    assert parse_request({"prompt": "x", "logprobs": 0}, chat=False).logprobs == 0  # asks for them
+    assert parse_request({"prompt": "x", "logprobs": None}, chat=False).logprobs is None
+    assert parse_request({**CHAT, "logprobs": True, "top_logprobs": 3}, chat=True).logprobs == 3
+    assert parse_request({**CHAT, "logprobs": False}, chat=True).logprobs is None
     prefill = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The"}]}
     r = parse_request({**prefill, "continue_final_message": True, "add_generation_prompt": False}, chat=True)
     assert r.template_kwargs == {"add_generation_prompt": False, "continue_final_message": True}
@@ -165,6 +167,7 @@ def test_meta_info_and_metrics_agree_and_round_trip_through_the_client_parsers()
     metrics = ServerMetrics('m"x', 16)
     for a, p in zip(accepted, proposed, strict=True):
         metrics.step(a, p)
+    metrics.tokens(24)  # counted as the steps commit them
     metrics.request_done(10, 24, "length")
     counters = SpecCounters.from_text(metrics.render())
     assert (counters.drafts, counters.draft_tokens, counters.accepted) == (4, 60, 18)
@@ -202,7 +205,7 @@ def test_usage_counts_tokens_up_to_the_stop_string(stops, text, tokens, finish, 
     at the end of the verify step that committed it (that made the count depend on the block
     size)."""
     pytest.importorskip("torch")
-    from dflash.serve.server import _Output
+    from dflash.serve.chat import Output
     from dflash.types import RoundResult
 
     ids = [ord(c) for c in "1, 2, 3, 4, 5, 6, 7, 8"]  # 22 tokens in 3 steps
@@ -210,9 +213,9 @@ def test_usage_counts_tokens_up_to_the_stop_string(stops, text, tokens, finish, 
              RoundResult(tokens=ids[10:20], accepted=10, proposed=15),
              RoundResult(tokens=ids[20:], accepted=2, proposed=15, finish_reason="length")]  # fmt: skip
     req = parse_request({**CHAT, "stop": stops or None, "include_stop_str_in_output": include}, chat=True)
-    out, sent = _Output(_CharTokenizer(), req), ""
+    out, sent = Output(_CharTokenizer(), req), ""
     for step in steps:
-        sent += out.add(step)
+        sent += "".join(v for k, v in out.add(step) if k == "content")
         if out.finish:
             break
     assert (sent, out.tokens, out.finish) == (text, tokens, finish)
@@ -221,12 +224,13 @@ def test_usage_counts_tokens_up_to_the_stop_string(stops, text, tokens, finish, 
 @pytest.mark.parametrize("skip, text", [(None, "ab"), (True, "ab"), (False, "a#b#")])
 def test_skip_special_tokens_false_keeps_their_text(skip, text):
     pytest.importorskip("torch")
-    from dflash.serve.server import _Output
+    from dflash.serve.chat import Output
     from dflash.types import RoundResult
 
-    out = _Output(_CharTokenizer(), parse_request({**CHAT, "skip_special_tokens": skip}, chat=True))
-    sent = out.add(RoundResult(tokens=[97, 35], accepted=2, proposed=3))
-    sent += out.add(RoundResult(tokens=[98, 35], accepted=2, proposed=3, finish_reason="stop"))
+    out = Output(_CharTokenizer(), parse_request({**CHAT, "skip_special_tokens": skip}, chat=True))
+    sent = "".join(v for _, v in out.add(RoundResult(tokens=[97, 35], accepted=2, proposed=3)))
+    sent += "".join(v for _, v in out.add(RoundResult(tokens=[98, 35], accepted=2, proposed=3,
+                                                        finish_reason="stop")))
     assert sent == text and out.tokens == 4
 
 

@@ -127,11 +127,20 @@ class TransformersBackend:
         # the draft's LM head, over its draft vocabulary when it has one (draft_vocab.json)
         self.draft_head = DraftHead.for_draft(self.lm_head, draft) if draft is not None else None
         self._draft_rng: torch.Generator | None = None
+        # prefix cache (dflash serve): what the target was fed since the last reset
+        self.prefix_cache: Any = None  # a dflash.backends.prefix_cache.PrefixCache, or None
+        self.fed: list[int] = []  # token ids of the cache's rows
+        self.fed_feats: list[torch.Tensor] = []  # feature chunks of rows 0..feat_rows-1
+        self.feat_rows = 0
+        self.last_cached = 0  # prompt tokens the last prefill took from the prefix cache
+        self.prefill_tokens = 0  # prompt tokens run through the target by prefills, in total
 
     # -- protocol ---------------------------------------------------------------------------
     def reset(self, max_positions: int | None = None) -> None:
         from transformers import DynamicCache
 
+        self._save_prefix()
+        self.fed, self.fed_feats, self.feat_rows = [], [], 0
         self.cache = DynamicCache(config=self.target.config)
         if self.draft_cache is not None:
             self.draft_cache.reset()
@@ -150,9 +159,37 @@ class TransformersBackend:
         return out.logits[0], feats
 
     def prefill(self, prompt_ids: list[int], with_features: bool):
-        ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)
-        logits, feats = self._forward(ids, 0, with_features, last_only=True)
+        entry, n = None, 0
+        if self.prefix_cache is not None:  # the rows of the longest cached prefix, restored
+            entry, n = self.prefix_cache.lookup(prompt_ids, with_features)
+            for i, (k, v) in enumerate(entry.layers if n else []):
+                self.cache.update(k[..., :n, :], v[..., :n, :], i)
+        ids = torch.tensor([prompt_ids[n:]], dtype=torch.long, device=self.device)
+        logits, feats = self._forward(ids, n, with_features, last_only=True)
+        if feats is not None and n:
+            feats = torch.cat((entry.feats[:n], feats))
+        self.last_cached, self.prefill_tokens = n, self.prefill_tokens + len(prompt_ids) - n
+        self._track(list(prompt_ids), 0, feats)
         return logits[-1], feats
+
+    def _track(self, ids: list[int], start: int, feats: torch.Tensor | None) -> None:
+        """Record the rows a forward at ``start`` added (prefix cache on only)."""
+        if self.prefix_cache is None:
+            return
+        del self.fed[start:]
+        self.fed.extend(ids)
+        if feats is not None and self.feat_rows == start:
+            self.fed_feats.append(feats)
+            self.feat_rows += feats.shape[0]
+
+    def _save_prefix(self) -> None:
+        """Hand the rows fed since the last reset to the prefix cache (before a new request)."""
+        if self.prefix_cache is None or self.cache is None or not self.fed:
+            return
+        n = len(self.fed)
+        layers = [(layer.keys[..., :n, :], layer.values[..., :n, :]) for layer in self.cache.layers]
+        feats = torch.cat(self.fed_feats)[:n] if self.fed_feats else None
+        self.prefix_cache.store(self.fed, layers, feats)
 
     def draft(self, anchor: int, context: torch.Tensor, start: int, length: int, sampling=None,
               rows: int | None = None):
@@ -190,10 +227,37 @@ class TransformersBackend:
     def verify(self, anchor: int, proposals, start: int, with_features: bool):
         head = torch.tensor([anchor], dtype=torch.long, device=self.device)
         ids = head if proposals is None else torch.cat((head, proposals))
-        return self._forward(ids[None], start, with_features, last_only=False)
+        logits, feats = self._forward(ids[None], start, with_features, last_only=False)
+        if self.prefix_cache is not None:
+            self._track(ids.tolist(), start, feats)
+        return logits, feats
 
     def rollback(self, length: int) -> None:
         _crop_cache(self.cache, length)
+        if self.prefix_cache is not None:
+            del self.fed[length:]
+            while self.fed_feats and self.feat_rows - self.fed_feats[-1].shape[0] >= length:
+                self.feat_rows -= self.fed_feats.pop().shape[0]
+            if self.feat_rows > length:
+                last = self.fed_feats[-1]
+                self.fed_feats[-1] = last[: last.shape[0] - (self.feat_rows - length)]
+                self.feat_rows = length
+
+    def score(self, ids: list[int]) -> torch.Tensor:
+        """Logits [T, V] of every position of ``ids`` in one forward on a fresh cache (the
+        server's prompt log-probabilities); leaves the backend reset.
+
+        Raises:
+            BackendError: on the static-cache path (a subclass with its own caches).
+        """
+        if hasattr(self, "use_graphs"):
+            raise BackendError("Prompt scoring runs on the plain path only.",
+                               hint="load with cuda_graphs=False")  # fmt: skip
+        self.reset()
+        t = torch.tensor([ids], dtype=torch.long, device=self.device)
+        logits, _ = self._forward(t, 0, False, last_only=False)
+        self.reset()
+        return logits
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         return logits.argmax(-1)

@@ -71,6 +71,16 @@ class GenRequest:
             reasoning-effort setting (None: not given).
         template_kwargs: ``chat_template_kwargs`` passed to the chat template, over the
             request's ``add_generation_prompt``/``continue_final_message`` when given.
+        prompts: completions: every prompt, as text or token ids (``prompt`` is the first
+            text one); answered in order, ``n`` choices each.
+        n: choices per prompt (generated one after another; choice j of a seeded request
+            uses seed + j).
+        logprobs: None = off; k = the chosen token's log-probability and the k most likely
+            alternatives (chat: ``top_logprobs``; completions: ``logprobs``).
+        echo: completions: the prompt is returned before the completion (with its tokens'
+            log-probabilities under ``logprobs``).
+        tools: the checked tools (:class:`dflash.serve.tools.ToolSpec`, set by the server).
+        grammar: the structured-output constraint (set by the server), or None.
     """
 
     chat: bool
@@ -90,6 +100,12 @@ class GenRequest:
     continuous_usage: bool = False
     reasoning_effort: str | None = None
     template_kwargs: dict[str, Any] = field(default_factory=dict)
+    prompts: list[str | list[int]] = field(default_factory=list)
+    n: int = 1
+    logprobs: int | None = None
+    echo: bool = False
+    tools: Any = None
+    grammar: Any = None
 
 
 def _bad(message: str, param: str) -> ApiError:
@@ -139,12 +155,7 @@ _OUTPUT_CHANGING: dict[str, tuple] = {
     "min_tokens": (0,),
     "repetition_penalty": (1, 1.0),
     "min_p": (0, 0.0),
-    "response_format": ({"type": "text"},),
-    "tool_choice": ("none",),
-    "functions": ([],),
-    "function_call": ("none",),
-    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
-    "structured_outputs": (), "bad_words": ([],), "allowed_token_ids": (),
+    "guided_grammar": (), "structured_outputs": (), "bad_words": ([],), "allowed_token_ids": (),
     "prompt_logprobs": (0,), "use_beam_search": (False,), "length_penalty": (1, 1.0),
     "prediction": (), "audio": (), "modalities": (["text"],),
     "chat_template": (), "documents": (), "truncate_prompt_tokens": (), "logits_processors": (),
@@ -192,11 +203,12 @@ def parse_request(body: Any, chat: bool) -> GenRequest:
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or m.get("role") not in ROLES:
                 raise _bad(f"messages[{i}] needs a 'role' among {sorted(ROLES)}.", "messages")
-            if m.get("tool_calls"):
-                raise _bad(f"messages[{i}]: tool calls are not supported by dflash serve.", "messages")
             role = "system" if m["role"] == "developer" else m["role"]
-            req.messages.append({"role": role,
-                                 "content": _text_content(m.get("content"), f"messages[{i}]")})  # fmt: skip
+            msg = {"role": role, "content": _text_content(m.get("content"), f"messages[{i}]")}
+            for key in ("tool_calls", "tool_call_id", "name"):  # checked by the server (tools)
+                if m.get(key) is not None:
+                    msg[key] = m[key]
+            req.messages.append(msg)
         kwargs = body.get("chat_template_kwargs") or {}
         if not isinstance(kwargs, dict):
             raise _bad("'chat_template_kwargs' must be an object.", "chat_template_kwargs")
@@ -224,24 +236,15 @@ def parse_request(body: Any, chat: bool) -> GenRequest:
             raise _bad("'reasoning_effort' must be a string such as \"low\".", "reasoning_effort")
         req.reasoning_effort = effort
     else:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        if isinstance(prompt, list) and prompt:
-            what = "token-id prompts" if all(isinstance(p, int) for p in prompt) else "several prompts in one request"
-            raise _bad(f"'prompt' must be one non-empty string; {what} are not supported.", "prompt")
-        if not isinstance(prompt, str) or not prompt:
-            raise _bad("'prompt' must be a non-empty string.", "prompt")
-        req.prompt = prompt
-    req.max_tokens = _integer(body, "max_completion_tokens", 1) or _integer(body, "max_tokens", 1)
-    n = _integer(body, "n", 1)
-    if n not in (None, 1):
-        raise _bad("Only n=1 is supported.", "n")
-    for key in ("logprobs", "top_logprobs", "tools", "echo", "suffix"):
-        value = body.get(key)
-        # completions' logprobs is a count: 0 asks for the chosen tokens' logprobs
-        if value or (key == "logprobs" and not chat and value is not None and value is not False):
-            raise _bad(f"'{key}' is not supported by dflash serve.", key)
+        req.prompts = _prompts(body.get("prompt"))
+        req.prompt = next((p for p in req.prompts if isinstance(p, str)), "")
+        req.echo = _flag(body, "echo")
+        if body.get("suffix"):
+            raise _bad("'suffix' is not supported by dflash serve.", "suffix")
+    req.max_tokens = _integer(body, "max_completion_tokens", 1) or _integer(
+        body, "max_tokens", 0 if req.echo else 1)
+    req.n = _integer(body, "n", 1, MAX_N) or 1
+    req.logprobs = _logprobs(body, chat)
     for key, neutral in _OUTPUT_CHANGING.items():
         value = body.get(key)
         if key == "logit_bias" and isinstance(value, dict) and all(
@@ -295,6 +298,54 @@ def parse_request(body: Any, chat: bool) -> GenRequest:
         raise _bad("'stop' must be a non-empty string or a list of them.", "stop")
     req.stop = list(stop or [])
     return req
+
+
+MAX_N = 16  # choices per prompt (generated one after another)
+MAX_LOGPROBS = 20  # alternatives per token, as vLLM's default max_logprobs
+
+
+def _prompts(prompt: Any) -> list[str | list[int]]:
+    """A completions ``prompt``: a string, token ids, or a list of either (answered in order).
+
+    Raises:
+        ApiError: 400 saying what was sent when it is none of those.
+    """
+    def is_ids(p: Any) -> bool:
+        return isinstance(p, list) and bool(p) and all(
+            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in p)
+
+    if isinstance(prompt, str) and prompt:
+        return [prompt]
+    if is_ids(prompt):
+        return [list(prompt)]
+    if isinstance(prompt, list) and prompt and all(
+            (isinstance(p, str) and p) or is_ids(p) for p in prompt):  # fmt: skip
+        return [p if isinstance(p, str) else list(p) for p in prompt]
+    if isinstance(prompt, list) and not prompt:
+        got = "an empty list"
+    elif isinstance(prompt, list):
+        kinds = sorted({"an empty string" if p == "" else "an empty list" if p == [] else
+                        "a string" if isinstance(p, str) else "a list" if isinstance(p, list) else
+                        type(p).__name__ for p in prompt})  # fmt: skip
+        got = "a list holding " + ", ".join(kinds)
+    else:
+        got = "an empty string" if prompt == "" else "null" if prompt is None else type(prompt).__name__
+    raise _bad("'prompt' must be a non-empty string, a list of token ids (integers >= 0), or a "
+               f"list of those; got {got}.", "prompt")  # fmt: skip
+
+
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """The number of alternatives asked per token (0: the chosen token's only), or None (off).
+    Chat: ``logprobs`` true/false and ``top_logprobs``; completions: ``logprobs`` as a count."""
+    if chat:
+        on = _flag(body, "logprobs")
+        top = _integer(body, "top_logprobs", 0, MAX_LOGPROBS)
+        if top is not None and not on and top > 0:
+            raise _bad("'top_logprobs' needs 'logprobs': true.", "top_logprobs")
+        return (top or 0) if on else None
+    if body.get("logprobs") is False:
+        return None
+    return _integer(body, "logprobs", 0, MAX_LOGPROBS)
 
 
 class StopMatcher:
@@ -394,20 +445,6 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
 
 
-def full_response(rid: str, chat: bool, model: str, created: int, text: str, finish: str,
-                  use: dict, meta: dict | None) -> dict[str, Any]:  # fmt: skip
-    """A non-streamed ``chat.completion`` / ``text_completion``."""
-    if chat:
-        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
-                                  "logprobs": None, "finish_reason": finish}  # fmt: skip
-    else:
-        choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
-    if meta is not None:
-        choice["meta_info"] = meta
-    return {"id": rid, "object": "chat.completion" if chat else "text_completion",
-            "created": created, "model": model, "choices": [choice], "usage": use}  # fmt: skip
-
-
 class ServerMetrics:
     """Counters and gauges of the server, rendered in Prometheus text format (thread-safe).
 
@@ -430,6 +467,7 @@ class ServerMetrics:
         self.prompt_tokens = self.generation_tokens = 0
         self.finished: dict[str, int] = {}
         self.running = self.waiting = 0
+        self.prefix_queries = self.prefix_hits = 0
         self.started = time.time()
 
     def step(self, accepted: int, proposed: int) -> None:
@@ -447,11 +485,22 @@ class ServerMetrics:
                 for p in range(accepted - 1):
                     self.per_pos[p] += 1
 
+    def prefix(self, prompt_tokens: int, cached_tokens: int) -> None:
+        """Count a prefill: its prompt tokens and those the prefix cache supplied."""
+        with self.lock:
+            self.prefix_queries += prompt_tokens
+            self.prefix_hits += cached_tokens
+
+    def tokens(self, n: int) -> None:
+        """Count tokens as a step commits them (``generation_tokens_total`` moves per step)."""
+        with self.lock:
+            self.generation_tokens += n
+
     def request_done(self, prompt_tokens: int, completion_tokens: int, finish: str) -> None:
-        """Count a finished request (finish: stop, length or abort)."""
+        """Count a finished request (finish: stop, length, tool_calls or abort; its generated
+        tokens were counted step by step, ``completion_tokens`` is not added again)."""
         with self.lock:
             self.prompt_tokens += prompt_tokens
-            self.generation_tokens += completion_tokens
             self.finished[finish] = self.finished.get(finish, 0) + 1
 
     def render(self) -> str:
@@ -486,6 +535,10 @@ class ServerMetrics:
                    [(label, self.generation_tokens)])  # fmt: skip
             metric("vllm:request_success_total", "counter", "Finished requests by reason.",
                    [(f'{label},finished_reason="{k}"', v) for k, v in sorted(self.finished.items())])  # fmt: skip
+            metric("vllm:prefix_cache_queries_total", "counter", "Prompt tokens looked up in "
+                   "the prefix cache.", [(label, self.prefix_queries)])  # fmt: skip
+            metric("vllm:prefix_cache_hits_total", "counter", "Prompt tokens the prefix cache "
+                   "supplied.", [(label, self.prefix_hits)])  # fmt: skip
             metric("vllm:num_requests_running", "gauge", "Requests generating now (at most 1).",
                    [(label, self.running)])  # fmt: skip
             metric("vllm:num_requests_waiting", "gauge", "Requests queued behind it.",

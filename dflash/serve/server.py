@@ -3,7 +3,8 @@
     dflash serve                                   # demo pair on http://127.0.0.1:30000/v1
     dflash serve --model M --draft D --port 30000 --api-key KEY
 
-Endpoints: ``POST /v1/chat/completions`` and ``/v1/completions`` (streamed over SSE or not),
+Endpoints: ``POST /v1/chat/completions``, ``/v1/completions`` and ``/v1/responses`` (streamed
+over SSE or not; tool calls: :mod:`dflash.serve.tools`; Responses: :mod:`dflash.serve.responses`),
 ``GET /v1/models``, ``/health`` (503 while the model loads) and ``/metrics`` (Prometheus text,
 vLLM's spec-decode counter names, plus ``num_drafts_per_pos``). ``"return_meta_info": true``
 adds SGLang-style per-choice ``meta_info`` (τ, verify steps, histogram, and each step's τ and
@@ -27,25 +28,15 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import aclosing
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
 from dflash.errors import BackendError, DflashError, InputError
-from dflash.serve.protocol import (
-    ApiError,
-    GenRequest,
-    ServerMetrics,
-    StopMatcher,
-    chunk,
-    completion_id,
-    full_response,
-    meta_info,
-    parse_request,
-    usage,
-)
+from dflash.serve.chat import full_reply, stream_reply
+from dflash.serve.protocol import ApiError, GenRequest, ServerMetrics, completion_id, parse_request
+from dflash.serve.tools import check_tools, history_message
 
 MAX_BODY_BYTES = 4 * 2**20
 DEMO_NAME = "SmolLM2-135M-Instruct"
@@ -72,8 +63,11 @@ class Engine:
         self.on_failure: Callable[[], None] | None = None
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-generate")
         self.metrics = ServerMetrics(names[0], 1)
+        self.latency: Any = None  # dflash.serve.metrics.Latency once prometheus_client is there
         self.active: set[threading.Event] = set()
         self.created = int(time.time())
+        self.tool_parser_name: str | None = None  # --tool-call-parser (None: from the template)
+        self.prefix_cache_bytes = 0  # --prefix-cache-mb (0: off)
 
     def start_loading(self) -> None:
         """Load in a daemon thread; on failure store the error and call ``on_failure``."""
@@ -90,7 +84,19 @@ class Engine:
                 pipe.calibrate()  # costs measured (or read from the cache) before any request
             if getattr(pipe.backend, "use_graphs", False):  # as `dflash generate` does
                 self._warm_up(pipe)
+            describe = getattr(pipe.backend, "describe", dict)
+            if self.prefix_cache_bytes and hasattr(pipe.backend, "prefix_cache") \
+                    and describe().get("impl") == "dynamic":  # the plain path  # fmt: skip
+                from dflash.backends.prefix_cache import PrefixCache
+
+                pipe.backend.prefix_cache = PrefixCache(self.prefix_cache_bytes)
             self.metrics = ServerMetrics(self.names[0], self.block_size)
+            try:
+                from dflash.serve.metrics import Latency
+
+                self.latency = Latency(self.names[0])
+            except ImportError:  # prometheus_client missing: /metrics without the histograms
+                self.latency = None
             self.pipe = pipe
             print(f"dflash serve: {self.names[0]} ready in {time.perf_counter() - t0:.1f} s "
                   f"(block size {self.stream_block})", file=sys.stderr, flush=True)  # fmt: skip
@@ -121,16 +127,17 @@ class Engine:
             msg = "The model failed to load." if self.error else "The model is still loading."
             raise ApiError(503, msg, code="model_loading")
 
-    def prompt_ids(self, req: GenRequest) -> list[int]:
-        """Template + tokenize on the event-loop thread; ApiError 400 for a bad or long prompt,
-        or a ``max_tokens`` that does not fit beside it in the context (as vLLM refuses it)."""
+    def prompt_ids(self, req: GenRequest, prompt: str | list[int] | None = None) -> list[int]:
+        """Template + tokenize on the event-loop thread (chat), or a completions ``prompt`` (text
+        or token ids); ApiError 400 for a bad or long prompt, or a ``max_tokens`` that does not
+        fit beside it in the context (as vLLM refuses it)."""
         pipe = self.pipe
         kwargs = self._template_kwargs(req) if req.chat else {}
         try:
             if req.chat:
                 ids = pipe.chat_prompt(req.messages, template_kwargs=kwargs)
             else:
-                ids = list(pipe.tokenizer(req.prompt)["input_ids"])
+                ids = list(pipe.tokenizer(prompt)["input_ids"]) if isinstance(prompt, str) else prompt
                 pipe.check_prompt(ids)
         except InputError as err:
             code = "context_length_exceeded" if "context" in err.message else None
@@ -149,35 +156,63 @@ class Engine:
     def _template_kwargs(self, req: GenRequest) -> dict[str, Any]:
         """The request's template kwargs, with ``reasoning_effort`` under the name this model's
         chat template reads (ApiError 400 when it reads none: it would be ignored)."""
+        tools = {"tools": req.tools.tools} if req.tools is not None else {}
         if req.reasoning_effort is None:
-            return req.template_kwargs
+            return {**tools, **req.template_kwargs}
         template = getattr(self.pipe.tokenizer, "chat_template", None)
         template = template if isinstance(template, str) else ""
         key = next((k for k in ("reasoning_effort", "reasoning_strength") if k in template), None)
         if key is None:
             raise ApiError(400, "'reasoning_effort' cannot apply: this model's chat template has no "
                            "reasoning-effort setting.", param="reasoning_effort")  # fmt: skip
-        return {key: req.reasoning_effort, **req.template_kwargs}
+        return {**tools, key: req.reasoning_effort, **req.template_kwargs}
 
     def run(self, ids: list[int], req: GenRequest, cancel: threading.Event,
-            emit: Callable[[tuple[str, Any]], None]) -> None:  # fmt: skip
-        """Worker thread: stream the generation's steps into ``emit``, then ("end", error|None)."""
+            emit: Callable[[tuple[str, Any]], None], sampling: Any = None,
+            info: dict | None = None) -> None:  # fmt: skip
+        """Worker thread: stream the generation's steps into ``emit``, then ("end", error|None).
+
+        ``sampling``: the choice's settings (default ``req.sampling``); ``info``: the job's
+        state shared with :meth:`steps`: "state" ("queued", "running" or "dropped" when its
+        client left while it waited, already counted out of the waiting gauge), and
+        "cached_tokens" (prompt tokens the prefix cache supplied) set here."""
+        state = info if info is not None else {"state": "queued"}
         with self.metrics.lock:
+            if state["state"] == "dropped":
+                emit(("end", None))
+                return
+            state["state"] = "running"
             self.metrics.waiting -= 1
-        if cancel.is_set():
-            emit(("end", None))
-            return
-        with self.metrics.lock:
+            if cancel.is_set():
+                emit(("end", None))
+                return
             self.metrics.running += 1
         error = None
         try:
             budget = req.max_tokens or (self.pipe.backend.max_context - len(ids))
             eos = [] if req.ignore_eos else list(self.pipe.stop_ids)
             stops = eos + [t for t in req.stop_token_ids if t not in eos]
+            extra: dict[str, Any] = {}
+            if req.logprobs is not None:
+                extra["logprobs"] = req.logprobs
+            if req.grammar is not None:
+                extra["processor"] = req.grammar.processor(self.pipe)
+            last = time.perf_counter()
             for step in self.pipe.stream(ids, block_size=self.stream_block, max_new_tokens=budget,
-                                         sampling=req.sampling, stop_ids=stops):  # fmt: skip
+                                         sampling=sampling or req.sampling, stop_ids=stops,
+                                         **extra):  # fmt: skip
+                now = time.perf_counter()
+                self.metrics.tokens(len(step.tokens))
                 if step.accepted is not None:
                     self.metrics.step(step.accepted, step.proposed)
+                    if self.latency is not None:
+                        self.latency.step(now - last, len(step.tokens))
+                else:  # the prefill's token: what the prefix cache gave is known now
+                    state["cached_tokens"] = getattr(self.pipe.backend, "last_cached", 0)
+                    self.metrics.prefix(len(ids), state["cached_tokens"])
+                    if self.latency is not None:
+                        self.latency.ttft.observe(now - state.get("submitted", now))
+                last = now
                 emit(("step", step))
                 if cancel.is_set():
                     break
@@ -186,12 +221,14 @@ class Engine:
         finally:
             with self.metrics.lock:
                 self.metrics.running -= 1
+            if self.latency is not None:
+                self.latency.e2e.observe(time.perf_counter() - state.get("submitted", time.perf_counter()))
         emit(("end", error))
 
-    async def steps(
-        self, ids: list[int], req: GenRequest, request: Any = None
-    ) -> AsyncIterator[Any]:
-        """Queue a generation and yield its RoundResults; leaving early cancels it.
+    async def steps(self, ids: list[int], req: GenRequest, request: Any = None, *,
+                    sampling: Any = None, info: dict | None = None) -> AsyncIterator[Any]:  # fmt: skip
+        """Queue a generation and yield its RoundResults; leaving early cancels it (and a job
+        still queued leaves the waiting gauge at once).
 
         With ``request`` given, a client disconnect is noticed within ``DISCONNECT_CHECK_S``
         seconds (non-streamed replies; for streamed ones Starlette cancels the response instead).
@@ -199,6 +236,8 @@ class Engine:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         cancel = threading.Event()
+        state = info if info is not None else {}
+        state["state"], state["submitted"] = "queued", time.perf_counter()
 
         def emit(item: tuple[str, Any]) -> None:
             try:
@@ -209,7 +248,7 @@ class Engine:
         with self.metrics.lock:
             self.metrics.waiting += 1
         self.active.add(cancel)
-        self.executor.submit(self.run, ids, req, cancel, emit)
+        self.executor.submit(self.run, ids, req, cancel, emit, sampling, state)
         checked = loop.time()
         try:
             while True:
@@ -233,44 +272,103 @@ class Engine:
         finally:
             cancel.set()
             self.active.discard(cancel)
+            with self.metrics.lock:
+                if state["state"] == "queued":  # never started: out of the queue now
+                    state["state"] = "dropped"
+                    self.metrics.waiting -= 1
 
+    async def call(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on the generation thread, between generations (a prompt forward)."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn)
 
-class _Output:
-    """Turns committed tokens into text, applying stop strings, and keeps the statistics."""
+    async def jobs(self, req: GenRequest) -> tuple[list[Any], list[Any]]:
+        """The choices of a request in reply order (prompt by prompt, ``n`` each) with a fresh
+        :class:`~dflash.serve.chat.Output` each; echoed prompts' log-probabilities are computed
+        here (a prompt forward on the generation thread). ApiError 400 for a bad prompt or what
+        this path cannot do."""
+        import dataclasses
 
-    def __init__(self, tokenizer: Any, req: GenRequest):
-        from dflash.api import TextStream
+        from dflash.serve.chat import Job, Output
 
-        self.text = TextStream(tokenizer, skip_special_tokens=req.skip_special_tokens)
-        self.stop = StopMatcher(req.stop, include=req.include_stop_str)
-        self.tokens = 0
-        self.accepted: list[int] = []
-        self.proposed: list[int] = []
-        self.finish: str | None = None
+        if req.logprobs is not None or req.grammar is not None:
+            self.check_host_path("'logprobs'" if req.logprobs is not None else "structured output")
+        jobs = []
+        for p, prompt in enumerate([None] if req.chat else req.prompts):
+            ids = self.prompt_ids(req, prompt)
+            echo_text, echo_lps, first = "", None, None
+            if req.echo:
+                echo_text = prompt if isinstance(prompt, str) else self.pipe.tokenizer.decode(
+                    ids, skip_special_tokens=req.skip_special_tokens)  # fmt: skip
+                if req.logprobs is not None:
+                    echo_lps = await self.call(
+                        lambda ids=ids, top=req.logprobs: self.pipe.prompt_logprobs(ids, top))
+                    first = ids[0]
+            for j in range(req.n):
+                sampling = req.sampling
+                if j and sampling.seed is not None:
+                    sampling = dataclasses.replace(sampling, seed=(sampling.seed + j) % 2**63)
+                jobs.append(Job(p * req.n + j, ids, sampling, echo_text, echo_lps, first))
+        outs = [Output(self.pipe.tokenizer, req, self.tool_parser(req), self.pipe.stop_ids)
+                for _ in jobs]  # fmt: skip
+        return jobs, outs
 
-    def add(self, step: Any) -> str:
-        """The text of one verify step's committed tokens that is safe to send. With stop
-        strings the tokens are fed one at a time, so that ``tokens`` (the usage's
-        completion_tokens) ends at the token that completed the stop string, as vLLM counts,
-        not at the end of the step that committed it."""
-        if step.accepted is not None:
-            self.accepted.append(step.accepted)
-            self.proposed.append(step.proposed)
-        final = step.finish_reason is not None
-        ids = list(step.tokens)
-        if not self.stop.stops or not ids:
-            self.tokens += len(ids)
-            out, hit = self.stop.feed(self.text.feed(ids, final=final), final=final)
-        else:
-            out, hit = "", False
-            for i, token in enumerate(ids):
-                last = final and i == len(ids) - 1
-                piece, hit = self.stop.feed(self.text.feed([token], final=last), final=last)
-                out, self.tokens = out + piece, self.tokens + 1
-                if hit:
-                    break
-        self.finish = "stop" if hit else step.finish_reason
-        return out
+    def prepare(self, req: GenRequest, body: dict) -> None:
+        """Set the request's structured-output constraint (``response_format``, ``guided_*``,
+        or a forced ``tool_choice``: see :mod:`dflash.serve.grammar`); ApiError 400 for a bad
+        one or a path that cannot apply it."""
+        from dflash.serve.grammar import Grammar, spec_from, tool_grammar
+
+        spec = spec_from(body)
+        tools = req.tools
+        if tools is not None and tools.choice not in ("none", "auto"):
+            if spec is not None:
+                raise ApiError(400, f"'{spec[1]}' cannot be combined with a forced 'tool_choice'.",
+                               param=spec[1])  # fmt: skip
+            spec = tool_grammar(tools.schemas, tools.choice), "tool_choice"
+        if spec is None:
+            return
+        self.check_host_path("structured output")
+        if "mlx" in type(self.pipe.backend).__module__:
+            raise ApiError(400, "Structured output runs on the transformers backend only.",
+                           param=spec[1])  # fmt: skip
+        req.grammar = Grammar(*spec)
+        req.grammar.check(self.pipe)
+
+    def check_host_path(self, what: str) -> None:
+        """ApiError 400 on the CUDA-graph path, whose steps do not hand their logits to the
+        host loop's hooks yet (log-probabilities, grammars)."""
+        describe = getattr(self.pipe.backend, "describe", None)
+        if describe is not None and describe().get("impl") == "static":
+            raise ApiError(400, f"{what} is not available on the CUDA-graph path yet; restart the "
+                           "server with --no-cuda-graphs to use it.", param=what.strip("'"))  # fmt: skip
+
+    def choice_meta(self, job: Any) -> dict[str, Any]:
+        """Extra ``meta_info`` of a choice: ``cached_tokens`` (SGLang's name), the prompt
+        tokens the prefix cache supplied."""
+        return {"cached_tokens": job.info.get("cached_tokens", 0)}
+
+    def tool_parser(self, req: GenRequest) -> Any:
+        """A fresh tool-call parser for one reply to ``req`` (None: no tools, or
+        ``tool_choice`` none); ApiError 400 when tools are asked for and no format is known."""
+        from dflash.serve.tools import detect_parser, make_parser
+
+        spec = req.tools
+        if spec is None or spec.choice == "none":
+            return None
+        if spec.choice != "auto":  # forced: the grammar shapes the text, read as JSON
+            return make_parser("forced", spec)
+        name = self.tool_parser_name
+        if name is None:
+            template = getattr(self.pipe.tokenizer, "chat_template", None)
+            config = getattr(getattr(self.pipe.backend, "target", None), "config", None)
+            model_type = getattr(config, "model_type", None)
+            name = detect_parser(template if isinstance(template, str) else None, model_type)
+        if name is None:
+            raise ApiError(400, "This model's chat template has no tool-call format dflash serve "
+                           "recognises, so tool calls cannot be parsed; restart the server with "
+                           "--tool-call-parser NAME, or send \"tool_choice\": \"none\".",
+                           param="tools")  # fmt: skip
+        return make_parser(name, spec)
 
 
 def build_app(engine: Engine, api_key: str | None = None, max_body: int = MAX_BODY_BYTES) -> Any:
@@ -335,36 +433,31 @@ def build_app(engine: Engine, api_key: str | None = None, max_body: int = MAX_BO
     async def complete(request: Request, chat: bool) -> Any:
         check_key(request)
         engine.check_ready()
-        req = parse_request(await read_json(request), chat)
-        if req.model is not None and req.model not in engine.names:
-            raise ApiError(404, f"The model '{req.model}' does not exist; this server serves "
-                           f"'{engine.names[0]}'.", param="model", code="model_not_found")  # fmt: skip
-        ids = engine.prompt_ids(req)
-        rid, created, name = completion_id(chat), int(time.time()), engine.names[0]
+        body = await read_json(request)
+        req = parse_request(body, chat)
+        check_model(req.model)
+        if chat:
+            req.tools = check_tools(body)
+            for i, m in enumerate(req.messages):
+                m.update(history_message(m, f"messages[{i}]"))
+        else:
+            for key in ("tools", "tool_choice", "functions", "function_call"):
+                if body.get(key) not in (None, [], "none"):
+                    raise ApiError(400, f"'{key}' applies to /v1/chat/completions only.", param=key)
+        engine.prepare(req, body)
+        jobs, outs = await engine.jobs(req)
+        head = {"id": completion_id(chat), "created": int(time.time()), "model": engine.names[0]}
+        t0 = time.perf_counter()
         if req.stream:
-            events = _stream(engine, ids, req, rid, created, name)
-            return StreamingResponse(events, media_type="text/event-stream",
+            return StreamingResponse(stream_reply(engine, jobs, req, outs, head, t0),
+                                     media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})  # fmt: skip
-        t0, out, text, finish = (
-            time.perf_counter(),
-            _Output(engine.pipe.tokenizer, req),
-            "",
-            "abort",
-        )
-        try:
-            async with aclosing(engine.steps(ids, req, request)) as steps:
-                async for step in steps:
-                    text += out.add(step)
-                    if out.finish:
-                        break
-            finish = out.finish or ("abort" if await request.is_disconnected() else "length")
-        finally:
-            engine.metrics.request_done(len(ids), out.tokens, finish)
-        meta = (meta_info(out.accepted, out.proposed, engine.block_size, len(ids), out.tokens,
-                          time.perf_counter() - t0) if req.return_meta_info else None)  # fmt: skip
-        return full_response(
-            rid, chat, name, created, text, finish, usage(len(ids), out.tokens), meta
-        )
+        return await full_reply(engine, jobs, req, outs, request, head, t0)
+
+    def check_model(model: str | None) -> None:
+        if model is not None and model not in engine.names:
+            raise ApiError(404, f"The model '{model}' does not exist; this server serves "
+                           f"'{engine.names[0]}'.", param="model", code="model_not_found")  # fmt: skip
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
@@ -374,12 +467,56 @@ def build_app(engine: Engine, api_key: str | None = None, max_body: int = MAX_BO
     async def completions(request: Request) -> Any:
         return await complete(request, chat=False)
 
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Any:
+        from dflash.serve.responses import respond
+
+        reply = await respond(engine, await checked_body(request), request)
+        if isinstance(reply, dict):
+            return reply
+        return StreamingResponse(reply, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})  # fmt: skip
+
+    def card() -> dict[str, Any]:
+        out = {"id": engine.names[0], "object": "model", "created": engine.created,
+               "owned_by": "dflash", "root": engine.names[-1], "parent": None}  # fmt: skip
+        if engine.pipe is not None:
+            out["max_model_len"] = engine.pipe.backend.max_context
+        return out
+
     @app.get("/v1/models")
     async def models(request: Request) -> Any:
         check_key(request)
-        data = [{"id": engine.names[0], "object": "model", "created": engine.created,
-                 "owned_by": "dflash"}]  # fmt: skip
-        return {"object": "list", "data": data}
+        return {"object": "list", "data": [card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str, request: Request) -> Any:
+        check_key(request)
+        if model not in engine.names:
+            raise ApiError(404, f"The model '{model}' does not exist; this server serves "
+                           f"'{engine.names[0]}'.", param="model", code="model_not_found")  # fmt: skip
+        return card()
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Any:
+        from dflash.serve.tokens import tokenize
+
+        return tokenize(engine, await checked_body(request))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Any:
+        from dflash.serve.tokens import detokenize
+
+        return detokenize(engine, await checked_body(request))
+
+    async def checked_body(request: Request) -> Any:
+        """The JSON body of a request to the loaded model (key, readiness, model name checked)."""
+        check_key(request)
+        engine.check_ready()
+        body = await read_json(request)
+        model = body.get("model") if isinstance(body, dict) else None
+        check_model(model if isinstance(model, str) else None)
+        return body
 
     @app.get("/health")
     async def health() -> Any:
@@ -390,53 +527,10 @@ def build_app(engine: Engine, api_key: str | None = None, max_body: int = MAX_BO
 
     @app.get("/metrics")
     async def metrics() -> Any:
-        return PlainTextResponse(engine.metrics.render(), media_type="text/plain; version=0.0.4")
+        text = engine.metrics.render() + (engine.latency.render() if engine.latency else "")
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     return app
-
-
-async def _stream(engine: Engine, ids: list[int], req: GenRequest, rid: str, created: int,
-                  name: str) -> AsyncIterator[str]:  # fmt: skip
-    """SSE events of one streamed reply: role chunk, text chunks, final chunk, usage, [DONE]."""
-
-    def sse(obj: dict) -> str:
-        return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-    t0, out, finish = time.perf_counter(), _Output(engine.pipe.tokenizer, req), "abort"
-    try:
-        def part(text: str | None, finish: str | None = None, **kw: Any) -> dict:
-            """A chunk; under include_usage with "usage": null (OpenAI), or the usage so far
-            under continuous_usage_stats (vLLM)."""
-            c = chunk(rid, req.chat, name, created, text, finish, **kw)
-            if req.include_usage or req.continuous_usage:
-                c["usage"] = usage(len(ids), out.tokens) if req.continuous_usage else None
-            return c
-
-        if req.chat:  # the role delta; completions start with text, as OpenAI's and vLLM's
-            yield sse(part("", role=True))
-        try:
-            async with aclosing(engine.steps(ids, req)) as steps:  # leaving cancels at once
-                async for step in steps:
-                    text = out.add(step)
-                    if text:
-                        yield sse(part(text))
-                    if out.finish:
-                        break
-        except Exception as err:  # noqa: BLE001 - headers are sent: report in the stream
-            yield sse(ApiError(500, f"Generation failed: {type(err).__name__}: {err}").body())
-            yield "data: [DONE]\n\n"
-            return
-        finish = out.finish or "length"
-        meta = (meta_info(out.accepted, out.proposed, engine.block_size, len(ids), out.tokens,
-                          time.perf_counter() - t0) if req.return_meta_info else None)  # fmt: skip
-        yield sse(part(None, finish, meta=meta))
-        if req.include_usage:
-            yield sse({"id": rid, "object": "chat.completion.chunk" if req.chat else "text_completion",
-                       "created": created, "model": name, "choices": [],
-                       "usage": usage(len(ids), out.tokens)})  # fmt: skip
-        yield "data: [DONE]\n\n"
-    finally:
-        engine.metrics.request_done(len(ids), out.tokens, finish)
 
 
 def _check_port_free(host: str, port: int) -> None:
@@ -502,6 +596,8 @@ def serve(
     dtype: Annotated[str, typer.Option(help="auto (bf16 on CUDA, fp32 on CPU), bfloat16, float16, float32.")] = "auto",
     cuda_graphs: Annotated[bool | None, typer.Option("--cuda-graphs/--no-cuda-graphs", help="Static caches + CUDA graphs (default: on for CUDA with Llama/Qwen-style targets).")] = None,
     log_level: Annotated[str, typer.Option(help="uvicorn log level: warning, info (access log), debug.")] = "info",
+    prefix_cache_mb: Annotated[int, typer.Option(help="Prefix cache size in MiB (target K/V rows and features of earlier requests, reused by one that starts alike; plain transformers path); 0 = off.")] = 2048,
+    tool_call_parser: Annotated[str | None, typer.Option(help="Tool-call format: hermes, qwen3_coder, llama3_json, openai (gpt-oss), gemma4 (default: from the chat template).")] = None,
 ) -> None:  # fmt: skip
     """Serve a target/draft pair over an OpenAI-compatible HTTP API (one generation at a time)."""
     from dflash.backend_names import LOCAL_BACKENDS, one_of
@@ -526,6 +622,11 @@ def serve(
     if log_level.lower() not in LOG_LEVELS:
         raise InputError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {log_level!r}.",
                          hint="info (the default) logs each request; warning only problems")  # fmt: skip
+    from dflash.serve.tools import ALIASES, PARSER_NAMES
+
+    if tool_call_parser is not None and tool_call_parser not in ALIASES:
+        raise InputError(f"Unknown --tool-call-parser {tool_call_parser!r}.",
+                         hint="use one of " + ", ".join(PARSER_NAMES))  # fmt: skip
     _check_pair(model, draft, width, backend, device, dtype)  # before binding: fails at once
     _check_port_free(host, port)
     api_key = api_key or os.environ.get("DFLASH_API_KEY") or None
@@ -540,6 +641,10 @@ def serve(
                            cuda_graphs=cuda_graphs)  # fmt: skip
 
     engine = Engine(load, names, width)
+    engine.tool_parser_name = tool_call_parser
+    if prefix_cache_mb < 0:
+        raise InputError(f"--prefix-cache-mb must be >= 0, got {prefix_cache_mb}.", hint="0 turns it off")
+    engine.prefix_cache_bytes = prefix_cache_mb * 2**20
     app = build_app(engine, api_key)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(),
                                            timeout_graceful_shutdown=5))  # fmt: skip
