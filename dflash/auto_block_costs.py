@@ -183,15 +183,16 @@ def cost_cache_path(key: dict[str, Any]) -> Path:
     return cache_root() / "costs" / f"{digest[:16]}.json"
 
 
-def load_or_measure_costs(backend: Any, key: dict[str, Any], widths: list[int]) -> CostTable:
+def load_or_measure_costs(backend: Any, key: dict[str, Any], widths: list[int],
+                          recalibrate: bool = False) -> CostTable:  # fmt: skip
     """The cost table for ``key`` from the cache, else measured now and cached.
 
-    ``DFLASH_RECALIBRATE=1`` ignores the cache. A missing, corrupt or unwritable cache only
-    means measuring again (never an error).
+    ``recalibrate`` (``--recalibrate``) ignores the cache and overwrites it. A missing, corrupt
+    or unwritable cache only means measuring again (never an error).
     """
     key = {**key, "widths": list(widths), "cost_version": COST_VERSION}
     path = cost_cache_path(key)
-    if not os.environ.get("DFLASH_RECALIBRATE") and path.is_file():
+    if not recalibrate and path.is_file():
         try:
             table = CostTable.from_dict(json.loads(path.read_text(encoding="utf-8")))
             if set(widths) <= set(table.verify_s):

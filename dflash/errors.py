@@ -48,22 +48,6 @@ class ServerError(DflashError):
     """An OpenAI-compatible server could not be reached or answered with an error."""
 
 
-def env_choice(name: str, choices: tuple[str, ...]) -> str:
-    """The value of environment variable ``name``, lower-cased, one of ``choices`` (the first
-    one when it is unset or blank: the default).
-
-    Raises:
-        InputError: another value, naming the variable, its choices and the default.
-    """
-    import os
-
-    raw = os.environ.get(name, "").strip().lower() or choices[0]
-    if raw not in choices:
-        allowed = f"{', '.join(choices[:-1])} or {choices[-1]}"
-        raise InputError(f"{name} must be {allowed}, got {raw!r}.", hint=f"unset it for the default ({choices[0]})")
-    return raw
-
-
 def report_error(err: DflashError) -> None:
     """Print a :class:`DflashError` as one red ``error:`` line (+ dim ``hint:``) on stderr;
     under torchrun the line names the rank (``error: rank 1: ...``)."""
