@@ -236,9 +236,9 @@ def test_serve_listens_where_the_openai_backend_looks_by_default():
     import inspect
 
     from dflash import commands
-    from dflash.serve import server as serve
     from dflash.backends.openai import DEFAULT_BASE_URL
     from dflash.bench import command as bench_command
+    from dflash.serve import server as serve
 
     port = inspect.signature(serve.serve).parameters["port"].default
     port = getattr(port, "default", port)  # a typer.Option default or a plain one

@@ -266,7 +266,6 @@ def test_pdl_draft_only_in_the_draft_graphs(tiny_target, monkeypatch):
     """The pdl setting ``draft``: this project's kernels and Inductor's launch with PDL in the
     draft's forward only; each capture sets Inductor's PDL for the forward it captures."""
     import dataclasses
-
     from contextlib import contextmanager
 
     import dflash.backends.static.backend as sb
