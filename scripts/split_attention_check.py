@@ -105,11 +105,13 @@ def main(argv=None) -> list[dict]:
 
 
 def pdl_check(dev: torch.device) -> dict:
-    """``DFLASH_PDL=kernels`` against ``0``: small_linear (the demo's and the 8B shape's o_proj,
+    """This project's kernels with PDL against without: small_linear (the demo's and the 8B shape's o_proj,
     with the residual; K below and above the first tile) and split attention (1 and 16 rows,
     several slices), each eager and inside a graph of 20 back-to-back calls, must give the same
     bits (PDL changes when a kernel starts, never its maths)."""
     from dflash.kernels import small_linear as sl
+    from dflash.kernels.pdl import pdl_supported
+    from dflash.kernels.settings import KernelSettings, Launch
     from dflash.kernels.split_attention import split_attention
 
     g = torch.Generator(device=dev).manual_seed(0)
@@ -124,20 +126,18 @@ def pdl_check(dev: torch.device) -> dict:
         pos = torch.arange(1500, 1500 + t, device=dev)
         cases.append(("split_attention", (q, *kv, pos, 0.088), split_attention))
     bad = []
-    before = os.environ.get(sl.PDL_ENV)
-    os.environ[sl.PDL_ENV] = "kernels"
-    enabled = sl.pdl_enabled(dev)  # False: the check below compares off with off
+    enabled = pdl_supported(dev)  # False: the check below compares off with off
     for name, args, fn in cases:
         outs = {}
         for mode in ("0", "kernels"):
-            os.environ[sl.PDL_ENV] = mode
-            eager = fn(*args)
+            launch = Launch(KernelSettings(), mode == "kernels" and enabled)
+            eager = fn(*args, launch=launch)
             torch.cuda.synchronize()
             keep = torch.empty(20, *eager.shape, dtype=eager.dtype, device=dev)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 for i in range(20):
-                    keep[i].copy_(fn(*args))
+                    keep[i].copy_(fn(*args, launch=launch))
             graph.replay()
             torch.cuda.synchronize()
             outs[mode] = (eager, keep)
@@ -145,10 +145,6 @@ def pdl_check(dev: torch.device) -> dict:
         same = torch.equal(e0, e1) and torch.equal(g0, g1) and bool((g1 == e0.unsqueeze(0)).all())
         if not same:
             bad.append(name + str(tuple(args[0].shape)))
-    if before is None:
-        os.environ.pop(sl.PDL_ENV, None)
-    else:
-        os.environ[sl.PDL_ENV] = before
     return {"pdl_enabled": enabled, "pdl_cases": len(cases), "pdl_mismatches": bad}
 
 
@@ -159,23 +155,25 @@ def stress(dev: torch.device, launches: int = 500) -> dict:
     must equal the first bit for bit, and the counters must be zero afterwards. Also counts the
     acquire-release atomics and barriers in the kernel's PTX."""
     from dflash.kernels import split_attention as sa
+    from dflash.kernels.pdl import pdl_supported
+    from dflash.kernels.settings import KernelSettings, Launch
 
-    os.environ[sa.SPLIT_ENV] = "256"
+    kl = Launch(KernelSettings(attn_split=256, attn_one_slice=0), pdl_supported(dev))  # 16 slices: merges
     g = torch.Generator(device=dev).manual_seed(1)
     q = torch.randn(1, 16, 9, 64, device=dev, generator=g).to(torch.bfloat16).transpose(1, 2)
     k, v = (torch.randn(1, 3, 4096, 64, device=dev, generator=g).to(torch.bfloat16) for _ in range(2))
     pos = torch.arange(4000 - 16, 4000, device=dev)
-    first = sa.split_attention(q, k, v, pos, 0.125).clone()
+    first = sa.split_attention(q, k, v, pos, 0.125, launch=kl).clone()
     outs = torch.empty(launches, *first.shape, dtype=first.dtype, device=dev)
     for i in range(launches):
-        outs[i].copy_(sa.split_attention(q, k, v, pos, 0.125))
+        outs[i].copy_(sa.split_attention(q, k, v, pos, 0.125, launch=kl))
     torch.cuda.synchronize()
     eager_bad = int((outs != first).flatten(1).any(1).sum())
     graph_out = torch.empty(50, *first.shape, dtype=first.dtype, device=dev)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for i in range(50):
-            graph_out[i].copy_(sa.split_attention(q, k, v, pos, 0.125))
+            graph_out[i].copy_(sa.split_attention(q, k, v, pos, 0.125, launch=kl))
     graph_bad = 0
     for _ in range(10):
         graph_out.zero_()
@@ -188,7 +186,6 @@ def stress(dev: torch.device, launches: int = 500) -> dict:
             ptx += "".join(kern.asm.get("ptx", "") for kern in caches[0].values())
     except Exception as e:  # noqa: BLE001 - diagnostics only
         ptx = f"unavailable: {e}"
-    os.environ.pop(sa.SPLIT_ENV)
     ref = masked_sdpa(q.float(), k.float(), v.float(), pos, 0.125)
     return {"stress_launches": launches, "eager_mismatches": eager_bad, "graph_replays": 10,
             "graph_mismatches": graph_bad, "max_err": (first.float() - ref).abs().max().item(),
