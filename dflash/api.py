@@ -30,25 +30,9 @@ from dflash.types import GenerationResult, RoundResult, SamplingParams  # noqa: 
 BACKENDS = LOCAL_BACKENDS  # local pipelines; openai is a client (`dflash generate openai`)
 
 
-def warmup_tokens() -> int:
-    """Tokens per block size of the untimed warm-up that ``dflash generate`` and ``dflash serve``
-    run on the CUDA-graph path (``$DFLASH_GENERATE_WARMUP``, default 64, 0 = off).
-
-    Raises:
-        InputError: the variable is not a whole number >= 0.
-    """
-    import os
-
-    raw = os.environ.get("DFLASH_GENERATE_WARMUP", "64").strip()
-    if not raw.isdigit():
-        raise InputError(f"DFLASH_GENERATE_WARMUP must be a whole number >= 0, got {raw!r}.",
-                         hint="unset it for the default of 64 tokens, or 0 to skip the warm-up")  # fmt: skip
-    return int(raw)
-
-
 def load(model: str | None = None, draft: str | None = None, *, backend: str = "transformers",
          device: str = "auto", dtype: str = "auto", cuda_graphs: bool | None = None,
-         compile: bool | None = None, uniform_width: bool = False,
+         compile: bool | None = None, uniform_width: bool = False, kernels: str = "auto",
          draft_bits: int | None = None, draft_window: int | None = None) -> Pipeline:  # fmt: skip
     """Load a target and a DFlash draft.
 
@@ -65,6 +49,10 @@ def load(model: str | None = None, draft: str | None = None, *, backend: str = "
             the dflash cache); None = on whenever CUDA graphs are used.
         uniform_width: CUDA-graph path only: verify every step at the draft's block size, block-1
             decoding included (same kernels for baseline and DFlash: bitwise bf16 parity checks).
+        kernels: transformers only: "auto" runs this project's Triton kernels in the CUDA graphs
+            where they fit, "off" torch ops instead (the fall-back when a kernel fails on a GPU);
+            resolved with the environment overrides into the
+            :class:`~dflash.kernels.settings.KernelSettings` that ``describe()`` records.
         draft_bits: mlx only: quantize the draft to 4 or 8 bits at load.
         draft_window: mlx only: keep at most this many context rows in the draft's KV cache.
 
@@ -79,6 +67,9 @@ def load(model: str | None = None, draft: str | None = None, *, backend: str = "
         raise BackendError(f"Unknown backend {backend!r}; dflash.load runs {one_of(BACKENDS)} (openai is a "
                            "client of a server: dflash generate openai).")  # fmt: skip
     if backend == "mlx":
+        if kernels != "auto":
+            raise InputError("--kernels is an option of the transformers backend (its CUDA-graph path).",
+                             hint="drop it, or use: dflash generate transformers")  # fmt: skip
         import importlib.util
 
         missing = [m for m in ("mlx", "mlx_lm") if importlib.util.find_spec(m) is None]
@@ -104,7 +95,7 @@ def load(model: str | None = None, draft: str | None = None, *, backend: str = "
     from dflash.backends.transformers import load as load_torch
 
     return _pipeline(load_torch(model, draft, device=device, dtype=dtype, cuda_graphs=cuda_graphs,
-                                compile=compile, uniform_width=uniform_width))  # fmt: skip
+                                compile=compile, uniform_width=uniform_width, kernels=kernels))  # fmt: skip
 
 
 def _pipeline(loaded: Any) -> Pipeline:

@@ -220,7 +220,8 @@ def load_per_core() -> float | None:
 LOAD_GAP = 0.5  # load per core, then vs now, from which a cached table's note is printed
 
 
-def load_or_measure_costs(backend: Any, key: dict[str, Any], widths: list[int]) -> CostTable:
+def load_or_measure_costs(backend: Any, key: dict[str, Any], widths: list[int],
+                          recalibrate: bool = False) -> CostTable:  # fmt: skip
     """The cost table for ``key`` from the cache, else measured now (with a progress bar on
     stderr) and cached.
 
@@ -228,7 +229,7 @@ def load_or_measure_costs(backend: Any, key: dict[str, Any], widths: list[int]) 
     pair, so a cache folder shared between machines never hands one machine another's costs.
     A table measured under a load per core that differs from the present one by
     :data:`LOAD_GAP` or more is used, with a one-line note on stderr (the block sizes it picks
-    may suit the other load). ``DFLASH_RECALIBRATE=1`` ignores the cache. A missing, corrupt
+    may suit the other load). ``recalibrate`` (``--recalibrate``) ignores the cache and overwrites it. A missing, corrupt
     or unwritable cache only means measuring again (never an error).
     """
     import platform
@@ -236,7 +237,7 @@ def load_or_measure_costs(backend: Any, key: dict[str, Any], widths: list[int]) 
 
     key = {**key, "host": platform.node(), "widths": list(widths), "cost_version": COST_VERSION}
     path = cost_cache_path(key)
-    if not os.environ.get("DFLASH_RECALIBRATE") and path.is_file():
+    if not recalibrate and path.is_file():
         try:
             table = CostTable.from_dict(json.loads(path.read_text(encoding="utf-8")))
             if set(widths) <= set(table.verify_s):

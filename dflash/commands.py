@@ -15,6 +15,9 @@ from dflash.errors import InputError
 from dflash.options import (  # noqa: F401 - re-exported
     BLOCK_SIZE_RANGE,
     SERVER_SIDE,
+    WARMUP_DEFAULT,
+    check_recalibrate,
+    check_warmup,
     parse_block_size,
     refuse_foreign_options,
 )
@@ -32,6 +35,9 @@ DraftOpt = Annotated[str | None, typer.Option("--draft", "-d",
 BASE_URL_DEFAULT = "http://127.0.0.1:30000"  # SGLang's default port
 TIMEOUT_DEFAULT = 3600.0
 DraftBitsOpt = Annotated[int | None, typer.Option(help="mlx: quantize the draft to 4 or 8 bits at load (group size 64).")]
+KernelsOpt = Annotated[str, typer.Option(help="transformers: auto runs this project's Triton kernels in the CUDA graphs where they fit; off runs torch ops there (if a kernel fails on your GPU).")]  # fmt: skip
+RecalibrateOpt = Annotated[bool, typer.Option("--recalibrate", help="Measure the --block-size auto step costs again instead of reading them from the dflash cache (and cache the new ones).")]  # fmt: skip
+WarmupOpt = Annotated[int, typer.Option(help="transformers, CUDA graphs: untimed warm-up tokens per block size before the request (0 = none).")]  # fmt: skip
 DraftWindowOpt = Annotated[int | None, typer.Option(help="mlx: keep at most N context rows in the draft's KV cache (tokens).")]
 
 
@@ -88,6 +94,9 @@ def generate(
     timeout_s: TimeoutOpt = TIMEOUT_DEFAULT,
     draft_bits: DraftBitsOpt = None,
     draft_window: DraftWindowOpt = None,
+    kernels: KernelsOpt = "auto",
+    recalibrate: RecalibrateOpt = False,
+    warmup: WarmupOpt = WARMUP_DEFAULT,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Print each step's block size with the predicted τ and cost (auto) to stderr.")] = False,
 ) -> None:  # fmt: skip
     """Generate a reply with DFlash speculative decoding; text streams to stdout, stats to stderr."""
@@ -102,11 +111,13 @@ def generate(
         "--cuda-graphs/--no-cuda-graphs": cuda_graphs is not None, "--compile/--no-compile": compile is not None,
         "--draft-bits": draft_bits is not None, "--draft-window": draft_window is not None,
         "--verbose": verbose, "--base-url": base_url != BASE_URL_DEFAULT, "--api-key": api_key is not None,
-        "--timeout-s": timeout_s != TIMEOUT_DEFAULT,
+        "--timeout-s": timeout_s != TIMEOUT_DEFAULT, "--kernels": kernels != "auto", "--recalibrate": recalibrate,
+        "--warmup": warmup != WARMUP_DEFAULT,
     }, {"--block-size": local, "--draft": local, "--device": local, "--dtype": local,
         "--cuda-graphs/--no-cuda-graphs": ("transformers",), "--compile/--no-compile": ("transformers",),
         "--draft-bits": ("mlx",), "--draft-window": ("mlx",), "--verbose": local,
-        "--base-url": remote, "--api-key": remote, "--timeout-s": remote})  # fmt: skip
+        "--base-url": remote, "--api-key": remote, "--timeout-s": remote, "--kernels": ("transformers",),
+        "--recalibrate": local, "--warmup": ("transformers",)})  # fmt: skip
     check_utf8("PROMPT", prompt)
     check_utf8("--system", system)
     if not prompt.strip():  # refused here for every backend: a server may answer it with a bare 400
@@ -121,15 +132,17 @@ def generate(
         return
 
     import dflash
-    from dflash.api import TextStream, warmup_tokens
+    from dflash.api import TextStream
 
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     if max_new_tokens < 1:
         raise InputError(f"--max-new-tokens must be >= 1, got {max_new_tokens}.", hint="e.g. --max-new-tokens 256")
     block_size = parse_block_size(block_size)
-    warm_tokens = warmup_tokens()  # a bad DFLASH_GENERATE_WARMUP fails before loading
+    check_warmup(warmup)
+    check_recalibrate(recalibrate, [block_size])
     pipe = dflash.load(model, draft, backend=backend, device=device, dtype=dtype, cuda_graphs=cuda_graphs,
-                       compile=compile, draft_bits=draft_bits, draft_window=draft_window)  # fmt: skip
+                       compile=compile, draft_bits=draft_bits, draft_window=draft_window, kernels=kernels)  # fmt: skip
+    pipe.recalibrate = recalibrate
     ids = pipe.chat_prompt([{"role": "user", "content": prompt}], system=system, reasoning=reasoning)
     notice = context_notice(max_new_tokens, len(ids), pipe.backend.max_context)
     if notice:
@@ -138,7 +151,7 @@ def generate(
     pipe.calibrate_for(ids, block_size, max_new_tokens)  # before the clock; cached per device and pair
     warmup_s = 0.0  # untimed warm-up as the benchmark does before it measures (graph path only)
     if getattr(pipe.backend, "use_graphs", False):
-        warmup_s = pipe.warm_up(ids, max_new_tokens=max_new_tokens, sampling=sampling, tokens=warm_tokens)
+        warmup_s = pipe.warm_up(ids, max_new_tokens=max_new_tokens, sampling=sampling, tokens=warmup)
     try:
         import torch
 
@@ -148,6 +161,7 @@ def generate(
     if json_out:  # --verbose: the step lines on stderr as they come, the JSON at the end
         r = pipe.generate(ids, on_step=(lambda i, s: print_step(i, s, pipe.last_policy)) if verbose else None,
                           **kwargs)  # fmt: skip
+        settings = getattr(pipe.backend, "settings", None)  # the transformers backend's, resolved at load
         print(json.dumps({
             "text": r.text, "token_ids": r.token_ids, "prompt_tokens": r.prompt_tokens,
             "new_tokens": r.num_new_tokens, "finish_reason": r.finish_reason,
@@ -158,6 +172,7 @@ def generate(
             "warmup_s": warmup_s,
             "text_truncated_mid_character": r.truncated_mid_character,
             **({"block_policy": r.block_policy} if r.block_policy else {}),
+            **({"kernel_settings": settings.record()} if settings is not None else {}),
         }))  # fmt: skip
         return
     stream = TextStream(pipe.tokenizer)

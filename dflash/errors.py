@@ -68,22 +68,6 @@ class ServerError(DflashError):
     fallback_hint = "check that the server at --base-url is running and serves the model ('dflash serve' starts one)"
 
 
-def env_choice(name: str, choices: tuple[str, ...]) -> str:
-    """The value of environment variable ``name``, lower-cased, one of ``choices`` (the first
-    one when it is unset or blank: the default).
-
-    Raises:
-        InputError: another value, naming the variable, its choices and the default.
-    """
-    import os
-
-    raw = os.environ.get(name, "").strip().lower() or choices[0]
-    if raw not in choices:
-        allowed = f"{', '.join(choices[:-1])} or {choices[-1]}"
-        raise InputError(f"{name} must be {allowed}, got {raw!r}.", hint=f"unset it for the default ({choices[0]})")
-    return raw
-
-
 # the subcommands of `dflash` (a hint may name the one that failed)
 COMMANDS = ("generate", "benchmark", "serve", "train", "data", "init-draft", "models", "doctor")
 

@@ -163,7 +163,7 @@ def _device_greedy(backend, prompt_ids: list[int], block_size: int, max_new_toke
     """:func:`speculative_generate` for greedy decoding at a fixed block size on a backend with
     a device loop (``backend.device_loop``, see :mod:`dflash.backends.static.device_loop`): acceptance
     and commit run on the device, and the host reads each step's committed tokens while the
-    next step's draft (``DFLASH_QUEUE_AHEAD=step`` and block size 1: the whole next step) is
+    next step's draft (the ``queue_ahead`` setting ``step`` and block size 1: the whole next step) is
     already queued. Same tokens and results as the host loop."""
     loop = backend.device_loop
     stops = set(stop_ids)

@@ -1,5 +1,5 @@
 """Command-line option checks shared by every command (``generate``, ``benchmark``, ``serve``):
-which backend reads which option, and ``--block-size`` parsing."""
+which backend reads which option, ``--block-size`` parsing, ``--warmup`` and ``--recalibrate``."""
 
 from __future__ import annotations
 
@@ -51,3 +51,29 @@ def parse_block_size(value: str | int | None) -> int | str:
     if int(text) < 1:
         raise InputError(f"--block-size must be >= 1, got {int(text)}.", hint=BLOCK_SIZE_RANGE)
     return int(text)
+
+
+WARMUP_DEFAULT = 64  # --warmup: untimed warm-up tokens per block size (generate, serve)
+
+
+def check_warmup(tokens: int) -> None:
+    """Refuse a negative ``--warmup`` (generate, serve).
+
+    Raises:
+        InputError: tokens < 0.
+    """
+    if tokens < 0:
+        raise InputError(f"--warmup must be a whole number of tokens >= 0, got {tokens}.",
+                         hint=f"the default is {WARMUP_DEFAULT}; 0 skips the warm-up")  # fmt: skip
+
+
+def check_recalibrate(recalibrate: bool, block_sizes: list) -> None:
+    """Refuse ``--recalibrate`` where no request uses ``--block-size auto`` (nothing would read
+    the costs it measures).
+
+    Raises:
+        InputError: ``recalibrate`` without "auto" among ``block_sizes``.
+    """
+    if recalibrate and "auto" not in block_sizes:
+        raise InputError("--recalibrate measures the costs that --block-size auto reads; this run uses a "
+                         "fixed block size.", hint="drop --recalibrate, or add --block-size auto")  # fmt: skip

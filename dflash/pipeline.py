@@ -39,6 +39,8 @@ class Pipeline:
         cost_key: what identifies measured costs in the cache (backend, device, dtype, model).
         last_policy: the ``--block-size auto`` policy of the latest request (its ``history``
             holds every step's choice), None after a fixed-block-size request.
+        recalibrate: measure the ``--block-size auto`` costs again at the first calibration
+            instead of reading the dflash cache (``--recalibrate``); the new table is cached.
     """
 
     def __init__(self, backend: Any, tokenizer: Any, stop_ids: list[int], name: str = "", *,
@@ -53,6 +55,7 @@ class Pipeline:
         self.costs: CostTable | None = None
         self.acceptance: AcceptancePrior | None = None
         self.last_policy: BlockPolicy | None = None
+        self.recalibrate = False
 
     def calibrate(self) -> CostTable:
         """Time verify/draft forwards per width once (or read them from the dflash cache).
@@ -63,7 +66,7 @@ class Pipeline:
         """
         if self.costs is None:
             widths = ladder(self.block_size, getattr(self.backend, "auto_widths", None))
-            self.costs = load_or_measure_costs(self.backend, self.cost_key, widths)
+            self.costs = load_or_measure_costs(self.backend, self.cost_key, widths, self.recalibrate)
         return self.costs
 
     def block_policy(self, repeatable: bool = False) -> BlockPolicy:
@@ -316,7 +319,8 @@ class Pipeline:
 
     def describe(self) -> dict[str, Any]:
         """What produces this pipeline's tokens: the backend's own description (impl, device,
-        dtype, CUDA graphs, compile) plus package versions; stored with benchmark records."""
+        dtype, CUDA graphs, compile; on the transformers backend the resolved kernel settings,
+        ``kernel_settings``) plus package versions; stored with benchmark records."""
         info = dict(getattr(self.backend, "describe", dict)())
         vocab = getattr(self.backend, "draft_vocab_size", None)
         if vocab is not None:  # draft_vocab.json in use (named only then: older records stay comparable)

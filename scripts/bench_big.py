@@ -124,8 +124,10 @@ def build(tiny: bool, device: torch.device, dtype: torch.dtype, compile: bool,
             target.lm_head.weight.copy_(target.model.embed_tokens.weight)
     finally:
         torch.set_default_dtype(default)
+    from dflash.kernels.settings import KernelSettings
+
     be = StaticBackend(target, draft, device, use_graphs=device.type == "cuda", compile=compile,
-                       device_loop=device_loop)  # fmt: skip
+                       device_loop=device_loop, settings=KernelSettings.resolve())  # the overrides, as a load  # fmt: skip
     be.plan = GraphPlan(verify_widths=tuple(sorted(set(widths) | {1})), draft_width=16)  # each as is
     return be
 
@@ -275,8 +277,6 @@ def main(argv: list[str] | None = None) -> dict:
     kv_per_pos = 2 * c.num_hidden_layers * c.num_key_value_heads * be.head_dim * be.dtype.itemsize
     kv = kv_per_pos * (args.prompt_len + args.steps * max(blocks) // 2)
     bw = copy_bandwidth(device, 1 << (22 if args.tiny else 32))
-    from dflash.kernels.small_linear import pdl_enabled
-
     desc = be.describe()
     report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "dtype": str(dtype).split(".")[-1], "tiny": args.tiny, "compile": be.compile,
@@ -285,10 +285,8 @@ def main(argv: list[str] | None = None) -> dict:
               "attention": be.attention, "attn_split": desc.get("attn_split"), "attn_one_slice": desc.get("attn_one_slice"),
               "attn_block": desc.get("attn_block"), "attn_early": desc.get("attn_early"),
               "linear": be.linear, "linear_in": desc.get("linear_in"), "glu": desc.get("glu"), "norm_kernel": desc.get("norm_kernel"),
-              "fuse_norm": desc.get("fuse_norm"), "fuse_norm_form": desc.get("fuse_norm_form"), "compile_glue": os.environ.get("DFLASH_COMPILE_GLUE", "1"),
-              "pdl": os.environ.get("DFLASH_PDL", "") or "default (1)",
-              "pdl_on": pdl_enabled(device), "l2_prefetch_bytes": getattr(be, "prefetch", 0),
-              "pdl_prefetch_bytes": desc.get("pdl_prefetch_bytes", 0),
+              "fuse_norm": desc.get("fuse_norm"), "compile_glue": be.settings.compile_glue,
+              "pdl": be.settings.pdl, "pdl_on": be.launch["target"].pdl, "kernel_settings": be.settings.record(),
               "truth_sha1": hashlib.sha1(str(truth_ids).encode()).hexdigest(),  # same across variants
               "shape": "tiny" if args.tiny else args.shape, "arch": args.arch, "init_std": init_std, "prompt_len": args.prompt_len, "build_s": built_s,
               "target_bytes": tgt, "draft_step_bytes": drf, "kv_bytes": kv,

@@ -1,12 +1,12 @@
-"""Kernels per forward and replay times of the static path, fused vs unfused projections.
+"""Kernels per forward and replay times of the static path, with and without this project's kernels.
 
     PYTHONPATH=. python3 scripts/kernel_count.py --model /tmp/smollm2.gguf \
         --draft dflash/assets/smollm2-135m-instruct-dflash --out $OUT/kernels.json
     PYTHONPATH=. python3 scripts/kernel_count.py --tiny --out /tmp/k.json   # CPU, random tiny pair
 
-For each variant - unfused (``fuse=False``, what ``DFLASH_NO_FUSE=1`` runs), fused (the default),
-packed (fused + ``pack_gqa``, what ``DFLASH_GQA_PACK=1`` runs) - one StaticBackend is built on
-the same target, its graphs are captured (CUDA; with ``--compile`` the forwards are
+For each variant - auto (the default settings), off (``--kernels off``: torch ops in the
+graphs), autotune (the default kernels, ``torch.compile`` mode max-autotune-no-cudagraphs) - one
+StaticBackend is built on the same target, its graphs are captured (CUDA; with ``--compile`` the forwards are
 compiled first), a prompt is prefilled, then verify-1, verify-16 and draft-16 are each:
 timed over ``--iters`` replays (CUDA events, plus the host time of the launches; on CPU the
 eager forward, wall clock) and profiled
@@ -21,8 +21,8 @@ JSON to ``--out``; a table on stdout.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -120,7 +120,7 @@ def loop_calls(be, prompt_len: int, length: int) -> dict:
     at ``prompt_len`` with no budget (nothing moves, every call computes the same): each graph
     alone (``dverify-1``, ``dverify-L``, ``ddraft-L``), a step's two replays back to back
     (``step-L``) and a whole loop step with the whole next step queued ahead, as
-    :func:`dflash.loop.speculative_generate` runs block 1 and ``DFLASH_QUEUE_AHEAD=step``
+    :func:`dflash.loop.speculative_generate` runs block 1 and the ``queue_ahead`` setting ``step``
     (``loop-L``/``loop-1``: launch, copy to pinned memory, then wait for the step before; their
     ``host_us`` includes that wait, so it is about the device time, not the launch cost), and
     with only the next draft queued ahead, the default at block L (``loopd-L``: wait for the
@@ -250,13 +250,14 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--out", default="kernel_count.json")
-    ap.add_argument("--variants", default="unfused,fused,packed",
-                    help="unfused (DFLASH_NO_FUSE=1), fused (default path), packed (DFLASH_GQA_PACK=1), "
-                         "autotune (fused, DFLASH_COMPILE_MODE=max-autotune-no-cudagraphs)")
+    ap.add_argument("--variants", default="auto,off",
+                    help="auto (default settings), off (--kernels off), "
+                         "autotune (default kernels, compile mode max-autotune-no-cudagraphs)")
     ap.add_argument("--sequence", action="store_true",
                     help="store every kernel of each profiled call in launch order (name, us)")
     args = ap.parse_args(argv)
     from dflash.backends.static.backend import StaticBackend
+    from dflash.kernels.settings import KernelSettings
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype) if device.type == "cuda" else torch.float32
@@ -265,17 +266,12 @@ def main(argv: list[str] | None = None) -> dict:
     result: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                     "dtype": str(dtype), "compile": args.compile, "prompt_len": args.prompt_len,
                     "torch": torch.__version__, "runs": {}}  # fmt: skip
-    variants = {"unfused": (False, False), "fused": (True, False), "packed": (True, True),
-                "autotune": (True, False)}  # fmt: skip
+    variants = {"auto": KernelSettings(), "off": KernelSettings().without_kernels(),
+                "autotune": dataclasses.replace(KernelSettings(), compile_mode="max-autotune-no-cudagraphs")}
     for name in args.variants.split(","):
-        fuse, pack = variants[name]
-        if name == "autotune":
-            os.environ["DFLASH_COMPILE_MODE"] = "max-autotune-no-cudagraphs"
-        else:
-            os.environ.pop("DFLASH_COMPILE_MODE", None)
         t0 = time.perf_counter()
         be = StaticBackend(target, draft, device, use_graphs=device.type == "cuda",
-                           compile=args.compile, fuse=fuse, pack_gqa=pack)  # fmt: skip
+                           compile=args.compile, settings=variants[name])  # fmt: skip
         be.reset(args.prompt_len + 64)  # captures (and compiles) the graphs
         sync(device)
         setup_s = time.perf_counter() - t0

@@ -96,12 +96,18 @@ def parse_shapes(text: str) -> dict[str, dict[str, tuple[int, int]]]:
     return out
 
 
+CONFIG = [""]  # the tiles the calls take: a linear_config value ("" = the built-in choice)
+
+
 def _call(name, x, ws, r):
-    """One projection call as the static forwards make it, cycling through the weight copies
-    ``ws`` (a new copy each call, so a CUDA graph of calls reads them in turn)."""
+    """One projection call as the static forwards make it (PDL where the GPU has it, the tiles
+    of :data:`CONFIG`), cycling through the weight copies ``ws`` (a new copy each call, so a
+    CUDA graph of calls reads them in turn)."""
+    from dflash.kernels.pdl import pdl_supported
+
     cycle = itertools.cycle(ws)
-    glu = name == "gate_up"
-    return lambda: sl._launch(x, next(cycle), None, r, glu=glu)
+    glu, pdl = name == "gate_up", pdl_supported(x.device)
+    return lambda: sl._launch(x, next(cycle), None, r, glu=glu, pdl=pdl, config=CONFIG[0])
 
 
 def _cublas_call(x, ws):
@@ -116,7 +122,7 @@ def _compile_only(configs, shapes, chunk: int, chunks: int) -> None:
     for i, cfg in enumerate(configs):
         if i % chunks != chunk:
             continue
-        os.environ[sl.CONFIG_ENV] = ",".join(map(str, cfg))
+        CONFIG[0] = ",".join(map(str, cfg))
         for name in sorted({name for names in shapes.values() for name in names}):
             n, k = 64, 1024
             x = torch.randn(1, k, device=dev, dtype=dt)
@@ -170,7 +176,7 @@ def main() -> None:
                 call = _call(name, x, ws, r)
                 row = {"shape": shape, "name": name, "m": m, "n": rows, "k": k, "copies": copies,
                        "cublas_us": graph_time_us(_cublas_call(x, ws), 50)}  # fmt: skip
-                os.environ.pop(sl.CONFIG_ENV, None)
+                CONFIG[0] = ""
                 if name == "gate_up":
                     ref = sl.small_linear_glu_reference(x, ws[0])
                     got = sl._launch(x, ws[0], None, None, glu=True)
@@ -183,13 +189,13 @@ def main() -> None:
                 row["GBps_default"] = nbytes / row["default_us"] / 1e3
                 sweep = []
                 for cfg in configs:
-                    os.environ[sl.CONFIG_ENV] = ",".join(map(str, cfg))
+                    CONFIG[0] = ",".join(map(str, cfg))
                     try:
                         sweep.append((graph_time_us(call, 50), cfg))
                     except Exception as e:  # noqa: BLE001 - a config may not fit (registers, smem)
                         sweep.append((float("inf"), cfg))
                         print(f"{name} m={m} {cfg}: {type(e).__name__}", flush=True)
-                os.environ.pop(sl.CONFIG_ENV, None)
+                CONFIG[0] = ""
                 sweep.sort()
                 row["best_us"], row["best_cfg"] = sweep[0]
                 row["GBps_best"] = nbytes / row["best_us"] / 1e3

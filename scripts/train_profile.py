@@ -1,7 +1,6 @@
 """Per-phase timing of ``dflash train`` steps through the real Trainer code path (issues 11/12).
 
     python scripts/train_profile.py --target T.gguf --data data/ --draft draft/ --out prof.json
-    DFLASH_TRAIN_FAST=0 python scripts/train_profile.py ... --out prof_old.json   # the old path
 
 Runs ``--steps`` optimizer steps (Trainer._batch + Trainer._guarded_step, as ``dflash train``
 does; bf16 autocast and FlexAttention on CUDA) at the real settings (--batch-tokens 16384,
@@ -17,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -182,7 +180,7 @@ def main(argv: list[str] | None = None) -> dict:
         return round(statistics.median(r[key] for r in steady), 3)
 
     res = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-           "torch": torch.__version__, "fast_path": os.environ.get("DFLASH_TRAIN_FAST", "1") != "0",
+           "torch": torch.__version__,
            "flex": trainer.flex, "settings": {k: getattr(args, k) for k in
                                               ("batch_tokens", "anchors", "max_len", "block_size", "steps", "warmup")},
            "median_ms": {**{p: med(p) for p in PHASES}, "host_batch": med("host_batch_ms"),
@@ -209,7 +207,7 @@ def main(argv: list[str] | None = None) -> dict:
     except Exception as e:  # noqa: BLE001 - diagnostics only
         res["dynamo_counters"] = str(e)
     Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
-    print(json.dumps({k: res[k] for k in ("device", "fast_path", "flex", "median_ms", "tokens_per_s", "compiles")},
+    print(json.dumps({k: res[k] for k in ("device", "flex", "median_ms", "tokens_per_s", "compiles")},
                      indent=1))  # fmt: skip
     return res
 

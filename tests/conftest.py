@@ -44,18 +44,15 @@ def tiny_target():
     return LlamaForCausalLM(cfg).eval()
 
 
-def assert_on_off_switch(monkeypatch, name: str, setting, bad: str) -> None:
-    """An on/off environment switch read by ``setting()``: on when unset, off at ``0``, and
-    ``bad`` refused with a message naming the variable and its values."""
-    from dflash.errors import InputError
+@pytest.fixture
+def gpu_like(monkeypatch):
+    """The static backend decides as on a GPU with Triton (the split-KV attention and the
+    projection kernel available, whatever the dtype), on CPU: for tests of its choices and of
+    the fall-backs (their captures are stubs: no kernel runs)."""
+    import dflash.backends.static.backend as sb
 
-    monkeypatch.delenv(name, raising=False)
-    assert setting() is True
-    monkeypatch.setenv(name, "0")
-    assert setting() is False
-    monkeypatch.setenv(name, bad)
-    with pytest.raises(InputError, match=f"{name} must be 1 or 0"):
-        setting()
+    monkeypatch.setattr(sb, "attention_mode", lambda mode, device, dtype=None: mode)
+    monkeypatch.setattr(sb, "linear_mode", lambda mode, device: mode)
 
 
 def make_draft(target, layers: int = 2, block_size: int = 16, mask_token_id: int = 255, seed: int = 0):

@@ -361,7 +361,6 @@ def test_static_path_after_plain_steps_matches_the_dynamic_one(tiny_target, tiny
 
 def test_measure_costs_and_cache(tiny_backend, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("DFLASH_CACHE", str(tmp_path))
-    monkeypatch.delenv("DFLASH_RECALIBRATE", raising=False)
     widths = [1, 2, 4, 16]
     table = measure_costs(tiny_backend, widths, prompt_len=32, repeats=1)
     assert sorted(table.verify_s) == widths and sorted(table.draft_s) == [2, 4, 16]

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from dflash.backends.static.batched import (
-    KV_LENGTHS_ENV,
     BatchedGenerator,
     Job,
     length_block_mask,
@@ -96,16 +95,16 @@ def test_block_mask_covers_exactly_own_length(block):
         length_block_mask(pos, cap + 1, block)
 
 
-def test_switches_env_and_cpu_defaults(model, monkeypatch):
-    monkeypatch.delenv(KV_LENGTHS_ENV, raising=False)
+def test_switches_settings_and_cpu_defaults(model):
+    from dflash.kernels.settings import KernelSettings
+
     gen = BatchedGenerator(model, max_batch=1, capacity=16)
     assert not gen.kv_lengths and not gen.compile and not gen.use_graphs  # CPU: today's path
-    monkeypatch.setenv(KV_LENGTHS_ENV, "1")
-    assert BatchedGenerator(model, max_batch=1, capacity=16).kv_lengths
-    assert not BatchedGenerator(model, max_batch=1, capacity=16, kv_lengths=False).kv_lengths
-    monkeypatch.setenv(KV_LENGTHS_ENV, "0")
-    assert not BatchedGenerator(model, max_batch=1, capacity=16).kv_lengths
     assert BatchedGenerator(model, max_batch=1, capacity=16, kv_lengths=True).kv_lengths
+    assert not BatchedGenerator(model, max_batch=1, capacity=16, kv_lengths=False).kv_lengths
+    on = KernelSettings.resolve(environ={"DFLASH_BATCHED_KV_LENGTHS": "1", "DFLASH_BATCHED_COMPILE": "0"})
+    assert (on.batched_kv_lengths, on.batched_compile) == (True, False)
+    assert KernelSettings().batched_kv_lengths is None and KernelSettings().batched_compile is None
 
 
 def test_step_forward_traces_whole_for_compile(model, monkeypatch):

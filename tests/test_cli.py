@@ -247,19 +247,18 @@ def test_options_of_another_backend_are_refused(args, flag):
 
 @pytest.mark.parametrize("name, value", [("DFLASH_ATTN", "bogus"), ("DFLASH_PDL", "2"), ("DFLASH_ROPE", "x"),
                                          ("DFLASH_LINEAR", "cublas"), ("DFLASH_ATTN_SPLIT", "100"),
-                                         ("DFLASH_PREFETCH", "lots"), ("DFLASH_HEAD_ARGMAX", "yes"),
-                                         ("DFLASH_GRAPH_WARM", "-1"), ("DFLASH_STEP_COMPILE", "on"),
-                                         ("DFLASH_QUEUE_AHEAD", "verify"), ("DFLASH_DRAFT_ATTN_SPLIT", "100"),
-                                         ("DFLASH_ATTN_BLOCK", "96")])  # fmt: skip
-def test_cuda_path_switches_are_checked_on_every_device(name, value, monkeypatch):
-    """A bad value of a CUDA-path switch is a one-line InputError naming it when the transformers
-    backend loads on a CPU too (before any weight loads), not first on the GPU machine."""
+                                         ("DFLASH_GRAPH_WARM", "-1"), ("DFLASH_QUEUE_AHEAD", "verify"),
+                                         ("DFLASH_ATTN_BLOCK", "96"), ("DFLASH_COMPILE_MODE", "fast")])  # fmt: skip
+def test_cuda_path_settings_are_checked_on_every_device(name, value, monkeypatch):
+    """A bad value of a kernel setting's override is a one-line InputError naming it when the
+    transformers backend loads on a CPU too (before any weight loads), not first on the GPU
+    machine."""
     import dflash
     from dflash.errors import InputError
 
     monkeypatch.setenv(name, value)
     with pytest.raises(InputError, match=name) as err:
-        dflash.load(device="cpu")  # the demo pair: the switches are checked before its weights load
+        dflash.load(device="cpu")  # the demo pair: the settings are resolved before its weights load
     assert "\n" not in err.value.message
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dflash.backends.static.backend import StaticBackend
-from dflash.backends.static.device_loop import DeviceLoop, device_loop_default
+from dflash.backends.static.device_loop import DeviceLoop
 from dflash.loop import speculative_generate
 from tests.conftest import make_draft
 from tests.test_loop_scripted import PROMPT, greedy_reference
@@ -29,9 +29,9 @@ class ScriptedLoop(DeviceLoop):
         return torch.where(self.arange[: proposals.shape[0]] < self.k, scripted, wrong)
 
 
-def _pair(tiny_target, device_loop):
+def _pair(tiny_target, device_loop, settings=None):
     return StaticBackend(tiny_target, make_draft(tiny_target), torch.device("cpu"), use_graphs=False,
-                         device_loop=device_loop)  # fmt: skip
+                         device_loop=device_loop, settings=settings)  # fmt: skip
 
 
 def _run(be, prompt, **kw):
@@ -44,12 +44,12 @@ def both(tiny_target):
     return _pair(tiny_target, False), _pair(tiny_target, True)
 
 
-def test_default_is_off_without_graphs(tiny_target, monkeypatch):
+def test_default_is_off_without_graphs(tiny_target):
+    from dflash.kernels.settings import KernelSettings
+
     assert _pair(tiny_target, None).device_loop is None  # CPU: no graphs, host loop
-    monkeypatch.setenv("DFLASH_DEVICE_LOOP", "0")
-    assert not device_loop_default()
-    monkeypatch.setenv("DFLASH_DEVICE_LOOP", "1")
-    assert device_loop_default()
+    assert KernelSettings().device_loop  # on with CUDA graphs unless the setting says 0
+    assert not KernelSettings.resolve(environ={"DFLASH_DEVICE_LOOP": "0"}).device_loop
 
 
 @pytest.mark.parametrize("block_size", [1, 3, 16])
@@ -177,38 +177,6 @@ def test_compiled_glue_equals_eager():
         assert torch.equal(fast(x), x.argmax(-1))
 
 
-def test_whole_step_compile_traces_each_graph_as_one(tiny_target, monkeypatch):
-    """DFLASH_STEP_COMPILE: each device-loop step (glue + forward) traces as one graph
-    (``fullgraph=True``: no break, so Inductor sees the glue beside the forward) and decodes plain
-    greedy tokens; a bad value is a one-line error when the backend is built."""
-    from functools import partial
-
-    from dflash.errors import InputError
-
-    monkeypatch.setenv("DFLASH_STEP_COMPILE", "yes")
-    with pytest.raises(InputError, match="DFLASH_STEP_COMPILE must be 0 or 1"):
-        StaticBackend(tiny_target, make_draft(tiny_target), torch.device("cpu"), use_graphs=False)
-    monkeypatch.setenv("DFLASH_STEP_COMPILE", "1")
-    be = StaticBackend(tiny_target, make_draft(tiny_target), torch.device("cpu"), use_graphs=False, device_loop=True)
-    assert be.step_compile and not be.describe()["step_compile"]  # no compile on CPU
-    torch._dynamo.reset()
-    lp, traced = be.device_loop, []
-
-    def compiled(fn):
-        return torch.compile(fn, backend=lambda gm, ex: traced.append(gm) or gm.forward, fullgraph=True, dynamic=False)
-
-    drafts = compiled(partial(DeviceLoop.draft_step, lp, be._draft_forward, whole=True))
-    verifies = {w: compiled(partial(DeviceLoop.verify_step, lp, w, be._target_forward, whole=True)) for w in (1, 16)}
-    monkeypatch.setattr(lp, "draft_step", lambda fn, ctx_pos=None: drafts())
-    monkeypatch.setattr(lp, "verify_step", lambda width, fn: verifies[width]())
-    truth = greedy_reference(tiny_target, PROMPT, 24)
-    for block in (16, 1):
-        toks = [t for r in speculative_generate(be, PROMPT, block_size=block, max_new_tokens=24) for t in r.tokens]
-        assert toks == truth, (block, toks, truth)
-    assert len(traced) == 3  # draft-16, verify-16, verify-1: one graph each
-    torch._dynamo.reset()
-
-
 def _scripted_steps(k: int, budget: int, stop_at: int | None) -> list[int]:
     """Tokens each step commits when k proposals per step are right: k + 1, trimmed by the
     budget and cut after the stop token at new-token index ``stop_at``."""
@@ -224,18 +192,20 @@ def _scripted_steps(k: int, budget: int, stop_at: int | None) -> list[int]:
 
 @pytest.mark.parametrize("ahead", ["draft", "step"])
 @pytest.mark.parametrize("budget", [2, 3, 23, 40])
-def test_queue_ahead_same_tokens_and_exact_waste(tiny_target, monkeypatch, ahead, budget):
-    """DFLASH_QUEUE_AHEAD=draft (default) and step: with k = 5 right proposals per step (a verify
+def test_queue_ahead_same_tokens_and_exact_waste(tiny_target, ahead, budget):
+    """The queue_ahead setting draft (default) and step: with k = 5 right proposals per step (a verify
     reading another step's proposals would accept other counts) every step commits exactly what
     plain greedy decoding dictates, budget and stop token included, and so does the next
     request. A request launches one verify per step it reads plus, under ``step``, at most one
     more; under ``draft`` no extra verify and at most one extra draft."""
-    monkeypatch.setenv("DFLASH_QUEUE_AHEAD", ahead)
+    from dflash.kernels.settings import KernelSettings
+
+    settings = KernelSettings.resolve(environ={"DFLASH_QUEUE_AHEAD": ahead})
     k = 5
     truth = greedy_reference(tiny_target, PROMPT, budget + 40)
     stop = truth[11]
     for stops in ([], [stop]):
-        be = _pair(tiny_target, True)
+        be = _pair(tiny_target, True, settings)
         be.device_loop = lp = ScriptedLoop(be, truth, len(PROMPT), k)
         assert lp.ahead == ahead
         toks, accepted, _ = _run(be, PROMPT, block_size=16, max_new_tokens=budget, stop_ids=stops)
@@ -249,14 +219,3 @@ def test_queue_ahead_same_tokens_and_exact_waste(tiny_target, monkeypatch, ahead
             assert lp.launched in (steps, steps + 1) and lp.drafted == lp.launched
         toks, accepted, _ = _run(be, PROMPT, block_size=16, max_new_tokens=30)  # the next request
         assert toks == truth[:30] and accepted == _scripted_steps(k, 30, None)
-
-
-def test_queue_ahead_checked(monkeypatch):
-    from dflash.backends.static.device_loop import queue_ahead
-    from dflash.errors import InputError
-
-    monkeypatch.setenv("DFLASH_QUEUE_AHEAD", "verify")
-    with pytest.raises(InputError, match="DFLASH_QUEUE_AHEAD"):
-        queue_ahead()
-    monkeypatch.delenv("DFLASH_QUEUE_AHEAD")
-    assert queue_ahead() == "draft"

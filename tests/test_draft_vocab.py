@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import os
 from collections import Counter
 
 import pytest
@@ -52,18 +51,14 @@ def test_save_load_roundtrip_and_bad_files(tiny_target, tmp_path):
     path.write_text('{"token_ids": [true, 2]}')  # a bool is not a token id
     with pytest.raises(CheckpointError, match="it has True"):
         DFlashDraft.load(tmp_path / "d")
-    os.environ["DFLASH_DRAFT_VOCAB"] = "0"  # switched off: the file is not even read
-    try:
-        assert DFlashDraft.load(tmp_path / "d").draft_vocab is None
-    finally:
-        del os.environ["DFLASH_DRAFT_VOCAB"]
     path.unlink()
     assert load_draft_vocab(tmp_path / "d", 256) is None
 
 
-def _backends(tiny_target, kind, vocab=VOCAB):
+def _backends(tiny_target, kind, vocab=VOCAB, settings=None):
     cls = TransformersBackend if kind == "plain" else StaticBackend
     kw = {"plain": {}, "static": {"use_graphs": False}, "device": {"use_graphs": False, "device_loop": True}}[kind]
+    kw["settings"] = settings
     with_vocab, without = make_draft(tiny_target), make_draft(tiny_target)
     with_vocab.draft_vocab = vocab
     return (cls(tiny_target, with_vocab, torch.device("cpu"), **kw),
@@ -118,13 +113,15 @@ def test_records_and_cost_keys_name_the_vocabulary(tiny_target):
     assert "draft_vocab" not in Pipeline(ref, None, []).describe()  # older records stay comparable
 
 
-def test_switch_off_ignores_the_vocabulary(tiny_target, monkeypatch):
-    monkeypatch.setenv("DFLASH_DRAFT_VOCAB", "0")
-    be, _ = _backends(tiny_target, "plain")
-    assert be.draft_head.ids is None
-    monkeypatch.setenv("DFLASH_DRAFT_VOCAB", "maybe")
+@pytest.mark.parametrize("kind", ["plain", "static"])
+def test_setting_off_ignores_the_vocabulary(tiny_target, kind):
+    from dflash.kernels.settings import KernelSettings
+
+    off = KernelSettings.resolve(environ={"DFLASH_DRAFT_VOCAB": "0"})
+    be, _ = _backends(tiny_target, kind, settings=off)
+    assert be.draft_head.ids is None and be.describe()["kernel_settings"]["draft_vocab"] is False
     with pytest.raises(InputError, match="DFLASH_DRAFT_VOCAB"):
-        _backends(tiny_target, "plain")
+        KernelSettings.resolve(environ={"DFLASH_DRAFT_VOCAB": "maybe"})
 
 
 def test_cli_data_vocab_writes_reports_and_removes(tiny_target, tmp_path):

@@ -45,18 +45,14 @@ def test_warm_up_runs_the_request_at_block_1_and_l_then_generation_is_unchanged(
     assert res.token_ids == greedy_reference(tiny_target, PROMPT, 40)
 
 
-def test_generate_warmup_tokens_from_the_environment(monkeypatch):
-    from dflash.api import warmup_tokens as generate_warmup_tokens
+def test_warmup_option_is_checked():
     from dflash.errors import InputError
+    from dflash.options import WARMUP_DEFAULT, check_warmup
 
-    monkeypatch.delenv("DFLASH_GENERATE_WARMUP", raising=False)
-    assert generate_warmup_tokens() == 64
-    monkeypatch.setenv("DFLASH_GENERATE_WARMUP", " 0 ")
-    assert generate_warmup_tokens() == 0
-    for bad in ("-1", "x", "1.5"):
-        monkeypatch.setenv("DFLASH_GENERATE_WARMUP", bad)
-        with pytest.raises(InputError, match="DFLASH_GENERATE_WARMUP"):
-            generate_warmup_tokens()
+    assert WARMUP_DEFAULT == 64
+    check_warmup(0)
+    with pytest.raises(InputError, match="--warmup must be a whole number of tokens >= 0"):
+        check_warmup(-1)
 
 
 class _Backend:
@@ -84,12 +80,11 @@ class _Pipe:
 
 
 @pytest.mark.parametrize("use_graphs", [True, False])
-def test_serve_warms_up_at_load_on_the_graph_path_only(monkeypatch, use_graphs):
+def test_serve_warms_up_at_load_on_the_graph_path_only(use_graphs):
     from dflash.serve.server import Engine
 
-    monkeypatch.setenv("DFLASH_GENERATE_WARMUP", "32")
     pipe = _Pipe(use_graphs)
-    engine = Engine(lambda: pipe, ["demo"], block_size=16)
+    engine = Engine(lambda: pipe, ["demo"], block_size=16, warmup=32)
     engine._load_now()
     assert engine.error is None and engine.pipe is pipe
     assert pipe.calls == ([([1, 2, 3], {"max_new_tokens": 97, "tokens": 32})] if use_graphs else [])
@@ -138,9 +133,8 @@ def test_cli_generate_warms_up_on_the_graph_path_before_seeding(monkeypatch, use
 
     monkeypatch.setattr(dflash, "load", lambda *a, **k: Pipe(use_graphs))
     monkeypatch.setattr(torch, "manual_seed", lambda seed: events.append(("seed", seed)))
-    monkeypatch.setenv("DFLASH_GENERATE_WARMUP", "16")
     res = CliRunner().invoke(app, ["generate", "transformers", "hi", "--block-size", "16",
-                                   "--max-new-tokens", "40", "--seed", "5", "--json"])  # fmt: skip
+                                   "--max-new-tokens", "40", "--seed", "5", "--json", "--warmup", "16"])  # fmt: skip
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout.strip().splitlines()[-1])
     warm = [("warm_up", 40, 16)] if use_graphs else []

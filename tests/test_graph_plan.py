@@ -42,19 +42,16 @@ def test_uniform_plan_pads_block_1_decoding_to_the_block():
     assert plan_graphs(16, has_draft=False, uniform=True).verify_widths == (1,)
 
 
-def test_warm_replays_env(monkeypatch):
-    from dflash.backends.static.graph_plan import WARM_ENV, warm_replays
+def test_warm_replays_setting():
     from dflash.errors import InputError
+    from dflash.kernels.settings import KernelSettings
 
-    monkeypatch.delenv(WARM_ENV, raising=False)
-    assert warm_replays() == 3
+    assert KernelSettings().graph_warm == 3
     for raw, want in (("0", 0), (" 5 ", 5), ("", 3)):
-        monkeypatch.setenv(WARM_ENV, raw)
-        assert warm_replays() == want
+        assert KernelSettings.resolve(environ={"DFLASH_GRAPH_WARM": raw}).graph_warm == want
     for bad in ("-1", "three", "2.5"):
-        monkeypatch.setenv(WARM_ENV, bad)
-        with pytest.raises(InputError, match=WARM_ENV):
-            warm_replays()
+        with pytest.raises(InputError, match="DFLASH_GRAPH_WARM"):
+            KernelSettings.resolve(environ={"DFLASH_GRAPH_WARM": bad})
 
 
 def test_allow_recompiles_keeps_every_width_compiled():

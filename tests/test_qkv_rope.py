@@ -15,25 +15,22 @@ from dflash.kernels import qkv_rope as qr
 from tests.triton_helpers import compile_for_hopper, run_interpreted
 
 
-def test_setting(monkeypatch):
-    """Unset/auto: without q/k norms and by the weight's size (8 MiB); 1 and 0 force it; anything
-    else is an error."""
+def test_setting():
+    """None (auto): without q/k norms and by the weight's size (8 MiB); True and False force it;
+    the override DFLASH_QKV_ROPE takes auto, 1 or 0, anything else is an error."""
+    from dflash.kernels.settings import KernelSettings
+
     small, big = torch.empty(960, 576, dtype=torch.bfloat16), torch.empty(6144, 4096, dtype=torch.bfloat16)
-    monkeypatch.delenv(qr.QKV_ROPE_ENV, raising=False)
-    assert qr.qkv_rope_setting() is None
+    assert KernelSettings().qkv_rope is None
     assert qr.qkv_rope_wanted([small, small], False) and not qr.qkv_rope_wanted([small, big], False)
     assert not qr.qkv_rope_wanted([small], True)  # a whole head per program: measured slower
-    monkeypatch.setenv(qr.QKV_ROPE_ENV, "1")
-    assert qr.qkv_rope_wanted([big], True)
-    monkeypatch.setenv(qr.QKV_ROPE_ENV, "0")
-    assert not qr.qkv_rope_wanted([small], False)
-    monkeypatch.setenv(qr.QKV_ROPE_ENV, "yes")
+    assert qr.qkv_rope_wanted([big], True, True)
+    assert not qr.qkv_rope_wanted([small], False, False)
+    env = {"DFLASH_QKV_ROPE": "auto"}
+    assert KernelSettings.resolve(environ=env).qkv_rope is None
+    assert KernelSettings.resolve(environ={"DFLASH_QKV_ROPE": "1"}).qkv_rope is True
     with pytest.raises(InputError, match="DFLASH_QKV_ROPE"):
-        qr.qkv_rope_setting()
-    from dflash.backends.static.switches import check_env
-
-    with pytest.raises(InputError, match="DFLASH_QKV_ROPE"):
-        check_env()
+        KernelSettings.resolve(environ={"DFLASH_QKV_ROPE": "maybe"})
 
 
 def test_launch_checks_shapes():
@@ -105,24 +102,20 @@ def test_draft_logits_match_the_two_kernel_path(tiny_target, monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
-def test_fall_back_order_and_live_flags(tiny_target, capsys):
-    """After a failed capture the fused kernel goes right after the fused LM head, before the
-    norms inside the projections; where the forwards cannot run it (the norms' partial sums)
-    records leave it out and the fall-back skips it."""
+def test_fall_back_order_and_live_flags(tiny_target, gpu_like):
+    """After a failed capture the fused kernel goes first, before the RMSNorm kernel and the
+    norms inside the projections; the backend reports it live only where its forwards run it."""
     from dflash.backends.static.backend import StaticBackend
-    from dflash.backends.static.switches import fall_back
+    from dflash.kernels.settings import KernelSettings, fall_back
     from tests.conftest import make_draft
 
+    new, what, fix = fall_back(KernelSettings(), {"qkv_rope", "norm_kernel", "fuse_norm"})
+    assert new.qkv_rope is False and new.norm_kernel and "DFLASH_QKV_ROPE=0" in fix
     be = StaticBackend(tiny_target, make_draft(tiny_target), torch.device("cpu"), use_graphs=False)
-    be.qkv_rope_target = be.qkv_rope_draft = be.fuse_norm = be.head_argmax = True
-    assert fall_back(be, RuntimeError("capture failed")) and not be.head_argmax and be.qkv_rope_target
-    assert fall_back(be, RuntimeError("capture failed"))
-    assert not be.qkv_rope_target and not be.qkv_rope_draft and be.fuse_norm
-    assert "DFLASH_QKV_ROPE=0" in capsys.readouterr().err
-    be.qkv_rope_target, be.norm_partials = True, True
-    assert be.qkv_rope_live() == (False, False) and "qkv_rope" not in be.describe()
-    assert fall_back(be, RuntimeError("capture failed")) and not be.norm_partials and be.qkv_rope_target
-    assert be.qkv_rope_live() == (True, False) and be.describe()["qkv_rope"] == {"target": True, "draft": False}
+    assert be.qkv_rope_target and not be.qkv_rope_draft  # the draft's q/k norms: auto leaves it off
+    assert "qkv_rope" in be.live_kernels() and be.describe()["qkv_rope"] == {"target": True, "draft": False}
+    be.configure(new)
+    assert not be.qkv_rope_target and "qkv_rope" not in be.live_kernels() and "qkv_rope" not in be.describe()
 
 
 KERNEL_CHECK = textwrap.dedent("""

@@ -27,16 +27,12 @@ def test_reference_is_the_modules_maths():
             assert torch.equal(rn.rms_norm(x, norm.weight, eps), norm(x))  # CPU: the reference
 
 
-def test_setting_and_fits(monkeypatch):
-    """DFLASH_NORM_KERNEL: on by default, 0 off, anything else named; only plain RMSNorms of a
-    16-bit dtype fit."""
+def test_fits():
+    """Only plain RMSNorms of a 16-bit dtype fit."""
     from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
     from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
 
-    from tests.conftest import assert_on_off_switch
-
-    assert_on_off_switch(monkeypatch, "DFLASH_NORM_KERNEL", rn.norm_kernel_setting, "on")
     norm = LlamaRMSNorm(64).bfloat16()
     assert rn.rms_norm_fits(norm, torch.bfloat16)
     assert not rn.rms_norm_fits(norm, torch.float16)  # the weight's dtype must be the activations'
@@ -112,14 +108,12 @@ def test_static_backend_norm_kernel_off_on_cpu(tiny_target):
     assert be.norm_kernel is False and be.describe()["norm_kernel"] is False
 
 
-def test_fall_back_turns_the_kernel_off(tiny_target, capsys):
-    """A failed capture turns the RMSNorm kernel off (after the qkv + RoPE kernel, before PDL),
-    with one line naming the switch."""
-    from dflash.backends.static.backend import StaticBackend
-    from dflash.backends.static.switches import fall_back
-    from tests.conftest import make_draft
+def test_fall_back_turns_the_kernel_off():
+    """After a failed capture the RMSNorm kernel goes off after the qkv + RoPE kernel and before
+    PDL, naming the override."""
+    from dflash.kernels.settings import KernelSettings, fall_back
 
-    be = StaticBackend(tiny_target, make_draft(tiny_target), torch.device("cpu"), use_graphs=False)
-    be.norm_kernel = be.fuse_norm = True
-    assert fall_back(be, RuntimeError("capture failed")) and not be.norm_kernel and be.fuse_norm
-    assert "DFLASH_NORM_KERNEL=0" in capsys.readouterr().err
+    new, what, fix = fall_back(KernelSettings(), {"norm_kernel", "pdl", "fuse_norm"})
+    assert (new.norm_kernel, new.pdl, new.fuse_norm) == (False, "1", None) and what == "the RMSNorm kernel"
+    assert "DFLASH_NORM_KERNEL=0" in fix
+    assert fall_back(KernelSettings(), {"qkv_rope", "norm_kernel"})[1] == "the qkv + RoPE kernel"

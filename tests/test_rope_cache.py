@@ -15,22 +15,29 @@ from dflash.kernels import rope_cache as rc
 from tests.triton_helpers import run_interpreted
 
 
-def test_switch(monkeypatch, tiny_target):
-    """DFLASH_ROPE: draft and target by default, ``draft`` the draft only, 0 none, anything else
-    a one-line error when a backend is built (on CPU too); off CPU's cuBLAS/torch path it is off."""
+def test_switch(tiny_target, gpu_like):
+    """The rope settings: draft and target by default, DFLASH_ROPE=draft the draft only, 0 none,
+    anything else a one-line error; on CPU's torch path it is off."""
+    from dflash.backends.static.backend import StaticBackend
+    from dflash.kernels.settings import KernelSettings
+    from tests.conftest import make_draft
+
+    def parts(value):
+        s = KernelSettings.resolve(environ={"DFLASH_ROPE": value})
+        return s.rope_target, s.rope_draft
+
+    assert parts("1") == parts("") == (True, True) and parts("draft") == (False, True) and parts("0") == (False, False)
+    with pytest.raises(InputError, match="DFLASH_ROPE must be 1, draft or 0"):
+        parts("maybe")
+    be = StaticBackend(tiny_target, make_draft(tiny_target), torch.device("cpu"), use_graphs=False,
+                       settings=KernelSettings.resolve(environ={"DFLASH_ROPE": "draft"}))  # fmt: skip
+    assert be.draft_rope and not be.target_rope  # as on a GPU (gpu_like)
+
+
+def test_cpu_keeps_the_torch_ops(tiny_target):
     from dflash.backends.static.backend import StaticBackend
     from tests.conftest import make_draft
 
-    monkeypatch.delenv("DFLASH_ROPE", raising=False)
-    assert rc.rope_parts() == {"draft", "target"}
-    monkeypatch.setenv("DFLASH_ROPE", "draft")
-    assert rc.rope_parts() == {"draft"}
-    monkeypatch.setenv("DFLASH_ROPE", "0")
-    assert rc.rope_parts() == frozenset()
-    monkeypatch.setenv("DFLASH_ROPE", "yes")
-    with pytest.raises(InputError, match="DFLASH_ROPE must be 0, 1 or draft"):
-        StaticBackend(tiny_target, make_draft(tiny_target), torch.device("cpu"), use_graphs=False)
-    monkeypatch.delenv("DFLASH_ROPE")
     be = StaticBackend(tiny_target, make_draft(tiny_target), torch.device("cpu"), use_graphs=False)
     assert not be.draft_rope and not be.target_rope  # CPU: no Triton projections
 

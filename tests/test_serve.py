@@ -359,6 +359,10 @@ def test_cli_block_size_takes_auto_or_an_integer(value, message):
     (["--draft", os.devnull], "CheckpointError", "is a file; a draft is a folder"),
     (["--block-size", "99"], "InputError", "exceeds the draft's trained block size 16"),
     (["--no-cuda-graphs"], "InputError", "DFLASH_ATTN must be"),  # with DFLASH_ATTN=bogus below
+    (["--kernels", "none"], "InputError", "--kernels must be auto or off"),
+    (["--warmup", "-1"], "InputError", "--warmup must be a whole number"),
+    (["--block-size", "4", "--recalibrate"], "InputError", "--recalibrate measures the costs"),
+    (["--backend", "mlx", "--kernels", "off"], "InputError", "--kernels does not apply to the mlx backend"),
     (["--device", "tpu"], "InputError", "Unknown --device 'tpu'; use auto, cuda, cuda:N or cpu"),
     (["--dtype", "fp8"], "InputError", "Unknown --dtype 'fp8'"),
     (["--backend", "mlx", "--device", "cuda:0"], "InputError", "'cuda:0' for the mlx backend; use"),

@@ -12,8 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from dflash.errors import InputError
-from dflash.kernels import linear_settings, pdl
+from dflash.kernels import pdl
 from dflash.kernels import small_linear as sl
+from dflash.kernels.settings import KernelSettings
 from tests.triton_helpers import compile_for_hopper, run_interpreted
 
 
@@ -28,22 +29,15 @@ def test_reference_rounds_like_the_modules(dtype):
 
 
 def test_switches_and_configs(monkeypatch):
-    assert sl.linear_mode(torch.device("cpu")) == "torch"
-    monkeypatch.setenv("DFLASH_LINEAR", "cublas")
-    with pytest.raises(InputError, match="DFLASH_LINEAR must be auto, torch, triton or all"):
-        sl.linear_mode(torch.device("cuda"))
-    monkeypatch.delenv("DFLASH_LINEAR")
-    monkeypatch.setattr(linear_settings, "triton", object())  # as on a CUDA machine with Triton
-    assert sl.linear_mode(torch.device("cuda")) == "auto"  # the default there
-    monkeypatch.setenv("DFLASH_LINEAR", "triton")
-    assert sl.linear_mode(torch.device("cuda")) == "triton"
-    assert sl.linear_mode(torch.device("cpu")) == "torch"
-    monkeypatch.setenv("DFLASH_LINEAR", "torch")
-    assert sl.linear_mode(torch.device("cuda")) == "torch"
-    monkeypatch.setenv("DFLASH_LINEAR", "all")
-    assert sl.linear_mode(torch.device("cuda")) == "all"
-    assert sl.linear_mode(torch.device("cpu")) == "torch"
-    monkeypatch.delenv("DFLASH_LINEAR")
+    assert sl.linear_mode("auto", torch.device("cpu")) == "torch"
+    with pytest.raises(InputError, match="DFLASH_LINEAR must be auto, all, triton or torch"):
+        KernelSettings.resolve(environ={"DFLASH_LINEAR": "cublas"})
+    assert KernelSettings.resolve(environ={"DFLASH_LINEAR": "Triton"}).linear == "triton"
+    monkeypatch.setattr(sl, "triton", object())  # as on a CUDA machine with Triton
+    assert sl.linear_mode(KernelSettings().linear, torch.device("cuda")) == "auto"  # the default there
+    for mode in ("triton", "torch", "all"):
+        assert sl.linear_mode(mode, torch.device("cuda")) == mode
+        assert sl.linear_mode(mode, torch.device("cpu")) == "torch"
     assert sl.kernel_config(1, 576, 576) == (16, 16, 128, 4, 4)
     assert sl.kernel_config(16, 4096, 11008) == (16, 32, 512, 4, 4)  # (16 + 32) x 512 x 2 B x 4 = 192 KiB
     assert sl.kernel_config(16, 576, 1536) == (16, 16, 512, 4, 4)  # the demo's down_proj, as before
@@ -57,21 +51,22 @@ def test_switches_and_configs(monkeypatch):
     assert sl.kernel_config(20, 4096, 12288) == (32, 32, 512, 4, 3)  # 4 stages would need 256 KiB
     smem = {cfg: (16 + cfg[0]) * cfg[1] * 2 * cfg[3] for cfg in sl.TUNED.values()}
     assert max(smem.values()) <= sl.SMEM_BUDGET  # every tuned config fits the pipelined tiles' budget
-    monkeypatch.setenv("DFLASH_LINEAR_CONFIG", "32,128,8,4")
-    assert sl.kernel_config(1, 960, 576) == (16, 32, 128, 8, 4)
-    monkeypatch.setenv("DFLASH_LINEAR_CONFIG", "32,128")
+
+    def config(raw):  # the override, checked at resolve, then used per shape
+        return KernelSettings.resolve(environ={"DFLASH_LINEAR_CONFIG": raw}).linear_config
+
+    assert sl.kernel_config(1, 960, 576, override=config("32,128,8,4")) == (16, 32, 128, 8, 4)
     with pytest.raises(InputError, match="BN,BK,warps,stages"):
-        sl.kernel_config(1, 960, 576)
+        config("32,128")
     # per shape (weight rows x K), optionally for one row count; other shapes keep the built-in
-    monkeypatch.setenv("DFLASH_LINEAR_CONFIG", "4096x4096@1=16,512,8,3; 6144x4096=64,128,2,6")
-    assert sl.kernel_config(1, 4096, 4096) == (16, 16, 512, 8, 3)
-    assert sl.kernel_config(16, 4096, 4096) == (16, 32, 256, 4, 6)  # not named: TUNED's
-    assert sl.kernel_config(20, 6144, 4096) == (32, 64, 128, 2, 6)
-    assert sl.kernel_config(1, 576, 576) == (16, 16, 128, 4, 4)
+    named = config("4096x4096@1=16,512,8,3; 6144x4096=64,128,2,6")
+    assert sl.kernel_config(1, 4096, 4096, override=named) == (16, 16, 512, 8, 3)
+    assert sl.kernel_config(16, 4096, 4096, override=named) == (16, 32, 256, 4, 6)  # not named: TUNED's
+    assert sl.kernel_config(20, 6144, 4096, override=named) == (32, 64, 128, 2, 6)
+    assert sl.kernel_config(1, 576, 576, override=named) == (16, 16, 128, 4, 4)
     for bad in ("4096x4096=16,512,8", "4096by4096=16,512,8,3", "4096x4096@one=16,512,8,3", "1x1=1,1,1,1;2x2=0,1,1,1"):
-        monkeypatch.setenv("DFLASH_LINEAR_CONFIG", bad)
         with pytest.raises(InputError, match="NxK=BN,BK,warps,stages"):
-            sl.kernel_config(1, 4096, 4096)
+            config(bad)
 
 
 def test_static_backend_with_fused_linears_decodes_greedy(tiny_target):
@@ -101,7 +96,7 @@ def test_static_backend_with_fused_linears_decodes_greedy(tiny_target):
 
 
 def test_auto_takes_in_projections_at_every_width(tiny_target, monkeypatch):
-    """DFLASH_LINEAR=auto (and all): a model's fused qkv and gate+up projections run small_linear
+    """The linear setting auto (and all): a model's fused qkv and gate+up projections run small_linear
     in every forward of up to MAX_ROWS rows, target and draft, whatever their size (the H200's
     Qwen3-8B shape too); triton and torch never; recorded with benchmark results."""
     from dflash.backends.static import backend as static_torch
@@ -111,7 +106,7 @@ def test_auto_takes_in_projections_at_every_width(tiny_target, monkeypatch):
     draft = make_draft(tiny_target)
 
     def made(mode: str) -> dict:
-        monkeypatch.setattr(static_torch, "linear_mode", lambda device: mode)
+        monkeypatch.setattr(static_torch, "linear_mode", lambda setting, device: mode)
         return StaticBackend(tiny_target, draft, torch.device("cpu"), use_graphs=False).describe()["linear_in"]
 
     assert made("auto") == {"target": sl.MAX_ROWS, "draft": sl.MAX_ROWS}
@@ -121,77 +116,57 @@ def test_auto_takes_in_projections_at_every_width(tiny_target, monkeypatch):
 
 
 def test_pdl_switch(monkeypatch):
-    """DFLASH_PDL is on by default on a Hopper GPU with Triton, never without CUDA, and 0 turns
-    it off; a failed capture turns it off for good (disable_pdl says whether it was on)."""
-    monkeypatch.delenv("DFLASH_PDL", raising=False)
-    monkeypatch.setattr(pdl, "_PDL_OFF", False)
-    assert not sl.pdl_enabled(torch.device("cpu"))
-    monkeypatch.setenv("DFLASH_PDL", "1")
-    assert not sl.pdl_enabled(torch.device("cpu"))
+    """PDL: on by default on a Hopper GPU with Triton, never without CUDA or before Hopper; the
+    pdl setting 0 turns it off, kernels keeps Inductor's off, draft puts both in the draft's
+    forward only; a typo is an error, not a silent "on"."""
+    from dflash.kernels.settings import pdl_wanted
+
+    assert not pdl.pdl_supported(torch.device("cpu"))
     monkeypatch.setattr(pdl, "_HAS_GDC", True)
     monkeypatch.setattr(pdl, "_CAPABILITY", {0: 9})
-    monkeypatch.delenv("DFLASH_PDL")
-    assert sl.pdl_enabled(torch.device("cuda", 0)) and sl.pdl_enabled(torch.device("cuda", 0), inductor=True)
-    monkeypatch.setenv("DFLASH_PDL", "1")
-    assert sl.pdl_enabled(torch.device("cuda", 0)) and sl.pdl_enabled(torch.device("cuda", 0), inductor=True)
-    monkeypatch.setenv("DFLASH_PDL", "kernels")  # this project's kernels only
-    assert sl.pdl_enabled(torch.device("cuda", 0)) and not sl.pdl_enabled(torch.device("cuda", 0), inductor=True)
-    monkeypatch.setenv("DFLASH_PDL", "1")
+    assert pdl.pdl_supported(torch.device("cuda", 0)) and not pdl.pdl_supported(torch.device("cpu"))
+    assert pdl.default_launch(torch.device("cuda", 0)).pdl
     pdl._CAPABILITY[0] = 8  # Ampere: no programmatic dependent launch
-    assert not sl.pdl_enabled(torch.device("cuda", 0))
-    monkeypatch.setenv("DFLASH_PDL", "0")
-    pdl._CAPABILITY[0] = 9
-    assert not sl.pdl_enabled(torch.device("cuda", 0))
-    monkeypatch.setenv("DFLASH_PDL", "draft")  # both kinds, in the draft's forward only
-    cuda = torch.device("cuda", 0)
-    assert not sl.pdl_enabled(cuda) and not sl.pdl_enabled(cuda, inductor=True)
-    with sl.pdl_part("draft"):
-        assert sl.pdl_enabled(cuda) and sl.pdl_enabled(cuda, inductor=True)
-        with sl.pdl_part("target"):
-            assert not sl.pdl_enabled(cuda) and not sl.pdl_enabled(cuda, inductor=True)
-        assert sl.pdl_enabled(cuda)
-    assert not sl.pdl_enabled(cuda)
-    monkeypatch.setenv("DFLASH_PDL", "kernel")  # a typo is an error, not a silent "on"
-    with pytest.raises(InputError, match="DFLASH_PDL must be 0, 1, kernels or draft"):
-        sl.pdl_enabled(torch.device("cpu"))
-    monkeypatch.setenv("DFLASH_PDL", "draft")
-    assert not sl.disable_pdl(torch.device("cpu"), "draft") and not pdl._PDL_OFF  # was off on the CPU
-    assert not sl.disable_pdl(cuda, "target") and not pdl._PDL_OFF  # a target capture had it off
-    assert sl.disable_pdl(cuda, "draft") and pdl._PDL_OFF  # on in the draft's graphs: was on
-    with sl.pdl_part("draft"):
-        assert not sl.pdl_enabled(cuda)  # off for good
-    assert not sl.disable_pdl(cuda, "draft")
+    assert not pdl.pdl_supported(torch.device("cuda", 0))
+    assert KernelSettings().pdl == "1"
+    for part in ("target", "draft"):
+        assert pdl_wanted("1", part) and pdl_wanted("1", part, inductor=True)
+        assert pdl_wanted("kernels", part) and not pdl_wanted("kernels", part, inductor=True)
+        assert not pdl_wanted("0", part) and not pdl_wanted("0", part, inductor=True)
+        assert pdl_wanted("draft", part) == pdl_wanted("draft", part, inductor=True) == (part == "draft")
+    assert KernelSettings.resolve(environ={"DFLASH_PDL": "Kernels"}).pdl == "kernels"
+    assert KernelSettings.resolve(environ={"DFLASH_PDL": "off"}).pdl == "0"
+    with pytest.raises(InputError, match="DFLASH_PDL must be 1, 0, kernels or draft"):
+        KernelSettings.resolve(environ={"DFLASH_PDL": "kernel"})
 
 
 def test_glu_switch_and_where_it_runs(tiny_target, monkeypatch):
-    """DFLASH_GLU (default on; 0 off; another value refused) reaches the target's SiLU MLPs and
-    the draft's where their gate+up projections run small_linear; recorded; a target with
-    another activation keeps its own; the unfused maths equal the fused reference."""
+    """The glu setting (default on; DFLASH_GLU=0 off; another value refused) reaches the
+    target's SiLU MLPs and the draft's where their gate+up projections run small_linear;
+    recorded; a target with another activation keeps its own; the unfused maths equal the
+    fused reference."""
     from dflash.backends.static import backend as static_torch
     from dflash.backends.static.backend import StaticBackend
     from tests.conftest import make_draft
 
-    monkeypatch.delenv("DFLASH_GLU", raising=False)
-    assert sl.glu_setting()
-    monkeypatch.setenv("DFLASH_GLU", "yes")
-    with pytest.raises(InputError, match="DFLASH_GLU must be 0 or 1"):
-        sl.glu_setting()
+    assert KernelSettings().glu and not KernelSettings.resolve(environ={"DFLASH_GLU": "0"}).glu
+    with pytest.raises(InputError, match="DFLASH_GLU must be 1 or 0"):
+        KernelSettings.resolve(environ={"DFLASH_GLU": "maybe"})
     draft = make_draft(tiny_target)
 
-    def made(mode: str) -> dict:
-        monkeypatch.setattr(static_torch, "linear_mode", lambda device: mode)
-        return StaticBackend(tiny_target, draft, torch.device("cpu"), use_graphs=False).describe()["glu"]
+    def made(mode: str, glu: str = "1") -> dict:
+        monkeypatch.setattr(static_torch, "linear_mode", lambda setting, device: mode)
+        settings = KernelSettings.resolve(environ={"DFLASH_GLU": glu})
+        return StaticBackend(tiny_target, draft, torch.device("cpu"), use_graphs=False,
+                             settings=settings).describe()["glu"]  # fmt: skip
 
-    monkeypatch.setenv("DFLASH_GLU", "1")
     assert made("auto") == {"target": True, "draft": True}
     assert made("triton") == {"target": False, "draft": False}  # gate+up on cuBLAS: nothing to fuse into
-    monkeypatch.setenv("DFLASH_GLU", "0")
-    assert made("all") == {"target": False, "draft": False}
-    monkeypatch.setenv("DFLASH_GLU", "1")
+    assert made("all", "0") == {"target": False, "draft": False}
     monkeypatch.setattr(static_torch, "_in_proj_rows", lambda linear: 1)  # in-projections: 1-row steps only
     assert made("auto") == {"target": True, "draft": False}
-    monkeypatch.undo()  # (the env too: DFLASH_GLU unset, on by default)
-    monkeypatch.setattr(static_torch, "linear_mode", lambda device: "all")
+    monkeypatch.undo()
+    monkeypatch.setattr(static_torch, "linear_mode", lambda setting, device: "all")
     monkeypatch.setattr(tiny_target.config, "hidden_act", "gelu")
     assert StaticBackend(tiny_target, draft, torch.device("cpu"), use_graphs=False).describe()["glu"] == {
         "target": False, "draft": True}  # fmt: skip
@@ -204,49 +179,45 @@ def test_glu_switch_and_where_it_runs(tiny_target, monkeypatch):
 
 
 def test_fuse_norm_switch_and_greedy_parity(tiny_target, monkeypatch):
-    """DFLASH_FUSE_NORM (unset: on for hidden sizes <= 1024 in bf16/fp16; 1 on; 0 off; another
-    value refused) reaches the target and the draft where their in-projections run small_linear and their norms are plain RMSNorms
-    (recorded when on); the static path with it (reference maths on CPU) decodes exactly plain
-    greedy, with and without the SwiGLU epilogue and the RoPE kernel's path."""
+    """The fuse_norm setting (None: on for hidden sizes <= 1024 in bf16/fp16; DFLASH_FUSE_NORM=1
+    on, 0 off, another value refused) reaches the target and the draft where their
+    in-projections run small_linear and their norms are plain RMSNorms (recorded when on); the
+    static path with it (reference maths on CPU) decodes exactly plain greedy, with and without
+    the SwiGLU epilogue and the RoPE kernel's path."""
     from dflash.backends.static import backend as static_torch
     from dflash.backends.static import fused as static_fused
     from dflash.backends.static.backend import StaticBackend
     from tests.conftest import make_draft
     from tests.test_split_attention import assert_static_greedy
 
-    monkeypatch.delenv("DFLASH_FUSE_NORM", raising=False)
-    assert sl.fuse_norm_setting() is None  # the default: by hidden size and dtype
+    assert KernelSettings().fuse_norm is None  # the default: by hidden size and dtype
     assert sl.fuse_norm_auto(576, torch.bfloat16) and sl.fuse_norm_auto(1024, torch.float16)
     assert not sl.fuse_norm_auto(4096, torch.bfloat16)  # measured slower at Qwen3-8B's size
     assert not sl.fuse_norm_auto(576, torch.float32)  # the reference dtype keeps the modules' maths
-    monkeypatch.setenv("DFLASH_FUSE_NORM", "0")
-    assert sl.fuse_norm_setting() is False
-    monkeypatch.setenv("DFLASH_FUSE_NORM", "on")
-    with pytest.raises(InputError, match="DFLASH_FUSE_NORM must be 0 or 1"):
-        sl.fuse_norm_setting()
-    monkeypatch.setenv("DFLASH_FUSE_NORM", "1")
+    assert KernelSettings.resolve(environ={"DFLASH_FUSE_NORM": "0"}).fuse_norm is False
+    with pytest.raises(InputError, match="DFLASH_FUSE_NORM must be 1 or 0"):
+        KernelSettings.resolve(environ={"DFLASH_FUSE_NORM": "2"})
     draft = make_draft(tiny_target)
+    forced = KernelSettings.resolve(environ={"DFLASH_FUSE_NORM": "1"})
 
-    def made() -> dict | None:
-        return StaticBackend(tiny_target, draft, torch.device("cpu"), use_graphs=False).describe().get("fuse_norm")
+    def made(settings=None) -> dict | None:
+        return StaticBackend(tiny_target, draft, torch.device("cpu"), use_graphs=False,
+                             settings=settings).describe().get("fuse_norm")  # fmt: skip
 
-    monkeypatch.setattr(static_torch, "linear_mode", lambda device: "all")
-    assert made() == {"target": True, "draft": True}  # CPU: SDPA, no RoPE kernel: the norms still fold
-    monkeypatch.delenv("DFLASH_FUSE_NORM")
+    monkeypatch.setattr(static_torch, "linear_mode", lambda setting, device: "all")
+    assert made(forced) == {"target": True, "draft": True}  # CPU: SDPA, no RoPE kernel: the norms still fold
     assert made() is None  # unset: off in float32
     monkeypatch.setattr(static_torch, "fuse_norm_auto", lambda hidden, dtype: True)  # a bf16 model's size
     assert made() == {"target": True, "draft": True}
     monkeypatch.setattr(static_torch, "_in_proj_rows", lambda linear: 1)  # in-projections: 1-row steps only
     assert made() is None  # the default wants every width (block 1 = verify maths); the draft has none
-    monkeypatch.setenv("DFLASH_FUSE_NORM", "1")
-    assert made() == {"target": True, "draft": False}  # 1 forces it where it can run
+    assert made(forced) == {"target": True, "draft": False}  # 1 forces it where it can run
     monkeypatch.undo()
-    monkeypatch.setenv("DFLASH_FUSE_NORM", "1")
-    monkeypatch.setattr(static_torch, "linear_mode", lambda device: "all")
-    monkeypatch.setattr(static_torch, "attention_mode", lambda device, dtype=None: "split")
-    assert made() == {"target": True, "draft": True}
-    monkeypatch.setattr(static_torch, "linear_mode", lambda device: "triton")  # in-projections on cuBLAS
-    assert made() is None
+    monkeypatch.setattr(static_torch, "linear_mode", lambda setting, device: "all")
+    monkeypatch.setattr(static_torch, "attention_mode", lambda mode, device, dtype=None: "split")
+    assert made(forced) == {"target": True, "draft": True}
+    monkeypatch.setattr(static_torch, "linear_mode", lambda setting, device: "triton")  # in-projections on cuBLAS
+    assert made(forced) is None
     assert static_fused.norms_fit(tiny_target.model.layers, torch.float32)
     assert not static_fused.norms_fit(tiny_target.model.layers, torch.bfloat16)  # another dtype
     layer = tiny_target.model.layers[0]
@@ -287,7 +258,6 @@ def test_fuse_norm_equals_the_norm_modules(tiny_target, monkeypatch, glu):
         for layer in [*tiny_target.model.layers, *draft.layers]:
             for norm in (layer.input_layernorm, layer.post_attention_layernorm):
                 norm.weight.uniform_(0.5, 1.5)
-    monkeypatch.setenv("DFLASH_FUSE_NORM", "1")
     be = StaticBackend(tiny_target, draft, torch.device("cpu"), use_graphs=False, device_loop=False)
     for name, value in dict(attention="split", linear="all", linear_in=sl.MAX_ROWS, draft_linear=True,
                             draft_linear_in=True, target_rope=True, draft_rope=True, glu=glu, draft_glu=glu).items():
@@ -313,15 +283,16 @@ def test_fuse_norm_equals_the_norm_modules(tiny_target, monkeypatch, glu):
     assert not torch.allclose(prefill_verify_draft(be, True)[0], plain[0], rtol=1e-3, atol=1e-3)
 
 
-def test_capture_failure_turns_off_fused_norm_then_glu(tiny_target, capsys):
+def test_capture_failure_turns_off_fused_norm_then_glu(tiny_target, capsys, gpu_like):
     """A failed capture turns off the norms inside the projections first, then the SiLU * up
-    epilogue, one warning line each naming the switch, before the Triton projections."""
+    epilogue, one warning line each naming the override, before the Triton projections."""
+    import dataclasses
+
     from dflash.backends.static.backend import StaticBackend
     from tests.conftest import make_draft
 
-    be = StaticBackend(tiny_target, make_draft(tiny_target), torch.device("cpu"), use_graphs=False)
-    be.linear, be.linear_in, be.draft_linear, be.draft_linear_in = "all", sl.MAX_ROWS, True, True
-    be.glu = be.draft_glu = be.fuse_norm = be.draft_fuse_norm = True
+    settings = dataclasses.replace(KernelSettings(), linear="all", fuse_norm=True, qkv_rope=False)
+    be = StaticBackend(tiny_target, make_draft(tiny_target), torch.device("cpu"), use_graphs=False, settings=settings)
     seen = []
 
     def capture(fn, inputs):
@@ -334,10 +305,11 @@ def test_capture_failure_turns_off_fused_norm_then_glu(tiny_target, capsys):
     assert be._graph("verify", 1, lambda: ("ids", "pos"))[1] == "out"
     assert seen == [(True, True, True, True, "all"), (False, False, True, True, "all"),
                     (False, False, False, False, "all")]  # fmt: skip
+    assert be.folded_target is None and be.folded_draft is None  # the folded copies: memory back
     err = capsys.readouterr().err.strip().splitlines()
     assert [line.split(" failed")[0] for line in err] == [
         "dflash: the norms inside the projections", "dflash: the SiLU * up epilogue"]
-    assert "DFLASH_GLU=0 silences this" in err[1]
+    assert "DFLASH_GLU=0 or --kernels off silences this" in err[1]
 
 
 def test_fits_only_plain_row_major_linears(tiny_target):
@@ -394,7 +366,7 @@ KERNEL_CHECK = textwrap.dedent("""
     assert_static_greedy(linear="auto", linear_in=1, draft_linear=True)  # qkv, gate+up in 1-row steps only
     assert_static_greedy(linear="all", linear_in=sl.MAX_ROWS, draft_linear=True, draft_linear_in=True, glu=True,
                          draft_glu=True)  # SiLU * up as the gate+up kernel's epilogue
-    # the RMSNorms inside the in-projections (DFLASH_FUSE_NORM), with the RoPE kernel's path
+    # the RMSNorms inside the in-projections (the fuse_norm setting), with the RoPE kernel's path
     assert_static_greedy(attention="split", linear="all", linear_in=sl.MAX_ROWS, draft_linear=True,
                          draft_linear_in=True, target_rope=True, draft_rope=True, glu=True, draft_glu=True,
                          fuse_norm=True, draft_fuse_norm=True)  # fmt: skip
@@ -420,20 +392,20 @@ PDL_CHECK = textwrap.dedent("""
         pass
 
     tl.extra.cuda.gdc_wait = tl.extra.cuda.gdc_launch_dependents = _no_wait
-    sl.pdl_enabled = lambda device, inductor=False: True  # every launch takes the PDL path
+    from dflash.kernels.settings import KernelSettings, Launch
     torch.manual_seed(0)
     for m, n, k in ((3, 40, 300), (16, 24, 1100), (1, 17, 64)):
         x, w, r = torch.randn(m, k), torch.randn(n, k), torch.randn(m, n)
         for bk in (32, 64, 128):
-            os.environ["DFLASH_LINEAR_CONFIG"] = f"16,{bk},4,2"
-            y = sl.small_linear(x, w, None, r)
+            kl = Launch(KernelSettings(linear_config=f"16,{bk},4,2"), pdl=True)  # every launch takes the PDL path
+            y = sl.small_linear(x, w, None, r, launch=kl)
             assert (y - (r + x @ w.T)).abs().max().item() < 1e-4, (m, n, k, bk)
             wg = torch.cat((w, w.flip(0)))  # gate and up halves
             want = sl.small_linear_glu_reference(x, wg)
-            err = (sl.small_linear_glu(x, wg) - want).abs().max().item()
+            err = (sl.small_linear_glu(x, wg, launch=kl) - want).abs().max().item()
             assert err < 1e-5 * want.abs().max().item() + 1e-4, (m, n, k, bk, err)  # float32 sums
             for glu in (False, True):  # the row factors from the tiles on both sides of the wait
-                got = sl.small_linear_rn(x, wg, None, 1e-5, glu)
+                got = sl.small_linear_rn(x, wg, None, 1e-5, glu, launch=kl)
                 want = sl.small_linear_rn_reference(x, wg, None, 1e-5, glu)
                 err = (got - want).abs().max().item()
                 assert err < 1e-5 * want.abs().max().item() + 1e-4, (m, n, k, bk, glu)
@@ -448,60 +420,6 @@ def test_pdl_path_in_interpreter():
     calls stubbed: the interpreter has none)."""
     out = run_interpreted(PDL_CHECK)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
-
-
-ONE_TILE_CHECK = textwrap.dedent("""
-    import os
-    import torch, triton, triton.language as tl
-    from dflash.kernels import small_linear as sl
-
-    @triton.jit
-    def _no_wait():
-        pass
-
-    tl.extra.cuda.gdc_wait = tl.extra.cuda.gdc_launch_dependents = _no_wait
-    os.environ["DFLASH_LINEAR_ONE_TILE"] = "1"
-    torch.manual_seed(0)
-    for pdl in (False, True):
-        sl.pdl_enabled = lambda device, inductor=False, pdl=pdl: pdl
-        for m, n, k in ((3, 40, 300), (16, 24, 1024), (1, 17, 64), (32, 20, 576)):
-            x, w, r, b = torch.randn(m, k), torch.randn(n, k), torch.randn(m, n), torch.randn(n)
-            for bias, res in ((None, r), (b, None), (b, r)):
-                want = x @ w.T + (0 if bias is None else bias) + (0 if res is None else res)
-                assert (sl.small_linear(x, w, bias, res) - want).abs().max().item() < 1e-4, (pdl, m, n, k)
-    print("ok")
-""")
-
-
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
-def test_one_tile_path_in_interpreter():
-    """DFLASH_LINEAR_ONE_TILE: all of K in one tile (K not a power of two masked), with and
-    without PDL, bias and residual: the exact product (Triton interpreter, float32)."""
-    out = run_interpreted(ONE_TILE_CHECK)
-    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
-
-
-def test_one_tile_switch(monkeypatch, tiny_target):
-    """Off unless 1; a bad value is refused; a record names it where small_linear runs."""
-    from dflash.backends.static.backend import StaticBackend
-    from tests.conftest import make_draft
-
-    be = StaticBackend(tiny_target, make_draft(tiny_target), torch.device("cpu"), use_graphs=False)
-    monkeypatch.setenv("DFLASH_LINEAR_ONE_TILE", "1")
-    assert "linear_one_tile" not in be.describe()  # the CPU keeps torch's linears
-    be.linear = "auto"  # as on CUDA
-    assert be.describe()["linear_one_tile"] is True
-    monkeypatch.delenv("DFLASH_LINEAR_ONE_TILE", raising=False)
-    assert sl.one_tile_setting() is False  # off by default (an experiment)
-    monkeypatch.setenv("DFLASH_LINEAR_ONE_TILE", "1")
-    assert sl.one_tile_setting() is True
-    monkeypatch.setenv("DFLASH_LINEAR_ONE_TILE", "yes")
-    with pytest.raises(InputError, match="DFLASH_LINEAR_ONE_TILE must be 1 or 0"):
-        sl.one_tile_setting()
-    from dflash.backends.static.switches import check_env
-
-    with pytest.raises(InputError, match="DFLASH_LINEAR_ONE_TILE"):  # at load, on any device
-        check_env()
 
 
 def test_draft_logits_with_fused_linears_match(tiny_target):
@@ -520,60 +438,28 @@ def test_draft_logits_with_fused_linears_match(tiny_target):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
-
-
-def test_preload_switch_and_columns(monkeypatch):
-    """DFLASH_PDL_PREFETCH: MiB (0 or unset: off); the budget becomes a K column, whole lines past
-    the first tile, never past K."""
-    monkeypatch.delenv("DFLASH_PDL_PREFETCH", raising=False)
-    assert sl.preload_bytes() == 0
-    monkeypatch.setenv("DFLASH_PDL_PREFETCH", "16")
-    assert sl.preload_bytes() == 16 << 20
-    for bad in ("-1", "1.5", "on", "\u00b2"):
-        monkeypatch.setenv("DFLASH_PDL_PREFETCH", bad)
-        with pytest.raises(InputError, match="DFLASH_PDL_PREFETCH must be a whole number"):
-            sl.preload_bytes()
-    # Qwen3-8B o_proj (4096 x 4096 bf16, 32 MiB) at 16 MiB: half of K; demo o_proj: all of it
-    assert sl.preload_columns(4096, 4096, 512, 2, 16 << 20) == 512 + 2048
-    assert sl.preload_columns(576, 576, 128, 2, 16 << 20) == 576
-    assert sl.preload_columns(4096, 12288, 512, 2, 16 << 20) == 512 + 2048  # down_proj
-    assert sl.preload_columns(4096, 4096, 512, 2, 0) == 0
-    assert sl.preload_columns(4096, 4096, 512, 2, 4096 * 2 * 63) == 0  # less than a line a row
-    assert sl.preload_columns(64, 1000, 128, 4, 1 << 20) == 1000  # float32: 32-element lines
-
-
-OFF_EXTRAS = {"GLU": False, "RN": False, "HAS_SQO": False, "RNP": False, "PP": 1, "KT": 0}  # the plain projection's switches
+OFF_EXTRAS = {"GLU": False, "RN": False}  # the plain projection's switches
 
 
 def _kernel_signature(consts: dict) -> dict:
     """Triton signature of _small_linear_kernel for an sm_90 compile: ``consts`` as constexprs,
     bf16 tensors, int32 sizes and strides, a float32 epsilon."""
-    ptrs = {"X": "*bf16", "W": "*bf16", "B": "*bf16", "RES": "*bf16", "Y": "*bf16", "SQO": "*fp32", "SQ": "*fp32"}
+    ptrs = {"X": "*bf16", "W": "*bf16", "B": "*bf16", "RES": "*bf16", "Y": "*bf16"}
     names = sl._small_linear_kernel.arg_names
     return {n: "constexpr" if n in consts else ptrs.get(n, "fp32" if n == "EPS" else "i32") for n in names}
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
-@pytest.mark.parametrize("pre_k", [0, 2560])
-def test_kernel_compiles_for_hopper_with_l2_preload(tmp_path, pre_k):
-    """With PDL the kernel compiles for sm_90 (the H200) without a GPU; with a preload column the weight rows' L2 prefetches come before
-    the grid-dependency wait (so they overlap the previous kernel), and without one there are
-    none. (The interpreter cannot run inline PTX.)"""
-
-    consts = {"HAS_BIAS": False, "HAS_RES": True, "IEEE": False, "BM": 16, "BN": 32, "BK": 512, "PDL": True, "LINE": 64,
+def test_kernel_compiles_for_hopper_with_pdl():
+    """With PDL the kernel compiles for sm_90 (the H200) without a GPU: the first weight tile
+    loads before the grid-dependency wait, the rest after it. (The interpreter has no wait.)"""
+    consts = {"HAS_BIAS": False, "HAS_RES": True, "IEEE": False, "BM": 16, "BN": 32, "BK": 512, "PDL": True,
               **OFF_EXTRAS}  # fmt: skip
-    if pre_k == 0:
-        consts["PRE_K"] = 0  # specialised away, as a launch with nothing to preload compiles
-    sig = _kernel_signature(consts)
-    kernel = compile_for_hopper(sl._small_linear_kernel, sig, consts, num_warps=4, num_stages=3)
+    kernel = compile_for_hopper(sl._small_linear_kernel, _kernel_signature(consts), consts, num_warps=4, num_stages=3)
     ptx = kernel.asm["ptx"]
-    assert "griddepcontrol.wait" in ptx
-    if pre_k:
-        first = ptx.index("prefetch.global.L2 [")
-        assert first < ptx.index("griddepcontrol.wait")
-        assert ptx.count("prefetch.global.L2 [") >= 1
-    else:
-        assert "prefetch.global.L2" not in ptx
+    wait = ptx.index("griddepcontrol.wait")
+    assert ptx.index("ld.global") < wait and ptx.rfind("ld.global") > wait
+    assert "prefetch.global.L2" not in ptx
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
@@ -588,7 +474,7 @@ def test_glu_kernel_compiles_for_hopper(rows, rn):
     counts = {}
     for with_rn in {False, rn}:
         consts = {"HAS_BIAS": False, "HAS_RES": False, "IEEE": False, "BM": rows, "BN": 16, "BK": 128, "PDL": True,
-                  "LINE": 64, "PRE_K": 0, **OFF_EXTRAS, "GLU": True, "RN": with_rn}  # fmt: skip
+                  **OFF_EXTRAS, "GLU": True, "RN": with_rn}  # fmt: skip
         kernel = compile_for_hopper(sl._small_linear_kernel, _kernel_signature(consts), consts, num_warps=4, num_stages=4)
         ptx = kernel.asm["ptx"]
         counts[with_rn] = (ptx[: ptx.index("griddepcontrol.wait")].count("ld.global"), ptx.count("ld.global"),
@@ -596,48 +482,6 @@ def test_glu_kernel_compiles_for_hopper(rows, rn):
     # only the first weight tile loads before the wait, with or without the norm; no extra loads
     assert counts[rn][:2] == counts[False][:2] and counts[False][0] >= 1
     assert counts[rn][2] == bool(rn)  # the row factors are computed only with the norm
-
-
-def test_describe_records_pdl_prefetch_for_the_draft_only_setting(tiny_target, monkeypatch):
-    """DFLASH_PDL_PREFETCH is recorded when PDL reaches some small_linear call, including PDL in
-    the draft's graphs only (DFLASH_PDL=draft), and not when no call has PDL."""
-    from dflash.backends.static import backend as static_torch
-    from dflash.backends.static.backend import StaticBackend
-    from tests.conftest import make_draft
-
-    be = StaticBackend(tiny_target, make_draft(tiny_target), torch.device("cpu"), use_graphs=False)
-    monkeypatch.setenv("DFLASH_PDL_PREFETCH", "16")
-    monkeypatch.setattr(static_torch, "pdl_enabled", lambda device: pdl._PART[0] == "draft")
-    be.linear, be.draft_linear = "triton", True
-    assert be.describe()["pdl_prefetch_bytes"] == 16 << 20
-    be.draft_linear = False  # PDL only in the draft's graphs, and the draft has no small_linear
-    assert "pdl_prefetch_bytes" not in be.describe()
-
-
-def test_prefetch_takes_the_folded_gate_up_with_fused_norms(tiny_target, monkeypatch):
-    """With the norms inside the projections, the L2 prefetch after each qkv projection asks for
-    the gate+up weight the kernel then reads (the folded copy), target and draft, not the
-    module's."""
-    from dflash.backends.static import fused as static_fused
-    from dflash.backends.static.backend import StaticBackend
-    from tests.conftest import make_draft
-
-    draft = make_draft(tiny_target)
-    be = StaticBackend(tiny_target, draft, torch.device("cpu"), use_graphs=False, device_loop=False)
-    for name, value in dict(attention="split", linear="all", linear_in=sl.MAX_ROWS, draft_linear=True,
-                            draft_linear_in=True, fuse_norm=True, draft_fuse_norm=True, prefetch=1 << 20).items():
-        setattr(be, name, value)
-    be.folded_target = static_fused.fold_norms(tiny_target.model.layers, be.fused_target)
-    be.folded_draft = static_fused.fold_norms(draft.layers, be.fused_draft, ("post",))
-    asked = []  # the gate+up weight of each prefetch (o_proj, gate+up, down_proj)
-    monkeypatch.setattr(static_fused.l2_prefetch, "prefetch", lambda sink, after, weights, n: asked.append(weights[1]))
-    monkeypatch.setattr(static_fused.l2_prefetch, "join", lambda sink, after: None)
-    be.reset(256)
-    last, _ = be.prefill(list(range(5, 15)), True)
-    be.draft(int(last.argmax()), None, 11, 16)
-    folded = [g.weight for _, g in be.folded_target] + [g.weight for _, g in be.folded_draft]
-    assert len(asked) == be.n_layers + len(draft.layers)
-    assert all(any(w is f for f in folded) for w in asked), "a prefetch asked for an unfolded gate+up weight"
 
 
 def test_sweep_shapes_parse_named_sets_and_custom_roles():
@@ -650,19 +494,3 @@ def test_sweep_shapes_parse_named_sets_and_custom_roles():
     for bad in ("proj=4096x4096", "o=4096", "llama"):
         with pytest.raises(SystemExit, match="ROLE=NxK"):
             parse_shapes(bad)
-
-
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
-def test_one_tile_kernel_compiles_for_hopper_without_a_k_loop():
-    """DFLASH_LINEAR_ONE_TILE's form for sm_90: weight loads before griddepcontrol.wait, x and
-    the residual after it, and no K loop (the default form keeps its loop)."""
-    consts = {"HAS_BIAS": False, "HAS_RES": True, "IEEE": False, "BM": 16, "BN": 16, "BK": 128, "PDL": True,
-              "LINE": 64, "PRE_K": 0, **OFF_EXTRAS}  # fmt: skip
-    ptx = {}
-    for kt in (0, 1024):
-        c = {**consts, "KT": kt}
-        ptx[kt] = compile_for_hopper(sl._small_linear_kernel, _kernel_signature(c), c, num_warps=4, num_stages=4).asm["ptx"]
-    one = ptx[1024]
-    wait = one.index("griddepcontrol.wait")
-    assert one.index("ld.global") < wait and one.rfind("ld.global") > wait
-    assert "Loop Header" not in one and "Loop Header" in ptx[0]

@@ -65,72 +65,58 @@ def test_one_position_for_every_row():
 
 
 def test_attention_switches(monkeypatch):
-    monkeypatch.setenv("DFLASH_ATTN", "sdpa")
-    assert sa.attention_mode(torch.device("cuda")) == "sdpa"
-    monkeypatch.setenv("DFLASH_ATTN", "flash")
+    from dflash.kernels.settings import KernelSettings, one_slice
+
+    def resolve(**env):
+        return KernelSettings.resolve(environ={f"DFLASH_{k.upper()}": v for k, v in env.items()})
+
+    assert resolve(attn="sdpa").attention == "sdpa"
+    assert sa.attention_mode("sdpa", torch.device("cuda")) == "sdpa"
     with pytest.raises(InputError, match="DFLASH_ATTN must be auto, split or sdpa"):
-        sa.attention_mode(torch.device("cuda"))
-    monkeypatch.delenv("DFLASH_ATTN")
-    assert sa.attention_mode(torch.device("cpu")) == "sdpa"  # CPU: SDPA
+        resolve(attn="flash")
+    assert sa.attention_mode("auto", torch.device("cpu")) == "sdpa"  # CPU: SDPA
     monkeypatch.setattr(sa, "available", lambda: True)  # as on a CUDA machine with Triton
-    assert sa.attention_mode(torch.device("cuda"), torch.bfloat16) == "auto"
-    assert sa.attention_mode(torch.device("cuda"), torch.float32) == "sdpa"  # exact reference
-    monkeypatch.setenv("DFLASH_ATTN", "split")  # asked for: the kernel in float32 too
-    assert sa.attention_mode(torch.device("cuda"), torch.float32) == "split"
-    monkeypatch.delenv("DFLASH_ATTN")
-    assert sa.split_size(1024) == 256
+    assert sa.attention_mode("auto", torch.device("cuda"), torch.bfloat16) == "auto"
+    assert sa.attention_mode("auto", torch.device("cuda"), torch.float32) == "sdpa"  # exact reference
+    assert sa.attention_mode("split", torch.device("cuda"), torch.float32) == "split"  # asked for: the kernel
+    default = KernelSettings()
+    assert sa.split_size(1024, default.attn_split) == 256
     # 256 keys per program for every head dim; one program up to 640 filled keys for head dims
     # <= 64 and 448 above, unless a split or the threshold is given
-    assert (sa.split_size(1024, head_dim=64), sa.split_size(4096, head_dim=128)) == (256, 256)
-    assert (sa.one_slice_setting(head_dim=64), sa.one_slice_setting(head_dim=128)) == (640, 448)
-    assert sa.one_slice_setting(draft=True, head_dim=32) == 640
-    monkeypatch.setenv("DFLASH_ATTN_ONE_SLICE", "0")
-    assert sa.one_slice_setting(head_dim=64) == 0
-    monkeypatch.setenv("DFLASH_ATTN_ONE_SLICE", "256")  # not above the 256 keys per program: off
-    assert sa.one_slice_setting(head_dim=64) == 0
-    monkeypatch.setenv("DFLASH_ATTN_ONE_SLICE", "1000")
-    assert sa.one_slice_setting(head_dim=128) == 1000
-    monkeypatch.setenv("DFLASH_ATTN_ONE_SLICE", "lots")
+    assert (one_slice(default, 64), one_slice(default, 128), one_slice(default, None)) == (640, 448, 448)
+    assert one_slice(resolve(attn_one_slice="0"), 64) == 0
+    assert one_slice(resolve(attn_one_slice="256"), 64) == 0  # not above the 256 keys per program: off
+    assert one_slice(resolve(attn_one_slice="1000"), 128) == 1000
     with pytest.raises(InputError, match="DFLASH_ATTN_ONE_SLICE must be a whole number"):
-        sa.one_slice_setting()
-    monkeypatch.delenv("DFLASH_ATTN_ONE_SLICE")
-    monkeypatch.setenv("DFLASH_DRAFT_ATTN_SPLIT", "512")  # a draft split given: run as given
-    assert (sa.one_slice_setting(head_dim=64), sa.one_slice_setting(draft=True, head_dim=64)) == (640, 0)
-    monkeypatch.delenv("DFLASH_DRAFT_ATTN_SPLIT")
-    monkeypatch.setenv("DFLASH_ATTN_SPLIT", "4096")
-    assert sa.split_size(1024) == 1024  # one slice
-    assert sa.one_slice_setting(head_dim=64) == 0 and sa.one_slice_setting(draft=True, head_dim=64) == 0
-    monkeypatch.setenv("DFLASH_ATTN_SPLIT", "99968")
-    assert sa.split_size(1024) == 1024  # one slice, whatever multiple of 64 is asked for
-    monkeypatch.setenv("DFLASH_ATTN_SPLIT", "100")
+        resolve(attn_one_slice="lots")
+    big = resolve(attn_split="4096")
+    assert sa.split_size(1024, big.attn_split) == 1024 and one_slice(big, 64) == 0  # one slice; a split given is run
+    assert sa.split_size(1024, resolve(attn_split="99968").attn_split) == 1024  # one slice, whatever multiple
     with pytest.raises(InputError, match="multiple of 64"):
-        sa.split_size(1024)
-    monkeypatch.setenv("DFLASH_ATTN_SPLIT", "128")
-    assert sa.split_size(1024, draft=True) == 128  # the draft follows the target unless told
-    monkeypatch.setenv("DFLASH_DRAFT_ATTN_SPLIT", "512")
-    assert (sa.split_size(1024), sa.split_size(1024, draft=True)) == (128, 512)
-    monkeypatch.setenv("DFLASH_DRAFT_ATTN_SPLIT", "96")
-    with pytest.raises(InputError, match="DFLASH_DRAFT_ATTN_SPLIT must be a positive multiple of 64"):
-        sa.split_size(1024, draft=True)
-    assert sa.split_size(1024) == 128
+        resolve(attn_split="100")
+    assert sa.split_size(1024, resolve(attn_split="128").attn_split) == 128
+    assert one_slice(resolve(attn_split="128", attn_one_slice="512"), 64) == 512  # both given
 
 
-def test_early_setting(monkeypatch):
+def test_early_setting():
     """DFLASH_ATTN_EARLY: on by default, 0 turns it off; a bad value names the variable."""
-    from tests.conftest import assert_on_off_switch
+    from dflash.kernels.settings import KernelSettings
 
-    assert_on_off_switch(monkeypatch, "DFLASH_ATTN_EARLY", sa.early_setting, "2")
+    assert KernelSettings().attn_early
+    assert not KernelSettings.resolve(environ={"DFLASH_ATTN_EARLY": "0"}).attn_early
+    with pytest.raises(InputError, match="DFLASH_ATTN_EARLY must be 1 or 0"):
+        KernelSettings.resolve(environ={"DFLASH_ATTN_EARLY": "2"})
 
 
-def test_launch_settings(monkeypatch):
+def test_launch_settings():
     """Keys per iteration (DFLASH_ATTN_BLOCK, checked) and query heads per program: one 16-row
     tile per program, the whole group for a 1-row step."""
-    assert sa.iter_keys() == 128
-    monkeypatch.setenv("DFLASH_ATTN_BLOCK", "64")
-    assert sa.iter_keys() == 64
-    monkeypatch.setenv("DFLASH_ATTN_BLOCK", "100")
+    from dflash.kernels.settings import KernelSettings
+
+    assert KernelSettings().attn_block == 128
+    assert KernelSettings.resolve(environ={"DFLASH_ATTN_BLOCK": "64"}).attn_block == 64
     with pytest.raises(InputError, match="DFLASH_ATTN_BLOCK must be 32, 64 or 128"):
-        sa.iter_keys()
+        KernelSettings.resolve(environ={"DFLASH_ATTN_BLOCK": "100"})
     q, k, v, pos = _inputs(9, 3, 16, 64, 256, 100)
     with pytest.raises(ValueError, match="do not tile a capacity of 256"):  # before any launch
         sa.split_attention_kernel(q, k, v, pos, 0.1, 96)
@@ -141,21 +127,19 @@ def test_launch_settings(monkeypatch):
     assert {c: sa.heads_per_program(*c) for c in cases} == cases
 
 
-def test_draft_split_reaches_only_the_draft(monkeypatch):
-    """DFLASH_DRAFT_ATTN_SPLIT: the draft's split-KV calls take it, the target's keep
-    DFLASH_ATTN_SPLIT, and decoding stays plain greedy (reference maths on CPU)."""
+def test_split_setting_reaches_the_draft_and_the_target(monkeypatch):
+    """The attn_split setting: the draft's and the target's split-KV calls take it (one slice
+    off, as a split given is run), and decoding stays plain greedy (reference maths on CPU)."""
     seen = {}
     real = sa.split_attention_reference
 
-    def spy(q, k, v, pos, scale, split=sa.SPLIT, one_slice=0):
+    def spy(q, k, v, pos, scale, split=256, one_slice=0):
         seen.setdefault(q.shape[2] > 1 and pos.shape[0] == 1, set()).add((split, one_slice))  # draft: block, one position
         return real(q, k, v, pos, scale, split, one_slice)
 
     monkeypatch.setattr(sa, "split_attention_reference", spy)
-    monkeypatch.setenv("DFLASH_ATTN_SPLIT", "128")
-    monkeypatch.setenv("DFLASH_DRAFT_ATTN_SPLIT", "64")
-    assert_static_greedy(attention="split")
-    assert seen[True] == {(64, 0)} and seen[False] == {(128, 0)}
+    assert_static_greedy(attention="split", settings={"DFLASH_ATTN_SPLIT": "128"})
+    assert seen[True] == {(128, 0)} and seen[False] == {(128, 0)}
 
 
 @pytest.mark.parametrize("split", [64, 128, 256])
@@ -178,13 +162,15 @@ def test_reference_one_slice_up_to_its_length():
     assert torch.allclose(one, masked_sdpa(q, k, v, pos, 0.1), atol=2e-6, rtol=1e-5)
 
 
-def assert_static_greedy(layers: int = 4, **attrs) -> None:
-    """A tiny Llama pair on the static backend (device loop, no graphs) with ``attrs`` set on the
-    backend decodes exactly plain greedy at block 1 and 16 (the Triton kernels' interpreter
-    checks run it with their path switched on)."""
+def assert_static_greedy(layers: int = 4, settings: dict | None = None, **attrs) -> None:
+    """A tiny Llama pair on the static backend (device loop, no graphs; ``settings``: the
+    environment overrides its KernelSettings resolve) with ``attrs`` set on the backend decodes
+    exactly plain greedy at block 1 and 16 (the Triton kernels' interpreter checks run it with
+    their path switched on)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from dflash.backends.static.backend import StaticBackend
+    from dflash.kernels.settings import KernelSettings
     from dflash.loop import speculative_generate
     from tests.conftest import make_draft
     from tests.test_loop_scripted import PROMPT, greedy_reference
@@ -194,10 +180,11 @@ def assert_static_greedy(layers: int = 4, **attrs) -> None:
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                       tie_word_embeddings=False, initializer_range=0.3)  # fmt: skip
     target = LlamaForCausalLM(cfg).eval()
-    be = StaticBackend(target, make_draft(target), torch.device("cpu"), use_graphs=False, device_loop=True)
+    be = StaticBackend(target, make_draft(target), torch.device("cpu"), use_graphs=False, device_loop=True,
+                       settings=KernelSettings.resolve(environ=settings or {}))  # fmt: skip
     for name, value in attrs.items():
         setattr(be, name, value)
-    if attrs.get("fuse_norm") or attrs.get("draft_fuse_norm"):  # DFLASH_FUSE_NORM's folded weights
+    if attrs.get("fuse_norm") or attrs.get("draft_fuse_norm"):  # the fuse_norm setting's folded weights
         from dflash.backends.static.fused import fold_norms
 
         be.folded_target = fold_norms(target.model.layers, be.fused_target)
@@ -212,14 +199,16 @@ def assert_static_greedy(layers: int = 4, **attrs) -> None:
 KERNEL_CHECK = textwrap.dedent("""
     import torch
     from dflash.kernels import split_attention as sa
+    from dflash.kernels.settings import KernelSettings, Launch
     from tests.test_split_attention import SHAPES, _inputs, masked_sdpa
 
-    import os
-    for split in ("128", "64", "4096"):  # several slices, one slice (no merge)
-        os.environ["DFLASH_ATTN_SPLIT"] = split
+    def split_launch(split):  # a split given: one slice off, as the override does
+        return Launch(KernelSettings(attn_split=split, attn_one_slice=0))
+
+    for split in (128, 64, 4096):  # several slices, one slice (no merge)
         for shape in SHAPES:
             q, k, v, pos = _inputs(*shape)
-            got = sa.split_attention(q, k, v, pos, 0.1)
+            got = sa.split_attention(q, k, v, pos, 0.1, launch=split_launch(split))
             err = (got - masked_sdpa(q, k, v, pos, 0.1)).abs().max().item()
             assert err < 1e-5, (split, shape, err)
             # laid out [1, T, H, D]: the forward's reshape to [1, T, H*D] is a view
@@ -229,21 +218,19 @@ KERNEL_CHECK = textwrap.dedent("""
     # a position past the cache (the backends never pass one) must not break later calls, and
     # rows past the filled length are never read (inf/NaN there change nothing)
     q, k, v, _ = _inputs(4, 2, 1, 16, 256, 0)
-    os.environ["DFLASH_ATTN_SPLIT"] = "64"
-    sa.split_attention(q, k, v, torch.tensor([256]), 0.1)
+    sa.split_attention(q, k, v, torch.tensor([256]), 0.1, launch=split_launch(64))
     assert int(sa._COUNTERS[("cpu", None)].abs().sum()) == 0
     q, k, v, pos = _inputs(4, 2, 16, 16, 256, 100)
     want = masked_sdpa(q, k, v, pos, 0.1)
     k[:, :, 116:], v[:, :, 116:] = float("inf"), float("nan")
-    err = (sa.split_attention(q, k, v, pos, 0.1) - want).abs().max().item()
+    err = (sa.split_attention(q, k, v, pos, 0.1, launch=split_launch(64)) - want).abs().max().item()
     assert err < 1e-5, err
     # one position for every row, as a [1] view into a longer tensor (the draft's block rows)
     q, k, v, _ = _inputs(9, 3, 16, 64, 256, 100)
     full = torch.arange(80, 140)
     want = masked_sdpa(q, k, v, full[35:36].expand(16), 0.1)
-    err = (sa.split_attention(q, k, v, full[35:36], 0.1) - want).abs().max().item()
+    err = (sa.split_attention(q, k, v, full[35:36], 0.1, launch=split_launch(64)) - want).abs().max().item()
     assert err < 1e-5, err
-    del os.environ["DFLASH_ATTN_SPLIT"]
     # every launch setting: query heads per program, keys per iteration (tiling each slice)
     for shape in ((9, 3, 16, 64, 512, 300), (8, 2, 1, 32, 256, 200), (8, 2, 4, 32, 256, 130)):
         q, k, v, pos = _inputs(*shape)
@@ -267,7 +254,7 @@ KERNEL_CHECK = textwrap.dedent("""
     q, k, v, pos = _inputs(8, 2, 4, 32, 384, 300)  # 192 keys per program: 64 per iteration
     err = (sa.split_attention_kernel(q, k, v, pos, 0.1, 192, 1, 128) - masked_sdpa(q, k, v, pos, 0.1)).abs().max()
     assert err.item() < 1e-5, err
-    # the positions loaded before the PDL wait (DFLASH_ATTN_EARLY): bitwise the plain launch
+    # the positions loaded before the PDL wait (the attn_early setting): bitwise the plain launch
     for shape in ((8, 2, 1, 32, 512, 299), (9, 3, 16, 64, 512, 128)):
         q, k, v, pos = _inputs(*shape)
         for split, heads, block, one in ((64, 0, 64, 0), (64, 1, 64, 448)):
@@ -333,22 +320,23 @@ def test_static_split_draft_logits_match_sdpa(tiny_target):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
-def test_describe_records_split_settings(tiny_target, monkeypatch):
+def test_describe_records_split_settings(tiny_target):
     """Benchmark records carry the split-KV settings where the kernel runs (a resumed run under
-    other settings is refused), and nothing with SDPA."""
+    other settings is refused), and nothing with SDPA; the whole settings always."""
     from dflash.backends.static.backend import StaticBackend
+    from dflash.kernels.settings import KernelSettings
     from tests.conftest import make_draft
 
     be = StaticBackend(tiny_target, make_draft(tiny_target), torch.device("cpu"), use_graphs=False)
     assert be.attention == "sdpa" and "attn_split" not in be.describe()
+    assert be.describe()["kernel_settings"] == KernelSettings().record()
     be.attention = "split"
     assert be.head_dim <= 64 and be.draft_model.config.head_dim <= 64
-    assert be.describe()["attn_split"] == {"target": 256, "draft": 256}
+    assert be.describe()["attn_split"] == 256
     assert be.describe()["attn_one_slice"] == {"target": 640, "draft": 640}  # the default for such heads
     assert be.describe()["attn_block"] == 128
-    monkeypatch.setenv("DFLASH_ATTN_SPLIT", "256")
-    monkeypatch.setenv("DFLASH_DRAFT_ATTN_SPLIT", "1024")
-    assert be.describe()["attn_split"] == {"target": 256, "draft": 1024}
+    be.settings = KernelSettings.resolve(environ={"DFLASH_ATTN_SPLIT": "512"})
+    assert be.describe()["attn_split"] == 512 and be.describe()["attn_one_slice"] == {"target": 0, "draft": 0}
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
@@ -383,11 +371,10 @@ def test_early_flags_at_every_call_site(tiny_target, monkeypatch, setting):
     from dflash.backends.static import draft as static_draft
     from dflash.backends.static import fused as static_fused
     from dflash.backends.static.backend import StaticBackend
-    from dflash.kernels.split_attention import early_setting
+    from dflash.kernels.settings import KernelSettings
     from dflash.loop import speculative_generate
     from tests.conftest import make_draft
 
-    monkeypatch.setenv("DFLASH_ATTN_EARLY", setting)
     calls = []
 
     def spy(where, kind, fn, flag):
@@ -396,15 +383,20 @@ def test_early_flags_at_every_call_site(tiny_target, monkeypatch, setting):
             return fn(*args, **kwargs)
         return call
 
-    rope_flag = lambda a, k: (a[11] if len(a) > 11 else k.get("early", False)) and early_setting()  # noqa: E731
-    attn_flag = lambda a, k: k.get("early", False) and early_setting()  # noqa: E731  (as split_attention)
+    def rope_flag(a, k):  # as rope_cache: early and the setting
+        return (a[11] if len(a) > 11 else k.get("early", False)) and (a[12] if len(a) > 12 else k["launch"]).settings.attn_early
+
+    def attn_flag(a, k):  # as split_attention
+        return (a[5] if len(a) > 5 else k.get("early", False)) and (a[6] if len(a) > 6 else k["launch"]).settings.attn_early
+
     for mod, where in ((static_fused, "target"), (static_draft, "draft")):
         monkeypatch.setattr(mod, "rope_cache", spy(where, "rope", mod.rope_cache, rope_flag))
         monkeypatch.setattr(mod, "split_attention", spy(where, "attn", mod.split_attention, attn_flag))
     draft = make_draft(tiny_target, layers=3)
     draft.config.layer_types = ["sliding_attention", "full_attention", "full_attention"]
     draft.config.sliding_window = 8
-    be = StaticBackend(tiny_target, draft, torch.device("cpu"), use_graphs=False)
+    be = StaticBackend(tiny_target, draft, torch.device("cpu"), use_graphs=False,
+                       settings=KernelSettings.resolve(environ={"DFLASH_ATTN_EARLY": setting}))  # fmt: skip
     be.attention, be.draft_linear, be.draft_rope, be.target_rope = "split", True, True, True
     list(speculative_generate(be, [1, 2, 3, 4, 5], block_size=16, max_new_tokens=6))
     on = setting == "1"

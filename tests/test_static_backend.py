@@ -168,84 +168,129 @@ def test_graph_path_plan_padding_and_no_capture_while_decoding(tiny_target, bloc
     assert all(not e.startswith("capture") for e in events[first_prefill:]), events
 
 
-def test_capture_failures_fall_back_one_piece_at_a_time(tiny_target, capsys):
-    """A failed capture turns off the Triton projections, then the split-KV kernel, then
-    compile, one warning line each, and retries; with nothing left it raises."""
+def test_capture_failures_fall_back_one_piece_at_a_time(tiny_target, capsys, gpu_like):
+    """A failed capture turns off the next live kernel (the qkv + RoPE kernel, the SiLU * up
+    epilogue, the RoPE kernel, the Triton projections, the split-KV kernel), then compile, one
+    warning line each, and captures again with new settings; with nothing left it raises."""
     be = StaticBackend(tiny_target, make_draft(tiny_target), torch.device("cpu"), use_graphs=False)
-    be.linear, be.draft_linear, be.attention, be.compile = "triton", True, "auto", True
+    be.compile = True
+    assert be.live_kernels() == {"qkv_rope", "glu", "rope", "linear", "attention"}
     seen = []
 
     def capture_fails_with_triton_linear(fn, inputs):
         seen.append((be.linear, be.attention, be.compile))
-        if be.linear == "triton":
+        if be.linear != "torch":
             raise RuntimeError("triton: out of resources\nmore detail")
         return "graph", "out", inputs
 
     be._capture = capture_fails_with_triton_linear
     assert be._graph("verify", 1, lambda: ("ids", "pos"))[1] == "out"
-    assert seen == [("triton", "auto", True), ("torch", "auto", True)]
+    assert seen == [("auto", "auto", True)] * 4 + [("torch", "auto", True)]
     assert (be.linear, be.draft_linear, be.attention, be.compile) == ("torch", False, "auto", True)
+    assert be.settings.linear == "torch" and not (be.settings.glu or be.settings.rope_target or be.settings.qkv_rope)
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["dflash: the Triton projection kernel failed (RuntimeError: triton: out of resources); "
-                   "continuing with cuBLAS (DFLASH_LINEAR=torch silences this)."]  # fmt: skip
+    assert [line.split(" failed")[0] for line in err] == [
+        "dflash: the qkv + RoPE kernel", "dflash: the SiLU * up epilogue", "dflash: the RoPE + cache-write kernel",
+        "dflash: the Triton projection kernel"]
+    assert err[-1] == ("dflash: the Triton projection kernel failed (RuntimeError: triton: out of resources); "
+                       "continuing with cuBLAS (DFLASH_LINEAR=torch or --kernels off silences this).")
 
     def always_fails(fn, inputs):
         raise RuntimeError("boom")
 
     be._capture = always_fails
-    be.linear = "triton"
     with pytest.raises(RuntimeError, match="boom"):
         be._graph("verify", 16, lambda: ("ids", "pos"))
     assert (be.linear, be.attention, be.compile) == ("torch", "sdpa", False)
     err = capsys.readouterr().err.strip().splitlines()
-    assert [line.split(" failed")[0] for line in err] == [
-        "dflash: the Triton projection kernel", "dflash: the split-KV attention kernel", "dflash: torch.compile"]
-    assert ("verify", 16) not in be.graphs
+    assert [line.split(" failed")[0] for line in err] == ["dflash: the split-KV attention kernel", "dflash: torch.compile"]
+    assert not be.graphs  # every graph is captured again with the new settings
+
+
+def test_a_fall_back_drops_the_graphs_captured_before(tiny_target, gpu_like):
+    """Graphs captured with the old settings are dropped after a fall-back, so every graph of
+    the plan runs the same settings: capture_all captures them all again."""
+    import dataclasses
+
+    from dflash.kernels.settings import KernelSettings
+
+    settings = dataclasses.replace(KernelSettings(), qkv_rope=False, glu=False, rope_target=False,
+                                   rope_draft=False, linear="torch", graph_warm=0)  # fmt: skip
+    be = StaticBackend(tiny_target, make_draft(tiny_target, block_size=4), torch.device("cpu"), use_graphs=False,
+                       settings=settings, device_loop=False)  # fmt: skip
+    assert be.live_kernels() == {"attention"}
+    captured = []
+
+    def fails_on_draft(fn, inputs):  # the first graph (verify 1) captures, the second fails once
+        if be.attention != "sdpa" and captured:
+            raise RuntimeError("draft graph failed")
+        captured.append(be.attention)
+        return "graph", "out", inputs
+
+    be._capture = fails_on_draft
+    be._allocate(64)
+    be.capture_all()
+    # verify 1, then verify 4 (after the fall-back), draft 4, and verify 1 again
+    assert captured == ["auto", "sdpa", "sdpa", "sdpa"]
+    assert set(be.graphs) == {("verify", 1), ("verify", 4), ("draft", 4)}
 
 
 def test_capture_failure_with_pdl_turns_pdl_off_first(tiny_target, capsys, monkeypatch):
-    """DFLASH_PDL=1: the first fall-back after a failed capture is plain launches (one line naming
-    it), the compiled forwards are dropped so they compile again, and PDL stays off afterwards."""
-    from dflash.kernels import pdl
+    """PDL on (as on a Hopper GPU): the first fall-back after a failed capture is plain launches
+    (one line naming it), the compiled forwards are dropped so they compile again, and the
+    kernels launch without PDL afterwards."""
+    import dflash.backends.static.backend as sb
 
-    monkeypatch.setattr(pdl, "_PDL_OFF", False)
-    monkeypatch.setenv("DFLASH_PDL", "1")
-    monkeypatch.setattr(pdl, "pdl_enabled", lambda device, inductor=False: not pdl._PDL_OFF)  # as on a GPU
+    monkeypatch.setattr(sb, "pdl_supported", lambda device: True)  # as on a GPU
     be = StaticBackend(tiny_target, make_draft(tiny_target), torch.device("cpu"), use_graphs=False)
+    assert be.launch["target"].pdl and be.launch["draft"].pdl and be.live_kernels() == {"pdl"}
     be._compiled["verify"] = "stale"
     tries = []
 
     def fails_once(fn, inputs):
-        tries.append(pdl._PDL_OFF)
+        tries.append(be.launch["target"].pdl)
         if len(tries) == 1:
             raise RuntimeError("CUDA error: launch failed")
         return "graph", "out", inputs
 
     be._capture = fails_once
     assert be._graph("verify", 1, lambda: ("ids", "pos"))[1] == "out"
-    assert tries == [False, True] and "verify" not in be._compiled
+    assert tries == [True, False] and "verify" not in be._compiled
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["dflash: programmatic dependent launch failed (RuntimeError: CUDA error: launch failed); "
-                   "continuing with plain launches (DFLASH_PDL=0 silences this)."]  # fmt: skip
-    assert pdl._PDL_OFF and not pdl.disable_pdl(torch.device("cpu"))  # off for good
+                   "continuing with plain launches (DFLASH_PDL=0 or --kernels off silences this)."]  # fmt: skip
+    assert be.settings.pdl == "0" and not be.pdl_on("target", inductor=True)  # off for good
 
 
-def test_captures_mark_draft_and_target_forwards(tiny_target, monkeypatch):
-    """DFLASH_PDL=draft turns PDL on in the draft's graphs only: each capture runs inside
-    pdl_part("draft") for the draft kinds and pdl_part("target") for the verify kinds."""
-    from dflash.kernels import pdl
+def test_pdl_draft_only_in_the_draft_graphs(tiny_target, monkeypatch):
+    """The pdl setting ``draft``: this project's kernels and Inductor's launch with PDL in the
+    draft's forward only; each capture sets Inductor's PDL for the forward it captures."""
+    import dataclasses
+    from contextlib import contextmanager
 
-    be = StaticBackend(tiny_target, make_draft(tiny_target), torch.device("cpu"), use_graphs=False)
-    parts = {}
+    import dflash.backends.static.backend as sb
+    import dflash.backends.static.capture as cap
+    from dflash.kernels.settings import KernelSettings
 
-    def record(fn, inputs):
-        parts[len(parts)] = pdl._PART[0]
-        return "graph", "out", inputs
+    monkeypatch.setattr(sb, "pdl_supported", lambda device: True)  # as on a GPU
+    seen = []
 
-    be._capture = record
-    for kind in ("verify", "draft", "verify"):
-        be._graph(kind, len(parts) + 1, lambda: ())
-    assert parts == {0: "target", 1: "draft", 2: "target"} and pdl._PART[0] is None
+    @contextmanager
+    def record(on, device):
+        seen.append(on)
+        yield
+
+    monkeypatch.setattr(cap, "inductor_pdl", record)
+    settings = dataclasses.replace(KernelSettings(), pdl="draft")
+    be = StaticBackend(tiny_target, make_draft(tiny_target), torch.device("cpu"), use_graphs=False, settings=settings)
+    assert not be.launch["target"].pdl and be.launch["draft"].pdl
+    be._capture = lambda fn, inputs: ("graph", "out", inputs)
+    for n, kind in enumerate(("verify", "draft", "verify")):
+        be._graph(kind, n + 1, lambda: ())
+    assert seen == [False, True, False]
+    kernels = StaticBackend(tiny_target, make_draft(tiny_target), torch.device("cpu"), use_graphs=False,
+                            settings=dataclasses.replace(settings, pdl="kernels"))  # fmt: skip
+    assert kernels.launch["target"].pdl and not kernels.pdl_on("target", inductor=True)
 
 
 def test_inductor_pdl_setting_is_restored_after_each_capture():
@@ -253,7 +298,7 @@ def test_inductor_pdl_setting_is_restored_after_each_capture():
     also when the capture raises; off CUDA it is never touched."""
     import torch._inductor.config as inductor_config
 
-    from dflash.backends.static.switches import inductor_pdl as _inductor_pdl
+    from dflash.backends.static.capture import inductor_pdl as _inductor_pdl
 
     if not hasattr(inductor_config.triton, "enable_pdl"):
         pytest.skip("this torch has no Inductor PDL setting")
@@ -266,11 +311,17 @@ def test_inductor_pdl_setting_is_restored_after_each_capture():
     assert inductor_config.triton.enable_pdl == before
 
 
-def test_capture_failure_with_draft_rope_turns_it_off_first(tiny_target, capsys):
-    """DFLASH_ROPE: the first fall-back after a failed capture is the torch q/k norm + RoPE
-    ops (draft and target), the Triton projections stay on."""
-    be = StaticBackend(tiny_target, make_draft(tiny_target), torch.device("cpu"), use_graphs=False)
-    be.linear, be.draft_linear, be.draft_rope, be.target_rope = "triton", True, True, True
+def test_capture_failure_with_draft_rope_turns_it_off_first(tiny_target, capsys, gpu_like):
+    """The rope settings: with the qkv kernel and the SiLU epilogue off, the first fall-back
+    after a failed capture is the torch q/k norm + RoPE ops (draft and target), the Triton
+    projections stay on."""
+    import dataclasses
+
+    from dflash.kernels.settings import KernelSettings
+
+    settings = dataclasses.replace(KernelSettings(), qkv_rope=False, glu=False)
+    be = StaticBackend(tiny_target, make_draft(tiny_target), torch.device("cpu"), use_graphs=False, settings=settings)
+    assert be.draft_rope and be.target_rope and be.draft_linear
     seen = []
 
     def fails_with_rope(fn, inputs):
@@ -281,11 +332,27 @@ def test_capture_failure_with_draft_rope_turns_it_off_first(tiny_target, capsys)
 
     be._capture = fails_with_rope
     assert be._graph("draft", 16, lambda: ("ids", "pos"))[1] == "out"
-    assert seen == [(True, "triton"), (False, "triton")] and be.draft_linear and not be.target_rope
+    assert seen == [(True, "auto"), (False, "auto")] and be.draft_linear and not be.target_rope
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["dflash: the RoPE + cache-write kernel failed (RuntimeError: rope kernel failed); "
-                   "continuing with torch ops (DFLASH_ROPE=0 silences this)."]  # fmt: skip
+                   "continuing with torch ops (DFLASH_ROPE=0 or --kernels off silences this)."]  # fmt: skip
 
+
+def test_kernels_off_runs_torch_ops_in_the_graphs(tiny_target, gpu_like):
+    """--kernels off: where the kernels would run (gpu_like), the forwards take torch ops: no
+    Triton projection, no split-KV attention, no RoPE, norm or qkv kernel, no PDL."""
+    from dflash.kernels.settings import KernelSettings
+
+    on = StaticBackend(tiny_target, make_draft(tiny_target), torch.device("cpu"), use_graphs=False)
+    off = StaticBackend(tiny_target, make_draft(tiny_target), torch.device("cpu"), use_graphs=False,
+                        settings=KernelSettings.resolve("off", {}))  # fmt: skip
+    assert on.live_kernels() and not off.live_kernels()
+    assert (off.attention, off.linear, off.draft_linear, off.glu, off.target_rope, off.draft_rope) == (
+        "sdpa", "torch", False, False, False, False)
+    assert off.describe()["kernel_settings"]["kernels"] == "off"
+    with torch.inference_mode():  # the torch ops give the plain greedy tokens
+        runs = list(speculative_generate(off, PROMPT, block_size=16, max_new_tokens=20))
+    assert [t for r in runs for t in r.tokens] == greedy_reference(tiny_target, PROMPT, 20)
 
 
 def test_draft_weights_that_do_not_fit_their_config_give_one_line(tiny_target, tmp_path):

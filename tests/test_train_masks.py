@@ -178,24 +178,31 @@ def test_anchor_block_mask_equals_dense_on_random_anchors(window, causal, seq_le
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_anchor_block_mask_tiles_match_create_block_mask(monkeypatch, causal):
-    """Without a window the anchor tiles are as tight as create_block_mask's (L < tile)."""
+def test_anchor_block_mask_tiles_match_create_block_mask(causal):
+    """Without a window the anchor tiles are as tight as create_block_mask's (L < tile), built
+    here from the dense mask."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
     loss_mask = torch.zeros(2, 70, dtype=torch.bool)
     loss_mask[0, 9:], loss_mask[1, 40:66] = True, True
     anchors, _ = sample_anchors(loss_mask, 16, torch.Generator().manual_seed(3))
     fast = flex_block_mask(anchors, 70, 4, None, causal, tile=16)
-    monkeypatch.setenv("DFLASH_TRAIN_FAST", "0")
-    ref = flex_block_mask(anchors, 70, 4, None, causal, tile=16)
+    lq = anchors.shape[1] * 4
+
+    dense = dense_mask(anchors, 70, 4, None, causal)  # [B, 1, Lq, S + Lq]
+
+    def mask_mod(bi, hi, qi, kvi):
+        return dense[bi, 0, qi, kvi]
+
+    ref = create_block_mask(mask_mod, anchors.shape[0], None, lq, 70 + lq, device=anchors.device, BLOCK_SIZE=16)
     for name in ("kv_num_blocks", "full_kv_num_blocks"):
         assert torch.equal(getattr(fast, name), getattr(ref, name)), name
     assert torch.equal(fast.to_dense(), ref.to_dense())
 
 
-@pytest.mark.parametrize("fast", ["1", "0"])
-def test_cuda_flex_compile_settings(monkeypatch, fast):
+def test_cuda_flex_compile_settings(monkeypatch):
     """CUDA training compiles flex_attention once with symbolic sizes and duck sizing off during
-    the call (fast path), or per shape as before (DFLASH_TRAIN_FAST=0). No GPU needed: the
-    compile is replaced by a recorder."""
+    the call. No GPU needed: the compile is replaced by a recorder."""
     import torch.fx.experimental._config as fx_config
 
     import dflash.models.draft_torch as dt
@@ -206,12 +213,11 @@ def test_cuda_flex_compile_settings(monkeypatch, fast):
         seen.append(kw)
         return lambda *a, **k: fx_config.use_duck_shape  # what the kernel call would see
 
-    monkeypatch.setenv("DFLASH_TRAIN_FAST", fast)
     monkeypatch.setattr(dt, "_FLEX_COMPILED", None)
     monkeypatch.setattr(torch, "compile", fake_compile)
     fn = dt.flex_attention_fn(torch.device("cuda"))
     assert dt.flex_attention_fn(torch.device("cuda")) is fn and len(seen) == 1  # compiled once
-    assert seen[0] == ({"dynamic": True} if fast == "1" else {})
-    assert fn() is (fast != "1")  # duck sizing off only inside the fast path's call
+    assert seen[0] == {"dynamic": True}
+    assert fn() is False  # duck sizing off inside the call
     assert fx_config.use_duck_shape is True
     assert dt.flex_attention_fn(torch.device("cpu")) is dt.flex_attention  # CPU: eager

@@ -11,8 +11,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dflash.models.draft_vocab import vocab_enabled
-
 
 class DraftHead:
     """The draft's LM head: ``logits`` and ``propose`` over rows of draft hidden states.
@@ -54,11 +52,12 @@ class DraftHead:
         return self.to_target(argmax(F.linear(h, self.folded)))
 
     @classmethod
-    def for_draft(cls, lm_head, draft) -> DraftHead:
-        """The head for ``draft``: its ``draft_vocab`` (set by ``DFlashDraft.load``) unless
-        ``DFLASH_DRAFT_VOCAB=0``."""
+    def for_draft(cls, lm_head, draft, use_vocab: bool = True) -> DraftHead:
+        """The head for ``draft``: its ``draft_vocab`` (set by ``DFlashDraft.load``) when
+        ``use_vocab`` (the ``draft_vocab`` setting of
+        :class:`~dflash.kernels.settings.KernelSettings`)."""
         ids = getattr(draft, "draft_vocab", None)
-        return cls(lm_head, ids if ids is not None and vocab_enabled() else None)
+        return cls(lm_head, ids if ids is not None and use_vocab else None)
 
     @property
     def size(self) -> int:

@@ -88,9 +88,12 @@ class MLXBackend:
         target: an mlx-lm model.
         draft: a loaded DFlashDraftMLX, or None (autoregressive only).
         max_context: the target's context length (tokens).
+        draft_vocab: use the draft's vocabulary when it has one (the ``draft_vocab`` setting of
+            :class:`~dflash.kernels.settings.KernelSettings`).
     """
 
-    def __init__(self, target: Any, draft: DFlashDraftMLX | None, max_context: int = 1 << 30):
+    def __init__(self, target: Any, draft: DFlashDraftMLX | None, max_context: int = 1 << 30,
+                 draft_vocab: bool = True):  # fmt: skip
         self.target, self.draft_model = target, draft
         self.inner, self.layers, holder = model_parts(target)
         self.embed = self.inner.embed_tokens
@@ -101,7 +104,7 @@ class MLXBackend:
         self.mask_token_id = cfg.mask_token_id if cfg else -1
         self.draft_block_size = cfg.block_size if cfg else 1
         self.draft_head_rows = draft is not None  # draft(..., rows=k): the head on k rows only
-        self.draft_vocab, self.draft_weight = draft_vocab_head(self.head, self.embed, draft)
+        self.draft_vocab, self.draft_weight = draft_vocab_head(self.head, self.embed, draft if draft_vocab else None)
         self.layer_ids = list(cfg.target_layer_ids) if cfg else []
         self.max_context = max_context
         self.gdn_indices = check_caches(target, self.layers)
@@ -222,14 +225,12 @@ def _text_config(config: dict) -> dict:
 def draft_vocab_head(head, embed, draft) -> tuple[mx.array | None, mx.array | None]:
     """(ids [Vd], weight [Vd, H]) of the draft's LM head over its draft vocabulary
     (:mod:`dflash.models.draft_vocab`); for a quantized head the weight is a function h [R, H]
-    -> [R, Vd] over the kept rows, still quantized. (None, None): no draft, no
-    ``draft_vocab.json``, ``DFLASH_DRAFT_VOCAB=0``, or a head with a bias (which then scores the
-    full vocabulary: still lossless, only slower)."""
-    from dflash.models.draft_vocab import vocab_enabled
-
+    -> [R, Vd] over the kept rows, still quantized. (None, None): no draft (or the
+    ``draft_vocab`` setting off), no ``draft_vocab.json``, or a head with a bias (which then
+    scores the full vocabulary: still lossless, only slower)."""
     ids = getattr(draft, "draft_vocab", None)
     module = head if isinstance(head, nn.Module) else embed  # embed.as_linear: tied embeddings
-    if ids is None or not vocab_enabled() or "bias" in module:
+    if ids is None or "bias" in module:
         return None, None
     idx = mx.array(ids)
     if "scales" not in module:
@@ -261,6 +262,7 @@ def load(model: str | None, draft: str | None, *, device: str = "auto", dtype: s
         BackendError, CheckpointError, ConfigError, InputError: one-sentence reasons.
     """
     from dflash.errors import InputError
+    from dflash.kernels.settings import KernelSettings
     from dflash.models.config import DraftConfig
     from dflash.models.draft_mlx import DTYPES, check_draft_options, load_draft_mlx
     from dflash.models.target_mlx import load_target, resolve_draft, resolve_target
@@ -278,6 +280,7 @@ def load(model: str | None, draft: str | None, *, device: str = "auto", dtype: s
     if dtype != "auto" and dtype not in DTYPES:
         raise InputError(f"Unknown --dtype {dtype!r}; use auto, bfloat16, float16 or float32.")
     check_draft_options(draft_bits, draft_window)
+    vocab = KernelSettings.resolve().draft_vocab  # DFLASH_* overrides checked before any weight loads
     draft_dir = resolve_draft(draft, model)
     draft_cfg = DraftConfig.load(draft_dir)  # cheap checks before loading any weights
     target_path = resolve_target(model)
@@ -291,7 +294,7 @@ def load(model: str | None, draft: str | None, *, device: str = "auto", dtype: s
     dt = act if dtype == "auto" else DTYPES[dtype]
     draft_model = load_draft_mlx(draft_dir, dtype=dt, bits=draft_bits, window=draft_window)
     context = int(text.get("max_position_embeddings") or (1 << 30))
-    backend = MLXBackend(target, draft_model, max_context=context)
+    backend = MLXBackend(target, draft_model, max_context=context, draft_vocab=vocab)
     # measured step costs are kept per device, dtype, target, draft (and its quantization/window)
     cost_key = {"backend": "MLXBackend", "device": f"{mx.default_device()} {device_name(None)}", "dtype": str(dt),
                 "target": str(target_path), "draft": key_path(draft_dir), "draft_bits": draft_bits,

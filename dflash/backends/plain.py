@@ -18,6 +18,7 @@ import torch
 from dflash.backends.base import SelectorProposal
 from dflash.backends.draft_head import DraftHead
 from dflash.errors import BackendError, CheckpointError, ConfigError, InputError
+from dflash.kernels.settings import KernelSettings
 from dflash.models.config import DraftConfig
 from dflash.models.draft_load import load_draft as load_draft_module
 from dflash.models.draft_torch import DFlashDraft
@@ -105,10 +106,14 @@ class TransformersBackend:
         target: a loaded HF causal LM (eval mode).
         draft: a loaded DFlashDraft or None (autoregressive only).
         device: torch device of both.
+        settings: the resolved :class:`~dflash.kernels.settings.KernelSettings` (this path
+            reads ``draft_vocab``; recorded by :meth:`describe`); None = the defaults.
     """
 
-    def __init__(self, target: Any, draft: DFlashDraft | None, device: torch.device):
+    def __init__(self, target: Any, draft: DFlashDraft | None, device: torch.device,
+                 settings: KernelSettings | None = None):  # fmt: skip
         self.target, self.draft_model, self.device = target, draft, device
+        self.settings = KernelSettings() if settings is None else settings
         self.embed_weight = target.get_input_embeddings().weight  # [V, H]
         self.lm_head = target.get_output_embeddings()
         self.vocab_size = int(self.embed_weight.shape[0])
@@ -125,7 +130,7 @@ class TransformersBackend:
         self.draft_head_rows = draft is not None and not self.draft_uses_sampling  # ``rows=``
         self.embed_scale = float(getattr(draft, "embed_scale", 1.0))
         # the draft's LM head, over its draft vocabulary when it has one (draft_vocab.json)
-        self.draft_head = DraftHead.for_draft(self.lm_head, draft) if draft is not None else None
+        self.draft_head = DraftHead.for_draft(self.lm_head, draft, self.settings.draft_vocab) if draft is not None else None
         self._draft_rng: torch.Generator | None = None
         # prefix cache (dflash serve): what the target was fed since the last reset
         self.prefix_cache: Any = None  # a dflash.backends.prefix_cache.PrefixCache, or None
@@ -293,12 +298,13 @@ class TransformersBackend:
         return None if head is None or head.ids is None else int(head.ids.shape[0])
 
     def describe(self) -> dict[str, Any]:
-        """What runs the forwards: impl, device (with the GPU name), dtype, graphs, compile."""
+        """What runs the forwards: impl, device (with the GPU name), dtype, graphs, compile, and
+        the resolved settings (``kernel_settings``)."""
         dev = str(self.device)
         if self.device.type == "cuda":
             dev += f" ({torch.cuda.get_device_name(self.device)})"
         return {"impl": "dynamic", "device": dev, "dtype": str(self.embed_weight.dtype).split(".")[-1],
-                "cuda_graphs": False, "compile": False}  # fmt: skip
+                "cuda_graphs": False, "compile": False, "kernel_settings": self.settings.record()}  # fmt: skip
 
 
 def load_target(path: str, device: torch.device, dtype: torch.dtype):

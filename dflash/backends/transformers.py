@@ -18,14 +18,18 @@ from dflash.paths import key_path
 
 def load(model: str | None, draft: str | None, *, device: str = "auto", dtype: str = "auto",
          cuda_graphs: bool | None = None, compile: bool | None = None,
-         uniform_width: bool = False) -> Loaded:  # fmt: skip
+         uniform_width: bool = False, kernels: str = "auto") -> Loaded:  # fmt: skip
     """Load a target and a draft for the transformers backend (arguments as :func:`dflash.load`).
+
+    The :class:`~dflash.kernels.settings.KernelSettings` are resolved here, once (``kernels``
+    and the environment overrides), before any weight loads, and handed to the backend.
 
     Raises:
         BackendError, CheckpointError, ConfigError, InputError: one-sentence reasons.
     """
     import importlib.util
 
+    from dflash.kernels.settings import KernelSettings
     from dflash.models.config import DraftConfig
     from dflash.models.target_torch import (
         check_model_path,
@@ -37,6 +41,7 @@ def load(model: str | None, draft: str | None, *, device: str = "auto", dtype: s
     if any(importlib.util.find_spec(m) is None for m in ("torch", "transformers")):  # before a download
         raise BackendError("The transformers backend needs torch and transformers.",
                            hint='pip install "dflash[torch]"')  # fmt: skip
+    settings = KernelSettings.resolve(kernels)  # a bad override fails on a laptop too, before any weight
     if model is not None:
         check_model_path(model)
         if draft is None:  # a registered target's published draft (a hub id: downloaded below)
@@ -71,11 +76,9 @@ def load(model: str | None, draft: str | None, *, device: str = "auto", dtype: s
     )
     from dflash.backends.static.backend import StaticBackend, supports_static
     from dflash.backends.static.graph_plan import resolve_compile
-    from dflash.backends.static.switches import check_env
 
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
-    check_env()  # the CUDA path's DFLASH_* switches, checked on every device
     if hub_draft:
         draft_dir, draft_cfg = draft_folder()
     target_path = resolve_target(model)
@@ -96,9 +99,11 @@ def load(model: str | None, draft: str | None, *, device: str = "auto", dtype: s
     if uniform_width and not fast:
         raise BackendError("--uniform-width needs the CUDA-graph path.", hint="drop --uniform-width")
     impl = StaticBackend(target_model, draft_model, dev, compile=resolve_compile(compile, fast),
-                         uniform_width=uniform_width,
-                         ) if fast else TransformersBackend(target_model, draft_model, dev)  # fmt: skip
+                         uniform_width=uniform_width, settings=settings,
+                         ) if fast else TransformersBackend(target_model, draft_model, dev, settings)  # fmt: skip
     cost_key = {"backend": type(impl).__name__, "device": device_name(dev), "dtype": str(dt),
                 "target": target_path, "draft": key_path(draft_dir), "draft_vocab": impl.draft_vocab_size,
-                "threads": torch.get_num_threads() if dev.type == "cpu" else None}  # fmt: skip
+                "threads": torch.get_num_threads() if dev.type == "cpu" else None,
+                # costs measured with other settings are kept apart (the defaults' key unchanged)
+                **({"kernel_settings": settings.record()} if settings != KernelSettings() else {})}  # fmt: skip
     return Loaded(impl, tokenizer, stops, str(model or "demo"), draft_dir, cost_key)

@@ -34,16 +34,21 @@ BASE_URL_DEFAULT, TIMEOUT_DEFAULT, RETRIES_DEFAULT = "http://127.0.0.1:30000", 3
 
 def _load_pipeline(backend: str, model: str | None, draft: str | None, device: str, dtype: str,
                    cuda_graphs: bool | None = None, compile: bool | None = None,
-                   uniform_width: bool = False, **mlx_options: int | None):  # fmt: skip
-    """Load target + draft through the public API (a seam the tests replace with a fake)."""
+                   uniform_width: bool = False, kernels: str = "auto", recalibrate: bool = False,
+                   **mlx_options: int | None):  # fmt: skip
+    """Load target + draft through the public API (a seam the tests replace with a fake);
+    ``recalibrate``: the pipeline measures the ``--block-size auto`` costs again."""
     try:
         from dflash import api
     except ImportError as err:
         raise BackendError(f"dflash.api cannot be imported ({err}).") from None
     kwargs = {"cuda_graphs": cuda_graphs} | ({"compile": compile} if compile is not None else {})
     kwargs |= {"uniform_width": True} if uniform_width else {}
+    kwargs |= {"kernels": kernels} if kernels != "auto" else {}
     kwargs |= {k: v for k, v in mlx_options.items() if v is not None}
-    return api.load(model, draft, backend=backend, device=device, dtype=dtype, **kwargs)
+    pipe = api.load(model, draft, backend=backend, device=device, dtype=dtype, **kwargs)
+    pipe.recalibrate = recalibrate
+    return pipe
 
 
 def _check_options(
@@ -171,6 +176,21 @@ def benchmark(
     draft_window: Annotated[
         int | None, typer.Option(help="mlx backend: keep at most N context rows in draft KV.")
     ] = None,
+    kernels: Annotated[
+        str,
+        typer.Option(
+            help="transformers: auto runs this project's Triton kernels in the CUDA graphs where "
+            "they fit; off runs torch ops there (if a kernel fails on your GPU)."
+        ),
+    ] = "auto",
+    recalibrate: Annotated[
+        bool,
+        typer.Option(
+            "--recalibrate",
+            help="Measure the --block-size auto step costs again instead of reading them from "
+            "the dflash cache (and cache the new ones).",
+        ),
+    ] = False,
     base_url: Annotated[
         str, typer.Option(rich_help_panel=OPENAI_PANEL, help="server URL, with or without /v1.")
     ] = BASE_URL_DEFAULT,
@@ -216,6 +236,7 @@ def benchmark(
         "--dtype": dtype != "auto", "--cuda-graphs/--no-cuda-graphs": cuda_graphs is not None,
         "--compile/--no-compile": compile is not None, "--uniform-width": uniform_width,
         "--draft-bits": draft_bits is not None, "--draft-window": draft_window is not None,
+        "--kernels": kernels != "auto", "--recalibrate": recalibrate,
         "--check-parity": check_parity, "--resume": resume, "--score": score,
         "--base-url": base_url != BASE_URL_DEFAULT, "--num-prompts": num_prompts is not None,
         "--concurrency": concurrency != 1, "--timeout-s": timeout_s != TIMEOUT_DEFAULT,
@@ -223,9 +244,9 @@ def benchmark(
         "--baseline-model": baseline_model is not None, "--max-retries": max_retries != RETRIES_DEFAULT,
     }, {
         **dict.fromkeys(("--draft", "--block-size", "--device", "--dtype", "--check-parity", "--resume",
-                         "--score"), local),
-        **dict.fromkeys(("--cuda-graphs/--no-cuda-graphs", "--compile/--no-compile", "--uniform-width"),
-                        ("transformers",)),
+                         "--score", "--recalibrate"), local),
+        **dict.fromkeys(("--cuda-graphs/--no-cuda-graphs", "--compile/--no-compile", "--uniform-width",
+                         "--kernels"), ("transformers",)),
         "--draft-bits": ("mlx",), "--draft-window": ("mlx",),
         **dict.fromkeys(("--base-url", "--num-prompts", "--concurrency", "--timeout-s", "--api-key",
                          "--baseline-url", "--baseline-model", "--max-retries"), remote),
@@ -250,6 +271,12 @@ def benchmark(
         )  # fmt: skip
         return
     block_sizes = parse_block_sizes(block_size)
+    from dflash.options import check_recalibrate
+
+    check_recalibrate(recalibrate, block_sizes)
+    if kernels not in ("auto", "off"):
+        raise InputError(f"--kernels must be auto or off, got {kernels!r}.",
+                         hint="auto runs this project's Triton kernels where they fit; off runs torch ops")  # fmt: skip
     if score and len(block_sizes) > 1:
         raise InputError("--score scores one run; --block-size lists several.", hint="drop --score or list one block size")
     if draft is None and model is not None:  # the published draft of a registered target
@@ -272,8 +299,8 @@ def benchmark(
     if len(block_sizes) > 1:
         _sweep(
             block_sizes,
-            (backend, model, draft, device, dtype, cuda_graphs, compile, uniform_width,
-             draft_bits, draft_window),
+            (backend, model, draft, device, dtype, cuda_graphs, compile, uniform_width, kernels,
+             recalibrate, draft_bits, draft_window),
             names,
             (data_dir, offline),
             max_samples,
@@ -303,8 +330,8 @@ def benchmark(
     try:
         gathered = _run(
             dist,
-            (backend, model, draft, device, dtype, cuda_graphs, compile, uniform_width,
-             draft_bits, draft_window),
+            (backend, model, draft, device, dtype, cuda_graphs, compile, uniform_width, kernels,
+             recalibrate, draft_bits, draft_window),
             selected,
             config,
             output,
@@ -345,14 +372,14 @@ def _run(
 
     Args:
         load_args: (backend, model, draft, device, dtype, cuda_graphs, compile, uniform_width,
-            draft_bits, draft_window) for :func:`_load_pipeline`.
+            kernels, recalibrate, draft_bits, draft_window) for :func:`_load_pipeline`.
 
         pipeline: an already loaded pipeline (a sweep loads once), else loaded here.
 
     Returns:
         Records per dataset on rank 0, None on other ranks.
     """
-    (backend, model, draft, device, dtype, cuda_graphs, compile, uniform_width,
+    (backend, model, draft, device, dtype, cuda_graphs, compile, uniform_width, kernels, recalibrate,
      draft_bits, draft_window) = load_args
     device = harness.rank_device(dist, device)
     log = harness.ResultsLog(output, resume=resume, rank=dist.rank, world=dist.world)
@@ -365,8 +392,8 @@ def _run(
         harness.once_per_machine(dist, lambda: resolve_target(model))  # converted once, cached
     try:
         if pipeline is None:
-            pipeline = _load_pipeline(backend, model, draft, device, dtype, cuda_graphs, compile,
-                                      uniform_width, draft_bits=draft_bits, draft_window=draft_window)  # fmt: skip
+            pipeline = _load_pipeline(backend, model, draft, device, dtype, cuda_graphs, compile, uniform_width,
+                                      kernels, recalibrate, draft_bits=draft_bits, draft_window=draft_window)  # fmt: skip
         shards = {name: harness.shard(items, dist) for name, items in selected.items()}
         with report.BenchProgress(enabled=dist.rank == 0) as progress:
             results = harness.run_benchmark(pipeline, shards, config, log=log,

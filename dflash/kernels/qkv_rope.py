@@ -16,16 +16,16 @@ values into the caches at the rows' positions. The raw projection never goes to 
 - With q/k norms (Qwen3, DFlash drafts) a program takes a whole head (the norm needs its sum of
   squares): 15 programs on the demo draft's shapes, 48 on Qwen3-8B's.
 
-Measured on the H200 (twenty-third session, ``benchmarks/results/h200-v23``, demo shapes at
+Measured on the H200 (``benchmarks/results/h200-v23``, demo shapes at
 prompt 300, random weights, same machine, alternating runs): column pairs in the target took
 the verify-1 graph from 0.595 / 0.596 to 0.572 / 0.571 ms and the loop steps from 0.617 / 0.620
 to 0.590 / 0.591 ms (block 1) and 0.795 / 0.796 to 0.767 / 0.768 ms (block 16); the real pair
 on gsm8k's first 32 prompts gave 1,749.1 / 5,410.0 tok/s (baseline / DFlash) against 1,678.5 /
 5,188.3 without it, the same acceptance lengths, 32/32 identical in both. Whole heads were
 slower: the draft graph 0.148 against 0.146 ms, Qwen3-8B's block-1 step 4.62 against 4.18 ms.
-So ``DFLASH_QKV_ROPE`` (:func:`qkv_rope_setting`) unset (``auto``) runs it where there are no
-q/k norms and the weight is at most :data:`AUTO_MAX_BYTES`; ``1`` wherever it can run, ``0``
-nowhere.
+So the ``qkv_rope`` setting unset (None, ``auto``) runs it where there are no q/k norms and the
+weight is at most :data:`AUTO_MAX_BYTES` (:func:`qkv_rope_wanted`); True wherever it can run,
+False nowhere.
 
 Maths: the projection's product and rounding are ``small_linear``'s (``small_linear_rn``'s with
 ``rn_eps``), the rest is ``rope_cache``'s, so results equal the two-kernel path's up to the
@@ -39,12 +39,12 @@ import os
 
 import torch
 
-from dflash.kernels.linear_settings import SMEM_BUDGET, kernel_config
-from dflash.kernels.pdl import pdl_enabled
+from dflash.kernels.pdl import default_launch
 from dflash.kernels.rope_cache import norm_eps, rope_cache_fits, rope_cache_reference
+from dflash.kernels.settings import Launch
+from dflash.kernels.small_linear import SMEM_BUDGET, kernel_config
 
-QKV_ROPE_ENV = "DFLASH_QKV_ROPE"
-AUTO_MAX_BYTES = 8 << 20  # DFLASH_QKV_ROPE unset: on for qkv weights up to this size
+AUTO_MAX_BYTES = 8 << 20  # the qkv_rope setting unset: on for qkv weights up to this size
 MAX_HEAD_DIM = 128  # one [rows, D] float32 accumulator per program
 MAX_ROWS = 32
 
@@ -57,21 +57,6 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
 
-def qkv_rope_setting() -> bool | None:
-    """``DFLASH_QKV_ROPE``: None (unset or ``auto``: by the weight's size, see
-    :func:`qkv_rope_wanted`), True (``1``) or False (``0``).
-
-    Raises:
-        InputError: another value.
-    """
-    raw = os.environ.get(QKV_ROPE_ENV, "").strip().lower()
-    if raw not in ("", "auto", "0", "1"):
-        from dflash.errors import InputError
-
-        raise InputError(f"{QKV_ROPE_ENV} must be auto, 0 or 1, got {raw!r}.", hint="unset it for the default (auto)")
-    return None if raw in ("", "auto") else raw == "1"
-
-
 def qkv_rope_fits(attn, weight: torch.Tensor, norms: bool) -> bool:
     """Whether :func:`qkv_rope` can run an attention module ``attn`` whose fused qkv weight is
     ``weight`` ([(H + 2 Hkv) D, K]): what :func:`~dflash.kernels.rope_cache.rope_cache_fits`
@@ -81,15 +66,14 @@ def qkv_rope_fits(attn, weight: torch.Tensor, norms: bool) -> bool:
             and weight.stride(1) == 1 and weight.shape[0] % d == 0)  # fmt: skip
 
 
-def qkv_rope_wanted(weights, norms: bool) -> bool:
+def qkv_rope_wanted(weights, norms: bool, setting: bool | None = None) -> bool:
     """Whether the fused kernel runs for layers with these qkv ``weights`` (``norms``: with q/k
-    norms): ``DFLASH_QKV_ROPE`` when set, else (``auto``) without q/k norms and every weight at
-    most :data:`AUTO_MAX_BYTES`. With q/k norms each program takes a whole head (its sum of
+    norms): the ``qkv_rope`` ``setting`` when given, else (None, ``auto``) without q/k norms and
+    every weight at most :data:`AUTO_MAX_BYTES`. With q/k norms each program takes a whole head (its sum of
     squares), which measured slower on the H200: the demo draft's graph 0.148 against 0.146 ms,
     Qwen3-8B's block-1 step 4.62 against 4.18 ms."""
-    forced = qkv_rope_setting()
-    if forced is not None:
-        return forced
+    if setting is not None:
+        return setting
     return not norms and all(w.numel() * w.element_size() <= AUTO_MAX_BYTES for w in weights)
 
 
@@ -142,8 +126,7 @@ if triton is not None:
                 w2 = tl.load(KW + HALF + d).to(tl.float32)
         if EARLY:  # the tables and positions come from kernels that are done before the previous one
             c1, c2, s1, s2, at = _tables(COS, SIN, POS, rm, m_ok, s_cos, d, HALF)
-        acc = _rows_times_weight(X, W, rm, rn, m_ok, n_ok, K, s_xm, s_wn, IEEE, BM, 2 * P, BK, PDL, 0, 64,
-                                 RN, rn_eps)  # fmt: skip
+        acc = _rows_times_weight(X, W, rm, rn, m_ok, n_ok, K, s_xm, s_wn, IEEE, BM, 2 * P, BK, PDL, RN, rn_eps)
         if not EARLY:
             c1, c2, s1, s2, at = _tables(COS, SIN, POS, rm, m_ok, s_cos, d, HALF)
         if HAS_BIAS:
@@ -169,7 +152,7 @@ if triton is not None:
 
 
 def _launch(x, weight, bias, rn_eps, rn, q_w, k_w, eps_q, eps_k, cos, sin, pos, kc, vc, tc, heads, kv_heads,
-            early=False):  # fmt: skip
+            early=False, pdl=False, config=""):  # fmt: skip
     t, k = x.shape
     d = kc.shape[-1]
     cos, sin = cos[0, 0], sin[0, 0]  # [T, D]
@@ -182,13 +165,12 @@ def _launch(x, weight, bias, rn_eps, rn, q_w, k_w, eps_q, eps_k, cos, sin, pos, 
                          f"and caches {tuple(kc.shape)} / {tuple(vc.shape)} do not fit (at most {MAX_ROWS} rows, "
                          f"more than {tc} context rows, head dim <= {MAX_HEAD_DIM})")  # fmt: skip
     q = x.new_empty(1, t - tc, heads, d).transpose(1, 2)  # [1, H, L, D]
-    bm, bn, bk, warps, _ = kernel_config(t, weight.shape[0], k, weight.element_size())  # small_linear's tiles
+    bm, bn, bk, warps, _ = kernel_config(t, weight.shape[0], k, weight.element_size(), config)  # small_linear's tiles
     norm = q_w is not None
     # columns of each half per program: the whole half with norms (a head's sum of squares),
     # else small_linear's columns per program (pairs of columns RoPE mixes: j and j + D/2)
     half = d // 2 if norm else max(8, min(d // 2, bn // 2))
     stages = max(2, min(4, SMEM_BUDGET // ((bm + 2 * half) * bk * weight.element_size())))
-    pdl = pdl_enabled(x.device)
     _qkv_rope_kernel[((heads + 2 * kv_heads) * (d // 2 // half),)](
         x, weight, bias if bias is not None else weight, q_w if norm else weight, k_w if norm else weight, cos, sin,
         pos, q, kc, vc, t, k, tc, x.stride(0), weight.stride(0), cos.stride(-2), q.stride(1), q.stride(2),
@@ -205,12 +187,13 @@ if triton is not None:
     def _qkv_rope_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rn_eps: float, rn: bool,
                      q_w: torch.Tensor | None, k_w: torch.Tensor | None, eps_q: float, eps_k: float,
                      cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
-                     tc: int, heads: int, kv_heads: int, early: bool) -> torch.Tensor:  # fmt: skip
+                     tc: int, heads: int, kv_heads: int, early: bool, pdl: bool, config: str) -> torch.Tensor:  # fmt: skip
         return _launch(x, weight, bias, rn_eps, rn, q_w, k_w, eps_q, eps_k, cos, sin, pos, kc, vc, tc, heads, kv_heads,
-                       early)  # fmt: skip
+                       early, pdl, config)  # fmt: skip
 
     @_qkv_rope_op.register_fake
-    def _(x, weight, bias, rn_eps, rn, q_w, k_w, eps_q, eps_k, cos, sin, pos, kc, vc, tc, heads, kv_heads, early):
+    def _(x, weight, bias, rn_eps, rn, q_w, k_w, eps_q, eps_k, cos, sin, pos, kc, vc, tc, heads, kv_heads, early,
+          pdl, config):  # fmt: skip
         return x.new_empty(1, x.shape[0] - tc, heads, kc.shape[-1]).transpose(1, 2)
 
 
@@ -230,7 +213,7 @@ def qkv_rope_reference(x, weight, bias, rn_eps, q_norm, k_norm, cos, sin, pos, k
 
 def qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rn_eps: float | None, q_norm,
              k_norm, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
-             tc: int, heads: int, kv_heads: int, early: bool = False) -> torch.Tensor:  # fmt: skip
+             tc: int, heads: int, kv_heads: int, early: bool = False, launch: Launch | None = None) -> torch.Tensor:  # fmt: skip
     """One layer's fused qkv projection, q/k RMSNorm, RoPE and K/V cache writes in one kernel.
 
     Args:
@@ -245,7 +228,10 @@ def qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, r
             :func:`~dflash.kernels.rope_cache.rope_cache` (cos/sin [1, 1, T, D], pos [T] int64,
             caches [1, Hkv, S, D] written at ``pos``).
         early: cos, sin and pos were written before the kernel that runs just before this one
-            (not the first layer's call): under PDL they load before the wait for that kernel.
+            (not the first layer's call): under PDL they load before the wait for that kernel
+            (when the ``attn_early`` setting says so).
+        launch: the settings (``linear_config``, ``attn_early``) and PDL; None =
+            :func:`~dflash.kernels.pdl.default_launch`.
 
     Returns:
         q: [1, H, L, D] the block's queries, normed and rotated (laid out as [1, L, H, D]).
@@ -256,8 +242,10 @@ def qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, r
     if triton is None or (x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1"):
         return qkv_rope_reference(x, weight, bias, rn_eps, q_norm, k_norm, cos, sin, pos, kc, vc, tc, heads, kv_heads)
     rn, eps = rn_eps is not None, float(rn_eps or 0.0)
+    launch = default_launch(x.device) if launch is None else launch
+    run = (early and launch.settings.attn_early, launch.pdl, launch.settings.linear_config)
     if q_norm is None:
         return _qkv_rope_op(x, weight, bias, eps, rn, None, None, 0.0, 0.0, cos, sin, pos, kc, vc, tc, heads,
-                            kv_heads, early)  # fmt: skip
+                            kv_heads, *run)  # fmt: skip
     return _qkv_rope_op(x, weight, bias, eps, rn, q_norm.weight, k_norm.weight, norm_eps(q_norm), norm_eps(k_norm),
-                        cos, sin, pos, kc, vc, tc, heads, kv_heads, early)  # fmt: skip
+                        cos, sin, pos, kc, vc, tc, heads, kv_heads, *run)  # fmt: skip

@@ -1,9 +1,8 @@
 """RMSNorm of a few rows in one Triton kernel (static path, the target's norms that run alone).
 
-Where a target's norms do not run inside its projections (``DFLASH_FUSE_NORM``: hidden sizes
-over 1,024, such as Qwen3-8B's 4,096), each layer has two norm kernels of its own, and on the
-H200 Inductor's took 1.8-2.0 us each in a Qwen3-8B block-1 step (twentieth session's profile,
-PDL off): a looped reduction that reads the row twice, its weight after the wait for the kernel
+Where a target's norms do not run inside its projections (the ``fuse_norm`` setting: hidden
+sizes over 1,024, such as Qwen3-8B's 4,096), each layer has two norm kernels of its own, and on
+the H200 Inductor's took 1.8-2.0 us each in a Qwen3-8B block-1 step (a profile with PDL off): a looped reduction that reads the row twice, its weight after the wait for the kernel
 before it. This kernel takes one row per program, the whole row in registers (one read), and
 under PDL loads the norm's weight before waiting for the previous kernel (weights are written by
 no kernel).
@@ -22,9 +21,8 @@ import os
 
 import torch
 
-from dflash.kernels.pdl import pdl_enabled
+from dflash.kernels.pdl import pdl_supported
 
-NORM_KERNEL_ENV = "DFLASH_NORM_KERNEL"
 MAX_ROWS = 32  # rows the kernel takes (decode and verify); prefill runs the module
 MAX_HIDDEN = 16384  # one row in registers
 
@@ -38,20 +36,6 @@ except ImportError:  # pragma: no cover - depends on the install
 def available() -> bool:
     """Whether the Triton kernel can run (Triton importable)."""
     return triton is not None
-
-
-def norm_kernel_setting() -> bool:
-    """``DFLASH_NORM_KERNEL``: ``1`` (default) runs the target's stand-alone RMSNorms (every
-    layer's but the first layer's input norm, which Inductor fuses with the embedding, and the
-    final norm) through :func:`rms_norm` in forwards of up to :data:`MAX_ROWS` rows on CUDA in
-    bf16/fp16; ``0`` keeps Inductor's kernels.
-
-    Raises:
-        InputError: another value.
-    """
-    from dflash.errors import env_choice
-
-    return env_choice(NORM_KERNEL_ENV, ("1", "0")) == "1"
 
 
 # transformers' RMSNorm classes known to compute weight * (x * rsqrt(mean(x^2) + eps)).to(dtype)
@@ -87,26 +71,25 @@ if triton is not None:
         tl.store(Y + row * s_ym + cols, y, mask=ok)
 
 
-def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float, pdl: bool) -> torch.Tensor:
     m, n = x.shape
     if m > MAX_ROWS or weight.shape != (n,) or weight.stride(0) != 1 or x.stride(1) != 1 or n > MAX_HIDDEN:
         raise ValueError(f"rms_norm: rows {tuple(x.shape)} (strides {x.stride()}) do not fit weight "
                          f"{tuple(weight.shape)} (at most {MAX_ROWS} rows of {MAX_HIDDEN})")  # fmt: skip
     y = torch.empty_like(x, memory_format=torch.contiguous_format)
     block = triton.next_power_of_2(n)
-    pdl = pdl_enabled(x.device)
     _rms_norm_kernel[(m,)](x, weight, y, x.stride(0), y.stride(0), eps, N=n, BLOCK=block, PDL=pdl,
                            num_warps=8 if block >= 4096 else 4, **({"launch_pdl": True} if pdl else {}))  # fmt: skip
     return y
 
 
 @torch.library.custom_op("dflash::rms_norm", mutates_args=())
-def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return _launch(x, weight, eps)
+def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float, pdl: bool) -> torch.Tensor:
+    return _launch(x, weight, eps, pdl)
 
 
 @_rms_norm_op.register_fake
-def _(x, weight, eps):
+def _(x, weight, eps, pdl):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
@@ -117,13 +100,14 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     return weight * h.to(x.dtype)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, pdl: bool | None = None) -> torch.Tensor:
     """``weight * (x * rsqrt(mean(x^2) + eps)).to(dtype)`` per row, one program per row.
 
     Args:
         x: [M, N] rows (unit last stride), M <= :data:`MAX_ROWS`, N <= :data:`MAX_HIDDEN`.
         weight: [N] the norm's weight (unit stride), x's dtype.
         eps: the norm's epsilon.
+        pdl: launch with programmatic dependent launch; None = where the device supports it.
     Returns:
         [M, N] in x's dtype (contiguous). Off CUDA (or Triton absent and not interpreting)
         :func:`rms_norm_reference` runs instead.
@@ -133,4 +117,4 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """
     if triton is None or (x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1"):
         return rms_norm_reference(x, weight, eps)
-    return _rms_norm_op(x, weight, float(eps))
+    return _rms_norm_op(x, weight, float(eps), pdl_supported(x.device) if pdl is None else pdl)

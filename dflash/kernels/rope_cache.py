@@ -6,7 +6,7 @@ whole context and block: :func:`~dflash.backends.static.draft.draft_forward_fuse
 keys and values of the context rows and of the block rows into its position-indexed cache. Under
 ``torch.compile`` that was seven small kernels per layer on the H200 (the query norm + RoPE kernel
 alone 9.9 us, about 18 us in all of the draft's ~40 us per layer, ``scripts/kernel_count.py
---sequence``, twelfth session). This Triton kernel does it in one launch: grid (rows, H + 2 Hkv),
+--sequence``). This Triton kernel does it in one launch: grid (rows, H + 2 Hkv),
 one program per (row, head) of the projection's output, reading the head's D values once.
 
 The target's layers (forwards of up to 32 rows, with the split-KV attention) take the same
@@ -19,8 +19,8 @@ caller's cos/sin tables in float32, rounded once (Inductor's fused kernel rounds
 torch rounds each product). Values are copied as they are.
 
 Off CUDA (or without Triton, unless ``TRITON_INTERPRET=1``) :func:`rope_cache_reference` runs
-the same steps in torch ops. ``DFLASH_ROPE=0`` keeps the torch ops on CUDA too, ``draft`` uses
-the kernel in the draft only (side-by-side timing).
+the same steps in torch ops. The ``rope_target`` and ``rope_draft`` settings turn it off (torch
+ops on CUDA too) in the target's or the draft's forward.
 """
 
 from __future__ import annotations
@@ -29,40 +29,14 @@ import os
 
 import torch
 
-from dflash.kernels.attn_settings import early_setting
-from dflash.kernels.pdl import pdl_enabled
-
-ROPE_ENV = "DFLASH_ROPE"
-ROPE_TABLE_ENV = "DFLASH_ROPE_TABLE"
+from dflash.kernels.pdl import default_launch
+from dflash.kernels.settings import Launch
 
 try:
     import triton
     import triton.language as tl
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
-
-
-def rope_parts() -> frozenset[str]:
-    """``DFLASH_ROPE``: where the q/k norm + RoPE + cache-write kernel runs when the Triton
-    projections do (CUDA): unset or ``1`` in the draft and the target, ``draft`` in the draft
-    only, ``0`` nowhere (Inductor's kernels).
-
-    Raises:
-        InputError: another value.
-    """
-    raw = os.environ.get(ROPE_ENV, "").strip().lower()
-    if raw not in ("", "0", "1", "draft"):
-        from dflash.errors import InputError
-
-        raise InputError(f"{ROPE_ENV} must be 0, 1 or draft, got {raw!r}.", hint="unset it for the default (1)")
-    return frozenset() if raw == "0" else frozenset({"draft"}) if raw == "draft" else frozenset({"draft", "target"})
-
-
-def rope_table_default() -> bool:
-    """``DFLASH_ROPE_TABLE``: unset or anything but ``0``: the static draft's RoPE kernel reads
-    cos/sin tables made once per cache size, by position; ``0``: tables of the call's rows,
-    computed in every draft call (one kernel more; side-by-side timing)."""
-    return os.environ.get(ROPE_TABLE_ENV, "").strip() != "0"
 
 
 def norm_eps(norm) -> float:
@@ -159,7 +133,8 @@ if triton is not None:
             tl.store(out + HALF + d, tl.load(base + HALF + d))
 
 
-def _launch(qkv, q_w, k_w, eps_q, eps_k, cos, sin, pos, kc, vc, tc, heads, kv_heads, early=False) -> torch.Tensor:
+def _launch(qkv, q_w, k_w, eps_q, eps_k, cos, sin, pos, kc, vc, tc, heads, kv_heads, early=False,
+            pdl=False) -> torch.Tensor:  # fmt: skip
     t, width = qkv.shape
     d = kc.shape[-1]
     table = cos.dim() == 2  # [S, D] tables by position, else [1, 1, T, D] by row
@@ -172,7 +147,6 @@ def _launch(qkv, q_w, k_w, eps_q, eps_k, cos, sin, pos, kc, vc, tc, heads, kv_he
                          f"{heads} + 2 x {kv_heads} heads of {d}, cos/sin {tuple(cos.shape)}, positions "
                          f"{tuple(pos.shape)} and caches {tuple(kc.shape)} / {tuple(vc.shape)}")  # fmt: skip
     q = qkv.new_empty(1, t - tc, heads, d).transpose(1, 2)  # [1, H, L, D]
-    pdl = pdl_enabled(qkv.device)
     norm = q_w is not None
     _rope_cache_kernel[(t, heads + 2 * kv_heads)](
         qkv, q_w if norm else qkv, k_w if norm else qkv, cos, sin, pos, q, kc, vc, tc, qkv.stride(0),
@@ -187,12 +161,12 @@ def _launch(qkv, q_w, k_w, eps_q, eps_k, cos, sin, pos, kc, vc, tc, heads, kv_he
 @torch.library.custom_op("dflash::rope_cache", mutates_args=("kc", "vc"))
 def _rope_cache_op(qkv: torch.Tensor, q_w: torch.Tensor | None, k_w: torch.Tensor | None, eps_q: float, eps_k: float,
                    cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor, kc: torch.Tensor,
-                   vc: torch.Tensor, tc: int, heads: int, kv_heads: int, early: bool) -> torch.Tensor:  # fmt: skip
-    return _launch(qkv, q_w, k_w, eps_q, eps_k, cos, sin, pos, kc, vc, tc, heads, kv_heads, early)
+                   vc: torch.Tensor, tc: int, heads: int, kv_heads: int, early: bool, pdl: bool) -> torch.Tensor:  # fmt: skip
+    return _launch(qkv, q_w, k_w, eps_q, eps_k, cos, sin, pos, kc, vc, tc, heads, kv_heads, early, pdl)
 
 
 @_rope_cache_op.register_fake
-def _(qkv, q_w, k_w, eps_q, eps_k, cos, sin, pos, kc, vc, tc, heads, kv_heads, early):
+def _(qkv, q_w, k_w, eps_q, eps_k, cos, sin, pos, kc, vc, tc, heads, kv_heads, early, pdl):
     return qkv.new_empty(1, qkv.shape[0] - tc, heads, kc.shape[-1]).transpose(1, 2)
 
 
@@ -216,7 +190,7 @@ def rope_cache_reference(qkv, q_norm, k_norm, cos, sin, pos, kc, vc, tc: int, he
 
 def rope_cache(qkv: torch.Tensor, q_norm, k_norm, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
                kc: torch.Tensor, vc: torch.Tensor, tc: int, heads: int, kv_heads: int,
-               early: bool = False) -> torch.Tensor:  # fmt: skip
+               early: bool = False, launch: Launch | None = None) -> torch.Tensor:  # fmt: skip
     """One draft layer's q/k RMSNorm + RoPE and K/V cache writes.
 
     Args:
@@ -226,7 +200,7 @@ def rope_cache(qkv: torch.Tensor, q_norm, k_norm, cos: torch.Tensor, sin: torch.
             ``variance_epsilon``), or both None (no norms: Llama, Qwen2).
         cos, sin: [1, 1, T, D] RoPE tables of the T rows (row-major last two dims), or [S, D]
             tables of every cache position S (read at ``pos``: no per-call tables to compute,
-            ``DFLASH_ROPE_TABLE``).
+            the ``rope_table`` setting).
         pos: [T] int64 cache positions of the rows; rows sharing a position must hold the same
             values (the static loop's clamped context rows do), and no context row may share
             one with a block row.
@@ -234,8 +208,9 @@ def rope_cache(qkv: torch.Tensor, q_norm, k_norm, cos: torch.Tensor, sin: torch.
         tc: context rows Tc; heads, kv_heads: H and Hkv.
         early: cos, sin, pos (and the norms' weights) were written before the kernel that runs
             just before this one (not the first layer's call): under PDL they load before the
-            wait for that kernel, which writes only ``qkv`` (``DFLASH_ATTN_EARLY``, as
-            :func:`~dflash.kernels.split_attention.split_attention`'s ``early``).
+            wait for that kernel, which writes only ``qkv`` (when the ``attn_early`` setting
+            says so, as :func:`~dflash.kernels.split_attention.split_attention`'s ``early``).
+        launch: the settings and PDL; None = :func:`~dflash.kernels.pdl.default_launch`.
 
     Pass whole tensors, not views of computed ones: Inductor materialises a view of an unrealised
     tensor once per custom-op call (the cos/sin tables were recomputed by two kernels in every
@@ -246,8 +221,9 @@ def rope_cache(qkv: torch.Tensor, q_norm, k_norm, cos: torch.Tensor, sin: torch.
     """
     if triton is None or (qkv.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1"):
         return rope_cache_reference(qkv, q_norm, k_norm, cos, sin, pos, kc, vc, tc, heads, kv_heads)
-    early = early and early_setting()
+    launch = default_launch(qkv.device) if launch is None else launch
+    early, pdl = early and launch.settings.attn_early, launch.pdl
     if q_norm is None:
-        return _rope_cache_op(qkv, None, None, 0.0, 0.0, cos, sin, pos, kc, vc, tc, heads, kv_heads, early)
+        return _rope_cache_op(qkv, None, None, 0.0, 0.0, cos, sin, pos, kc, vc, tc, heads, kv_heads, early, pdl)
     return _rope_cache_op(qkv, q_norm.weight, k_norm.weight, norm_eps(q_norm), norm_eps(k_norm),
-                          cos, sin, pos, kc, vc, tc, heads, kv_heads, early)  # fmt: skip
+                          cos, sin, pos, kc, vc, tc, heads, kv_heads, early, pdl)  # fmt: skip

@@ -12,40 +12,30 @@ Measured on the H200 (``scripts/small_linear_sweep.py``, bf16, CUDA graphs of 50
 26.8 vs 29.7 us.
 
 Where the gate+up projection runs this kernel, SiLU(gate) * up is its epilogue
-(:func:`small_linear_glu`, ``DFLASH_GLU``, seventeenth session): each program takes the same
-output columns of the gate rows and of the up rows in one [2 BN, BK] weight tile, so the
-activation needs no kernel of its own. H200, one machine, against ``DFLASH_GLU=0``: demo loop
-steps at prompt 300 0.880 -> 0.831 ms (block 16) and 0.691 -> 0.649 ms (block 1), the draft
-graph 0.154 -> 0.147 ms; Qwen3-8B's block 1 4.319 -> 4.240 ms.
+(:func:`small_linear_glu`, the ``glu`` setting): each program takes the same output columns of
+the gate rows and of the up rows in one [2 BN, BK] weight tile, so the activation needs no
+kernel of its own. H200, one machine, against the activation as its own kernel: demo loop steps
+at prompt 300 0.880 -> 0.831 ms (block 16) and 0.691 -> 0.649 ms (block 1), the draft graph
+0.154 -> 0.147 ms; Qwen3-8B's block 1 4.319 -> 4.240 ms.
 
-The RMSNorm in front of an in-projection runs inside it where ``DFLASH_FUSE_NORM`` says so
-(:func:`small_linear_rn`, eighteenth session: the norm's weight folded into the projection's,
-the row factor on the accumulator; see :func:`fuse_norm_setting` for the measurements).
+The RMSNorm in front of an in-projection runs inside it where the ``fuse_norm`` setting says so
+(:func:`small_linear_rn`: the norm's weight folded into the projection's, the row factor on the
+accumulator; see :func:`fuse_norm_auto` for the measurements).
 
 Fusing more was tried and removed: an RMSNorm prologue (two-pass, or one pass with the norm as
-a row scale) and, with it, a first SwiGLU epilogue (2026-12-01, before this kernel's
-in-projection tiles) made qkv and gate+up 1.5-2.5x slower than cuBLAS plus Inductor's fused
-norm kernel, and a whole block-1 step 8-30% slower. SiLU(gate) * up computed while loading the down
-projection's input (``DFLASH_FUSE_SILU``, twelfth session: every program recomputes the whole
-activation) made the demo-shaped loop steps 2.2x slower and an 8B-shaped block-1 step 12.7
-against 4.5 ms; removed. A wider first weight tile loaded before the PDL wait (``DFLASH_PDL_TILE``, up
-to 32-128 KiB per program, seventeenth session) made the demo loop steps 0.880 -> 0.952 ms
-(block 16) and 0.695 -> 0.735 ms (block 1) and Qwen3-8B's block 1 4.50 -> 5.14 ms at 64 KiB;
-removed (``benchmarks/results/h200-v17``).
+a row scale) made qkv and gate+up 1.5-2.5x slower than cuBLAS plus Inductor's fused norm
+kernel; SiLU(gate) * up computed while loading the down projection's input made the demo-shaped
+loop steps 2.2x slower; a wider first weight tile loaded before the PDL wait made the demo loop
+steps 0.880 -> 0.952 ms (block 16).
 
 Rounding is the unfused ops': the product rounded to the input dtype, then added to the residual
 (float32 inputs use exact fp32 dots, no TF32). On by default on CUDA with Triton for forwards
-of at most :data:`MAX_ROWS` rows (``DFLASH_LINEAR=auto``, which also takes the fused qkv and
-gate+up projections, see :func:`linear_mode`); ``DFLASH_LINEAR=torch`` keeps cuBLAS. Whole steps of a random demo-shaped pair (``scripts/bench_big.py --shape smollm2``, H200,
-three runs side by side): block 1 0.987 ms against 1.007 / 1.010 ms, block 16 1.271 ms against
-1.298 / 1.294 ms.
+of at most :data:`MAX_ROWS` rows (the ``linear`` setting ``auto``, which also takes the fused
+qkv and gate+up projections, see :func:`linear_mode`); ``torch`` keeps cuBLAS. Whole steps of a
+random demo-shaped pair (``scripts/bench_big.py --shape smollm2``, H200, three runs side by
+side): block 1 0.987 ms against 1.007 / 1.010 ms, block 16 1.271 ms against 1.298 / 1.294 ms.
 :func:`small_linear_reference` is the same maths in torch (CPU, tests); ``TRITON_INTERPRET=1``
-runs the kernel on CPU.
-
-The host-side settings (``DFLASH_LINEAR``, ``DFLASH_GLU``, ``DFLASH_FUSE_NORM``,
-``DFLASH_PDL_PREFETCH``, :func:`kernel_config`) live in :mod:`dflash.kernels.linear_settings`
-and the PDL switch with its process state in :mod:`dflash.kernels.pdl`; their public names
-are re-exported here.
+runs the kernel on CPU. The tiles are :func:`kernel_config`'s.
 """
 
 from __future__ import annotations
@@ -55,56 +45,12 @@ import os
 import torch
 import torch.nn.functional as F
 
-from dflash.kernels.linear_settings import (  # noqa: F401 - re-exported
-    CONFIG_ENV,
-    FUSE_NORM_AUTO_MAX_K,
-    FUSE_NORM_ENV,
-    GLU_ENV,
-    LINEAR_ENV,
-    PRELOAD_ENV,
-    SMEM_BUDGET,
-    TUNED,
-    fuse_norm_auto,
-    fuse_norm_setting,
-    glu_setting,
-    kernel_config,
-    linear_mode,
-    preload_bytes,
-    preload_columns,
-)
-from dflash.kernels.pdl import (  # noqa: F401 - re-exported
-    PDL_ENV,
-    PDL_VALUES,
-    disable_pdl,
-    pdl_enabled,
-    pdl_part,
-    pdl_setting,
-)
+from dflash.kernels.pdl import default_launch
+from dflash.kernels.settings import Launch, config_override
 
 MAX_ROWS = 32  # rows (M) the kernel takes; longer forwards (prefill) use torch
-ONE_TILE_ENV = "DFLASH_LINEAR_ONE_TILE"
-ONE_TILE_MAX_K = 1024  # K up to this in one tile (the x and weight tiles stay in registers)
-
-
-def one_tile_setting() -> bool:
-    """``DFLASH_LINEAR_ONE_TILE`` (an experiment, off by default): plain projections (no norm
-    inside, no SiLU epilogue) with K <= :data:`ONE_TILE_MAX_K` take all of K in one tile: a
-    program's whole weight slice loads before the PDL wait, x and the residual in one round trip
-    after it, where the K loop waits on three (the first x tile, the rest of K, the residual).
-    ``1`` on, unset or ``0`` off. H200, demo shapes at prompt 300 (twenty-sixth session,
-    ``benchmarks/results/h200-v26/5-one-tile``): verify-1 graph 0.537 against 0.562 ms, block-1
-    loop step 0.556 against 0.580, block-16 step 0.735 against 0.757; off by default until the
-    real pair's bf16 parity is checked.
-
-    Raises:
-        InputError: another value.
-    """
-    raw = os.environ.get(ONE_TILE_ENV, "").strip()
-    if raw not in ("", "0", "1"):
-        from dflash.errors import InputError
-
-        raise InputError(f"{ONE_TILE_ENV} must be 1 or 0, got {raw!r}.", hint="unset it for the default (0)")
-    return raw == "1"
+SMEM_BUDGET = 200 * 1024  # bytes of shared memory the pipelined tiles may take
+FUSE_NORM_AUTO_MAX_K = 1024  # fuse_norm unset: on for hidden sizes up to this (bf16/fp16)
 
 try:
     import triton
@@ -113,18 +59,82 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
 
-if triton is not None:
+def linear_mode(mode: str, device: torch.device) -> str:
+    """Which projections of forwards of <= MAX_ROWS rows run this kernel, from the ``linear``
+    setting ``mode``:
 
-    @triton.jit
-    def _prefetch_rows(W, rn, n_ok, k_from, k_to, s_wn, LINE: tl.constexpr, LINES: tl.constexpr):
-        """PTX ``prefetch.global.L2`` of weight rows ``rn``, columns k_from..k_to, one per
-        128-byte line (``LINE`` elements), ``LINES`` lines of every row per pass."""
-        rows = tl.where(n_ok, rn, 0)  # rows past N prefetch row 0 again (harmless)
-        for k0 in range(k_from, k_to, LINE * LINES):
-            col = tl.minimum(k0 + tl.arange(0, LINES) * LINE, k_to - 1)
-            ptr = W + rows[:, None] * s_wn + col[None, :]
-            tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptr],
-                                      dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip
+    - ``auto`` (default) or ``all``: every one, o_proj and down_proj (with their residual adds)
+      and the fused qkv and gate+up projections, at every width up to :data:`MAX_ROWS` rows;
+    - ``triton``: o_proj and down_proj only;
+    - ``torch``: cuBLAS for all.
+
+    Without CUDA or Triton it is always ``torch``. H200, real demo pair (qkv 1.1 MB, gate+up
+    3.5 MB), gsm8k 64, one machine: ``all`` 4,615.0 / 1,426.4 tok/s (DFlash / block-1
+    baseline) against 4,366.2 / 1,316.6 with ``triton``. Qwen3-8B's shape
+    (``scripts/bench_big.py``): a 16-row step 5.370 / 5.382 ms against 5.539 ms when
+    in-projections over 8 MiB ran this kernel in 1-row steps only.
+    """
+    return mode if device.type == "cuda" and triton is not None else "torch"
+
+
+def fuse_norm_auto(hidden: int, dtype: torch.dtype) -> bool:
+    """The ``fuse_norm`` setting's default (None) for a model of this hidden size (the
+    projections' K) and dtype: on up to :data:`FUSE_NORM_AUTO_MAX_K` in bf16/fp16, off in
+    float32 (the reference dtype keeps the modules' roundings). The static backend also asks
+    that the in-projections run this kernel at every width (``linear`` ``auto`` or ``all``).
+
+    H200 (``benchmarks/results/h200-v18``): the demo's verify-1 graph 0.646 -> 0.592 ms,
+    block-16 loop step 0.831 -> 0.795 ms, draft graph 0.147 -> 0.144 ms; real demo pair (gsm8k
+    64, one machine) DFlash 4,948.8 -> 5,164.8 tok/s, greedy parity 53 + 11 near-ties -> 64/64
+    identical (the same per-row maths at every width, so block-1 decoding and verify agree bit
+    for bit in bf16). Qwen3-8B's block-1 step 4.230 -> 4.709 ms: the x x^T products cost more
+    than the saved kernels over a K of 4,096 (sizes in between unmeasured)."""
+    return hidden <= FUSE_NORM_AUTO_MAX_K and dtype in (torch.bfloat16, torch.float16)
+
+
+# (weight rows, K) -> (BN, BK, warps, stages) up to 16 rows: Qwen3-8B's projections, from a sweep
+# with the weights cycled past the L2 cache as a decode step reads them
+# (``scripts/small_linear_sweep.py --cold``, H200, ``benchmarks/results/h200-v24``). One call,
+# cold, 1 row, us (rule -> this): o_proj 11.26 -> 10.62, down 25.90 -> 25.86, qkv 15.13 -> 14.42,
+# gate+up 48.11 -> 47.83. One config for 1 and 16 rows, so that block-1 decoding and a verify
+# sum in one order.
+TUNED = {
+    (4096, 4096): (32, 256, 4, 6),  # o_proj
+    (4096, 12288): (32, 256, 4, 6),  # down_proj
+    (6144, 4096): (32, 256, 2, 4),  # fused qkv (32 + 2 x 8 heads of 128)
+    (24576, 4096): (64, 128, 2, 4),  # fused gate+up (its SwiGLU epilogue)
+}
+
+
+def kernel_config(m: int, n: int, k: int, elem: int = 2, override: str = "") -> tuple[int, int, int, int, int]:
+    """(BM, BN, BK, num_warps, num_stages) for an [m, k] x [n, k]^T product (n output columns)
+    of ``elem``-byte elements.
+
+    From sweeps on the H200 (``scripts/small_linear_sweep.py``): 16 columns per program up to
+    1,024 columns, 32 up to 8,192, 64 beyond; K tiles of 128 up to K = 1,024, 512 beyond 4,096,
+    and in between as many as keep a tile at 8,192 weights (one row: Qwen3-8B's o_proj 7.49
+    against 7.83 us with 512, its fused qkv 12.92 against 17.73 us and gate+up 46.97 against
+    56.80 us, cuBLAS 14.57 and 47.45 us). Shapes in :data:`TUNED` (Qwen3-8B's, timed with cold
+    weights) take their own up to 16 rows in 2-byte dtypes (their deeper pipelines would not
+    fit shared memory in float32). ``override``: the ``linear_config`` setting
+    (:func:`~dflash.kernels.settings.config_override`), all but BM for the shapes it names.
+    """
+    bm = 16 if m <= 16 else 32
+    picked = config_override(override, m, n, k)
+    if picked is not None:
+        return (bm, *picked)
+    tuned = TUNED.get((n, k))
+    if tuned is not None and m <= 16 and elem == 2:
+        return (bm, *tuned)
+    bn = 16 if n <= 1024 else (32 if n <= 8192 else 64)  # best in the H200 sweeps
+    bk = 128 if k <= 1024 else (512 if k > 4096 else max(128, min(512, 8192 // bn)))
+    # pipelined stages of the x and weight tiles must fit shared memory (~227 KiB on Hopper):
+    # 32 rows x 512 of K would take 256 KiB at 4 stages
+    stages = max(2, min(4, SMEM_BUDGET // ((bm + bn) * bk * 2)))
+    return bm, bn, bk, 4, stages
+
+
+if triton is not None:
 
     @triton.jit
     def _add_squares(sq, x, IEEE: tl.constexpr, RN: tl.constexpr):
@@ -138,42 +148,23 @@ if triton is not None:
         return sq
 
     @triton.jit
-    def _partial_sums(SQ, NP, S_SQ, rm, m_ok, PP: tl.constexpr):
-        """Each row's sum of the ``NP`` partial sums of squares SQ[p, row] (p < NP <= PP) that
-        the previous kernel wrote (:func:`small_linear_sq`), in one fixed order."""
-        p = tl.arange(0, PP)
-        parts = tl.load(SQ + p[:, None] * S_SQ + rm[None, :], mask=(p < NP)[:, None] & m_ok[None, :], other=0.0)
-        return tl.sum(parts, 0)
-
-    @triton.jit
     def _rows_times_weight(X, W, rm, rn, m_ok, n_ok, K, s_xm, s_wn, IEEE: tl.constexpr, BM: tl.constexpr,
-                           BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr, PRE_K=0,
-                           LINE: tl.constexpr = 64, RN: tl.constexpr = False, EPS=0.0, SQ=0, NP=0, S_SQ=0,
-                           RNP: tl.constexpr = False, PP: tl.constexpr = 1):  # fmt: skip
+                           BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr, RN: tl.constexpr = False,
+                           EPS=0.0):  # fmt: skip
         """x[rm, :] @ W[rn, :]^T in float32 ([BM, BN]), streaming the weight rows along K; with
-        PDL the first weight tile is loaded before waiting for the previous kernel, and (``PRE_K``
-        > 0, ``DFLASH_PDL_PREFETCH``) columns BK..PRE_K of the rows are sent to L2 meanwhile
-        (shared by this module's kernel and :mod:`dflash.kernels.head_argmax`). ``RN``: the
-        product scaled by each x row's RMS factor rsqrt(mean(x^2) + ``EPS``), the sums of
-        squares taken from the tiles as they pass (the diagonal of x x^T on the tensor cores);
-        ``RNP``: the same factor from the previous kernel's partial sums (:func:`_partial_sums`)."""
+        PDL the first weight tile is loaded before waiting for the previous kernel (shared by this
+        module's kernel and :mod:`dflash.kernels.qkv_rope`). ``RN``: the product scaled by each x
+        row's RMS factor rsqrt(mean(x^2) + ``EPS``), the sums of squares taken from the tiles as
+        they pass (the diagonal of x x^T on the tensor cores)."""
         acc = tl.zeros([BM, BN], tl.float32)
         sq = tl.zeros([BM, BM], tl.float32)  # RN: x x^T, its diagonal the rows' sums of squares
-        ss = tl.zeros([BM], tl.float32)  # RNP: the rows' sums of squares
         k_first = 0
-        if RNP:
-            if not PDL:
-                ss = _partial_sums(SQ, NP, S_SQ, rm, m_ok, PP)
         if PDL:  # the first weight tile does not depend on the previous kernel: load it first
             rk0 = tl.arange(0, BK)  # own names: the loop's values are not carried from here
             k_ok0 = rk0 < K
             w0 = tl.load(W + rn[:, None] * s_wn + rk0[None, :], mask=n_ok[:, None] & k_ok0[None, :], other=0.0)
-            if PRE_K > BK:
-                _prefetch_rows(W, rn, n_ok, BK, PRE_K, s_wn, LINE, 16)  # 16 lines a pass
             tl.extra.cuda.gdc_wait()  # the previous kernel is done: x (and a residual) are ready
             tl.extra.cuda.gdc_launch_dependents()
-            if RNP:
-                ss = _partial_sums(SQ, NP, S_SQ, rm, m_ok, PP)
             x0 = tl.load(X + rm[:, None] * s_xm + rk0[None, :], mask=m_ok[:, None] & k_ok0[None, :], other=0.0)
             if IEEE:
                 acc += tl.dot(x0, tl.trans(w0), input_precision="ieee")
@@ -195,17 +186,13 @@ if triton is not None:
             eye = tl.arange(0, BM)[:, None] == tl.arange(0, BM)[None, :]
             ssq = tl.sum(tl.where(eye, sq, 0.0), 1)
             acc = acc * tl.rsqrt(ssq / K + EPS)[:, None]
-        if RNP:
-            acc = acc * tl.rsqrt(ss / K + EPS)[:, None]
         return acc
 
     @triton.jit
-    def _small_linear_kernel(X, W, B, RES, Y, M, N, K, s_xm, s_wn, s_rm, s_ym, PRE_K, HAS_BIAS: tl.constexpr,
+    def _small_linear_kernel(X, W, B, RES, Y, M, N, K, s_xm, s_wn, s_rm, s_ym, HAS_BIAS: tl.constexpr,
                              HAS_RES: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr,
                              BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr,
-                             LINE: tl.constexpr, GLU: tl.constexpr, RN: tl.constexpr, EPS,
-                             SQO, SQ, NP, S_SQ, HAS_SQO: tl.constexpr, RNP: tl.constexpr, PP: tl.constexpr,
-                             KT: tl.constexpr = 0):  # fmt: skip
+                             GLU: tl.constexpr, RN: tl.constexpr, EPS):  # fmt: skip
         rm = tl.arange(0, BM)
         m_ok = rm < M
         if GLU:  # W holds [gate; up] (2N rows): this program's N columns of each, side by side
@@ -214,7 +201,7 @@ if triton is not None:
             n_ok2 = rn < N
             wrow = tl.where(r < BN, rn, rn + N)
             acc2 = _rows_times_weight(X, W, rm, wrow, m_ok, n_ok2, K, s_xm, s_wn, IEEE, BM, 2 * BN, BK, PDL,
-                                      PRE_K, LINE, RN, EPS, SQ, NP, S_SQ, RNP, PP)  # [BM, 2 BN]: gate, then up  # fmt: skip
+                                      RN, EPS)  # [BM, 2 BN]: gate, then up  # fmt: skip
             if HAS_BIAS:
                 acc2 += tl.load(B + wrow, mask=n_ok2, other=0.0).to(tl.float32)[None, :]
             # the projection's outputs rounded as F.linear's, then SiLU(gate) * up in float32
@@ -227,47 +214,22 @@ if triton is not None:
         else:
             rn = tl.program_id(0) * BN + tl.arange(0, BN)  # output columns of this program
             n_ok = rn < N
-            if KT > 0:  # DFLASH_LINEAR_ONE_TILE: all of K in one tile, the weights before the wait,
-                # x and the residual in one round trip after it (no RN/RNP/GLU/PRE_K: see _launch)
-                rk = tl.arange(0, KT)
-                k_ok = rk < K
-                w = tl.load(W + rn[:, None] * s_wn + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-                if PDL:
-                    tl.extra.cuda.gdc_wait()
-                    tl.extra.cuda.gdc_launch_dependents()
-                x = tl.load(X + rm[:, None] * s_xm + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-                if HAS_RES:
-                    r_early = tl.load(RES + rm[:, None] * s_rm + rn[None, :], mask=m_ok[:, None] & n_ok[None, :],
-                                      other=0.0)  # fmt: skip
-                if IEEE:
-                    acc = tl.dot(x, tl.trans(w), input_precision="ieee")
-                else:
-                    acc = tl.dot(x, tl.trans(w))
-            else:
-                acc = _rows_times_weight(X, W, rm, rn, m_ok, n_ok, K, s_xm, s_wn, IEEE, BM, BN, BK, PDL, PRE_K,
-                                         LINE, RN, EPS, SQ, NP, S_SQ, RNP, PP)  # fmt: skip
+            acc = _rows_times_weight(X, W, rm, rn, m_ok, n_ok, K, s_xm, s_wn, IEEE, BM, BN, BK, PDL, RN, EPS)
             if HAS_BIAS:
                 acc += tl.load(B + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         y = acc.to(Y.dtype.element_ty)
         ym = m_ok[:, None] & n_ok[None, :]
         if HAS_RES:  # torch: residual + linear(...) adds two rounded tensors
-            if KT > 0 and not GLU:
-                r = r_early
-            else:
-                r = tl.load(RES + rm[:, None] * s_rm + rn[None, :], mask=ym, other=0.0)
+            r = tl.load(RES + rm[:, None] * s_rm + rn[None, :], mask=ym, other=0.0)
             y = (r.to(tl.float32) + y.to(tl.float32)).to(Y.dtype.element_ty)
         tl.store(Y + rm[:, None] * s_ym + rn[None, :], y, mask=ym)
-        if HAS_SQO:  # this program's share of each row's sum of squares, for the next kernel's norm
-            yf = y.to(tl.float32)
-            tl.store(SQO + tl.program_id(0) * M + rm, tl.sum(tl.where(ym, yf * yf, 0.0), 1), mask=m_ok)
 
 
-def _launch(x, weight, bias, residual, glu: bool = False, rn_eps: float | None = None,
-            sq: torch.Tensor | None = None, sq_out: bool = False):  # fmt: skip
+def _launch(x, weight, bias, residual, glu: bool = False, rn_eps: float | None = None, pdl: bool = False,
+            config: str = ""):  # fmt: skip
     """One kernel launch: y [M, N]; ``rn_eps``: the product scaled by x's rows' RMS factors
-    rsqrt(mean(x^2) + rn_eps) (see :func:`small_linear_rn`), the sums of squares from ``sq``
-    ([P, M] partial sums, :mod:`dflash.kernels.norm_partials`) when given; ``sq_out``: (y,
-    [P, M] float32 partial sums of y's squares, P = the programs)."""
+    rsqrt(mean(x^2) + rn_eps) (see :func:`small_linear_rn`); ``pdl``: with programmatic
+    dependent launch; ``config``: the ``linear_config`` setting (:func:`kernel_config`)."""
     m = x.shape[0]
     rows, k = weight.shape
     if m > MAX_ROWS:  # one tile of rows per program
@@ -277,58 +239,49 @@ def _launch(x, weight, bias, residual, glu: bool = False, rn_eps: float | None =
                          f"weight {tuple(weight.shape)}{' (gate and up halves)' if glu else ''}")  # fmt: skip
     n = rows // 2 if glu else rows  # output columns
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    bm, bn, bk, warps, stages = kernel_config(m, rows, k, weight.element_size())  # tiles by the weight read
+    bm, bn, bk, warps, stages = kernel_config(m, rows, k, weight.element_size(), config)  # tiles by the weight read
     if glu:  # each program takes bn weight rows: bn // 2 columns of gate and of up
         bn //= 2
-    pdl = pdl_enabled(x.device)
-    elem = weight.element_size()
-    pre_k = preload_columns(rows, k, bk, elem, preload_bytes()) if pdl else 0
-    programs = triton.cdiv(n, bn)
-    kt = (triton.next_power_of_2(k) if one_tile_setting() and not glu and rn_eps is None and sq is None
-          and not pre_k and k <= ONE_TILE_MAX_K else 0)  # fmt: skip
-    sqo = torch.empty(programs, m, dtype=torch.float32, device=x.device) if sq_out else y
-    _small_linear_kernel[(programs,)](
+    _small_linear_kernel[(triton.cdiv(n, bn),)](
         x, weight, bias if bias is not None else y, residual if residual is not None else y, y, m, n, k,
-        x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0), pre_k,
+        x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0),
         HAS_BIAS=bias is not None, HAS_RES=residual is not None, IEEE=x.dtype == torch.float32,
-        BM=bm, BN=bn, BK=bk, PDL=pdl, LINE=128 // elem, GLU=glu, RN=rn_eps is not None and sq is None,
-        EPS=float(rn_eps or 0.0), SQO=sqo, SQ=sq if sq is not None else y, NP=sq.shape[0] if sq is not None else 0,
-        S_SQ=sq.stride(0) if sq is not None else 0, HAS_SQO=sq_out, RNP=sq is not None,
-        PP=triton.next_power_of_2(sq.shape[0]) if sq is not None else 1, KT=kt,
+        BM=bm, BN=bn, BK=bk, PDL=pdl, GLU=glu, RN=rn_eps is not None, EPS=float(rn_eps or 0.0),
         num_warps=warps, num_stages=stages, **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
-    return (y, sqo) if sq_out else y
+    return y
 
 
 @torch.library.custom_op("dflash::small_linear", mutates_args=())
 def _small_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                     residual: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
-    return _launch(x, weight, bias, residual)
+                     residual: torch.Tensor | None, pdl: bool, config: str) -> torch.Tensor:  # fmt: skip
+    return _launch(x, weight, bias, residual, pdl=pdl, config=config)
 
 
 @_small_linear_op.register_fake
-def _(x, weight, bias, residual):
+def _(x, weight, bias, residual, pdl, config):
     return x.new_empty(x.shape[0], weight.shape[0])
 
 
 @torch.library.custom_op("dflash::small_linear_glu", mutates_args=())
-def _small_linear_glu_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return _launch(x, weight, bias, None, glu=True)
+def _small_linear_glu_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pdl: bool,
+                         config: str) -> torch.Tensor:  # fmt: skip
+    return _launch(x, weight, bias, None, glu=True, pdl=pdl, config=config)
 
 
 @_small_linear_glu_op.register_fake
-def _(x, weight, bias):
+def _(x, weight, bias, pdl, config):
     return x.new_empty(x.shape[0], weight.shape[0] // 2)
 
 
 @torch.library.custom_op("dflash::small_linear_rn", mutates_args=())
 def _small_linear_rn_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,
-                        glu: bool) -> torch.Tensor:  # fmt: skip
-    return _launch(x, weight, bias, None, glu=glu, rn_eps=eps)
+                        glu: bool, pdl: bool, config: str) -> torch.Tensor:  # fmt: skip
+    return _launch(x, weight, bias, None, glu=glu, rn_eps=eps, pdl=pdl, config=config)
 
 
 @_small_linear_rn_op.register_fake
-def _(x, weight, bias, eps, glu):
+def _(x, weight, bias, eps, glu, pdl, config):
     return x.new_empty(x.shape[0], weight.shape[0] // 2 if glu else weight.shape[0])
 
 
@@ -336,6 +289,13 @@ def _on_cpu(x: torch.Tensor) -> bool:
     """Whether the torch references run instead of the kernel: no Triton, or off CUDA unless
     ``TRITON_INTERPRET=1``."""
     return triton is None or (x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1")
+
+
+def _launch_args(x: torch.Tensor, launch: Launch | None) -> tuple[bool, str]:
+    """(PDL, the ``linear_config`` setting) of a call: ``launch``'s, or
+    :func:`~dflash.kernels.pdl.default_launch`'s."""
+    launch = default_launch(x.device) if launch is None else launch
+    return launch.pdl, launch.settings.linear_config
 
 
 def small_linear_rn_reference(x, weight, bias=None, eps: float = 1e-6, glu: bool = False) -> torch.Tensor:
@@ -349,7 +309,7 @@ def small_linear_rn_reference(x, weight, bias=None, eps: float = 1e-6, glu: bool
 
 
 def small_linear_rn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                    eps: float = 1e-6, glu: bool = False) -> torch.Tensor:
+                    eps: float = 1e-6, glu: bool = False, launch: Launch | None = None) -> torch.Tensor:
     """``linear(RMSNorm(x), W, bias)`` in one kernel, the norm's weight g folded into the
     projection beforehand (``weight`` = W * g per input column, :func:`fold_norm_weight`): the
     norm's row factor r = rsqrt(mean(x^2) + eps) commutes with the product, so the kernel streams
@@ -364,6 +324,7 @@ def small_linear_rn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         weight: [N, K] (``glu``: [2N, K], gate rows then up rows), the norm's weight folded in;
             bias: [N] (or [2N]) or None.
         eps: the norm's epsilon.
+        launch: the settings and PDL (None: :func:`~dflash.kernels.pdl.default_launch`).
     Returns:
         [M, N] in x's dtype. Off CUDA (or Triton absent and not interpreting)
         :func:`small_linear_rn_reference` runs instead.
@@ -375,7 +336,7 @@ def small_linear_rn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         raise ValueError(f"small_linear: weight {tuple(weight.shape)} does not split into gate and up halves")
     if _on_cpu(x):
         return small_linear_rn_reference(x, weight, bias, eps, glu)
-    return _small_linear_rn_op(x, weight, bias, float(eps), glu)
+    return _small_linear_rn_op(x, weight, bias, float(eps), glu, *_launch_args(x, launch))
 
 
 def fold_norm_weight(weight: torch.Tensor, norm_weight: torch.Tensor) -> torch.Tensor:
@@ -397,7 +358,8 @@ def _silu_times_up(y: torch.Tensor) -> torch.Tensor:
     return (F.silu(g.float()) * u.float()).to(y.dtype)
 
 
-def small_linear_glu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def small_linear_glu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                     launch: Launch | None = None) -> torch.Tensor:  # fmt: skip
     """A SwiGLU MLP's first half, ``SiLU(x @ gate^T) * (x @ up^T)``, in one kernel: each
     program takes the same output columns of the gate and the up rows, so the activation is an
     epilogue and its kernel (and the [M, 2N] intermediate) is gone.
@@ -406,6 +368,7 @@ def small_linear_glu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         x: [M, K], unit last stride; M <= :data:`MAX_ROWS`.
         weight: [2N, K], the gate rows then the up rows (a fused gate+up projection); bias: [2N]
             or None.
+        launch: the settings and PDL (None: :func:`~dflash.kernels.pdl.default_launch`).
     Returns:
         [M, N] in x's dtype. Off CUDA (or Triton absent and not interpreting)
         :func:`small_linear_glu_reference` runs instead.
@@ -417,7 +380,7 @@ def small_linear_glu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         raise ValueError(f"small_linear: weight {tuple(weight.shape)} does not split into gate and up halves")
     if _on_cpu(x):
         return small_linear_glu_reference(x, weight, bias)
-    return _small_linear_glu_op(x, weight, bias)
+    return _small_linear_glu_op(x, weight, bias, *_launch_args(x, launch))
 
 
 def small_linear_reference(x, weight, bias=None, residual=None) -> torch.Tensor:
@@ -427,17 +390,18 @@ def small_linear_reference(x, weight, bias=None, residual=None) -> torch.Tensor:
 
 
 def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 residual: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+                 residual: torch.Tensor | None = None, launch: Launch | None = None) -> torch.Tensor:  # fmt: skip
     """``residual + linear(x, weight, bias)`` in one kernel.
 
     Args:
         x: [M, K], unit last stride; M <= :data:`MAX_ROWS`.
         weight: [N, K] row-major (an ``nn.Linear`` weight); bias: [N] or None.
         residual: [M, N] added to the result, or None.
+        launch: the settings and PDL (None: :func:`~dflash.kernels.pdl.default_launch`).
     Returns:
         [M, N] in x's dtype. Off CUDA (or Triton absent and not interpreting)
         :func:`small_linear_reference` runs instead.
     """
     if _on_cpu(x):
         return small_linear_reference(x, weight, bias, residual)
-    return _small_linear_op(x, weight, bias, residual)
+    return _small_linear_op(x, weight, bias, residual, *_launch_args(x, launch))

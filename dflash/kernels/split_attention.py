@@ -9,8 +9,8 @@ building the [T, S] mask bias. This module is a split-KV ("flash-decoding") kern
 - grid (KV heads x G / GP, S / ``split``): each program takes the GP*T query rows of GP of the
   G query heads that share one KV head (GQA; T query positions; :func:`heads_per_program`: one
   head for a 16-row block, the whole group for a 1-row step) and one slice of ``split`` keys
-  (:data:`SPLIT`: 256), walked 128 keys at a time; while the filled length is short
-  (:func:`default_one_slice`: up to 640 keys for head dims <= 64, 448 above) the first program
+  (the ``attn_split`` setting: 256), walked 128 keys at a time; while the filled length is short
+  (:func:`~dflash.kernels.settings.one_slice`: up to 640 keys for head dims <= 64, 448 above) the first program
   takes all of it alone and the others return, since merging slices costs more than it saves;
 - the filled length is read on the device (the last query position + 1), so programs whose
   slice starts past it return at once and the others stop at it: cost follows the filled
@@ -23,8 +23,9 @@ building the [T, S] mask bias. This module is a split-KV ("flash-decoding") kern
 
 Same maths as SDPA with the mask (softmax(q k^T * scale) v over keys at positions <= pos[t]),
 summed in another order: results agree to float rounding (float32 runs use exact fp32 dots).
-``DFLASH_ATTN=sdpa`` goes back to SDPA. Needs CUDA and Triton; :func:`split_attention_reference`
-is the same algorithm in torch (CPU tests), and ``TRITON_INTERPRET=1`` runs the kernel on CPU.
+The ``attention`` setting ``sdpa`` goes back to SDPA. Needs CUDA and Triton;
+:func:`split_attention_reference` is the same algorithm in torch (CPU tests), and
+``TRITON_INTERPRET=1`` runs the kernel on CPU.
 """
 
 from __future__ import annotations
@@ -34,30 +35,12 @@ import os
 
 import torch
 
-from dflash.kernels.attn_settings import (  # noqa: F401 - re-exported
-    BLOCK_ENV,
-    BLOCK_N,
-    DRAFT_SPLIT_ENV,
-    EARLY_ENV,
-    ITER_KEYS,
-    ONE_SLICE,
-    ONE_SLICE_ENV,
-    ONE_SLICE_SMALL_HEADS,
-    SPLIT,
-    SPLIT_ENV,
-    SPLIT_MAX_ROWS,
-    default_one_slice,
-    default_split,
-    early_setting,
-    heads_per_program,
-    iter_keys,
-    one_slice_setting,
-    split_setting,
-    split_size,
-)
-from dflash.kernels.pdl import pdl_enabled
+from dflash.kernels.pdl import default_launch, pdl_supported
+from dflash.kernels.settings import Launch, one_slice
 
-ATTN_ENV = "DFLASH_ATTN"
+SPLIT_MAX_ROWS = 32  # query rows (T) the kernel takes; prefill and longer forwards use SDPA
+BLOCK_N = 64  # granularity of the split sizes (keys)
+ITER_KEYS = 128  # keys per inner iteration (default)
 
 try:  # Triton ships with CUDA builds of torch; CPU installs usually lack it
     import triton
@@ -71,30 +54,47 @@ def available() -> bool:
     return triton is not None
 
 
-def attention_mode(device: torch.device, dtype: torch.dtype | None = None) -> str:
-    """Which attention the static forwards use (``DFLASH_ATTN``).
+def attention_mode(mode: str, device: torch.device, dtype: torch.dtype | None = None) -> str:
+    """Which attention the static forwards use, from the ``attention`` setting ``mode``.
 
     - ``auto`` (default): the split kernel for every forward of up to ``SPLIT_MAX_ROWS`` query
       rows, block 1 included (longer prefills use SDPA), with bf16/fp16 weights; exact SDPA with
       float32 weights. The kernel's exact fp32 dots (no tensor cores) took 600-740 us per 16-row
-      call on the H200, against about 91 us before its slices were merged inside it (cause not
-      found), so float32 runs, the parity reference, use SDPA.
+      call on the H200, so float32 runs, the parity reference, use SDPA.
     - ``split``: the kernel at those widths whatever the dtype (float32 checks of the kernel).
     - ``sdpa``: never the kernel.
 
     Without CUDA or Triton it is always ``sdpa``. On the H200 (random demo-shaped pair, one run
     side by side) the kernel at width 1 took 0.921 ms per block-1 step against 0.993 ms with
     cuDNN's SDPA, which needs a mask and a reduction kernel per layer.
-
-    Raises:
-        InputError: another value.
     """
-    from dflash.errors import env_choice
-
-    raw = env_choice(ATTN_ENV, ("auto", "split", "sdpa"))
-    if device.type != "cuda" or not available() or (raw == "auto" and dtype == torch.float32):
+    if device.type != "cuda" or not available() or (mode == "auto" and dtype == torch.float32):
         return "sdpa"
-    return raw
+    return mode
+
+
+def split_size(capacity: int, split: int) -> int:
+    """Keys per program for a cache of ``capacity`` rows (a multiple of 64) when ``split`` (the
+    ``attn_split`` setting, 256 by default) is asked for: one slice when ``split`` >= capacity
+    (then no merge is needed), else the greatest common divisor of the two, so the slices tile
+    the cache. 256 was the fastest split at 512, 1,500 and 3,500 keys for the demo's and
+    Qwen3-8B's layouts on the H200 (``scripts/attn_sweep.py``)."""
+    return capacity if split >= capacity else math.gcd(split, capacity)
+
+
+def heads_per_program(groups: int, rows: int) -> int:
+    """Query heads of one KV head that each program takes: the largest divisor of the group
+    size ``groups`` whose ``rows`` query rows fit one 16-row tensor-core tile, at least one.
+    So a 16-row verify or draft block runs one program per query head (16 rows each, instead
+    of the G*16 rows of a whole group padded to a power of two) and a 1-row decode step one
+    per KV head. H200, the demo's layout at 300 keys in one slice, 128 keys per iteration:
+    4.49 against 5.41 us for the draft's block.
+    """
+    best = 1
+    for gp in range(1, groups + 1):
+        if groups % gp == 0 and gp * rows <= max(16, rows):
+            best = gp
+    return best
 
 
 def uses_kernel(mode: str, rows: int) -> bool:
@@ -240,7 +240,8 @@ def _out_like(q: torch.Tensor) -> torch.Tensor:
 
 def split_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
                            scale: float, split: int, heads_per_program: int = 0, block: int = 0,
-                           warps: int = 0, stages: int = 0, one_slice: int = 0, early: bool = False) -> torch.Tensor:  # fmt: skip
+                           warps: int = 0, stages: int = 0, one_slice: int = 0, early: bool = False,
+                           pdl: bool | None = None) -> torch.Tensor:  # fmt: skip
     """Run the kernel: one launch, slices merged inside it (the last slice of each unit, a KV
     head's ``heads_per_program`` query heads, to
     finish merges, counted by an atomic counter that it resets).
@@ -264,8 +265,9 @@ def split_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
             (and this is more than ``split``), the first program of each unit takes every key
             and no merge runs; past it, slices of ``split`` keys. 0: always slices.
         early: under PDL, the positions (and so the filled length) load before waiting for
-            the kernel just before (:func:`~dflash.kernels.attn_settings.early_setting`): only
-            where they were written before that kernel.
+            the kernel just before (the ``attn_early`` setting): only where they were written
+            before that kernel.
+        pdl: launch with programmatic dependent launch; None = where the device supports it.
     Returns:
         [1, H, T, D] in q's dtype (memory laid out as [1, T, H, D]).
 
@@ -273,7 +275,7 @@ def split_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
         ValueError: ``pos`` is neither [T] nor [1]; ``split`` does not divide S.
 
     Launches on one device must not touch the counters at the same time: true of one stream and
-    of graphs replayed on one stream. With PDL (``DFLASH_PDL``) a launch may start while the
+    of graphs replayed on one stream. With PDL a launch may start while the
     kernel before it finishes, but it waits for that kernel before any memory access.
     """
     _, h, t, dim = q.shape
@@ -289,7 +291,7 @@ def split_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
     k, v = k.contiguous(), v.contiguous()  # no-ops for the caches
     s_pos = 0 if pos.shape[0] == 1 else pos.stride(0)  # [1]: every row reads the one position
     out = _out_like(q)
-    pdl = pdl_enabled(q.device)
+    pdl = pdl_supported(q.device) if pdl is None else pdl
     po = torch.empty(units, nsplit, rows, dim, dtype=torch.float32, device=q.device)
     pl = torch.empty(units, nsplit, rows, dtype=torch.float32, device=q.device)
     tune = {k: v for k, v in (("num_warps", warps), ("num_stages", stages)) if v}
@@ -323,18 +325,18 @@ def merge_partials(o: torch.Tensor, lse: torch.Tensor, heads: int, t: int, dtype
 
 
 @torch.library.custom_op("dflash::split_attention", mutates_args=())
-def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
-                  scale: float, split: int, heads: int, block: int, one: int, early: bool) -> torch.Tensor:  # fmt: skip
-    return split_attention_kernel(q, k, v, pos, scale, split, heads, block, one_slice=one, early=early)
+def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, scale: float,
+                  split: int, heads: int, block: int, one: int, early: bool, pdl: bool) -> torch.Tensor:  # fmt: skip
+    return split_attention_kernel(q, k, v, pos, scale, split, heads, block, one_slice=one, early=early, pdl=pdl)
 
 
 @_attention_op.register_fake
-def _(q, k, v, pos, scale, split, heads, block, one, early):
+def _(q, k, v, pos, scale, split, heads, block, one, early, pdl):
     return _out_like(q)
 
 
 def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
-                    scale: float | None, draft: bool = False, early: bool = False) -> torch.Tensor:  # fmt: skip
+                    scale: float | None, early: bool = False, launch: Launch | None = None) -> torch.Tensor:  # fmt: skip
     """softmax(q k^T * scale) v over the keys at positions <= pos[t], per query row t.
 
     Args:
@@ -343,35 +345,33 @@ def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torc
         (ascending; the last is the largest: keys at positions > pos[-1] are never read);
         scale: None = 1/sqrt(D). Non-causal rows (a draft block that sees all of itself):
         give every row the block's last position, e.g. as a [1] view (``pos[-1:]``).
-        draft: the draft's attention (its split size: :func:`split_size`).
         early: ``pos`` was written before the kernel that runs just before this one; under PDL
-            it then loads before waiting for that kernel (``DFLASH_ATTN_EARLY``). The static
+            it then loads before waiting for that kernel (when the ``attn_early`` setting says
+            so). The static
             forwards pass it past their first layer (the draft: its first RoPE-kernel layer),
             where every position buffer made in the graph has been read once already, so it
             was written before an earlier layer's kernels (Inductor places a buffer's kernel
             just before its first reader, and makes a per-call copy of an unrealised tensor
-            just before each: the forwards realise theirs, see ``static_fused.realized``).
+            just before each: the forwards realise theirs, see
+            :func:`dflash.backends.static.fused.realized`).
+        launch: the settings (``attn_split``, ``attn_one_slice``, ``attn_block``,
+            ``attn_early``) and PDL; None = :func:`~dflash.kernels.pdl.default_launch`.
     Returns:
         [1, H, T, D] in q's dtype.
-
-    Raises:
-        InputError: a bad ``DFLASH_ATTN_SPLIT`` (or ``DFLASH_DRAFT_ATTN_SPLIT`` for the draft) or
-            ``DFLASH_ATTN_ONE_SLICE``, or on the kernel's path a bad ``DFLASH_ATTN_BLOCK`` or
-            ``DFLASH_ATTN_EARLY``.
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    launch = default_launch(q.device) if launch is None else launch
+    cfg, dim = launch.settings, q.shape[-1]
+    split, one = split_size(k.shape[2], cfg.attn_split), one_slice(cfg, dim)
     if triton is None or (q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1"):
         # no kernel here (CPU, Triton absent or not interpreting): the same algorithm in torch
-        dim = q.shape[-1]
-        return split_attention_reference(q, k, v, pos, scale, split_size(k.shape[2], draft, dim),
-                                         one_slice_setting(draft, dim))  # fmt: skip
-    dim, groups, rows = q.shape[-1], q.shape[1] // k.shape[1], q.shape[2]
-    return _attention_op(q, k, v, pos, float(scale), split_size(k.shape[2], draft, dim),
-                         heads_per_program(groups, rows), iter_keys(), one_slice_setting(draft, dim),
-                         early and early_setting())  # fmt: skip
+        return split_attention_reference(q, k, v, pos, scale, split, one)
+    groups, rows = q.shape[1] // k.shape[1], q.shape[2]
+    return _attention_op(q, k, v, pos, float(scale), split, heads_per_program(groups, rows), cfg.attn_block,
+                         one, early and cfg.attn_early, launch.pdl)  # fmt: skip
 
 
-def split_attention_reference(q, k, v, pos, scale, split: int = SPLIT, one_slice: int = 0) -> torch.Tensor:
+def split_attention_reference(q, k, v, pos, scale, split: int = 256, one_slice: int = 0) -> torch.Tensor:
     """The kernel's algorithm in torch (slices, per-slice softmax, log-sum-exp merge): [1, H, T, D].
 
     For tests on machines without Triton; arguments as :func:`split_attention`, ``split`` and

@@ -29,28 +29,18 @@ except ImportError:  # pragma: no cover
 _FLEX_COMPILED = None
 
 
-def fast_path() -> bool:
-    """False when ``DFLASH_TRAIN_FAST=0``: training then builds FlexAttention masks with
-    ``create_block_mask`` and compiles flex_attention per shape, as before the fast path."""
-    return os.environ.get("DFLASH_TRAIN_FAST", "1") != "0"
-
-
 def flex_attention_fn(device: torch.device):
     """flex_attention, compiled once on CUDA (eager flex is a slow reference), eager on CPU.
 
     The compiled kernel takes every size as a symbol (``dynamic=True``, no duck sizing), so the
     varying training shapes (sequences, width, anchors per batch) reuse one compile instead of
-    recompiling on a new shape; ``DFLASH_TRAIN_FAST=0`` compiles per shape as before. Sizes of 1
-    still specialise: training keeps batch rows and query tiles >= 2 (``Trainer._batch``).
+    recompiling on a new shape. Sizes of 1 still specialise: training keeps batch rows and query tiles >= 2 (``Trainer._batch``).
     """
     global _FLEX_COMPILED
     if device.type != "cuda":
         return flex_attention
     if _FLEX_COMPILED is None:
-        if fast_path():
-            _FLEX_COMPILED = _no_duck_sizing(torch.compile(flex_attention, dynamic=True))
-        else:
-            _FLEX_COMPILED = torch.compile(flex_attention)
+        _FLEX_COMPILED = _no_duck_sizing(torch.compile(flex_attention, dynamic=True))
     return _FLEX_COMPILED
 
 

@@ -16,7 +16,8 @@ distribution (sampling); only τ can drop, by about the share of committed token
 
 Stored as ``draft_vocab.json`` in the draft folder (beside ``acceptance.json``):
 ``{"token_ids": [...sorted target ids...], "source": ..., "coverage": ...}``. Every backend
-uses it when present; ``DFLASH_DRAFT_VOCAB=0`` ignores it (side-by-side measurements).
+uses it when present, unless the ``draft_vocab`` setting (``dflash.kernels.settings``) is off
+(side-by-side measurements).
 ``dflash data vocab`` writes it from regenerated shards.
 """
 
@@ -31,27 +32,11 @@ from pathlib import Path
 from dflash.errors import CheckpointError, InputError
 
 VOCAB_FILE = "draft_vocab.json"
-VOCAB_ENV = "DFLASH_DRAFT_VOCAB"
 DEFAULT_SIZE = 16384  # covers > 99.9 % of the demo target's answer tokens (README, dflash data vocab)
 
 
-def vocab_enabled() -> bool:
-    """Whether backends use a draft folder's draft vocabulary (``DFLASH_DRAFT_VOCAB``, default on).
-
-    Raises:
-        InputError: a value other than 1/0/true/false/on/off/yes/no.
-    """
-    raw = os.environ.get(VOCAB_ENV, "").strip().lower()
-    if raw in ("", "1", "true", "on", "yes"):
-        return True
-    if raw in ("0", "false", "off", "no"):
-        return False
-    raise InputError(f"{VOCAB_ENV}={raw!r} is not a switch.", hint=f"set {VOCAB_ENV}=1 (use it) or 0 (ignore it)")
-
-
 def load_draft_vocab(folder: str | Path, vocab_size: int) -> list[int] | None:
-    """The sorted target token ids of a draft folder's ``draft_vocab.json``, or None (no file,
-    or ``DFLASH_DRAFT_VOCAB=0``).
+    """The sorted target token ids of a draft folder's ``draft_vocab.json``, or None (no file).
 
     Args:
         folder: the draft folder; vocab_size: V, the target (and draft config) vocabulary.
@@ -61,7 +46,7 @@ def load_draft_vocab(folder: str | Path, vocab_size: int) -> list[int] | None:
             are not distinct integers in [0, V).
     """
     path = Path(folder) / VOCAB_FILE
-    if not (path.exists() or path.is_symlink()) or not vocab_enabled():  # =0: not even read
+    if not (path.exists() or path.is_symlink()):
         return None
     check_vocab_path(path)
     try:

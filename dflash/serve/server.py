@@ -34,6 +34,7 @@ from typing import Annotated, Any
 import typer
 
 from dflash.errors import BackendError, DflashError, InputError
+from dflash.options import WARMUP_DEFAULT
 from dflash.serve.chat import full_reply, stream_reply
 from dflash.serve.protocol import ApiError, GenRequest, ServerMetrics, completion_id, parse_request
 from dflash.serve.tools import check_tools, history_message
@@ -50,10 +51,13 @@ class Engine:
         load: returns a ``dflash.api.Pipeline`` (called once, off the event loop).
         names: model names requests may ask for (the first is the served name).
         block_size: verify width L (None: auto, per step).
+        warmup: untimed warm-up tokens per block size on the CUDA-graph path (``--warmup``).
     """
 
-    def __init__(self, load: Callable[[], Any], names: list[str], block_size: int | None = None):
+    def __init__(self, load: Callable[[], Any], names: list[str], block_size: int | None = None,
+                 warmup: int = WARMUP_DEFAULT):  # fmt: skip
         self._load = load
+        self.warmup = warmup
         self.names = names
         self.block_size_opt = block_size
         self.block_size = 1
@@ -83,7 +87,7 @@ class Engine:
             if resolved == "auto":
                 pipe.calibrate()  # costs measured (or read from the cache) before any request
             if getattr(pipe.backend, "use_graphs", False):  # as `dflash generate` does
-                self._warm_up(pipe)
+                self._warm_up(pipe, self.warmup)
             describe = getattr(pipe.backend, "describe", dict)
             if self.prefix_cache_bytes and hasattr(pipe.backend, "prefix_cache") \
                     and describe().get("impl") == "dynamic":  # the plain path  # fmt: skip
@@ -107,16 +111,14 @@ class Engine:
                 self.on_failure()
 
     @staticmethod
-    def _warm_up(pipe: Any) -> None:
-        """The CUDA-graph path's untimed warm-up on a short chat prompt (``warmup_tokens``
-        tokens; caches for up to 2,048 new tokens). Optional: a failure (e.g. out of memory)
+    def _warm_up(pipe: Any, tokens: int = WARMUP_DEFAULT) -> None:
+        """The CUDA-graph path's untimed warm-up on a short chat prompt (``tokens`` tokens per
+        block size; caches for up to 2,048 new tokens). Optional: a failure (e.g. out of memory)
         is one warning line on stderr and the server starts anyway."""
-        from dflash.api import warmup_tokens
-
         try:
             ids = pipe.chat_prompt([{"role": "user", "content": "Hello"}])
             budget = max(1, min(2048, pipe.backend.max_context - len(ids)))
-            pipe.warm_up(ids, max_new_tokens=budget, tokens=warmup_tokens())
+            pipe.warm_up(ids, max_new_tokens=budget, tokens=tokens)
         except Exception as err:  # noqa: BLE001 - the warm-up only saves the first request time
             print(f"dflash serve: warning: warm-up skipped ({type(err).__name__}: {err})",
                   file=sys.stderr, flush=True)  # fmt: skip
@@ -549,30 +551,25 @@ def _check_port_free(host: str, port: int) -> None:
 
 
 def _check_pair(model: str | None, draft: str | None, width: int | None, backend: str = "transformers",
-                device: str = "auto", dtype: str = "auto") -> None:  # fmt: skip
+                device: str = "auto", dtype: str = "auto", kernels: str = "auto") -> None:  # fmt: skip
     """The checks of ``dflash.load`` that read no weights, before the server binds its port: the
-    ``--device`` and ``--dtype`` names (for ``backend``), the CUDA path's ``DFLASH_*`` switches
-    (transformers), the target path exists, the draft resolves to a folder (a hub id is
-    downloaded now rather than after binding) and ``--block-size`` fits the draft's trained
-    block size.
+    ``--device`` and ``--dtype`` names (for ``backend``), ``--kernels`` and the kernel settings'
+    environment overrides (:class:`~dflash.kernels.settings.KernelSettings`), the target path
+    exists, the draft resolves to a folder (a hub id is downloaded now rather than after
+    binding) and ``--block-size`` fits the draft's trained block size.
 
     Raises:
         CheckpointError: a missing model path or draft; InputError: a bad device, dtype or
-            switch, or a block size too large.
+            setting, or a block size too large.
     """
     from dflash.api import check_device_name, check_dtype_name
+    from dflash.kernels.settings import KernelSettings
     from dflash.models.config import DraftConfig
     from dflash.models.target_torch import check_model_path, resolve_draft  # torch-free helpers
 
     check_device_name(device, backend)
     check_dtype_name(dtype)
-    if backend == "transformers":
-        try:
-            from dflash.backends.static.switches import check_env
-        except ImportError:  # no torch: dflash.load says what to install
-            pass
-        else:
-            check_env()
+    KernelSettings.resolve(kernels)  # torch-free
 
     if model is not None:
         check_model_path(model)
@@ -595,6 +592,9 @@ def serve(
     device: Annotated[str, typer.Option(help="auto, cuda, cuda:N or cpu (mlx: auto, gpu or cpu).")] = "auto",
     dtype: Annotated[str, typer.Option(help="auto (bf16 on CUDA, fp32 on CPU), bfloat16, float16, float32.")] = "auto",
     cuda_graphs: Annotated[bool | None, typer.Option("--cuda-graphs/--no-cuda-graphs", help="Static caches + CUDA graphs (default: on for CUDA with Llama/Qwen-style targets).")] = None,
+    kernels: Annotated[str, typer.Option(help="transformers: auto runs this project's Triton kernels in the CUDA graphs where they fit; off runs torch ops there (if a kernel fails on your GPU).")] = "auto",
+    recalibrate: Annotated[bool, typer.Option("--recalibrate", help="Measure the --block-size auto step costs again at startup instead of reading them from the dflash cache.")] = False,
+    warmup: Annotated[int, typer.Option(help="transformers, CUDA graphs: untimed warm-up tokens per block size at startup (0 = none).")] = WARMUP_DEFAULT,
     log_level: Annotated[str, typer.Option(help="uvicorn log level: warning, info (access log), debug.")] = "info",
     prefix_cache_mb: Annotated[int, typer.Option(help="Prefix cache size in MiB (target K/V rows and features of earlier requests, reused by one that starts alike; plain transformers path); 0 = off.")] = 2048,
     tool_call_parser: Annotated[str | None, typer.Option(help="Tool-call format: hermes, qwen3_coder, llama3_json, openai (gpt-oss), gemma4 (default: from the chat template).")] = None,
@@ -607,10 +607,19 @@ def serve(
                            hint="use " + " or ".join(f"--backend {b}" for b in LOCAL_BACKENDS))  # fmt: skip
     if not 0 < port < 65536:
         raise InputError(f"--port must be in 1..65535, got {port}.")
-    from dflash.options import parse_block_size
+    from dflash.options import (
+        check_recalibrate,
+        check_warmup,
+        parse_block_size,
+        refuse_foreign_options,
+    )
 
+    refuse_foreign_options(backend, {"--kernels": kernels != "auto", "--warmup": warmup != WARMUP_DEFAULT},
+                           {"--kernels": ("transformers",), "--warmup": ("transformers",)})  # fmt: skip
     chosen = parse_block_size(block_size)  # "auto" (also for None) or an int, as for generate
     width = None if chosen == "auto" else int(chosen)  # the Engine takes None for auto
+    check_warmup(warmup)
+    check_recalibrate(recalibrate, [chosen])
     try:
         import fastapi  # noqa: F401
         import uvicorn
@@ -627,7 +636,7 @@ def serve(
     if tool_call_parser is not None and tool_call_parser not in ALIASES:
         raise InputError(f"Unknown --tool-call-parser {tool_call_parser!r}.",
                          hint="use one of " + ", ".join(PARSER_NAMES))  # fmt: skip
-    _check_pair(model, draft, width, backend, device, dtype)  # before binding: fails at once
+    _check_pair(model, draft, width, backend, device, dtype, kernels)  # before binding: fails at once
     _check_port_free(host, port)
     api_key = api_key or os.environ.get("DFLASH_API_KEY") or None
     names = [served_model_name or (DEMO_NAME if model is None else Path(model).name or model)]
@@ -637,10 +646,12 @@ def serve(
     def load() -> Any:
         import dflash
 
-        return dflash.load(model, draft, backend=backend, device=device, dtype=dtype,
-                           cuda_graphs=cuda_graphs)  # fmt: skip
+        pipe = dflash.load(model, draft, backend=backend, device=device, dtype=dtype,
+                           cuda_graphs=cuda_graphs, kernels=kernels)  # fmt: skip
+        pipe.recalibrate = recalibrate  # read by the calibration at startup
+        return pipe
 
-    engine = Engine(load, names, width)
+    engine = Engine(load, names, width, warmup)
     engine.tool_parser_name = tool_call_parser
     if prefix_cache_mb < 0:
         raise InputError(f"--prefix-cache-mb must be >= 0, got {prefix_cache_mb}.", hint="0 turns it off")

@@ -33,7 +33,7 @@ def vocab(
     eval_data: Annotated[Path | None, typer.Option(help="Held-out shards: also report the coverage there.")] = None,
 ) -> None:  # fmt: skip
     """Give a draft a draft vocabulary: its LM head scores only the SIZE tokens the target uses most
-    (lossless; a smaller head read per step; DFLASH_DRAFT_VOCAB=0 ignores it; README 'Draft
+    (lossless; a smaller head read per step; the draft_vocab setting off ignores it; README 'Draft
     vocabulary')."""
     import json
 

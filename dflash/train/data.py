@@ -162,6 +162,7 @@ def regenerate(
     from dflash.api import stop_token_ids
     from dflash.backends.plain import load_target, pick_device, pick_dtype
     from dflash.data.datasets import ALIASES, BENCHMARK_NAMES
+    from dflash.kernels.settings import KernelSettings
     from dflash.models.target_torch import resolve_target
 
     check_regenerate_options(max_new_tokens, batch_size, samples, temperature, sample_temperature, engine)
@@ -185,6 +186,7 @@ def regenerate(
         return {"done": n, "total": n, "tokens": 0, "seconds": 0.0, "finished": True,
                 "skipped": None, "engine": None}  # complete: the target is not even loaded  # fmt: skip
     dev = pick_device(device)
+    settings = KernelSettings.resolve()  # the batched engine's switches, checked before the target loads
     model, tok = load_target(resolve_target(target, "--target"), dev, pick_dtype(dtype, dev))
     stops = stop_token_ids(getattr(model, "generation_config", None), tok)
     pad = tok.pad_token_id if tok.pad_token_id is not None else (stops[0] if stops else 0)
@@ -231,7 +233,8 @@ def regenerate(
 
         longest = max(len(prompts[jobs[order[k]][0]]) for k in todo)
         gen = BatchedGenerator(model, max_batch=min(batch_size, len(todo)),
-                               capacity=-(-(longest + max_new_tokens + 1) // 64) * 64)  # fmt: skip
+                               capacity=-(-(longest + max_new_tokens + 1) // 64) * 64,
+                               kv_lengths=settings.batched_kv_lengths, compile=settings.batched_compile)  # fmt: skip
         job_list = []
         for k in todo:
             i, s = jobs[order[k]]

@@ -15,8 +15,6 @@ import math
 
 import torch
 
-from dflash.models.draft_torch import fast_path  # noqa: F401 - re-exported
-
 PAPER_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 FLEX_TILE = 128  # FlexAttention's query and key tile (BlockMask BLOCK_SIZE)
 
@@ -182,8 +180,7 @@ def flex_block_mask(
 
     The tile map is built from the anchors directly (:func:`anchor_tiles`): a few small
     tensors instead of evaluating the rule on every [B, N*L, S+N*L] pair as
-    ``create_block_mask`` does (``DFLASH_TRAIN_FAST=0`` goes back to that, see
-    :func:`fast_path`). Tiles partly visible keep the exact rule as ``mask_mod``.
+    ``create_block_mask`` does. Tiles partly visible keep the exact rule as ``mask_mod``.
 
     Args:
         tile: query and key tile size of the BlockMask (FlexAttention's default 128).
@@ -191,17 +188,13 @@ def flex_block_mask(
     Returns:
         ``torch.nn.attention.flex_attention.BlockMask`` over [B, 1, N*L, S + N*L].
     """
-    from torch.nn.attention.flex_attention import BlockMask, create_block_mask
+    from torch.nn.attention.flex_attention import BlockMask
 
-    b, n = anchors.shape
-    lq = n * block_size
+    lq = anchors.shape[1] * block_size
 
     def mask_mod(bi, hi, qi, kvi):
         return _visible(qi, kvi, lambda j: anchors[bi, j], seq_len, block_size, window, causal)
 
-    if not fast_path():
-        return create_block_mask(mask_mod, b, None, lq, seq_len + lq, device=anchors.device,
-                                 BLOCK_SIZE=tile)  # fmt: skip
     for dim in (0, 1):  # the compiled kernel keeps B and N symbolic (no recompile per shape)
         if anchors.shape[dim] >= 2:
             torch._dynamo.mark_dynamic(anchors, dim)

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from dflash.train.masks import build_blocks, fast_path, layer_masks
+from dflash.train.masks import build_blocks, layer_masks
 
 IGNORE = -100
 
@@ -53,25 +53,11 @@ class _HeadCrossEntropy(torch.autograd.Function):
         grad = torch.empty_like(h) if need_grad else None
         loss = torch.zeros((), dtype=torch.float32, device=h.device)
         correct = torch.empty(m, dtype=torch.bool, device=h.device)
-        fast = fast_path()
         with torch.autocast(h.device.type, enabled=False):
             for lo in range(0, m, chunk):
                 hi = min(m, lo + chunk)
-                if fast:
-                    loss -= _ce_chunk(h[lo:hi], weight, labels[lo:hi], w[lo:hi], correct[lo:hi],
-                                      grad[lo:hi] if need_grad else None)  # fmt: skip
-                    continue
-                logits = (h[lo:hi].to(weight.dtype) @ weight.T).float()  # [c, V]
-                lab = labels[lo:hi]
-                lse = torch.logsumexp(logits, dim=-1)  # [c]
-                tgt = logits.gather(1, lab[:, None]).squeeze(1)
-                loss += ((lse - tgt) * w[lo:hi]).sum()
-                correct[lo:hi] = logits.argmax(-1) == lab
-                if need_grad:
-                    p = torch.exp(logits - lse[:, None])  # softmax, in place of the logits
-                    p[torch.arange(hi - lo, device=h.device), lab] -= 1.0
-                    p *= w[lo:hi, None]
-                    grad[lo:hi] = (p.to(weight.dtype) @ weight).to(h.dtype)
+                loss -= _ce_chunk(h[lo:hi], weight, labels[lo:hi], w[lo:hi], correct[lo:hi],
+                                  grad[lo:hi] if need_grad else None)  # fmt: skip
         ctx.save_for_backward(grad if need_grad else torch.empty(0))
         ctx.mark_non_differentiable(correct)
         return loss, correct

@@ -37,7 +37,7 @@ from dflash.train.config import (  # noqa: F401 - re-exported
     lr_at,
 )
 from dflash.train.data import collate, make_batches, prepare, read_shards
-from dflash.train.masks import FLEX_TILE, fast_path, round_up, sample_anchors
+from dflash.train.masks import FLEX_TILE, round_up, sample_anchors
 from dflash.train.objective import FrozenTarget, batch_loss, estimate_acceptance, supervised_rows
 
 # ----------------------------------------------------------------------------- the loop
@@ -173,7 +173,7 @@ class Trainer:
         """Tensors of one batch. Each sequence's anchors come from a generator seeded by
         (seed, epoch, sequence index): the same in any batch, whatever its padding. ``empty``:
         no block is kept (a data-parallel rank without a sequence this step; zero weight).
-        With FlexAttention the shapes are bucketed (S to 128, N to 8; on the fast path also
+        With FlexAttention the shapes are bucketed (S to 128, N to 8; also
         N*L > 128 and B >= 2, by padding blocks and a copied row that keep nothing)."""
         mult = 128 if self.flex else 1
         ids, att, loss_mask = collate([self.seqs[i] for i in idx], self.pad_id, multiple=mult)
@@ -182,25 +182,23 @@ class Trainer:
         anchors, keep = sample_anchors(loss_mask, self.cfg.anchors, gens)
         if empty:
             keep = torch.zeros_like(keep)
-        fast = fast_path()
         if self.flex:  # fewer distinct shapes for the compiled kernel
             lsz = self.draft.config.block_size
             n = round_up(max(1, anchors.shape[1]), 8)
-            if fast:  # >= 2 query tiles: a size of 1 would specialise (recompile) the kernel
-                n = max(n, round_up(FLEX_TILE // lsz + 1, 8))
+            # >= 2 query tiles: a size of 1 would specialise (recompile) the kernel
+            n = max(n, round_up(FLEX_TILE // lsz + 1, 8))
             pad = n - anchors.shape[1]
             anchors = torch.cat((anchors, anchors.new_zeros(anchors.shape[0], pad)), 1)
             keep = torch.cat((keep, keep.new_zeros(keep.shape[0], pad)), 1)
-            if fast and ids.shape[0] == 1:  # and >= 2 rows: a copy of the row, nothing kept
+            if ids.shape[0] == 1:  # and >= 2 rows: a copy of the row, nothing kept
                 ids, att = ids.repeat(2, 1), att.repeat(2, 1)
                 loss_mask = torch.cat((loss_mask, torch.zeros_like(loss_mask)))
                 anchors = torch.cat((anchors, torch.zeros_like(anchors)))
                 keep = torch.cat((keep, torch.zeros_like(keep)))
         t = {"input_ids": ids, "attention_mask": att, "loss_mask": loss_mask,
              "anchors": anchors, "keep": keep}  # fmt: skip
-        if fast:  # the supervised slots, found here: the step then needs no host sync
-            t["rows"] = supervised_rows(ids, loss_mask, anchors, keep,
-                                        self.draft.config.block_size, self.cfg.gamma)  # fmt: skip
+        # the supervised slots, found here: the step then needs no host sync
+        t["rows"] = supervised_rows(ids, loss_mask, anchors, keep, self.draft.config.block_size, self.cfg.gamma)
         # No pin_memory(): measured on the H200 (scripts/train_profile.py), pinning each batch
         # made batch building wait for the previous step (142 ms a step against 8 ms).
         return {k: v.to(self.device, non_blocking=True) for k, v in t.items()}

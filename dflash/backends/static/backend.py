@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from dflash.backends.plain import TransformersBackend
 from dflash.backends.static.capture import StaticGraphs
-from dflash.backends.static.device_loop import DeviceLoop, device_loop_default, step_compile_default
+from dflash.backends.static.device_loop import DeviceLoop
 from dflash.backends.static.draft import (
     draft_forward_fused,
     draft_rope_fits,
@@ -34,41 +34,24 @@ from dflash.backends.static.draft import (
 )
 from dflash.backends.static.fused import (
     fold_norms,
-    fuse_default,
     fuse_draft,
     fuse_target,
     norms_fit,
-    pack_gqa_default,
     row_argmax,
     small_linear_fits,
     target_forward_fused,
+    target_fusable,
 )
 from dflash.backends.static.graph_plan import plan_graphs
 from dflash.errors import BackendError
-from dflash.kernels.head_argmax import head_argmax, head_argmax_default, head_fits
-from dflash.kernels.l2_prefetch import prefetch_setting
-from dflash.kernels.linear_settings import (
-    fuse_norm_auto,
-    fuse_norm_setting,
-    glu_setting,
-    linear_mode,
-    preload_bytes,
-)
-from dflash.kernels.norm_partials import norm_form
-from dflash.kernels.pdl import pdl_enabled, pdl_part
+from dflash.kernels.pdl import pdl_supported
 from dflash.kernels.qkv_rope import qkv_rope_fits, qkv_rope_wanted
 from dflash.kernels.rms_norm import available as rms_norm_available
-from dflash.kernels.rms_norm import norm_kernel_setting, rms_norm_fits
-from dflash.kernels.rope_cache import rope_cache_fits, rope_parts, rope_table_default
-from dflash.kernels.small_linear import MAX_ROWS, one_tile_setting
-from dflash.kernels.split_attention import (
-    attention_mode,
-    early_setting,
-    iter_keys,
-    one_slice_setting,
-    split_setting,
-    uses_kernel,
-)
+from dflash.kernels.rms_norm import rms_norm_fits
+from dflash.kernels.rope_cache import rope_cache_fits
+from dflash.kernels.settings import KernelSettings, Launch, one_slice, pdl_wanted
+from dflash.kernels.small_linear import MAX_ROWS, fuse_norm_auto, linear_mode
+from dflash.kernels.split_attention import attention_mode, uses_kernel
 from dflash.models.draft_torch import DFlashDraft, rope_cos_sin
 
 SUPPORTED_TYPES = ("llama", "qwen2", "qwen3")
@@ -76,7 +59,8 @@ AUTO_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16)  # widths --block-size auto may use on 
 
 
 def supports_static(target: Any) -> bool:
-    """Whether the static path can run this target (dense full-attention Llama-family)."""
+    """Whether the static path can run this target (dense full-attention Llama-family with
+    plain linears, which its forwards fuse: :func:`~dflash.backends.static.fused.target_fusable`)."""
     cfg = target.config
     if getattr(cfg, "model_type", None) not in SUPPORTED_TYPES:
         return False
@@ -85,12 +69,12 @@ def supports_static(target: Any) -> bool:
         "default", "linear", "llama3", "yarn"):  # fmt: skip
         return False
     inner = getattr(target, "model", None)
-    return inner is not None and hasattr(inner, "layers") and hasattr(inner, "rotary_emb")
+    return inner is not None and hasattr(inner, "layers") and hasattr(inner, "rotary_emb") and target_fusable(target)
 
 
 def _in_proj_rows(mode: str) -> int:
     """Forwards of up to how many rows run the fused qkv and gate+up projections through
-    ``small_linear`` under ``DFLASH_LINEAR`` mode ``mode``:
+    ``small_linear`` under the ``linear`` mode ``mode``:
     :data:`~dflash.kernels.small_linear.MAX_ROWS` under ``auto`` and ``all`` (every width, as
     measured on both the demo pair and Qwen3-8B's shape, see
     :func:`~dflash.kernels.small_linear.linear_mode`), else 0."""
@@ -147,23 +131,26 @@ class StaticBackend(StaticGraphs, TransformersBackend):
             failure falls back to eager with a warning on stderr.
         uniform_width: verify everything at the draft's block size, block-1 decoding included
             (see :func:`dflash.backends.static.graph_plan.plan_graphs`).
-        fuse: one QKV and one gate+up matmul per layer in the static forwards (see
-            :mod:`dflash.backends.static.fused`); None = on unless ``DFLASH_NO_FUSE=1``.
-        pack_gqa: fold GQA query heads into rows in the fused forwards' attention; None = off
-            unless ``DFLASH_GQA_PACK=1``.
+        settings: the resolved :class:`~dflash.kernels.settings.KernelSettings` (which kernels
+            the forwards run, and how); None = the defaults.
         device_loop: run greedy fixed-block requests with acceptance and commit on the device
-            (:mod:`dflash.backends.static.device_loop`); None = on with CUDA graphs unless
-            ``DFLASH_DEVICE_LOOP=0``. True without graphs runs the same glue eagerly (tests).
+            (:mod:`dflash.backends.static.device_loop`); None = the ``device_loop`` setting,
+            with CUDA graphs only. True without graphs runs the same glue eagerly (tests).
+
+    Raises:
+        BackendError: a DFlash2 draft, or a target :func:`supports_static` refuses.
     """
 
     def __init__(self, target: Any, draft: DFlashDraft | None, device: torch.device,
                  use_graphs: bool = True, compile: bool = False, uniform_width: bool = False,
-                 fuse: bool | None = None, pack_gqa: bool | None = None,
-                 device_loop: bool | None = None):  # fmt: skip
+                 settings: KernelSettings | None = None, device_loop: bool | None = None):  # fmt: skip
         if getattr(draft, "is_dflash2", False):
             raise BackendError("The static/CUDA-graph path does not run DFlash2 drafts yet.",
                                hint="drop --cuda-graphs; DFlash2 drafts run on the plain path")  # fmt: skip
-        super().__init__(target, draft, device)
+        if not supports_static(target):
+            raise BackendError("The static/CUDA-graph path runs dense Llama/Qwen2/Qwen3 targets with plain "
+                               "linear layers.", hint="drop --cuda-graphs")  # fmt: skip
+        super().__init__(target, draft, device, settings)
         self.draft_head_rows = False  # the draft graph has one shape: the head on every row
         self.use_graphs = use_graphs and device.type == "cuda"
         self.compile = compile and self.use_graphs
@@ -179,86 +166,106 @@ class StaticBackend(StaticGraphs, TransformersBackend):
         self.feature_layers: dict[int, list[int]] = {}  # layer -> feature slots (ids may repeat)
         for n, i in enumerate(self.layer_ids):
             self.feature_layers.setdefault(i - 1, []).append(n)
-        fuse = fuse_default() if fuse is None else fuse
-        self.fused_target = fuse_target(target) if fuse else None
-        self.fused_draft = fuse_draft(draft) if fuse and draft is not None else None
-        self.rope_table = rope_table_default()  # the draft's RoPE kernel reads [S, D] tables
+        self.fused_target = fuse_target(target)  # one qkv and one gate+up matmul per layer
+        self.fused_draft = fuse_draft(draft) if draft is not None else None
         if self.fused_draft is not None:  # the device loop's draft skips its final norm
             self.draft_head.fold_norm(draft.norm.weight)
-        self.pack_gqa = pack_gqa_default() if pack_gqa is None else pack_gqa
+        self.folded_target = self.folded_draft = None
+        self.configure(self.settings)
+        self.capacity = 0
+        if device_loop is None:
+            device_loop = self.settings.device_loop and self.use_graphs
+        self.device_loop = DeviceLoop(self) if device_loop else None
+        self.graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, Any, tuple]] = {}
+        # --block-size auto picks among these widths (graphs captured when costs are timed).
+        b = self.draft_block_size
+        self.auto_widths = sorted({w for w in AUTO_WIDTHS if w < b} | {1, b}) if self.use_graphs else None
+
+    def configure(self, settings: KernelSettings) -> None:
+        """Decide from ``settings`` (and what the target, the draft, the device and the dtype
+        allow) which kernels the forwards run: ``attention``, ``linear``/``linear_in``,
+        ``draft_linear``/``draft_linear_in``, ``glu``/``draft_glu``, ``target_rope``/``draft_rope``,
+        ``qkv_rope_target``/``qkv_rope_draft``, ``fuse_norm``/``draft_fuse_norm`` (with the
+        folded weight copies), ``norm_kernel``, ``rope_table``, and ``launch`` (the kernels'
+        :class:`~dflash.kernels.settings.Launch` per forward). Run at build and after a
+        fall-back (:meth:`~dflash.backends.static.capture.StaticGraphs._fall_back`)."""
+        self.settings = settings
+        target, draft, device = self.target, self.draft_model, self.device
         # the fused forwards' attention (target; the draft's all-visible layers when the draft is
-        # fused too): split-KV kernel over the filled rows or SDPA with a position mask (see
-        # dflash.kernels.split_attention.attention_mode)
-        self.attention = attention_mode(device, self.dtype) if self.fused_target is not None else "sdpa"
+        # fused too): split-KV kernel over the filled rows or SDPA with a position mask
+        self.attention = attention_mode(settings.attention, device, self.dtype)
         # o_proj/down_proj of the fused forwards for <= 32 rows: one Triton kernel each with the
         # residual add fused in, or torch (see dflash.kernels.small_linear)
-        linear = linear_mode(device) if self.fused_target is not None else "torch"
+        linear = linear_mode(settings.linear, device)
         self.linear = linear if small_linear_fits(target) else "torch"
         self.draft_linear = self.fused_draft is not None and linear != "torch" and draft_small_linear_fits(draft)
         # the fused qkv and gate+up projections too, in forwards of up to linear_in rows (every
         # width under "auto" and "all")
         self.linear_in = _in_proj_rows(self.linear)
         self.draft_linear_in = self.draft_linear and _in_proj_rows(linear) == MAX_ROWS
-        # SiLU(gate) * up as the epilogue of those gate+up kernels (SiLU MLPs; DFLASH_GLU)
-        glu = glu_setting()
+        # SiLU(gate) * up as the epilogue of those gate+up kernels (SiLU MLPs)
+        glu = settings.glu
         self.glu = glu and self.linear_in > 0 and getattr(target.config, "hidden_act", None) in ("silu", "swish")
         self.draft_glu = glu and self.draft_linear_in
         # q/k (norm +) RoPE + cache writes as one kernel (see dflash.kernels.rope_cache)
-        parts = rope_parts()  # a bad DFLASH_ROPE errs on CPU too
         split = self.attention != "sdpa"  # the kernel feeds the split-KV attention only
-        self.draft_rope = "draft" in parts and self.draft_linear and split and draft_rope_fits(draft)
+        self.draft_rope = settings.rope_draft and self.draft_linear and split and draft_rope_fits(draft)
         attn = target.model.layers[0].self_attn
-        self.target_rope = ("target" in parts and self.linear != "torch" and split
+        self.target_rope = (settings.rope_target and self.linear != "torch" and split
                             and rope_cache_fits(attn, self.dtype, norms=hasattr(attn, "q_norm")))  # fmt: skip
-        # the qkv projection inside that kernel too (DFLASH_QKV_ROPE, dflash.kernels.qkv_rope)
+        self.rope_table = settings.rope_table  # the draft's RoPE kernel reads [S, D] tables
+        # the qkv projection inside that kernel too (dflash.kernels.qkv_rope)
         self.qkv_rope_target = self.qkv_rope_draft = False
         if self.target_rope and self.linear_in > 0:
             qkvs = [qkv.weight for qkv, _ in self.fused_target]
             norms = hasattr(attn, "q_norm")
-            self.qkv_rope_target = qkv_rope_wanted(qkvs, norms) and all(
+            self.qkv_rope_target = qkv_rope_wanted(qkvs, norms, settings.qkv_rope) and all(
                 qkv_rope_fits(layer.self_attn, w, norms) for layer, w in zip(target.model.layers, qkvs, strict=True))
         if self.draft_rope and self.draft_linear_in:
             qkvs = [qkv.weight for qkv, _ in self.fused_draft]
-            self.qkv_rope_draft = qkv_rope_wanted(qkvs, True) and all(
+            self.qkv_rope_draft = qkv_rope_wanted(qkvs, True, settings.qkv_rope) and all(
                 qkv_rope_fits(layer.self_attn, w, True) for layer, w in zip(draft.layers, qkvs, strict=True))
-        # RMSNorms inside the in-projections' kernels (DFLASH_FUSE_NORM), with the norms' weights
-        # folded into copies of the projections' weights (fold_norms)
-        fuse = fuse_norm_setting()  # None: the default, by size and dtype, and only where every
+        # RMSNorms inside the in-projections' kernels, with the norms' weights folded into copies
+        # of the projections' weights (fold_norms); None: by size and dtype, and only where every
         # forward's in-projections run small_linear (as measured)
 
         def fused_norms(model, layers, every_width: bool) -> bool:
-            if fuse is not None:
-                return fuse and norms_fit(layers, self.dtype)
+            if settings.fuse_norm is not None:
+                return settings.fuse_norm and norms_fit(layers, self.dtype)
             return every_width and fuse_norm_auto(model.config.hidden_size, self.dtype) and norms_fit(layers, self.dtype)
 
         self.fuse_norm = self.linear_in > 0 and fused_norms(target, target.model.layers, self.linear_in >= MAX_ROWS)
         self.draft_fuse_norm = bool(self.draft_linear_in) and fused_norms(draft, draft.layers, True)
-        self.folded_target = fold_norms(target.model.layers, self.fused_target) if self.fuse_norm else None
-        self.folded_draft = (fold_norms(draft.layers, self.fused_draft, ("post",))
-                             if self.draft_fuse_norm else None)  # fmt: skip
-        # the target's stand-alone norms through one Triton kernel each (DFLASH_NORM_KERNEL)
-        self.norm_kernel = (norm_kernel_setting() and device.type == "cuda" and rms_norm_available()
-                            and self.fused_target is not None and not self.fuse_norm
+        if not self.fuse_norm:  # the folded weight copies: made once, kept while used
+            self.folded_target = None
+        elif self.folded_target is None:
+            self.folded_target = fold_norms(target.model.layers, self.fused_target)
+        if not self.draft_fuse_norm:
+            self.folded_draft = None
+        elif self.folded_draft is None:
+            self.folded_draft = fold_norms(draft.layers, self.fused_draft, ("post",))
+        # the target's stand-alone norms through one Triton kernel each
+        self.norm_kernel = (settings.norm_kernel and device.type == "cuda" and rms_norm_available()
+                            and not self.fuse_norm
                             and all(rms_norm_fits(n, self.dtype) for n in _target_norms(target)))  # fmt: skip
-        # their sums of squares written by the o_proj/down_proj kernels before them (DFLASH_FUSE_NORM_FORM)
-        self.norm_partials = norm_form() == "partials" and (self.fuse_norm or self.draft_fuse_norm)
-        pdl_enabled(device, inductor=True)  # a bad DFLASH_PDL is an error before any capture
-        # L2 prefetch of each layer's weights after its qkv projection (dflash.kernels.l2_prefetch)
-        budget, self.prefetch_early = prefetch_setting(device)  # a bad DFLASH_PREFETCH errs on CPU too
-        self.prefetch = budget if self.fused_target is not None and self.use_graphs else 0
-        self.l2_sink = torch.zeros(1, device=device)  # orders the prefetches before their join
-        self.capacity = 0
-        if device_loop is None:
-            device_loop = device_loop_default() and self.use_graphs
-        self.device_loop = DeviceLoop(self) if device_loop else None
-        self.step_compile = step_compile_default()  # a bad DFLASH_STEP_COMPILE errs on CPU too
-        # the device loop's LM head + greedy argmax in one kernel (dflash.kernels.head_argmax)
-        self.head_argmax = (head_argmax_default() and self.device_loop is not None and self.linear != "torch"
-                            and head_fits(self.lm_head, self.dtype))  # fmt: skip
-        self.graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, Any, tuple]] = {}
-        # --block-size auto picks among these widths (graphs captured when costs are timed).
-        b = self.draft_block_size
-        self.auto_widths = sorted({w for w in AUTO_WIDTHS if w < b} | {1, b}) if self.use_graphs else None
+        # programmatic dependent launch of this project's kernels, per forward
+        self.launch = {part: Launch(settings, self.pdl_on(part)) for part in ("target", "draft")}
+
+    def pdl_on(self, part: str, inductor: bool = False) -> bool:
+        """Whether the ``part`` ("target" or "draft") forward's kernels launch with PDL
+        (``inductor``: Inductor's kernels, set while its graphs are captured)."""
+        return pdl_wanted(self.settings.pdl, part, inductor) and pdl_supported(self.device)
+
+    def live_kernels(self, part: str | None = None) -> set[str]:
+        """The pieces of :data:`~dflash.kernels.settings.LADDER` the forwards run (``pdl``: in
+        the ``part`` forward, this project's kernels or Inductor's), for
+        :func:`~dflash.kernels.settings.fall_back`."""
+        live = {"qkv_rope": self.qkv_rope_target or self.qkv_rope_draft, "norm_kernel": self.norm_kernel,
+                "fuse_norm": self.fuse_norm or self.draft_fuse_norm, "glu": self.glu or self.draft_glu,
+                "rope": self.draft_rope or self.target_rope, "linear": self.linear != "torch" or self.draft_linear,
+                "attention": self.attention != "sdpa",
+                "pdl": any(self.pdl_on(p, i) for p in ([part] if part else ["target", "draft"]) for i in (False, True))}
+        return {name for name, on in live.items() if on}
 
     # -- buffers --------------------------------------------------------------------------
     def reset(self, max_positions: int | None = None) -> None:
@@ -281,63 +288,27 @@ class StaticBackend(StaticGraphs, TransformersBackend):
             c = self.draft_model.config
             self.dcache = StaticDraftCache(c.num_hidden_layers, c.num_key_value_heads, capacity,
                                            c.head_dim, dt, dev)  # fmt: skip
-            # cos/sin [S, D] of every position for the draft's RoPE kernel (DFLASH_ROPE_TABLE)
+            # cos/sin [S, D] of every position for the draft's RoPE kernel (the rope_table setting)
             d = self.draft_model
             cos, sin = rope_cos_sin(self.key_pos[None], d.inv_freq, d.rope_scale, dt)
             self.draft_rope_tables = (cos[0, 0].contiguous(), sin[0, 0].contiguous())
         self.capacity = capacity
         self.graphs.clear()
 
-    # -- target forward -------------------------------------------------------------------
-    def _target_forward(self, ids: torch.Tensor, pos: torch.Tensor, argmax: bool = False):
-        """ids, pos [1, T] -> logits [T, V] (``argmax``: the greedy ids [T] instead, through
-        :func:`~dflash.kernels.head_argmax.head_argmax`); writes K/V and features at pos."""
-        if self.fused_target is not None:
-            return target_forward_fused(self, ids, pos, argmax)
-        t = ids.shape[-1]
-        x = F.embedding(ids, self.embed_weight)  # [1, T, H]
-        cos, sin = rope_cos_sin(pos, self.inv_freq, self.rope_scale, self.dtype)  # [1, 1, T, D]
-        mask = (self.key_pos[None, :] <= pos[0, :, None])[None, None]  # [1, 1, T, S]
-        slots: list[torch.Tensor] = [None] * len(self.layer_ids)  # type: ignore[list-item]
-        for i, layer in enumerate(self.target.model.layers):
-            a = layer.self_attn
-            h = layer.input_layernorm(x)
-            q = a.q_proj(h).view(1, t, self.heads, self.head_dim)
-            k = a.k_proj(h).view(1, t, self.kv_heads, self.head_dim)
-            if hasattr(a, "q_norm"):  # Qwen3
-                q, k = a.q_norm(q), a.k_norm(k)
-            q, k = q.transpose(1, 2), k.transpose(1, 2)  # [1, H, T, D]
-            v = a.v_proj(h).view(1, t, self.kv_heads, self.head_dim).transpose(1, 2)
-            q = q * cos + torch.cat((-q[..., self.head_dim // 2 :], q[..., : self.head_dim // 2]), -1) * sin
-            k = k * cos + torch.cat((-k[..., self.head_dim // 2 :], k[..., : self.head_dim // 2]), -1) * sin
-            self.k[i].index_copy_(2, pos[0], k)
-            self.v[i].index_copy_(2, pos[0], v)
-            o = F.scaled_dot_product_attention(q, self.k[i], self.v[i], attn_mask=mask,
-                                               scale=a.scaling, enable_gqa=self.heads != self.kv_heads)  # fmt: skip
-            x = x + a.o_proj(o.transpose(1, 2).reshape(1, t, self.heads * self.head_dim))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-            if i < self.n_layers - 1:
-                for n in self.feature_layers.get(i, ()):
-                    slots[n] = x[0]
-        x = self.target.model.norm(x)
-        for n in self.feature_layers.get(self.n_layers - 1, ()):  # HF's hidden_states[N] is
-            slots[n] = x[0]  # final-normed
-        if self.layer_ids:
-            self.feats.index_copy_(0, pos[0], torch.cat(slots, dim=-1))
-        if argmax:
-            return head_argmax(x[0], self.lm_head.weight)  # [T]
-        return self.lm_head(x)[0]  # [T, V]
+    # -- forwards -------------------------------------------------------------------------
+    def _target_forward(self, ids: torch.Tensor, pos: torch.Tensor):
+        """ids, pos [1, T] -> logits [T, V]; writes K/V and features at pos
+        (:func:`~dflash.backends.static.fused.target_forward_fused`)."""
+        return target_forward_fused(self, ids, pos)
 
-    # -- draft forward --------------------------------------------------------------------
     def _draft_forward(self, block: torch.Tensor, start: torch.Tensor, ctx_pos: torch.Tensor,
-                       argmax: bool = False, logits: bool = True):  # fmt: skip
+                       logits: bool = True):  # fmt: skip
         """block [1, L] ids, start [1] position of the anchor, ctx_pos [Tc] context rows.
 
-        Returns (proposals [L-1] int64, logits [L-1, V]); ``argmax``: (proposals, None), the
-        proposals through :func:`~dflash.kernels.head_argmax.head_argmax` (no logits);
-        ``logits=False``: (proposals, None) (the device loop): no full-vocabulary scatter with a
-        draft vocabulary, and on the fused path no final norm (its weight folded into the
-        head's copy, :meth:`~dflash.backends.draft_head.DraftHead.fold_norm`)."""
+        Returns (proposals [L-1] int64, logits [L-1, V]); ``logits=False``: (proposals, None)
+        (the device loop): no full-vocabulary scatter with a draft vocabulary, and on the fused
+        path no final norm (its weight folded into the head's copy,
+        :meth:`~dflash.backends.draft_head.DraftHead.fold_norm`)."""
         length = block.shape[-1]
         q_pos = (start + torch.arange(length, device=self.device))[None]  # [1, L]
         self.dcache.write_pos = ctx_pos
@@ -349,35 +320,24 @@ class StaticBackend(StaticGraphs, TransformersBackend):
                  for kind, rule in rules.items()}  # fmt: skip
         embeds, ctx = F.embedding(block, self.embed_weight), self.feats[ctx_pos][None]
         head = self.draft_head  # the draft vocabulary's rows when the draft has one
-        fold = not (logits or argmax) and self.fused_draft is not None and head.folded is not None
+        fold = not logits and self.fused_draft is not None and head.folded is not None
         if self.fused_draft is not None:
             split = uses_kernel(self.attention, length)
             kinds = frozenset(kind for kind, rule in rules.items() if rule is None) if split else frozenset()
             lin = self.draft_linear and length <= MAX_ROWS  # residual adds fused in
             h = draft_forward_fused(self.draft_model, self.fused_draft, embeds, ctx, q_pos, ctx_pos[None],
-                                    self.dcache, masks, self.pack_gqa, kinds, lin,
-                                    lin and self.draft_linear_in, lin and self.draft_rope,
-                                    (self.l2_sink, self.prefetch) if self.prefetch and lin else None,
-                                    lin and self.draft_glu,
+                                    self.dcache, masks, self.launch["draft"], kinds, lin,
+                                    lin and self.draft_linear_in, lin and self.draft_rope, lin and self.draft_glu,
                                     self.folded_draft if lin and self.draft_fuse_norm else None,
-                                    self.norm_partials, lin and self.qkv_rope_draft,
-                                    final_norm=not fold,
+                                    lin and self.qkv_rope_draft, final_norm=not fold,
                                     tables=self.draft_rope_tables if self.rope_table else None)  # fmt: skip
         else:
             h = self.draft_model(embeds, ctx, q_pos, ctx_pos[None], cache=self.dcache, masks=masks)
         if fold:  # no final norm: its weight is in the head's copy (DraftHead.fold_norm)
             return head.argmax_folded(h[0, 1:], row_argmax), None
-        if argmax:
-            return head.to_target(head_argmax(h[0, 1:], head.weight if head.ids is not None
-                                              else self.lm_head.weight)), None  # fmt: skip
         small = head.small_logits(h[0, 1:])  # [L-1, Vd]
         props = head.to_target(row_argmax(small))
         return props, (head.widen(small) if logits else None)  # [L-1, V] for sampling
-
-    def device_loop_draft_kw(self) -> dict:
-        """``_draft_forward``'s keywords in the device loop, which needs the proposals only:
-        ``argmax`` under ``DFLASH_HEAD_ARGMAX``, else ``logits=False`` (see ``_draft_forward``)."""
-        return {"argmax": True} if self.head_argmax else {"logits": False}
 
     # -- protocol -------------------------------------------------------------------------
     def prefill(self, prompt_ids: list[int], with_features: bool):
@@ -438,57 +398,32 @@ class StaticBackend(StaticGraphs, TransformersBackend):
     def rollback(self, length: int) -> None:
         """Nothing to do: rows >= length are masked by position and overwritten later."""
 
-    def _pdl_linear(self) -> bool:
-        """Whether some ``small_linear`` call of the graphs launches with PDL: the target's
-        (``linear`` not torch) or the draft's (``draft_linear``), each under its own part for
-        ``DFLASH_PDL=draft``."""
-        for part, on in (("target", self.linear != "torch"), ("draft", self.draft_linear)):
-            with pdl_part(part):
-                if on and pdl_enabled(self.device):
-                    return True
-        return False
-
     def _draft_head_dim(self) -> int | None:
         """The draft's attention head dim (None without a draft)."""
         return self.draft_model.config.head_dim if self.draft_model is not None else None
 
     def describe(self) -> dict[str, Any]:
-        """What runs the forwards (stored with benchmark records)."""
-        preload = preload_bytes() if self._pdl_linear() else 0
+        """What runs the forwards (stored with benchmark records): the kernels in use, and the
+        resolved settings (``kernel_settings``, from :meth:`TransformersBackend.describe`)."""
         loop = self.device_loop
-        return {**super().describe(), **({"pdl_prefetch_bytes": preload} if preload else {}),
-                **({"queue_ahead": loop.ahead} if loop is not None else {}),  # DFLASH_QUEUE_AHEAD
-                "impl": "static", "cuda_graphs": self.use_graphs,
-                "compile": self.compile, "fused": self.fused_target is not None,
-                "pack_gqa": self.pack_gqa and self.fused_target is not None,
+        return {**super().describe(), **({"queue_ahead": loop.ahead} if loop is not None else {}),
+                "impl": "static", "cuda_graphs": self.use_graphs, "compile": self.compile,
                 "verify_widths": list(self.plan.verify_widths),
                 "device_loop": self.device_loop is not None,
                 "attention": self.attention, "linear": self.linear,
                 # rows up to which the in-projections run small_linear (the draft: all or none)
                 "linear_in": {"target": self.linear_in, "draft": MAX_ROWS if self.draft_linear_in else 0},
-                "glu": {"target": self.glu, "draft": self.draft_glu},  # DFLASH_GLU
-                "norm_kernel": self.norm_kernel,  # DFLASH_NORM_KERNEL
-                **({"linear_one_tile": True} if self.linear != "torch" and one_tile_setting() else {}),
+                "glu": {"target": self.glu, "draft": self.draft_glu},
+                "norm_kernel": self.norm_kernel,
                 **({"fuse_norm": {"target": self.fuse_norm, "draft": self.draft_fuse_norm}}
-                   if self.fuse_norm or self.draft_fuse_norm else {}),  # DFLASH_FUSE_NORM
-                **({"fuse_norm_form": "partials"} if self.norm_partials else {}),  # DFLASH_FUSE_NORM_FORM
-                **({"attn_split": {"target": split_setting(head_dim=self.head_dim),
-                                   "draft": split_setting(draft=True, head_dim=self._draft_head_dim())},
-                    "attn_one_slice": {"target": one_slice_setting(head_dim=self.head_dim),
-                                       "draft": one_slice_setting(draft=True, head_dim=self._draft_head_dim())},
-                    "attn_block": iter_keys(),
-                    "attn_early": early_setting()}
+                   if self.fuse_norm or self.draft_fuse_norm else {}),
+                **({"attn_split": self.settings.attn_split,
+                    "attn_one_slice": {"target": one_slice(self.settings, self.head_dim),
+                                       "draft": one_slice(self.settings, self._draft_head_dim())},
+                    "attn_block": self.settings.attn_block, "attn_early": self.settings.attn_early}
                    if self.attention != "sdpa" else {}),  # the split-KV kernel's keys per program, per iteration
-                "draft_linear": self.draft_linear, "l2_prefetch_bytes": self.prefetch,
-                "step_compile": self.step_compile and self.compile and self.device_loop is not None,
-                "head_argmax": self.head_argmax,
+                "draft_linear": self.draft_linear,
                 "rope_kernel": {"draft": self.draft_rope, "target": self.target_rope},
-                **({"qkv_rope": dict(zip(("target", "draft"), self.qkv_rope_live(), strict=True))}
-                   if any(self.qkv_rope_live()) else {})}  # DFLASH_QKV_ROPE  # fmt: skip
-
-    def qkv_rope_live(self) -> tuple[bool, bool]:
-        """Whether the forwards run :func:`~dflash.kernels.qkv_rope.qkv_rope` (target, draft):
-        its switches, less what keeps the forwards from using it (the norms' partial sums, the L2
-        prefetch)."""
-        off = bool(self.norm_partials or self.prefetch)
-        return self.qkv_rope_target and not off, self.qkv_rope_draft and not off
+                "pdl": {part: kl.pdl for part, kl in self.launch.items()},
+                **({"qkv_rope": {"target": self.qkv_rope_target, "draft": self.qkv_rope_draft}}
+                   if self.qkv_rope_target or self.qkv_rope_draft else {})}  # fmt: skip

@@ -22,10 +22,11 @@ own keys and one graph covers every length. ``compile`` wraps the forward of a s
 ``torch.compile`` (Inductor, kernels cached under ``$DFLASH_CACHE/inductor``) before capture.
 If compiling or capturing fails, the generator warns and goes on without compile, then (if
 that fails too) with the dense attention, restoring the decode state of the failed attempt;
-an error of the dense path is raised. ``DFLASH_BATCHED_KV_LENGTHS=0`` /
-``DFLASH_BATCHED_COMPILE=0`` turn them off.
+an error of the dense path is raised. The ``batched_kv_lengths`` and ``batched_compile``
+settings (:class:`~dflash.kernels.settings.KernelSettings`) turn them off.
 
-Targets: dense full-attention Llama/Qwen2/Qwen3 (see ``static_torch.supports_static``). Written
+Targets: dense full-attention Llama/Qwen2/Qwen3 (see
+:func:`dflash.backends.static.backend.supports_static`). Written
 for ``dflash data regenerate``; kept backend-level so a batched speculative loop or a server can
 reuse the caches and the step (brief §8.2 regenerates training data with a batched server).
 """
@@ -33,7 +34,6 @@ reuse the caches and the step (brief §8.2 regenerates training data with a batc
 from __future__ import annotations
 
 import math
-import os
 import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -44,22 +44,11 @@ import torch.nn.functional as F
 
 from dflash.backends.static.graph_plan import allow_recompiles, inductor_cache_dir
 from dflash.errors import InputError
+from dflash.kernels.settings import ENV
 from dflash.models.draft_torch import apply_rope, rope_cos_sin
 
 KV_BLOCK = 128  # keys per FlexAttention block (the kv_lengths path rounds capacity up to it)
-KV_LENGTHS_ENV, COMPILE_ENV = "DFLASH_BATCHED_KV_LENGTHS", "DFLASH_BATCHED_COMPILE"
 _FLEX: dict[str, Any] = {}
-
-
-def _switch(arg: bool | None, env: str, default: bool) -> bool:
-    """An explicit argument wins; else ``$env`` ("0"/"false"/"off" = off, anything else = on);
-    else ``default``."""
-    if arg is not None:
-        return bool(arg)
-    val = os.environ.get(env)
-    if val is None or val == "":
-        return default
-    return val.strip().lower() not in ("0", "false", "off", "no")
 
 
 def _flex_fn(device: torch.device):
@@ -147,10 +136,10 @@ class BatchedGenerator:
             live row (fewer bytes early in a response; one graph per bucket).
         refill_fraction: prefill new prompts once this share of rows is free (or none is live).
         kv_lengths: attend each row over its own filled length (FlexAttention block mask) instead
-            of the longest row's; None = ``$DFLASH_BATCHED_KV_LENGTHS`` if set, else on for CUDA.
+            of the longest row's; None = on for CUDA (the ``batched_kv_lengths`` setting).
             Allocates capacity rounded up to 128 slots.
         compile: ``torch.compile`` the forward of a step before graph capture (graphs only);
-            None = ``$DFLASH_BATCHED_COMPILE`` if set, else on with kv_lengths (the dense path
+            None = on with kv_lengths (the ``batched_compile`` setting; the dense path
             compiles once per width bucket, about a minute each, so it is off there).
 
     Memory: 2 x layers x B x kv_heads x capacity x head_dim elements of the model dtype
@@ -168,8 +157,8 @@ class BatchedGenerator:
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.use_graphs = use_graphs and self.device.type == "cuda"
-        self.kv_lengths = _switch(kv_lengths, KV_LENGTHS_ENV, self.device.type == "cuda")
-        self.compile = _switch(compile, COMPILE_ENV, self.kv_lengths) and self.use_graphs
+        self.kv_lengths = self.device.type == "cuda" if kv_lengths is None else bool(kv_lengths)
+        self.compile = (self.kv_lengths if compile is None else bool(compile)) and self.use_graphs
         self._compiled: dict[bool, Any] = {}
         self._eager_ok = False
         self.b, self.capacity = max_batch, capacity
@@ -356,7 +345,7 @@ class BatchedGenerator:
         what = "torch.compile" if self.compile else "kv_lengths attention"
         msg = str(e).splitlines()[0][:200] if str(e) else ""
         print(f"dflash: batched {what} failed ({type(e).__name__}: {msg}); continuing without it "
-              f"(DFLASH_BATCHED_COMPILE=0 / DFLASH_BATCHED_KV_LENGTHS=0 silence this).",
+              f"({ENV['batched_compile']}=0 / {ENV['batched_kv_lengths']}=0 silence this).",
               file=sys.stderr, flush=True)  # fmt: skip
         if self.compile:
             self.compile = False

@@ -6,81 +6,92 @@ under the PDL part of its forward, and the fall-back after a failed capture.
 
 from __future__ import annotations
 
-import os
+import sys
+from contextlib import contextmanager
 from functools import partial
 
 import torch
 
-from dflash.backends.static.graph_plan import allow_recompiles, inductor_cache_dir, warm_replays
-from dflash.backends.static.switches import fall_back, inductor_pdl
-from dflash.kernels.pdl import pdl_enabled, pdl_part
+from dflash.backends.static.graph_plan import allow_recompiles, inductor_cache_dir
+from dflash.kernels.settings import ENV, fall_back
+
+
+@contextmanager
+def inductor_pdl(on: bool, device: torch.device):
+    """Inductor's PDL code (``torch._inductor.config.triton.enable_pdl``, a process-wide setting
+    read when a forward compiles) set to ``on`` meanwhile, on CUDA where this torch has it, and
+    restored afterwards (other ``torch.compile`` users in the process keep their setting).
+
+    Dynamo does not guard compiled code on it: a frame shared by the draft's and the target's
+    forwards keeps the setting of its first compile under the ``pdl`` setting ``draft``; both
+    are exact."""
+    import torch._inductor.config as inductor_config
+
+    if device.type != "cuda" or not hasattr(inductor_config.triton, "enable_pdl"):
+        yield
+        return
+    before = inductor_config.triton.enable_pdl
+    inductor_config.triton.enable_pdl = on
+    try:
+        yield
+    finally:
+        inductor_config.triton.enable_pdl = before
 
 
 class StaticGraphs:
     """The graph methods of :class:`~dflash.backends.static.backend.StaticBackend` (which holds
-    the state they use: ``graphs``, ``plan``, ``device_loop``, ``compile``, the forwards)."""
+    the state they use: ``graphs``, ``plan``, ``device_loop``, ``compile``, ``settings``, the
+    forwards)."""
 
     def capture_all(self) -> None:
         """Capture the plan's graphs that are not captured yet (verify 1 and L, draft L).
 
-        Each new graph is then replayed ``DFLASH_GRAPH_WARM`` times (default 3, see
-        :func:`~dflash.backends.static.graph_plan.warm_replays`) before the request's first token: a
-        graph's first launch uploads it to the device, and in a fresh process the GPU is still
-        idle from compiling; both would otherwise land in the first decode steps of the first
-        request. The static inputs made at capture point at the last cache rows, which no request
-        reaches before overwriting them, so the replays are harmless.
-
-        Raises:
-            InputError: ``DFLASH_GRAPH_WARM`` is not a whole number >= 0 (before any capture).
+        Each new graph is then replayed ``graph_warm`` times (the setting, default 3) before the
+        request's first token: a graph's first launch uploads it to the device, and in a fresh
+        process the GPU is still idle from compiling; both would otherwise land in the first
+        decode steps of the first request. The static inputs made at capture point at the last
+        cache rows, which no request reaches before overwriting them, so the replays are
+        harmless. A fall-back after a failed capture drops every graph, so the loop runs until
+        all are captured with the same settings.
         """
-        warm = warm_replays()
         keys = self.plan.keys()
         if self.device_loop is not None:  # the same forwards with the device loop's glue
             keys += [("d" + kind, width) for kind, width in keys]
-        new = [key for key in keys if key not in self.graphs]
-        for kind, width in keys:
-            if kind == "verify":
-                self._verify_graph(width)
-            elif kind == "draft":
-                self._draft_graph(width)
-            else:
-                self._device_graph(kind, width)
+        new: set[tuple[str, int]] = set()
+        while any(key not in self.graphs for key in keys):
+            for kind, width in keys:
+                if (kind, width) in self.graphs:
+                    continue
+                new.add((kind, width))
+                if kind == "verify":
+                    self._verify_graph(width)
+                elif kind == "draft":
+                    self._draft_graph(width)
+                else:
+                    self._device_graph(kind, width)
+        warm = self.settings.graph_warm
         if new and warm > 0:
             for _ in range(warm):
-                for key in new:
-                    self.graphs[key][0].replay()
+                for key in keys:
+                    if key in new:
+                        self.graphs[key][0].replay()
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
 
     def _fn(self, kind: str, width: int = 0):
-        """The forward a graph captures: eager, or once wrapped in ``torch.compile``; for the
-        device loop's kinds (``dverify``, ``ddraft``) its glue around that forward."""
-        head = {"argmax": True} if self.head_argmax else {}  # DFLASH_HEAD_ARGMAX: no logits
-        dhead = self.device_loop_draft_kw()  # the device loop's draft: proposals only
-        if kind in ("dverify", "ddraft") and self.compile and self.step_compile:
-            key = f"{kind}-{width}"  # glue and forward traced as one function (DFLASH_STEP_COMPILE)
-            if key not in self._compiled:
-                inductor_cache_dir()
-                lp = self.device_loop
-                step = (partial(lp.verify_step, width, partial(self._target_forward, **head), whole=True)
-                        if kind == "dverify" else partial(lp.draft_step, partial(self._draft_forward, **dhead),
-                                                          whole=True))  # fmt: skip
-                mode = os.environ.get("DFLASH_COMPILE_MODE") or None  # as the forwards below
-                self._compiled[key] = torch.compile(step, dynamic=False, mode=mode)
-            return self._compiled[key]
+        """The forward a graph captures: eager, or once wrapped in ``torch.compile`` (the
+        ``compile_mode`` setting, None: torch's default); for the device loop's kinds
+        (``dverify``, ``ddraft``) its glue around that forward (the draft's proposals only)."""
         if kind == "dverify":
-            return lambda: self.device_loop.verify_step(width, partial(self._fn("verify"), **head))
+            return lambda: self.device_loop.verify_step(width, self._fn("verify"))
         if kind == "ddraft":
-            return lambda: self.device_loop.draft_step(partial(self._fn("draft"), **dhead))
+            return lambda: self.device_loop.draft_step(partial(self._fn("draft"), logits=False))
         eager = self._target_forward if kind == "verify" else self._draft_forward
         if not self.compile:
             return eager
         if kind not in self._compiled:
             inductor_cache_dir()
-            # DFLASH_COMPILE_MODE (e.g. max-autotune-no-cudagraphs: Triton GEMM templates tuned
-            # per shape, minutes the first time) is an experiment; the default mode is measured.
-            mode = os.environ.get("DFLASH_COMPILE_MODE") or None
-            self._compiled[kind] = torch.compile(eager, dynamic=False, mode=mode)
+            self._compiled[kind] = torch.compile(eager, dynamic=False, mode=self.settings.compile_mode)
         return self._compiled[kind]
 
     def _graph(self, kind: str, width: int, make_inputs):
@@ -97,21 +108,42 @@ class StaticGraphs:
             allow_recompiles()  # per thread: a server captures in its worker thread)
         part = "draft" if kind in ("draft", "ddraft") else "target"
         try:
-            with pdl_part(part):  # DFLASH_PDL=draft: PDL in the draft's graphs only
-                with inductor_pdl(pdl_enabled(self.device, inductor=True), self.device):
-                    self.graphs[key] = self._capture(self._fn(kind, width), static_inputs)
+            with inductor_pdl(self.pdl_on(part, inductor=True), self.device):  # per forward
+                self.graphs[key] = self._capture(self._fn(kind, width), static_inputs)
         except Exception as e:  # noqa: BLE001 - Inductor/Triton raise many types
-            if not self._fall_back(e, part, kind):
+            if not self._fall_back(e, part):
                 raise
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             return self._graph(kind, width, make_inputs)
         return self.graphs[key]
 
-    def _fall_back(self, error: Exception, part: str | None = None, kind: str | None = None) -> bool:
-        """After a failed capture (of a ``kind`` graph), turn off the next optional piece (see
-        :func:`~dflash.backends.static.switches.fall_back`); False when nothing is left."""
-        return fall_back(self, error, part, kind)
+    def _fall_back(self, error: Exception, part: str | None = None) -> bool:
+        """After a failed capture (of the ``part`` forward's graph): the settings with the next
+        live kernel off (:func:`~dflash.kernels.settings.fall_back`), else ``torch.compile``
+        off, with one line on stderr; every graph is then captured again with them. False when
+        nothing is left to turn off."""
+        why = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:200]}"
+        step = fall_back(self.settings, self.live_kernels(part))
+        if step is not None:
+            settings, what, fix = step
+            if settings.pdl != self.settings.pdl:  # compiled code has no guard on it: compile again
+                self._compiled.clear()
+                if self.device_loop is not None:
+                    self.device_loop._compiled.clear()
+                torch._dynamo.reset()
+            self.configure(settings)
+        elif self.compile:
+            self.compile = False
+            mode = self.settings.compile_mode
+            what = "torch.compile"
+            fix = f"eager ops (check {ENV['compile_mode']}={mode!r}, or --no-compile)" if mode else \
+                "eager ops (--no-compile silences this)"
+        else:
+            return False
+        self.graphs.clear()  # every graph again, with the same settings
+        print(f"dflash: {what} failed ({why}); continuing with {fix}.", file=sys.stderr)
+        return True
 
     def _capture(self, fn, static_inputs):
         """Warm ``fn`` up, then capture it into a new graph with its own memory pool."""

@@ -8,18 +8,18 @@ position, tokens committed, the budget) lives in device tensors, the greedy acce
 commit are captured in the verify graph, and the draft graph reads its anchor and context rows
 from that state. The host only launches steps and reads what each one committed (pinned memory,
 one event per step) while more work is queued behind it: the next step's draft by default,
-the whole next step under ``DFLASH_QUEUE_AHEAD=step`` and at block size 1. So the one host sync
+the whole next step under the ``queue_ahead`` setting ``step`` and at block size 1. So the one host sync
 per step does not stall the GPU, as long as the host queues the next verify within a draft's
 time (about 0.17 ms on the demo pair) after reading a step.
 
 Used by :func:`dflash.loop.speculative_generate` for greedy requests at a fixed block size on a
-:class:`~dflash.backends.static.backend.StaticBackend` that has it (CUDA graphs; ``DFLASH_DEVICE_LOOP=0``
-turns it off). The committed tokens are exactly those of the host loop: the same graphs'
+:class:`~dflash.backends.static.backend.StaticBackend` that has it (CUDA graphs; the
+``device_loop`` setting turns it off). The committed tokens are exactly those of the host loop: the same graphs'
 forwards, the same greedy prefix rule (paper §4 / brief §3.3), the same budget trimming. One
 difference in kernels: the step that has a single token of budget left verifies at the padded
 width instead of width 1 (same argmax up to bf16 rounding of that row).
 
-What is queued while the host reads a step (``DFLASH_QUEUE_AHEAD``, :func:`queue_ahead`): at
+What is queued while the host reads a step (the ``queue_ahead`` setting): at
 block sizes > 1, by default only the next step's draft; the host queues that step's verify as
 soon as it has read the tokens, while the draft runs (about 0.17 ms on the demo pair, against
 tens of microseconds of host work). A request's last step is then followed by one wasted draft,
@@ -37,7 +37,6 @@ them.
 
 from __future__ import annotations
 
-import os
 from functools import partial
 from typing import Any
 
@@ -45,50 +44,7 @@ import torch
 
 from dflash.backends.static.fused import row_argmax
 
-DEVICE_LOOP_ENV = "DFLASH_DEVICE_LOOP"
 RING = 4  # pinned host slots: at most two steps are in flight
-GLUE_ENV = "DFLASH_COMPILE_GLUE"
-STEP_ENV = "DFLASH_STEP_COMPILE"
-QUEUE_ENV = "DFLASH_QUEUE_AHEAD"
-OFF = ("0", "false", "no", "off")
-
-
-def queue_ahead() -> str:
-    """``DFLASH_QUEUE_AHEAD``: what the device loop queues ahead while the host reads a step's
-    committed tokens, at block sizes > 1. ``draft`` (default): the next step's draft only, its
-    verify once the tokens are read (a finished request wastes one draft); ``step``: the whole
-    next step (a finished request wastes a draft and a verify). Same tokens either way.
-
-    Raises:
-        InputError: another value.
-    """
-    from dflash.errors import env_choice
-
-    return env_choice(QUEUE_ENV, ("draft", "step"))
-
-
-def step_compile_default() -> bool:
-    """``DFLASH_STEP_COMPILE=1``: compile each device-loop graph's glue and forward as one
-    function (Inductor may fuse the glue into the forward's first and last kernels: the block's
-    ids into the embedding gather, the proposals' copy into the argmax) instead of the forward
-    and the glue apart; off by default until measured on a GPU. The forwards are compiled once
-    more for these graphs (the host loop's graphs keep theirs).
-
-    Raises:
-        InputError: another value than 0/1 (or unset).
-    """
-    raw = os.environ.get(STEP_ENV, "").strip().lower()
-    if raw not in ("", "0", "1"):
-        from dflash.errors import InputError
-
-        raise InputError(f"{STEP_ENV} must be 0 or 1, got {raw!r}.", hint="unset it for the default (0)")
-    return raw == "1"
-
-
-def device_loop_default() -> bool:
-    """Whether the graph path runs greedy requests through the device loop
-    (``DFLASH_DEVICE_LOOP``, default on; ``0`` runs the host loop, for side-by-side timing)."""
-    return os.environ.get(DEVICE_LOOP_ENV, "").strip().lower() not in OFF
 
 
 def verify_inputs(tok, props, pos, arange, width: int):
@@ -106,8 +62,8 @@ def draft_inputs(tok, mask_ids, pos, arange):
 def commit(logits, props, tok, pos, n, budget, lim, last, arange) -> None:
     """Greedy acceptance and commit of one verify step, in place (paper §4 / brief §3.3).
 
-    logits [W, V] of the rows [anchor, props[:W-1]] (or already their argmax ids [W]: the
-    verify forward with ``DFLASH_HEAD_ARGMAX``); the longest prefix of proposals equal to
+    logits [W, V] of the rows [anchor, props[:W-1]] (or already their argmax ids [W]); the
+    longest prefix of proposals equal to
     the target's argmax, capped by ``lim`` and the budget left, plus the bonus token. Writes
     ``last`` [1 + L] (count, tokens, zero-padded), moves ``tok``/``pos``/``n`` [1]; a step with
     no budget left commits nothing and moves nothing. The committed tokens are those of
@@ -164,34 +120,32 @@ class DeviceLoop:
         self.events = [torch.cuda.Event() for _ in range(RING)] if pin else None
         self.launched = 0  # verifies queued (slots used), for tests and benchmarks
         self.drafted = 0  # drafts queued
-        self.ahead = queue_ahead()  # DFLASH_QUEUE_AHEAD: "draft" or "step"
+        self.ahead = be.settings.queue_ahead  # "draft" or "step"
         self._compiled: dict[str, Any] = {}
 
     # -- glue captured in the graphs --------------------------------------------------------
-    def verify_step(self, width: int, verify_fn, whole: bool = False) -> None:
+    def verify_step(self, width: int, verify_fn) -> None:
         """Verify [anchor, props[:width-1]] at ``pos``, accept the longest greedy prefix (capped
         by ``lim`` and the budget), commit it plus the bonus token; writes ``last`` and moves the
-        state. No host sync. ``whole``: the caller compiles this whole step (glue run as is)."""
-        ids, pos = self._glue("verify_inputs", verify_inputs, whole)(self.tok, self.props, self.pos, self.arange, width)
-        logits = verify_fn(ids, pos)  # [W, V], or the greedy ids [W] (DFLASH_HEAD_ARGMAX)
-        self._glue("commit", commit, whole)(logits, self.props, self.tok, self.pos, self.n, self.budget,
-                                            self.lim, self.last, self.arange)  # fmt: skip
+        state. No host sync."""
+        ids, pos = self._glue("verify_inputs", verify_inputs)(self.tok, self.props, self.pos, self.arange, width)
+        logits = verify_fn(ids, pos)  # [W, V]
+        self._glue("commit", commit)(logits, self.props, self.tok, self.pos, self.n, self.budget,
+                                     self.lim, self.last, self.arange)  # fmt: skip
 
-    def draft_step(self, draft_fn, ctx_pos: torch.Tensor | None = None, whole: bool = False) -> None:
+    def draft_step(self, draft_fn, ctx_pos: torch.Tensor | None = None) -> None:
         """Draft a block of width L at ``pos`` from the anchor ``tok``; proposals go to
         ``props``. The draft reads the context rows ``ctx_pos``, by default the last L committed
-        rows (clamped at 0 for short prompts: a row written twice gets the same values).
-        ``whole`` as :meth:`verify_step`."""
-        block, window = self._glue("draft_inputs", draft_inputs, whole)(self.tok, self.mask_ids, self.pos, self.arange)
+        rows (clamped at 0 for short prompts: a row written twice gets the same values)."""
+        block, window = self._glue("draft_inputs", draft_inputs)(self.tok, self.mask_ids, self.pos, self.arange)
         proposals, _ = draft_fn(block, self.pos, window if ctx_pos is None else ctx_pos)
         self.props.copy_(self.proposals_hook(proposals))
 
-    def _glue(self, name: str, fn, whole: bool = False):
+    def _glue(self, name: str, fn):
         """``fn`` as it runs in the graphs: compiled with the backend's forwards (one or two
         fused kernels instead of about 25 small ones per step, ~2.5 us each in a graph), else
-        eager. ``DFLASH_COMPILE_GLUE=0`` keeps it eager (side-by-side timing); ``whole``: as is
-        (the caller compiles the step around it)."""
-        if whole or not (self.be.compile and os.environ.get(GLUE_ENV, "1").strip().lower() not in OFF):
+        eager. The ``compile_glue`` setting off keeps it eager (side-by-side timing)."""
+        if not (self.be.compile and self.be.settings.compile_glue):
             return fn
         if name not in self._compiled:
             self._compiled[name] = torch.compile(fn, dynamic=False)
@@ -238,7 +192,7 @@ class DeviceLoop:
             be._device_graph("ddraft", self.width)[0].replay()
         else:
             with torch.inference_mode():
-                self.draft_step(partial(be._draft_forward, **be.device_loop_draft_kw()))
+                self.draft_step(partial(be._draft_forward, logits=False))
 
     def launch_verify(self, block_size: int) -> int:
         """Queue the verify and commit of the step whose draft is queued (width 1 for
@@ -253,17 +207,13 @@ class DeviceLoop:
             be._device_graph("dverify", width)[0].replay()
         else:
             with torch.inference_mode():
-                self.verify_step(width, partial(be._target_forward, **self._head()))
+                self.verify_step(width, be._target_forward)
         slot = self.launched % RING
         self.launched += 1
         self.host[slot].copy_(self.last, non_blocking=self.events is not None)
         if self.events is not None:
             self.events[slot].record()
         return slot
-
-    def _head(self) -> dict:
-        """The forwards' head argument as the graphs capture them (``DFLASH_HEAD_ARGMAX``)."""
-        return {"argmax": True} if getattr(self.be, "head_argmax", False) else {}
 
     def read(self, slot: int) -> list[int]:
         """Tokens committed by the step in ``slot`` (waits for that step only)."""

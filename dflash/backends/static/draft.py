@@ -4,7 +4,7 @@ Split from :mod:`dflash.backends.static.fused` (the target's forward and the sha
 stay there). :func:`draft_forward_fused` is :meth:`DFlashDraft.forward
 <dflash.models.draft_torch.DFlashDraft.forward>` for the static cache.
 
-Tried and removed (twenty-third session, ``benchmarks/results/h200-v23/4-draft-ctx-kv``): every
+Tried and removed (``benchmarks/results/h200-v23/4-draft-ctx-kv``): every
 layer's context keys and values in one projection (``hidden_norm`` inside it), the layers' qkv
 kernels on the block rows only with the input norm inside, ``rope_cache`` taking the context
 rows' K/V from that projection: five kernels fewer, but the demo draft's graph took 0.154 /
@@ -17,40 +17,36 @@ import torch
 import torch.nn.functional as F
 
 from dflash.backends.static.fused import (
-    _after_qkv,
     _in_proj,
     _in_proj_joint,
     _mlp,
     _mlp_rn,
     _out_proj,
-    _out_proj_sq,
     _out_projs_fit,
     _plain,
     _rotate,
     attend,
-    pack_mask,
     realized,
 )
-from dflash.kernels import l2_prefetch
 from dflash.kernels.qkv_rope import qkv_rope
 from dflash.kernels.rope_cache import rope_cache, rope_cache_fits
+from dflash.kernels.settings import Launch
 from dflash.kernels.small_linear import MAX_ROWS as LINEAR_MAX_ROWS
 from dflash.kernels.small_linear import small_linear
 from dflash.kernels.split_attention import split_attention
 from dflash.models.draft_torch import rope_cos_sin
 
 
-def draft_forward_fused(draft, fused, block_embeds, target_hidden, q_pos, ctx_pos, cache, masks,
-                        pack_gqa: bool = False, split_kinds=frozenset(), lin: bool = False,
-                        lin_in: bool = False, rope: bool = False, prefetch=None, glu: bool = False,
-                        folded=None, partials: bool = False, qkv_fused: bool = False,
-                        final_norm: bool = True, tables=None):  # fmt: skip
+def draft_forward_fused(draft, fused, block_embeds, target_hidden, q_pos, ctx_pos, cache, masks, kl: Launch,
+                        split_kinds=frozenset(), lin: bool = False, lin_in: bool = False, rope: bool = False,
+                        glu: bool = False, folded=None, qkv_fused: bool = False, final_norm: bool = True,
+                        tables=None):  # fmt: skip
     """:meth:`DFlashDraft.forward` for the static cache with fused projections.
 
     Context and block rows go through one QKV matmul ([Tc + L] rows; the context rows' Q is
     computed and dropped, cheaper than a second launch). Args as the draft's forward, with
     ``cache`` a StaticDraftCache (``write_pos`` set) and ``masks`` given (bool, not None);
-    ``pack_gqa`` as :func:`attend`. Returns [1, L, H].
+    ``kl``: how the kernels launch (the settings and PDL). Returns [1, L, H].
 
     ``split_kinds``: layer types whose block rows see every context row and the whole block
     (no causal rule, no window). Those layers write the block's K/V into the cache at the block's
@@ -64,31 +60,24 @@ def draft_forward_fused(draft, fused, block_embeds, target_hidden, q_pos, ctx_po
     gate+up projections too (``glu``: with SiLU(gate) * up as that kernel's epilogue,
     :func:`~dflash.kernels.small_linear.small_linear_glu`); ``folded``: per layer (None, gate+up
     with the post-attention norm's weight folded in, :func:`fold_norms`) to run that norm inside
-    the gate+up kernel (``DFLASH_FUSE_NORM``), or None; ``partials``: with ``folded``, that
-    norm's sums of squares written by the o_proj kernel (:mod:`dflash.kernels.norm_partials`);
-    ``rope``: in ``split_kinds`` layers the q/k norm, RoPE and the
-    context and block rows' cache writes run as one :func:`~dflash.kernels.rope_cache.rope_cache`
-    kernel (the caller checks :func:`draft_rope_fits`); ``prefetch``: (sink, bytes) for an L2
-    prefetch of each layer's o_proj, gate+up and down_proj weights after its qkv projection
-    (:mod:`dflash.kernels.l2_prefetch`), or None; ``qkv_fused``: with ``rope`` (and ``lin_in``,
-    no ``prefetch``) the qkv projection inside that kernel too
-    (:func:`~dflash.kernels.qkv_rope.qkv_rope`, ``DFLASH_QKV_ROPE``); ``final_norm=False``: the
-    last layer's output without the final norm (the caller's head has the norm's weight folded
-    in and takes only the argmax, which the norm's positive per-row scale does not change);
-    ``tables``: (cos, sin) [S, D] RoPE tables of every cache position, which the RoPE kernel
-    reads by position when every layer runs it (no per-call tables), or None.
+    the gate+up kernel (the ``fuse_norm`` setting), or None; ``rope``: in ``split_kinds`` layers
+    the q/k norm, RoPE and the context and block rows' cache writes run as one
+    :func:`~dflash.kernels.rope_cache.rope_cache` kernel (the caller checks
+    :func:`draft_rope_fits`); ``qkv_fused``: with ``rope`` (and ``lin_in``) the qkv projection
+    inside that kernel too (:func:`~dflash.kernels.qkv_rope.qkv_rope`, the ``qkv_rope``
+    setting); ``final_norm=False``: the last layer's output without the final norm (the
+    caller's head has the norm's weight folded in and takes only the argmax, which the norm's
+    positive per-row scale does not change); ``tables``: (cos, sin) [S, D] RoPE tables of every
+    cache position, which the RoPE kernel reads by position when every layer runs it (no
+    per-call tables), or None.
     """
     cfg, tc, lq = draft.config, target_hidden.shape[1], block_embeds.shape[1]
-    groups = cfg.num_attention_heads // cfg.num_key_value_heads
-    packed = pack_gqa and groups > 1
-    if packed:
-        masks = {kind: pack_mask(m, groups, lq) for kind, m in masks.items()}
     fc = draft.fc
     if lin and tc <= LINEAR_MAX_ROWS and _plain(fc, target_hidden.dtype):  # one kernel, not
-        ctx = draft.hidden_norm(small_linear(target_hidden[0].contiguous(), fc.weight, fc.bias)[None])
+        ctx = draft.hidden_norm(small_linear(target_hidden[0].contiguous(), fc.weight, fc.bias, launch=kl)[None])
     else:  # cuBLAS's split-K GEMM and its reduction (two, ~7 us on the H200)
         ctx = draft.hidden_norm(fc(target_hidden))  # [1, Tc, H]
-    qkv_fused = qkv_fused and lin_in and not prefetch and tc + lq <= LINEAR_MAX_ROWS
+    qkv_fused = qkv_fused and lin_in and tc + lq <= LINEAR_MAX_ROWS
     by_pos = (tables is not None and rope and not qkv_fused
               and all(kind in split_kinds for kind in cfg.layer_types))  # fmt: skip
     if by_pos:  # every layer's RoPE kernel reads the tables at its rows' positions
@@ -106,33 +95,28 @@ def draft_forward_fused(draft, fused, block_embeds, target_hidden, q_pos, ctx_po
     wpos = realized(torch.cat((cache.write_pos, q_pos[0])))[0] if rope and split_kinds else None
     # early: after the first RoPE-kernel call every buffer made in the graph for these kernels
     # (cos/sin, wpos, q_pos) was written before an earlier layer's kernels, so the RoPE kernel
-    # and the attention may load them before their PDL wait (qkv_rope, DFLASH_ATTN_EARLY)
+    # and the attention may load them before their PDL wait (the attn_early setting)
     early = False
     for i, layer in enumerate(draft.layers):
         a, (qkv, gate_up) = layer.self_attn, fused[i]
         d, kind = a.head_dim, cfg.layer_types[i]
         x = torch.cat((ctx, layer.input_layernorm(h)), 1)  # [1, Tc + L, H]
         fg = folded[i][1] if folded is not None and lin_in else None  # gate+up, norm folded in
-        after = _after_qkv(a, fg if fg is not None else gate_up, layer.mlp) if prefetch else ()  # read next (L2 prefetch)
-        if wpos is not None and kind in split_kinds and qkv_fused:  # DFLASH_QKV_ROPE
+        if wpos is not None and kind in split_kinds and qkv_fused:  # the qkv_rope setting
             kc, vc = cache.keys[i], cache.values[i]
             # early: after the first such call the tables and wpos were written long before
             q = qkv_rope(x[0], qkv.weight, qkv.bias, None, a.q_norm, a.k_norm, cos, sin, wpos, kc, vc, tc,
-                         a.heads, a.kv_heads, early)  # fmt: skip
-            out = split_attention(q, kc, vc, see, None, draft=True, early=early)
+                         a.heads, a.kv_heads, early, kl)  # fmt: skip
+            out = split_attention(q, kc, vc, see, None, early, kl)
             early = True
         elif wpos is not None and kind in split_kinds:
-            raw = _in_proj_joint(lin_in, qkv, x)  # [Tc + L, (H + 2 Hkv) D]
-            if prefetch:
-                l2_prefetch.prefetch(prefetch[0], raw, after, prefetch[1])
+            raw = _in_proj_joint(lin_in, qkv, x, kl)  # [Tc + L, (H + 2 Hkv) D]
             kc, vc = cache.keys[i], cache.values[i]
-            q = rope_cache(raw, a.q_norm, a.k_norm, cos, sin, wpos, kc, vc, tc, a.heads, a.kv_heads, early)
-            out = split_attention(q, kc, vc, see, None, draft=True, early=early)
+            q = rope_cache(raw, a.q_norm, a.k_norm, cos, sin, wpos, kc, vc, tc, a.heads, a.kv_heads, early, kl)
+            out = split_attention(q, kc, vc, see, None, early, kl)
             early = True
         else:
-            q, k, v = _in_proj(lin_in, qkv, x)  # [1, Tc + L, *]
-            if prefetch:
-                l2_prefetch.prefetch(prefetch[0], q, after, prefetch[1])
+            q, k, v = _in_proj(lin_in, qkv, x, kl)  # [1, Tc + L, *]
             q = _rotate(a.q_norm(q[:, tc:].view(1, lq, a.heads, d).transpose(1, 2)),
                         cos[:, :, tc:], sin[:, :, tc:])  # fmt: skip
             k = _rotate(a.k_norm(k.view(1, tc + lq, a.kv_heads, d).transpose(1, 2)), cos, sin)
@@ -141,22 +125,17 @@ def draft_forward_fused(draft, fused, block_embeds, target_hidden, q_pos, ctx_po
             if kind in split_kinds:
                 kc.index_copy_(2, q_pos[0], k[:, :, tc:])
                 vc.index_copy_(2, q_pos[0], v[:, :, tc:])
-                out = split_attention(q, kc, vc, see, None, draft=True)
+                out = split_attention(q, kc, vc, see, None, launch=kl)
             else:
                 k, v = torch.cat((kc, k[:, :, tc:]), 2), torch.cat((vc, v[:, :, tc:]), 2)
-                out = attend(q, k, v, masks[kind], None, packed)
+                out = attend(q, k, v, masks[kind], None)
         out = out.transpose(1, 2).reshape(1, lq, a.heads * d)
-        if fg is not None and partials:
-            h, sq = _out_proj_sq(a.o_proj, out, h)
-            h = _mlp_rn(lin, fg, layer.mlp.down_proj, F.silu, layer.post_attention_layernorm, h, glu, sq)
-        elif fg is not None:
-            h = _out_proj(lin, a.o_proj, out, h)
-            h = _mlp_rn(lin, fg, layer.mlp.down_proj, F.silu, layer.post_attention_layernorm, h, glu)
+        h = _out_proj(lin, a.o_proj, out, h, kl)
+        if fg is not None:
+            h = _mlp_rn(lin, fg, layer.mlp.down_proj, F.silu, layer.post_attention_layernorm, h, glu, kl)
         else:
-            h = _out_proj(lin, a.o_proj, out, h)
-            h = _mlp(lin, lin_in, gate_up, layer.mlp.down_proj, F.silu, layer.post_attention_layernorm(h), h, glu)
-    if prefetch:
-        l2_prefetch.join(prefetch[0], h)
+            h = _mlp(lin, lin_in, gate_up, layer.mlp.down_proj, F.silu, layer.post_attention_layernorm(h), h, glu,
+                     kl)  # fmt: skip
     return draft.norm(h) if final_norm else h
 
 

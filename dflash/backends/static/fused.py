@@ -9,38 +9,28 @@ Memory: the q/k/v (and gate/up) parameters of the target and the draft are re-po
 slices of the fused tensors (same values, same ``Parameter`` objects), so the HF/eager forwards
 - the reference path - keep working unchanged, no weight is stored twice, and an in-place
 update of a module's weight (``load_state_dict``, an optimizer step) reaches the fused matmul.
-Exception: where the norms run inside the projections (``DFLASH_FUSE_NORM``, :func:`fold_norms`)
+Exception: where the norms run inside the projections (the ``fuse_norm`` setting, :func:`fold_norms`)
 the qkv and gate+up weights with the norms' weights folded in are copies made when the backend
 is built, so a later in-place update does not reach them (build the backend after loading).
 Moving a model to another device or dtype after the backend is built is not supported.
 
-The draft's forward is in :mod:`dflash.backends.static.draft`.
-
-``DFLASH_NO_FUSE=1`` (or ``StaticBackend(fuse=False)``) runs the unfused forwards, to measure
-both side by side.
-
-``DFLASH_GQA_PACK=1`` (or ``StaticBackend(pack_gqa=True)``; fused forwards only, off by default
-until measured) runs grouped-query attention as plain multi-head attention over the KV heads:
-the G query heads sharing a KV head become G*T query rows, and the mask is repeated G times once
-per forward. Same maths per query row; SDPA then needs no GQA support (no K/V repeat over the
-whole cache if the chosen kernel lacks it).
+The draft's forward is in :mod:`dflash.backends.static.draft`. The kernels launch as the
+backend's :class:`~dflash.kernels.settings.Launch` of each forward says (``be.launch``: the
+settings and PDL).
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from dflash.kernels import l2_prefetch
-from dflash.kernels.head_argmax import head_argmax
-from dflash.kernels.norm_partials import small_linear_rnp, small_linear_sq
 from dflash.kernels.qkv_rope import qkv_rope
 from dflash.kernels.rms_norm import MAX_ROWS as NORM_MAX_ROWS
 from dflash.kernels.rms_norm import rms_norm
 from dflash.kernels.rope_cache import norm_eps, rope_cache
+from dflash.kernels.settings import Launch
 from dflash.kernels.small_linear import MAX_ROWS as LINEAR_MAX_ROWS
 from dflash.kernels.small_linear import (
     fold_norm_weight,
@@ -51,43 +41,10 @@ from dflash.kernels.small_linear import (
 from dflash.kernels.split_attention import split_attention, uses_kernel
 from dflash.models.draft_torch import rope_cos_sin
 
-NO_FUSE_ENV = "DFLASH_NO_FUSE"
-GQA_PACK_ENV = "DFLASH_GQA_PACK"
 
-
-def _env_on(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no")
-
-
-def fuse_default() -> bool:
-    """Whether the static path fuses projections unless told otherwise (``DFLASH_NO_FUSE``)."""
-    return not _env_on(NO_FUSE_ENV)
-
-
-def pack_gqa_default() -> bool:
-    """Whether the fused forwards pack GQA query heads into rows (``DFLASH_GQA_PACK=1``)."""
-    return _env_on(GQA_PACK_ENV)
-
-
-def pack_mask(mask: torch.Tensor | None, groups: int, rows: int) -> torch.Tensor | None:
-    """A bool mask [1, 1, T or 1, S] -> [1, 1, G*T, S] for :func:`attend` with packed heads."""
-    if mask is None or groups == 1:
-        return mask
-    return mask.expand(1, 1, rows, mask.shape[-1]).repeat(1, 1, groups, 1)
-
-
-def attend(q, k, v, mask, scale: float | None, packed: bool) -> torch.Tensor:
-    """SDPA of q [1, H, T, D] over k, v [1, Hkv, S, D] -> [1, H, T, D].
-
-    ``packed``: ``mask`` is already :func:`pack_mask`-ed and the query heads of each KV head
-    are folded into rows (head h uses KV head h // G, as ``enable_gqa`` does).
-    """
-    h, hkv, t, d = q.shape[1], k.shape[1], q.shape[2], q.shape[3]
-    if not packed or h == hkv:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=h != hkv)
-    out = F.scaled_dot_product_attention(q.reshape(1, hkv, (h // hkv) * t, d), k, v, attn_mask=mask,
-                                         scale=scale)  # fmt: skip
-    return out.view(1, h, t, d)
+def attend(q, k, v, mask, scale: float | None) -> torch.Tensor:
+    """SDPA of q [1, H, T, D] over k, v [1, Hkv, S, D] with a bool mask -> [1, H, T, D]."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
 
 @dataclass
@@ -160,14 +117,19 @@ def _still_views(fused: FusedLinear, linears) -> bool:
     return True
 
 
+def target_fusable(target) -> bool:
+    """Whether every layer of an HF Llama/Qwen2/Qwen3 target has plain linears to fuse (the
+    static path needs it: :func:`dflash.backends.static.backend.supports_static`)."""
+    return all(fusable(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj)
+               and fusable(layer.mlp.gate_proj, layer.mlp.up_proj) for layer in target.model.layers)  # fmt: skip
+
+
 def fuse_target(target) -> list[tuple[FusedLinear, FusedLinear]] | None:
     """Per layer (qkv, gate_up) fused projections of an HF Llama/Qwen2/Qwen3 target, or None
-    when a layer does not have plain linears (the caller then runs unfused)."""
+    when a layer does not have plain linears (:func:`target_fusable`)."""
     layers = target.model.layers
-    for layer in layers:
-        a, m = layer.self_attn, layer.mlp
-        if not (fusable(a.q_proj, a.k_proj, a.v_proj) and fusable(m.gate_proj, m.up_proj)):
-            return None
+    if not target_fusable(target):
+        return None
     return [(fuse_linears((layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj)),
              fuse_linears((layer.mlp.gate_proj, layer.mlp.up_proj))) for layer in layers]  # fmt: skip
 
@@ -243,50 +205,50 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), -1) * sin
 
 
-def _norm(kernel: bool, norm, x: torch.Tensor) -> torch.Tensor:
+def _norm(kernel: bool, norm, x: torch.Tensor, kl: Launch) -> torch.Tensor:
     """``norm(x)`` for [1, T, H] activations: :func:`~dflash.kernels.rms_norm.rms_norm` when
     ``kernel`` (the caller checked :func:`~dflash.kernels.rms_norm.rms_norm_fits`), else the module."""
     if kernel:
-        return rms_norm(x[0], norm.weight, norm_eps(norm))[None]
+        return rms_norm(x[0], norm.weight, norm_eps(norm), kl.pdl)[None]
     return norm(x)
 
 
-def _out_proj(lin: bool, proj, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+def _out_proj(lin: bool, proj, h: torch.Tensor, x: torch.Tensor, kl: Launch) -> torch.Tensor:
     """x + proj(h) for [1, T, *] activations: one small_linear kernel when ``lin``."""
     if lin:
-        return small_linear(h[0], proj.weight, proj.bias, residual=x[0])[None]
+        return small_linear(h[0], proj.weight, proj.bias, residual=x[0], launch=kl)[None]
     return x + proj(h)
 
 
-def _in_proj_joint(lin: bool, fused: FusedLinear, x: torch.Tensor) -> torch.Tensor:
+def _in_proj_joint(lin: bool, fused: FusedLinear, x: torch.Tensor, kl: Launch) -> torch.Tensor:
     """The fused projection of [1, T, in] activations, unsplit: [T, sum(out_i)]; one
     small_linear kernel when ``lin`` (and T fits)."""
     if lin and x.shape[1] <= LINEAR_MAX_ROWS:
-        return small_linear(x[0], fused.weight, fused.bias)
+        return small_linear(x[0], fused.weight, fused.bias, launch=kl)
     return F.linear(x[0], fused.weight, fused.bias)
 
 
-def _in_proj(lin: bool, fused: FusedLinear, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def _in_proj(lin: bool, fused: FusedLinear, x: torch.Tensor, kl: Launch) -> tuple[torch.Tensor, ...]:
     """fused(x) for [1, T, in] activations, one [1, T, out_i] view per part (as
     :func:`_in_proj_joint`; off the kernel the 3-D matmul, fewer eager ops)."""
     if lin and x.shape[1] <= LINEAR_MAX_ROWS:
-        return _in_proj_joint(lin, fused, x)[None].split(fused.sizes, dim=-1)
+        return _in_proj_joint(lin, fused, x, kl)[None].split(fused.sizes, dim=-1)
     return fused(x)
 
 
 def _mlp(lin: bool, lin_in: bool, gate_up: FusedLinear, down, act, h: torch.Tensor, x: torch.Tensor,
-         glu: bool = False) -> torch.Tensor:  # fmt: skip
+         glu: bool, kl: Launch) -> torch.Tensor:  # fmt: skip
     """x + down(act(gate) * up) for the normed [1, T, H] activations ``h``; ``glu`` (the act is
     SiLU): SiLU(gate) * up as the gate+up kernel's epilogue where that runs ``small_linear``."""
     if glu and lin_in and h.shape[1] <= LINEAR_MAX_ROWS:
-        return _out_proj(lin, down, small_linear_glu(h[0], gate_up.weight, gate_up.bias)[None], x)
-    g, u = _in_proj(lin_in, gate_up, h)
-    return _out_proj(lin, down, act(g) * u, x)
+        return _out_proj(lin, down, small_linear_glu(h[0], gate_up.weight, gate_up.bias, launch=kl)[None], x, kl)
+    g, u = _in_proj(lin_in, gate_up, h, kl)
+    return _out_proj(lin, down, act(g) * u, x, kl)
 
 
 def fold_norm(fused: FusedLinear, norm) -> FusedLinear:
     """A copy of ``fused`` with the RMSNorm ``norm``'s weight folded into its weight (per input
-    column), for :func:`~dflash.kernels.small_linear.small_linear_rn` (``DFLASH_FUSE_NORM``)."""
+    column), for :func:`~dflash.kernels.small_linear.small_linear_rn` (the ``fuse_norm`` setting)."""
     return FusedLinear(fold_norm_weight(fused.weight, norm.weight), fused.bias, fused.sizes)
 
 
@@ -298,35 +260,20 @@ def fold_norms(layers, fused, which=("input", "post")) -> list[tuple[FusedLinear
             for layer, (qkv, gate_up) in zip(layers, fused, strict=True)]  # fmt: skip
 
 
-def _rn(folded: FusedLinear, norm, x: torch.Tensor, glu: bool = False, sq: torch.Tensor | None = None) -> torch.Tensor:
+def _rn(folded: FusedLinear, norm, x: torch.Tensor, kl: Launch, glu: bool = False) -> torch.Tensor:
     """folded's projection of norm(x) for [1, T, H] activations, the norm inside the kernel:
-    [T, sum(out_i)] (``glu``: [T, I], SiLU(gate) * up); ``sq``: x's partial sums of squares
-    (:func:`~dflash.kernels.norm_partials.small_linear_rnp`), else from x's tiles."""
-    if sq is not None:
-        return small_linear_rnp(x[0], folded.weight, folded.bias, sq, norm_eps(norm), glu)
-    return small_linear_rn(x[0], folded.weight, folded.bias, norm_eps(norm), glu)
+    [T, sum(out_i)] (``glu``: [T, I], SiLU(gate) * up)."""
+    return small_linear_rn(x[0], folded.weight, folded.bias, norm_eps(norm), glu, launch=kl)
 
 
-def _mlp_rn(lin: bool, folded: FusedLinear, down, act, norm, x: torch.Tensor, glu: bool,
-            sq: torch.Tensor | None = None, sq_out: bool = False):  # fmt: skip
-    """x + down(act(gate) * up) of norm(x), the norm inside the gate+up kernel (its sums of
-    squares from ``sq``, x's partial sums, when given; ``sq_out``: (x + ..., its partial sums),
-    :mod:`dflash.kernels.norm_partials`)."""
+def _mlp_rn(lin: bool, folded: FusedLinear, down, act, norm, x: torch.Tensor, glu: bool, kl: Launch):
+    """x + down(act(gate) * up) of norm(x), the norm inside the gate+up kernel."""
     if glu:
-        a = _rn(folded, norm, x, glu=True, sq=sq)
+        a = _rn(folded, norm, x, kl, glu=True)
     else:
-        g, u = _rn(folded, norm, x, sq=sq).split(folded.sizes, dim=-1)
+        g, u = _rn(folded, norm, x, kl).split(folded.sizes, dim=-1)
         a = act(g) * u
-    if sq_out:
-        return _out_proj_sq(down, a[None], x)
-    return _out_proj(lin, down, a[None], x)
-
-
-def _out_proj_sq(proj, h: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x + proj(h) for [1, T, *] activations, its rows' partial sums of squares [P, T]) in one
-    small_linear kernel (:func:`~dflash.kernels.norm_partials.small_linear_sq`)."""
-    y, sq = small_linear_sq(h[0], proj.weight, proj.bias, x[0])
-    return y[None], sq
+    return _out_proj(lin, down, a[None], x, kl)
 
 
 def norms_fit(layers, dtype: torch.dtype) -> bool:
@@ -344,76 +291,50 @@ def norms_fit(layers, dtype: torch.dtype) -> bool:
     return True
 
 
-def _after_qkv(attn, gate_up: FusedLinear, mlp) -> tuple[torch.Tensor, ...]:
-    """The weights a layer reads after its qkv projection, in order: o_proj, gate+up, down_proj."""
-    return attn.o_proj.weight, gate_up.weight, mlp.down_proj.weight
-
-
-def target_forward_fused(be, ids: torch.Tensor, pos: torch.Tensor, argmax: bool = False) -> torch.Tensor:
+def target_forward_fused(be, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     """The static target forward of ``be`` (a StaticBackend) with fused projections.
 
-    ids, pos [1, T] -> logits [T, V] (``argmax``: the greedy ids [T] from
-    :func:`~dflash.kernels.head_argmax.head_argmax`, no logits); writes K/V and features at
-    ``pos`` like the unfused one.
+    ids, pos [1, T] -> logits [T, V]; writes K/V at ``pos`` and the target features at ``pos``.
+    Which kernels run is the backend's (``linear``, ``linear_in``, ``attention``, ``target_rope``,
+    ``qkv_rope_target``, ``fuse_norm``, ``glu``, ``norm_kernel``), launched as ``be.launch["target"]``.
     """
     t, hd = ids.shape[-1], be.head_dim
-    # one buffer when the positions are computed in the graph (DFLASH_STEP_COMPILE), so that the
+    kl = be.launch["target"]
+    # one buffer when the positions are computed in the graph (the device loop's), so that the
     # kernels reading them early (past layer 0, below) never read a per-call copy made just before
     (pos,) = realized(pos)
     x = F.embedding(ids, be.embed_weight)  # [1, T, H]
     cos, sin = realized(*rope_cos_sin(pos, be.inv_freq, be.rope_scale, be.dtype))  # [1, 1, T, D], once
-    mode = getattr(be, "attention", "sdpa")  # split-KV kernel: reads filled rows, no mask
-    split = uses_kernel(mode, t)  # prefills of <= 32 rows too
+    split = uses_kernel(be.attention, t)  # split-KV kernel: reads filled rows, no mask; prefills of <= 32 rows too
     mask = None if split else (be.key_pos[None, :] <= pos[0, :, None])[None, None]  # [1, 1, T, S]
-    packed = be.pack_gqa and be.heads != be.kv_heads and not split
-    if packed:
-        mask = pack_mask(mask, be.heads // be.kv_heads, t)  # [1, 1, G*T, S], once
-    lin = t <= LINEAR_MAX_ROWS and getattr(be, "linear", "torch") != "torch"  # residual adds fused in
-    lin_in = lin and t <= int(getattr(be, "linear_in", 0))  # the qkv and gate+up projections too
-    rope = split and getattr(be, "target_rope", False)  # q/k (norm +) RoPE + cache writes: one kernel
-    pf = t <= LINEAR_MAX_ROWS and getattr(be, "prefetch", 0)  # L2 prefetch bytes per layer
-    early = pf and getattr(be, "prefetch_early", False)  # forked before the qkv projection
-    # DFLASH_FUSE_NORM: the input and post-attention norms inside the qkv and gate+up kernels
-    fuse = lin_in and getattr(be, "fuse_norm", False)
-    parts = fuse and getattr(be, "norm_partials", False)  # their sums of squares from the kernel before
-    # parts: x's partial sums of squares; after the embedding there are none and that norm keeps
-    # its kernel (the squares form there instead made torch 2.11's Inductor spend minutes
-    # compiling the forward on the H200: tried and reverted in the twenty-first session)
-    sq = None
-    glu = getattr(be, "glu", False)
-    nk = getattr(be, "norm_kernel", False) and t <= NORM_MAX_ROWS  # stand-alone norms: our kernel
-    qr = rope and lin_in and not pf and not parts and getattr(be, "qkv_rope_target", False)
+    lin = t <= LINEAR_MAX_ROWS and be.linear != "torch"  # residual adds fused in
+    lin_in = lin and t <= be.linear_in  # the qkv and gate+up projections too
+    rope = split and be.target_rope  # q/k (norm +) RoPE + cache writes: one kernel
+    fuse = lin_in and be.fuse_norm  # the input and post-attention norms inside the qkv and gate+up kernels
+    glu = be.glu
+    nk = be.norm_kernel and t <= NORM_MAX_ROWS  # stand-alone norms: our kernel
+    qr = rope and lin_in and be.qkv_rope_target
     slots: list[torch.Tensor] = [None] * len(be.layer_ids)  # type: ignore[list-item]
     for i, layer in enumerate(be.target.model.layers):
         a, (qkv, gate_up) = layer.self_attn, be.fused_target[i]
-        fq, fg = be.folded_target[i] if fuse else (None, None)  # norms folded in (DFLASH_FUSE_NORM)
-        fuse_in = fuse and (sq is not None or not parts)  # the input norm inside the qkv kernel
-        h = x if fuse_in else _norm(nk and i > 0, layer.input_layernorm, x)  # layer 0's: with the embedding
-        after = _after_qkv(a, fg if fuse else gate_up, layer.mlp) if pf else ()  # read next (L2 prefetch)
-        if early:
-            l2_prefetch.prefetch(be.l2_sink, h, after, pf)
+        fq, fg = be.folded_target[i] if fuse else (None, None)  # norms folded in (fuse_norm)
+        h = x if fuse else _norm(nk and i > 0, layer.input_layernorm, x, kl)  # layer 0's: with the embedding
         norms = (a.q_norm, a.k_norm) if hasattr(a, "q_norm") else (None, None)  # Qwen3
-        if qr:  # the projection inside the RoPE + cache-write kernel too (DFLASH_QKV_ROPE)
-            w, b, eps = (fq.weight, fq.bias, norm_eps(layer.input_layernorm)) if fuse_in else (qkv.weight, qkv.bias, None)
-            q = qkv_rope(h[0], w, b, eps, *norms, cos, sin, pos[0], be.k[i], be.v[i], 0, be.heads, be.kv_heads, i > 0)
-            o = split_attention(q, be.k[i], be.v[i], pos[0], a.scaling, early=i > 0)
+        if qr:  # the projection inside the RoPE + cache-write kernel too (qkv_rope)
+            w, b, eps = (fq.weight, fq.bias, norm_eps(layer.input_layernorm)) if fuse else (qkv.weight, qkv.bias, None)
+            q = qkv_rope(h[0], w, b, eps, *norms, cos, sin, pos[0], be.k[i], be.v[i], 0, be.heads, be.kv_heads, i > 0,
+                         kl)  # fmt: skip
+            o = split_attention(q, be.k[i], be.v[i], pos[0], a.scaling, i > 0, kl)
         elif rope:
-            if fuse_in:
-                raw = _rn(fq, layer.input_layernorm, x, sq=sq)
-            else:
-                raw = _in_proj_joint(lin_in, qkv, h)  # [T, (H + 2 Hkv) D]
-            if pf and not early:
-                l2_prefetch.prefetch(be.l2_sink, raw, after, pf)
+            raw = _rn(fq, layer.input_layernorm, x, kl) if fuse else _in_proj_joint(lin_in, qkv, h, kl)  # [T, (H + 2 Hkv) D]
             # early: past the first layer the tables and positions were written long before
-            q = rope_cache(raw, *norms, cos, sin, pos[0], be.k[i], be.v[i], 0, be.heads, be.kv_heads, i > 0)
-            o = split_attention(q, be.k[i], be.v[i], pos[0], a.scaling, early=i > 0)
+            q = rope_cache(raw, *norms, cos, sin, pos[0], be.k[i], be.v[i], 0, be.heads, be.kv_heads, i > 0, kl)
+            o = split_attention(q, be.k[i], be.v[i], pos[0], a.scaling, i > 0, kl)
         else:
-            if fuse_in:
-                q, k, v = _rn(fq, layer.input_layernorm, x, sq=sq)[None].split(fq.sizes, dim=-1)
+            if fuse:
+                q, k, v = _rn(fq, layer.input_layernorm, x, kl)[None].split(fq.sizes, dim=-1)
             else:
-                q, k, v = _in_proj(lin_in, qkv, h)
-            if pf and not early:
-                l2_prefetch.prefetch(be.l2_sink, q, after, pf)
+                q, k, v = _in_proj(lin_in, qkv, h, kl)
             q, k = q.view(1, t, be.heads, hd), k.view(1, t, be.kv_heads, hd)
             if hasattr(a, "q_norm"):  # Qwen3
                 q, k = a.q_norm(q), a.k_norm(k)
@@ -422,33 +343,22 @@ def target_forward_fused(be, ids: torch.Tensor, pos: torch.Tensor, argmax: bool 
             be.k[i].index_copy_(2, pos[0], k)
             be.v[i].index_copy_(2, pos[0], v.view(1, t, be.kv_heads, hd).transpose(1, 2))
             if split:
-                o = split_attention(q, be.k[i], be.v[i], pos[0], a.scaling)
+                o = split_attention(q, be.k[i], be.v[i], pos[0], a.scaling, launch=kl)
             else:
-                o = attend(q, be.k[i], be.v[i], mask, a.scaling, packed)
+                o = attend(q, be.k[i], be.v[i], mask, a.scaling)
         o = o.transpose(1, 2).reshape(1, t, be.heads * hd)
-        if parts:  # o_proj and down_proj write their rows' partial sums for the norms after them
-            x, sq = _out_proj_sq(a.o_proj, o, x)
-            last = i == be.n_layers - 1  # the final norm keeps its kernel
-            out = _mlp_rn(lin, fg, layer.mlp.down_proj, layer.mlp.act_fn, layer.post_attention_layernorm, x, glu,
-                          sq, sq_out=not last)  # fmt: skip
-            x, sq = (out, None) if last else out
-        elif fuse:
-            x = _out_proj(lin, a.o_proj, o, x)
-            x = _mlp_rn(lin, fg, layer.mlp.down_proj, layer.mlp.act_fn, layer.post_attention_layernorm, x, glu)
+        x = _out_proj(lin, a.o_proj, o, x, kl)
+        if fuse:
+            x = _mlp_rn(lin, fg, layer.mlp.down_proj, layer.mlp.act_fn, layer.post_attention_layernorm, x, glu, kl)
         else:
-            x = _out_proj(lin, a.o_proj, o, x)
             x = _mlp(lin, lin_in, gate_up, layer.mlp.down_proj, layer.mlp.act_fn,
-                     _norm(nk, layer.post_attention_layernorm, x), x, glu)  # fmt: skip
+                     _norm(nk, layer.post_attention_layernorm, x, kl), x, glu, kl)  # fmt: skip
         if i < be.n_layers - 1:
             for n in be.feature_layers.get(i, ()):
                 slots[n] = x[0]
-    if pf:
-        l2_prefetch.join(be.l2_sink, x)
-    x = _norm(nk, be.target.model.norm, x)
+    x = _norm(nk, be.target.model.norm, x, kl)
     for n in be.feature_layers.get(be.n_layers - 1, ()):  # HF's hidden_states[N] is final-normed
         slots[n] = x[0]
     if be.layer_ids:
         be.feats.index_copy_(0, pos[0], torch.cat(slots, dim=-1))
-    if argmax:
-        return head_argmax(x[0], be.lm_head.weight)  # [T]
     return be.lm_head(x)[0]  # [T, V]

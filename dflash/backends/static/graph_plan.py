@@ -21,8 +21,6 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash.errors import InputError
-
 COMPILE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 
 
@@ -115,26 +113,3 @@ def allow_recompiles(limit: int = RECOMPILE_LIMIT) -> int:
     name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
     setattr(dynamo_config, name, max(getattr(dynamo_config, name), limit))
     return getattr(dynamo_config, name)
-
-
-WARM_ENV = "DFLASH_GRAPH_WARM"
-
-
-def warm_replays() -> int:
-    """Replays of each newly captured graph before the first token (``$DFLASH_GRAPH_WARM``,
-    default 3; 0 turns them off).
-
-    Raises:
-        InputError: the variable is set but not a whole number >= 0.
-    """
-    raw = os.environ.get(WARM_ENV, "").strip()
-    if not raw:
-        return 3
-    try:
-        value = int(raw)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise InputError(f"{WARM_ENV} must be a whole number >= 0, got {raw!r}.",
-                         hint="unset it for the default of 3, or 0 to skip the warm replays")  # fmt: skip
-    return value
