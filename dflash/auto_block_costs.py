@@ -246,7 +246,7 @@ def load_or_measure_costs(backend: Any, key: dict[str, Any], widths: list[int],
                 if isinstance(then, (int, float)) and now is not None and abs(now - then) >= LOAD_GAP:
                     print(f"dflash: the --block-size auto cost table was measured under another load "
                           f"({then:.2f} per core then, {now:.2f} now): its block sizes may suit that load; "
-                          f"delete {path} to measure again", file=sys.stderr, flush=True)  # fmt: skip
+                          f"pass --recalibrate to measure again", file=sys.stderr, flush=True)  # fmt: skip
                 return table
         except (OSError, ValueError, KeyError, TypeError):
             pass
