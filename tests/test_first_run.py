@@ -72,7 +72,7 @@ def test_a_table_measured_under_another_load_is_named(tiny_backend, cache, monke
     assert table.source == "cache"
     assert capsys.readouterr().err.strip() == (
         "dflash: the --block-size auto cost table was measured under another load (0.25 per core then, "
-        f"1.50 now): its block sizes may suit that load; delete {first.path} to measure again")  # fmt: skip
+        f"1.50 now): its block sizes may suit that load; pass --recalibrate to measure again")  # fmt: skip
 
 
 def test_json_and_verbose_carry_the_provenance(tiny_backend, cache, monkeypatch):
