@@ -181,7 +181,7 @@ def test_recalibrate_measures_again_and_caches(tmp_path, monkeypatch):
     monkeypatch.setenv("DFLASH_CACHE", str(tmp_path))
     measured = []
 
-    def measure(backend, widths):
+    def measure(backend, widths, on_step=None):
         measured.append(list(widths))
         return CostTable(verify_s={w: 0.001 * (len(measured) + w) for w in widths},
                          draft_s={w: 0.0005 for w in widths if w > 1})  # fmt: skip
