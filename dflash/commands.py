@@ -32,7 +32,7 @@ DraftOpt = Annotated[str | None, typer.Option("--draft", "-d",
 BASE_URL_DEFAULT = "http://127.0.0.1:30000"  # SGLang's default port
 TIMEOUT_DEFAULT = 3600.0
 DraftBitsOpt = Annotated[int | None, typer.Option(help="mlx: quantize the draft to 4 or 8 bits at load (group size 64).")]
-DraftWindowOpt = Annotated[int | None, typer.Option(help="mlx: keep at most N context rows in the draft's KV cache (tokens).")]
+DraftWindowOpt = Annotated[int | None, typer.Option(help="The draft attends to at most the N most recent context rows (tokens; transformers: plain path).")]
 
 
 def check_utf8(name: str, text: str | None) -> None:
@@ -105,7 +105,7 @@ def generate(
         "--timeout-s": timeout_s != TIMEOUT_DEFAULT,
     }, {"--block-size": local, "--draft": local, "--device": local, "--dtype": local,
         "--cuda-graphs/--no-cuda-graphs": ("transformers",), "--compile/--no-compile": ("transformers",),
-        "--draft-bits": ("mlx",), "--draft-window": ("mlx",), "--verbose": local,
+        "--draft-bits": ("mlx",), "--draft-window": local, "--verbose": local,
         "--base-url": remote, "--api-key": remote, "--timeout-s": remote})  # fmt: skip
     check_utf8("PROMPT", prompt)
     check_utf8("--system", system)

@@ -160,7 +160,7 @@ def benchmark(
         int | None, typer.Option(help="mlx backend: quantize the draft to 4 or 8 bits at load.")
     ] = None,
     draft_window: Annotated[
-        int | None, typer.Option(help="mlx backend: keep at most N context rows in draft KV.")
+        int | None, typer.Option(help="the draft attends to at most N recent context rows (tokens).")
     ] = None,
     base_url: Annotated[
         str, typer.Option(rich_help_panel=OPENAI_PANEL, help="server URL, with or without /v1.")
@@ -216,7 +216,7 @@ def benchmark(
         **dict.fromkeys(("--draft", "--block-size", "--device", "--dtype", "--check-parity", "--resume"), local),
         **dict.fromkeys(("--cuda-graphs/--no-cuda-graphs", "--compile/--no-compile", "--uniform-width"),
                         ("transformers",)),
-        "--draft-bits": ("mlx",), "--draft-window": ("mlx",),
+        "--draft-bits": ("mlx",), "--draft-window": local,
         **dict.fromkeys(("--base-url", "--num-prompts", "--concurrency", "--timeout-s", "--api-key",
                          "--baseline-url", "--baseline-model", "--max-retries"), remote),
     })  # fmt: skip
