@@ -273,3 +273,21 @@ def test_init_draft_shapes_for_every_family(tmp_path, family):
     assert cfg.rope.get("rope_type", "default") in ("default", "yarn")
     if family.startswith("gemma4"):
         assert cfg.head_dim == 16 and cfg.rope["rope_theta"] == 1_000_000.0
+
+
+def test_a_wrapper_missing_text_weights_is_refused(tmp_path):
+    """A wrapper whose checkpoint lacks a text tensor is refused in one sentence (transformers
+    would otherwise leave that tensor random)."""
+    import dflash
+    from dflash.errors import CheckpointError
+    from dflash.models.draft_torch import read_safetensors, save_safetensors
+    from dflash.models.init_draft import init_draft
+
+    save_target(tmp_path / "t", "gemma4_wrapper")
+    init_draft(str(tmp_path / "t"), tmp_path / "d", layers=2, dtype="float32")
+    state = read_safetensors(tmp_path / "t")
+    del state["model.language_model.norm.weight"]
+    save_safetensors(state, tmp_path / "t" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="model.norm.weight missing") as err:
+        dflash.load(str(tmp_path / "t"), str(tmp_path / "d"), device="cpu", dtype="float32")
+    assert "\n" not in err.value.message and err.value.hint

@@ -94,3 +94,12 @@ def test_init_draft_refuses_in_one_line(chunked_config_only, tmp_path):
     assert lines[0].startswith("error: Target ") and "chunked_attention" in lines[0], p.stderr
     assert [ln[:5] for ln in lines[1:]] == ["hint:"]
     assert not out.exists()  # nothing written
+
+
+def test_a_hybrid_multimodal_wrapper_is_refused_by_its_text_layers():
+    """Qwen3.5 as published (a vision wrapper over GatedDeltaNet + attention layers): one line
+    naming the recurrent layers, and the backend that runs them."""
+    cfg = transformers.Qwen3_5Config(text_config=SMALL)
+    with pytest.raises(BackendError, match="3 linear_attention layers of 4") as err:
+        check_target_layers(cfg, "m")
+    assert "(qwen3_5)" in err.value.message and "dflash generate mlx" in err.value.hint
