@@ -1,9 +1,10 @@
 """Tiny random transformers targets of the families behind the published drafts, built in the
 test itself: sliding-window and interleaved attention (Mistral, Qwen2 with ``use_sliding_window``,
 Gemma 3, Gemma 4 with its per-layer inputs, KV sharing and MoE, gpt-oss with attention sinks and
-MoE), a dense MoE (Qwen3-MoE) and a multimodal wrapper (Gemma 4 with a vision tower), with
-windows of 8 tokens so that 40-token prompts overflow them. Hidden 64, 6 layers, vocabulary 256,
-float32, and a 256-word WordLevel tokenizer with a ChatML template for folders.
+MoE), a dense MoE (Qwen3-MoE) and multimodal wrappers (Gemma 4; Muse-Glimmer, 3 sliding : 1 full
+layers and no causal LM class for its text model), with windows of 8 tokens so that 40-token
+prompts overflow them. Hidden 64, 6 layers (Muse-Glimmer 8), vocabulary 256, float32, and a
+256-word WordLevel tokenizer with a ChatML template for folders.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ FAMILIES = {
     "qwen3_moe": ("Qwen3MoeConfig", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                          tie_word_embeddings=False), 0.3),
     "gemma4_wrapper": ("Gemma4Config", {}, 0.02),
+    "muse_glimmer": ("MuseGlimmerConfig", {}, 0.02),  # 3 sliding : 1 full (NoPE), softcap; no text LM class
 }  # fmt: skip
 SLIDING = [f for f in FAMILIES if f != "qwen3_moe"]
 CHATML = (
@@ -51,6 +53,13 @@ def family_config(family: str):
     import transformers
 
     cls, kwargs, init = FAMILIES[family]
+    if family == "muse_glimmer":
+        text = transformers.MuseGlimmerTextConfig(**{**BASE, "num_hidden_layers": 8}, head_dim=16,
+                                                  sliding_window=WINDOW, initializer_range=init)  # fmt: skip
+        vision = transformers.MuseGlimmerVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                      num_attention_heads=2)  # fmt: skip
+        return transformers.MuseGlimmerConfig(text_config=text.to_dict(), vision_config=vision.to_dict(),
+                                              out_hidden_size=32, projector_hidden_size=32)  # fmt: skip
     if family == "gemma4_wrapper":
         text = transformers.Gemma4TextConfig(**BASE, **GEMMA4, initializer_range=init)
         vision = transformers.Gemma4VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
@@ -62,10 +71,11 @@ def family_config(family: str):
 
 def build(family: str, seed: int = 0):
     """A random float32 target of ``family`` in eval mode (a wrapper: the full multimodal model)."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(family_config(family), dtype=torch.float32).eval()
+    auto = AutoModelForImageTextToText if family == "muse_glimmer" else AutoModelForCausalLM
+    return auto.from_config(family_config(family), dtype=torch.float32).eval()
 
 
 def save_tokenizer(folder: Path) -> None:

@@ -37,7 +37,8 @@ def load_family(tmp_path, family: str, **load_kwargs):
     return pipe, model
 
 
-PLAIN = ["mistral", "qwen2_window", "gemma3_text", "gemma4_text", "gemma4_kv_shared", "gemma4_wrapper"]
+PLAIN = ["mistral", "qwen2_window", "gemma3_text", "gemma4_text", "gemma4_kv_shared", "gemma4_wrapper",
+         "muse_glimmer"]
 
 
 @pytest.mark.parametrize("family", PLAIN)
@@ -267,9 +268,11 @@ def test_init_draft_shapes_for_every_family(tmp_path, family):
     from dflash.models.config import DraftConfig
     from dflash.models.init_draft import init_draft
 
-    save_target(tmp_path / "t", family)
+    model = save_target(tmp_path / "t", family)
+    depth = model.config.get_text_config().num_hidden_layers  # 6 (Muse-Glimmer 8: two 3:1 groups)
     cfg = DraftConfig.load(init_draft(str(tmp_path / "t"), tmp_path / "d", layers=2, dtype="float32"))
-    assert cfg.hidden_size == 64 and cfg.num_target_layers == 6 and cfg.target_layer_ids == [1, 3]
+    assert cfg.hidden_size == 64 and cfg.num_target_layers == depth
+    assert cfg.target_layer_ids == ([1, 3] if depth == 6 else [1, 5])
     assert cfg.rope.get("rope_type", "default") in ("default", "yarn")
     if family.startswith("gemma4"):
         assert cfg.head_dim == 16 and cfg.rope["rope_theta"] == 1_000_000.0
@@ -291,3 +294,19 @@ def test_a_wrapper_missing_text_weights_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match="model.norm.weight missing") as err:
         dflash.load(str(tmp_path / "t"), str(tmp_path / "d"), device="cpu", dtype="float32")
     assert "\n" not in err.value.message and err.value.hint
+
+
+def test_dflash2_draft_on_muse_glimmer_keeps_parity(tmp_path):
+    """The DFlash2 showcase pair's shape: a DFlash2 draft (init-draft --arch dflash2) on a
+    Muse-Glimmer wrapper with 3 sliding : 1 full layers, on the plain path."""
+    import dflash
+    from dflash.models.init_draft import init_draft
+
+    model = save_target(tmp_path / "t", "muse_glimmer")
+    init_draft(str(tmp_path / "t"), tmp_path / "d", layers=2, dtype="float32", arch="dflash2")
+    pipe = dflash.load(str(tmp_path / "t"), str(tmp_path / "d"), device="cpu", dtype="float32")
+    assert pipe.backend.draft_model.is_dflash2
+    prompt = prompt_ids()
+    truth = greedy(model, prompt, N)
+    for bs in (3, 16):
+        assert pipe.generate(prompt, block_size=bs, max_new_tokens=N, stop_ids=[]).token_ids == truth

@@ -293,13 +293,28 @@ def text_only_config(config: Any) -> Any:
     return text
 
 
+def wrapper_class(config: Any) -> Any:
+    """transformers' image-text-to-text class for a multimodal wrapper whose text model has no
+    causal LM of its own (Muse-Glimmer), else None: it then decodes text prompts whole."""
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if text is config or type(config) in MODEL_FOR_CAUSAL_LM_MAPPING:
+        return None
+    try:
+        return MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(config)]
+    except KeyError:
+        return None
+
+
 def load_target(path: str, device: torch.device, dtype: torch.dtype):
     """Load an HF causal LM and its tokenizer from a folder or hub id (no remote code).
 
     The config is read and checked first, so a target this backend cannot speculate on is
     refused before any weights load. A multimodal wrapper loads its text model alone (the
     prompts are text): its causal LM over ``text_config``, the weights renamed by
-    :data:`WRAPPER_KEYS`, the vision and audio towers never read into memory.
+    :data:`WRAPPER_KEYS`, the vision and audio towers never read into memory; a wrapper whose
+    text model has no causal LM class (Muse-Glimmer) loads whole (:func:`wrapper_class`).
 
     Raises:
         CheckpointError: the model cannot be found or read, or a wrapper's text weights do not
@@ -315,9 +330,9 @@ def load_target(path: str, device: torch.device, dtype: torch.dtype):
         config = AutoConfig.from_pretrained(path)
         check_target_layers(config, path)
         tok = AutoTokenizer.from_pretrained(path)
-        text = text_only_config(config)
+        text, whole = text_only_config(config), wrapper_class(config)
         if text is None:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+            model = (whole or AutoModelForCausalLM).from_pretrained(path, dtype=dtype)
         else:
             model, info = AutoModelForCausalLM.from_pretrained(path, config=text, dtype=dtype, key_mapping=WRAPPER_KEYS,
                                                                output_loading_info=True)  # fmt: skip
