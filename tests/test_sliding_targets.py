@@ -310,3 +310,28 @@ def test_dflash2_draft_on_muse_glimmer_keeps_parity(tmp_path):
     truth = greedy(model, prompt, N)
     for bs in (3, 16):
         assert pipe.generate(prompt, block_size=bs, max_new_tokens=N, stop_ids=[]).token_ids == truth
+
+
+def test_a_wrapper_text_model_ties_its_head_as_the_wrapper_does(tmp_path):
+    """Mistral 3 ties its LM head by its own flag while its text config says untied: the text
+    model loaded alone ties it too (else transformers would leave the head random), and decodes
+    as the wrapper does."""
+    import transformers
+
+    from dflash.backends.plain import load_target
+    from tests.target_families import BASE, save_tokenizer
+
+    text = transformers.MistralConfig(**BASE, sliding_window=WINDOW, initializer_range=0.3)
+    vision = transformers.PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                              num_attention_heads=2, head_dim=16)  # fmt: skip
+    cfg = transformers.Mistral3Config(text_config=text.to_dict(), vision_config=vision.to_dict())
+    torch.manual_seed(0)
+    wrapper = transformers.AutoModelForImageTextToText.from_config(cfg).eval()
+    assert cfg.tie_word_embeddings and not cfg.get_text_config().tie_word_embeddings
+    wrapper.save_pretrained(str(tmp_path))
+    save_tokenizer(tmp_path)
+    model, _ = load_target(str(tmp_path), torch.device("cpu"), torch.float32)
+    assert type(model).__name__ == "MistralForCausalLM"
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    prompt = prompt_ids()
+    assert greedy(model, prompt, 16) == greedy(wrapper, prompt, 16)

@@ -290,6 +290,8 @@ def text_only_config(config: Any) -> Any:
         MODEL_FOR_CAUSAL_LM_MAPPING[type(text)]
     except KeyError:
         return None
+    # the wrapper ties its LM head by its own flag (Mistral 3: tied, its text config: not)
+    text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", text.tie_word_embeddings))
     return text
 
 
@@ -336,7 +338,7 @@ def load_target(path: str, device: torch.device, dtype: torch.dtype):
         else:
             model, info = AutoModelForCausalLM.from_pretrained(path, config=text, dtype=dtype, key_mapping=WRAPPER_KEYS,
                                                                output_loading_info=True)  # fmt: skip
-            check_text_weights(path, info)
+            check_text_weights(path, info, tied=text.tie_word_embeddings)
     except OSError as e:
         raise CheckpointError(f"Cannot load target {path}: {str(e).splitlines()[0]}",
                               hint="pass a local model folder, a .gguf file or a reachable hub id") from e  # fmt: skip
@@ -350,15 +352,16 @@ def load_target(path: str, device: torch.device, dtype: torch.dtype):
     return model, tok
 
 
-def check_text_weights(path: str, info: dict) -> None:
+def check_text_weights(path: str, info: dict, tied: bool) -> None:
     """Refuse a wrapper's text model that did not get all of its weights (transformers would
-    leave them random) or left an LM head unread.
+    leave them random) or left decoder layers, or an untied LM head, unread.
 
     Raises:
         CheckpointError: naming the first missing or unread tensor and the count.
     """
     missing = sorted(info.get("missing_keys") or [])
-    unread = sorted(k for k in info.get("unexpected_keys") or [] if k.startswith(("lm_head.", "model.layers.")))
+    text = ("model.layers.",) if tied else ("model.layers.", "lm_head.")
+    unread = sorted(k for k in info.get("unexpected_keys") or [] if k.startswith(text))
     bad = missing or unread
     if bad:
         what = "missing" if missing else "unread"
