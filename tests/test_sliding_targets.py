@@ -335,3 +335,20 @@ def test_a_wrapper_text_model_ties_its_head_as_the_wrapper_does(tmp_path):
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     prompt = prompt_ids()
     assert greedy(model, prompt, 16) == greedy(wrapper, prompt, 16)
+
+
+def test_draft_window_option_checks(tmp_path, tiny_target):
+    """--draft-window on transformers: below 1 refused before loading; with --cuda-graphs refused
+    (the CUDA-graph path keeps a fixed draft context); --draft-bits stays an mlx option."""
+    import dflash
+    from dflash.errors import BackendError, InputError
+    from tests.conftest import make_draft
+
+    make_draft(tiny_target).save(tmp_path / "d")
+    with pytest.raises(InputError, match="--draft-window must be >= 1 token, got 0"):
+        dflash.load("no/such-model", str(tmp_path / "d"), draft_window=0)
+    with pytest.raises(BackendError, match="CUDA graphs do not support --draft-window") as err:
+        dflash.load("no/such-model", str(tmp_path / "d"), cuda_graphs=True, draft_window=8)
+    assert "drop --cuda-graphs" in err.value.hint
+    with pytest.raises(InputError, match="--draft-bits is an option of the mlx backend"):
+        dflash.load(None, None, draft_bits=4)
