@@ -158,17 +158,20 @@ class DraftCache:
         self.keys[i], self.values[i] = k, v
         return k, v
 
-    def extend_positions(self, ctx_pos: torch.Tensor) -> torch.Tensor:
-        """The cached rows' positions [1, length'] once rows at ``ctx_pos`` [1, Tc] are added
-        (the last ``window`` of them when a window is set); not stored (see ``positions``)."""
-        pos = ctx_pos if self.positions is None else torch.cat((self.positions, ctx_pos), 1)
-        return pos if self.window is None else pos[:, -self.window :]
-
     def reset(self) -> None:
         """Forget every context row (start of a new request)."""
         self.keys = [None] * len(self.keys)
         self.values = [None] * len(self.values)
         self.positions = None
+
+
+def extend_positions(cache, ctx_pos: torch.Tensor) -> torch.Tensor:
+    """A context cache's row positions [1, length'] once rows at ``ctx_pos`` [1, Tc] are added:
+    the last ``window`` of them for a :class:`DraftCache` with a window (static caches keep no
+    positions: ``ctx_pos``)."""
+    pos = ctx_pos if cache.positions is None else torch.cat((cache.positions, ctx_pos), 1)
+    window = getattr(cache, "window", None)
+    return pos if window is None else pos[:, -window:]
 
 
 class DraftAttention(nn.Module):
@@ -336,7 +339,7 @@ class DFlashDraft(nn.Module):
         """
         ctx = self.hidden_norm(self.fc(target_hidden))  # [B, Tc, H]
         if cache is not None:
-            new_pos = cache.extend_positions(ctx_pos)
+            new_pos = extend_positions(cache, ctx_pos)
         if masks is None:
             k_ctx = new_pos if cache is not None else ctx_pos
             masks = self.inference_masks(q_pos, torch.cat((k_ctx, q_pos), dim=1))
@@ -370,7 +373,7 @@ class DFlashDraft(nn.Module):
         for i, layer in enumerate(self.layers):
             cache.append(i, *layer.self_attn.key_values(ctx, rope))  # [B, Hkv, Tc, D] each
         if isinstance(cache, DraftCache):
-            cache.positions = cache.extend_positions(ctx_pos)
+            cache.positions = extend_positions(cache, ctx_pos)
 
     def inference_masks(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> dict:
         """Masks from absolute positions: causal and/or windowed per layer type (brief §2.5).
