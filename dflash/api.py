@@ -54,7 +54,9 @@ def load(model: str | None = None, draft: str | None = None, *, backend: str = "
             resolved with the environment overrides into the
             :class:`~dflash.kernels.settings.KernelSettings` that ``describe()`` records.
         draft_bits: mlx only: quantize the draft to 4 or 8 bits at load.
-        draft_window: mlx only: keep at most this many context rows in the draft's KV cache.
+        draft_window: the draft attends to at most this many most recent context rows (its KV
+            cache keeps no more); None = all. On the transformers backend it runs on the plain
+            path.
 
     Raises:
         BackendError, CheckpointError, ConfigError, InputError: one-sentence reasons.
@@ -87,15 +89,17 @@ def load(model: str | None = None, draft: str | None = None, *, backend: str = "
 
         return _pipeline(load_mlx(model, draft, device=device, dtype=dtype, draft_bits=draft_bits,
                                   draft_window=draft_window))  # fmt: skip
-    if draft_bits is not None or draft_window is not None:
-        raise InputError("--draft-bits and --draft-window are options of the mlx backend.",
-                         hint="drop them, or use: dflash generate mlx")  # fmt: skip
+    if draft_bits is not None:
+        raise InputError("--draft-bits is an option of the mlx backend.",
+                         hint="drop it, or use: dflash generate mlx")  # fmt: skip
+    check_draft_window(draft_window)
     check_dtype_name(dtype)
     check_device_name(device, "transformers")
     from dflash.backends.transformers import load as load_torch
 
     return _pipeline(load_torch(model, draft, device=device, dtype=dtype, cuda_graphs=cuda_graphs,
-                                compile=compile, uniform_width=uniform_width, kernels=kernels))  # fmt: skip
+                                compile=compile, uniform_width=uniform_width, kernels=kernels,
+                                draft_window=draft_window))  # fmt: skip
 
 
 def _pipeline(loaded: Any) -> Pipeline:
@@ -131,6 +135,16 @@ def check_dtype_name(dtype: str) -> None:
         raise InputError(f"Unknown --dtype {dtype!r}; use auto, bfloat16, float16 or float32.")
 
 
+def check_draft_window(draft_window: int | None) -> None:
+    """Refuse a ``--draft-window`` below one token (before any load).
+
+    Raises:
+        InputError: naming the value.
+    """
+    if draft_window is not None and draft_window < 1:
+        raise InputError(f"--draft-window must be >= 1 token, got {draft_window}.", hint="e.g. --draft-window 1024")
+
+
 def _check_mlx_options(model: str | None, draft: str | None, device: str, dtype: str,
                        draft_bits: int | None, draft_window: int | None) -> None:  # fmt: skip
     """The mlx backend's option checks that need neither mlx nor any weight (importing mlx-lm
@@ -145,8 +159,7 @@ def _check_mlx_options(model: str | None, draft: str | None, device: str, dtype:
     check_dtype_name(dtype)
     if draft_bits not in (None, 4, 8):
         raise InputError(f"--draft-bits must be 4 or 8, got {draft_bits}.", hint="4 is smaller and faster, 8 closer")
-    if draft_window is not None and draft_window < 1:
-        raise InputError(f"--draft-window must be >= 1 token, got {draft_window}.", hint="e.g. --draft-window 1024")
+    check_draft_window(draft_window)
     if model is not None:
         check_model_path(model)
     resolve_draft(draft, model)

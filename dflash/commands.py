@@ -38,7 +38,7 @@ DraftBitsOpt = Annotated[int | None, typer.Option(help="mlx: quantize the draft 
 KernelsOpt = Annotated[str, typer.Option(help="transformers: auto runs this project's Triton kernels in the CUDA graphs where they fit; off runs torch ops there (if a kernel fails on your GPU).")]  # fmt: skip
 RecalibrateOpt = Annotated[bool, typer.Option("--recalibrate", help="Measure the --block-size auto step costs again instead of reading them from the dflash cache (and cache the new ones).")]  # fmt: skip
 WarmupOpt = Annotated[int, typer.Option(help="transformers, CUDA graphs: untimed warm-up tokens per block size before the request (0 = none).")]  # fmt: skip
-DraftWindowOpt = Annotated[int | None, typer.Option(help="mlx: keep at most N context rows in the draft's KV cache (tokens).")]
+DraftWindowOpt = Annotated[int | None, typer.Option(help="The draft attends to at most the N most recent context rows (tokens; transformers: plain path).")]
 
 
 def check_utf8(name: str, text: str | None) -> None:
@@ -115,7 +115,7 @@ def generate(
         "--warmup": warmup != WARMUP_DEFAULT,
     }, {"--block-size": local, "--draft": local, "--device": local, "--dtype": local,
         "--cuda-graphs/--no-cuda-graphs": ("transformers",), "--compile/--no-compile": ("transformers",),
-        "--draft-bits": ("mlx",), "--draft-window": ("mlx",), "--verbose": local,
+        "--draft-bits": ("mlx",), "--draft-window": local, "--verbose": local,
         "--base-url": remote, "--api-key": remote, "--timeout-s": remote, "--kernels": ("transformers",),
         "--recalibrate": local, "--warmup": ("transformers",)})  # fmt: skip
     check_utf8("PROMPT", prompt)

@@ -8,10 +8,11 @@ cards); the draft ids follow the authors' naming and are worth checking on the h
 large download. What runs each family here follows from what the backends accept today:
 
 - transformers, CUDA-graph path: dense full-attention ``llama``, ``qwen2``, ``qwen3`` targets
-  (:func:`dflash.backends.static_torch.supports_static`).
-- transformers, plain path (CPU, or CUDA without graphs): any full-attention causal LM, MoE
-  included (``qwen3_moe``); sliding-window, chunked and linear-attention layers are refused
-  (:func:`dflash.models.target_torch.check_full_attention`).
+  (:func:`dflash.backends.static.backend.supports_static`).
+- transformers, plain path (CPU, or CUDA without graphs): full-attention and sliding-window
+  causal LMs, dense or MoE (``qwen3_moe``, ``gemma4``, ``gpt_oss``), multimodal wrappers for text
+  prompts; chunked and linear-attention layers are refused
+  (:func:`dflash.models.target_torch.check_target_layers`).
 - mlx: full-attention KV caches and the GatedDeltaNet hybrids of mlx-lm's ``qwen3_next`` and
   ``qwen3_5`` modules (``qwen3_5_moe`` reuses the latter); sliding-window (rotating) caches are
   refused (:func:`dflash.backends.mlx.check_caches`).
@@ -30,7 +31,8 @@ from pathlib import Path
 import typer
 
 # what each backend path does with a family: "yes", "no: <why>" or "untested: <why>"
-SLIDING = "no: sliding-window layers cannot be rolled back"
+SLIDING = "no: sliding-window layers (the plain transformers path runs them)"
+SLIDING_MLX = "no: rotating (sliding-window) caches cannot be rolled back on mlx yet"
 HYBRID_TORCH = "no: linear-attention (GatedDeltaNet) layers; use mlx"
 
 
@@ -70,10 +72,10 @@ class Pair:
 def family_support(family: str, layers: str = "") -> dict[str, str]:
     """Per backend path (``cuda_graphs``, ``transformers``, ``mlx``): ``yes``, ``no: <why>`` or
     ``untested: <why>`` for a target ``model_type`` (a trailing ``?`` marks it unconfirmed)
-    whose layers ``layers`` describes (any sliding-window layer is refused everywhere)."""
+    whose layers ``layers`` describes (sliding-window layers run on the plain transformers path)."""
     base = family.rstrip(" ?")
     if "sliding" in layers or base in ("gemma4", "gpt_oss"):
-        return {"cuda_graphs": SLIDING, "transformers": SLIDING, "mlx": SLIDING}
+        return {"cuda_graphs": SLIDING, "transformers": "yes", "mlx": SLIDING_MLX}
     if base in ("llama", "qwen2", "qwen3"):
         return {"cuda_graphs": "yes", "transformers": "yes", "mlx": "yes"}
     if base == "qwen3_moe":

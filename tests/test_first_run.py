@@ -65,14 +65,14 @@ def test_another_machines_table_is_not_used(tiny_backend, cache, monkeypatch, ca
 
 def test_a_table_measured_under_another_load_is_named(tiny_backend, cache, monkeypatch, capsys):
     quick_measure(monkeypatch)
-    first = load_or_measure_costs(tiny_backend, KEY, WIDTHS)
+    load_or_measure_costs(tiny_backend, KEY, WIDTHS)
     capsys.readouterr()
     monkeypatch.setattr(auto_block_costs, "load_per_core", lambda: 1.5)
     table = load_or_measure_costs(tiny_backend, KEY, WIDTHS)
     assert table.source == "cache"
     assert capsys.readouterr().err.strip() == (
         "dflash: the --block-size auto cost table was measured under another load (0.25 per core then, "
-        f"1.50 now): its block sizes may suit that load; pass --recalibrate to measure again")  # fmt: skip
+        "1.50 now): its block sizes may suit that load; pass --recalibrate to measure again")  # fmt: skip
 
 
 def test_json_and_verbose_carry_the_provenance(tiny_backend, cache, monkeypatch):

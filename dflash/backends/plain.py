@@ -74,26 +74,58 @@ def cache_kwarg(model: Any) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
-def _crop_cache(cache: Any, length: int) -> None:
-    """Keep the first ``length`` positions of a DynamicCache.
+def new_target_cache(config: Any):
+    """An empty ``DynamicCache`` for a target config whose sliding-window layers record the past.
 
-    transformers changed ``crop``'s meaning between releases (kept length vs tokens removed),
-    so full-attention layers are sliced directly; anything else cannot be rolled back safely.
+    A sliding layer normally drops the rows that fall out of its window as soon as a forward
+    adds rows; with past recording (``activate_past_recording``, transformers >= 5.15) it keeps
+    them until the next ``crop``, so a verify's rejected rows can be cut and the window slid back
+    exactly (see :func:`rollback_cache`).
+    """
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=config)
+    for layer in cache.layers:
+        if getattr(layer, "is_sliding", False):
+            layer.activate_past_recording()
+    return cache
+
+
+def rollback_cache(cache: Any, length: int) -> None:
+    """Cut a target ``DynamicCache`` back to its first ``length`` positions.
+
+    Full-attention layers are sliced (``crop``'s meaning changed between transformers releases);
+    sliding-window layers drop the last ``seq - length`` rows with ``crop(-n)`` and keep the
+    ``window - 1`` rows before them, which is what decoding the same tokens one at a time
+    leaves; layers without a cache of their own (Gemma's KV-sharing layers) are skipped.
 
     Raises:
-        BackendError: a sliding-window or recurrent (linear-attention) cache layer.
+        BackendError: a recurrent (linear-attention) or unknown cache layer, or a sliding layer
+            that did not end at ``length`` positions and ``min(length, window - 1)`` rows.
     """
-    if cache.get_seq_length() <= length:
-        return
     for layer in getattr(cache, "layers", []):
-        if getattr(layer, "is_sliding", False) or getattr(layer, "is_linear", False) or not hasattr(layer, "keys"):
+        if getattr(layer, "is_linear", False) or not hasattr(layer, "keys"):
             raise BackendError(
                 f"The target's {type(layer).__name__} cache cannot be rolled back exactly.",
-                hint="use a pure full-attention target on the transformers backend",
+                hint="use a target with full-attention or sliding-window layers on the transformers backend",
             )
-        if layer.keys is not None and layer.keys.numel():
-            layer.keys = layer.keys[..., :length, :]
-            layer.values = layer.values[..., :length, :]
+        if layer.keys is None or not layer.keys.numel():
+            continue
+        if not getattr(layer, "is_sliding", False):
+            if layer.keys.shape[-2] > length:
+                layer.keys = layer.keys[..., :length, :]
+                layer.values = layer.values[..., :length, :]
+            continue
+        drop = layer.get_seq_length() - length
+        layer.crop(-drop if drop > 0 else 0)  # crop(0) trims the recorded rows to the window
+        rows = min(length, layer.sliding_window - 1)
+        if layer.get_seq_length() != length or layer.keys.shape[-2] != rows:
+            raise BackendError(
+                f"A sliding-window cache layer holds {layer.keys.shape[-2]} rows for "
+                f"{layer.get_seq_length()} positions after a rollback to {length} (expected {rows}).",
+                hint="this transformers release crops sliding caches differently; install "
+                "transformers>=5.17,<5.40",
+            )
 
 
 class TransformersBackend:
@@ -142,16 +174,18 @@ class TransformersBackend:
 
     # -- protocol ---------------------------------------------------------------------------
     def reset(self, max_positions: int | None = None) -> None:
-        from transformers import DynamicCache
-
         self._save_prefix()
         self.fed, self.fed_feats, self.feat_rows = [], [], 0
-        self.cache = DynamicCache(config=self.target.config)
+        self.cache = new_target_cache(self.target.config)
         if self.draft_cache is not None:
             self.draft_cache.reset()
         self._draft_rng = None  # re-seeded from the request's sampling seed at its first draft
 
     def _forward(self, ids: torch.Tensor, start: int, with_features: bool, last_only: bool):
+        # The cache must hold exactly the positions before ``start``, sliding layers no more than
+        # their window's rows (transformers 5.17 attends to every recorded row while its mask
+        # covers the window only).
+        rollback_cache(self.cache, start)
         pos = torch.arange(start, start + ids.shape[-1], device=self.device)[None]
         with torch.inference_mode():
             out = self.target(input_ids=ids, position_ids=pos, use_cache=True,
@@ -191,6 +225,8 @@ class TransformersBackend:
         """Hand the rows fed since the last reset to the prefix cache (before a new request)."""
         if self.prefix_cache is None or self.cache is None or not self.fed:
             return
+        if any(getattr(layer, "is_sliding", False) or not hasattr(layer, "keys") for layer in self.cache.layers):
+            return  # a sliding window's rows are not indexed by position: such targets cache no prefix
         n = len(self.fed)
         layers = [(layer.keys[..., :n, :], layer.values[..., :n, :]) for layer in self.cache.layers]
         feats = torch.cat(self.fed_feats)[:n] if self.fed_feats else None
@@ -238,7 +274,7 @@ class TransformersBackend:
         return logits, feats
 
     def rollback(self, length: int) -> None:
-        _crop_cache(self.cache, length)
+        rollback_cache(self.cache, length)
         if self.prefix_cache is not None:
             del self.fed[length:]
             while self.fed_feats and self.feat_rows - self.fed_feats[-1].shape[0] >= length:
@@ -307,25 +343,74 @@ class TransformersBackend:
                 "cuda_graphs": False, "compile": False, "kernel_settings": self.settings.record()}  # fmt: skip
 
 
+# Checkpoint names of a multimodal wrapper's text model -> those of its text-only causal LM:
+# the transformers 5 layout (model.language_model.*) and the older one (language_model.model.*).
+WRAPPER_KEYS = {r"^model\.language_model\.": "model.", r"^language_model\.model\.": "model.",
+                r"^language_model\.lm_head\.": "lm_head."}  # fmt: skip
+
+
+def text_only_config(config: Any) -> Any:
+    """The text config of a multimodal wrapper (Gemma 3/4, Mistral 3, LLaVA ... configs with a
+    ``text_config``) when transformers can build that text model alone as a causal LM, else None.
+    """
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if text is config:
+        return None
+    try:
+        MODEL_FOR_CAUSAL_LM_MAPPING[type(text)]
+    except KeyError:
+        return None
+    # the wrapper ties its LM head by its own flag (Mistral 3: tied, its text config: not)
+    text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", text.tie_word_embeddings))
+    return text
+
+
+def wrapper_class(config: Any) -> Any:
+    """transformers' image-text-to-text class for a multimodal wrapper whose text model has no
+    causal LM of its own (Muse-Glimmer), else None: it then decodes text prompts whole."""
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if text is config or type(config) in MODEL_FOR_CAUSAL_LM_MAPPING:
+        return None
+    try:
+        return MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(config)]
+    except KeyError:
+        return None
+
+
 def load_target(path: str, device: torch.device, dtype: torch.dtype):
     """Load an HF causal LM and its tokenizer from a folder or hub id (no remote code).
 
     The config is read and checked first, so a target this backend cannot speculate on is
-    refused before any weights load.
+    refused before any weights load. A multimodal wrapper loads its text model alone (the
+    prompts are text): its causal LM over ``text_config``, the weights renamed by
+    :data:`WRAPPER_KEYS`, the vision and audio towers never read into memory; a wrapper whose
+    text model has no causal LM class (Muse-Glimmer) loads whole (:func:`wrapper_class`).
 
     Raises:
-        CheckpointError: the model cannot be found or read.
-        BackendError: a sliding-window or recurrent target (see ``check_full_attention``).
+        CheckpointError: the model cannot be found or read, or a wrapper's text weights do not
+            fit its text model.
+        BackendError: a chunked-attention or recurrent target (see ``check_target_layers``).
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from dflash.models.target_torch import check_full_attention, quiet_transformers
+    from dflash.models.target_torch import check_target_layers, quiet_transformers
 
     quiet_transformers()
     try:
-        check_full_attention(AutoConfig.from_pretrained(path), path)
+        config = AutoConfig.from_pretrained(path)
+        check_target_layers(config, path)
         tok = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        text, whole = text_only_config(config), wrapper_class(config)
+        if text is None:
+            model = (whole or AutoModelForCausalLM).from_pretrained(path, dtype=dtype)
+        else:
+            model, info = AutoModelForCausalLM.from_pretrained(path, config=text, dtype=dtype, key_mapping=WRAPPER_KEYS,
+                                                               output_loading_info=True)  # fmt: skip
+            check_text_weights(path, info, tied=text.tie_word_embeddings)
     except OSError as e:
         from dflash import hub
         from dflash.models.target_torch import is_hub_id
@@ -342,6 +427,25 @@ def load_target(path: str, device: torch.device, dtype: torch.dtype):
     if not cache_cls:
         raise BackendError(f"Target {path} does not support a rollback-able KV cache.")
     return model, tok
+
+
+def check_text_weights(path: str, info: dict, tied: bool) -> None:
+    """Refuse a wrapper's text model that did not get all of its weights (transformers would
+    leave them random) or left decoder layers, or an untied LM head, unread.
+
+    Raises:
+        CheckpointError: naming the first missing or unread tensor and the count.
+    """
+    missing = sorted(info.get("missing_keys") or [])
+    text = ("model.layers.",) if tied else ("model.layers.", "lm_head.")
+    unread = sorted(k for k in info.get("unexpected_keys") or [] if k.startswith(text))
+    bad = missing or unread
+    if bad:
+        what = "missing" if missing else "unread"
+        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        raise CheckpointError(f"Target {path}: the text model's weights do not fit its checkpoint: "
+                              f"{bad[0]} {what}{more}.",
+                              hint="pass the text model's own folder, or a checkpoint saved by transformers")  # fmt: skip
 
 
 def load_draft(folder, device: torch.device, dtype: torch.dtype) -> DFlashDraft:

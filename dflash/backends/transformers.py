@@ -18,11 +18,14 @@ from dflash.paths import key_path
 
 def load(model: str | None, draft: str | None, *, device: str = "auto", dtype: str = "auto",
          cuda_graphs: bool | None = None, compile: bool | None = None,
-         uniform_width: bool = False, kernels: str = "auto") -> Loaded:  # fmt: skip
+         uniform_width: bool = False, kernels: str = "auto",
+         draft_window: int | None = None) -> Loaded:  # fmt: skip
     """Load a target and a draft for the transformers backend (arguments as :func:`dflash.load`).
 
     The :class:`~dflash.kernels.settings.KernelSettings` are resolved here, once (``kernels``
     and the environment overrides), before any weight loads, and handed to the backend.
+    ``draft_window`` (``--draft-window N``) bounds the draft's context rows; it runs on the plain
+    path (the CUDA-graph path keeps a fixed draft context).
 
     Raises:
         BackendError, CheckpointError, ConfigError, InputError: one-sentence reasons.
@@ -55,6 +58,9 @@ def load(model: str | None, draft: str | None, *, device: str = "auto", dtype: s
         cfg = DraftConfig.load(folder)
         if cuda_graphs and cfg.is_dflash2:  # auto mode falls back to the plain path
             raise BackendError("CUDA graphs do not support DFlash2 drafts yet.", hint="drop --cuda-graphs")
+        if cuda_graphs and draft_window is not None:  # likewise
+            raise BackendError("CUDA graphs do not support --draft-window yet.",
+                               hint="drop --cuda-graphs (the plain path runs it) or --draft-window")  # fmt: skip
         return folder, cfg
 
     hub_draft = draft is not None and is_hub_id(draft)
@@ -87,9 +93,10 @@ def load(model: str | None, draft: str | None, *, device: str = "auto", dtype: s
     rows = target_model.get_input_embeddings().weight.shape[0]
     check_pair(draft_cfg, target_model.config, rows, stops)
     draft_model = load_draft(draft_dir, dev, dt)
+    draft_model.context_window = draft_window
 
     fast = dev.type == "cuda" and supports_static(target_model) and cuda_graphs is not False
-    fast = fast and not draft_cfg.is_dflash2  # DFlash2 runs on the plain path
+    fast = fast and not draft_cfg.is_dflash2 and draft_window is None  # these run on the plain path
     if cuda_graphs and not fast:
         raise BackendError("CUDA graphs need a CUDA device and a Llama/Qwen2/Qwen3-style target.",
                            hint="drop --cuda-graphs")  # fmt: skip
@@ -105,5 +112,6 @@ def load(model: str | None, draft: str | None, *, device: str = "auto", dtype: s
                 "target": target_path, "draft": key_path(draft_dir), "draft_vocab": impl.draft_vocab_size,
                 "threads": torch.get_num_threads() if dev.type == "cpu" else None,
                 # costs measured with other settings are kept apart (the defaults' key unchanged)
-                **({"kernel_settings": settings.record()} if settings != KernelSettings() else {})}  # fmt: skip
+                **({"kernel_settings": settings.record()} if settings != KernelSettings() else {}),
+                **({"draft_window": draft_window} if draft_window is not None else {})}  # fmt: skip
     return Loaded(impl, tokenizer, stops, str(model or "demo"), draft_dir, cost_key)

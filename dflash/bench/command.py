@@ -174,7 +174,7 @@ def benchmark(
         int | None, typer.Option(help="mlx backend: quantize the draft to 4 or 8 bits at load.")
     ] = None,
     draft_window: Annotated[
-        int | None, typer.Option(help="mlx backend: keep at most N context rows in draft KV.")
+        int | None, typer.Option(help="the draft attends to at most N recent context rows (tokens).")
     ] = None,
     kernels: Annotated[
         str,
@@ -244,10 +244,10 @@ def benchmark(
         "--baseline-model": baseline_model is not None, "--max-retries": max_retries != RETRIES_DEFAULT,
     }, {
         **dict.fromkeys(("--draft", "--block-size", "--device", "--dtype", "--check-parity", "--resume",
-                         "--score", "--recalibrate"), local),
+                         "--score", "--recalibrate", "--draft-window"), local),
         **dict.fromkeys(("--cuda-graphs/--no-cuda-graphs", "--compile/--no-compile", "--uniform-width",
                          "--kernels"), ("transformers",)),
-        "--draft-bits": ("mlx",), "--draft-window": ("mlx",),
+        "--draft-bits": ("mlx",),
         **dict.fromkeys(("--base-url", "--num-prompts", "--concurrency", "--timeout-s", "--api-key",
                          "--baseline-url", "--baseline-model", "--max-retries"), remote),
     })  # fmt: skip

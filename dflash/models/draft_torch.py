@@ -120,22 +120,31 @@ class DraftCache:
     Context K/V are already k-normed and rotated, so they are appended once and reused in
     every later round (brief §2.3 step 5). ``length`` is the number of cached context rows;
     ``positions`` [1, length] int64 holds their absolute positions (used by window masks).
+
+    Args:
+        num_layers: draft layers.
+        window: ``--draft-window N``: keep only the N most recent context rows (the draft then
+            attends to at most N context rows; positions stay absolute); None keeps all.
     """
 
-    def __init__(self, num_layers: int):
+    def __init__(self, num_layers: int, window: int | None = None):
         self.keys: list[torch.Tensor | None] = [None] * num_layers
         self.values: list[torch.Tensor | None] = [None] * num_layers
         self.positions: torch.Tensor | None = None
+        self.window = window
 
     @property
     def length(self) -> int:
         return 0 if self.positions is None else int(self.positions.shape[-1])
 
     def append(self, i: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append k, v [B, Hkv, T, D] to layer i; returns the layer's whole cached K/V."""
+        """Append k, v [B, Hkv, T, D] to layer i; returns the layer's cached K/V (the last
+        ``window`` rows when a window is set)."""
         if self.keys[i] is not None:
             k = torch.cat((self.keys[i], k), dim=2)
             v = torch.cat((self.values[i], v), dim=2)
+        if self.window is not None and k.shape[2] > self.window:
+            k, v = k[:, :, -self.window :], v[:, :, -self.window :]
         self.keys[i], self.values[i] = k, v
         return k, v
 
@@ -144,6 +153,15 @@ class DraftCache:
         self.keys = [None] * len(self.keys)
         self.values = [None] * len(self.values)
         self.positions = None
+
+
+def extend_positions(cache, ctx_pos: torch.Tensor) -> torch.Tensor:
+    """A context cache's row positions [1, length'] once rows at ``ctx_pos`` [1, Tc] are added:
+    the last ``window`` of them for a :class:`DraftCache` with a window (static caches keep no
+    positions: ``ctx_pos``)."""
+    pos = ctx_pos if cache.positions is None else torch.cat((cache.positions, ctx_pos), 1)
+    window = getattr(cache, "window", None)
+    return pos if window is None else pos[:, -window:]
 
 
 class DraftAttention(nn.Module):
@@ -265,6 +283,7 @@ class DFlashDraft(nn.Module):
         self._inv_freq_f32 = inv_freq  # master copy: RoPE tables stay float32 in every dtype
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.draft_vocab: list[int] | None = None  # draft_vocab.json (dflash.models.draft_vocab)
+        self.context_window: int | None = None  # --draft-window: context rows attended, at most
 
     def _apply(self, fn, recurse=True):
         """``.to()``/``.half()``/``.bfloat16()`` move the RoPE frequencies but keep them float32
@@ -280,8 +299,8 @@ class DFlashDraft(nn.Module):
         return self.fc.in_features
 
     def new_cache(self) -> DraftCache:
-        """An empty context cache for one request."""
-        return DraftCache(len(self.layers))
+        """An empty context cache for one request (``context_window`` rows at most)."""
+        return DraftCache(len(self.layers), self.context_window)
 
     def forward(
         self,
@@ -310,7 +329,7 @@ class DFlashDraft(nn.Module):
         """
         ctx = self.hidden_norm(self.fc(target_hidden))  # [B, Tc, H]
         if cache is not None:
-            new_pos = ctx_pos if cache.positions is None else torch.cat((cache.positions, ctx_pos), 1)
+            new_pos = extend_positions(cache, ctx_pos)
         if masks is None:
             k_ctx = new_pos if cache is not None else ctx_pos
             masks = self.inference_masks(q_pos, torch.cat((k_ctx, q_pos), dim=1))
@@ -344,7 +363,7 @@ class DFlashDraft(nn.Module):
         for i, layer in enumerate(self.layers):
             cache.append(i, *layer.self_attn.key_values(ctx, rope))  # [B, Hkv, Tc, D] each
         if isinstance(cache, DraftCache):
-            cache.positions = ctx_pos if cache.positions is None else torch.cat((cache.positions, ctx_pos), 1)
+            cache.positions = extend_positions(cache, ctx_pos)
 
     def inference_masks(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> dict:
         """Masks from absolute positions: causal and/or windowed per layer type (brief §2.5).

