@@ -35,7 +35,7 @@ from dflash.train.command import data_app, train  # noqa: E402
 
 app.command("benchmark")(benchmark)
 
-from dflash.serve.server import serve  # noqa: E402  (fastapi/uvicorn are imported when it runs)
+from dflash.serve.command import serve  # noqa: E402  (fastapi/uvicorn are imported when it runs)
 
 app.command("serve")(serve)
 app.command("train")(train)

@@ -103,7 +103,8 @@ def client_for(pipe, names=("scripted",), block_size=None, **engine_kw):
     ``engine_kw`` are set on the Engine before it loads."""
     from starlette.testclient import TestClient
 
-    from dflash.serve.server import Engine, build_app
+    from dflash.serve.engine import Engine
+    from dflash.serve.server import build_app
 
     engine = Engine(lambda: pipe, list(names), block_size=block_size)
     for key, value in engine_kw.items():

@@ -12,7 +12,8 @@ import pytest
 
 from dflash.backends.openai_stats import SpecCounters, extract_meta, meta_stats
 from dflash.bench.remote import RemoteRecord, _as_response_records, side_summary
-from dflash.serve.protocol import ServerMetrics, meta_info
+from dflash.serve.metrics import ServerMetrics
+from dflash.serve.protocol import meta_info
 from dflash.types import RoundResult
 
 # Four verify steps of one auto-width reply (L = 16): widths 4, 1 (plain), 16, 2.
@@ -190,7 +191,8 @@ def test_serve_meta_info_and_metrics_under_auto_width_feed_the_benchmark_exactly
     from starlette.testclient import TestClient
 
     from dflash.backends.openai import SSEDecoder
-    from dflash.serve.server import Engine, build_app
+    from dflash.serve.engine import Engine
+    from dflash.serve.server import build_app
 
     pipe = _AutoPipe()
     engine = Engine(lambda: pipe, ["demo"], block_size=None)

@@ -81,7 +81,7 @@ class _Pipe:
 
 @pytest.mark.parametrize("use_graphs", [True, False])
 def test_serve_warms_up_at_load_on_the_graph_path_only(use_graphs):
-    from dflash.serve.server import Engine
+    from dflash.serve.engine import Engine
 
     pipe = _Pipe(use_graphs)
     engine = Engine(lambda: pipe, ["demo"], block_size=16, warmup=32)
@@ -91,7 +91,7 @@ def test_serve_warms_up_at_load_on_the_graph_path_only(use_graphs):
 
 
 def test_serve_starts_when_the_warm_up_fails(capsys):
-    from dflash.serve.server import Engine
+    from dflash.serve.engine import Engine
 
     pipe = _Pipe(True)
 

@@ -407,8 +407,8 @@ def test_engine_passes_eos_and_stop_token_ids_to_the_loop():
     import threading
     from types import SimpleNamespace
 
+    from dflash.serve.engine import Engine
     from dflash.serve.protocol import parse_request
-    from dflash.serve.server import Engine
 
     seen = []
 

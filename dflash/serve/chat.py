@@ -35,7 +35,9 @@ class Output:
 
         special = parser is not None and parser.special_tokens
         self.tokenizer = tokenizer
-        self.text = TextStream(tokenizer, skip_special_tokens=req.skip_special_tokens and not special)
+        self.text = TextStream(
+            tokenizer, skip_special_tokens=req.skip_special_tokens and not special
+        )
         self.hidden = set(hidden) if special else set()
         self.stop = StopMatcher(req.stop, include=req.include_stop_str)
         self.parser = parser
@@ -113,6 +115,7 @@ class Job:
 
 def chat_logprobs(out: Output, entries: list) -> dict[str, Any]:
     """OpenAI chat ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
+
     def one(token: int, lp: float) -> dict[str, Any]:
         text = out.token_text(token)
         return {"token": text, "logprob": _finite(lp), "bytes": list(text.encode("utf-8"))}
@@ -121,13 +124,16 @@ def chat_logprobs(out: Output, entries: list) -> dict[str, Any]:
                         for e in entries]}  # fmt: skip
 
 
-def completion_logprobs(out: Output, entries: list, first: int | None, offset: int) -> dict[str, Any]:
+def completion_logprobs(
+    out: Output, entries: list, first: int | None, offset: int
+) -> dict[str, Any]:
     """OpenAI completions ``logprobs`` (tokens, token_logprobs, top_logprobs, text_offset);
     ``first``: an echoed prompt's first token (log-probability null); ``offset``: characters
     before the first entry."""
     tokens, lps, tops, offsets = [], [], [], []
     rows = ([(first, None, None)] if first is not None else []) + [
-        (e.token, e.logprob, e.top) for e in entries]
+        (e.token, e.logprob, e.top) for e in entries
+    ]
     for token, lp, top in rows:
         text = out.token_text(token)
         tokens.append(text)
@@ -170,7 +176,9 @@ def _usage(jobs: list[Job], outs: list[Output], req: GenRequest) -> dict[str, An
     ``prompt_tokens_details.cached_tokens`` (prompt tokens the prefix cache supplied)."""
     first = jobs[:: req.n]
     use: dict[str, Any] = usage(sum(len(j.ids) for j in first), sum(o.tokens for o in outs))
-    use["prompt_tokens_details"] = {"cached_tokens": sum(j.info.get("cached_tokens", 0) for j in first)}
+    use["prompt_tokens_details"] = {
+        "cached_tokens": sum(j.info.get("cached_tokens", 0) for j in first)
+    }
     return use
 
 
@@ -192,7 +200,7 @@ async def full_reply(engine: Any, jobs: list[Job], req: GenRequest, outs: list[O
             async for part in run_job(engine, job, req, out, request):
                 events += part
         finally:
-            engine.metrics.request_done(len(job.ids), out.tokens, out.finish or "abort")
+            engine.metrics.request_done(out.finish or "abort")
         choices.append(_choice(engine, job, req, out, events, t0))
     use = _usage(jobs, outs, req)
     return {**head, "object": "chat.completion" if req.chat else "text_completion",
@@ -213,7 +221,9 @@ def _choice(engine: Any, job: Job, req: GenRequest, out: Output, events: list,
     else:
         logprobs = None
         if out.want_logprobs:
-            logprobs = completion_logprobs(out, (job.echo_logprobs or []) + lps, job.prompt_first, 0)
+            logprobs = completion_logprobs(
+                out, (job.echo_logprobs or []) + lps, job.prompt_first, 0
+            )
         choice = {"index": job.index, "text": job.echo_text + text, "finish_reason": out.finish,
                   "logprobs": logprobs}  # fmt: skip
     if req.return_meta_info:
@@ -265,7 +275,9 @@ async def stream_reply(engine: Any, jobs: list[Job], req: GenRequest, outs: list
                     c = part(job, text)
                     if calls:
                         delta = c["choices"][0]["delta"]
-                        delta["tool_calls"] = [call.openai(index + i) for i, call in enumerate(calls)]
+                        delta["tool_calls"] = [
+                            call.openai(index + i) for i, call in enumerate(calls)
+                        ]
                         index += len(calls)
                         if not text:
                             delta.pop("content", None)
@@ -282,7 +294,7 @@ async def stream_reply(engine: Any, jobs: list[Job], req: GenRequest, outs: list
             meta = _meta(engine, job, out, t0) if req.return_meta_info else None
             yield sse(part(job, None, out.finish, meta=meta))
         finally:
-            engine.metrics.request_done(len(job.ids), out.tokens, out.finish or "abort")
+            engine.metrics.request_done(out.finish or "abort")
     if req.include_usage:
         yield sse({"id": head["id"], "object": obj, "created": head["created"],
                    "model": head["model"], "choices": [],

@@ -1,5 +1,5 @@
-"""Request checking, response shapes and Prometheus counters of ``dflash serve`` (no web framework
-here, so it is testable on its own).
+"""Request checking and response shapes of ``dflash serve`` (no web framework here, so it is
+testable on its own; the ``/metrics`` counters are :mod:`dflash.serve.metrics`).
 
 Shapes follow the OpenAI API; ``meta_info`` follows SGLang (brief §7.5): ``spec_accept_length``
 (τ, bonus included), ``spec_verify_ct`` (verify steps) and ``spec_correct_drafts_histogram``
@@ -7,16 +7,12 @@ Shapes follow the OpenAI API; ``meta_info`` follows SGLang (brief §7.5): ``spec
 verify step's τ with its own number of proposals (``spec_accept_length_per_step``,
 ``spec_proposed_drafts_per_step``): under ``--block-size auto`` the width varies per step (1 = a
 plain step that proposes nothing), so the histogram alone cannot tell how many drafts reached a
-position. ``/metrics`` uses vLLM's counter names (``vllm:spec_decode_*``) so scrapers written for
-vLLM read it unchanged, plus ``vllm:spec_decode_num_drafts_per_pos_total{position}`` (drafts that
-reached a position), the denominator of the per-position acceptance when widths vary.
+position.
 """
 
 from __future__ import annotations
 
 import math
-import threading
-import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -155,13 +151,29 @@ _OUTPUT_CHANGING: dict[str, tuple] = {
     "min_tokens": (0,),
     "repetition_penalty": (1, 1.0),
     "min_p": (0, 0.0),
-    "guided_grammar": (), "structured_outputs": (), "bad_words": ([],), "allowed_token_ids": (),
-    "prompt_logprobs": (0,), "use_beam_search": (False,), "length_penalty": (1, 1.0),
-    "prediction": (), "audio": (), "modalities": (["text"],),
-    "chat_template": (), "documents": (), "truncate_prompt_tokens": (), "logits_processors": (),
-    "spaces_between_special_tokens": (True,), "verbosity": (), "typical_p": (1, 1.0),
-    "mirostat": (0,), "tfs_z": (1, 1.0), "dry_multiplier": (0, 0.0), "xtc_probability": (0, 0.0),
-    "top_a": (0, 0.0), "top_n_sigma": (),
+    "guided_grammar": (),
+    "structured_outputs": (),
+    "bad_words": ([],),
+    "allowed_token_ids": (),
+    "prompt_logprobs": (0,),
+    "use_beam_search": (False,),
+    "length_penalty": (1, 1.0),
+    "prediction": (),
+    "audio": (),
+    "modalities": (["text"],),
+    "chat_template": (),
+    "documents": (),
+    "truncate_prompt_tokens": (),
+    "logits_processors": (),
+    "spaces_between_special_tokens": (True,),
+    "verbosity": (),
+    "typical_p": (1, 1.0),
+    "mirostat": (0,),
+    "tfs_z": (1, 1.0),
+    "dry_multiplier": (0, 0.0),
+    "xtc_probability": (0, 0.0),
+    "top_a": (0, 0.0),
+    "top_n_sigma": (),
 }
 # chat_template_kwargs that are apply_chat_template's own arguments, not the template's
 _TEMPLATE_CALL_ARGS = {"conversation", "messages", "tokenize", "chat_template", "tools", "documents",
@@ -242,7 +254,8 @@ def parse_request(body: Any, chat: bool) -> GenRequest:
         if body.get("suffix"):
             raise _bad("'suffix' is not supported by dflash serve.", "suffix")
     req.max_tokens = _integer(body, "max_completion_tokens", 1) or _integer(
-        body, "max_tokens", 0 if req.echo else 1)
+        body, "max_tokens", 0 if req.echo else 1
+    )
     req.n = _integer(body, "n", 1, MAX_N) or 1
     req.logprobs = _logprobs(body, chat)
     for key, neutral in _OUTPUT_CHANGING.items():
@@ -285,9 +298,13 @@ def parse_request(body: Any, chat: bool) -> GenRequest:
     if body.get("skip_special_tokens") is not None:
         req.skip_special_tokens = _flag(body, "skip_special_tokens")
     ids = body.get("stop_token_ids")
-    if ids is not None and not (isinstance(ids, list) and all(
-            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)):
-        raise _bad("'stop_token_ids' must be a list of token ids (integers >= 0).", "stop_token_ids")
+    if ids is not None and not (
+        isinstance(ids, list)
+        and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)
+    ):
+        raise _bad(
+            "'stop_token_ids' must be a list of token ids (integers >= 0).", "stop_token_ids"
+        )
     req.stop_token_ids = list(ids or [])
     stop = body.get("stop")
     if isinstance(stop, str):
@@ -310,9 +327,13 @@ def _prompts(prompt: Any) -> list[str | list[int]]:
     Raises:
         ApiError: 400 saying what was sent when it is none of those.
     """
+
     def is_ids(p: Any) -> bool:
-        return isinstance(p, list) and bool(p) and all(
-            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in p)
+        return (
+            isinstance(p, list)
+            and bool(p)
+            and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in p)
+        )
 
     if isinstance(prompt, str) and prompt:
         return [prompt]
@@ -329,7 +350,13 @@ def _prompts(prompt: Any) -> list[str | list[int]]:
                         type(p).__name__ for p in prompt})  # fmt: skip
         got = "a list holding " + ", ".join(kinds)
     else:
-        got = "an empty string" if prompt == "" else "null" if prompt is None else type(prompt).__name__
+        got = (
+            "an empty string"
+            if prompt == ""
+            else "null"
+            if prompt is None
+            else type(prompt).__name__
+        )
     raise _bad("'prompt' must be a non-empty string, a list of token ids (integers >= 0), or a "
                f"list of those; got {got}.", "prompt")  # fmt: skip
 
@@ -353,7 +380,9 @@ class StopMatcher:
 
     def __init__(self, stops: list[str], include: bool = False):
         self.stops = stops
-        self.include = include  # the text ends after the stop string (vLLM's include_stop_str_in_output)
+        self.include = (
+            include  # the text ends after the stop string (vLLM's include_stop_str_in_output)
+        )
         self.hold = max((len(s) for s in stops), default=1) - 1
         self.pending = ""
 
@@ -443,104 +472,3 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     """OpenAI ``usage`` object."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
-
-
-class ServerMetrics:
-    """Counters and gauges of the server, rendered in Prometheus text format (thread-safe).
-
-    Spec-decode counters follow vLLM: a draft = a verify step that checked >= 1 proposal;
-    accepted tokens per position p (0-based) = drafts whose first p+1 proposals were all
-    accepted; so τ = 1 + accepted / drafts as a vLLM scraper expects. vLLM divides the
-    per-position counts by ``num_drafts``, right only when every draft has the same width; with
-    ``--block-size auto`` the width varies per step, so ``num_drafts_per_pos`` (a dflash
-    addition under vLLM's prefix) counts the drafts that reached position p: proposed a token
-    there with the first p all accepted. Per-position acceptance P(p accepted | 0..p-1 accepted)
-    = ``num_accepted_tokens_per_pos[p] / num_drafts_per_pos[p]``.
-    """
-
-    def __init__(self, model: str, block_size: int):
-        self.model = model
-        self.lock = threading.Lock()
-        self.drafts = self.draft_tokens = self.accepted = 0
-        self.per_pos = [0] * max(block_size - 1, 0)
-        self.reached = [0] * max(block_size - 1, 0)
-        self.prompt_tokens = self.generation_tokens = 0
-        self.finished: dict[str, int] = {}
-        self.running = self.waiting = 0
-        self.prefix_queries = self.prefix_hits = 0
-        self.started = time.time()
-
-    def step(self, accepted: int, proposed: int) -> None:
-        """Count one verify step (accepted = tokens committed incl. the bonus)."""
-        with self.lock:
-            if proposed > 0:
-                self.drafts += 1
-                self.draft_tokens += proposed
-                self.accepted += accepted - 1
-                while len(self.per_pos) < proposed:
-                    self.per_pos.append(0)
-                    self.reached.append(0)
-                for p in range(min(accepted, proposed)):  # 0..accepted-1: the accepted ones
-                    self.reached[p] += 1  # and the first rejected one, if it was proposed
-                for p in range(accepted - 1):
-                    self.per_pos[p] += 1
-
-    def prefix(self, prompt_tokens: int, cached_tokens: int) -> None:
-        """Count a prefill: its prompt tokens and those the prefix cache supplied."""
-        with self.lock:
-            self.prefix_queries += prompt_tokens
-            self.prefix_hits += cached_tokens
-
-    def tokens(self, n: int) -> None:
-        """Count tokens as a step commits them (``generation_tokens_total`` moves per step)."""
-        with self.lock:
-            self.generation_tokens += n
-
-    def request_done(self, prompt_tokens: int, completion_tokens: int, finish: str) -> None:
-        """Count a finished request (finish: stop, length, tool_calls or abort; its generated
-        tokens were counted step by step, ``completion_tokens`` is not added again)."""
-        with self.lock:
-            self.prompt_tokens += prompt_tokens
-            self.finished[finish] = self.finished.get(finish, 0) + 1
-
-    def render(self) -> str:
-        """Prometheus text exposition format 0.0.4."""
-        escaped = self.model.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-        label = f'model_name="{escaped}"'
-        out: list[str] = []
-
-        def metric(name: str, kind: str, doc: str, rows: list[tuple[str, float]]) -> None:
-            out.append(f"# HELP {name} {doc}")
-            out.append(f"# TYPE {name} {kind}")
-            out.extend(f"{name}{{{labels}}} {value}" for labels, value in rows)
-
-        with self.lock:
-            p = "vllm:spec_decode_"
-            metric(p + "num_drafts_total", "counter", "Verify steps that checked a draft block.",
-                   [(label, self.drafts)])  # fmt: skip
-            metric(p + "num_draft_tokens_total", "counter", "Draft tokens proposed.",
-                   [(label, self.draft_tokens)])  # fmt: skip
-            metric(p + "num_accepted_tokens_total", "counter", "Draft tokens accepted.",
-                   [(label, self.accepted)])  # fmt: skip
-            metric(p + "num_accepted_tokens_per_pos_total", "counter",
-                   "Drafts whose proposals up to this position were all accepted.",
-                   [(f'{label},position="{i}"', n) for i, n in enumerate(self.per_pos)])  # fmt: skip
-            metric(p + "num_drafts_per_pos_total", "counter",
-                   "Drafts that proposed a token at this position after all earlier ones were "
-                   "accepted (the per-position acceptance's denominator when widths vary).",
-                   [(f'{label},position="{i}"', n) for i, n in enumerate(self.reached)])  # fmt: skip
-            metric("vllm:prompt_tokens_total", "counter", "Prompt tokens processed.",
-                   [(label, self.prompt_tokens)])  # fmt: skip
-            metric("vllm:generation_tokens_total", "counter", "Tokens generated.",
-                   [(label, self.generation_tokens)])  # fmt: skip
-            metric("vllm:request_success_total", "counter", "Finished requests by reason.",
-                   [(f'{label},finished_reason="{k}"', v) for k, v in sorted(self.finished.items())])  # fmt: skip
-            metric("vllm:prefix_cache_queries_total", "counter", "Prompt tokens looked up in "
-                   "the prefix cache.", [(label, self.prefix_queries)])  # fmt: skip
-            metric("vllm:prefix_cache_hits_total", "counter", "Prompt tokens the prefix cache "
-                   "supplied.", [(label, self.prefix_hits)])  # fmt: skip
-            metric("vllm:num_requests_running", "gauge", "Requests generating now (at most 1).",
-                   [(label, self.running)])  # fmt: skip
-            metric("vllm:num_requests_waiting", "gauge", "Requests queued behind it.",
-                   [(label, self.waiting)])  # fmt: skip
-        return "\n".join(out) + "\n"

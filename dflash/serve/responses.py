@@ -40,7 +40,9 @@ def _text(content: Any, where: str) -> str:
                                "supported.", param="input")  # fmt: skip
             parts.append(part["text"])
         return "".join(parts)
-    raise ApiError(400, f"{where}: 'content' must be a string or a list of text parts.", param="input")
+    raise ApiError(
+        400, f"{where}: 'content' must be a string or a list of text parts.", param="input"
+    )
 
 
 def to_chat(body: Any) -> dict[str, Any]:
@@ -132,7 +134,12 @@ class ResponseState:
 
     def __init__(self, body: dict, model: str, req: Any):
         self.id, self.created, self.model, self.body, self.req = (
-            _new_id("resp"), int(time.time()), model, body, req)
+            _new_id("resp"),
+            int(time.time()),
+            model,
+            body,
+            req,
+        )
         self.items: list[dict[str, Any]] = []
         self.text_item: dict[str, Any] | None = None
         self.seq = 0
@@ -211,7 +218,9 @@ class ResponseState:
                            content_index=0, part=item["content"][0]),
                 self.event("response.output_item.done", output_index=index, item=item)]  # fmt: skip
 
-    def finish(self, out: Any, prompt_tokens: int, cached: int = 0) -> tuple[list[str], dict[str, Any]]:
+    def finish(
+        self, out: Any, prompt_tokens: int, cached: int = 0
+    ) -> tuple[list[str], dict[str, Any]]:
         """The closing SSE events and the final response object."""
         sse = self._close_text()
         status = "incomplete" if out.finish == "length" else "completed"
@@ -240,7 +249,7 @@ async def respond(engine: Any, body: dict, request: Any) -> Any:
             async for events in run_job(engine, job, req, out, request):
                 state.add(events)
         finally:
-            engine.metrics.request_done(len(job.ids), out.tokens, out.finish or "abort")
+            engine.metrics.request_done(out.finish or "abort")
         return state.finish(out, len(job.ids), job.info.get("cached_tokens", 0))[1]
 
     async def stream() -> AsyncIterator[str]:
@@ -258,6 +267,6 @@ async def respond(engine: Any, body: dict, request: Any) -> Any:
             for text in state.finish(out, len(job.ids), job.info.get("cached_tokens", 0))[0]:
                 yield text
         finally:
-            engine.metrics.request_done(len(job.ids), out.tokens, out.finish or "abort")
+            engine.metrics.request_done(out.finish or "abort")
 
     return stream()
