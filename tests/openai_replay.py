@@ -49,6 +49,19 @@ def sse_reply(name: str, chunks: object = "whole") -> Reply:
     return Reply(body=fixture(name), content_type="text/event-stream", chunks=chunks)
 
 
+def sse_data(response_or_chunks: object) -> list[str]:
+    """The ``data`` of each server-sent event, parsed by httpx-sse as the client parses them:
+    of a streamed response, or of byte chunks (received in exactly those pieces)."""
+    import httpx
+    from httpx_sse import EventSource
+
+    resp = response_or_chunks
+    if not hasattr(resp, "iter_text"):  # (Starlette's TestClient answers with httpx2's Response)
+        resp = httpx.Response(200, headers={"content-type": "text/event-stream"},
+                              content=iter(list(response_or_chunks)))  # fmt: skip
+    return [event.data for event in EventSource(resp).iter_sse()]
+
+
 def json_reply(obj: object, status: int = 200, **kw: object) -> Reply:
     """A JSON reply."""
     return Reply(status=status, body=json.dumps(obj).encode(), **kw)

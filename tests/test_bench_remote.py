@@ -190,9 +190,9 @@ def test_serve_meta_info_and_metrics_under_auto_width_feed_the_benchmark_exactly
     pytest.importorskip("fastapi")
     from starlette.testclient import TestClient
 
-    from dflash.backends.openai import SSEDecoder
     from dflash.serve.engine import Engine
     from dflash.serve.server import build_app
+    from tests.openai_replay import sse_data
 
     pipe = _AutoPipe()
     engine = Engine(lambda: pipe, ["demo"], block_size=None)
@@ -206,8 +206,7 @@ def test_serve_meta_info_and_metrics_under_auto_width_feed_the_benchmark_exactly
         whole = client.post("/v1/chat/completions", json=body)
         assert whole.status_code == 200, whole.text
         with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
-            decoder = SSEDecoder()
-            events = [e for part in r.iter_bytes() for e in decoder.feed(part)]
+            events = sse_data(r)
         after = SpecCounters.from_text(client.get("/metrics").text)
     assert pipe.widths == ["auto", "auto"]
     streamed = extract_meta(json.loads(events[-2]))

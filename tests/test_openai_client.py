@@ -15,7 +15,6 @@ from typer.testing import CliRunner
 
 from dflash.backends.openai import (
     RetryPolicy,
-    SSEDecoder,
     api_root,
     chat_body,
     chat_completion,
@@ -24,7 +23,7 @@ from dflash.backends.openai import (
 from dflash.backends.openai_stats import SpecCounters, meta_stats
 from dflash.errors import InputError
 from dflash.types import SamplingParams
-from tests.openai_replay import ReplayServer, Reply, fixture, json_reply, sse_reply
+from tests.openai_replay import ReplayServer, Reply, fixture, json_reply, sse_data, sse_reply
 
 SGLANG_TEXT = "12 × 7 = 84 — «fertig» 🚀"
 VLLM_TEXT = "Die Antwort ist 84 — ç’est ça. 你好"
@@ -45,27 +44,26 @@ def _split(data: bytes, mode: object) -> list[bytes]:
 
 
 @pytest.mark.parametrize("name", ["sglang_stream.txt", "vllm_stream.txt"])
-def test_sse_decoder_gives_the_same_events_under_any_chunking(name):
+def test_sse_parsing_gives_the_same_events_under_any_chunking(name):
+    """httpx-sse, as the client reads streams, on the recorded streams cut 1, 2, 5 or 7 bytes
+    at a time or at random."""
     data = fixture(name)
-    whole = SSEDecoder()
-    expected = whole.feed(data) + whole.close()
+    expected = sse_data([data])
     assert expected[-1] == "[DONE]" and len(expected) >= 6
     assert all(json.loads(p) for p in expected[:-1])
     for mode in (1, 2, 7, 0, 1, 2, 3):
-        decoder = SSEDecoder()
-        got = [p for piece in _split(data, mode or 5) for p in decoder.feed(piece)]
-        assert got + decoder.close() == expected, mode
+        assert sse_data(_split(data, mode or 5)) == expected, mode
 
 
-def test_sse_decoder_rules():
-    d = SSEDecoder()
+def test_sse_parsing_rules():
     raw = ': comment\r\ndata: a\rdata:b\n\nevent: x\nid: 3\ndata: {"é": 1}\n\ndata: tail'
-    events = [p for ch in raw.encode() for p in d.feed(bytes([ch]))] + d.close()
-    assert events == ["a\nb", '{"é": 1}', "tail"]
+    # a last event without its blank line is not dispatched (the WHATWG rule; servers end
+    # with "data: [DONE]\n\n", and a finish_reason seen before it is enough for the client)
+    assert sse_data(bytes([ch]) for ch in raw.encode()) == ["a\nb", '{"é": 1}']
+    assert sse_data([raw.encode() + b"\r\n\r\n"])[-1] == "tail"  # \r\n split from \r\n too
     # a multi-byte character split across reads is never mangled
-    d = SSEDecoder()
     emoji = "data: 🚀中\n\n".encode()
-    assert [p for i in range(len(emoji)) for p in d.feed(emoji[i : i + 1])] == ["🚀中"]
+    assert sse_data(emoji[i : i + 1] for i in range(len(emoji))) == ["🚀中"]
 
 
 def test_urls_and_request_body():
@@ -129,6 +127,21 @@ def _chat(url: str, stream: bool = True, timeout: float = 10.0, retry: RetryPoli
             return r, seen
 
     return asyncio.run(go())
+
+
+def test_a_stream_cut_before_its_last_blank_line_or_not_an_event_stream():
+    """A stream whose ``[DONE]`` lacks its blank line still counts (the finish_reason came
+    before it); a reply that is not text/event-stream is a server error, not a crash."""
+    data = fixture("vllm_stream.txt")
+    assert data.endswith(b"data: [DONE]\r\n\r\n")
+    routes = {"POST /v1/chat/completions": [
+        Reply(body=data[:-4], content_type="text/event-stream", chunks=7),
+        Reply(body=data, content_type="text/plain")]}  # fmt: skip
+    with ReplayServer(routes) as srv:
+        r, _ = _chat(srv.url)
+        assert r.ok and r.text == VLLM_TEXT and r.finish_reason == "stop"
+        r, _ = _chat(srv.url)
+        assert not r.ok and r.error_kind == "server" and "not an event stream" in r.error
 
 
 @pytest.mark.parametrize("chunks", [1, 7, "random", "whole"])
@@ -267,12 +280,17 @@ def test_benchmark_counts_multi_turn_prompts_and_requests_apart(tmp_path):
     path = tmp_path / "turns.jsonl"
     path.write_text("".join(json.dumps({"id": f"p{i}", "turns": [f"question {i}", "and then?"]}) + "\n"
                             for i in range(2)))  # fmt: skip
-    routes = {"GET /v1/models": [MODELS], "POST /v1/chat/completions": lambda b: sse_reply("sglang_stream.txt")}
+    routes = {
+        "GET /v1/models": [MODELS],
+        "POST /v1/chat/completions": lambda b: sse_reply("sglang_stream.txt"),
+    }
     with ReplayServer(routes) as srv:
         res = CliRunner().invoke(app, ["benchmark", "openai", "--base-url", srv.url, "--dataset", str(path),
                                        "--max-new-tokens", "8"])  # fmt: skip
         assert res.exit_code == 0, res.output
-    summary = next(iter(json.loads(res.stdout.strip().splitlines()[-1])["datasets"].values()))["dflash"]
+    summary = next(iter(json.loads(res.stdout.strip().splitlines()[-1])["datasets"].values()))[
+        "dflash"
+    ]
     assert (summary["prompts"], summary["requests"]) == (2, 4)
     assert "Num prompts: 2" in res.output and "Num requests: 4" in res.output
 
@@ -323,4 +341,6 @@ def test_unreachable_server_error_names_the_flag_that_gave_it():
     for flag, want in (((), "--base-url"), (("--baseline-url",), "--baseline-url")):
         with pytest.raises(ServerError) as err:
             asyncio.run(ask(flag))
-        assert err.value.hint.startswith("start the server (dflash serve") and err.value.hint.endswith(f"or fix {want}")
+        assert err.value.hint.startswith(
+            "start the server (dflash serve"
+        ) and err.value.hint.endswith(f"or fix {want}")

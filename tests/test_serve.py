@@ -16,10 +16,11 @@ import time
 
 import httpx
 import pytest
+from httpx_sse import EventSource
 from typer.testing import CliRunner
 
-from dflash.backends.openai import SSEDecoder
 from dflash.backends.openai_stats import SpecCounters
+from tests.openai_replay import sse_data
 
 pytest.importorskip("torch")
 pytest.importorskip("fastapi")
@@ -154,8 +155,7 @@ def test_completions_endpoint_streamed_and_not(server, local):
     assert r.json()["object"] == "text_completion" and r.json()["choices"][0]["text"] == ref.text
     with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True},
                       headers=auth(), timeout=300) as resp:  # fmt: skip
-        decoder = SSEDecoder()
-        events = [e for part in resp.iter_bytes() for e in decoder.feed(part)]
+        events = sse_data(resp)
     assert events[-1] == "[DONE]"
     assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == ref.text
     assert json.loads(events[0])["choices"][0]["text"]  # no empty first chunk (user trial)
@@ -231,13 +231,11 @@ def test_32_concurrent_streams_and_malformed_requests(server, local):
     async def stream_one(client: httpx.AsyncClient, prompt: str):
         body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": 2,
                 "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
-        decoder, events = SSEDecoder(), []
         async with client.stream(
             "POST", url + "/v1/chat/completions", json=body, headers=auth()
         ) as r:
             assert r.status_code == 200
-            async for part in r.aiter_bytes():
-                events += decoder.feed(part)
+            events = [e.data async for e in EventSource(r).aiter_sse()]
         assert events[-1] == "[DONE]"
         chunks = [json.loads(e) for e in events[:-1]]
         assert all(c["usage"] is None for c in chunks[:-1])  # as OpenAI: null until the last
@@ -293,9 +291,8 @@ def test_client_disconnect_cancels_the_generation(server):
             "temperature": 0, "stream": True}  # fmt: skip
     with httpx.stream("POST", url + "/v1/chat/completions", json=body, headers=auth(),
                       timeout=300) as r:  # fmt: skip
-        decoder = SSEDecoder()
-        for part in r.iter_bytes():
-            if any('"content": "' in e and '"content": ""' not in e for e in decoder.feed(part)):
+        for event in EventSource(r).iter_sse():
+            if '"content": "' in event.data and '"content": ""' not in event.data:
                 break  # first text arrived: hang up
     _assert_aborted(url, aborted, tokens_before, 100)  # stopped long before the 500-token budget
 
@@ -457,8 +454,7 @@ def test_assistant_prefill_include_stop_str_usage_stats_and_reasoning_effort(ser
     stream = {**base, "stop": None, "stream": True, "stream_options": {"continuous_usage_stats": True}}
     with httpx.stream("POST", url + "/v1/chat/completions", json=stream, headers=auth(),
                       timeout=300) as resp:  # fmt: skip
-        decoder = SSEDecoder()
-        events = [e for part in resp.iter_bytes() for e in decoder.feed(part)]
+        events = sse_data(resp)
     chunks = [json.loads(e) for e in events[:-1]]
     counts = [c["usage"]["completion_tokens"] for c in chunks]
     assert counts == sorted(counts) and counts[-1] == 8 and counts[0] == 0

@@ -1,6 +1,6 @@
 """Client of OpenAI-compatible servers (SGLang, vLLM, mlx_lm.server, llama.cpp, ``dflash serve``).
 
-Only httpx and the standard library: ``pip install dflash`` alone runs ``dflash generate openai``
+Only httpx, httpx-sse and the standard library: the base install alone runs ``dflash generate openai``
 and ``dflash benchmark openai`` without torch, transformers or mlx (brief §6, §7.5).
 
     root = api_root("http://127.0.0.1:30000")            # -> http://127.0.0.1:30000/v1
@@ -15,7 +15,6 @@ when ``return_meta_info`` is set, else top level) and vLLM-style ``/metrics`` co
 from __future__ import annotations
 
 import asyncio
-import codecs
 import email.utils
 import json
 import random
@@ -25,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+from httpx_sse import EventSource, SSEError
 
 from dflash.backends.openai_stats import extract_meta
 from dflash.errors import InputError, ServerError
@@ -55,7 +55,10 @@ def api_root(base_url: str, flag: str = "--base-url") -> str:
     """
     url = base_url.strip().rstrip("/")
     if not url.startswith(("http://", "https://")) or len(url.split("://", 1)[1]) == 0:
-        raise InputError(f"{flag} {base_url!r} is not an http(s) URL.", hint=f"e.g. {flag} {_with_scheme(base_url)}")
+        raise InputError(
+            f"{flag} {base_url!r} is not an http(s) URL.",
+            hint=f"e.g. {flag} {_with_scheme(base_url)}",
+        )
     path = url.split("://", 1)[1].partition("/")[2].lower()
     for endpoint in ENDPOINT_PATHS:
         if path == endpoint or path.endswith("/" + endpoint):
@@ -132,69 +135,11 @@ def auth_headers(api_key: str | None) -> dict[str, str]:
 # server-sent events
 
 
-class SSEDecoder:
-    """Incremental server-sent-events parser: bytes in, ``data`` payloads out.
-
-    Correct for any chunking of the byte stream: a multi-byte UTF-8 character, a ``\\r\\n`` pair
-    or an event may be split across reads. Comment lines (``: keepalive``) and fields other than
-    ``data`` are ignored; multi-line data is joined with ``\\n`` (WHATWG SSE rules).
-    """
-
-    def __init__(self) -> None:
-        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self._buffer = ""
-        self._data: list[str] = []
-
-    def feed(self, chunk: bytes) -> list[str]:
-        """Add bytes; return the data payloads of the events completed by them."""
-        self._buffer += self._decoder.decode(chunk)
-        return self._drain(final=False)
-
-    def close(self) -> list[str]:
-        """End of stream: flush what is left (an event without its blank line is still returned)."""
-        self._buffer += self._decoder.decode(b"", final=True)
-        out = self._drain(final=True)
-        if self._buffer:
-            out += self._line(self._buffer)
-            self._buffer = ""
-        if self._data:
-            out.append("\n".join(self._data))
-            self._data = []
-        return out
-
-    def _drain(self, final: bool) -> list[str]:
-        out: list[str] = []
-        buf = self._buffer
-        start = 0
-        while True:
-            cr, lf = buf.find("\r", start), buf.find("\n", start)
-            ends = [i for i in (cr, lf) if i >= 0]
-            if not ends:
-                break
-            end = min(ends)
-            if buf[end] == "\r":
-                if end + 1 == len(buf) and not final:
-                    break  # a \r at the end may be the first half of \r\n
-                step = 2 if buf.startswith("\r\n", end) else 1
-            else:
-                step = 1
-            out += self._line(buf[start:end])
-            start = end + step
-        self._buffer = buf[start:]
-        return out
-
-    def _line(self, line: str) -> list[str]:
-        if line == "":
-            if self._data:
-                payload, self._data = "\n".join(self._data), []
-                return [payload]
-            return []
-        if line.startswith(":"):
-            return []
-        name, _, value = line.partition(":")
-        if name == "data":
-            self._data.append(value[1:] if value.startswith(" ") else value)
-        return []
+# ``httpx_sse.EventSource`` parses the stream (WHATWG rules: any chunking of the bytes, ``\r\n``
+# or ``\r`` or ``\n`` line ends, comments and other fields ignored, multi-line data joined with
+# ``\n``). As the standard says, an event is dispatched at the blank line that ends it: a stream
+# cut before its last blank line loses that last event (every server sends it; ``[DONE]`` or a
+# ``finish_reason`` seen before is enough for the reply to count as complete).
 
 
 # ---------------------------------------------------------------------------------------------
@@ -362,20 +307,20 @@ async def chat_completion(
 
 async def _read_stream(resp: httpx.Response, result: ChatResult, t0: float,
                        on_delta: DeltaCallback | None) -> None:  # fmt: skip
-    decoder = SSEDecoder()
+    """Apply the SSE events of a streamed reply until ``[DONE]``.
+
+    Raises:
+        ServerError: the reply is not an event stream, reports an error, or ends before
+            ``[DONE]`` without a ``finish_reason``.
+    """
     done = False
-    async for chunk in resp.aiter_bytes():
-        for payload in decoder.feed(chunk):
-            if _handle_event(payload, result, t0, on_delta):
+    try:
+        async for event in EventSource(resp).aiter_sse():
+            if _handle_event(event.data, result, t0, on_delta):
                 done = True
                 break
-        if done:
-            break
-    if not done:
-        for payload in decoder.close():
-            if _handle_event(payload, result, t0, on_delta):
-                done = True
-                break
+    except SSEError as err:  # a content type other than text/event-stream
+        raise ServerError(f"the streamed reply is not an event stream ({err})") from None
     if not done and result.finish_reason is None:
         raise ServerError("the stream ended before [DONE]")
 
@@ -469,12 +414,16 @@ def chat_error_hint(status: int | None, error: str, *, one_prompt: bool = True) 
     if status == 401:
         return "pass --api-key or set OPENAI_API_KEY"
     if status == 404:  # a path the server does not serve, or a model it does not know
-        return "check --base-url (the server's base URL, e.g. http://127.0.0.1:30000/v1) and --model"
+        return (
+            "check --base-url (the server's base URL, e.g. http://127.0.0.1:30000/v1) and --model"
+        )
     if status in (400, 422):
         if "context" in error.lower():
             if one_prompt:
-                return ("lower --max-new-tokens or shorten the prompt: the prompt and the new tokens must fit in "
-                        "the model's context together")
+                return (
+                    "lower --max-new-tokens or shorten the prompt: the prompt and the new tokens must fit in "
+                    "the model's context together"
+                )
             return "lower --max-new-tokens: each prompt and its new tokens must fit in the model's context together"
         return ("the server refused the request as invalid: check the options sent with it "
                 "(--model, --max-new-tokens, --temperature, --top-p, --top-k, --reasoning)")  # fmt: skip
