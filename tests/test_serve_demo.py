@@ -84,6 +84,10 @@ def test_model_cards_and_tokenize(oa, http, pipe):
     added = {int(k): v for k, v in info["added_tokens_decoder"].items()}
     assert added == {i: t.content for i, t in pipe.tokenizer.added_tokens_decoder.items()}
     assert info["model_max_length"] == 8192 and not any(k.endswith("_file") for k in info)
+    # lm-eval's local-completions takes the server's tokenizer when these answer: the EOS id is
+    # the first id of its text tokenized without special tokens
+    eos = http.post("/tokenize", json={"prompt": info["eos_token"], "add_special_tokens": False})
+    assert eos.json()["tokens"][0] == pipe.tokenizer.eos_token_id
 
 
 def test_token_id_prompts_several_prompts_and_n(oa, pipe):
