@@ -232,4 +232,3 @@ def test_summary_counts_prompts_and_requests_apart():
             RemoteRecord("mt-bench", "q2", 0, "dflash", False, error="boom", error_kind="http")]  # fmt: skip
     summary = side_summary(_run(recs))
     assert (summary["prompts"], summary["requests"], summary["ok"]) == (2, 3, 2)
-

@@ -26,7 +26,9 @@ class CountingBackend:
         return self.inner.verify(anchor, proposals, start, keep)
 
 
-def test_warm_up_runs_the_request_at_block_1_and_l_then_generation_is_unchanged(tiny_backend, tiny_target):
+def test_warm_up_runs_the_request_at_block_1_and_l_then_generation_is_unchanged(
+    tiny_backend, tiny_target
+):
     from dflash.api import Pipeline
 
     be = CountingBackend(tiny_backend)

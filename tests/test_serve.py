@@ -349,21 +349,40 @@ def test_cli_block_size_takes_auto_or_an_integer(value, message):
     assert res.exit_code != 0 and message in str(res.exception)
 
 
-@pytest.mark.parametrize("args, error, message", [
-    (["--log-level", "loud"], "InputError", "--log-level must be one of"),
-    (["--model", "/nonexistent/model.gguf", "--draft", "/nonexistent"], "CheckpointError", "no such file or folder"),
-    (["--draft", "/nonexistent/draft"], "CheckpointError", "does not exist"),
-    (["--draft", os.devnull], "CheckpointError", "is a file; a draft is a folder"),
-    (["--block-size", "99"], "InputError", "exceeds the draft's trained block size 16"),
-    (["--no-cuda-graphs"], "InputError", "DFLASH_ATTN must be"),  # with DFLASH_ATTN=bogus below
-    (["--kernels", "none"], "InputError", "--kernels must be auto or off"),
-    (["--warmup", "-1"], "InputError", "--warmup must be a whole number"),
-    (["--block-size", "4", "--recalibrate"], "InputError", "--recalibrate measures the costs"),
-    (["--backend", "mlx", "--kernels", "off"], "InputError", "--kernels does not apply to the mlx backend"),
-    (["--device", "tpu"], "InputError", "Unknown --device 'tpu'; use auto, cuda, cuda:N or cpu"),
-    (["--dtype", "fp8"], "InputError", "Unknown --dtype 'fp8'"),
-    (["--backend", "mlx", "--device", "cuda:0"], "InputError", "'cuda:0' for the mlx backend; use"),
-])
+@pytest.mark.parametrize(
+    "args, error, message",
+    [
+        (["--log-level", "loud"], "InputError", "--log-level must be one of"),
+        (
+            ["--model", "/nonexistent/model.gguf", "--draft", "/nonexistent"],
+            "CheckpointError",
+            "no such file or folder",
+        ),
+        (["--draft", "/nonexistent/draft"], "CheckpointError", "does not exist"),
+        (["--draft", os.devnull], "CheckpointError", "is a file; a draft is a folder"),
+        (["--block-size", "99"], "InputError", "exceeds the draft's trained block size 16"),
+        (["--no-cuda-graphs"], "InputError", "DFLASH_ATTN must be"),  # with DFLASH_ATTN=bogus below
+        (["--kernels", "none"], "InputError", "--kernels must be auto or off"),
+        (["--warmup", "-1"], "InputError", "--warmup must be a whole number"),
+        (["--block-size", "4", "--recalibrate"], "InputError", "--recalibrate measures the costs"),
+        (
+            ["--backend", "mlx", "--kernels", "off"],
+            "InputError",
+            "--kernels does not apply to the mlx backend",
+        ),
+        (
+            ["--device", "tpu"],
+            "InputError",
+            "Unknown --device 'tpu'; use auto, cuda, cuda:N or cpu",
+        ),
+        (["--dtype", "fp8"], "InputError", "Unknown --dtype 'fp8'"),
+        (
+            ["--backend", "mlx", "--device", "cuda:0"],
+            "InputError",
+            "'cuda:0' for the mlx backend; use",
+        ),
+    ],
+)
 def test_cli_checks_before_binding_the_port(args, error, message, monkeypatch):
     """A bad log level, device or dtype name, a missing model or draft, or a block size over the
     draft's trained one is a one-line error before the server starts (before it binds its port
@@ -377,8 +396,24 @@ def test_cli_checks_before_binding_the_port(args, error, message, monkeypatch):
     if "--no-cuda-graphs" in args:
         monkeypatch.setenv("DFLASH_ATTN", "bogus")
     res = CliRunner().invoke(app, ["serve", "--port", str(free_port()), *args])
-    assert res.exit_code != 0 and type(res.exception).__name__ == error and message in str(res.exception)
+    assert (
+        res.exit_code != 0
+        and type(res.exception).__name__ == error
+        and message in str(res.exception)
+    )
     assert "\n" not in str(res.exception) and not started
+
+
+def test_cli_names_a_missing_serve_library(monkeypatch):
+    """Without prometheus_client (the serve extra's), one line says so and how to install it."""
+    from dflash.cli import app
+
+    monkeypatch.setitem(sys.modules, "prometheus_client", None)  # import fails
+    res = CliRunner().invoke(app, ["serve", "--port", str(free_port())])
+    assert res.exit_code != 0 and type(res.exception).__name__ == "BackendError"
+    assert res.exception.message == ("dflash serve needs fastapi, uvicorn and prometheus_client "
+                                  "(prometheus_client is missing).")  # fmt: skip
+    assert res.exception.hint.startswith('pip install -e ".[serve]"')
 
 
 def test_stop_token_ids_end_the_reply_at_the_first_such_token(server, local):
@@ -420,7 +455,9 @@ def test_engine_passes_eos_and_stop_token_ids_to_the_loop():
     for extra in ({}, {"ignore_eos": True}, {"stop_token_ids": [7, 2]},
                   {"ignore_eos": True, "stop_token_ids": [7]}):  # fmt: skip
         engine.metrics.waiting += 1
-        engine.run([1], parse_request({**chat, **extra}, chat=True), threading.Event(), lambda e: None)
+        engine.run(
+            [1], parse_request({**chat, **extra}, chat=True), threading.Event(), lambda e: None
+        )
     assert seen == [[2], [], [2, 7], [7]]
 
 
@@ -451,7 +488,12 @@ def test_assistant_prefill_include_stop_str_usage_stats_and_reasoning_effort(ser
                        headers=auth(), timeout=300)  # fmt: skip
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == text
 
-    stream = {**base, "stop": None, "stream": True, "stream_options": {"continuous_usage_stats": True}}
+    stream = {
+        **base,
+        "stop": None,
+        "stream": True,
+        "stream_options": {"continuous_usage_stats": True},
+    }
     with httpx.stream("POST", url + "/v1/chat/completions", json=stream, headers=auth(),
                       timeout=300) as resp:  # fmt: skip
         events = sse_data(resp)

@@ -83,11 +83,18 @@ def test_parse_request_defaults_and_fields():
         ({**CHAT, "logit_bias": {"504": 0, "13": -5}}, "logit_bias"),
         ({**CHAT, "reasoning_effort": 3}, "reasoning_effort"),
         ({**CHAT, "chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
-        ({**CHAT, "chat_template_kwargs": {"add_generation_prompt": False, "messages": []}},
-         "chat_template_kwargs"),
-        ({**CHAT, "continue_final_message": True}, "continue_final_message"),  # generation prompt too
-        ({**CHAT, "continue_final_message": True, "add_generation_prompt": False},
-         "continue_final_message"),  # the last message is the user's
+        (
+            {**CHAT, "chat_template_kwargs": {"add_generation_prompt": False, "messages": []}},
+            "chat_template_kwargs",
+        ),
+        (
+            {**CHAT, "continue_final_message": True},
+            "continue_final_message",
+        ),  # generation prompt too
+        (
+            {**CHAT, "continue_final_message": True, "add_generation_prompt": False},
+            "continue_final_message",
+        ),  # the last message is the user's
         ({**CHAT, "add_generation_prompt": "no"}, "add_generation_prompt"),
         ({**CHAT, "max_tokens": 8.5}, "max_tokens"),
         ({**CHAT, "seed": 2**63}, "seed"),
@@ -113,8 +120,12 @@ def test_vllm_lax_values_and_the_assistant_prefill():
     assert parse_request({"prompt": "x", "logprobs": None}, chat=False).logprobs is None
     assert parse_request({**CHAT, "logprobs": True, "top_logprobs": 3}, chat=True).logprobs == 3
     assert parse_request({**CHAT, "logprobs": False}, chat=True).logprobs is None
-    prefill = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The"}]}
-    r = parse_request({**prefill, "continue_final_message": True, "add_generation_prompt": False}, chat=True)
+    prefill = {
+        "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The"}]
+    }
+    r = parse_request(
+        {**prefill, "continue_final_message": True, "add_generation_prompt": False}, chat=True
+    )
     assert r.template_kwargs == {"add_generation_prompt": False, "continue_final_message": True}
     r = parse_request({**prefill, "continue_final_message": True,
                        "chat_template_kwargs": {"add_generation_prompt": False, "enable_thinking": False}},
@@ -196,13 +207,22 @@ class _CharTokenizer:
         return "".join(chr(i) for i in ids if not (skip_special_tokens and i == 35))
 
 
-@pytest.mark.parametrize("stops, text, tokens, finish, include", [
-    ([" 6"], "1, 2, 3, 4, 5,", 16, "stop", False),  # the stop string ends at the 16th token of step 2
-    ([" 6"], "1, 2, 3, 4, 5, 6", 16, "stop", True),  # vLLM's include_stop_str_in_output
-    ([", 6", " 6,"], "1, 2, 3, 4, 5, 6", 16, "stop", True),  # the first match wins
-    ([], "1, 2, 3, 4, 5, 6, 7, 8", 22, "length", False),
-    (["9"], "1, 2, 3, 4, 5, 6, 7, 8", 22, "length", True),
-])
+@pytest.mark.parametrize(
+    "stops, text, tokens, finish, include",
+    [
+        (
+            [" 6"],
+            "1, 2, 3, 4, 5,",
+            16,
+            "stop",
+            False,
+        ),  # the stop string ends at the 16th token of step 2
+        ([" 6"], "1, 2, 3, 4, 5, 6", 16, "stop", True),  # vLLM's include_stop_str_in_output
+        ([", 6", " 6,"], "1, 2, 3, 4, 5, 6", 16, "stop", True),  # the first match wins
+        ([], "1, 2, 3, 4, 5, 6, 7, 8", 22, "length", False),
+        (["9"], "1, 2, 3, 4, 5, 6, 7, 8", 22, "length", True),
+    ],
+)
 def test_usage_counts_tokens_up_to_the_stop_string(stops, text, tokens, finish, include):
     """completion_tokens ends at the token that completed a stop string (as vLLM counts), not
     at the end of the verify step that committed it (that made the count depend on the block
@@ -215,7 +235,9 @@ def test_usage_counts_tokens_up_to_the_stop_string(stops, text, tokens, finish, 
     steps = [RoundResult(tokens=ids[:10], accepted=10, proposed=15),
              RoundResult(tokens=ids[10:20], accepted=10, proposed=15),
              RoundResult(tokens=ids[20:], accepted=2, proposed=15, finish_reason="length")]  # fmt: skip
-    req = parse_request({**CHAT, "stop": stops or None, "include_stop_str_in_output": include}, chat=True)
+    req = parse_request(
+        {**CHAT, "stop": stops or None, "include_stop_str_in_output": include}, chat=True
+    )
     out, sent = Output(_CharTokenizer(), req), ""
     for step in steps:
         sent += "".join(v for k, v in out.add(step) if k == "content")
@@ -232,8 +254,12 @@ def test_skip_special_tokens_false_keeps_their_text(skip, text):
 
     out = Output(_CharTokenizer(), parse_request({**CHAT, "skip_special_tokens": skip}, chat=True))
     sent = "".join(v for _, v in out.add(RoundResult(tokens=[97, 35], accepted=2, proposed=3)))
-    sent += "".join(v for _, v in out.add(RoundResult(tokens=[98, 35], accepted=2, proposed=3,
-                                                        finish_reason="stop")))
+    sent += "".join(
+        v
+        for _, v in out.add(
+            RoundResult(tokens=[98, 35], accepted=2, proposed=3, finish_reason="stop")
+        )
+    )
     assert sent == text and out.tokens == 4
 
 
