@@ -87,7 +87,7 @@ def benchmark(
         str,
         typer.Option(
             "--dataset",
-            help="gsm8k, math500, humaneval, mbpp, mt-bench, long (synthetic long prompts, 1k-32k "
+            help="gsm8k, math500, humaneval, mbpp, mt-bench, long (synthetic long prompts, 1k to 64k "
             "tokens; long:8k, long:1k-8k), a name:split such as gsm8k:train, "
             "a .txt file (one prompt per non-empty line) or a .jsonl file (one JSON object per "
             "line: prompt, turns or messages); comma-separate several for one table each.",
