@@ -219,3 +219,32 @@ def test_cli_init_draft_and_generate_on_a_hybrid_folder(tmp_path):
     truth = greedy(model, ids, 24)
     cut = next((i + 1 for i, t in enumerate(truth) if t in set(pipe.stop_ids)), 24)
     assert out["token_ids"] == truth[:cut]
+
+
+def mlx_readable(folder) -> None:
+    """Copy ``rope_theta`` and ``partial_rotary_factor`` next to ``rope_parameters`` in a saved
+    config.json: transformers 5 writes them only there, mlx-lm reads them beside it."""
+    path = folder / "config.json"
+    cfg = json.loads(path.read_text())
+    text = cfg.get("text_config", cfg)
+    rope = text["rope_parameters"]
+    text.update(rope_theta=rope["rope_theta"], partial_rotary_factor=rope.get("partial_rotary_factor", 0.25))
+    path.write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_wrapper"])
+def test_transformers_and_mlx_give_the_same_ids(tmp_path, family):
+    """The same hybrid folder and draft on both backends (float32, CPU): the same greedy ids,
+    those of HF generate, at L = 4 and 16."""
+    pytest.importorskip("mlx.core")
+    pytest.importorskip("mlx_lm")
+    import dflash
+
+    pipe, model = load_family(tmp_path, family)
+    mlx_readable(tmp_path / "target")
+    on_mlx = dflash.load(str(tmp_path / "target"), str(tmp_path / "draft"), backend="mlx")
+    prompt = prompt_ids(P)
+    truth = greedy(model, prompt, 24)
+    for bs in (4, 16):
+        ids = [p.generate(prompt, block_size=bs, max_new_tokens=24, stop_ids=[]).token_ids for p in (pipe, on_mlx)]
+        assert ids == [truth, truth], (family, bs)
