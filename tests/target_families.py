@@ -22,7 +22,8 @@ BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_
             pad_token_id=1, bos_token_id=None, eos_token_id=3)  # fmt: skip
 GDN = dict(head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
            linear_num_key_heads=2, linear_num_value_heads=4)  # fmt: skip
-GDN_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+GDN_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+               shared_expert_intermediate_size=32)  # fmt: skip
 GEMMA4 = dict(head_dim=16, global_head_dim=32, sliding_window=WINDOW, layer_types=ALTERNATE,
               vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8)  # fmt: skip
 # family -> (config class, its arguments, init range: wide enough for varied greedy text, and
@@ -72,7 +73,8 @@ def family_config(family: str):
     if family == "qwen3_5_wrapper":
         text = transformers.Qwen3_5TextConfig(**BASE, **GDN, initializer_range=init)
         vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
-        return transformers.Qwen3_5Config(text_config=text.to_dict(), vision_config=vision, tie_word_embeddings=False)
+        return transformers.Qwen3_5Config(text_config=text.to_dict(), vision_config=vision,
+                                          tie_word_embeddings=False)  # fmt: skip
     if family == "gemma4_wrapper":
         text = transformers.Gemma4TextConfig(**BASE, **GEMMA4, initializer_range=init)
         vision = transformers.Gemma4VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
@@ -87,7 +89,8 @@ def build(family: str, seed: int = 0):
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     torch.manual_seed(seed)
-    auto = AutoModelForImageTextToText if family in ("muse_glimmer", "qwen3_5_wrapper") else AutoModelForCausalLM
+    whole = family in ("muse_glimmer", "qwen3_5_wrapper")  # built whole (vision included)
+    auto = AutoModelForImageTextToText if whole else AutoModelForCausalLM
     return auto.from_config(family_config(family), dtype=torch.float32).eval()
 
 

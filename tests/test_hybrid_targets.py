@@ -103,7 +103,9 @@ def test_scripted_schedules_restore_the_one_by_one_states(family):
         be = Recording(inner, truth, P, schedule)
         rounds = list(speculative_generate(be, prompt, block_size=16, max_new_tokens=56))
         assert [t for r in rounds for t in r.tokens] == truth[:56]
-        assert [r.accepted for r in rounds[1:]][: len(first)] == first  # full, zero, partial accepts
+        assert [r.accepted for r in rounds[1:]][
+            : len(first)
+        ] == first  # full, zero, partial accepts
         assert len(be.snapshots) == len(rounds) - 2  # every step but the last rolls back
         for length, got in be.snapshots:
             want = ref[length]
@@ -111,7 +113,10 @@ def test_scripted_schedules_restore_the_one_by_one_states(family):
                 assert got[i][0].shape == want[i][0].shape and got[i][1].dtype == torch.float32
             assert worst(got, want) < 1e-3, (schedule, length)  # float32 rounding only
             if length + 1 in ref:  # the tolerance tells neighbouring prefixes apart
-                assert worst([got[i] for i in GDN_LAYERS], [ref[length + 1][i] for i in GDN_LAYERS]) > 1.0
+                assert (
+                    worst([got[i] for i in GDN_LAYERS], [ref[length + 1][i] for i in GDN_LAYERS])
+                    > 1.0
+                )
 
 
 def test_a_rollback_outside_the_last_verify_is_refused():
@@ -131,6 +136,21 @@ def test_a_rollback_outside_the_last_verify_is_refused():
     be.rollback(P + 2)
     with pytest.raises(BackendError, match="from 72 to 71 positions"):
         be.rollback(P + 1)
+
+
+def test_an_uncovered_recurrent_layout_is_refused_at_load():
+    """A linear-attention layer whose module the capture does not know is refused when the
+    backend is built, before any generation, never silently drifting."""
+    from dflash.backends.plain import TransformersBackend
+    from dflash.errors import BackendError
+
+    model = build("qwen3_5_text")
+    model.model.layers[1].linear_attn = torch.nn.Identity()
+    with pytest.raises(
+        BackendError, match="layer 1 \\(Identity\\) cannot be rolled back exactly"
+    ) as err:
+        TransformersBackend(model, None, torch.device("cpu"))
+    assert "Qwen3-Next and Qwen3.5" in err.value.hint
 
 
 def test_sampling_emits_the_target_distribution_after_rollbacks():
@@ -228,7 +248,9 @@ def mlx_readable(folder) -> None:
     cfg = json.loads(path.read_text())
     text = cfg.get("text_config", cfg)
     rope = text["rope_parameters"]
-    text.update(rope_theta=rope["rope_theta"], partial_rotary_factor=rope.get("partial_rotary_factor", 0.25))
+    text.update(
+        rope_theta=rope["rope_theta"], partial_rotary_factor=rope.get("partial_rotary_factor", 0.25)
+    )
     path.write_text(json.dumps(cfg))
 
 
@@ -246,5 +268,8 @@ def test_transformers_and_mlx_give_the_same_ids(tmp_path, family):
     prompt = prompt_ids(P)
     truth = greedy(model, prompt, 24)
     for bs in (4, 16):
-        ids = [p.generate(prompt, block_size=bs, max_new_tokens=24, stop_ids=[]).token_ids for p in (pipe, on_mlx)]
+        ids = [
+            p.generate(prompt, block_size=bs, max_new_tokens=24, stop_ids=[]).token_ids
+            for p in (pipe, on_mlx)
+        ]
         assert ids == [truth, truth], (family, bs)

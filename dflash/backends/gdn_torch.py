@@ -152,7 +152,11 @@ class GatedDeltaRollback:
         for i in self.indices:
             gdn = getattr(layers[i], "linear_attn", None) if layers is not None else None
             mod = sys.modules.get(type(gdn).__module__) if gdn is not None else None
-            if mod is None or mod.__name__ not in COVERED or not all(callable(getattr(mod, n, None)) for n in NEEDED):
+            if (
+                mod is None
+                or mod.__name__ not in COVERED
+                or not all(callable(getattr(mod, n, None)) for n in NEEDED)
+            ):
                 raise BackendError(f"The target's linear-attention layer {i} ({type(gdn).__name__}) cannot be "
                                    "rolled back exactly on the transformers backend.",
                                    hint="GatedDeltaNet hybrids of Qwen3-Next and Qwen3.5 run here; "
@@ -188,21 +192,27 @@ class GatedDeltaRollback:
             BackendError: the forward did not go through the recorded kernels for some layer.
         """
         global _ACTIVE
-        layers = [cache.layers[i] for i in self.indices] if len(cache.layers) > max(self.indices) else []
+        layers = (
+            [cache.layers[i] for i in self.indices] if len(cache.layers) > max(self.indices) else []
+        )
         ready = bool(layers) and all(_has_state(layer) for layer in layers)
         if not ready:
             yield
             self.length = start + steps
             return
         pre = {i: (layer.conv_states[0].clone(), layer.recurrent_states[0].clone())
-               for i, layer in zip(self.indices, layers)}  # fmt: skip
+               for i, layer in zip(self.indices, layers, strict=True)}  # fmt: skip
         rec = _Record(start, steps, pre)
         _ACTIVE = rec
         try:
             yield
         finally:
             _ACTIVE = None
-        missing = [i for i in self.indices if steps > 1 and (len(rec.states.get(i, ())) != steps or i not in rec.conv)]
+        missing = [
+            i
+            for i in self.indices
+            if steps > 1 and (len(rec.states.get(i, ())) != steps or i not in rec.conv)
+        ]
         if missing:
             raise BackendError(f"The hybrid target's GatedDeltaNet layer {missing[0]} was not recorded during "
                                "verify, so its state cannot be rolled back exactly.",

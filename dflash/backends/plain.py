@@ -112,7 +112,8 @@ def rollback_cache(cache: Any, length: int, recurrent: GatedDeltaRollback | None
     if recurrent is not None:
         recurrent.restore(cache, length)
     for layer in getattr(cache, "layers", []):
-        if recurrent is not None and hasattr(layer, "recurrent_states") and not hasattr(layer, "keys"):
+        linear = hasattr(layer, "recurrent_states") and not hasattr(layer, "keys")
+        if recurrent is not None and linear:
             continue
         if getattr(layer, "is_linear", False) or not hasattr(layer, "keys"):
             raise BackendError(
@@ -200,7 +201,8 @@ class TransformersBackend:
         # covers the window only).
         rollback_cache(self.cache, start, self.recurrent)
         pos = torch.arange(start, start + ids.shape[-1], device=self.device)[None]
-        record = self.recurrent.recording(self.cache, start, ids.shape[-1]) if self.recurrent else nullcontext()
+        rec = self.recurrent
+        record = rec.recording(self.cache, start, ids.shape[-1]) if rec else nullcontext()
         with torch.inference_mode(), record:
             out = self.target(input_ids=ids, position_ids=pos, use_cache=True,
                               output_hidden_states=with_features,

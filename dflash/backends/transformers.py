@@ -122,6 +122,8 @@ def no_graphs_reason(target: Any) -> str:
     """Why the CUDA-graph path does not run a loaded target (one sentence for ``--cuda-graphs``)."""
     text = target.config.get_text_config()
     if "linear_attention" in (getattr(text, "layer_types", None) or []):
-        return ("CUDA graphs do not run GatedDeltaNet hybrids (Qwen3-Next, Qwen3.5) yet; the plain path "
-                "runs them exactly.")
+        return (
+            "CUDA graphs do not run GatedDeltaNet hybrids (Qwen3-Next, Qwen3.5) yet; the plain "
+            "path runs them exactly."
+        )
     return "CUDA graphs need a Llama/Qwen2/Qwen3-style dense full-attention target."

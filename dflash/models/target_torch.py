@@ -321,8 +321,8 @@ def check_target_layers(config, name: str, allow: tuple[str, ...] = ()) -> None:
             f"Target {name} ({family}) has {what} layers of {len(kinds)}; the transformers backend "
             "rolls back full-attention and sliding-window KV caches and the GatedDeltaNet states "
             "of Qwen3-Next and Qwen3.5 only.",
-            hint="use a Qwen3-Next or Qwen3.5 hybrid, or a target with full-attention or sliding-window layers"
-            if recurrent else "use a target with full-attention or sliding-window layers",
+            hint=("use a Qwen3-Next or Qwen3.5 hybrid, or " if recurrent else "use ")
+            + "a target with full-attention or sliding-window layers",
         )
     window = getattr(text, "sliding_window", None)
     if SLIDING in kinds and not (isinstance(window, int) and window > 0):
