@@ -10,8 +10,9 @@ large download. What runs each family here follows from what the backends accept
 - transformers, CUDA-graph path: dense full-attention ``llama``, ``qwen2``, ``qwen3`` targets
   (:func:`dflash.backends.static.backend.supports_static`).
 - transformers, plain path (CPU, or CUDA without graphs): full-attention and sliding-window
-  causal LMs, dense or MoE (``qwen3_moe``, ``gemma4``, ``gpt_oss``), multimodal wrappers for text
-  prompts; chunked and linear-attention layers are refused
+  causal LMs, dense or MoE (``qwen3_moe``, ``gemma4``, ``gpt_oss``), the GatedDeltaNet hybrids
+  ``qwen3_next``, ``qwen3_5`` and ``qwen3_5_moe`` (:mod:`dflash.backends.gdn_torch`), multimodal
+  wrappers for text prompts; chunked attention and other recurrent layers are refused
   (:func:`dflash.models.target_torch.check_target_layers`).
 - mlx: full-attention KV caches and the GatedDeltaNet hybrids of mlx-lm's ``qwen3_next`` and
   ``qwen3_5`` modules (``qwen3_5_moe`` reuses the latter); sliding-window (rotating) caches are
@@ -33,7 +34,7 @@ import typer
 # what each backend path does with a family: "yes", "no: <why>" or "untested: <why>"
 SLIDING = "no: sliding-window layers (the plain transformers path runs them)"
 SLIDING_MLX = "no: rotating (sliding-window) caches cannot be rolled back on mlx yet"
-HYBRID_TORCH = "no: linear-attention (GatedDeltaNet) layers; use mlx"
+HYBRID_GRAPHS = "no: GatedDeltaNet layers (the plain transformers path runs them)"
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,7 @@ def family_support(family: str, layers: str = "") -> dict[str, str]:
         return {"cuda_graphs": "no: MoE layers (the graph path runs dense Llama/Qwen only)",
                 "transformers": "yes", "mlx": "untested: full-attention KV caches"}  # fmt: skip
     if base in ("qwen3_next", "qwen3_5", "qwen3_5_moe"):
-        return {"cuda_graphs": HYBRID_TORCH, "transformers": HYBRID_TORCH, "mlx": "yes"}
+        return {"cuda_graphs": HYBRID_GRAPHS, "transformers": "yes", "mlx": "yes"}
     why = "untested: family not confirmed" if family.endswith("?") else "untested"
     return {"cuda_graphs": "no: not a dense Llama/Qwen target", "transformers": why, "mlx": why}
 

@@ -1,9 +1,10 @@
 """Tiny random transformers targets of the families behind the published drafts, built in the
 test itself: sliding-window and interleaved attention (Mistral, Qwen2 with ``use_sliding_window``,
 Gemma 3, Gemma 4 with its per-layer inputs, KV sharing and MoE, gpt-oss with attention sinks and
-MoE), a dense MoE (Qwen3-MoE) and multimodal wrappers (Gemma 4; Muse-Glimmer, 3 sliding : 1 full
+MoE), a dense MoE (Qwen3-MoE), multimodal wrappers (Gemma 4; Muse-Glimmer, 3 sliding : 1 full
 layers and no causal LM class for its text model), with windows of 8 tokens so that 40-token
-prompts overflow them. Hidden 64, 6 layers (Muse-Glimmer 8), vocabulary 256, float32, and a
+prompts overflow them, and GatedDeltaNet hybrids (Qwen3-Next with MoE, Qwen3.5 dense and MoE, the
+Qwen3.5 vision wrapper: 3 linear-attention : 1 full layers, 2 key and 4 value heads of 16). Hidden 64, 6 layers (Muse-Glimmer 8), vocabulary 256, float32, and a
 256-word WordLevel tokenizer with a ChatML template for folders.
 """
 
@@ -19,6 +20,10 @@ ALTERNATE = ["sliding_attention", "full_attention"] * 3
 BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
             pad_token_id=1, bos_token_id=None, eos_token_id=3)  # fmt: skip
+GDN = dict(head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
+           linear_num_key_heads=2, linear_num_value_heads=4)  # fmt: skip
+GDN_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+               shared_expert_intermediate_size=32)  # fmt: skip
 GEMMA4 = dict(head_dim=16, global_head_dim=32, sliding_window=WINDOW, layer_types=ALTERNATE,
               vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8)  # fmt: skip
 # family -> (config class, its arguments, init range: wide enough for varied greedy text, and
@@ -38,9 +43,14 @@ FAMILIES = {
     "qwen3_moe": ("Qwen3MoeConfig", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                          tie_word_embeddings=False), 0.3),
     "gemma4_wrapper": ("Gemma4Config", {}, 0.02),
+    "qwen3_next": ("Qwen3NextConfig", dict(GDN, **GDN_MOE), 0.3),  # every layer MoE, as published
+    "qwen3_5_text": ("Qwen3_5TextConfig", dict(GDN, tie_word_embeddings=False), 0.3),
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", dict(GDN, **GDN_MOE), 0.3),
+    "qwen3_5_wrapper": ("Qwen3_5Config", {}, 0.3),  # vision tower + Qwen3.5 text model
     "muse_glimmer": ("MuseGlimmerConfig", {}, 0.02),  # 3 sliding : 1 full (NoPE), softcap; no text LM class
 }  # fmt: skip
-SLIDING = [f for f in FAMILIES if f != "qwen3_moe"]
+HYBRID = ["qwen3_next", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_wrapper"]
+SLIDING = [f for f in FAMILIES if f != "qwen3_moe" and f not in HYBRID]
 CHATML = (
     "{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> "
     "{% endfor %}{% if add_generation_prompt %}<|im_start|> assistant {% endif %}"
@@ -60,6 +70,11 @@ def family_config(family: str):
                                                       num_attention_heads=2)  # fmt: skip
         return transformers.MuseGlimmerConfig(text_config=text.to_dict(), vision_config=vision.to_dict(),
                                               out_hidden_size=32, projector_hidden_size=32)  # fmt: skip
+    if family == "qwen3_5_wrapper":
+        text = transformers.Qwen3_5TextConfig(**BASE, **GDN, initializer_range=init)
+        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
+        return transformers.Qwen3_5Config(text_config=text.to_dict(), vision_config=vision,
+                                          tie_word_embeddings=False)  # fmt: skip
     if family == "gemma4_wrapper":
         text = transformers.Gemma4TextConfig(**BASE, **GEMMA4, initializer_range=init)
         vision = transformers.Gemma4VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
@@ -74,7 +89,8 @@ def build(family: str, seed: int = 0):
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     torch.manual_seed(seed)
-    auto = AutoModelForImageTextToText if family == "muse_glimmer" else AutoModelForCausalLM
+    whole = family in ("muse_glimmer", "qwen3_5_wrapper")  # built whole (vision included)
+    auto = AutoModelForImageTextToText if whole else AutoModelForCausalLM
     return auto.from_config(family_config(family), dtype=torch.float32).eval()
 
 

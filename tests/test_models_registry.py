@@ -46,7 +46,8 @@ def test_models_lists_every_published_pair():
     moe = by_target["Qwen/Qwen3-Coder-30B-A3B-Instruct"]["runs"]
     assert moe["cuda_graphs"].startswith("no:") and moe["transformers"] == "yes"
     hybrid = by_target["Qwen/Qwen3.5-9B"]["runs"]
-    assert hybrid["mlx"] == "yes" and hybrid["transformers"].startswith("no:")
+    assert hybrid["mlx"] == "yes" and hybrid["transformers"] == "yes"
+    assert hybrid["cuda_graphs"].startswith("no: GatedDeltaNet")
     for sliding in ("openai/gpt-oss-20b", "google/gemma-4-31B-it", "meta-models/Muse-Glimmer-30B"):
         runs = by_target[sliding]["runs"]
         assert runs["transformers"] == "yes"

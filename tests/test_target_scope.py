@@ -1,5 +1,6 @@
 """Which targets the transformers backend speculates on: full-attention and sliding-window causal
-LMs (dense or MoE); chunked attention and recurrent (GatedDeltaNet) layers are refused.
+LMs (dense or MoE) and the GatedDeltaNet hybrids Qwen3-Next and Qwen3.5; chunked attention and
+other recurrent layers are refused.
 
 Refusals come from the config alone, before any weights load (the folders here hold a
 config.json and nothing else), in ``load`` and in ``init-draft``.
@@ -26,7 +27,7 @@ def config(name: str, **kwargs):
 
 
 REFUSED = [
-    ("Qwen3NextConfig", {}, "3 linear_attention layers of 4", "mlx backend"),
+    ("KimiLinearConfig", {}, "4 linear_attention layers of 4", "Qwen3-Next or Qwen3.5"),
     ("Llama4TextConfig", {"attention_chunk_size": 16}, "3 chunked_attention layers of 4",
      "full-attention or sliding-window"),
     ("Qwen3Config", {"layer_types": ["sliding_attention"] * 4}, "no positive sliding_window",
@@ -46,6 +47,9 @@ ACCEPTED = [
     ("Gemma3TextConfig", {}, ["sliding_attention"] * 4),  # 5 sliding : 1 full, from layer 6
     ("GptOssConfig", {}, ["sliding_attention", "full_attention"] * 2),
     ("Qwen3MoeConfig", {}, ["full_attention"] * 4),
+    ("Qwen3NextConfig", {}, ["linear_attention"] * 3 + ["full_attention"]),
+    ("Qwen3_5TextConfig", {}, ["linear_attention"] * 3 + ["full_attention"]),
+    ("Qwen3_5MoeTextConfig", {}, ["linear_attention"] * 3 + ["full_attention"]),
 ]  # fmt: skip
 
 
@@ -96,10 +100,9 @@ def test_init_draft_refuses_in_one_line(chunked_config_only, tmp_path):
     assert not out.exists()  # nothing written
 
 
-def test_a_hybrid_multimodal_wrapper_is_refused_by_its_text_layers():
-    """Qwen3.5 as published (a vision wrapper over GatedDeltaNet + attention layers): one line
-    naming the recurrent layers, and the backend that runs them."""
+def test_a_hybrid_multimodal_wrapper_passes_by_its_text_layers():
+    """Qwen3.5 as published (a vision wrapper over GatedDeltaNet + attention layers): its text
+    model's type names the hybrid the plain path rolls back."""
     cfg = transformers.Qwen3_5Config(text_config=SMALL)
-    with pytest.raises(BackendError, match="3 linear_attention layers of 4") as err:
-        check_target_layers(cfg, "m")
-    assert "(qwen3_5)" in err.value.message and "dflash generate mlx" in err.value.hint
+    check_target_layers(cfg, "m")
+    assert layer_kinds(cfg) == ["linear_attention"] * 3 + ["full_attention"]

@@ -10,6 +10,7 @@ table (raw lookup) and LM head.
 from __future__ import annotations
 
 import inspect
+from contextlib import nullcontext
 from typing import Any
 
 import numpy as np
@@ -17,6 +18,7 @@ import torch
 
 from dflash.backends.base import SelectorProposal
 from dflash.backends.draft_head import DraftHead
+from dflash.backends.gdn_torch import GatedDeltaRollback
 from dflash.errors import BackendError, CheckpointError, ConfigError, InputError
 from dflash.kernels.settings import KernelSettings
 from dflash.models.config import DraftConfig
@@ -91,8 +93,11 @@ def new_target_cache(config: Any):
     return cache
 
 
-def rollback_cache(cache: Any, length: int) -> None:
+def rollback_cache(cache: Any, length: int, recurrent: GatedDeltaRollback | None = None) -> None:
     """Cut a target ``DynamicCache`` back to its first ``length`` positions.
+
+    ``recurrent`` restores the GatedDeltaNet layers of a hybrid target (see
+    :mod:`dflash.backends.gdn_torch`); the attention layers are cut here.
 
     Full-attention layers are sliced (``crop``'s meaning changed between transformers releases);
     sliding-window layers drop the last ``seq - length`` rows with ``crop(-n)`` and keep the
@@ -100,10 +105,16 @@ def rollback_cache(cache: Any, length: int) -> None:
     leaves; layers without a cache of their own (Gemma's KV-sharing layers) are skipped.
 
     Raises:
-        BackendError: a recurrent (linear-attention) or unknown cache layer, or a sliding layer
-            that did not end at ``length`` positions and ``min(length, window - 1)`` rows.
+        BackendError: a recurrent (linear-attention) layer without ``recurrent`` or an unknown
+            cache layer, or a sliding layer that did not end at ``length`` positions and
+            ``min(length, window - 1)`` rows.
     """
+    if recurrent is not None:
+        recurrent.restore(cache, length)
     for layer in getattr(cache, "layers", []):
+        linear = hasattr(layer, "recurrent_states") and not hasattr(layer, "keys")
+        if recurrent is not None and linear:
+            continue
         if getattr(layer, "is_linear", False) or not hasattr(layer, "keys"):
             raise BackendError(
                 f"The target's {type(layer).__name__} cache cannot be rolled back exactly.",
@@ -156,6 +167,7 @@ class TransformersBackend:
         text_cfg = target.config.get_text_config()
         self.max_context = int(getattr(text_cfg, "max_position_embeddings", 1 << 30))
         self.cache = None
+        self.recurrent = GatedDeltaRollback.for_target(target)  # hybrids: GatedDeltaNet states
         self.cache_kw = cache_kwarg(target)
         self.draft_cache = draft.new_cache() if draft is not None else None
         self.draft_uses_sampling = bool(getattr(draft, "is_dflash2", False))  # DFlash2 selector
@@ -177,6 +189,8 @@ class TransformersBackend:
         self._save_prefix()
         self.fed, self.fed_feats, self.feat_rows = [], [], 0
         self.cache = new_target_cache(self.target.config)
+        if self.recurrent is not None:
+            self.recurrent.reset()
         if self.draft_cache is not None:
             self.draft_cache.reset()
         self._draft_rng = None  # re-seeded from the request's sampling seed at its first draft
@@ -185,9 +199,11 @@ class TransformersBackend:
         # The cache must hold exactly the positions before ``start``, sliding layers no more than
         # their window's rows (transformers 5.17 attends to every recorded row while its mask
         # covers the window only).
-        rollback_cache(self.cache, start)
+        rollback_cache(self.cache, start, self.recurrent)
         pos = torch.arange(start, start + ids.shape[-1], device=self.device)[None]
-        with torch.inference_mode():
+        rec = self.recurrent
+        record = rec.recording(self.cache, start, ids.shape[-1]) if rec else nullcontext()
+        with torch.inference_mode(), record:
             out = self.target(input_ids=ids, position_ids=pos, use_cache=True,
                               output_hidden_states=with_features,
                               logits_to_keep=1 if last_only else 0,
@@ -274,7 +290,7 @@ class TransformersBackend:
         return logits, feats
 
     def rollback(self, length: int) -> None:
-        rollback_cache(self.cache, length)
+        rollback_cache(self.cache, length, self.recurrent)
         if self.prefix_cache is not None:
             del self.fed[length:]
             while self.fed_feats and self.feat_rows - self.fed_feats[-1].shape[0] >= length:

