@@ -57,14 +57,21 @@ QWEN3_30B_A3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144
                      num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
                      num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
                      max_position_embeddings=40960, rope_theta=1000000.0)  # 8 of 48 layers  # fmt: skip
-BIG = {"mistral_7b_w256": ("MistralConfig", MISTRAL_7B), "qwen3_30b_a3b_8layers": ("Qwen3MoeConfig", QWEN3_30B_A3B)}
+BIG = {
+    "mistral_7b_w256": ("MistralConfig", MISTRAL_7B),
+    "qwen3_30b_a3b_8layers": ("Qwen3MoeConfig", QWEN3_30B_A3B),
+}
 
 
-def build_target(cls_name: str, kwargs: dict, dtype: torch.dtype, dev: torch.device, init: float, seed: int = 0):
+def build_target(
+    cls_name: str, kwargs: dict, dtype: torch.dtype, dev: torch.device, init: float, seed: int = 0
+):
     """A random target built on ``dev`` in ``dtype`` (eval mode)."""
     import transformers
 
-    cfg = getattr(transformers, cls_name)(**kwargs, tie_word_embeddings=False, initializer_range=init)
+    cfg = getattr(transformers, cls_name)(
+        **kwargs, tie_word_embeddings=False, initializer_range=init
+    )
     torch.manual_seed(seed)
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -132,7 +139,9 @@ def check_kernel(dev: torch.device) -> dict:
                                          (9, 3, 16, 64, 1024, 600), (4, 2, 16, 16, 512, 40)):  # fmt: skip
             g = torch.Generator(device=dev).manual_seed(0)
             q = torch.randn(1, t, h, d, generator=g, device=dev, dtype=dtype).transpose(1, 2)
-            k, v = (torch.randn(1, hkv, cap, d, generator=g, device=dev, dtype=dtype) for _ in range(2))
+            k, v = (
+                torch.randn(1, hkv, cap, d, generator=g, device=dev, dtype=dtype) for _ in range(2)
+            )
             pos = torch.arange(start, start + t, device=dev)
             for window in (1, 8, 128, 700, 8192):
                 keys = torch.arange(cap, device=dev)[None, :]
@@ -140,7 +149,9 @@ def check_kernel(dev: torch.device) -> dict:
                 want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, scale=0.1,
                                                       enable_gqa=True)  # fmt: skip
                 for split, heads, one in ((256, 0, 0), (256, 1, 448), (64, 1, 0), (cap, 0, 0)):
-                    got = sa.split_attention_kernel(q, k, v, pos, 0.1, split, heads, one_slice=one, window=window)
+                    got = sa.split_attention_kernel(
+                        q, k, v, pos, 0.1, split, heads, one_slice=one, window=window
+                    )
                     err = (got.float() - want).abs().max().item()
                     good = err < tol
                     ok &= good
@@ -163,7 +174,10 @@ def check_kernel(dev: torch.device) -> dict:
                     err = ((got - want).abs().max() / want.abs().max()).item()
                     good = err < tol
                 except Exception as e:  # noqa: BLE001 - grouped_mm may not take float32 on this card
-                    err, good = f"{type(e).__name__}: {e}"[:200], route == "grouped" and dtype == torch.float32
+                    err, good = (
+                        f"{type(e).__name__}: {e}"[:200],
+                        route == "grouped" and dtype == torch.float32,
+                    )
                 ok &= good
                 out["moe"].append(dict(dtype=str(dtype), route=route, rel_err=err, ok=good))
         del block
@@ -186,7 +200,10 @@ def check_tiny(dev: torch.device) -> dict:
         truth = hf_greedy(target, prompt, 48)
         row = {"varied": len(set(truth)) > 4}
         row["plain"] = generate(TransformersBackend(target, draft, dev), prompt, 16, 48) == truth
-        for attention in ("auto", "split"):  # float32 auto = SDPA with masks; split: the Triton kernel
+        for attention in (
+            "auto",
+            "split",
+        ):  # float32 auto = SDPA with masks; split: the Triton kernel
             settings = dataclasses.replace(KernelSettings(), attention=attention)
             be = StaticBackend(target, draft, dev, settings=settings)
             row[f"{attention}_windows"] = be.windows
@@ -197,7 +214,9 @@ def check_tiny(dev: torch.device) -> dict:
                 if got != truth:
                     row[f"{attention}_block{block}_diverged_at"] = first_difference(got, truth)
             loopless = StaticBackend(target, draft, dev, settings=settings, device_loop=False)
-            row[f"{attention}_full_blocks"] = generate(Scripted(loopless, truth, len(prompt)), prompt, 16, 48) == truth
+            row[f"{attention}_full_blocks"] = (
+                generate(Scripted(loopless, truth, len(prompt)), prompt, 16, 48) == truth
+            )
         row["ok"] = all(v for k, v in row.items() if isinstance(v, bool))
         ok &= row["ok"]
         res[family] = row
@@ -216,13 +235,19 @@ def check_big(dev: torch.device) -> dict:
     res, ok, n = {}, True, 64
     for name, (cls_name, kwargs) in BIG.items():
         vocab = kwargs["vocab_size"]
-        prompt = torch.randint(4, vocab - 1, (600,), generator=torch.Generator().manual_seed(1)).tolist()
+        prompt = torch.randint(
+            4, vocab - 1, (600,), generator=torch.Generator().manual_seed(1)
+        ).tolist()
         for dtype in (torch.float32, torch.bfloat16):
             target = build_target(cls_name, kwargs, dtype, dev, 0.02)
-            with torch.no_grad():  # wide greedy margins: random bf16 logits are near-uniform otherwise
+            with (
+                torch.no_grad()
+            ):  # wide greedy margins: random bf16 logits are near-uniform otherwise
                 target.lm_head.weight.mul_(40.0)
             draft = build_draft(target, dev)
-            settings = dataclasses.replace(KernelSettings(), attention="split" if dtype == torch.float32 else "auto")
+            settings = dataclasses.replace(
+                KernelSettings(), attention="split" if dtype == torch.float32 else "auto"
+            )
             row = {}
             for path in ("plain", "static"):
                 be = (TransformersBackend(target, draft, dev) if path == "plain"
@@ -242,7 +267,10 @@ def check_big(dev: torch.device) -> dict:
             if dtype == torch.float32:
                 row["ok"] = row["diverged_at"] is None
                 ok &= row["ok"]
-            row["plain_ids"], row["static_ids"] = row["plain_ids"][:16], row["static_ids"][:16]  # shorter JSON
+            row["plain_ids"], row["static_ids"] = (
+                row["plain_ids"][:16],
+                row["static_ids"][:16],
+            )  # shorter JSON
             res[f"{name}_{str(dtype).split('.')[-1]}"] = row
             del target, draft
             torch.cuda.empty_cache()

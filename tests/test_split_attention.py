@@ -380,16 +380,17 @@ def test_describe_records_split_settings(tiny_target):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
-@pytest.mark.parametrize("one,early", [(0, False), (640, False), (0, True), (448, True)])
-def test_kernel_compiles_for_hopper(one, early):
+@pytest.mark.parametrize("one,early,window", [(0, False, False), (640, False, False), (0, True, False),
+                                              (448, True, False), (0, True, True), (448, False, True)])  # fmt: skip
+def test_kernel_compiles_for_hopper(one, early, window):
     """The kernel compiles for sm_90 (the H200) without a GPU, with PDL, with and without the
-    one-program span for short filled lengths and the loads before the wait (the interpreter
-    checks the maths)."""
+    one-program span for short filled lengths, the loads before the wait and a sliding window
+    (the interpreter checks the maths)."""
 
-    ints = ("scale_log2", "cap", "s_pos", "s_qh", "s_qt", "s_kh", "s_ks", "s_vh", "s_vs", "s_oh", "s_ot",
+    ints = ("scale_log2", "cap", "s_pos", "window", "s_qh", "s_qt", "s_kh", "s_ks", "s_vh", "s_vs", "s_oh", "s_ot",
             "s_ph", "s_ps", "s_pr", "s_lh", "s_ls")  # fmt: skip
     consts = {"T": 16, "G": 3, "GP": 1, "D": 64, "ROWS": 16, "SPLIT_N": 256, "BLOCK": 128, "IEEE": False,
-              "MERGE": True, "PDL": True, "ONE": one, "EARLY": early}  # fmt: skip
+              "MERGE": True, "PDL": True, "ONE": one, "EARLY": early, "WINDOW": window}  # fmt: skip
     sig = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "POS": "*i64", "OUT": "*bf16", "PO": "*fp32", "PL": "*fp32",
            "CNT": "*i32", **{n: "i32" for n in ints}, **dict.fromkeys(consts, "constexpr")}  # fmt: skip
     sig["scale_log2"] = "fp32"

@@ -198,6 +198,9 @@ def regenerate(
     writer = ShardWriter(out, meta)
     from dflash.backends.static.backend import supports_dense_static
 
+    if engine == "batched" and not supports_dense_static(model):  # it has no window masks or experts
+        raise InputError("--engine batched runs dense full-attention Llama/Qwen2/Qwen3 targets only.",
+                         hint="use --engine hf (or auto) for sliding-window and MoE targets")  # fmt: skip
     use_batched = engine == "batched" or (engine == "auto" and supports_dense_static(model))
     t_start = time.perf_counter()
     stats = {"tokens": 0, "t_flush": t_start, "new": 0}
