@@ -15,8 +15,9 @@ else $OUT, else ./gpu_check_out) and exits 1 when a check fails:
   CUDA graphs (device loop; SDPA and the split-KV kernel; blocks 1, 4, 16; a scripted draft that
   proposes the truth: full blocks) equal HF ``generate`` and the plain path.
 - ``big``: random targets of published shapes, fewer layers where memory asks (Mistral-7B with
-  a 256-token window, 600-token prompts; Qwen3-30B-A3B with 8 of its 48 layers): float32 with the
-  split-KV kernel forced, the static path's ids against the plain path's (expected equal); bf16,
+  a 256-token window, 600-token prompts; Qwen3-30B-A3B with 8 of its 48 layers): float32 (SDPA
+  with the window masks), the static path's ids against the plain path's (expected equal); bf16
+  (every kernel: the split-KV kernel with windows, grouped_mm experts),
   where rounding may part them, the first differing position (``diverged_at``, None: never) and
   seconds per request of both paths (not a benchmark: one run each, after a warm-up).
 """
@@ -276,9 +277,7 @@ def check_big(dev: torch.device) -> dict:
             ):  # wide greedy margins: random bf16 logits are near-uniform otherwise
                 target.lm_head.weight.mul_(40.0)
             draft = build_draft(target, dev)
-            settings = dataclasses.replace(
-                KernelSettings(), attention="split" if dtype == torch.float32 else "auto"
-            )
+            settings = KernelSettings()  # float32: SDPA with masks (exact); bf16: every kernel
             row = {}
             for path in ("plain", "static"):
                 be = (TransformersBackend(target, draft, dev) if path == "plain"
@@ -292,6 +291,12 @@ def check_big(dev: torch.device) -> dict:
                 row[f"{path}_ids"] = generate(be, prompt, 16, n)
                 torch.cuda.synchronize(dev)
                 row[f"{path}_seconds"] = round(time.perf_counter() - t0, 3)
+                if path == "static":
+                    row["kernels"] = {
+                        "attention": be.attention,
+                        "linear": be.linear,
+                        "rope": be.target_rope,
+                    }
                 del be
             row["diverged_at"] = first_difference(row["static_ids"], row["plain_ids"])
             row["varied"] = len(set(row["plain_ids"])) > 4
