@@ -86,6 +86,9 @@ def test_static_path_runs_the_family_with_its_windows(family):
         assert windows == [None, None] + [WINDOW] * 4
     be = static(model)
     assert be.windows == windows
+    info = be.describe()  # benchmark records say what the forwards run
+    assert info.get("sliding_windows") == ([WINDOW] if any(windows) else None)
+    assert info.get("moe_route") == ("gather" if "moe" in family else None)
     if any(windows):  # the check can fail: the same target without its windows decodes other ids
         _, truth = model_of(family)
         be.windows = [None] * len(windows)

@@ -449,6 +449,8 @@ class StaticBackend(StaticGraphs, TransformersBackend):
                 "impl": "static", "cuda_graphs": self.use_graphs, "compile": self.compile,
                 "verify_widths": list(self.plan.verify_widths),
                 "device_loop": self.device_loop is not None,
+                **({"sliding_windows": sorted({w for w in self.windows if w})} if any(self.windows) else {}),
+                **({"moe_route": self.moe_route} if any(gu is None for _, gu in self.fused_target) else {}),
                 "attention": self.attention, "linear": self.linear,
                 # rows up to which the in-projections run small_linear (the draft: all or none)
                 "linear_in": {"target": self.linear_in, "draft": MAX_ROWS if self.draft_linear_in else 0},
