@@ -7,8 +7,11 @@ The pairs are the ones the DFlash authors publish on the Hugging Face hub (their
 cards); the draft ids follow the authors' naming and are worth checking on the hub card before a
 large download. What runs each family here follows from what the backends accept today:
 
-- transformers, CUDA-graph path: dense full-attention ``llama``, ``qwen2``, ``qwen3`` targets
-  (:func:`dflash.backends.static.backend.supports_static`).
+- transformers, CUDA-graph path: ``llama``, ``qwen2``, ``qwen3``, ``mistral`` and ``qwen3_moe``
+  targets, full-attention, sliding-window or interleaved layers (a window is a position mask
+  over the static cache), dense MLPs or top-k expert blocks
+  (:func:`dflash.backends.static.backend.supports_static`); Gemma and gpt-oss (attention sinks,
+  soft-capping, Gemma's norms and scalings) run on the plain path.
 - transformers, plain path (CPU, or CUDA without graphs): full-attention and sliding-window
   causal LMs, dense or MoE (``qwen3_moe``, ``gemma4``, ``gpt_oss``), the GatedDeltaNet hybrids
   ``qwen3_next``, ``qwen3_5`` and ``qwen3_5_moe`` (:mod:`dflash.backends.gdn_torch`), multimodal
@@ -32,7 +35,8 @@ from pathlib import Path
 import typer
 
 # what each backend path does with a family: "yes", "no: <why>" or "untested: <why>"
-SLIDING = "no: sliding-window layers (the plain transformers path runs them)"
+SLIDING = ("no: sliding-window layers with attention sinks or Gemma's norms and scalings "
+           "(the plain transformers path runs them)")
 SLIDING_MLX = "no: rotating (sliding-window) caches cannot be rolled back on mlx yet"
 HYBRID_GRAPHS = "no: GatedDeltaNet layers (the plain transformers path runs them)"
 
@@ -75,17 +79,18 @@ def family_support(family: str, layers: str = "") -> dict[str, str]:
     ``untested: <why>`` for a target ``model_type`` (a trailing ``?`` marks it unconfirmed)
     whose layers ``layers`` describes (sliding-window layers run on the plain transformers path)."""
     base = family.rstrip(" ?")
-    if "sliding" in layers or base in ("gemma4", "gpt_oss"):
-        return {"cuda_graphs": SLIDING, "transformers": "yes", "mlx": SLIDING_MLX}
-    if base in ("llama", "qwen2", "qwen3"):
-        return {"cuda_graphs": "yes", "transformers": "yes", "mlx": "yes"}
+    sliding = "sliding" in layers
+    if base in ("llama", "qwen2", "qwen3", "mistral"):  # windows too: a mask on the graph path
+        return {"cuda_graphs": "yes", "transformers": "yes", "mlx": SLIDING_MLX if sliding else "yes"}
     if base == "qwen3_moe":
-        return {"cuda_graphs": "no: MoE layers (the graph path runs dense Llama/Qwen only)",
-                "transformers": "yes", "mlx": "untested: full-attention KV caches"}  # fmt: skip
+        return {"cuda_graphs": "yes", "transformers": "yes",
+                "mlx": SLIDING_MLX if sliding else "untested: full-attention KV caches"}  # fmt: skip
+    if sliding or base in ("gemma4", "gpt_oss"):
+        return {"cuda_graphs": SLIDING, "transformers": "yes", "mlx": SLIDING_MLX}
     if base in ("qwen3_next", "qwen3_5", "qwen3_5_moe"):
         return {"cuda_graphs": HYBRID_GRAPHS, "transformers": "yes", "mlx": "yes"}
     why = "untested: family not confirmed" if family.endswith("?") else "untested"
-    return {"cuda_graphs": "no: not a dense Llama/Qwen target", "transformers": why, "mlx": why}
+    return {"cuda_graphs": "no: not a Llama/Qwen/Mistral/Qwen3-MoE target", "transformers": why, "mlx": why}
 
 
 _DENSE, _MOE = "dense, full attention", "MoE, full attention"

@@ -44,14 +44,15 @@ def test_models_lists_every_published_pair():
     assert qwen["draft"] == "z-lab/Qwen3-8B-DFlash-b16" and qwen["block_size"] == 16
     assert qwen["runs"] == {"cuda_graphs": "yes", "transformers": "yes", "mlx": "yes"}
     moe = by_target["Qwen/Qwen3-Coder-30B-A3B-Instruct"]["runs"]
-    assert moe["cuda_graphs"].startswith("no:") and moe["transformers"] == "yes"
+    assert moe["cuda_graphs"] == "yes" and moe["transformers"] == "yes"  # expert blocks in the graphs
     hybrid = by_target["Qwen/Qwen3.5-9B"]["runs"]
     assert hybrid["mlx"] == "yes" and hybrid["transformers"] == "yes"
     assert hybrid["cuda_graphs"].startswith("no: GatedDeltaNet")
     for sliding in ("openai/gpt-oss-20b", "google/gemma-4-31B-it", "meta-models/Muse-Glimmer-30B"):
         runs = by_target[sliding]["runs"]
         assert runs["transformers"] == "yes"
-        assert runs["cuda_graphs"].startswith("no: sliding") and runs["mlx"].startswith("no: rotating")
+        assert runs["cuda_graphs"].startswith("no: sliding-window layers with attention sinks or Gemma")
+        assert runs["mlx"].startswith("no: rotating")
     table = CliRunner().invoke(app, ["models"])
     assert table.exit_code == 0 and "z-lab/Qwen3-8B-DFlash-b16" in table.stdout
 
@@ -120,3 +121,17 @@ def test_generate_says_which_draft_it_uses_before_loading(tmp_path):
     assert lines[0].startswith("dflash: --draft not given; using z-lab/Qwen3-8B-DFlash-b16"), p.stderr
     assert lines[1].startswith("error: ") and "Qwen/Qwen3-8B" in lines[1], p.stderr
     assert "--draft is required" not in p.stderr
+
+
+def test_graph_path_column_follows_the_static_families():
+    """Windows are masks on the CUDA-graph path: Mistral/Qwen with sliding layers and Qwen3-MoE
+    run there; Gemma and gpt-oss (sinks, Gemma's norms) stay on the plain path."""
+    from dflash.registry import family_support
+
+    for family in ("mistral", "qwen2", "qwen3"):
+        runs = family_support(family, "sliding-window + full layers")
+        assert runs["cuda_graphs"] == "yes" and runs["mlx"].startswith("no: rotating"), family
+    assert family_support("qwen3_moe", "MoE, full attention")["cuda_graphs"] == "yes"
+    assert family_support("qwen3_moe", "MoE, sliding-window")["mlx"].startswith("no: rotating")
+    for family in ("gemma4", "gpt_oss", "gemma3_text"):
+        assert family_support(family, "sliding-window + full layers")["cuda_graphs"].startswith("no:"), family

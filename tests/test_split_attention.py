@@ -24,8 +24,12 @@ SHAPES = [  # heads, kv heads, query rows T, head dim, capacity S, first query p
 ]
 
 
-def masked_sdpa(q, k, v, pos, scale):
-    mask = (torch.arange(k.shape[2])[None, :] <= pos[:, None])[None, None]
+def masked_sdpa(q, k, v, pos, scale, window=0):
+    keys = torch.arange(k.shape[2])[None, :]
+    mask = keys <= pos[:, None]
+    if window:  # a sliding layer: keys > pos - window, as transformers' sliding masks
+        mask = mask & (keys > pos[:, None] - window)
+    mask = mask[None, None]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
 
 
@@ -48,6 +52,25 @@ def test_reference_algorithm_equals_masked_sdpa(shape):
     k2[:, :, int(pos[-1]) + 1 :] = 1e4
     v2[:, :, int(pos[-1]) + 1 :] = float("nan")
     assert torch.equal(sa.split_attention_reference(q, k2, v2, pos, 0.1), got)
+
+
+@pytest.mark.parametrize("window", [1, 8, 100, 300])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_reference_window_equals_masked_sdpa(shape, window):
+    """A sliding window W: row t sees keys in (pos[t] - W, pos[t]]; slices (and whole slices
+    older than the window) merge to masked SDPA, at any split; W past the filled length is no
+    window at all."""
+    q, k, v, pos = _inputs(*shape)
+    want = masked_sdpa(q, k, v, pos, 0.1, window)
+    for split, one in ((256, 0), (64, 0), (64, 640)):
+        got = sa.split_attention_reference(q, k, v, pos, 0.1, split, one, window)
+        assert torch.allclose(got, want, atol=2e-6, rtol=1e-5), (split, one)
+    if window > int(pos[-1]):
+        assert torch.allclose(want, masked_sdpa(q, k, v, pos, 0.1), atol=2e-6, rtol=1e-5)
+    elif window < int(pos[0]):  # the window hides keys: the check can fail
+        assert not torch.allclose(want, masked_sdpa(q, k, v, pos, 0.1), atol=1e-3)
+    # split_attention on CPU (no Triton) runs the reference with the window
+    assert torch.allclose(sa.split_attention(q, k, v, pos, 0.1, window=window), want, atol=2e-6, rtol=1e-5)
 
 
 def test_one_position_for_every_row():
@@ -133,9 +156,9 @@ def test_split_setting_reaches_the_draft_and_the_target(monkeypatch):
     seen = {}
     real = sa.split_attention_reference
 
-    def spy(q, k, v, pos, scale, split=256, one_slice=0):
+    def spy(q, k, v, pos, scale, split=256, one_slice=0, window=0):
         seen.setdefault(q.shape[2] > 1 and pos.shape[0] == 1, set()).add((split, one_slice))  # draft: block, one position
-        return real(q, k, v, pos, scale, split, one_slice)
+        return real(q, k, v, pos, scale, split, one_slice, window)
 
     monkeypatch.setattr(sa, "split_attention_reference", spy)
     assert_static_greedy(attention="split", settings={"DFLASH_ATTN_SPLIT": "128"})
@@ -261,6 +284,23 @@ KERNEL_CHECK = textwrap.dedent("""
             plain = sa.split_attention_kernel(q, k, v, pos, 0.1, split, heads, block, one_slice=one)
             got = sa.split_attention_kernel(q, k, v, pos, 0.1, split, heads, block, one_slice=one, early=True)
             assert torch.equal(got, plain), (shape, split, heads, block, one)
+    # a sliding window: keys in (pos - W, pos]; the blocks older than the first row's window are
+    # skipped, whole slices included (an empty partial merges to nothing)
+    for shape in SHAPES + [(8, 2, 16, 32, 512, 400), (8, 2, 1, 32, 512, 450)]:
+        q, k, v, pos = _inputs(*shape)
+        for window in (1, 8, 100, 300):
+            want = masked_sdpa(q, k, v, pos, 0.1, window)
+            for split, heads, block, one in ((64, 0, 64, 0), (64, 1, 128, 0), (128, 1, 128, 448),
+                                             (k.shape[2], 0, 128, 0)):  # fmt: skip
+                got = sa.split_attention_kernel(q, k, v, pos, 0.1, split, heads, block, one_slice=one, window=window)
+                err = (got - want).abs().max().item()
+                assert err < 1e-5, (shape, window, split, heads, block, one, err)
+                assert int(sa._COUNTERS[("cpu", None)].abs().sum()) == 0
+            older = k.clone()  # keys older than every row's window are never read
+            lo = max(int(pos[0]) - window + 1, 0)
+            older[:, :, : lo - lo % 64] = float("nan")
+            got = sa.split_attention_kernel(q, older, v, pos, 0.1, 64, 1, 64, window=window)
+            assert (got - want).abs().max().item() < 1e-5, (shape, window)
     # the fused static forward with the kernel: plain greedy tokens
     from tests.test_split_attention import assert_static_greedy
     assert_static_greedy(6, attention="split")
@@ -340,16 +380,17 @@ def test_describe_records_split_settings(tiny_target):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
-@pytest.mark.parametrize("one,early", [(0, False), (640, False), (0, True), (448, True)])
-def test_kernel_compiles_for_hopper(one, early):
+@pytest.mark.parametrize("one,early,window", [(0, False, False), (640, False, False), (0, True, False),
+                                              (448, True, False), (0, True, True), (448, False, True)])  # fmt: skip
+def test_kernel_compiles_for_hopper(one, early, window):
     """The kernel compiles for sm_90 (the H200) without a GPU, with PDL, with and without the
-    one-program span for short filled lengths and the loads before the wait (the interpreter
-    checks the maths)."""
+    one-program span for short filled lengths, the loads before the wait and a sliding window
+    (the interpreter checks the maths)."""
 
-    ints = ("scale_log2", "cap", "s_pos", "s_qh", "s_qt", "s_kh", "s_ks", "s_vh", "s_vs", "s_oh", "s_ot",
+    ints = ("scale_log2", "cap", "s_pos", "window", "s_qh", "s_qt", "s_kh", "s_ks", "s_vh", "s_vs", "s_oh", "s_ot",
             "s_ph", "s_ps", "s_pr", "s_lh", "s_ls")  # fmt: skip
     consts = {"T": 16, "G": 3, "GP": 1, "D": 64, "ROWS": 16, "SPLIT_N": 256, "BLOCK": 128, "IEEE": False,
-              "MERGE": True, "PDL": True, "ONE": one, "EARLY": early}  # fmt: skip
+              "MERGE": True, "PDL": True, "ONE": one, "EARLY": early, "WINDOW": window}  # fmt: skip
     sig = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "POS": "*i64", "OUT": "*bf16", "PO": "*fp32", "PL": "*fp32",
            "CNT": "*i32", **{n: "i32" for n in ints}, **dict.fromkeys(consts, "constexpr")}  # fmt: skip
     sig["scale_log2"] = "fp32"

@@ -16,6 +16,17 @@ from dflash.models.config import stop_token_ids
 from dflash.paths import key_path
 
 
+def plain_path_note(device_type: str, refusal: str | None, cuda_graphs: bool | None) -> str | None:
+    """The one stderr line said when a CUDA load falls back to the plain path because the
+    CUDA-graph path cannot run the target (``refusal``: why, from
+    :func:`~dflash.backends.static.backend.static_refusal`); None when nothing is to be said
+    (not CUDA, the target runs there, or ``--cuda-graphs``/``--no-cuda-graphs`` given)."""
+    if device_type != "cuda" or refusal is None or cuda_graphs is not None:
+        return None
+    return (f"dflash: the CUDA-graph path cannot run this target ({refusal}); using the plain path "
+            "(--no-cuda-graphs silences this).")  # fmt: skip
+
+
 def load(model: str | None, draft: str | None, *, device: str = "auto", dtype: str = "auto",
          cuda_graphs: bool | None = None, compile: bool | None = None,
          uniform_width: bool = False, kernels: str = "auto",
@@ -80,7 +91,7 @@ def load(model: str | None, draft: str | None, *, device: str = "auto", dtype: s
         pick_device,
         pick_dtype,
     )
-    from dflash.backends.static.backend import StaticBackend, supports_static
+    from dflash.backends.static.backend import StaticBackend, static_refusal
     from dflash.backends.static.graph_plan import resolve_compile
 
     dev = pick_device(device)
@@ -95,12 +106,18 @@ def load(model: str | None, draft: str | None, *, device: str = "auto", dtype: s
     draft_model = load_draft(draft_dir, dev, dt)
     draft_model.context_window = draft_window
 
-    fast = dev.type == "cuda" and supports_static(target_model) and cuda_graphs is not False
+    refusal = static_refusal(target_model)
+    fast = dev.type == "cuda" and refusal is None and cuda_graphs is not False
     fast = fast and not draft_cfg.is_dflash2 and draft_window is None  # these run on the plain path
     if cuda_graphs and not fast:
-        raise BackendError(no_graphs_reason(target_model) if dev.type == "cuda" else
-                           "CUDA graphs need a CUDA device and a Llama/Qwen2/Qwen3-style target.",
-                           hint="drop --cuda-graphs")  # fmt: skip
+        raise BackendError(no_graphs_reason(target_model, refusal) if dev.type == "cuda" else
+                           "CUDA graphs need a CUDA device and a Llama/Qwen2/Qwen3/Mistral/"
+                           "Qwen3-MoE-style target.", hint="drop --cuda-graphs")  # fmt: skip
+    note = plain_path_note(dev.type, refusal, cuda_graphs)
+    if note is not None:  # one line, then the plain path
+        import sys
+
+        print(note, file=sys.stderr)
     if compile and not fast:
         raise BackendError("--compile needs the CUDA-graph path (a CUDA device and a "
                            "Llama/Qwen2/Qwen3-style target).", hint="drop --compile")  # fmt: skip
@@ -118,12 +135,14 @@ def load(model: str | None, draft: str | None, *, device: str = "auto", dtype: s
     return Loaded(impl, tokenizer, stops, str(model or "demo"), draft_dir, cost_key)
 
 
-def no_graphs_reason(target: Any) -> str:
-    """Why the CUDA-graph path does not run a loaded target (one sentence for ``--cuda-graphs``)."""
+def no_graphs_reason(target: Any, refusal: str | None = None) -> str:
+    """Why the CUDA-graph path does not run a loaded target (one sentence for ``--cuda-graphs``);
+    ``refusal`` is :func:`static_refusal`'s reason, if known."""
     text = target.config.get_text_config()
     if "linear_attention" in (getattr(text, "layer_types", None) or []):
         return (
             "CUDA graphs do not run GatedDeltaNet hybrids (Qwen3-Next, Qwen3.5) yet; the plain "
             "path runs them exactly."
         )
-    return "CUDA graphs need a Llama/Qwen2/Qwen3-style dense full-attention target."
+    why = f" ({refusal})" if refusal else ""
+    return f"CUDA graphs need a Llama/Qwen2/Qwen3/Mistral/Qwen3-MoE-style target{why}."

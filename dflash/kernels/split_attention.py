@@ -15,7 +15,9 @@ building the [T, S] mask bias. This module is a split-KV ("flash-decoding") kern
 - the filled length is read on the device (the last query position + 1), so programs whose
   slice starts past it return at once and the others stop at it: cost follows the filled
   length, not the capacity, with no host sync and one graph for every length;
-- causal by position: query row t sees keys at positions <= pos[t]; online softmax per slice
+- causal by position: query row t sees keys at positions <= pos[t] (with a sliding ``window`` W
+  only those > pos[t] - W, and the key blocks wholly older than the first row's window are
+  skipped; a slice left with no key publishes an empty partial); online softmax per slice
   (base 2); when the filled length spans several slices, each program publishes its partial
   output and log-sum-exp and the last one of its heads to finish (an atomic counter) merges
   them, so one launch does the whole attention: no merge kernels (which, fused by Inductor
@@ -113,12 +115,12 @@ if triton is not None:
                  mask=live[:, None])  # fmt: skip
 
     @triton.jit
-    def _split_kernel(Q, K, V, POS, OUT, PO, PL, CNT, scale_log2, cap, s_pos,
+    def _split_kernel(Q, K, V, POS, OUT, PO, PL, CNT, scale_log2, cap, s_pos, window,
                       s_qh, s_qt, s_kh, s_ks, s_vh, s_vs, s_oh, s_ot, s_ph, s_ps, s_pr, s_lh, s_ls,
                       T: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                       ROWS: tl.constexpr, SPLIT_N: tl.constexpr, BLOCK: tl.constexpr,
                       IEEE: tl.constexpr, MERGE: tl.constexpr, PDL: tl.constexpr,
-                      ONE: tl.constexpr, EARLY: tl.constexpr = False):  # fmt: skip
+                      ONE: tl.constexpr, EARLY: tl.constexpr = False, WINDOW: tl.constexpr = False):  # fmt: skip
         if PDL and not EARLY:  # programmatic dependent launch: wait for the previous kernel first
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
@@ -140,6 +142,10 @@ if triton is not None:
             span = SPLIT_N
         slices = (filled + span - 1) // span  # slices holding keys; later programs idle
         lo = sp * span
+        first = lo  # the first key this program reads
+        if WINDOW:  # keys older than the first row's window: no row sees them (rows ascend)
+            oldest = tl.maximum(tl.load(POS) - window + 1, 0)
+            first = tl.maximum(lo, (oldest // BLOCK) * BLOCK)
         if PDL and EARLY:  # what the kernel before writes (q, this forward's K/V rows) from here on
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
@@ -150,7 +156,7 @@ if triton is not None:
             q = tl.load(Q + (kvh * G + g)[:, None] * s_qh + t[:, None] * s_qt + d[None, :],
                         mask=live[:, None], other=0.0)  # fmt: skip
             hi = tl.minimum(lo + span, filled)
-            for start in range(lo, hi, BLOCK):
+            for start in range(first, hi, BLOCK):  # none when the window starts past this slice
                 n = start + tl.arange(0, BLOCK)
                 inside = n < filled  # rows past the filled length are never read
                 k = tl.load(K + kvh * s_kh + n[None, :] * s_ks + d[:, None], mask=inside[None, :],
@@ -159,7 +165,10 @@ if triton is not None:
                     s = tl.dot(q, k, input_precision="ieee")
                 else:
                     s = tl.dot(q, k)
-                s = tl.where(n[None, :] <= qpos[:, None], s * scale_log2, float("-inf"))
+                seen = n[None, :] <= qpos[:, None]
+                if WINDOW:
+                    seen = seen & (n[None, :] > qpos[:, None] - window)
+                s = tl.where(seen, s * scale_log2, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(s, 1))
                 m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
                 p = tl.exp2(s - m_safe[:, None])
@@ -241,7 +250,7 @@ def _out_like(q: torch.Tensor) -> torch.Tensor:
 def split_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
                            scale: float, split: int, heads_per_program: int = 0, block: int = 0,
                            warps: int = 0, stages: int = 0, one_slice: int = 0, early: bool = False,
-                           pdl: bool | None = None) -> torch.Tensor:  # fmt: skip
+                           pdl: bool | None = None, window: int = 0) -> torch.Tensor:  # fmt: skip
     """Run the kernel: one launch, slices merged inside it (the last slice of each unit, a KV
     head's ``heads_per_program`` query heads, to
     finish merges, counted by an atomic counter that it resets).
@@ -268,6 +277,7 @@ def split_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
             the kernel just before (the ``attn_early`` setting): only where they were written
             before that kernel.
         pdl: launch with programmatic dependent launch; None = where the device supports it.
+        window: a sliding window W > 0: row t sees only keys at positions > pos[t] - W (0: all).
     Returns:
         [1, H, T, D] in q's dtype (memory laid out as [1, T, H, D]).
 
@@ -299,12 +309,13 @@ def split_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
     while split % blk:  # the iterations must tile each slice (a multiple of 64)
         blk //= 2
     _split_kernel[(units, nsplit)](
-        q, k, v, pos, out, po, pl, _counters(q.device, units), scale * math.log2(math.e), cap, s_pos,
+        q, k, v, pos, out, po, pl, _counters(q.device, units), scale * math.log2(math.e), cap, s_pos, max(window, 0),
         q.stride(1), q.stride(2), k.stride(1), k.stride(2), v.stride(1), v.stride(2),
         out.stride(1), out.stride(2), po.stride(0), po.stride(1), po.stride(2),
         pl.stride(0), pl.stride(1),
         T=t, G=groups, GP=gp, D=dim, ROWS=rows, SPLIT_N=split, BLOCK=blk,
         IEEE=q.dtype == torch.float32, MERGE=nsplit > 1, PDL=pdl, ONE=one_slice if nsplit > 1 else 0, EARLY=early,
+        WINDOW=window > 0,
         **({"launch_pdl": True} if pdl else {}),
         **tune,
     )  # fmt: skip
@@ -326,18 +337,21 @@ def merge_partials(o: torch.Tensor, lse: torch.Tensor, heads: int, t: int, dtype
 
 @torch.library.custom_op("dflash::split_attention", mutates_args=())
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, scale: float,
-                  split: int, heads: int, block: int, one: int, early: bool, pdl: bool) -> torch.Tensor:  # fmt: skip
-    return split_attention_kernel(q, k, v, pos, scale, split, heads, block, one_slice=one, early=early, pdl=pdl)
+                  split: int, heads: int, block: int, one: int, early: bool, pdl: bool, window: int) -> torch.Tensor:  # fmt: skip
+    return split_attention_kernel(q, k, v, pos, scale, split, heads, block, one_slice=one, early=early, pdl=pdl,
+                                  window=window)  # fmt: skip
 
 
 @_attention_op.register_fake
-def _(q, k, v, pos, scale, split, heads, block, one, early, pdl):
+def _(q, k, v, pos, scale, split, heads, block, one, early, pdl, window):
     return _out_like(q)
 
 
 def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
-                    scale: float | None, early: bool = False, launch: Launch | None = None) -> torch.Tensor:  # fmt: skip
-    """softmax(q k^T * scale) v over the keys at positions <= pos[t], per query row t.
+                    scale: float | None, early: bool = False, launch: Launch | None = None,
+                    window: int | None = None) -> torch.Tensor:  # fmt: skip
+    """softmax(q k^T * scale) v over the keys at positions <= pos[t] (and > pos[t] - ``window``
+    for a sliding-window layer), per query row t.
 
     Args:
         q: [1, H, T, D]; k, v: [1, Hkv, S, D] caches indexed by position (S a multiple of
@@ -356,6 +370,8 @@ def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torc
             :func:`dflash.backends.static.fused.realized`).
         launch: the settings (``attn_split``, ``attn_one_slice``, ``attn_block``,
             ``attn_early``) and PDL; None = :func:`~dflash.kernels.pdl.default_launch`.
+        window: a sliding-window layer's window W (tokens, > 0; the key at pos[t] counts), as
+            transformers' sliding masks (key > query - W); None = full causal attention.
     Returns:
         [1, H, T, D] in q's dtype.
     """
@@ -365,17 +381,18 @@ def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torc
     split, one = split_size(k.shape[2], cfg.attn_split), one_slice(cfg, dim)
     if triton is None or (q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1"):
         # no kernel here (CPU, Triton absent or not interpreting): the same algorithm in torch
-        return split_attention_reference(q, k, v, pos, scale, split, one)
+        return split_attention_reference(q, k, v, pos, scale, split, one, window or 0)
     groups, rows = q.shape[1] // k.shape[1], q.shape[2]
     return _attention_op(q, k, v, pos, float(scale), split, heads_per_program(groups, rows), cfg.attn_block,
-                         one, early and cfg.attn_early, launch.pdl)  # fmt: skip
+                         one, early and cfg.attn_early, launch.pdl, window or 0)  # fmt: skip
 
 
-def split_attention_reference(q, k, v, pos, scale, split: int = 256, one_slice: int = 0) -> torch.Tensor:
+def split_attention_reference(q, k, v, pos, scale, split: int = 256, one_slice: int = 0,
+                              window: int = 0) -> torch.Tensor:  # fmt: skip
     """The kernel's algorithm in torch (slices, per-slice softmax, log-sum-exp merge): [1, H, T, D].
 
-    For tests on machines without Triton; arguments as :func:`split_attention`, ``split`` and
-    ``one_slice`` as :func:`split_attention_kernel`'s."""
+    For tests on machines without Triton; arguments as :func:`split_attention`, ``split``,
+    ``one_slice`` and ``window`` (0: none) as :func:`split_attention_kernel`'s."""
     _, h, t, dim = q.shape
     hkv, cap = k.shape[1], k.shape[2]
     pos = pos.expand(t) if pos.shape[0] == 1 else pos  # [1]: one position for every row
@@ -394,7 +411,10 @@ def split_attention_reference(q, k, v, pos, scale, split: int = 256, one_slice: 
             continue
         keys = torch.arange(lo, hi)
         s = qr @ k[0, :, lo:hi].float().transpose(1, 2) * scale * math.log2(math.e)  # [Hkv, GT, n]
-        s = s.masked_fill(keys[None, None, :] > qpos[None, :, None], float("-inf"))
+        hidden = keys[None, None, :] > qpos[None, :, None]
+        if window > 0:  # older than the window
+            hidden = hidden | (keys[None, None, :] <= qpos[None, :, None] - window)
+        s = s.masked_fill(hidden, float("-inf"))
         m = s.amax(-1, keepdim=True)
         p = torch.exp2(s - torch.where(m == float("-inf"), 0.0, m))  # 0 for rows with no key
         den = p.sum(-1, keepdim=True)

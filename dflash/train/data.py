@@ -196,9 +196,12 @@ def regenerate(
     skipped = len(items) - len({i for i, _ in jobs})
     order = generation_order([len(prompts[i]) for i, _ in jobs])
     writer = ShardWriter(out, meta)
-    from dflash.backends.static.backend import supports_static
+    from dflash.backends.static.backend import supports_dense_static
 
-    use_batched = engine == "batched" or (engine == "auto" and supports_static(model))
+    if engine == "batched" and not supports_dense_static(model):  # it has no window masks or experts
+        raise InputError("--engine batched runs dense full-attention Llama/Qwen2/Qwen3 targets only.",
+                         hint="use --engine hf (or auto) for sliding-window and MoE targets")  # fmt: skip
+    use_batched = engine == "batched" or (engine == "auto" and supports_dense_static(model))
     t_start = time.perf_counter()
     stats = {"tokens": 0, "t_flush": t_start, "new": 0}
     pending: list[dict] = []

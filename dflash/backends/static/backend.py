@@ -1,6 +1,7 @@
 """Static-cache fast path of the transformers backend, with CUDA graphs (gpt-fast style).
 
-For Llama/Qwen2/Qwen3-style targets the target forward is re-expressed over the HF model's own
+For Llama/Qwen2/Qwen3/Mistral/Qwen3-MoE targets (sliding-window and interleaved layers
+included: a window is a position mask over a cache that keeps every row) the target forward is re-expressed over the HF model's own
 modules with preallocated K/V buffers written by position, so rollback is free (stale rows
 sit at positions >= the committed length and are overwritten before any query can see them)
 and every step has fixed shapes. On CUDA the verify forward (per width) and the draft forward
@@ -43,6 +44,7 @@ from dflash.backends.static.fused import (
     target_fusable,
 )
 from dflash.backends.static.graph_plan import plan_graphs
+from dflash.backends.static.moe import moe_route
 from dflash.errors import BackendError
 from dflash.kernels.pdl import pdl_supported
 from dflash.kernels.qkv_rope import qkv_rope_fits, qkv_rope_wanted
@@ -53,23 +55,57 @@ from dflash.kernels.settings import KernelSettings, Launch, one_slice, pdl_wante
 from dflash.kernels.small_linear import MAX_ROWS, fuse_norm_auto, linear_mode
 from dflash.kernels.split_attention import attention_mode, uses_kernel
 from dflash.models.draft_torch import DFlashDraft, rope_cos_sin
+from dflash.models.target_torch import SLIDING, layer_kinds
 
-SUPPORTED_TYPES = ("llama", "qwen2", "qwen3")
+DENSE_TYPES = ("llama", "qwen2", "qwen3")  # the batched engine's (dense full attention)
+SUPPORTED_TYPES = (*DENSE_TYPES, "mistral", "qwen3_moe")
 AUTO_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16)  # widths --block-size auto may use on the graph path
 
 
-def supports_static(target: Any) -> bool:
-    """Whether the static path can run this target (dense full-attention Llama-family with
-    plain linears, which its forwards fuse: :func:`~dflash.backends.static.fused.target_fusable`)."""
+def layer_windows(config: Any) -> list[int | None]:
+    """Per target layer, its sliding window W in tokens (the key at the query's position
+    counts: keys at positions > pos - W are seen) or None for full attention, from
+    ``layer_types`` / ``sliding_window`` / ``use_sliding_window`` as transformers reads them."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    window = getattr(text, "sliding_window", None)
+    return [window if kind == SLIDING else None for kind in layer_kinds(config)]
+
+
+def static_refusal(target: Any) -> str | None:
+    """Why the static path cannot run this target (one phrase), or None when it can: a
+    Llama/Qwen2/Qwen3/Mistral/Qwen3-MoE target with full-attention or sliding-window layers,
+    a supported RoPE, and plain linears and dense MLPs or top-k expert blocks, which its
+    forwards fuse (:func:`~dflash.backends.static.fused.target_fusable`)."""
     cfg = target.config
-    if getattr(cfg, "model_type", None) not in SUPPORTED_TYPES:
-        return False
+    family = getattr(cfg, "model_type", None)
+    if family not in SUPPORTED_TYPES:
+        return f"{family} targets run on the plain path"
     rope = getattr(cfg, "rope_parameters", None) or {}
-    if getattr(cfg, "use_sliding_window", False) or rope.get("rope_type", "default") not in (
-        "default", "linear", "llama3", "yarn"):  # fmt: skip
-        return False
+    if rope.get("rope_type", "default") not in ("default", "linear", "llama3", "yarn"):
+        return f"RoPE type {rope.get('rope_type')!r} runs on the plain path"
+    kinds = layer_kinds(cfg)
+    if any(k not in ("full_attention", SLIDING) for k in kinds):
+        return f"layer kinds {sorted(set(kinds))} run on the plain path"
+    if any(not (isinstance(w, int) and w > 0) for w, k in zip(layer_windows(cfg), kinds, strict=True) if k == SLIDING):
+        return "sliding layers need a positive sliding_window"
     inner = getattr(target, "model", None)
-    return inner is not None and hasattr(inner, "layers") and hasattr(inner, "rotary_emb") and target_fusable(target)
+    if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "rotary_emb"):
+        return "the target's module layout is not Llama-like"
+    if len(inner.layers) != len(kinds) or not target_fusable(target):
+        return "its layers are not plain linears with dense MLPs or top-k expert blocks (quantized?)"
+    return None
+
+
+def supports_static(target: Any) -> bool:
+    """Whether the static path can run this target (:func:`static_refusal` gives no reason)."""
+    return static_refusal(target) is None
+
+
+def supports_dense_static(target: Any) -> bool:
+    """Whether the target is a dense full-attention Llama/Qwen2/Qwen3 (what the batched engine
+    of :mod:`dflash.backends.static.batched` runs): no sliding layer, no expert block."""
+    return (getattr(target.config, "model_type", None) in DENSE_TYPES and supports_static(target)
+            and all(w is None for w in layer_windows(target.config)))  # fmt: skip
 
 
 def _in_proj_rows(mode: str) -> int:
@@ -122,7 +158,7 @@ class StaticBackend(StaticGraphs, TransformersBackend):
     """TransformersBackend with static caches and (on CUDA) CUDA-graph replay.
 
     Args:
-        target: HF Llama/Qwen2/Qwen3 causal LM (see :func:`supports_static`).
+        target: HF Llama/Qwen2/Qwen3/Mistral/Qwen3-MoE causal LM (see :func:`supports_static`).
         draft: DFlashDraft or None; its per-layer types (sliding windows, causal overrides)
             are honoured through the same position masks as the plain path.
         device: torch device.
@@ -147,9 +183,10 @@ class StaticBackend(StaticGraphs, TransformersBackend):
         if getattr(draft, "is_dflash2", False):
             raise BackendError("The static/CUDA-graph path does not run DFlash2 drafts yet.",
                                hint="drop --cuda-graphs; DFlash2 drafts run on the plain path")  # fmt: skip
-        if not supports_static(target):
-            raise BackendError("The static/CUDA-graph path runs dense Llama/Qwen2/Qwen3 targets with plain "
-                               "linear layers.", hint="drop --cuda-graphs")  # fmt: skip
+        why = static_refusal(target)
+        if why is not None:
+            raise BackendError(f"The static/CUDA-graph path cannot run this target: {why}.",
+                               hint="drop --cuda-graphs")  # fmt: skip
         super().__init__(target, draft, device, settings)
         self.draft_head_rows = False  # the draft graph has one shape: the head on every row
         self.use_graphs = use_graphs and device.type == "cuda"
@@ -163,6 +200,8 @@ class StaticBackend(StaticGraphs, TransformersBackend):
         rot = target.model.rotary_emb
         self.inv_freq, self.rope_scale = rot.inv_freq.float(), float(rot.attention_scaling)
         self.dtype = self.embed_weight.dtype
+        self.windows = layer_windows(cfg)  # per layer: sliding window W or None
+        self.moe_route = moe_route(device, self.dtype)  # expert blocks: gather or grouped_mm
         self.feature_layers: dict[int, list[int]] = {}  # layer -> feature slots (ids may repeat)
         for n, i in enumerate(self.layer_ids):
             self.feature_layers.setdefault(i - 1, []).append(n)
@@ -410,6 +449,8 @@ class StaticBackend(StaticGraphs, TransformersBackend):
                 "impl": "static", "cuda_graphs": self.use_graphs, "compile": self.compile,
                 "verify_widths": list(self.plan.verify_widths),
                 "device_loop": self.device_loop is not None,
+                **({"sliding_windows": sorted({w for w in self.windows if w})} if any(self.windows) else {}),
+                **({"moe_route": self.moe_route} if any(gu is None for _, gu in self.fused_target) else {}),
                 "attention": self.attention, "linear": self.linear,
                 # rows up to which the in-projections run small_linear (the draft: all or none)
                 "linear_in": {"target": self.linear_in, "draft": MAX_ROWS if self.draft_linear_in else 0},

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from dflash.backends.static.moe import moe_block, moe_forward
 from dflash.kernels.qkv_rope import qkv_rope
 from dflash.kernels.rms_norm import MAX_ROWS as NORM_MAX_ROWS
 from dflash.kernels.rms_norm import rms_norm
@@ -117,21 +118,29 @@ def _still_views(fused: FusedLinear, linears) -> bool:
     return True
 
 
+def dense_mlp(layer) -> bool:
+    """Whether a target layer's feed-forward is a dense gate/up/down MLP (else an expert block)."""
+    return all(hasattr(layer.mlp, name) for name in ("gate_proj", "up_proj", "down_proj"))
+
+
 def target_fusable(target) -> bool:
-    """Whether every layer of an HF Llama/Qwen2/Qwen3 target has plain linears to fuse (the
-    static path needs it: :func:`dflash.backends.static.backend.supports_static`)."""
+    """Whether every layer of an HF Llama/Qwen2/Qwen3/Mistral/Qwen3-MoE target has plain linears
+    to fuse, and a dense MLP or an expert block :func:`~dflash.backends.static.moe.moe_block`
+    runs (the static path needs it: :func:`dflash.backends.static.backend.supports_static`)."""
     return all(fusable(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj)
-               and fusable(layer.mlp.gate_proj, layer.mlp.up_proj) for layer in target.model.layers)  # fmt: skip
+               and (fusable(layer.mlp.gate_proj, layer.mlp.up_proj) if dense_mlp(layer) else moe_block(layer.mlp))
+               for layer in target.model.layers)  # fmt: skip
 
 
-def fuse_target(target) -> list[tuple[FusedLinear, FusedLinear]] | None:
-    """Per layer (qkv, gate_up) fused projections of an HF Llama/Qwen2/Qwen3 target, or None
-    when a layer does not have plain linears (:func:`target_fusable`)."""
+def fuse_target(target) -> list[tuple[FusedLinear, FusedLinear | None]] | None:
+    """Per layer (qkv, gate_up) fused projections of the target (gate_up None for an expert
+    block), or None when a layer does not fit (:func:`target_fusable`)."""
     layers = target.model.layers
     if not target_fusable(target):
         return None
     return [(fuse_linears((layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj)),
-             fuse_linears((layer.mlp.gate_proj, layer.mlp.up_proj))) for layer in layers]  # fmt: skip
+             fuse_linears((layer.mlp.gate_proj, layer.mlp.up_proj)) if dense_mlp(layer) else None)
+            for layer in layers]  # fmt: skip
 
 
 def fuse_draft(draft) -> list[tuple[FusedLinear, FusedLinear]] | None:
@@ -152,8 +161,9 @@ def small_linear_fits(target) -> bool:
 
 
 def _out_projs_fit(layers, dtype: torch.dtype) -> bool:
-    """Every layer's o_proj and down_proj is a dense row-major linear of ``dtype``."""
-    mods = [m for layer in layers for m in (layer.self_attn.o_proj, layer.mlp.down_proj)]
+    """Every layer's o_proj and (dense MLPs) down_proj is a dense row-major linear of ``dtype``."""
+    mods = [m for layer in layers for m in (layer.self_attn.o_proj, getattr(layer.mlp, "down_proj", None))
+            if isinstance(m, torch.nn.Module)]  # fmt: skip
     return all(_plain(m, dtype) for m in mods)
 
 
@@ -254,9 +264,10 @@ def fold_norm(fused: FusedLinear, norm) -> FusedLinear:
 
 def fold_norms(layers, fused, which=("input", "post")) -> list[tuple[FusedLinear | None, FusedLinear | None]]:
     """Per layer (qkv with the input norm folded in, gate+up with the post-attention norm), each
-    None when ``which`` leaves it out (the draft's qkv also takes un-normed context rows)."""
+    None when ``which`` leaves it out (the draft's qkv also takes un-normed context rows) or
+    the layer has no gate+up (an expert block)."""
     return [(fold_norm(qkv, layer.input_layernorm) if "input" in which else None,
-             fold_norm(gate_up, layer.post_attention_layernorm) if "post" in which else None)
+             fold_norm(gate_up, layer.post_attention_layernorm) if "post" in which and gate_up is not None else None)
             for layer, (qkv, gate_up) in zip(layers, fused, strict=True)]  # fmt: skip
 
 
@@ -297,6 +308,9 @@ def target_forward_fused(be, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tens
     ids, pos [1, T] -> logits [T, V]; writes K/V at ``pos`` and the target features at ``pos``.
     Which kernels run is the backend's (``linear``, ``linear_in``, ``attention``, ``target_rope``,
     ``qkv_rope_target``, ``fuse_norm``, ``glu``, ``norm_kernel``), launched as ``be.launch["target"]``.
+    A sliding-window layer (``be.windows[i]`` = W) sees keys at positions in (pos - W, pos]:
+    a mask over the position-indexed cache, which keeps every row. Expert blocks run
+    :func:`~dflash.backends.static.moe.moe_forward` (the route ``be.moe_route``).
     """
     t, hd = ids.shape[-1], be.head_dim
     kl = be.launch["target"]
@@ -306,7 +320,11 @@ def target_forward_fused(be, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tens
     x = F.embedding(ids, be.embed_weight)  # [1, T, H]
     cos, sin = realized(*rope_cos_sin(pos, be.inv_freq, be.rope_scale, be.dtype))  # [1, 1, T, D], once
     split = uses_kernel(be.attention, t)  # split-KV kernel: reads filled rows, no mask; prefills of <= 32 rows too
-    mask = None if split else (be.key_pos[None, :] <= pos[0, :, None])[None, None]  # [1, 1, T, S]
+    masks = {}  # window (None: full) -> [1, 1, T, S] bool
+    if not split:
+        causal = be.key_pos[None, :] <= pos[0, :, None]
+        for w in set(be.windows):
+            masks[w] = (causal if w is None else causal & (be.key_pos[None, :] > pos[0, :, None] - w))[None, None]
     lin = t <= LINEAR_MAX_ROWS and be.linear != "torch"  # residual adds fused in
     lin_in = lin and t <= be.linear_in  # the qkv and gate+up projections too
     rope = split and be.target_rope  # q/k (norm +) RoPE + cache writes: one kernel
@@ -316,7 +334,7 @@ def target_forward_fused(be, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tens
     qr = rope and lin_in and be.qkv_rope_target
     slots: list[torch.Tensor] = [None] * len(be.layer_ids)  # type: ignore[list-item]
     for i, layer in enumerate(be.target.model.layers):
-        a, (qkv, gate_up) = layer.self_attn, be.fused_target[i]
+        a, (qkv, gate_up), window = layer.self_attn, be.fused_target[i], be.windows[i]
         fq, fg = be.folded_target[i] if fuse else (None, None)  # norms folded in (fuse_norm)
         h = x if fuse else _norm(nk and i > 0, layer.input_layernorm, x, kl)  # layer 0's: with the embedding
         norms = (a.q_norm, a.k_norm) if hasattr(a, "q_norm") else (None, None)  # Qwen3
@@ -324,12 +342,12 @@ def target_forward_fused(be, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tens
             w, b, eps = (fq.weight, fq.bias, norm_eps(layer.input_layernorm)) if fuse else (qkv.weight, qkv.bias, None)
             q = qkv_rope(h[0], w, b, eps, *norms, cos, sin, pos[0], be.k[i], be.v[i], 0, be.heads, be.kv_heads, i > 0,
                          kl)  # fmt: skip
-            o = split_attention(q, be.k[i], be.v[i], pos[0], a.scaling, i > 0, kl)
+            o = split_attention(q, be.k[i], be.v[i], pos[0], a.scaling, i > 0, kl, window)
         elif rope:
             raw = _rn(fq, layer.input_layernorm, x, kl) if fuse else _in_proj_joint(lin_in, qkv, h, kl)  # [T, (H + 2 Hkv) D]
             # early: past the first layer the tables and positions were written long before
             q = rope_cache(raw, *norms, cos, sin, pos[0], be.k[i], be.v[i], 0, be.heads, be.kv_heads, i > 0, kl)
-            o = split_attention(q, be.k[i], be.v[i], pos[0], a.scaling, i > 0, kl)
+            o = split_attention(q, be.k[i], be.v[i], pos[0], a.scaling, i > 0, kl, window)
         else:
             if fuse:
                 q, k, v = _rn(fq, layer.input_layernorm, x, kl)[None].split(fq.sizes, dim=-1)
@@ -343,12 +361,14 @@ def target_forward_fused(be, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tens
             be.k[i].index_copy_(2, pos[0], k)
             be.v[i].index_copy_(2, pos[0], v.view(1, t, be.kv_heads, hd).transpose(1, 2))
             if split:
-                o = split_attention(q, be.k[i], be.v[i], pos[0], a.scaling, launch=kl)
+                o = split_attention(q, be.k[i], be.v[i], pos[0], a.scaling, launch=kl, window=window)
             else:
-                o = attend(q, be.k[i], be.v[i], mask, a.scaling)
+                o = attend(q, be.k[i], be.v[i], masks[window], a.scaling)
         o = o.transpose(1, 2).reshape(1, t, be.heads * hd)
         x = _out_proj(lin, a.o_proj, o, x, kl)
-        if fuse:
+        if gate_up is None:  # an expert block
+            x = x + moe_forward(layer.mlp, _norm(nk, layer.post_attention_layernorm, x, kl), be.moe_route)
+        elif fuse:
             x = _mlp_rn(lin, fg, layer.mlp.down_proj, layer.mlp.act_fn, layer.post_attention_layernorm, x, glu, kl)
         else:
             x = _mlp(lin, lin_in, gate_up, layer.mlp.down_proj, layer.mlp.act_fn,
