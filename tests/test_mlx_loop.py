@@ -1,0 +1,160 @@
+"""The mlx backend's pipelined greedy step (dflash.backends.mlx_loop): the same ids as mlx-lm's
+greedy decoding, scripted accept schedules give exact per-step counts, one host read per step,
+the draft cache ends as the host loop leaves it, and the mlx CLI path never imports torch."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+mx = pytest.importorskip("mlx.core")
+pytest.importorskip("mlx_lm")
+
+from dflash.backends.mlx_loop import accept_step  # noqa: E402
+from dflash.loop import speculative_generate  # noqa: E402
+from tests.mlx_models import build_draft, build_target, greedy_reference, random_prompt  # noqa: E402
+
+PROMPT = random_prompt(12)
+N = 60
+
+
+@pytest.fixture(scope="module", params=["qwen3", "qwen3_next"])
+def pair(request, tmp_path_factory):
+    """(pipeline, target folder, greedy truth) for a dense and a hybrid family."""
+    import dflash
+
+    root = tmp_path_factory.mktemp(request.param)
+    target = build_target(root / "target", request.param)
+    draft = build_draft(root / "draft", target)
+    pipe = dflash.load(str(target), str(draft), backend="mlx")
+    return pipe, target, greedy_reference(target, PROMPT, N + 20)
+
+
+def script(loop, truth: list[int], schedule: list[int], block: int) -> list[int]:
+    """Make the loop's drafts propose the true continuation for k positions, then wrong tokens
+    (k from ``schedule``, cycled); returns the list the ks are appended to."""
+    ks: list[int] = []
+    truth_dev = mx.array(truth + [0] * 32, dtype=mx.int32)
+
+    def hook(props, anchor_pos):
+        k = schedule[len(ks) % len(schedule)]
+        ks.append(k)
+        idx = anchor_pos - len(PROMPT) + 1 + mx.arange(props.shape[0], dtype=mx.int32)
+        true = mx.take(truth_dev, idx)
+        return mx.where(mx.arange(props.shape[0]) < k, true, (true + 1) % 1000)
+
+    loop.proposals_hook = hook
+    return ks
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_device_loop_runs_and_matches_mlx_lm(pair, block_size):
+    pipe, _, truth = pair
+    loop = pipe.backend.device_loop
+    before = (loop.launched, loop.reads)
+    got = pipe.generate(PROMPT, block_size=block_size, max_new_tokens=N, stop_ids=[])
+    assert got.token_ids == truth[:N]
+    steps = len(got.acceptance_lengths)
+    assert loop.launched - before[0] == steps  # every verify went through the device loop
+    assert loop.reads - before[1] == steps  # one host read per step
+
+
+@pytest.mark.parametrize("schedule", [[15, 0, 3, 0, 0, 15], [0], [15], [2, 7, 1, 11]])
+def test_scripted_schedules_exact_counts_and_draft_cache(pair, schedule):
+    pipe, _, truth = pair
+    be = pipe.backend
+    ks = script(be.device_loop, truth, schedule, 16)
+    try:
+        rounds = list(speculative_generate(be, PROMPT, block_size=16, max_new_tokens=N))
+    finally:
+        del be.device_loop.proposals_hook
+    assert [t for r in rounds for t in r.tokens] == truth[:N]
+    n = 1
+    for r, k in zip(rounds[1:], ks, strict=False):
+        assert r.accepted == min(k + 1, N - n, 16)
+        n += r.accepted
+    assert n == N
+    # the draft cache holds committed rows only (rejected ones dropped), as the host loop's
+    ours = snapshot(be.draft_cache)
+    saved, be.device_loop = be.device_loop, None
+    try:
+        list(speculative_generate(be, PROMPT, block_size=16, max_new_tokens=N))
+    finally:
+        be.device_loop = saved
+    host = snapshot(be.draft_cache)
+    for (f1, k1), (f2, k2) in zip(ours, host, strict=True):
+        assert f1 == f2 == 0 and k1.shape[2] <= len(PROMPT) + N - 1
+        m = min(k1.shape[2], k2.shape[2])
+        assert m >= len(PROMPT) + N - 1 - 2 * 16
+        np.testing.assert_allclose(np.array(k1[:, :, :m]), np.array(k2[:, :, :m]), atol=1e-4)
+
+
+def snapshot(cache) -> list:
+    return [(cache.first[i], cache.keys[i]) for i in range(len(cache.keys))]
+
+
+def test_one_host_read_per_step(pair, monkeypatch):
+    """Per verify step exactly one device-to-host read; no other mx.eval than the first token's."""
+    pipe, _, truth = pair
+    loop = pipe.backend.device_loop
+    script(loop, truth, [3, 0, 15], 16)
+    reads: list[int] = []
+    evals: list[int] = []
+    original = type(loop).host_read
+    monkeypatch.setattr(loop, "host_read", lambda row: reads.append(1) or original(loop, row))
+    real_eval = mx.eval
+    monkeypatch.setattr(mx, "eval", lambda *a: evals.append(1) or real_eval(*a))
+    try:
+        rounds = list(speculative_generate(pipe.backend, PROMPT, block_size=16, max_new_tokens=N))
+    finally:
+        del loop.proposals_hook
+    steps = len(rounds) - 1
+    assert steps > 3 and len(reads) == steps
+    assert len(evals) == 2  # prefill: its first chunk, and the read of the first token
+
+
+def test_accept_step_matches_host_rule():
+    from dflash.accept import accept_greedy
+
+    rng = np.random.default_rng(0)
+    for width in (1, 2, 5, 16):
+        for _ in range(20):
+            target = rng.integers(0, 5, size=width)
+            props = np.where(
+                rng.random(width - 1) < 0.7, target[:-1], rng.integers(0, 5, size=width - 1)
+            )
+            logits = np.full((width, 5), -1.0, dtype=np.float32)
+            logits[np.arange(width), target] = 1.0
+            row, bonus = accept_step(mx.array(logits), mx.array(props.astype(np.int32)))
+            a, b = accept_greedy(props.tolist(), target.tolist())
+            row = row.tolist()
+            assert row[0] == a + 1 and row[1 : 1 + a + 1] == props[:a].tolist() + [b]
+            assert bonus.tolist() == [b]
+
+
+def test_mlx_cli_does_not_import_torch(tmp_path):
+    """`dflash generate mlx` and `dflash benchmark mlx` run without torch in the process."""
+    target = build_target(tmp_path / "target", "qwen3")
+    draft = build_draft(tmp_path / "draft", target)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "w5 w6 w7"}) + "\n")
+    code = (
+        "import sys, runpy\n"
+        "sys.argv = ['dflash'] + sys.argv[1:]\n"
+        "try:\n"
+        "    runpy.run_module('dflash', run_name='__main__')\n"
+        "except SystemExit as e:\n"
+        "    assert not e.code, e.code\n"
+        "print('TORCH', sys.modules.get('torch') is not None, 'mlx_lm' in sys.modules)\n"
+    )
+    common = ["--model", str(target), "--draft", str(draft), "--max-new-tokens", "8"]
+    for args in (["generate", "mlx", "w5 w6", *common],
+                 ["benchmark", "mlx", "--dataset", str(prompts), *common]):  # fmt: skip
+        out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
+                             timeout=600, env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})  # fmt: skip
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert "TORCH False True" in out.stdout, out.stdout[-500:]
