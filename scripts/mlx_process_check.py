@@ -249,7 +249,7 @@ def main() -> None:
                       if (vals := [r[k] for r in recs if r.get(k) is not None])}  # fmt: skip
     base = summary.get("plain", {}).get("mlx_lm_tok_s")
     if base:
-        for v, s in summary.items():
+        for s in summary.values():
             if s.get("mlx_lm_tok_s"):
                 s["mlx_lm_vs_plain"] = s["mlx_lm_tok_s"] / base
     print(json.dumps({"spec": {k: v for k, v in spec.items() if k != "prompts"}, "rounds": rows,
