@@ -158,3 +158,17 @@ def test_mlx_cli_does_not_import_torch(tmp_path):
                              timeout=600, env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})  # fmt: skip
         assert out.returncode == 0, out.stderr[-2000:]
         assert "TORCH False True" in out.stdout, out.stdout[-500:]
+
+
+def test_step_bench_script_runs_on_the_tiny_shape():
+    """scripts/mlx_step_bench.py (the GPU per-step figures) runs on CPU at --shape tiny."""
+    from pathlib import Path
+
+    script_path = Path(__file__).resolve().parents[1] / "scripts" / "mlx_step_bench.py"
+    out = subprocess.run([sys.executable, str(script_path), "--shape", "tiny", "--steps", "4",
+                          "--context", "32", "--reps", "2"], capture_output=True, text=True,
+                         timeout=600)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["dflash_steps"] == 4 and res["ratio"] > 0
+    assert set(res["draft_ms"]) == {"none", "8", "4"} and res["verify_ms"] > 0
