@@ -8,6 +8,7 @@ The draft owns no embedding and no LM head: the backend passes the target's.
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import mlx.core as mx
@@ -75,11 +76,23 @@ class Rope:
         """Rotate x [B, H, T, D] with tables from :meth:`tables`."""
         if self.scaled is not None:
             return self.scaled(x, offset=tables)
-        cos, sin = tables
-        half = x.shape[-1] // 2
-        xf = x.astype(mx.float32)
-        rot = mx.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
-        return (xf * cos + rot * sin).astype(x.dtype)
+        return _rotate(x, *tables)
+
+
+@mx.compile
+def _rotate(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
+    """Half-split rotation of x [B, H, T, D] by float32 tables [T, D] (one fused kernel; a
+    trace per shape)."""
+    half = x.shape[-1] // 2
+    xf = x.astype(mx.float32)
+    rot = mx.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
+    return (xf * cos + rot * sin).astype(x.dtype)
+
+
+@partial(mx.compile, shapeless=True)
+def _swiglu(gate: mx.array, up: mx.array) -> mx.array:
+    """silu(gate) * up, fused."""
+    return nn.silu(gate) * up
 
 
 class DraftCache:
@@ -200,7 +213,7 @@ class DraftMLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(_swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
 class DraftLayer(nn.Module):
@@ -328,7 +341,15 @@ class DFlashDraftMLX(nn.Module):
         c_tab = self._rope.tables(ctx_start, w)
         cfg = self.config
 
+        masks: dict[tuple, mx.array] = {}  # layers alike share one mask
+
         def mask(i: int, first: int, n_ctx: int) -> mx.array:  # [L, n_ctx + L] bool
+            key = (cfg.layer_is_causal(i), cfg.layer_window(i), cache.windows[i], first, n_ctx)
+            if key not in masks:
+                masks[key] = build(i, first, n_ctx)
+            return masks[key]
+
+        def build(i: int, first: int, n_ctx: int) -> mx.array:
             real = n_ctx - w + valid  # context rows in the cache that are committed
             col = mx.arange(n_ctx, dtype=mx.int32)
             ok = col[None] < real  # [1, n_ctx]
