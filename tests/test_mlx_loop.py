@@ -5,6 +5,7 @@ the draft cache ends as the host loop leaves it, and the mlx CLI path never impo
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -155,7 +156,7 @@ def test_mlx_cli_does_not_import_torch(tmp_path):
     for args in (["generate", "mlx", "w5 w6", *common],
                  ["benchmark", "mlx", "--dataset", str(prompts), *common]):  # fmt: skip
         out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
-                             timeout=600, env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})  # fmt: skip
+                             timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})  # fmt: skip
         assert out.returncode == 0, out.stderr[-2000:]
         assert "TORCH False True" in out.stdout, out.stdout[-500:]
 
@@ -172,3 +173,69 @@ def test_step_bench_script_runs_on_the_tiny_shape():
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert res["dflash_steps"] == 4 and res["ratio"] > 0
     assert set(res["draft_ms"]) == {"none", "8", "4"} and res["verify_ms"] > 0
+
+
+@pytest.mark.parametrize(
+    "layer_types,is_causal,window,draft_window",
+    [(["full_attention", "full_attention"], None, None, None),
+     (["sliding_attention", "full_attention", "sliding_attention"], None, 5, None),
+     (["full_attention", "sliding_attention"], True, 3, None),
+     (["full_attention", "full_attention"], None, None, 7)],
+)  # fmt: skip
+def test_ahead_draft_equals_the_host_draft(layer_types, is_causal, window, draft_window):
+    """The pipelined draft over W verify rows with `valid` committed (the rest masked, dropped
+    after the read) gives the host draft's hidden states over the `valid` rows, and leaves the
+    same context cache."""
+    from mlx.utils import tree_flatten
+
+    from dflash.models.config import DraftConfig
+    from dflash.models.draft_mlx import DFlashDraftMLX, random_draft_mlx
+
+    h, w, block = 64, 8, 8
+    cfg = DraftConfig(hidden_size=h, intermediate_size=128, num_hidden_layers=len(layer_types),
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=300,
+                      mask_token_id=299, target_layer_ids=[1, 3], block_size=block,
+                      layer_types=layer_types, sliding_window=window, is_causal=is_causal,
+                      rope={"rope_theta": 10000.0})  # fmt: skip
+    base = random_draft_mlx(cfg, std=0.1)
+    host, ahead = DFlashDraftMLX(cfg, window=draft_window), DFlashDraftMLX(cfg, window=draft_window)
+    host.load_weights(tree_flatten(base.parameters()))
+    ahead.load_weights(tree_flatten(base.parameters()))
+    hc, ac = host.new_cache(), ahead.new_cache()
+    rng = np.random.default_rng(0)
+    prompt = mx.array(rng.normal(size=(1, 11, 2 * h)).astype(np.float32))
+    emb0 = mx.array(rng.normal(size=(1, block, h)).astype(np.float32))
+    np.testing.assert_array_equal(
+        np.array(host(emb0, prompt, 11, hc)), np.array(ahead(emb0, prompt, 11, ac))
+    )
+    start = 11  # the anchor of the verify whose rows come next
+    for valid in (1, 8, 3, 5, 2):
+        rows = mx.array(rng.normal(size=(1, w, 2 * h)).astype(np.float32))
+        emb = mx.array(rng.normal(size=(1, block, h)).astype(np.float32))
+        want = host(emb, rows[:, :valid], start + valid, hc)
+        got = ahead.ahead(emb, rows, start, mx.array(valid, dtype=mx.int32), ac)
+        np.testing.assert_allclose(np.array(got), np.array(want), atol=2e-5, rtol=0)
+        ac.drop_tail(w - valid)
+        for i in range(len(layer_types)):
+            assert (ac.first[i], ac.length(i)) == (hc.first[i], hc.length(i))
+            np.testing.assert_allclose(np.array(ac.keys[i]), np.array(hc.keys[i]), atol=1e-6)
+        start += valid
+
+
+def test_stop_inside_a_block_and_exact_budgets(pair):
+    pipe, _, truth = pair
+    be = pipe.backend
+    i = next(j for j in range(3, N) if truth[j] not in truth[:j])
+    script(be.device_loop, truth, [15], 16)
+    try:
+        rounds = list(
+            speculative_generate(be, PROMPT, block_size=16, max_new_tokens=N, stop_ids=[truth[i]])
+        )
+        assert [t for r in rounds for t in r.tokens] == truth[: i + 1]
+        assert rounds[-1].finish_reason == "stop"
+        for max_new in (1, 2, 16, 17, 31):
+            rounds = list(speculative_generate(be, PROMPT, block_size=16, max_new_tokens=max_new))
+            assert [t for r in rounds for t in r.tokens] == truth[:max_new]
+            assert rounds[-1].finish_reason == "length"
+    finally:
+        del be.device_loop.proposals_hook
