@@ -188,13 +188,18 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=512, help="prompt tokens before the steps")
     ap.add_argument("--steps", type=int, default=64, help="decode / verify steps timed")
     ap.add_argument("--reps", type=int, default=20, help="repetitions of each piece")
+    ap.add_argument(
+        "--layers", type=int, default=None, help="override the target's depth (smoke runs)"
+    )
     ap.add_argument("--device", default="auto", choices=("auto", "gpu", "cpu"))
     args = ap.parse_args()
     if args.device != "auto":
         mx.set_default_device(mx.gpu if args.device == "gpu" else mx.cpu)
     from dflash.backends.mlx import MLXBackend
 
-    cfg = SHAPES[args.shape]
+    cfg = json.loads(json.dumps(SHAPES[args.shape]))
+    if args.layers:
+        (cfg.get("text_config") or cfg)["num_hidden_layers"] = args.layers
     text = {**cfg, **cfg.get("text_config", {})}
     vocab = int(text["vocab_size"])
     prompt = [
