@@ -131,6 +131,10 @@ def generate(
                         json_out=json_out)  # fmt: skip
         return
 
+    if backend == "mlx":  # no torch next to mlx (dflash.mlx_process)
+        from dflash.mlx_process import keep_torch_out
+
+        keep_torch_out()
     import dflash
     from dflash.api import TextStream
 

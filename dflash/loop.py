@@ -64,7 +64,13 @@ def speculative_generate(
         finish_reason "stop" or "length".
     """
     plain_steps = policy is None and logprobs is None and processor is None
-    if sampling.greedy and plain_steps and getattr(backend, "device_loop", None) is not None:
+    loop = getattr(backend, "device_loop", None)  # a wrapper that replaces the draft: host loop
+    if (
+        sampling.greedy
+        and plain_steps
+        and loop is not None
+        and getattr(loop, "be", backend) is backend
+    ):
         yield from _device_greedy(backend, prompt_ids, block_size, max_new_tokens, stop_ids)
         return
     stops = set(stop_ids)

@@ -22,6 +22,7 @@ import numpy as np
 from dflash.backend_names import MLX_DEFAULT_DEVICE, MLX_DEVICES, MLX_NO_GPU_HINT
 from dflash.backends import mlx_hooks
 from dflash.backends.base import Loaded, device_name
+from dflash.backends.mlx_loop import MLXDeviceLoop
 from dflash.errors import BackendError
 from dflash.models.draft_mlx import DFlashDraftMLX
 from dflash.paths import key_path
@@ -90,10 +91,12 @@ class MLXBackend:
         max_context: the target's context length (tokens).
         draft_vocab: use the draft's vocabulary when it has one (the ``draft_vocab`` setting of
             :class:`~dflash.kernels.settings.KernelSettings`).
+        device_loop: greedy fixed-block requests run the pipelined step
+            (:mod:`dflash.backends.mlx_loop`; the ``device_loop`` setting).
     """
 
     def __init__(self, target: Any, draft: DFlashDraftMLX | None, max_context: int = 1 << 30,
-                 draft_vocab: bool = True):  # fmt: skip
+                 draft_vocab: bool = True, device_loop: bool = True):  # fmt: skip
         self.target, self.draft_model = target, draft
         self.inner, self.layers, holder = model_parts(target)
         self.embed = self.inner.embed_tokens
@@ -116,6 +119,12 @@ class MLXBackend:
         self.draft_cache = draft.new_cache() if draft is not None else None
         self.length = 0
         self.last_steps = 0  # tokens of the last verify forward
+        self.prompt_features: mx.array | None = None  # [T, F] of the last prefill
+        masks = max(self.draft_block_size - 1, 0)
+        self.block_ids = mx.full((masks,), self.mask_token_id, dtype=mx.int32)  # [L-1]
+        # greedy fixed-block requests: acceptance on the device, the next draft queued before
+        # the one host read per step (dflash.backends.mlx_loop); None = the host loop
+        self.device_loop = MLXDeviceLoop(self) if device_loop else None
 
     # -- protocol ---------------------------------------------------------------------------
     def reset(self, max_positions: int | None = None) -> None:
@@ -153,23 +162,47 @@ class MLXBackend:
             done += n
         logits, f = self._forward(prompt_ids[done:], with_features)
         feats.append(f)
-        return logits[-1], (mx.concatenate(feats, axis=0) if with_features else None)
+        self.prompt_features = mx.concatenate(feats, axis=0) if with_features else None
+        return logits[-1], self.prompt_features
 
     @property
     def draft_vocab_size(self) -> int | None:
         """Vd of the draft vocabulary in use, or None (full vocabulary)."""
         return None if self.draft_vocab is None else int(self.draft_vocab.shape[0])
 
-    def draft(self, anchor: int, context: mx.array, start: int, length: int,
-              rows: int | None = None):
+    def _block(self, anchor: int | mx.array, length: int) -> mx.array:
+        """Embeddings [1, L, H] of [anchor, mask x (L-1)] in the draft's dtype (raw lookup,
+        brief §1.4); ``anchor`` an int or a [1] device id."""
+        if isinstance(anchor, int):
+            head = mx.array([anchor], dtype=mx.int32)
+        else:
+            head = anchor.reshape(1).astype(mx.int32)
+        block = mx.concatenate([head, self.block_ids[: length - 1]])[None]
+        return self.embed(block).astype(self.draft_model.norm.weight.dtype)
+
+    def draft(self, anchor: int | mx.array, context: mx.array, start: int, length: int,
+              rows: int | None = None):  # fmt: skip
         if isinstance(context, (list, tuple)):  # chunks left by plain steps (--block-size auto)
             context = mx.concatenate(list(context), axis=0)
-        block = mx.array([[anchor] + [self.mask_token_id] * (length - 1)])
         model = self.draft_model
-        dtype = model.norm.weight.dtype
-        emb = self.embed(block).astype(dtype)  # [1, L, H] raw lookup (brief §1.4)
-        h = model(emb, context[None].astype(dtype), start, self.draft_cache)
-        h = h[0, 1 : (rows or length - 1) + 1]  # [rows, H]
+        emb = self._block(anchor, length)
+        h = model(emb, context[None].astype(emb.dtype), start, self.draft_cache)
+        return self._draft_head(h[0, 1 : (rows or length - 1) + 1])
+
+    def draft_ahead(self, anchor: mx.array, feats: mx.array, ctx_start: int, valid: mx.array,
+                    length: int, rows: int) -> mx.array:  # fmt: skip
+        """Proposals [rows] of the block after a verify whose acceptance only the device knows:
+        anchor [1] at position ``ctx_start + valid``, context = the verify's rows feats [W, F]
+        at ctx_start.., the first ``valid`` ([] int32) committed
+        (:meth:`DFlashDraftMLX.ahead`)."""
+        emb = self._block(anchor, length)
+        ctx = feats[None].astype(emb.dtype)
+        h = self.draft_model.ahead(emb, ctx, ctx_start, valid, self.draft_cache)
+        return self._draft_head(h[0, 1 : rows + 1])[0]
+
+    def _draft_head(self, h: mx.array) -> tuple[mx.array, mx.array]:
+        """(proposals [R], logits [R, V]) of the draft's hidden rows h [R, H]; with a draft
+        vocabulary the head scores its Vd rows only (logits -inf elsewhere, built lazily)."""
         if self.draft_vocab is None:
             logits = self.head(h)  # [rows, V]
             return mx.argmax(logits, axis=-1), logits
@@ -280,7 +313,7 @@ def load(model: str | None, draft: str | None, *, device: str = "auto", dtype: s
     if dtype != "auto" and dtype not in DTYPES:
         raise InputError(f"Unknown --dtype {dtype!r}; use auto, bfloat16, float16 or float32.")
     check_draft_options(draft_bits, draft_window)
-    vocab = KernelSettings.resolve().draft_vocab  # DFLASH_* overrides checked before any weight loads
+    settings = KernelSettings.resolve()  # DFLASH_* overrides checked before any weight loads
     draft_dir = resolve_draft(draft, model)
     draft_cfg = DraftConfig.load(draft_dir)  # cheap checks before loading any weights
     target_path = resolve_target(model)
@@ -294,7 +327,8 @@ def load(model: str | None, draft: str | None, *, device: str = "auto", dtype: s
     dt = act if dtype == "auto" else DTYPES[dtype]
     draft_model = load_draft_mlx(draft_dir, dtype=dt, bits=draft_bits, window=draft_window)
     context = int(text.get("max_position_embeddings") or (1 << 30))
-    backend = MLXBackend(target, draft_model, max_context=context, draft_vocab=vocab)
+    backend = MLXBackend(target, draft_model, max_context=context, draft_vocab=settings.draft_vocab,
+                         device_loop=settings.device_loop)  # fmt: skip
     # measured step costs are kept per device, dtype, target, draft (and its quantization/window)
     cost_key = {"backend": "MLXBackend", "device": f"{mx.default_device()} {device_name(None)}", "dtype": str(dt),
                 "target": str(target_path), "draft": key_path(draft_dir), "draft_bits": draft_bits,

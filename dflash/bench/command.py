@@ -270,6 +270,10 @@ def benchmark(
             data_dir=data_dir, output=output, plot=plot, offline=offline,
         )  # fmt: skip
         return
+    if backend == "mlx":  # no torch next to mlx (dflash.mlx_process)
+        from dflash.mlx_process import keep_torch_out
+
+        keep_torch_out()
     block_sizes = parse_block_sizes(block_size)
     from dflash.options import check_recalibrate
 

@@ -182,6 +182,8 @@ class BenchProgress:
     """Live progress bar (stderr) with running τ and DFlash tok/s; silent when disabled.
 
     Use as a context manager; call :meth:`start` per dataset and :meth:`update` per record.
+    Redrawn only at those calls (no refresh thread): between records the measured generation
+    runs alone in the process, with no 10 Hz redraw taking the interpreter lock from it.
     """
 
     def __init__(self, enabled: bool = True, console: Console | None = None):
@@ -198,6 +200,7 @@ class BenchProgress:
             console=console or Console(stderr=True),
             disable=not enabled,
             transient=False,
+            auto_refresh=False,
         )
 
     def __enter__(self) -> BenchProgress:
@@ -216,6 +219,7 @@ class BenchProgress:
         if not self._progress.live.is_started:
             self._progress.start()
         self._task = self._progress.add_task(name, total=total, tau="-", tps="-")
+        self._progress.refresh()
 
     def update(self, record: ResponseRecord) -> None:
         """Advance by one response and refresh the running τ and tok/s."""
@@ -224,7 +228,8 @@ class BenchProgress:
             return
         tau = mean_acceptance_length(self._records)
         tps = throughput(self._records, "dflash")
-        self._progress.update(self._task, advance=1, tau=_fmt(tau, ".2f"), tps=_fmt(tps, ".1f"))
+        self._progress.update(self._task, advance=1, tau=_fmt(tau, ".2f"), tps=_fmt(tps, ".1f"),
+                              refresh=True)  # fmt: skip
 
 
 def check_plot(path: Path) -> None:

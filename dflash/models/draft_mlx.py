@@ -8,6 +8,7 @@ The draft owns no embedding and no LM head: the backend passes the target's.
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import mlx.core as mx
@@ -62,15 +63,36 @@ class Rope:
         emb = np.concatenate([freqs, freqs], axis=-1)
         return mx.array(np.cos(emb)), mx.array(np.sin(emb))
 
+    def tables_at(self, positions: mx.array) -> tuple[mx.array, mx.array] | mx.array:
+        """As :meth:`tables` for positions [L] int32 held on the device (the next block's anchor
+        position is known on the device before the host reads it); scaled rope: the offset."""
+        if self.scaled is not None:
+            return positions[0]
+        freqs = positions.astype(mx.float32)[:, None] * mx.array(self.inv_freq)[None]
+        emb = mx.concatenate([freqs, freqs], axis=-1)
+        return mx.cos(emb), mx.sin(emb)
+
     def apply(self, x: mx.array, tables) -> mx.array:
         """Rotate x [B, H, T, D] with tables from :meth:`tables`."""
         if self.scaled is not None:
             return self.scaled(x, offset=tables)
-        cos, sin = tables
-        half = x.shape[-1] // 2
-        xf = x.astype(mx.float32)
-        rot = mx.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
-        return (xf * cos + rot * sin).astype(x.dtype)
+        return _rotate(x, *tables)
+
+
+@mx.compile
+def _rotate(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
+    """Half-split rotation of x [B, H, T, D] by float32 tables [T, D] (one fused kernel; a
+    trace per shape)."""
+    half = x.shape[-1] // 2
+    xf = x.astype(mx.float32)
+    rot = mx.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
+    return (xf * cos + rot * sin).astype(x.dtype)
+
+
+@partial(mx.compile, shapeless=True)
+def _swiglu(gate: mx.array, up: mx.array) -> mx.array:
+    """silu(gate) * up, fused."""
+    return nn.silu(gate) * up
 
 
 class DraftCache:
@@ -95,20 +117,41 @@ class DraftCache:
         """Cached context rows of layer i."""
         return 0 if self.keys[i] is None else int(self.keys[i].shape[2])
 
-    def append(self, i: int, k: mx.array, v: mx.array, ctx_start: int):
-        """Append k, v [B, Hkv, Tc, D] at positions ctx_start..; returns (keys, values, first)."""
+    def append(self, i: int, k: mx.array, v: mx.array, ctx_start: int, slack: int = 0):
+        """Append k, v [B, Hkv, Tc, D] at positions ctx_start..; returns (keys, values, first).
+
+        ``slack``: rows kept beyond the window (the pipelined draft appends a verify's rows
+        before the host knows how many are real; :meth:`drop_tail` then removes the rest)."""
         if self.keys[i] is None or self.length(i) == 0:
             self.first[i] = ctx_start
         else:
             k = mx.concatenate([self.keys[i], k], axis=2)
             v = mx.concatenate([self.values[i], v], axis=2)
-        w = self.windows[i]
-        if w is not None and k.shape[2] > w:
-            drop = k.shape[2] - w
-            k, v = k[:, :, drop:], v[:, :, drop:]
-            self.first[i] += drop
         self.keys[i], self.values[i] = k, v
-        return k, v, self.first[i]
+        self._cut(i, slack)
+        return self.keys[i], self.values[i], self.first[i]
+
+    def _cut(self, i: int, slack: int = 0) -> None:
+        """Drop the oldest rows of layer i beyond its window (+ slack)."""
+        w, n = self.windows[i], self.length(i)
+        if w is not None and n > w + slack:
+            drop = n - w - slack
+            self.keys[i], self.values[i] = self.keys[i][:, :, drop:], self.values[i][:, :, drop:]
+            self.first[i] += drop
+
+    def drop_tail(self, n: int) -> None:
+        """Forget the newest n rows of every layer (rows appended for proposals the target
+        rejected), then apply the windows."""
+        for i in range(len(self.keys)):
+            if self.keys[i] is None:
+                continue
+            if n:
+                keep = self.length(i) - n
+                self.keys[i], self.values[i] = (
+                    self.keys[i][:, :, :keep],
+                    self.values[i][:, :, :keep],
+                )
+            self._cut(i)
 
     def reset(self) -> None:
         """Forget every context row (start of a new request)."""
@@ -139,7 +182,7 @@ class DraftAttention(nn.Module):
         b, t, _ = x.shape
         return x.reshape(b, t, n, self.head_dim).transpose(0, 2, 1, 3)  # [B, n, T, D]
 
-    def __call__(self, x, ctx, rope, q_tab, c_tab, mask_fn, cache, idx, ctx_start):
+    def __call__(self, x, ctx, rope, q_tab, c_tab, mask_fn, cache, idx, ctx_start, slack=0):
         """x [B, L, H] normed block; ctx [B, Tc, H] projected context; returns [B, L, H].
 
         ``mask_fn(first_ctx_pos, n_ctx_rows)`` gives the bool mask [L, Tk] or None.
@@ -152,7 +195,7 @@ class DraftAttention(nn.Module):
         vc = self._heads(self.v_proj(ctx), self.kv_heads)
         first = ctx_start
         if cache is not None:
-            kc, vc, first = cache.append(idx, kc, vc, ctx_start)
+            kc, vc, first = cache.append(idx, kc, vc, ctx_start, slack)
         k = mx.concatenate([kc, kb], axis=2)
         v = mx.concatenate([vc, vb], axis=2)
         mask = mask_fn(idx, first, kc.shape[2])
@@ -170,7 +213,7 @@ class DraftMLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(_swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
 class DraftLayer(nn.Module):
@@ -271,6 +314,65 @@ class DFlashDraftMLX(nn.Module):
         h = block_embeds
         for i, layer in enumerate(self.layers):
             h = layer(h, ctx, self._rope, q_tab, c_tab, mask_fn, cache, i, start - tc)
+        return self.norm(h)
+
+    def ahead(self, block_embeds: mx.array, target_hidden: mx.array, ctx_start: int,
+              valid: mx.array, cache: DraftCache) -> mx.array:  # fmt: skip
+        """Run the draft over the block that follows a verify whose acceptance only the device
+        knows yet (the pipelined step, :mod:`dflash.backends.mlx_loop`).
+
+        Args:
+            block_embeds: [B, L, H] embeddings of [anchor, mask...]; the anchor sits at
+                position ``ctx_start + valid``.
+            target_hidden: [B, W, F] features of the verify's rows at ctx_start .. ctx_start+W-1,
+                of which the first ``valid`` are committed.
+            valid: [] int32 on the device, 1 <= valid <= W.
+            cache: context cache; all W rows are appended (masked beyond ``valid``); the host
+                calls ``cache.drop_tail(W - valid)`` once it has read ``valid``.
+
+        Returns:
+            [B, L, H] final-normed hidden states: the same as ``self(block_embeds,
+            target_hidden[:, :valid], ctx_start + valid, cache)`` up to summation order.
+        """
+        lq, w = block_embeds.shape[1], target_hidden.shape[1]
+        ctx = self.hidden_norm(self.fc(target_hidden))
+        q_pos = ctx_start + valid + mx.arange(lq, dtype=mx.int32)  # [L] on the device
+        q_tab = self._rope.tables_at(q_pos)
+        c_tab = self._rope.tables(ctx_start, w)
+        cfg = self.config
+
+        masks: dict[tuple, mx.array] = {}  # layers alike share one mask
+
+        def mask(i: int, first: int, n_ctx: int) -> mx.array:  # [L, n_ctx + L] bool
+            key = (cfg.layer_is_causal(i), cfg.layer_window(i), cache.windows[i], first, n_ctx)
+            if key not in masks:
+                masks[key] = build(i, first, n_ctx)
+            return masks[key]
+
+        def build(i: int, first: int, n_ctx: int) -> mx.array:
+            real = n_ctx - w + valid  # context rows in the cache that are committed
+            col = mx.arange(n_ctx, dtype=mx.int32)
+            ok = col[None] < real  # [1, n_ctx]
+            keep = cache.windows[i]
+            if keep is not None:  # the host path keeps the last `keep` real rows only
+                ok = ok & (col[None] >= real - keep)
+            k_pos = mx.concatenate([first + col, q_pos])  # [n_ctx + L]
+            diff = q_pos[:, None] - k_pos[None]  # [L, n_ctx + L]
+            vis = mx.concatenate(
+                [mx.broadcast_to(ok, (lq, n_ctx)), mx.ones((lq, lq), dtype=mx.bool_)], axis=1
+            )
+            if cfg.layer_is_causal(i):
+                vis = vis & (diff >= 0)
+            win = cfg.layer_window(i)
+            if win is not None:
+                vis = vis & (diff < win)
+                if not cfg.layer_is_causal(i):
+                    vis = vis & (-diff < win)
+            return vis
+
+        h = block_embeds
+        for i, layer in enumerate(self.layers):
+            h = layer(h, ctx, self._rope, q_tab, c_tab, mask, cache, i, ctx_start, w)
         return self.norm(h)
 
 
