@@ -11,27 +11,17 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
 from dflash.bench.harness import read_records
+from tests.helpers.paths import DATA_DIR
 
-DATA_DIR = Path(__file__).resolve().parent / "data"  # a few rows per dataset (see its README)
 DATASETS = ("gsm8k", "math500", "humaneval", "mbpp", "mt-bench")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One torch thread: OpenMP's spinning threads slow down 5x when other processes share the
-    two CPU cores (CI runs beside nothing, but developers' machines do)."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # one torch thread (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import pytest
 from dflash.bench.harness import BenchConfig, ResultsLog, check_resumable, run_benchmark
 from dflash.data import PromptItem
 from dflash.errors import InputError
-from tests.test_bench_resume import FakePipeline
+from tests.helpers.fakes import FakePipeline
 
 ITEMS = {"toy": [PromptItem(id=f"p{i}", turns=[f"question {i}"]) for i in range(3)]}
 

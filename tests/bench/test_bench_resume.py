@@ -10,10 +10,8 @@ import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import pytest
-import typer
 from typer.testing import CliRunner
 
 from dflash.bench import command, harness
@@ -21,71 +19,8 @@ from dflash.bench.harness import BenchConfig, ResultsLog, read_records, run_benc
 from dflash.bench.metrics import summarize
 from dflash.data import PromptItem
 from dflash.errors import BackendError, DatasetError, InputError, ServerError
-from dflash.types import GenerationResult, SamplingParams
-
-DATA_DIR = Path(__file__).resolve().parent / "data"  # a few rows per dataset (see its README)
-REPO = Path(__file__).resolve().parents[1]
-
-
-class FakePipeline:
-    """Deterministic stand-in for ``dflash.api.Pipeline`` with scripted acceptance lengths.
-
-    Output tokens and τ schedule depend only on the prompt ids, and times are scripted (so
-    summaries are reproducible). ``delay`` seconds of sleep per generate call make a run slow
-    enough to kill; ``diverge`` makes DFlash differ from the baseline at new token 2 for prompts
-    whose first message contains that string.
-    """
-
-    block_size = 4
-    stop_ids = [0]
-
-    def __init__(self, delay: float = 0.0, diverge: str | None = None):
-        self.delay = delay
-        self.diverge = diverge
-        self.calls: list[tuple[int, int]] = []  # (prompt length, block size)
-        self.prompts: list[list[dict]] = []
-
-    def chat_prompt(self, messages, *, system=None, reasoning=None):
-        self.prompts.append([dict(m) for m in messages])
-        text = "|".join(f"{m['role']}:{m['content']}" for m in messages)
-        return [ord(c) % 50 + 1 for c in text]
-
-    def generate(self, prompt_ids, *, block_size=None, max_new_tokens=2048,
-                 sampling=SamplingParams(), stop_ids=None):  # fmt: skip
-        time.sleep(self.delay)
-        bs = block_size or self.block_size
-        self.calls.append((len(prompt_ids), bs))
-        seed = sum(prompt_ids)
-        n = min(max_new_tokens, 6 + seed % 9)
-        tokens = [(seed + 7 * i) % 90 + 5 for i in range(n)]
-        if self.diverge and bs > 1 and n > 2 and self.diverge in self.prompts[-1][0]["content"]:
-            tokens[2] += 1
-        taus, proposed, left = [], [], n - 1
-        pattern = [bs, 1 + seed % bs, 2 if bs > 1 else 1, 1]
-        while left > 0:
-            width = min(bs, left + 1)  # the last block shrinks to the budget
-            tau = min(pattern[len(taus) % 4], width, left)
-            taus.append(tau)
-            proposed.append(width - 1)
-            left -= tau
-        finish = "length" if n == max_new_tokens else "stop"
-        return GenerationResult(
-            token_ids=tokens, text=f"answer {seed} {bs}", prompt_tokens=len(prompt_ids),
-            acceptance_lengths=taus, proposed=proposed, ttft_s=0.001 * (1 + seed % 5),
-            decode_s=0.01 * (n - 1) / (1 if bs == 1 else 2.5), finish_reason=finish,
-            block_size=bs,
-        )  # fmt: skip
-
-    def decode(self, ids):
-        return " ".join(map(str, ids))
-
-
-def make_app(pipeline_factory) -> typer.Typer:
-    """A one-command Typer app running ``benchmark`` with the pipeline loader replaced."""
-    command._load_pipeline = lambda *args, **kwargs: pipeline_factory()
-    app = typer.Typer(pretty_exceptions_enable=False)
-    app.command()(command.benchmark)
-    return app
+from tests.helpers.fakes import FakePipeline, make_app
+from tests.helpers.paths import DATA_DIR, REPO
 
 
 @pytest.fixture
@@ -328,8 +263,8 @@ def test_torn_last_line_is_dropped_and_repaired(cli, tmp_path):
 SCRIPT = textwrap.dedent(
     """
     import sys
-    sys.path[:0] = [{tests!r}, {repo!r}]
-    from test_bench_resume import FakePipeline, make_app
+    sys.path.insert(0, {repo!r})
+    from tests.helpers.fakes import FakePipeline, make_app
 
     make_app(lambda: FakePipeline(delay=float(sys.argv[1])))(sys.argv[2:], prog_name="dflash")
     """
@@ -342,7 +277,7 @@ def test_killed_run_resumes_without_loss_or_duplicates(cli, tmp_path):
     assert full.exit_code == 0, full.output
 
     script = tmp_path / "run_bench.py"
-    script.write_text(SCRIPT.format(tests=str(REPO / "tests"), repo=str(REPO)))
+    script.write_text(SCRIPT.format(repo=str(REPO)))
     out_file = tmp_path / "killed.jsonl"
     proc = subprocess.Popen(
         [sys.executable, str(script), "0.1", *BENCH_ARGS, "--output", str(out_file)],
@@ -406,7 +341,7 @@ def test_torchrun_ranks_share_the_work_and_rank_0_gathers(cli, tmp_path):
     single = cli([*BENCH_ARGS, "--output", str(tmp_path / "single.jsonl")])
     assert single.exit_code == 0, single.output
     script = tmp_path / "run_bench.py"
-    script.write_text(SCRIPT.format(tests=str(REPO / "tests"), repo=str(REPO)))
+    script.write_text(SCRIPT.format(repo=str(REPO)))
     out_file = tmp_path / "multi.jsonl"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
@@ -426,8 +361,8 @@ def test_torchrun_ranks_share_the_work_and_rank_0_gathers(cli, tmp_path):
 FAILING_SCRIPT = textwrap.dedent(
     """
     import sys
-    sys.path[:0] = [{tests!r}, {repo!r}]
-    from test_bench_resume import FakePipeline, make_app
+    sys.path.insert(0, {repo!r})
+    from tests.helpers.fakes import FakePipeline, make_app
     from dflash.cli import report_error
     from dflash.errors import BackendError, DflashError
 
@@ -454,7 +389,7 @@ def test_torchrun_failure_on_one_rank_ends_the_run_with_its_message(tmp_path):
     pytest.importorskip("torch.distributed")
     bad = select(load_prompts("gsm8k", DATA_DIR), 4)[1].turns[0]  # rank 1 takes items 1::2
     script = tmp_path / "run_failing.py"
-    script.write_text(FAILING_SCRIPT.format(tests=str(REPO / "tests"), repo=str(REPO)))
+    script.write_text(FAILING_SCRIPT.format(repo=str(REPO)))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DFLASH_DIST_TIMEOUT": "600"}
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",

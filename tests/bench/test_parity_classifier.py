@@ -57,7 +57,7 @@ def test_replayed_reference_logits_are_the_baselines(tiny_backend, tiny_target):
     top-2 gap."""
     from dflash.api import Pipeline
     from dflash.bench.parity import classify_mismatch
-    from tests.test_loop_scripted import PROMPT
+    from tests.helpers.tiny import PROMPT
 
     pipe = Pipeline(tiny_backend, _Tok(), stop_ids=[])
     base = pipe.generate(PROMPT, block_size=1, max_new_tokens=12)

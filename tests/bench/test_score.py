@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import gzip
 import json
-from pathlib import Path
 
 import pytest
 import typer
@@ -15,8 +14,7 @@ from dflash.bench import command, score
 from dflash.bench.metrics import ResponseRecord, RunStats
 from dflash.data.datasets import load_prompts
 from dflash.types import GenerationResult, SamplingParams
-
-DATA_DIR = Path(__file__).resolve().parent / "data"
+from tests.helpers.paths import DATA_DIR
 
 
 @pytest.mark.parametrize("text,answer", [

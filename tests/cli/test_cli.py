@@ -10,45 +10,7 @@ import sys
 import pytest
 import torch
 
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "DFLASH_DEBUG": ""}
-
-
-def run(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dflash", *args], capture_output=True, text=True,
-                          env=ENV, timeout=timeout)  # fmt: skip
-
-
-def run_many(*calls, timeout: int = 300, at_once: int = 2) -> list[subprocess.CompletedProcess]:
-    """Independent CLI calls, ``at_once`` at a time (one torch thread each: CI has two cores and
-    each call loads a model). Each call is a list of arguments, or (arguments, extra environment).
-    A call that fails to finish in ``timeout`` seconds is killed with every other one."""
-    done: list[subprocess.CompletedProcess] = []
-    for i in range(0, len(calls), at_once):
-        procs = []
-        try:
-            for call in calls[i : i + at_once]:
-                args, extra = call if isinstance(call, tuple) else (call, {})
-                procs.append(subprocess.Popen([sys.executable, "-m", "dflash", *args], stdout=subprocess.PIPE,
-                                              stderr=subprocess.PIPE, text=True,
-                                              env={**ENV, "OMP_NUM_THREADS": "1", **extra}))  # fmt: skip
-            for p in procs:
-                out, err = p.communicate(timeout=timeout)
-                done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.communicate()
-    return done
-
-
-def assert_one_line_error(p: subprocess.CompletedProcess, fragment: str) -> None:
-    assert p.returncode == 1, (p.returncode, p.stderr)
-    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
-    assert "Traceback" not in p.stderr
-    assert lines and lines[0].startswith("error: "), p.stderr
-    assert len(lines) <= 2 and all(ln.startswith("hint: ") for ln in lines[1:]), p.stderr
-    assert fragment in lines[0], p.stderr
+from tests.helpers.cli import ENV, assert_one_line_error, run, run_many
 
 
 def test_help_without_loading_torch():
@@ -120,7 +82,7 @@ def pair(demo_gguf, untrained_draft):
 @pytest.fixture(scope="module")
 def loaded_errors(pair, tmp_path_factory, tiny_target):
     """Errors found only once the pair is loaded, each from its own CLI run (run side by side)."""
-    from tests.conftest import make_draft
+    from tests.helpers.tiny import make_draft
 
     other = tmp_path_factory.mktemp("other") / "draft"
     make_draft(tiny_target).save(other)

@@ -4,29 +4,13 @@ subprocess, or typer's CliRunner over a fake pipeline) and asserts the exact wor
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "DFLASH_DEBUG": ""}
-DATA_DIR = Path(__file__).resolve().parent / "data"
-
-
-def dflash_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dflash", *args], capture_output=True, text=True,
-                          env=ENV, timeout=300, cwd=cwd)  # fmt: skip
-
-
-def error_lines(p: subprocess.CompletedProcess) -> list[str]:
-    """The ``error:`` line and its ``hint:`` line: exit code 1, nothing else on stderr (no
-    traceback, no blank line before the error)."""
-    assert p.returncode == 1, (p.returncode, p.stderr)
-    lines = p.stderr.splitlines()
-    assert len(lines) == 2 and lines[0].startswith("error: ") and lines[1].startswith("hint: "), p.stderr
-    return lines
-
+from tests.helpers.cli import ENV, error_lines
+from tests.helpers.cli import run as dflash_cli
+from tests.helpers.paths import DATA_DIR
 
 # -- 1. one list of backends -------------------------------------------------------------------
 
@@ -64,7 +48,7 @@ def test_a_base_url_ending_in_an_endpoint_is_refused_naming_the_base_url(args, f
     """`--base-url http://host:port/v1/chat/completions` was sent to .../chat/completions/v1/...
     and answered 404 with no hint (user trial); now no request is sent and the error names the
     base URL to pass, as openai-python's base_url expects it."""
-    from tests.openai_replay import ReplayServer
+    from tests.helpers.openai_replay import ReplayServer
 
     with ReplayServer({}) as srv:
         args = [srv.url + "/v1" if a == "URL" else a for a in args]
@@ -89,7 +73,7 @@ def test_the_base_url_check_keeps_paths_that_are_no_endpoint():
 def test_a_404_names_the_base_url_as_the_thing_to_check():
     """A server that answers 404 (a wrong path under --base-url, or a model it does not serve)
     gets a hint naming --base-url's form instead of none."""
-    from tests.openai_replay import ReplayServer, json_reply
+    from tests.helpers.openai_replay import ReplayServer, json_reply
 
     gone = json_reply({"error": {"message": "The model `m` does not exist."}}, status=404)
     with ReplayServer({"POST /v1/chat/completions": [gone]}) as srv:
@@ -197,7 +181,7 @@ def test_ctrl_c_in_a_sweep_names_the_real_files(tmp_path, monkeypatch, stop_at):
 
     from dflash.bench import command
     from dflash.bench.harness import read_records
-    from tests.test_bench_resume import FakePipeline, make_app
+    from tests.helpers.fakes import FakePipeline, make_app
 
     monkeypatch.setattr(command, "_load_pipeline", command._load_pipeline)  # restored afterwards
     out = tmp_path / "r.jsonl"
@@ -397,7 +381,7 @@ def test_a_400_from_the_server_gets_a_hint_that_fits(message, hint):
     """`dflash generate openai --max-new-tokens 100000` showed the server's 400 (context length)
     with no hint (user trial); a context-length 400 says what to lower, any other 400 says the
     server refused the options."""
-    from tests.openai_replay import ReplayServer, json_reply
+    from tests.helpers.openai_replay import ReplayServer, json_reply
 
     refused = json_reply({"object": "error", "message": message, "type": "BadRequestError", "code": 400}, status=400)
     with ReplayServer({"POST /v1/chat/completions": [refused]}) as srv:
@@ -410,7 +394,7 @@ def test_a_400_from_the_server_gets_a_hint_that_fits(message, hint):
 def test_a_benchmark_whose_every_request_is_too_long_says_to_lower_max_new_tokens():
     """The benchmark's 'Every request ... failed' gets the same hints; its prompts are the
     dataset's, so only --max-new-tokens is named."""
-    from tests.openai_replay import ReplayServer, json_reply
+    from tests.helpers.openai_replay import ReplayServer, json_reply
 
     refused = json_reply({"error": {"message": TOO_LONG, "code": "context_length_exceeded"}}, status=400)
     with ReplayServer({"POST /v1/chat/completions": [refused]}) as srv:
@@ -427,7 +411,7 @@ def test_a_benchmark_whose_every_request_is_too_long_says_to_lower_max_new_token
 def test_an_empty_prompt_is_refused_before_any_request(prompt):
     """`dflash generate openai ""` showed the server's 400 'The prompt is empty.' with no hint
     (user trial); it is refused before the request, with the local backends' message and hint."""
-    from tests.openai_replay import ReplayServer
+    from tests.helpers.openai_replay import ReplayServer
 
     with ReplayServer({}) as srv:
         lines = error_lines(dflash_cli("generate", "openai", "--base-url", srv.url, "--model", "m", prompt))

@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
 from typer.testing import CliRunner
 
 from dflash.cli import app
-
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "DFLASH_DEBUG": ""}
+from tests.helpers.cli import ENV
 
 
 def test_doctor_exits_0_here_and_reports_as_json():

@@ -7,29 +7,16 @@ import os
 import subprocess
 import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
 from typer.testing import CliRunner
 
 from dflash.errors import CheckpointError, InputError
-
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "DFLASH_DEBUG": ""}
-DATA_DIR = Path(__file__).resolve().parent / "data"
-
-
-def dflash_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dflash", *args], capture_output=True,
-                          text=True, env=ENV, timeout=300)  # fmt: skip
-
-
-def one_error_line(p: subprocess.CompletedProcess) -> str:
-    assert p.returncode == 1, (p.returncode, p.stderr)
-    lines = p.stderr.strip().splitlines()
-    assert "Traceback" not in p.stderr and lines[0].startswith("error: "), p.stderr
-    return lines[0]
-
+from tests.helpers.cli import ENV
+from tests.helpers.cli import assert_one_line_error as one_error_line
+from tests.helpers.cli import run as dflash_cli
+from tests.helpers.paths import DATA_DIR
 
 # -- paths and prompts -------------------------------------------------------------------------
 
@@ -203,7 +190,7 @@ def test_generate_result_keeps_a_cut_character_out_of_text(tiny_target):
     was cut, and token_ids still hold every token."""
     from dflash.api import Pipeline
     from dflash.backends.plain import TransformersBackend
-    from tests.conftest import make_draft
+    from tests.helpers.tiny import make_draft
 
     backend = TransformersBackend(tiny_target, make_draft(tiny_target), torch.device("cpu"))
     pipe = Pipeline(backend, CharTokenizer(), stop_ids=[])
@@ -225,7 +212,7 @@ def test_generate_result_keeps_a_cut_character_out_of_text(tiny_target):
 
 @pytest.mark.parametrize("umask", [0o022, 0o027])
 def test_draft_weights_follow_the_umask_like_config_json(tmp_path, tiny_target, umask):
-    from tests.conftest import make_draft
+    from tests.helpers.tiny import make_draft
 
     old = os.umask(umask)
     try:
@@ -279,7 +266,7 @@ def test_benchmark_help_groups_the_openai_only_options():
 def bench(monkeypatch):
     """Run ``benchmark`` with a fake pipeline; returns (invoke, number of pipeline loads)."""
     from dflash.bench import command
-    from tests.test_bench_resume import FakePipeline, make_app
+    from tests.helpers.fakes import FakePipeline, make_app
 
     monkeypatch.setattr(command, "_load_pipeline", command._load_pipeline)  # restored afterwards
     loads: list[int] = []

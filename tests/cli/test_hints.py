@@ -4,28 +4,18 @@ with no network, and a ``hint:`` line under every one-line error."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
 from dflash.errors import ConfigError, DflashError, InputError
-
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "DFLASH_DEBUG": ""}
-
-
-def dflash_cli(*args: str, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dflash", *args], capture_output=True, text=True,
-                          env={**ENV, **env}, timeout=300)  # fmt: skip
+from tests.helpers.cli import error_lines
+from tests.helpers.cli import run as dflash_cli
 
 
-def error_and_hint(p: subprocess.CompletedProcess) -> tuple[str, str]:
+def error_and_hint(p) -> tuple[str, str]:
     """The two stderr lines of a one-line error (``error:`` then ``hint:``), nothing else."""
-    lines = p.stderr.strip().splitlines()
-    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr
-    assert len(lines) == 2 and lines[0].startswith("error: ") and lines[1].startswith("hint: "), p.stderr
-    return lines[0], lines[1]
+    error, hint = error_lines(p)
+    return error, hint
 
 
 def target_folder(path, name="Qwen3-8B"):

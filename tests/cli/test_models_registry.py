@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -15,9 +14,8 @@ from typer.testing import CliRunner
 from dflash.cli import app
 from dflash.errors import CheckpointError
 from dflash.registry import PAIRS, base_name, find
-
-FIXTURES = Path(__file__).resolve().parent / "fixtures"
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "DFLASH_DEBUG": ""}
+from tests.helpers.cli import ENV
+from tests.helpers.paths import FIXTURES_DIR as FIXTURES
 
 
 def hub_cache_with(tmp_path: Path, repo: str) -> Path:

@@ -12,13 +12,11 @@ import pytest
 from dflash.accept import accept_greedy, accept_sampling
 from dflash.sampling import sample, sampling_probs
 from dflash.types import SamplingParams
+from tests.helpers.stats import tv
 
 N = 100_000
 PARAMS = SamplingParams(temperature=0.7, top_k=3, top_p=0.9)
 
-
-def tv(counts: np.ndarray, p: np.ndarray) -> float:
-    return 0.5 * float(np.abs(counts / counts.sum() - p).sum())
 
 
 @pytest.mark.parametrize(

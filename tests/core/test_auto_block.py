@@ -21,18 +21,12 @@ from dflash.auto_block import (
 )
 from dflash.errors import ConfigError
 from dflash.loop import speculative_generate
-from tests.test_loop_scripted import PROMPT, ScriptedBackend, greedy_reference
+from tests.helpers.tiny import PROMPT, ScriptedBackend
 
 B = 16
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One torch thread: two spinning OpenMP threads crawl when the cores are shared."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # one torch thread (tests/conftest.py)
 
 
 def linear_costs(verify_base, verify_per_tok, draft_base, draft_per_tok, widths=range(1, B + 1)):
@@ -127,11 +121,6 @@ class DropBackend(ScriptedBackend):
         self.lengths.append(length)
         self.schedule = [15] if start - self.prompt_len < self.drop_at else [0]
         return super().draft(anchor, context, start, length)
-
-
-@pytest.fixture(scope="module")
-def truth(tiny_target):
-    return greedy_reference(tiny_target, PROMPT, 200)
 
 
 def test_chosen_block_follows_a_drop_in_acceptance(tiny_backend, truth):

@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 
 from dflash.loop import speculative_generate
-from tests.test_loop_scripted import PROMPT, ScriptedBackend, greedy_reference
+from tests.helpers.stats import one_torch_thread
+from tests.helpers.tiny import PROMPT, ScriptedBackend, greedy_reference
 
 
 class WidthSensitiveBackend(ScriptedBackend):
@@ -64,13 +65,10 @@ def test_budgets_23_and_40_accept_alike_demo_pair(demo_pipe):
     draft = DFlashDraft.load(DEMO_DRAFT_DIR, dtype=torch.float32).eval()
     be = TransformersBackend(target, draft, torch.device("cpu"))
     ids = demo_pipe.chat_prompt([{"role": "user", "content": "What is 17 times 23?"}])
-    runs, threads = {}, torch.get_num_threads()
-    torch.set_num_threads(1)  # a shared 2-core CI box: oversubscribed threads cost 8x here
-    try:
+    runs = {}
+    with one_torch_thread():  # a shared 2-core CI box: oversubscribed threads cost 8x here
         for budget in (23, 40):
             rounds = speculative_generate(be, ids, block_size=16, max_new_tokens=budget)
             runs[budget] = [r.accepted for r in rounds if r.accepted is not None]
-    finally:
-        torch.set_num_threads(threads)
     assert max(runs[40]) > 1  # the trained draft gets proposals accepted
     _check_prefix(runs[23], runs[40], 23)

@@ -18,7 +18,6 @@ KEY = {"backend": "tiny", "device": "cpu"}
 @pytest.fixture
 def cache(monkeypatch, tmp_path):
     monkeypatch.setenv("DFLASH_CACHE", str(tmp_path))
-    monkeypatch.delenv("DFLASH_RECALIBRATE", raising=False)
     monkeypatch.setattr(auto_block_costs, "CALIBRATION_REPEATS", 1)  # a quick calibration
     monkeypatch.setattr(auto_block_costs, "load_per_core", lambda: 0.25)
     return tmp_path

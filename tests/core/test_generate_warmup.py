@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.test_auto_block import FakeTokenizer
-from tests.test_loop_scripted import PROMPT, greedy_reference
+from tests.helpers.fakes import WarmupPipe
+from tests.helpers.tiny import PROMPT, FakeTokenizer, greedy_reference
 
 
 class CountingBackend:
@@ -55,35 +55,11 @@ def test_warmup_option_is_checked():
         check_warmup(-1)
 
 
-class _Backend:
-    def __init__(self, use_graphs):
-        self.use_graphs, self.max_context = use_graphs, 100
-
-
-class _Pipe:
-    block_size = 16
-
-    def __init__(self, use_graphs):
-        self.backend, self.calls = _Backend(use_graphs), []
-
-    def resolve_block_size(self, value):
-        return 16
-
-    def calibrate_for(self, ids, block_size, max_new_tokens):  # a fixed block size: no costs
-        pass
-
-    def chat_prompt(self, messages):
-        return [1, 2, 3]
-
-    def warm_up(self, ids, **kwargs):
-        self.calls.append((ids, kwargs))
-
-
 @pytest.mark.parametrize("use_graphs", [True, False])
 def test_serve_warms_up_at_load_on_the_graph_path_only(use_graphs):
     from dflash.serve.server import Engine
 
-    pipe = _Pipe(use_graphs)
+    pipe = WarmupPipe(use_graphs)
     engine = Engine(lambda: pipe, ["demo"], block_size=16, warmup=32)
     engine._load_now()
     assert engine.error is None and engine.pipe is pipe
@@ -93,7 +69,7 @@ def test_serve_warms_up_at_load_on_the_graph_path_only(use_graphs):
 def test_serve_starts_when_the_warm_up_fails(capsys):
     from dflash.serve.server import Engine
 
-    pipe = _Pipe(True)
+    pipe = WarmupPipe(True)
 
     def boom(ids, **kwargs):
         raise RuntimeError("CUDA out of memory")
@@ -118,7 +94,7 @@ def test_cli_generate_warms_up_on_the_graph_path_before_seeding(monkeypatch, use
 
     events = []
 
-    class Pipe(_Pipe):
+    class Pipe(WarmupPipe):
         def chat_prompt(self, messages, **kwargs):
             return [1, 2, 3]
 

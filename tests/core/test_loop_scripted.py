@@ -7,45 +7,7 @@ import torch
 
 from dflash.loop import speculative_generate
 from dflash.types import SamplingParams
-
-PROMPT = [5, 17, 42, 7, 99, 3, 64, 128]
-
-
-def greedy_reference(target, prompt, n):
-    """Plain greedy decoding with HF generate: n new token ids."""
-    out = target.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                          max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                          eos_token_id=None, pad_token_id=0)  # fmt: skip
-    return out[0, len(prompt) :].tolist()
-
-
-class ScriptedBackend:
-    """Wraps a backend; its draft proposes the true greedy continuation for k positions and
-    then a wrong token, with k taken from ``schedule`` step by step (cycled)."""
-
-    draft_head_rows = False  # the wrapped draft returns its whole block
-
-    def __init__(self, inner, truth: list[int], prompt_len: int, schedule: list[int]):
-        self.inner, self.truth, self.prompt_len, self.schedule = inner, truth, prompt_len, schedule
-        self.step = 0
-        self.expected_k: list[int] = []
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def draft(self, anchor, context, start, length):
-        k = min(self.schedule[self.step % len(self.schedule)], length - 1)
-        self.step += 1
-        self.expected_k.append(k)
-        i0 = start - self.prompt_len + 1  # index in `truth` of the token after the anchor
-        true = self.truth[i0 : i0 + length - 1]
-        prop = list(true[:k]) + [(t + 1) % 256 for t in true[k:]]
-        return torch.tensor(prop, dtype=torch.long), None
-
-
-@pytest.fixture(scope="module")
-def truth(tiny_target):
-    return greedy_reference(tiny_target, PROMPT, 120)
+from tests.helpers.tiny import PROMPT, ScriptedBackend
 
 
 @pytest.mark.parametrize("schedule", [[15, 0, 7, 14, 3], [0], [15], [1, 2, 3, 4, 5, 6, 7, 8]])
@@ -107,7 +69,7 @@ def test_random_draft_parity(tiny_backend, truth, block_size):
 def test_mask_token_output_is_kept(tiny_target, truth):
     """A generated token equal to the mask id stays in the output (positional, never filtered)."""
     from dflash.backends.plain import TransformersBackend
-    from tests.conftest import make_draft
+    from tests.helpers.tiny import make_draft
 
     mask = truth[2]
     be = TransformersBackend(tiny_target, make_draft(tiny_target, mask_token_id=mask), torch.device("cpu"))

@@ -1,5 +1,5 @@
 """Sampling on the device (torch): the same transform as the numpy reference and exact
-rejection sampling (statistical bounds as in test_accept.py)."""
+rejection sampling (statistical bounds as in tests/core/test_accept.py)."""
 
 from __future__ import annotations
 
@@ -10,13 +10,11 @@ import torch
 from dflash.sampling import sampling_probs
 from dflash.sampling_torch import TorchSampler, sampling_probs_torch
 from dflash.types import SamplingParams
+from tests.helpers.stats import tv
 
 PARAMS = SamplingParams(temperature=0.7, top_k=3, top_p=0.9, seed=5)
 N = 10_000  # E[TV] about 0.005 over the 3-token support; bounds are 4x that
 
-
-def tv(counts: np.ndarray, p: np.ndarray) -> float:
-    return 0.5 * float(np.abs(counts / counts.sum() - p).sum())
 
 
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1.0),

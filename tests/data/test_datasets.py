@@ -6,15 +6,13 @@ from __future__ import annotations
 
 import json
 import random
-from pathlib import Path
 
 import pytest
 
 from dflash.data import datasets as ds
 from dflash.data import load_prompts, select
 from dflash.errors import DatasetError, InputError
-
-DATA_DIR = Path(__file__).resolve().parent / "data"  # a few rows per dataset (see its README)
+from tests.helpers.paths import DATA_DIR
 
 
 @pytest.mark.parametrize(
@@ -229,7 +227,7 @@ def test_other_file_names_are_jsonl_only_when_they_look_like_json(tmp_path):
 
 
 def test_benchmark_cli_reads_a_txt_file_and_names_a_bad_json_line(tmp_path):
-    from tests.test_cli import assert_one_line_error, run
+    from tests.helpers.cli import assert_one_line_error, run
 
     (tmp_path / "p.json").write_text('{"prompt": "a"}\n{"prompt": \n')
     bad = run("benchmark", "transformers", "--dataset", str(tmp_path / "p.json"))
@@ -289,7 +287,7 @@ def test_hub_rows_are_cached_as_jsonl_in_the_local_format(hub, tmp_path):
 
 
 def test_hub_failure_is_a_dataset_error_with_a_hint(hub):
-    """(A benchmark set falls back to the copy shipped with dflash: tests/test_offline_data.py.)"""
+    """(A benchmark set falls back to the copy shipped with dflash: tests/data/test_offline_data.py.)"""
     with pytest.raises(DatasetError, match="Could not load dataset 'gsm8k:train'") as err:
         load_prompts("gsm8k:train")
     assert "--data-dir" in err.value.hint

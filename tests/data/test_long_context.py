@@ -59,7 +59,7 @@ def test_benchmark_long_prints_the_table_by_length(monkeypatch):
     import typer
 
     from dflash.bench import command
-    from tests.test_bench_resume import FakePipeline
+    from tests.helpers.fakes import FakePipeline
 
     monkeypatch.setattr(command, "_load_pipeline", lambda *a, **k: FakePipeline())
     app = typer.Typer(pretty_exceptions_enable=False)

@@ -9,15 +9,13 @@ import random
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from dflash.data import offline
 from dflash.data.datasets import BENCHMARK_NAMES, SELECT_SEED, load_prompts, select
 from dflash.errors import DatasetError
-
-DATA_DIR = Path(__file__).resolve().parent / "data"
+from tests.helpers.paths import DATA_DIR
 
 
 @pytest.fixture

@@ -11,6 +11,8 @@ from types import SimpleNamespace
 import mlx.core as mx
 import numpy as np
 
+from tests.helpers.tiny import ScriptedBackend
+
 VOCAB = 1000
 CHATML = (
     "{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> "
@@ -112,3 +114,13 @@ def greedy_reference(target_dir: Path, prompt: list[int], n: int) -> list[int]:
 def random_prompt(n: int, seed: int = 0) -> list[int]:
     """n token ids from the word range (no special tokens)."""
     return [int(i) for i in np.random.default_rng(seed).integers(4, VOCAB, size=n)]
+
+
+class MlxScriptedBackend(ScriptedBackend):
+    """The scripted draft (``tests.helpers.tiny.ScriptedBackend``) over an MLX backend: proposals
+    as an ``mx.array``, wrong tokens modulo the 1000-word vocabulary."""
+
+    vocab = VOCAB
+
+    def as_array(self, ids: list[int]):
+        return mx.array(ids)

@@ -13,9 +13,10 @@ import random
 import socket
 import threading
 from dataclasses import dataclass, field
-from pathlib import Path
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures" / "openai"
+from tests.helpers.paths import FIXTURES_DIR
+
+FIXTURES = FIXTURES_DIR / "openai"
 
 
 def fixture(name: str) -> bytes:

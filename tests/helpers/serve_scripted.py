@@ -116,3 +116,27 @@ def client_for(pipe, names=("scripted",), block_size=None, **engine_kw):
         time.sleep(0.02)
     client.engine = engine
     return client
+
+
+# a get_weather call: its arguments, the answer after the tool message, and per tool-call
+# format the text the scripted target emits for it
+ARGS = {"city": "Paris", "days": 2}
+ANSWER = "It is 22 C in Paris."
+
+# format -> (a chat template naming it, the target's tool-call text)
+FORMATS = {
+    "hermes": ("... <tool_call> ... </tool_call>",
+               'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": '
+               '{"city": "Paris", "days": 2}}\n</tool_call>'),
+    "qwen3_coder": ("<tool_call><function=...>",
+                    "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+                    "<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>"),
+    "llama3_json": ("{{ '<|python_tag|>' }} ipython",
+                    '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "days": 2}}'),
+    "openai": ("<|channel|>",
+               "<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant"
+               '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>'
+               '{"city": "Paris", "days": 2}<|call|>'),
+    "gemma4": ("<|tool_call>",
+               '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>,days:2}<tool_call|>'),
+}  # fmt: skip

@@ -113,3 +113,21 @@ def greedy(model, prompt: list[int], n: int) -> list[int]:
 def prompt_ids(n: int = 40, seed: int = 1) -> list[int]:
     """n word ids (4..249): no special token, longer than the window when n > 8."""
     return torch.randint(4, 250, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+N = 32  # new tokens per run
+
+
+def load_family(tmp_path, family: str, **load_kwargs):
+    """(pipeline over a saved folder of ``family`` with an init-draft draft, the in-memory model)."""
+    import dflash
+    from dflash.models.init_draft import init_draft
+
+    model = save_target(tmp_path / "target", family)
+    draft = init_draft(
+        str(tmp_path / "target"), tmp_path / "draft", layers=2, block_size=16, dtype="float32"
+    )
+    pipe = dflash.load(
+        str(tmp_path / "target"), str(draft), device="cpu", dtype="float32", **load_kwargs
+    )
+    return pipe, model

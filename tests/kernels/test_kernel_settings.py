@@ -105,7 +105,7 @@ def test_settings_are_in_describe_and_benchmark_records(tiny_target):
     from dflash.backends.plain import TransformersBackend
     from dflash.bench.harness import producer_info
     from dflash.pipeline import Pipeline
-    from tests.conftest import make_draft
+    from tests.helpers.tiny import make_draft
 
     settings = KernelSettings.resolve(environ={"DFLASH_DRAFT_VOCAB": "0"})
     be = TransformersBackend(tiny_target, make_draft(tiny_target), torch.device("cpu"), settings)
@@ -122,12 +122,12 @@ def test_generate_json_records_the_settings_and_passes_the_options(monkeypatch):
     import dflash
     from dflash.cli import app
     from dflash.types import GenerationResult
-    from tests.test_generate_warmup import _Pipe
+    from tests.helpers.fakes import WarmupPipe
 
     loaded = {}
     settings = KernelSettings().without_kernels()
 
-    class Pipe(_Pipe):
+    class Pipe(WarmupPipe):
         recalibrate = False
 
         def chat_prompt(self, messages, **kwargs):

@@ -12,7 +12,7 @@ import torch
 
 from dflash.errors import InputError
 from dflash.kernels import qkv_rope as qr
-from tests.triton_helpers import compile_for_hopper, run_interpreted
+from tests.helpers.kernels import compile_for_hopper, run_interpreted
 
 
 def test_setting():
@@ -35,9 +35,9 @@ def test_setting():
 
 def test_launch_checks_shapes():
     """A weight that is not (H + 2 Hkv) D rows, or more than 32 rows, fails with the shapes named."""
-    from tests.test_rope_cache import _case
+    from tests.helpers.kernels import rope_case
 
-    _, qn, kn, cos, sin, pos, kc, vc, tc, h, hkv = _case(20, 4, 4, 2, 16)
+    _, qn, kn, cos, sin, pos, kc, vc, tc, h, hkv = rope_case(20, 4, 4, 2, 16)
     x = torch.randn(20, 32)
     with pytest.raises(ValueError, match="qkv_rope: x"):
         qr._launch(x, torch.randn(7 * 16, 32), None, 0.0, False, None, None, 0.0, 0.0, cos, sin, pos, kc, vc,
@@ -48,7 +48,7 @@ def test_fits_and_backend_off_on_cpu(tiny_target):
     """The kernel needs a head size <= 128 and a dense weight; on CPU the backend leaves it off
     (no Triton projections); records say so when it is on."""
     from dflash.backends.static.backend import StaticBackend
-    from tests.conftest import make_draft
+    from tests.helpers.tiny import make_draft
 
     be = StaticBackend(tiny_target, make_draft(tiny_target), torch.device("cpu"), use_graphs=False)
     assert not be.qkv_rope_target and not be.qkv_rope_draft
@@ -73,7 +73,7 @@ def test_static_greedy_through_the_fused_path(fuse_norm, monkeypatch):
     """The static backend with the fused kernel's path in the target (with its input norm inside
     the kernel or not) and the draft decodes exactly plain greedy at block 1 and 16, and every
     layer went through it."""
-    from tests.test_split_attention import assert_static_greedy
+    from tests.helpers.static import assert_static_greedy
 
     calls = _count(monkeypatch)
     assert_static_greedy(attention="split", linear="triton", linear_in=32, draft_linear=True, draft_linear_in=True,
@@ -87,16 +87,17 @@ def test_draft_logits_match_the_two_kernel_path(tiny_target, monkeypatch):
     """The draft's logits through the fused path equal the rope_cache path's at two steps (the
     tokens alone cannot show a draft error)."""
     from dflash.backends.static.backend import StaticBackend
-    from tests.test_static_backend import PROMPT, _custom_draft, _draft_twice
+    from tests.helpers.static import draft_twice
+    from tests.helpers.tiny import PROMPT, custom_draft
 
-    draft = _custom_draft(tiny_target)
+    draft = custom_draft(tiny_target)
     calls = _count(monkeypatch)
     outs = []
     for fused in (False, True):
         be = StaticBackend(tiny_target, draft, torch.device("cpu"), use_graphs=False)
         be.attention, be.draft_linear, be.draft_linear_in, be.draft_rope = "split", True, True, True
         be.qkv_rope_draft = fused
-        outs.append(_draft_twice(be, PROMPT * 3))
+        outs.append(draft_twice(be, PROMPT * 3))
     assert len(calls) == 2 * len(draft.layers)  # every layer, both steps, only when switched on
     for a, b in zip(*outs, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
@@ -107,7 +108,7 @@ def test_fall_back_order_and_live_flags(tiny_target, gpu_like):
     norms inside the projections; the backend reports it live only where its forwards run it."""
     from dflash.backends.static.backend import StaticBackend
     from dflash.kernels.settings import KernelSettings, fall_back
-    from tests.conftest import make_draft
+    from tests.helpers.tiny import make_draft
 
     new, what, fix = fall_back(KernelSettings(), {"qkv_rope", "norm_kernel", "fuse_norm"})
     assert new.qkv_rope is False and new.norm_kernel and "DFLASH_QKV_ROPE=0" in fix
@@ -122,7 +123,7 @@ KERNEL_CHECK = textwrap.dedent("""
     import torch
     from dflash.kernels import qkv_rope as qr
     from dflash.kernels.small_linear import fold_norm_weight
-    from tests.test_rope_cache import _case
+    from tests.helpers.kernels import rope_case
 
     launched = []
     real = qr._launch
@@ -133,7 +134,7 @@ KERNEL_CHECK = textwrap.dedent("""
              (32, 16, 2, 1, 128, True, False, True), (16, 0, 9, 3, 64, False, False, True)]
     # context rows or none, GQA 3, with norms (one head per program) and without (column pairs)
     for n, (t, tc, h, hkv, d, norms, bias, rn) in enumerate(cases):
-        _, qn, kn, cos, sin, pos, kc, vc, _, _, _ = _case(t, tc, h, hkv, d, cap=128, norms=norms)
+        _, qn, kn, cos, sin, pos, kc, vc, _, _, _ = rope_case(t, tc, h, hkv, d, cap=128, norms=norms)
         k = 48
         x = torch.randn(t, k)
         w = torch.randn((h + 2 * hkv) * d, k) / k ** 0.5
@@ -149,7 +150,7 @@ KERNEL_CHECK = textwrap.dedent("""
             err = (a - bb).abs().max().item()
             assert err < 1e-4, (t, tc, d, err)
     assert len(launched) == len(cases)
-    from tests.test_split_attention import assert_static_greedy
+    from tests.helpers.static import assert_static_greedy
     assert_static_greedy(layers=2, attention="split", linear="triton", linear_in=32, draft_linear=True,
                          draft_linear_in=True, draft_rope=True, target_rope=True, qkv_rope_target=True,
                          qkv_rope_draft=True, fuse_norm=True)

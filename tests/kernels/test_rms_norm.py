@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dflash.kernels import rms_norm as rn
-from tests.triton_helpers import run_interpreted
+from tests.helpers.kernels import run_interpreted
 
 
 def test_reference_is_the_modules_maths():
@@ -70,7 +70,7 @@ KERNEL_CHECK = textwrap.dedent("""
         wide[:, :n] = x
         assert torch.equal(rn.rms_norm(wide[:, :n], w, 1e-6), got)
     # the static backend's target norms through the kernel: plain greedy tokens
-    from tests.test_split_attention import assert_static_greedy
+    from tests.helpers.static import assert_static_greedy
     assert_static_greedy(4, attention="split", norm_kernel=True)
     print("ok")
 """)
@@ -89,7 +89,7 @@ def test_triton_kernel_in_interpreter():
 def test_kernel_compiles_for_hopper():
     """The kernel compiles for sm_90 (the H200) with PDL, the norm's weight loaded before the
     wait for the previous kernel and the row after it."""
-    from tests.triton_helpers import compile_for_hopper
+    from tests.helpers.kernels import compile_for_hopper
 
     consts = {"N": 4096, "BLOCK": 4096, "PDL": True}
     sig = {"X": "*bf16", "W": "*bf16", "Y": "*bf16", "s_xm": "i32", "s_ym": "i32", "eps": "fp32",
@@ -102,7 +102,7 @@ def test_kernel_compiles_for_hopper():
 def test_static_backend_norm_kernel_off_on_cpu(tiny_target):
     """On the CPU the static backend keeps the modules (the kernel is CUDA's) and says so."""
     from dflash.backends.static.backend import StaticBackend
-    from tests.conftest import make_draft
+    from tests.helpers.tiny import make_draft
 
     be = StaticBackend(tiny_target, make_draft(tiny_target), torch.device("cpu"), use_graphs=False)
     assert be.norm_kernel is False and be.describe()["norm_kernel"] is False

@@ -12,7 +12,7 @@ import torch
 
 from dflash.errors import InputError
 from dflash.kernels import rope_cache as rc
-from tests.triton_helpers import run_interpreted
+from tests.helpers.kernels import rope_case, run_interpreted
 
 
 def test_switch(tiny_target, gpu_like):
@@ -20,7 +20,7 @@ def test_switch(tiny_target, gpu_like):
     anything else a one-line error; on CPU's torch path it is off."""
     from dflash.backends.static.backend import StaticBackend
     from dflash.kernels.settings import KernelSettings
-    from tests.conftest import make_draft
+    from tests.helpers.tiny import make_draft
 
     def parts(value):
         s = KernelSettings.resolve(environ={"DFLASH_ROPE": value})
@@ -36,7 +36,7 @@ def test_switch(tiny_target, gpu_like):
 
 def test_cpu_keeps_the_torch_ops(tiny_target):
     from dflash.backends.static.backend import StaticBackend
-    from tests.conftest import make_draft
+    from tests.helpers.tiny import make_draft
 
     be = StaticBackend(tiny_target, make_draft(tiny_target), torch.device("cpu"), use_graphs=False)
     assert not be.draft_rope and not be.target_rope  # CPU: no Triton projections
@@ -44,7 +44,7 @@ def test_cpu_keeps_the_torch_ops(tiny_target):
 
 def test_launch_checks_shapes():
     """A qkv, table, position vector or cache that does not fit is a ValueError before launch."""
-    qkv, qn, kn, cos, sin, pos, kc, vc, tc, h, hkv = _case()
+    qkv, qn, kn, cos, sin, pos, kc, vc, tc, h, hkv = rope_case()
     args = (qkv, qn.weight, kn.weight, 1e-6, 1e-6, cos, sin, pos, kc, vc, tc, h, hkv)
     for i, bad in ((0, qkv[:, :-1]), (7, pos[:-1]), (5, cos[:, :, :-1]), (9, vc[:, :1])):
         with pytest.raises(ValueError, match="rope_cache"):
@@ -52,9 +52,9 @@ def test_launch_checks_shapes():
 
 
 def test_fits(tiny_target):
-    from tests.test_static_backend import _custom_draft
+    from tests.helpers.tiny import custom_draft
 
-    attn = _custom_draft(tiny_target).layers[0].self_attn
+    attn = custom_draft(tiny_target).layers[0].self_attn
     assert rc.rope_cache_fits(attn, torch.bfloat16) and rc.rope_cache_fits(attn, torch.float32)
     assert not rc.rope_cache_fits(attn, torch.float64)
     attn.head_dim = 24  # not a power of two
@@ -64,23 +64,7 @@ def test_fits(tiny_target):
     assert not rc.rope_cache_fits(target_attn, torch.float32)
 
 
-def _case(t=20, tc=4, heads=4, kv_heads=2, d=16, cap=64, seed=0, norms=True):
-    """Random qkv rows, norms (or None), tables, positions (context rows 8.., block rows 40..)
-    and caches."""
-    from dflash.models.draft_torch import RMSNorm, rope_cos_sin
 
-    g = torch.Generator().manual_seed(seed)
-    qkv = torch.randn(t, (heads + 2 * kv_heads) * d, generator=g)
-    qn, kn = RMSNorm(d, 1e-6), RMSNorm(d, 1e-5)
-    with torch.no_grad():
-        qn.weight.copy_(torch.rand(d, generator=g) + 0.5)
-        kn.weight.copy_(torch.rand(d, generator=g) + 0.5)
-    pos = torch.cat((torch.arange(8, 8 + tc), torch.arange(40, 40 + t - tc)))
-    cos, sin = rope_cos_sin(pos[None], 1.0 / 10000 ** (torch.arange(0, d, 2) / d), 1.0, torch.float32)
-    kc, vc = torch.randn(1, kv_heads, cap, d, generator=g), torch.randn(1, kv_heads, cap, d, generator=g)
-    if not norms:
-        qn = kn = None
-    return qkv, qn, kn, cos, sin, pos, kc, vc, tc, heads, kv_heads
 
 
 def test_reference_is_the_module_maths():
@@ -88,7 +72,7 @@ def test_reference_is_the_module_maths():
     rows, keys and values at their positions, every other cache row untouched."""
     from dflash.models.draft_torch import apply_rope
 
-    qkv, qn, kn, cos, sin, pos, kc, vc, tc, h, hkv = _case()
+    qkv, qn, kn, cos, sin, pos, kc, vc, tc, h, hkv = rope_case()
     k0, v0 = kc.clone(), vc.clone()
     q = rc.rope_cache(qkv, qn, kn, cos, sin, pos, kc, vc, tc, h, hkv)
     d = kc.shape[-1]
@@ -105,9 +89,10 @@ def test_draft_logits_with_rope_kernel_path_match(tiny_target):
     """The static draft's logits with the kernel's path (its torch reference off CUDA: the write
     positions and caches as the kernel gets them) equal the module path's at two steps."""
     from dflash.backends.static.backend import StaticBackend
-    from tests.test_static_backend import PROMPT, _custom_draft, _draft_twice
+    from tests.helpers.static import draft_twice
+    from tests.helpers.tiny import PROMPT, custom_draft
 
-    draft = _custom_draft(tiny_target)
+    draft = custom_draft(tiny_target)
     outs, calls = [], []
     real = rc.rope_cache_reference
     for rope in (False, True):
@@ -115,7 +100,7 @@ def test_draft_logits_with_rope_kernel_path_match(tiny_target):
         be.attention, be.draft_linear, be.draft_rope = "split", True, rope
         rc.rope_cache_reference = lambda *a, **k: calls.append(1) or real(*a, **k)
         try:
-            outs.append(_draft_twice(be, PROMPT * 3))
+            outs.append(draft_twice(be, PROMPT * 3))
         finally:
             rc.rope_cache_reference = real
     assert len(calls) == 2 * len(draft.layers)  # every layer, both steps, only with the switch on
@@ -131,8 +116,7 @@ def test_target_with_rope_kernel_path_decodes_greedy(qwen3, monkeypatch):
 
     from dflash.backends.static.backend import StaticBackend
     from dflash.loop import speculative_generate
-    from tests.conftest import make_draft
-    from tests.test_loop_scripted import PROMPT, greedy_reference
+    from tests.helpers.tiny import PROMPT, greedy_reference, make_draft
 
     torch.manual_seed(0)
     kw = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
@@ -153,10 +137,10 @@ def test_target_with_rope_kernel_path_decodes_greedy(qwen3, monkeypatch):
 KERNEL_CHECK = textwrap.dedent("""
     import torch
     from dflash.kernels import rope_cache as rc
-    from tests.test_rope_cache import _case
+    from tests.helpers.kernels import rope_case
 
     for args in ((20, 4, 4, 2, 16), (17, 16, 9, 3, 64), (3, 1, 2, 2, 32), (5, 0, 4, 2, 16, 64, 1, False)):
-        case = _case(*args) if len(args) > 5 else _case(*args, cap=128)  # odd counts, GQA 3, no norms
+        case = rope_case(*args) if len(args) > 5 else rope_case(*args, cap=128)  # odd counts, GQA 3, no norms
         qkv, qn, kn, cos, sin, pos, kc, vc, tc, h, hkv = case
         kr, vr = kc.clone(), vc.clone()
         want = rc.rope_cache_reference(qkv, qn, kn, cos, sin, pos, kr, vr, tc, h, hkv)
@@ -178,27 +162,28 @@ KERNEL_CHECK = textwrap.dedent("""
         got = rc.rope_cache(qkv, qn, kn, ct, st, pos, kt, vt, tc, h, hkv)
         for a, b in ((got, want), (kt, kr), (vt, vr)):
             assert (a - b).abs().max().item() < 1e-5, args
-    from tests.test_split_attention import assert_static_greedy
+    from tests.helpers.static import assert_static_greedy
     assert_static_greedy(attention="split", draft_linear=True, draft_rope=True, target_rope=True)
     # the draft's logits with the kernel equal the torch ops' (tokens alone cannot show a draft error)
     from transformers import LlamaConfig, LlamaForCausalLM
     from dflash.backends.static.backend import StaticBackend
-    from tests.test_static_backend import PROMPT, _custom_draft, _draft_twice
+    from tests.helpers.static import draft_twice
+    from tests.helpers.tiny import PROMPT, custom_draft
     torch.manual_seed(0)
     target = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
         initializer_range=0.3)).eval()
     outs = []
     for rope in (False, True):
-        be = StaticBackend(target, _custom_draft(target), torch.device("cpu"), use_graphs=False)
+        be = StaticBackend(target, custom_draft(target), torch.device("cpu"), use_graphs=False)
         be.attention, be.draft_linear, be.draft_rope = "split", True, rope
-        outs.append(_draft_twice(be, PROMPT * 3))
+        outs.append(draft_twice(be, PROMPT * 3))
     for a, b in zip(*outs):
         err = (a - b).abs().max().item()
         assert err < 1e-4, err
     with torch.no_grad():  # a Qwen3-style norm (variance_epsilon) through the kernel
         from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
-        qkv, qn, kn, cos, sin, pos, kc, vc, tc, h, hkv = _case(12, 4, 4, 2, 16, cap=64)
+        qkv, qn, kn, cos, sin, pos, kc, vc, tc, h, hkv = rope_case(12, 4, 4, 2, 16, cap=64)
         qn3, kn3 = Qwen3RMSNorm(16, eps=1e-6), Qwen3RMSNorm(16, eps=1e-5)
         qn3.weight.copy_(qn.weight)
         kn3.weight.copy_(kn.weight)
@@ -226,7 +211,7 @@ def test_kernel_compiles_for_hopper(early, table):
     """The kernel compiles for sm_90 (the H200) with PDL; ``early`` puts the tables', positions'
     and norm weights' loads before the wait for the previous kernel, and only then (``table``:
     tables read by position)."""
-    from tests.triton_helpers import compile_for_hopper
+    from tests.helpers.kernels import compile_for_hopper
 
     ptrs = ("QKV", "QW", "KW", "COS", "SIN", "POS", "QO", "KC", "VC")
     ints = ("TC", "s_row", "s_cos", "s_qh", "s_qt", "s_kh", "s_ks", "s_vh", "s_vs")

@@ -15,7 +15,7 @@ from dflash.errors import InputError
 from dflash.kernels import pdl
 from dflash.kernels import small_linear as sl
 from dflash.kernels.settings import KernelSettings
-from tests.triton_helpers import compile_for_hopper, run_interpreted
+from tests.helpers.kernels import compile_for_hopper, run_interpreted
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -74,8 +74,7 @@ def test_static_backend_with_fused_linears_decodes_greedy(tiny_target):
     greedy tokens at block 1 and 16, host and device loop, with the same per-step acceptance."""
     from dflash.backends.static.backend import StaticBackend
     from dflash.loop import speculative_generate
-    from tests.conftest import make_draft
-    from tests.test_loop_scripted import PROMPT, greedy_reference
+    from tests.helpers.tiny import PROMPT, greedy_reference, make_draft
 
     draft = make_draft(tiny_target)
     truth = greedy_reference(tiny_target, PROMPT, 40)
@@ -101,7 +100,7 @@ def test_auto_takes_in_projections_at_every_width(tiny_target, monkeypatch):
     Qwen3-8B shape too); triton and torch never; recorded with benchmark results."""
     from dflash.backends.static import backend as static_torch
     from dflash.backends.static.backend import StaticBackend
-    from tests.conftest import make_draft
+    from tests.helpers.tiny import make_draft
 
     draft = make_draft(tiny_target)
 
@@ -147,7 +146,7 @@ def test_glu_switch_and_where_it_runs(tiny_target, monkeypatch):
     fused reference."""
     from dflash.backends.static import backend as static_torch
     from dflash.backends.static.backend import StaticBackend
-    from tests.conftest import make_draft
+    from tests.helpers.tiny import make_draft
 
     assert KernelSettings().glu and not KernelSettings.resolve(environ={"DFLASH_GLU": "0"}).glu
     with pytest.raises(InputError, match="DFLASH_GLU must be 1 or 0"):
@@ -187,8 +186,8 @@ def test_fuse_norm_switch_and_greedy_parity(tiny_target, monkeypatch):
     from dflash.backends.static import backend as static_torch
     from dflash.backends.static import fused as static_fused
     from dflash.backends.static.backend import StaticBackend
-    from tests.conftest import make_draft
-    from tests.test_split_attention import assert_static_greedy
+    from tests.helpers.static import assert_static_greedy
+    from tests.helpers.tiny import make_draft
 
     assert KernelSettings().fuse_norm is None  # the default: by hidden size and dtype
     assert sl.fuse_norm_auto(576, torch.bfloat16) and sl.fuse_norm_auto(1024, torch.float16)
@@ -251,7 +250,7 @@ def test_fuse_norm_equals_the_norm_modules(tiny_target, monkeypatch, glu):
     post-attention norm), one per draft layer (the post-attention norm)."""
     from dflash.backends.static import fused as static_fused
     from dflash.backends.static.backend import StaticBackend
-    from tests.conftest import make_draft
+    from tests.helpers.tiny import make_draft
 
     draft = make_draft(tiny_target)
     with torch.no_grad():  # norms that are not all ones, so that a missing fold shows
@@ -289,7 +288,7 @@ def test_capture_failure_turns_off_fused_norm_then_glu(tiny_target, capsys, gpu_
     import dataclasses
 
     from dflash.backends.static.backend import StaticBackend
-    from tests.conftest import make_draft
+    from tests.helpers.tiny import make_draft
 
     settings = dataclasses.replace(KernelSettings(), linear="all", fuse_norm=True, qkv_rope=False)
     be = StaticBackend(tiny_target, make_draft(tiny_target), torch.device("cpu"), use_graphs=False, settings=settings)
@@ -315,7 +314,7 @@ def test_capture_failure_turns_off_fused_norm_then_glu(tiny_target, capsys, gpu_
 def test_fits_only_plain_row_major_linears(tiny_target):
     from dflash.backends.static.draft import draft_small_linear_fits
     from dflash.backends.static.fused import small_linear_fits
-    from tests.conftest import make_draft
+    from tests.helpers.tiny import make_draft
 
     assert small_linear_fits(tiny_target)
     draft = make_draft(tiny_target)
@@ -360,7 +359,7 @@ KERNEL_CHECK = textwrap.dedent("""
     want = F.linear(norm(x), w)
     assert (sl.small_linear_rn(x, sl.fold_norm_weight(w, nw), None, 1e-5) - want).abs().max().item() < 1e-4
     # the fused static forward with the kernel: plain greedy tokens
-    from tests.test_split_attention import assert_static_greedy
+    from tests.helpers.static import assert_static_greedy
     assert_static_greedy(linear="triton", draft_linear=True)
     assert_static_greedy(linear="all", linear_in=sl.MAX_ROWS, draft_linear=True, draft_linear_in=True)  # qkv, gate+up too
     assert_static_greedy(linear="auto", linear_in=1, draft_linear=True)  # qkv, gate+up in 1-row steps only
@@ -426,14 +425,15 @@ def test_draft_logits_with_fused_linears_match(tiny_target):
     """The draft's logits through small_linear (final norm in the LM head) equal the module path's
     at a first and a second step."""
     from dflash.backends.static.backend import StaticBackend
-    from tests.test_static_backend import PROMPT, _custom_draft, _draft_twice
+    from tests.helpers.static import draft_twice
+    from tests.helpers.tiny import PROMPT, custom_draft
 
-    draft = _custom_draft(tiny_target)
+    draft = custom_draft(tiny_target)
     outs = []
     for lin in (False, True):
         be = StaticBackend(tiny_target, draft, torch.device("cpu"), use_graphs=False)
         be.draft_linear = lin
-        outs.append(_draft_twice(be, PROMPT * 3))
+        outs.append(draft_twice(be, PROMPT * 3))
     for a, b in zip(*outs, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 

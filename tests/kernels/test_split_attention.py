@@ -13,7 +13,8 @@ import torch.nn.functional as F
 
 from dflash.errors import InputError
 from dflash.kernels import split_attention as sa
-from tests.triton_helpers import compile_for_hopper, run_interpreted
+from tests.helpers.kernels import compile_for_hopper, run_interpreted
+from tests.helpers.static import assert_static_greedy
 
 SHAPES = [  # heads, kv heads, query rows T, head dim, capacity S, first query position
     (9, 3, 16, 64, 256, 100),  # demo target, a 16-wide verify crossing a slice boundary
@@ -162,45 +163,11 @@ def test_reference_one_slice_up_to_its_length():
     assert torch.allclose(one, masked_sdpa(q, k, v, pos, 0.1), atol=2e-6, rtol=1e-5)
 
 
-def assert_static_greedy(layers: int = 4, settings: dict | None = None, **attrs) -> None:
-    """A tiny Llama pair on the static backend (device loop, no graphs; ``settings``: the
-    environment overrides its KernelSettings resolve) with ``attrs`` set on the backend decodes
-    exactly plain greedy at block 1 and 16 (the Triton kernels' interpreter checks run it with
-    their path switched on)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from dflash.backends.static.backend import StaticBackend
-    from dflash.kernels.settings import KernelSettings
-    from dflash.loop import speculative_generate
-    from tests.conftest import make_draft
-    from tests.test_loop_scripted import PROMPT, greedy_reference
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      tie_word_embeddings=False, initializer_range=0.3)  # fmt: skip
-    target = LlamaForCausalLM(cfg).eval()
-    be = StaticBackend(target, make_draft(target), torch.device("cpu"), use_graphs=False, device_loop=True,
-                       settings=KernelSettings.resolve(environ=settings or {}))  # fmt: skip
-    for name, value in attrs.items():
-        setattr(be, name, value)
-    if attrs.get("fuse_norm") or attrs.get("draft_fuse_norm"):  # the fuse_norm setting's folded weights
-        from dflash.backends.static.fused import fold_norms
-
-        be.folded_target = fold_norms(target.model.layers, be.fused_target)
-        be.folded_draft = fold_norms(be.draft_model.layers, be.fused_draft, ("post",))
-    truth = greedy_reference(target, PROMPT, 24)
-    for block in (1, 16):
-        toks = [t for r in speculative_generate(be, PROMPT, block_size=block, max_new_tokens=24)
-                for t in r.tokens]  # fmt: skip
-        assert toks == truth, (block, toks, truth)
-
-
 KERNEL_CHECK = textwrap.dedent("""
     import torch
     from dflash.kernels import split_attention as sa
     from dflash.kernels.settings import KernelSettings, Launch
-    from tests.test_split_attention import SHAPES, _inputs, masked_sdpa
+    from tests.kernels.test_split_attention import SHAPES, _inputs, masked_sdpa
 
     def split_launch(split):  # a split given: one slice off, as the override does
         return Launch(KernelSettings(attn_split=split, attn_one_slice=0))
@@ -262,7 +229,7 @@ KERNEL_CHECK = textwrap.dedent("""
             got = sa.split_attention_kernel(q, k, v, pos, 0.1, split, heads, block, one_slice=one, early=True)
             assert torch.equal(got, plain), (shape, split, heads, block, one)
     # the fused static forward with the kernel: plain greedy tokens
-    from tests.test_split_attention import assert_static_greedy
+    from tests.helpers.static import assert_static_greedy
     assert_static_greedy(6, attention="split")
     print("ok")
 """)
@@ -290,8 +257,7 @@ def test_static_split_path_same_tokens_and_acceptance(tiny_target, device_loop):
     block) through the split attention (the torch reference here without Triton): plain greedy
     tokens, and the same per-step acceptance as SDPA with masks (same proposals)."""
     from dflash.loop import speculative_generate
-    from tests.conftest import make_draft
-    from tests.test_loop_scripted import PROMPT, greedy_reference
+    from tests.helpers.tiny import PROMPT, greedy_reference, make_draft
 
     draft = make_draft(tiny_target)
     truth = greedy_reference(tiny_target, PROMPT, 40)
@@ -309,13 +275,14 @@ def test_static_split_draft_logits_match_sdpa(tiny_target):
     """The draft's logits at a second step (context rows overwrite the previous block's rows)
     equal the SDPA path's; a draft with a sliding layer keeps its window there (SDPA) while its
     full layer runs split."""
-    from tests.test_static_backend import PROMPT, _custom_draft, _draft_twice
+    from tests.helpers.static import draft_twice
+    from tests.helpers.tiny import PROMPT, custom_draft
 
     prompt = PROMPT * 3
     for kw in ({}, dict(layer_types=["sliding_attention", "full_attention"], sliding_window=5)):
-        draft = _custom_draft(tiny_target, **kw)
-        want = _draft_twice(_static(tiny_target, draft, False), prompt)
-        got = _draft_twice(_static(tiny_target, draft, True), prompt)
+        draft = custom_draft(tiny_target, **kw)
+        want = draft_twice(_static(tiny_target, draft, False), prompt)
+        got = draft_twice(_static(tiny_target, draft, True), prompt)
         for a, b in zip(got, want, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
@@ -325,7 +292,7 @@ def test_describe_records_split_settings(tiny_target):
     other settings is refused), and nothing with SDPA; the whole settings always."""
     from dflash.backends.static.backend import StaticBackend
     from dflash.kernels.settings import KernelSettings
-    from tests.conftest import make_draft
+    from tests.helpers.tiny import make_draft
 
     be = StaticBackend(tiny_target, make_draft(tiny_target), torch.device("cpu"), use_graphs=False)
     assert be.attention == "sdpa" and "attn_split" not in be.describe()
@@ -373,7 +340,7 @@ def test_early_flags_at_every_call_site(tiny_target, monkeypatch, setting):
     from dflash.backends.static.backend import StaticBackend
     from dflash.kernels.settings import KernelSettings
     from dflash.loop import speculative_generate
-    from tests.conftest import make_draft
+    from tests.helpers.tiny import make_draft
 
     calls = []
 

@@ -98,7 +98,7 @@ def test_default_target_layer_ids_match_published():
 
 
 def test_save_load_round_trip_sharded(tmp_path, tiny_target):
-    from tests.conftest import make_draft
+    from tests.helpers.tiny import make_draft
 
     draft = make_draft(tiny_target, layers=2)
     draft.save(tmp_path / "d", max_shard_bytes=50_000)
@@ -112,7 +112,7 @@ def test_save_load_round_trip_sharded(tmp_path, tiny_target):
 
 
 def test_missing_and_corrupt_checkpoints(tmp_path, tiny_target):
-    from tests.conftest import make_draft
+    from tests.helpers.tiny import make_draft
 
     with pytest.raises(CheckpointError, match="No config.json"):
         DFlashDraft.load(tmp_path)
@@ -129,7 +129,7 @@ def test_missing_and_corrupt_checkpoints(tmp_path, tiny_target):
 
 
 def test_fc_width_mismatch(tmp_path, tiny_target):
-    from tests.conftest import make_draft
+    from tests.helpers.tiny import make_draft
 
     make_draft(tiny_target, layers=2).save(tmp_path / "d")
     cfg = json.loads((tmp_path / "d" / "config.json").read_text())
@@ -142,7 +142,7 @@ def test_fc_width_mismatch(tmp_path, tiny_target):
 
 def test_check_pair(tiny_target):
     from dflash.backends.plain import check_pair
-    from tests.conftest import make_draft
+    from tests.helpers.tiny import make_draft
 
     cfg = make_draft(tiny_target).config
     check_pair(cfg, tiny_target.config, 256, [2])

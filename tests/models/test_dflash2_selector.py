@@ -16,19 +16,10 @@ from dflash.loop import speculative_generate
 from dflash.models.draft2_torch import CandidateSelector
 from dflash.sampling import sample, sampling_probs
 from dflash.types import SamplingParams
+from tests.helpers.stats import tv
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # one torch thread (tests/conftest.py)
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Small torch ops run much faster on one thread on a loaded 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def tv(counts: np.ndarray, p: np.ndarray) -> float:
-    return 0.5 * float(np.abs(counts / counts.sum() - p).sum())
 
 
 # ----------------------------------------------------------------------------- selector

@@ -19,9 +19,8 @@ from dflash.loop import speculative_generate
 from dflash.models.draft_torch import DFlashDraft
 from dflash.models.draft_vocab import VOCAB_FILE, choose, count_tokens, coverage, load_draft_vocab
 from dflash.models.target_torch import DEMO_DRAFT_DIR
-from tests.conftest import make_draft
-from tests.test_cli import assert_one_line_error, run
-from tests.test_loop_scripted import PROMPT, greedy_reference
+from tests.helpers.cli import assert_one_line_error, run
+from tests.helpers.tiny import PROMPT, greedy_reference, make_draft
 
 VOCAB = sorted(int(i) for i in torch.randperm(256, generator=torch.Generator().manual_seed(3))[:64])
 
@@ -218,9 +217,9 @@ def test_mlx_backend_uses_the_draft_vocabulary(tmp_path):
     pytest.importorskip("mlx_lm")
     import dflash
     from dflash.models.draft_vocab import save_draft_vocab
-    from tests.mlx_models import VOCAB as V
-    from tests.mlx_models import build_draft, build_target, random_prompt
-    from tests.mlx_models import greedy_reference as mlx_greedy
+    from tests.helpers.mlx_models import VOCAB as V
+    from tests.helpers.mlx_models import build_draft, build_target, random_prompt
+    from tests.helpers.mlx_models import greedy_reference as mlx_greedy
 
     target = build_target(tmp_path / "target", "qwen3")
     draft = build_draft(tmp_path / "draft", target)

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_big.py"
+from tests.helpers.paths import REPO
+from tests.helpers.stats import one_torch_thread
+
+SCRIPT = REPO / "scripts" / "bench_big.py"
 
 
 @pytest.mark.parametrize("extra", [[], ["--no-device-loop"], ["--profile"], ["--arch", "llama"]])
@@ -17,13 +19,9 @@ def test_bench_big_tiny_exact_steps(tmp_path, extra):
     spec = importlib.util.spec_from_file_location("bench_big", SCRIPT)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_torch_thread():
         report = mod.main(["--tiny", "--out", str(tmp_path), "--steps", "2", "--prompt-len", "16",
                            "--blocks", "1,4,16", *extra])  # fmt: skip
-    finally:
-        torch.set_num_threads(threads)
     assert json.loads((tmp_path / "bench_big.json").read_text()) == report
     got = {(r["block_size"], r["k"]): r for r in report["results"]}
     assert set(got) == {(1, 0), (4, 0), (4, 3), (16, 0), (16, 15)}

@@ -9,7 +9,7 @@ import importlib.util
 
 import pytest
 
-from tests.triton_helpers import run_interpreted
+from tests.helpers.kernels import run_interpreted
 
 CHECK = """
 import importlib.util, torch
@@ -47,7 +47,7 @@ def test_barrier_compiles_for_hopper():
     spec = importlib.util.spec_from_file_location("sync_floor", "scripts/sync_floor.py")
     sf = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(sf)
-    from tests.triton_helpers import compile_for_hopper
+    from tests.helpers.kernels import compile_for_hopper
 
     sig = {"BUF": "*i32", "CNT": "*i32", "G": "i32", "STEPS": "i32"}
     ptx = compile_for_hopper(sf._barrier_hop_kernel, sig, {}, num_warps=1).asm["ptx"]

@@ -4,17 +4,16 @@ and still decodes losslessly."""
 from __future__ import annotations
 
 import importlib.util
-from pathlib import Path
 
 import pytest
 import torch
 
 from dflash.loop import speculative_generate
 from dflash.models.draft_torch import DFlashDraft
-from tests.conftest import make_draft
-from tests.test_loop_scripted import PROMPT, greedy_reference
+from tests.helpers.paths import REPO
+from tests.helpers.tiny import PROMPT, greedy_reference, make_draft
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "truncate_draft.py"
+SCRIPT = REPO / "scripts" / "truncate_draft.py"
 
 
 def _script():

@@ -78,13 +78,11 @@ def server(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def local():
-    """Greedy reference from the local transformers backend (same pair, fp32, one thread)."""
-    import torch
-
+def local(one_thread):
+    """Greedy reference from the local transformers backend (same pair, fp32, one thread: the
+    server runs with OMP_NUM_THREADS=1, so float32 sums add in the same order)."""
     import dflash
 
-    torch.set_num_threads(1)
     pipe = dflash.load(device="cpu", dtype="float32")
     cache: dict = {}
 

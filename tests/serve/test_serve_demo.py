@@ -22,18 +22,15 @@ PROMPT = "What is 12 times 7?"
 
 
 @pytest.fixture(scope="module")
-def pipe():
-    import torch
-
+def pipe(one_thread):
     import dflash
 
-    torch.set_num_threads(1)
     return dflash.load(device="cpu", dtype="float32")
 
 
 @pytest.fixture(scope="module")
 def http(pipe):
-    from tests.serve_scripted import client_for
+    from tests.helpers.serve_scripted import client_for
 
     client = client_for(pipe, names=[NAME], block_size=16)  # auto's widths depend on timings
     yield client
@@ -199,7 +196,7 @@ def test_prefix_cache_gives_the_same_ids_and_prefills_only_the_new_tokens(pipe):
     """The second turn of a chat reuses the first turn's rows: same ids as without the cache,
     and its prefill runs only the tokens after the cached prefix (counted by the backend)."""
     from dflash.backends.prefix_cache import PrefixCache
-    from tests.serve_scripted import client_for
+    from tests.helpers.serve_scripted import client_for
 
     be = pipe.backend
     turn1 = [{"role": "user", "content": PROMPT}]

@@ -7,8 +7,7 @@ import json
 
 import pytest
 
-from tests.serve_scripted import ScriptedPipe, client_for
-from tests.test_serve_tools import ANSWER, ARGS, FORMATS
+from tests.helpers.serve_scripted import ANSWER, ARGS, FORMATS, ScriptedPipe, client_for
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")

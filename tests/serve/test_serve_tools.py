@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from tests.serve_scripted import ScriptedPipe, client_for
+from tests.helpers.serve_scripted import ANSWER, ARGS, FORMATS, ScriptedPipe, client_for
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
@@ -19,26 +19,6 @@ TOOLS = [{"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"city": {"type": "string"},
                                                     "days": {"type": "integer"}},
                    "required": ["city"]}}}]  # fmt: skip
-ARGS = {"city": "Paris", "days": 2}
-ANSWER = "It is 22 C in Paris."
-
-# format -> (a chat template naming it, the target's tool-call text)
-FORMATS = {
-    "hermes": ("... <tool_call> ... </tool_call>",
-               'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": '
-               '{"city": "Paris", "days": 2}}\n</tool_call>'),
-    "qwen3_coder": ("<tool_call><function=...>",
-                    "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
-                    "<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>"),
-    "llama3_json": ("{{ '<|python_tag|>' }} ipython",
-                    '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "days": 2}}'),
-    "openai": ("<|channel|>",
-               "<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant"
-               '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>'
-               '{"city": "Paris", "days": 2}<|call|>'),
-    "gemma4": ("<|tool_call>",
-               '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>,days:2}<tool_call|>'),
-}  # fmt: skip
 CONTENT = {"hermes": "Let me check.\n"}
 
 
@@ -136,7 +116,7 @@ def test_tool_choice_none_malformed_calls_and_unknown_formats():
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 def test_parsers_give_the_same_events_however_the_text_is_split(fmt):
     from dflash.serve.tools import check_tools, make_parser
-    from tests.serve_scripted import CharTokenizer
+    from tests.helpers.serve_scripted import CharTokenizer
 
     spec = check_tools({"tools": TOOLS})
     tok = CharTokenizer()

@@ -20,6 +20,7 @@ from dflash.train.data import (
     read_shards,
     regenerate,
 )
+from tests.helpers.paths import DATA_DIR
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 PROMPTS = [
@@ -305,7 +306,7 @@ def test_prompt_spec_bad_count_names_the_spec(count):
     from dflash.train.data import parse_prompt_spec
 
     with pytest.raises(InputError, match=f"'gsm8k:train@{count}' has a bad count"):
-        parse_prompt_spec(f"gsm8k:train@{count}", Path(__file__).parent / "data")
+        parse_prompt_spec(f"gsm8k:train@{count}", DATA_DIR)
 
 
 @pytest.mark.parametrize("bad", [["--batch-size", "0"], ["--samples", "0"], ["--engine", "foo"],

@@ -22,23 +22,21 @@ from dflash.train.data import ShardWriter, make_batches
 from dflash.train.distributed import rank_part
 from dflash.train.masks import sample_anchors
 from dflash.train.train import TrainConfig, Trainer
-
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
-from test_train_loop import tiny_target, write_draft  # noqa: E402
+from tests.helpers.paths import REPO
+from tests.helpers.tiny import train_target, write_draft
 
 # Each torchrun worker trains through the real CLI; only the target loader is replaced by the
-# tiny random Llama of test_train_loop (the same weights in every process: a fixed seed).
+# tiny random Llama of tests.helpers.tiny.train_target (the same weights in every process: a fixed seed).
 # Invocations are separated by "::" (one process group for all: torchrun's store does not
 # take a second one); after each, rank 0 copies --out to <out>.<k>.
 SCRIPT = textwrap.dedent(
     """
     import os, shutil, sys
-    sys.path[:0] = [{repo!r}, {tests!r}]
+    sys.path.insert(0, {repo!r})
     import dflash.bench.distributed as bench_dist
     import dflash.train.train as tt
-    from test_train_loop import tiny_target
-    tt.load_training_target = lambda target, device="auto": (tiny_target().to(device), None)
+    from tests.helpers.tiny import train_target
+    tt.load_training_target = lambda target, device="auto": (train_target().to(device), None)
     finish, bench_dist.finish_distributed = bench_dist.finish_distributed, lambda info, failed=False: None
     from dflash.cli import app
     runs = " ".join(sys.argv[1:]).split(" :: ")
@@ -69,7 +67,7 @@ def setup(tmp_path_factory):
         records.append({"id": f"long{i}", "prompt_ids": [rng.randrange(1, 190) for _ in range(8)],
                         "response_ids": [rng.randrange(1, 190) for _ in range(60)]})  # fmt: skip
     ShardWriter(root / "data", {"test": True}).append(records, len(records))
-    write_draft(tiny_target(), root / "init")
+    write_draft(train_target(), root / "init")
     return root
 
 
@@ -85,14 +83,14 @@ def one_process(root, out, batch_tokens: int, steps: int) -> Trainer:
                       block_size=8, anchors=6, max_steps=steps, lr=1e-3, max_len=64,
                       batch_tokens=batch_tokens, save_dtype="float32", device="cpu",
                       eval_every=1000, save_every=1000)  # fmt: skip
-    trainer = Trainer(cfg, tiny_target())
+    trainer = Trainer(cfg, train_target())
     trainer.run()
     return trainer
 
 
 def torchrun(tmp_path, args: list[str]) -> subprocess.CompletedProcess:
     script = tmp_path / "train_worker.py"
-    script.write_text(SCRIPT.format(repo=str(REPO), tests=str(REPO / "tests")))
+    script.write_text(SCRIPT.format(repo=str(REPO)))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     return subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
@@ -162,7 +160,7 @@ def test_resume_refuses_another_world_size(setup, tmp_path):
                       init=str(setup / "init"), block_size=8, anchors=6, max_steps=1, lr=1e-3,
                       max_len=64, batch_tokens=128, save_dtype="float32", device="cpu")  # fmt: skip
     with pytest.raises(InputError, match="run of 1 process"):
-        Trainer(cfg, tiny_target(), dist=DistInfo(rank=0, world=2))
+        Trainer(cfg, train_target(), dist=DistInfo(rank=0, world=2))
 
 
 def test_rank_parts_cover_the_batch_once_and_empty_parts_are_flagged():

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 
 import pytest
 import torch
 
 from dflash.models.target_torch import DEMO_DRAFT_DIR
+from tests.helpers.paths import DATA_DIR
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-DATA_DIR = Path(__file__).resolve().parent / "data"  # a few rows per dataset (see its README)
 PROMPTS = [
     "What is 17 times 23? Show your work.",
     "Write a Python function that checks if a number is prime.",

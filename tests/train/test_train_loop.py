@@ -16,33 +16,10 @@ from dflash.errors import InputError
 from dflash.train.data import ShardWriter
 from dflash.train.objective import FrozenTarget, head_cross_entropy
 from dflash.train.train import TrainConfig, Trainer
+from tests.helpers.tiny import train_target, write_draft
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 PROMPT = [5, 17, 33, 2, 90, 41, 7, 66, 12, 3, 150, 77]
-
-
-def tiny_target(seed: int = 0):
-    """A 6-layer random Llama (hidden 64, vocab 192), float32, eval mode."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=192, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      tie_word_embeddings=False, initializer_range=0.3)  # fmt: skip
-    return LlamaForCausalLM(cfg).eval()  # a wide init: greedy output does not fall into a loop
-
-
-def write_draft(target, folder, layers=2, block_size=8, seed=0):
-    """A random draft for ``target`` saved in float32 (mask id = the last vocabulary row)."""
-    from dflash.models.draft_torch import DFlashDraft
-    from dflash.models.init_draft import draft_config_for
-
-    cfg = draft_config_for(target.config, layers=layers, block_size=block_size,
-                           mask_token_id=target.config.vocab_size - 1,
-                           vocab_rows=target.config.vocab_size)  # fmt: skip
-    torch.manual_seed(seed)
-    DFlashDraft(cfg).save(folder)
-    return folder
 
 
 def regenerate_one(target, folder, new_tokens=48):
@@ -61,7 +38,7 @@ def regenerate_one(target, folder, new_tokens=48):
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("train")
-    target = tiny_target()
+    target = train_target()
     response = regenerate_one(target, root / "data")
     write_draft(target, root / "init")
     return target, root, response

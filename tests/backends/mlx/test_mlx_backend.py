@@ -11,34 +11,12 @@ pytest.importorskip("mlx_lm")
 
 from dflash.loop import speculative_generate  # noqa: E402
 from dflash.types import SamplingParams  # noqa: E402
-from tests.mlx_models import build_draft, build_target, greedy_reference, random_prompt  # noqa: E402
+from tests.helpers.mlx_models import MlxScriptedBackend as ScriptedBackend  # noqa: E402
+from tests.helpers.mlx_models import build_draft, build_target, greedy_reference, random_prompt  # noqa: E402
+from tests.helpers.stats import tv  # noqa: E402
 
 PROMPT = random_prompt(12)
 N = 60
-
-
-class ScriptedBackend:
-    """Wraps a backend; its draft proposes the true greedy continuation for k positions and then
-    wrong tokens, with k taken from ``schedule`` step by step (cycled)."""
-
-    draft_head_rows = False  # the wrapped draft returns its whole block
-
-    def __init__(self, inner, truth: list[int], prompt_len: int, schedule: list[int]):
-        self.inner, self.truth, self.prompt_len, self.schedule = inner, truth, prompt_len, schedule
-        self.step = 0
-        self.expected_k: list[int] = []
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def draft(self, anchor, context, start, length):
-        k = min(self.schedule[self.step % len(self.schedule)], length - 1)
-        self.step += 1
-        self.expected_k.append(k)
-        i0 = start - self.prompt_len + 1
-        true = self.truth[i0 : i0 + length - 1]
-        prop = list(true[:k]) + [(t + 1) % 1000 for t in true[k:]]
-        return mx.array(prop), None
 
 
 @pytest.fixture(scope="module", params=["qwen3", "llama"])
@@ -130,7 +108,7 @@ def test_sampling_distribution_matches_target():
     for _ in range(50_000):
         a, bonus = accept_sampling([int(np.argmax(p[0]))], p[:2], None, rng)
         counts[int(np.argmax(p[0])) if a else bonus] += 1
-    assert 0.5 * np.abs(counts / counts.sum() - p[0]).sum() < 0.01
+    assert tv(counts, p[0]) < 0.01
     assert sample(p[0], rng) in range(16)
 
 

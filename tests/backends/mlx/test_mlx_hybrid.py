@@ -16,8 +16,8 @@ mx = pytest.importorskip("mlx.core")
 pytest.importorskip("mlx_lm")
 
 from dflash.loop import speculative_generate  # noqa: E402
-from tests.mlx_models import build_draft, build_target, greedy_reference, random_prompt  # noqa: E402
-from tests.test_mlx_backend import ScriptedBackend  # noqa: E402
+from tests.helpers.mlx_models import MlxScriptedBackend as ScriptedBackend  # noqa: E402
+from tests.helpers.mlx_models import build_draft, build_target, greedy_reference, random_prompt  # noqa: E402
 
 PROMPT = random_prompt(10, seed=3)
 N = 48

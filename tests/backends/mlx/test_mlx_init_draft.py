@@ -12,7 +12,7 @@ pytest.importorskip("mlx_lm")
 
 from dflash.models.config import DraftConfig  # noqa: E402
 from dflash.models.init_draft import init_draft, target_config  # noqa: E402
-from tests.mlx_models import build_target, greedy_reference, random_prompt  # noqa: E402
+from tests.helpers.mlx_models import build_target, greedy_reference, random_prompt  # noqa: E402
 
 
 def test_init_draft_for_a_nested_text_config_target(tmp_path):

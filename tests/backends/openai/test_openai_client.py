@@ -24,7 +24,7 @@ from dflash.backends.openai import (
 from dflash.backends.openai_stats import SpecCounters, meta_stats
 from dflash.errors import InputError
 from dflash.types import SamplingParams
-from tests.openai_replay import ReplayServer, Reply, fixture, json_reply, sse_reply
+from tests.helpers.openai_replay import ReplayServer, Reply, fixture, json_reply, sse_reply
 
 SGLANG_TEXT = "12 × 7 = 84 — «fertig» 🚀"
 VLLM_TEXT = "Die Antwort ist 84 — ç’est ça. 你好"

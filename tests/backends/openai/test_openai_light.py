@@ -11,9 +11,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.openai_replay import ReplayServer, json_reply, sse_reply
+from tests.helpers.openai_replay import ReplayServer, json_reply, sse_reply
+from tests.helpers.paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 BLOCKER = """
 import os, sys
 

@@ -10,8 +10,7 @@ import torch
 from dflash.backends.static.backend import StaticBackend
 from dflash.backends.static.device_loop import DeviceLoop
 from dflash.loop import speculative_generate
-from tests.conftest import make_draft
-from tests.test_loop_scripted import PROMPT, greedy_reference
+from tests.helpers.tiny import PROMPT, greedy_reference, make_draft
 
 
 class ScriptedLoop(DeviceLoop):

@@ -7,8 +7,8 @@ import torch
 
 from dflash.backends.static.backend import StaticBackend, supports_static
 from dflash.loop import speculative_generate
-from tests.conftest import make_draft
-from tests.test_loop_scripted import PROMPT, greedy_reference
+from tests.helpers.static import draft_twice
+from tests.helpers.tiny import PROMPT, custom_draft, greedy_reference, make_draft
 
 
 @pytest.fixture(scope="module")
@@ -44,33 +44,6 @@ def test_static_parity_real_target(demo_pipe):
     assert toks == ref.token_ids
 
 
-def _custom_draft(target, seed=0, **changes):
-    """A random draft for ``target`` with config fields replaced (layer types, layer ids...)."""
-    import dataclasses
-
-    from dflash.models.draft_torch import DFlashDraft
-
-    cfg = dataclasses.replace(make_draft(target).config, **changes)
-    torch.manual_seed(seed)
-    return DFlashDraft(cfg).eval()
-
-
-def _draft_twice(be, prompt):
-    """prefill -> draft -> verify -> keep 2 rows -> draft again; returns both draft logits."""
-    from dflash.backends.plain import TransformersBackend
-
-    be.reset(len(prompt) + 64)
-    with torch.inference_mode():
-        _, ctx = be.prefill(prompt, True)
-        start = len(prompt)
-        props, first = be.draft(7, ctx, start, 16)
-        _, feats = be.verify(7, props, start, True)
-        be.rollback(start + 2)
-        ctx2 = feats[:2] if isinstance(be, TransformersBackend) else None
-        _, second = be.draft(int(props[1]), ctx2, start + 2, 16)
-    return first.clone(), second.clone()
-
-
 def test_static_honours_sliding_and_causal_draft_layers(tiny_target):
     """A draft with a sliding-window layer and causal blocks: static == plain path, and the
     result differs from the same weights run all-visible (so the check can fail)."""
@@ -78,15 +51,15 @@ def test_static_honours_sliding_and_causal_draft_layers(tiny_target):
 
     prompt = PROMPT * 3  # 24 rows: longer than the window
     kw = dict(layer_types=["sliding_attention", "full_attention"], sliding_window=5, is_causal=True)
-    draft = _custom_draft(tiny_target, **kw)
+    draft = custom_draft(tiny_target, **kw)
     static = StaticBackend(tiny_target, draft, torch.device("cpu"), use_graphs=False)
     plain = TransformersBackend(tiny_target, draft, torch.device("cpu"))
-    for a, b in zip(_draft_twice(static, prompt), _draft_twice(plain, prompt), strict=True):
+    for a, b in zip(draft_twice(static, prompt), draft_twice(plain, prompt), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
-    full = _custom_draft(tiny_target)  # same seed -> same weights, all-visible layers
+    full = custom_draft(tiny_target)  # same seed -> same weights, all-visible layers
     full.load_state_dict(draft.state_dict())
-    unwindowed = _draft_twice(StaticBackend(tiny_target, full, torch.device("cpu"), use_graphs=False), prompt)
-    assert (unwindowed[0] - _draft_twice(plain, prompt)[0]).abs().max() > 1e-2
+    unwindowed = draft_twice(StaticBackend(tiny_target, full, torch.device("cpu"), use_graphs=False), prompt)
+    assert (unwindowed[0] - draft_twice(plain, prompt)[0]).abs().max() > 1e-2
 
 
 def test_last_layer_features_are_final_normed_like_hf(tiny_target):
@@ -97,7 +70,7 @@ def test_last_layer_features_are_final_normed_like_hf(tiny_target):
     with torch.no_grad():  # a non-trivial final norm, so raw and normed outputs differ
         tiny_target.model.norm.weight.copy_(torch.linspace(0.5, 2.0, tiny_target.config.hidden_size))
     try:
-        draft = _custom_draft(tiny_target, target_layer_ids=[1, n - 1])
+        draft = custom_draft(tiny_target, target_layer_ids=[1, n - 1])
         static = StaticBackend(tiny_target, draft, torch.device("cpu"), use_graphs=False)
         plain = TransformersBackend(tiny_target, draft, torch.device("cpu"))
         for be in (static, plain):
@@ -362,7 +335,7 @@ def test_draft_weights_that_do_not_fit_their_config_give_one_line(tiny_target, t
 
     from dflash.backends.plain import load_draft
     from dflash.errors import CheckpointError
-    from tests.conftest import make_draft
+    from tests.helpers.tiny import make_draft
 
     folder = make_draft(tiny_target).save(tmp_path / "d")
     cfg = json.loads((folder / "config.json").read_text())

@@ -8,8 +8,8 @@ import torch
 
 from dflash.backends.static.backend import StaticBackend
 from dflash.loop import speculative_generate
-from tests.conftest import make_draft
-from tests.test_loop_scripted import PROMPT, greedy_reference
+from tests.helpers.paths import REPO
+from tests.helpers.tiny import PROMPT, greedy_reference, make_draft
 
 CPU = torch.device("cpu")
 
@@ -135,9 +135,8 @@ def test_kernel_count_script_tiny(tmp_path):
     """scripts/kernel_count.py on CPU: both variants measured, one row per op."""
     import importlib.util
     import json
-    from pathlib import Path
 
-    script = Path(__file__).resolve().parents[1] / "scripts" / "kernel_count.py"
+    script = REPO / "scripts" / "kernel_count.py"
     spec = importlib.util.spec_from_file_location("kernel_count", script)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

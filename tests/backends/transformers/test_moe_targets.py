@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.target_families import FAMILIES, build, greedy, prompt_ids
-from tests.test_sliding_targets import N, load_family
+from tests.helpers.target_families import FAMILIES, N, build, greedy, load_family, prompt_ids
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "gemma4_moe"])

@@ -21,21 +21,17 @@ import pytest
 import torch
 
 from dflash.loop import speculative_generate
-from tests.target_families import FAMILIES, WINDOW, build, greedy, prompt_ids, save_target
-
-N = 32  # new tokens per run
-
-
-def load_family(tmp_path, family: str, **load_kwargs):
-    """(pipeline over a saved folder of ``family`` with an init-draft draft, the in-memory model)."""
-    import dflash
-    from dflash.models.init_draft import init_draft
-
-    model = save_target(tmp_path / "target", family)
-    draft = init_draft(str(tmp_path / "target"), tmp_path / "draft", layers=2, block_size=16, dtype="float32")
-    pipe = dflash.load(str(tmp_path / "target"), str(draft), device="cpu", dtype="float32", **load_kwargs)
-    return pipe, model
-
+from tests.helpers.stats import tv
+from tests.helpers.target_families import (
+    FAMILIES,
+    WINDOW,
+    N,
+    build,
+    greedy,
+    load_family,
+    prompt_ids,
+    save_target,
+)
 
 PLAIN = ["mistral", "qwen2_window", "gemma3_text", "gemma4_text", "gemma4_kv_shared", "gemma4_wrapper",
          "muse_glimmer"]
@@ -109,7 +105,7 @@ def one_by_one_keys(model, ids: list[int], prompt_len: int) -> dict[int, list]:
 @pytest.mark.parametrize("prompt_len", [40, 3])  # 3: the window fills while decoding
 def test_scripted_schedule_keeps_exactly_the_one_by_one_rows(family, prompt_len):
     from dflash.backends.plain import TransformersBackend
-    from tests.conftest import make_draft
+    from tests.helpers.tiny import make_draft
 
     model = build(family)
     prompt = prompt_ids(prompt_len)
@@ -145,7 +141,7 @@ def test_sampling_emits_the_target_distribution_after_rollbacks():
     from dflash.backends.plain import TransformersBackend
     from dflash.sampling import sampling_probs
     from dflash.types import SamplingParams
-    from tests.conftest import make_draft
+    from tests.helpers.tiny import make_draft
 
     model = build("mistral")
     prompt = prompt_ids()
@@ -183,7 +179,7 @@ def test_sampling_emits_the_target_distribution_after_rollbacks():
     for _ in range(50_000):
         a, bonus = accept_sampling([proposal], table, None, rng)
         counts[proposal if a else bonus] += 1
-    assert 0.5 * np.abs(counts / counts.sum() - p_ref).sum() < 0.01
+    assert tv(counts, p_ref) < 0.01
 
 
 @pytest.mark.slow  # two CLI processes: about a minute on a small shared CPU
@@ -319,7 +315,7 @@ def test_a_wrapper_text_model_ties_its_head_as_the_wrapper_does(tmp_path):
     import transformers
 
     from dflash.backends.plain import load_target
-    from tests.target_families import BASE, save_tokenizer
+    from tests.helpers.target_families import BASE, save_tokenizer
 
     text = transformers.MistralConfig(**BASE, sliding_window=WINDOW, initializer_range=0.3)
     vision = transformers.PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
@@ -342,7 +338,7 @@ def test_draft_window_option_checks(tmp_path, tiny_target):
     (the CUDA-graph path keeps a fixed draft context); --draft-bits stays an mlx option."""
     import dflash
     from dflash.errors import BackendError, InputError
-    from tests.conftest import make_draft
+    from tests.helpers.tiny import make_draft
 
     make_draft(tiny_target).save(tmp_path / "d")
     with pytest.raises(InputError, match="--draft-window must be >= 1 token, got 0"):

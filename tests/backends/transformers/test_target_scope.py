@@ -76,7 +76,7 @@ def chunked_config_only(tmp_path):
 
 def test_load_refuses_before_reading_weights(chunked_config_only, tmp_path, tiny_target):
     import dflash
-    from tests.conftest import make_draft
+    from tests.helpers.tiny import make_draft
 
     make_draft(tiny_target).save(tmp_path / "draft")
     with pytest.raises(BackendError, match="3 chunked_attention layers of 4"):
