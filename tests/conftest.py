@@ -44,8 +44,10 @@ def tiny_target():
 
 @pytest.fixture(scope="session")
 def truth(tiny_target) -> list[int]:
-    """The tiny target's plain greedy continuation of ``PROMPT``: 200 token ids."""
-    return greedy_reference(tiny_target, PROMPT, 200)
+    """The tiny target's plain greedy continuation of ``PROMPT``: 200 token ids, computed on one
+    torch thread (as the modules using it run), whichever test asks first."""
+    with one_torch_thread():
+        return greedy_reference(tiny_target, PROMPT, 200)
 
 
 @pytest.fixture(scope="module")

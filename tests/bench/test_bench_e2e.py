@@ -32,6 +32,7 @@ def draft_dir(tmp_path_factory):
     return init_draft(None, out, layers=1, block_size=4, dtype="float32")
 
 
+@pytest.mark.slow
 def test_benchmark_on_the_demo_target_keeps_greedy_parity(draft_dir, tmp_path, monkeypatch):
     from dflash.cli import app
 

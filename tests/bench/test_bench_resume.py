@@ -335,6 +335,7 @@ def test_gathered_records_come_back_in_prompt_order():
     assert [(r.id, r.turn) for r in got["d"]] == [(i, t) for i in ("9", "10", "2") for t in (0, 1)]
 
 
+@pytest.mark.slow
 def test_torchrun_ranks_share_the_work_and_rank_0_gathers(cli, tmp_path):
     """Two CPU processes under torchrun (gloo): same records and summary as one process."""
     pytest.importorskip("torch.distributed")
@@ -381,6 +382,7 @@ FAILING_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_torchrun_failure_on_one_rank_ends_the_run_with_its_message(tmp_path):
     """A prompt that fails on rank 1 only: rank 1 joins the gather with its error, rank 0 says
     which rank failed and why, every process exits non-zero (no wait for a timeout)."""

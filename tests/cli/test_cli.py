@@ -94,6 +94,7 @@ def loaded_errors(pair, tmp_path_factory, tiny_target):
     return dict(zip(names, runs, strict=True))
 
 
+@pytest.mark.slow
 def test_block_size_above_trained(loaded_errors):
     assert_one_line_error(loaded_errors["block_size"], "exceeds the draft's trained block size 16")
 
@@ -110,6 +111,7 @@ def test_draft_for_another_target(loaded_errors):
     assert_one_line_error(loaded_errors["other_target"], "hidden_size")
 
 
+@pytest.mark.slow
 def test_generate_json_and_stream(pair):
     args = ["generate", "transformers", "Name three primary colors.", *pair, "--max-new-tokens", "12"]
     p, p2, p3 = run_many([*args, "--json"], [*args, "--block-size", "16"],  # auto, then a fixed L: same text
@@ -131,6 +133,7 @@ def test_generate_json_and_stream(pair):
     assert steps[0].endswith(f"committed {out3['acceptance_lengths'][0]}]"), steps[0]
 
 
+@pytest.mark.slow
 def test_init_draft_cli(tmp_path, demo_gguf):
     p = run("init-draft", "--target", str(demo_gguf), "--out", str(tmp_path / "d"), "--layers", "3",
             "--block-size", "8")  # fmt: skip

@@ -327,7 +327,7 @@ def test_a_base_url_without_a_scheme_is_suggested_back_with_http(args, flag, giv
 
 # -- 4d. a --data-dir without the dataset ------------------------------------------------------
 
-DATA_DIR_HINT = ("point --data-dir (or DFLASH_DATA_DIR) at a folder laid out like tests/data in the dflash "
+DATA_DIR_HINT = ("point --data-dir (or DFLASH_DATA_DIR) at a folder laid out like tests/datasets in the dflash "
                  "repository (gsm8k/test.jsonl, gsm8k/train.jsonl, humaneval/HumanEval.jsonl.gz, math500/test.jsonl, "
                  "mbpp/sanitized-mbpp.json, mmlu/mmlu.jsonl, mt-bench/question.jsonl), or drop it to fetch the "
                  "dataset from the Hugging Face hub")  # fmt: skip
@@ -341,7 +341,7 @@ DATA_DIR_HINT = ("point --data-dir (or DFLASH_DATA_DIR) at a folder laid out lik
 def test_a_data_dir_without_the_dataset_names_the_documented_layout(tmp_path, monkeypatch, backend, dataset, file,
                                                                     by_env):  # fmt: skip
     """A bad --data-dir got the hint 'laid out like shared/datasets', a folder users do not have
-    (user trial); the hint names tests/data, the layout the README documents, and its files."""
+    (user trial); the hint names tests/datasets, the layout the README documents, and its files."""
     if by_env:
         monkeypatch.setitem(ENV, "DFLASH_DATA_DIR", str(tmp_path))
     args = ["--base-url", "http://127.0.0.1:9"] if backend == "openai" else []
@@ -353,7 +353,7 @@ def test_a_data_dir_without_the_dataset_names_the_documented_layout(tmp_path, mo
 
 
 def test_the_data_dir_hint_lists_the_files_of_tests_data():
-    """The layout the hint names is the one tests/data has: every file it lists is there, and
+    """The layout the hint names is the one tests/datasets has: every file it lists is there, and
     every dataset file there is listed."""
     from dflash.data.datasets import DATA_DIR_FILES
 

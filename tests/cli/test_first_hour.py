@@ -68,6 +68,7 @@ def test_text_that_is_not_utf8_is_refused_before_loading(backend, extra, where):
     assert one_error_line(p) == f"error: {where} is not valid UTF-8 (byte 0xff at character 3)."
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cmd", [["generate", "transformers"], ["generate", "mlx"], ["init-draft", "--out", "unused"]])
 def test_a_draft_passed_as_the_target_is_named_a_draft(cmd, tmp_path):
     """--model <a draft folder> said its layer ids reach past the target's 5 layers (and
@@ -96,6 +97,7 @@ def test_a_missing_target_is_named_by_the_commands_own_option(cmd, tmp_path):
     assert line == f"error: --target {tmp_path / 'nope'}: no such file or folder."
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", ["gpu", "cuda", "metal"])
 def test_mlx_without_a_gpu_names_the_device_asked_for(device):
     """`--device cuda` was reported as '--device gpu was asked for'."""
@@ -155,6 +157,7 @@ def test_verbose_notes_start_a_line_only_where_they_share_the_text_screen(tmp_pa
     assert not same_stream(io.StringIO(), io.StringIO())
 
 
+@pytest.mark.slow
 def test_generate_one_token_summary(demo_gguf, untrained_draft):
     p = dflash_cli("generate", "transformers", "Hi", "--model", str(demo_gguf), "--draft",
                    str(untrained_draft), "--max-new-tokens", "1")  # fmt: skip

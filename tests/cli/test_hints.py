@@ -56,6 +56,7 @@ def test_a_draft_config_that_only_lacks_fields_keeps_its_message():
         DraftConfig.from_dict({"architectures": ["DFlashDraftModel"], "hidden_size": 64})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("env", [{"HF_HUB_OFFLINE": "1"},
                                  {"HF_HUB_OFFLINE": "", "HF_ENDPOINT": "http://127.0.0.1:9"}])  # fmt: skip
 def test_init_draft_with_a_hub_target_and_no_hub_is_one_error(env, tmp_path):

@@ -9,6 +9,8 @@ from dflash.loop import speculative_generate
 from dflash.types import SamplingParams
 from tests.helpers.tiny import PROMPT, ScriptedBackend
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # one torch thread (tests/conftest.py)
+
 
 @pytest.mark.parametrize("schedule", [[15, 0, 7, 14, 3], [0], [15], [1, 2, 3, 4, 5, 6, 7, 8]])
 def test_scripted_schedule_parity_and_stats(tiny_backend, truth, schedule):

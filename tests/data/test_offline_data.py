@@ -143,6 +143,7 @@ def test_a_set_that_is_not_shipped_fails_at_once_offline(fresh_cache, no_downloa
     assert "--data-dir" in err.value.hint
 
 
+@pytest.mark.slow
 def test_benchmark_runs_offline_without_a_data_dir(tmp_path):
     """`dflash benchmark transformers --dataset gsm8k --max-samples 2` with the hub offline and
     no --data-dir: two shipped prompts, demo pair. The converted demo target is shared with the

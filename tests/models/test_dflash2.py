@@ -330,6 +330,7 @@ def test_settings_defaults_are_published_values():
     )
 
 
+@pytest.mark.slow
 def test_cli_init_draft_dflash2_and_generate(tmp_path, demo_gguf, demo_pipe):
     """`dflash init-draft --arch dflash2` then `dflash generate transformers --draft` on the demo
     target: greedy output equals HF ``generate`` of the same target (float32, CPU) on the same

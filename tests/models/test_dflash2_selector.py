@@ -206,6 +206,7 @@ class MarkovBackend:
         pass
 
 
+@pytest.mark.slow
 def test_loop_with_selector_draft_is_lossless():
     """Through the loop: tokens 2-3 (a verify step of 2 sampled proposals) follow the target's
     bigram chain exactly; the first proposal is accepted at the rate sum_d min(p(d), q(d)) that

@@ -90,6 +90,7 @@ def test_proposals_are_the_argmax_over_the_draft_vocabulary(tiny_target, kind):
     torch.testing.assert_close(logits[:, keep], full[:, keep])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["plain", "static", "device"])
 def test_greedy_output_is_the_targets_with_a_draft_vocabulary(tiny_target, kind):
     be, _ = _backends(tiny_target, kind)
@@ -123,6 +124,7 @@ def test_setting_off_ignores_the_vocabulary(tiny_target, kind):
         KernelSettings.resolve(environ={"DFLASH_DRAFT_VOCAB": "maybe"})
 
 
+@pytest.mark.slow
 def test_cli_data_vocab_writes_reports_and_removes(tiny_target, tmp_path):
     make_draft(tiny_target).save(tmp_path / "d")
     (tmp_path / "data").mkdir()

@@ -146,6 +146,7 @@ SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer"},
           "required": ["answer", "unit"], "additionalProperties": False}  # fmt: skip
 
 
+@pytest.mark.slow
 def test_json_schema_output_validates_and_is_the_same_at_block_sizes_1_and_16(oa, http):
     jsonschema = pytest.importorskip("jsonschema")
     msgs = [{"role": "user", "content": "I had 12 apples and ate 5. How many are left? Answer in JSON."}]

@@ -115,6 +115,7 @@ def moments(folder) -> dict:
     return load_file(str(Path(folder) / "state" / "optimizer.safetensors"))
 
 
+@pytest.mark.slow
 def test_two_processes_take_the_steps_of_one_process_with_the_global_batch(setup, tmp_path):
     """Two steps, then a resume under torchrun for a third (where rank 0 has no sequence):
     the same weights, AdamW moments

@@ -38,6 +38,7 @@ def test_shipped_folder_is_small_and_in_the_loader_format():
     assert cfg["dtype"] == "bfloat16"
 
 
+@pytest.mark.slow
 def test_greedy_parity_with_hf_generate(pipe):
     for prompt in PROMPTS:
         ids = pipe.chat_prompt([{"role": "user", "content": prompt}])

@@ -166,6 +166,7 @@ def test_reference_generate_is_mlx_lm_greedy_and_benchmark_records_it(dense):
     assert s["reference_tokens"] == n_ref and s["speedup_vs_reference"] > 0
 
 
+@pytest.mark.slow
 def test_cli_generate_mlx_json_and_one_line_errors(dense, tmp_path):
     """``dflash generate mlx --json`` as a user runs it; bad MLX flags are one-line errors."""
     import json

@@ -12,6 +12,8 @@ from dflash.backends.static.device_loop import DeviceLoop
 from dflash.loop import speculative_generate
 from tests.helpers.tiny import PROMPT, greedy_reference, make_draft
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # one torch thread (tests/conftest.py)
+
 
 class ScriptedLoop(DeviceLoop):
     """Proposals = the greedy truth for the first ``k`` rows, a wrong token after (on device)."""
@@ -144,6 +146,7 @@ def test_commit_glue_is_greedy_acceptance(width):
         assert s["tok"].item() == (new[-1] if new else 3)
 
 
+@pytest.mark.slow
 def test_compiled_glue_equals_eager():
     """What the CUDA graphs run with --compile (Inductor; here its CPU backend): the same state
     after every step as the eager glue."""
@@ -189,6 +192,7 @@ def _scripted_steps(k: int, budget: int, stop_at: int | None) -> list[int]:
     return steps
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ahead", ["draft", "step"])
 @pytest.mark.parametrize("budget", [2, 3, 23, 40])
 def test_queue_ahead_same_tokens_and_exact_waste(tiny_target, ahead, budget):

@@ -12,6 +12,7 @@ import pytest
 from tests.helpers.target_families import FAMILIES, N, build, greedy, load_family, prompt_ids
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "gemma4_moe"])
 def test_moe_init_draft_load_and_greedy_parity(tmp_path, family):
     pipe, model = load_family(tmp_path, family)

@@ -29,6 +29,7 @@ def references(demo_pipe):
 
 
 # smallest and trained block (block 2 took 77 s of CI per suite at 48 tokens: 24 now)
+@pytest.mark.slow
 @pytest.mark.parametrize("block_size,new_tokens", [(2, 24), (16, 32)])
 def test_greedy_parity_with_hf_generate(demo_pipe, references, block_size, new_tokens):
     """The untrained draft is rejected at almost every position: every step rolls back."""
@@ -55,6 +56,7 @@ def test_context_features_match_hf_hidden_states(demo_pipe):
     assert feats.shape[-1] == be.draft_model.feature_width
 
 
+@pytest.mark.slow
 def test_stream_equals_generate_and_reset_between_requests(demo_pipe, references):
     """Two requests in a row give the same ids as fresh ones: nothing leaks between them."""
     (ids_a, _), (ids_b, ref_b) = references[0], references[1]
