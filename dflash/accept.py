@@ -2,7 +2,7 @@
 
 Every implementation on a device - :class:`dflash.sampling_torch.TorchSampler`, the device
 loop's commit (:func:`dflash.backends.static.device_loop.commit`), the host loop on MLX arrays - returns
-exactly what these functions return for the same inputs (tests/test_accept_equivalence.py).
+exactly what these functions return for the same inputs (tests/core/test_accept_equivalence.py).
 
 Greedy (paper §4 / brief §3.3): keep the longest prefix of draft proposals equal to the target's
 argmax, then the target's argmax after it as the bonus token (:func:`accept_greedy`). A step's

@@ -42,7 +42,7 @@ WINDOW = 8
 INTERLEAVED = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention",
                "full_attention", "sliding_attention"]  # fmt: skip
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
-TINY = {  # family -> (config class, arguments beyond tests/target_families.py's BASE)
+TINY = {  # family -> (config class, arguments beyond tests/helpers/target_families.py's BASE)
     "mistral": ("MistralConfig", dict(sliding_window=WINDOW)),
     "qwen2_window": ("Qwen2Config", dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=2)),
     "qwen3_interleaved": ("Qwen3Config", dict(use_sliding_window=True, sliding_window=WINDOW,
@@ -203,7 +203,7 @@ def check_tiny(dev: torch.device) -> dict:
     from dflash.backends.plain import TransformersBackend
     from dflash.backends.static.backend import StaticBackend
     from dflash.kernels.settings import KernelSettings
-    from tests.target_families import BASE
+    from tests.helpers.target_families import BASE
 
     prompt = torch.randint(4, 250, (40,), generator=torch.Generator().manual_seed(1)).tolist()
     res, ok = {}, True

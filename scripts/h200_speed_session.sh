@@ -460,7 +460,7 @@ rope)  # no carry: DFLASH_ROPE (q/k norm + RoPE + cache writes in one kernel) 0 
   python3 -c "
 import torch
 from dflash.kernels import rope_cache as rc
-from tests.test_rope_cache import _case
+from tests.helpers.kernels import rope_case as _case
 for args in ((32, 16, 9, 3, 64), (32, 16, 32, 8, 128), (16, 0, 32, 8, 128, 128, 0, False)):
     qkv, qn, kn, cos, sin, pos, kc, vc, tc, h, hkv = _case(*args) if len(args) > 5 else _case(*args, cap=128)
     qkv, cos, sin, pos, kc, vc = (t.cuda() for t in (qkv, cos, sin, pos, kc, vc))

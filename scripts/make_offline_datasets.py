@@ -27,7 +27,7 @@ DROP = {"math500": ("solution",)}  # fields no prompt and no score reads
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--data-dir", type=Path, required=True, help="a folder in the tests/data layout")
+    ap.add_argument("--data-dir", type=Path, required=True, help="a folder in the tests/datasets layout")
     ap.add_argument("--rows", type=int, default=128, help="rows per set (at most)")
     ap.add_argument("--out", type=Path, default=OFFLINE_DIR)
     args = ap.parse_args()

@@ -1,6 +1,11 @@
-"""Shared fixtures: a tiny random Llama target + draft, the real demo target (SmolLM2), and the
-small data the tests carry (``tests/data``: a few rows per dataset; ``tests/fixtures``: published
-draft configs). No test reads anything outside the repository."""
+"""Shared fixtures: a tiny random Llama target + draft, the real demo target (SmolLM2), one torch
+thread, and the small data the tests carry (``tests/datasets``: a few rows per dataset;
+``tests/fixtures``: published draft configs). Shared functions and classes are in
+``tests/helpers``. No test reads anything outside the repository.
+
+Tests are in folders by the module they test (``core`` for dflash's top-level modules, ``cli``,
+``backends/<name>``, ``kernels``, ``models``, ``serve``, ``bench``, ``data``, ``train``,
+``scripts``). ``@pytest.mark.slow`` marks the long CPU tests: ``-m "not slow"`` skips them."""
 
 from __future__ import annotations
 
@@ -10,18 +15,18 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers.paths import DATA_DIR, FIXTURES_DIR
+from tests.helpers.stats import one_torch_thread
+from tests.helpers.tiny import PROMPT, greedy_reference, make_draft, tiny_llama
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # The suite uses its own data whatever the shell says (tests that need the variable set it).
 os.environ.pop("DFLASH_DATA_DIR", None)
 
-REPO = Path(__file__).resolve().parents[1]
-DATA_DIR = REPO / "tests" / "data"  # the --data-dir layout, a few rows each (see its README)
-FIXTURES_DIR = REPO / "tests" / "fixtures"
-
 
 @pytest.fixture(scope="session")
 def data_dir() -> Path:
-    """tests/data: a few rows of every prompt dataset, in the ``--data-dir`` layout."""
+    """tests/datasets: a few rows of every prompt dataset, in the ``--data-dir`` layout."""
     return DATA_DIR
 
 
@@ -33,15 +38,24 @@ def fixtures_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_target():
-    """A 6-layer random Llama (hidden 64, vocab 256) in float32, eval mode."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """A 6-layer random Llama (hidden 64, vocab 256) in float32, eval mode (``tiny_llama()``)."""
+    return tiny_llama()
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      tie_word_embeddings=False, initializer_range=0.3)  # fmt: skip
-    # A wide init gives sharp, varied greedy continuations (a 0.02 init repeats 2-4 tokens).
-    return LlamaForCausalLM(cfg).eval()
+
+@pytest.fixture(scope="session")
+def truth(tiny_target) -> list[int]:
+    """The tiny target's plain greedy continuation of ``PROMPT``: 200 token ids, computed on one
+    torch thread (as the modules using it run), whichever test asks first."""
+    with one_torch_thread():
+        return greedy_reference(tiny_target, PROMPT, 200)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module (``pytestmark = pytest.mark.usefixtures("one_thread")``):
+    spinning OpenMP threads crawl when other processes share the CPU cores."""
+    with one_torch_thread():
+        yield
 
 
 @pytest.fixture
@@ -53,17 +67,6 @@ def gpu_like(monkeypatch):
 
     monkeypatch.setattr(sb, "attention_mode", lambda mode, device, dtype=None: mode)
     monkeypatch.setattr(sb, "linear_mode", lambda mode, device: mode)
-
-
-def make_draft(target, layers: int = 2, block_size: int = 16, mask_token_id: int = 255, seed: int = 0):
-    """A random DFlash draft shaped for ``target``."""
-    from dflash.models.draft_torch import DFlashDraft
-    from dflash.models.init_draft import draft_config_for
-
-    cfg = draft_config_for(target.config, layers=layers, block_size=block_size,
-                           mask_token_id=mask_token_id, vocab_rows=target.config.vocab_size)  # fmt: skip
-    torch.manual_seed(seed)
-    return DFlashDraft(cfg).eval()
 
 
 @pytest.fixture(scope="session")

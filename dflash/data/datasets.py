@@ -7,7 +7,7 @@
 
 Where rows come from: the ``data_dir`` argument, else ``$DFLASH_DATA_DIR``, else the Hugging Face
 hub through ``datasets.load_dataset``, cached as JSONL under ``$DFLASH_CACHE/datasets`` (default
-``~/.cache/dflash/datasets``). Local folders use the layout of ``tests/data`` in the repository
+``~/.cache/dflash/datasets``). Local folders use the layout of ``tests/datasets`` in the repository
 (:data:`DATA_DIR_FILES`).
 """
 
@@ -93,7 +93,7 @@ def _text(row: dict, key: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# hub rows -> the local (tests/data layout) row format
+# hub rows -> the local (tests/datasets layout) row format
 
 
 def _mt_bench_from_hub(row: dict) -> dict:
@@ -124,7 +124,7 @@ class _Source:
     """Where one named source lives locally, on the hub and in the cache, and how to build items.
 
     Attributes:
-        local: file under the data dir, in the tests/data layout.
+        local: file under the data dir, in the tests/datasets layout.
         cache: JSONL file under the cache dir holding the hub rows in the local row format.
         hub: (repo, config, [(split, row converter or None), ...]) for ``datasets.load_dataset``.
         build: (row index among kept rows, row) -> PromptItem.
@@ -209,9 +209,9 @@ ALIASES = {
 }
 
 
-# the files a --data-dir holds (as tests/data in the repository does), one folder per dataset
+# the files a --data-dir holds (as tests/datasets in the repository does), one folder per dataset
 DATA_DIR_FILES = tuple(sorted({source.local for source in SOURCES.values()}))
-DATA_DIR_HINT = (f"point --data-dir (or DFLASH_DATA_DIR) at a folder laid out like tests/data in the dflash "
+DATA_DIR_HINT = (f"point --data-dir (or DFLASH_DATA_DIR) at a folder laid out like tests/datasets in the dflash "
                  f"repository ({', '.join(DATA_DIR_FILES)}), or drop it to fetch the dataset from the Hugging Face hub")  # fmt: skip
 
 
@@ -235,7 +235,7 @@ def load_prompts(spec: str, data_dir: str | Path | None = None, offline: bool = 
             (list of strings) or ``messages`` (chat list; the user turns are answered in order,
             the file's assistant turns are not used, and one leading system message is kept),
             plus an optional ``id`` and ``system`` (string).
-        data_dir: folder laid out like ``tests/data``; None falls back to
+        data_dir: folder laid out like ``tests/datasets``; None falls back to
             ``$DFLASH_DATA_DIR``, then to the hub (cached as JSONL, see module docstring).
         offline: never ask the hub: a benchmark set not in the cache comes from the copy
             shipped with dflash (:mod:`dflash.data.offline`), as it does when the hub is

@@ -102,7 +102,7 @@ def regenerate(
     eval_only: Annotated[bool, typer.Option("--eval-only", help="Allow benchmark test prompts, for held-out evaluation only (train refuses the folder).")] = False,
     engine: Annotated[str, typer.Option(help="auto (batched static decoder for Llama/Qwen targets), batched or hf.")] = "auto",
     max_prompt_tokens: Annotated[int, typer.Option(help="Skip prompts longer than this (tokens).")] = 1024,
-    data_dir: Annotated[Path | None, typer.Option(help="Local datasets folder, laid out like tests/data (default: the hub).")] = None,
+    data_dir: Annotated[Path | None, typer.Option(help="Local datasets folder, laid out like tests/datasets (default: the hub).")] = None,
     time_limit: Annotated[float | None, typer.Option(help="Stop cleanly after about this many seconds (resume later).")] = None,
     device: Annotated[str, typer.Option(help="auto, cuda, cuda:N or cpu.")] = "auto",
     dtype: Annotated[str, typer.Option(help="auto (bf16 on CUDA, fp32 on CPU), bfloat16, float16, float32.")] = "auto",

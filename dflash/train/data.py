@@ -139,7 +139,7 @@ def regenerate(
             ``dflash.backends.static.batched``), ``hf`` (``generate``), or ``auto`` (batched when
             the target is Llama/Qwen2/Qwen3, else hf).
         max_prompt_tokens: longer prompts are skipped (counted in ``skipped``).
-        data_dir: folder laid out like ``tests/data`` for the named datasets.
+        data_dir: folder laid out like ``tests/datasets`` for the named datasets.
         device, dtype: as for ``dflash.load``.
         time_limit: stop cleanly after about this many seconds; unfinished jobs are redone later.
         seed: sampling seed.

@@ -68,7 +68,7 @@ def commit(logits, props, tok, pos, n, budget, lim, last, arange) -> None:
     ``last`` [1 + L] (count, tokens, zero-padded), moves ``tok``/``pos``/``n`` [1]; a step with
     no budget left commits nothing and moves nothing. The committed tokens are those of
     :func:`dflash.accept.greedy_step` before its stop cut (the host cuts them when it reads
-    them); tests/test_accept_equivalence.py checks this on random steps."""
+    them); tests/core/test_accept_equivalence.py checks this on random steps."""
     width = logits.shape[0]
     target = row_argmax(logits) if logits.dim() == 2 else logits  # [W]
     remaining = budget - n  # [1] tokens still allowed
