@@ -100,6 +100,7 @@ def test_static_path_runs_the_family_with_its_windows(family):
         assert (family == "qwen3_moe") == all(gu is None for _, gu in be.fused_target)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attention", ["sdpa", "split"])
 @pytest.mark.parametrize("family", STATIC)
 def test_static_greedy_equals_hf_generate(family, attention):

@@ -260,6 +260,7 @@ def mlx_readable(folder) -> None:
     path.write_text(json.dumps(cfg))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_wrapper"])
 def test_transformers_and_mlx_give_the_same_ids(tmp_path, family):
     """The same hybrid folder and draft on both backends (float32, CPU): the same greedy ids,
