@@ -125,10 +125,10 @@ def _one_by_one_kv(model, ids: list[int], prompt_len: int) -> dict[int, list[tor
     cache = DynamicCache()  # no config: full layers keep every row
     out = {}
     with torch.inference_mode():
-        model(input_ids=torch.tensor([ids[:prompt_len]]), cache=cache, use_cache=True)
+        model(input_ids=torch.tensor([ids[:prompt_len]]), past_key_values=cache, use_cache=True)
         out[prompt_len] = [layer.keys.clone() for layer in cache.layers]
         for i in range(prompt_len, len(ids)):
-            model(input_ids=torch.tensor([[ids[i]]]), position_ids=torch.tensor([[i]]), cache=cache,
+            model(input_ids=torch.tensor([[ids[i]]]), position_ids=torch.tensor([[i]]), past_key_values=cache,
                   use_cache=True)  # fmt: skip
             out[i + 1] = [layer.keys.clone() for layer in cache.layers]
     return out
