@@ -20,7 +20,6 @@ import os
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 import torch
 
@@ -29,6 +28,7 @@ from tests.helpers.target_families import (
     HYBRID,
     ScriptedRollback,
     build,
+    check_sampling_after_rollbacks,
     greedy,
     load_family,
     prompt_ids,
@@ -163,48 +163,7 @@ def test_sampling_emits_the_target_distribution_after_rollbacks():
     """At T > 0: the rows the loop accepts against, after steps that rolled the states back, are
     the target's own (HF forward over the committed text, no cache), and the token emitted at
     the first position of a verify step follows them (TV < 0.01)."""
-    from dflash.accept import accept_sampling
-    from dflash.backends.plain import TransformersBackend
-    from dflash.sampling import sampling_probs
-    from dflash.types import SamplingParams
-    from tests.conftest import make_draft
-
-    model = build("qwen3_5_text")
-    prompt = prompt_ids(P)
-    inner = TransformersBackend(model, make_draft(model), torch.device("cpu"))
-    steps = []
-
-    class Sampled:
-        draft_head_rows = False
-
-        def __getattr__(self, name):
-            return getattr(inner, name)
-
-        def verify(self, anchor, proposals, start, with_features):
-            logits, feats = inner.verify(anchor, proposals, start, with_features)
-            steps.append((anchor, start, logits[0].clone()))
-            return logits, feats
-
-    params = SamplingParams(temperature=0.8, top_k=8, seed=4)
-    tokens = [t for r in speculative_generate(Sampled(), prompt, block_size=4, max_new_tokens=24,
-                                              sampling=params) for t in r.tokens]  # fmt: skip
-    assert len(steps) >= 6
-    with torch.inference_mode():
-        full = model(input_ids=torch.tensor([prompt + tokens])).logits[0]  # [T, V], no cache
-    for anchor, start, row in steps:
-        assert anchor == (prompt + tokens)[start]
-        torch.testing.assert_close(row, full[start], rtol=1e-3, atol=1e-3)
-    _, start, row = steps[-1]
-    p_loop = sampling_probs(row[None].numpy(), params)  # [1, V] what the loop accepted against
-    p_ref = sampling_probs(full[start][None].numpy(), params)[0]  # the target's own
-    proposal = int(p_loop[0].argmax())  # a likely proposal: both the accept and residual branches
-    table = np.concatenate([p_loop, p_loop])
-    rng = np.random.default_rng(0)
-    counts = np.zeros(p_ref.shape[-1])
-    for _ in range(50_000):
-        a, bonus = accept_sampling([proposal], table, None, rng)
-        counts[proposal if a else bonus] += 1
-    assert 0.5 * np.abs(counts / counts.sum() - p_ref).sum() < 0.01
+    check_sampling_after_rollbacks(build("qwen3_5_text"), prompt_ids(P), tol=1e-3)
 
 
 def test_the_cuda_graph_path_names_the_hybrid():
