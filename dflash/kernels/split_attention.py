@@ -115,12 +115,25 @@ if triton is not None:
                  mask=live[:, None])  # fmt: skip
 
     @triton.jit
-    def _split_kernel(Q, K, V, POS, OUT, PO, PL, CNT, scale_log2, cap, s_pos, window,
+    def _finish(acc, l_i, m_i, sink, SINKS: tl.constexpr):
+        """acc / l for one slice holding every key (rows with no key: 0); with ``SINKS`` the
+        denominator also counts exp2(sink - m) (both rescaled by the larger of m and the sink)."""
+        if SINKS:
+            top = tl.maximum(m_i, sink)
+            keep = tl.exp2(m_i - top)  # 0 where the row saw no key (m = -inf)
+            den = l_i * keep + tl.exp2(sink - top)
+            return acc * (keep / den)[:, None]
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        return acc / l_safe[:, None]
+
+    @triton.jit
+    def _split_kernel(Q, K, V, POS, OUT, PO, PL, CNT, SINK, scale_log2, cap, s_pos, window,
                       s_qh, s_qt, s_kh, s_ks, s_vh, s_vs, s_oh, s_ot, s_ph, s_ps, s_pr, s_lh, s_ls,
                       T: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                       ROWS: tl.constexpr, SPLIT_N: tl.constexpr, BLOCK: tl.constexpr,
                       IEEE: tl.constexpr, MERGE: tl.constexpr, PDL: tl.constexpr,
-                      ONE: tl.constexpr, EARLY: tl.constexpr = False, WINDOW: tl.constexpr = False):  # fmt: skip
+                      ONE: tl.constexpr, EARLY: tl.constexpr = False, WINDOW: tl.constexpr = False,
+                      SINKS: tl.constexpr = False):  # fmt: skip
         if PDL and not EARLY:  # programmatic dependent launch: wait for the previous kernel first
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
@@ -181,10 +194,14 @@ if triton is not None:
                 else:
                     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
                 m_i = m_new
+            if SINKS:  # the head's sink logit joins the denominator (base 2, scaled on the host)
+                sink = tl.load(SINK + kvh * G + g, mask=live, other=0.0)
+            else:
+                sink = tl.zeros([ROWS], tl.float32)
             l_safe = tl.where(l_i == 0.0, 1.0, l_i)
             if MERGE:  # the capacity holds several slices (a constexpr: no merge code otherwise)
                 if slices == 1:  # one slice holds every key: the result is final
-                    _store_rows(OUT, acc / l_safe[:, None], kvh * G + g, t, d, live, s_oh, s_ot)
+                    _store_rows(OUT, _finish(acc, l_i, m_i, sink, SINKS), kvh * G + g, t, d, live, s_oh, s_ot)
                 else:  # publish this slice; the last slice of this unit to finish merges
                     lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
                     tl.store(PO + unit * s_ph + sp * s_ps + r[:, None] * s_pr + d[None, :],
@@ -205,11 +222,13 @@ if triton is not None:
                                         cache_modifier=".cg")  # fmt: skip
                             num += o * w[:, None]
                             den += w
+                        if SINKS:  # den counts exp2(lse_j - m): the sink adds exp2(sink - m)
+                            den += tl.exp2(sink - m)
                         den = tl.where(den == 0.0, 1.0, den)
                         _store_rows(OUT, num / den[:, None], kvh * G + g, t, d, live, s_oh, s_ot)
                         tl.atomic_xchg(CNT + unit, 0)  # ready for the next launch (and graph replay)
             else:
-                _store_rows(OUT, acc / l_safe[:, None], kvh * G + g, t, d, live, s_oh, s_ot)
+                _store_rows(OUT, _finish(acc, l_i, m_i, sink, SINKS), kvh * G + g, t, d, live, s_oh, s_ot)
 
 
 def _rows(groups: int, t: int) -> int:
@@ -250,7 +269,8 @@ def _out_like(q: torch.Tensor) -> torch.Tensor:
 def split_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
                            scale: float, split: int, heads_per_program: int = 0, block: int = 0,
                            warps: int = 0, stages: int = 0, one_slice: int = 0, early: bool = False,
-                           pdl: bool | None = None, window: int = 0) -> torch.Tensor:  # fmt: skip
+                           pdl: bool | None = None, window: int = 0,
+                           sinks: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """Run the kernel: one launch, slices merged inside it (the last slice of each unit, a KV
     head's ``heads_per_program`` query heads, to
     finish merges, counted by an atomic counter that it resets).
@@ -278,6 +298,8 @@ def split_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
             before that kernel.
         pdl: launch with programmatic dependent launch; None = where the device supports it.
         window: a sliding window W > 0: row t sees only keys at positions > pos[t] - W (0: all).
+        sinks: [H] float32 per-head sink logits already scaled by log2(e) (gpt-oss's attention
+            sinks: a logit in the softmax's denominator with no value), or None.
     Returns:
         [1, H, T, D] in q's dtype (memory laid out as [1, T, H, D]).
 
@@ -309,13 +331,14 @@ def split_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
     while split % blk:  # the iterations must tile each slice (a multiple of 64)
         blk //= 2
     _split_kernel[(units, nsplit)](
-        q, k, v, pos, out, po, pl, _counters(q.device, units), scale * math.log2(math.e), cap, s_pos, max(window, 0),
+        q, k, v, pos, out, po, pl, _counters(q.device, units), pl if sinks is None else sinks,
+        scale * math.log2(math.e), cap, s_pos, max(window, 0),
         q.stride(1), q.stride(2), k.stride(1), k.stride(2), v.stride(1), v.stride(2),
         out.stride(1), out.stride(2), po.stride(0), po.stride(1), po.stride(2),
         pl.stride(0), pl.stride(1),
         T=t, G=groups, GP=gp, D=dim, ROWS=rows, SPLIT_N=split, BLOCK=blk,
         IEEE=q.dtype == torch.float32, MERGE=nsplit > 1, PDL=pdl, ONE=one_slice if nsplit > 1 else 0, EARLY=early,
-        WINDOW=window > 0,
+        WINDOW=window > 0, SINKS=sinks is not None,
         **({"launch_pdl": True} if pdl else {}),
         **tune,
     )  # fmt: skip
@@ -337,19 +360,20 @@ def merge_partials(o: torch.Tensor, lse: torch.Tensor, heads: int, t: int, dtype
 
 @torch.library.custom_op("dflash::split_attention", mutates_args=())
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, scale: float,
-                  split: int, heads: int, block: int, one: int, early: bool, pdl: bool, window: int) -> torch.Tensor:  # fmt: skip
+                  split: int, heads: int, block: int, one: int, early: bool, pdl: bool, window: int,
+                  sinks: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     return split_attention_kernel(q, k, v, pos, scale, split, heads, block, one_slice=one, early=early, pdl=pdl,
-                                  window=window)  # fmt: skip
+                                  window=window, sinks=sinks)  # fmt: skip
 
 
 @_attention_op.register_fake
-def _(q, k, v, pos, scale, split, heads, block, one, early, pdl, window):
+def _(q, k, v, pos, scale, split, heads, block, one, early, pdl, window, sinks=None):
     return _out_like(q)
 
 
 def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
                     scale: float | None, early: bool = False, launch: Launch | None = None,
-                    window: int | None = None) -> torch.Tensor:  # fmt: skip
+                    window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """softmax(q k^T * scale) v over the keys at positions <= pos[t] (and > pos[t] - ``window``
     for a sliding-window layer), per query row t.
 
@@ -372,6 +396,8 @@ def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torc
             ``attn_early``) and PDL; None = :func:`~dflash.kernels.pdl.default_launch`.
         window: a sliding-window layer's window W (tokens, > 0; the key at pos[t] counts), as
             transformers' sliding masks (key > query - W); None = full causal attention.
+        sinks: [H] per-head attention-sink logits (gpt-oss: each head's softmax denominator
+            also counts exp(sink), a logit with no value), or None.
     Returns:
         [1, H, T, D] in q's dtype.
     """
@@ -381,18 +407,20 @@ def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torc
     split, one = split_size(k.shape[2], cfg.attn_split), one_slice(cfg, dim)
     if triton is None or (q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1"):
         # no kernel here (CPU, Triton absent or not interpreting): the same algorithm in torch
-        return split_attention_reference(q, k, v, pos, scale, split, one, window or 0)
+        return split_attention_reference(q, k, v, pos, scale, split, one, window or 0, sinks)
     groups, rows = q.shape[1] // k.shape[1], q.shape[2]
+    sinks2 = None if sinks is None else sinks.float() * math.log2(math.e)  # base 2, as the kernel's logits
     return _attention_op(q, k, v, pos, float(scale), split, heads_per_program(groups, rows), cfg.attn_block,
-                         one, early and cfg.attn_early, launch.pdl, window or 0)  # fmt: skip
+                         one, early and cfg.attn_early, launch.pdl, window or 0, sinks2)  # fmt: skip
 
 
 def split_attention_reference(q, k, v, pos, scale, split: int = 256, one_slice: int = 0,
-                              window: int = 0) -> torch.Tensor:  # fmt: skip
+                              window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """The kernel's algorithm in torch (slices, per-slice softmax, log-sum-exp merge): [1, H, T, D].
 
     For tests on machines without Triton; arguments as :func:`split_attention`, ``split``,
-    ``one_slice`` and ``window`` (0: none) as :func:`split_attention_kernel`'s."""
+    ``one_slice`` and ``window`` (0: none) as :func:`split_attention_kernel`'s; ``sinks`` [H]
+    (natural-log logits) as :func:`split_attention`'s."""
     _, h, t, dim = q.shape
     hkv, cap = k.shape[1], k.shape[2]
     pos = pos.expand(t) if pos.shape[0] == 1 else pos  # [1]: one position for every row
@@ -421,4 +449,10 @@ def split_attention_reference(q, k, v, pos, scale, split: int = 256, one_slice: 
         o[:, sp, : groups * t] = (p @ v[0, :, lo:hi].float()) / den.clamp(min=1e-30)
         lse[:, sp, : groups * t] = torch.where(den[..., 0] > 0, m[..., 0] + torch.log2(den[..., 0]),
                                                float("-inf"))  # fmt: skip
+    if sinks is not None:  # one more partial: no value, log-sum-exp = the head's sink (base 2)
+        sink = (sinks.float() * math.log2(math.e)).view(hkv, groups, 1).expand(hkv, groups, t).reshape(hkv, 1, -1)
+        lse_s = torch.full((hkv, 1, rows), float("-inf"))
+        lse_s[:, :, : groups * t] = sink
+        o = torch.cat((o, torch.zeros(hkv, 1, rows, dim)), 1)
+        lse = torch.cat((lse, lse_s), 1)  # two partials at least: merge_partials merges
     return merge_partials(o, lse, h, t, q.dtype)

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from dflash.backends.plain import TransformersBackend
 from dflash.backends.static.capture import StaticGraphs
 from dflash.backends.static.device_loop import DeviceLoop
+from dflash.backends.static.families import allocate, family_forward, family_refusal, family_type, layer_specs
 from dflash.backends.static.draft import (
     draft_forward_fused,
     draft_rope_fits,
@@ -78,6 +79,8 @@ def static_refusal(target: Any) -> str | None:
     forwards fuse (:func:`~dflash.backends.static.fused.target_fusable`)."""
     cfg = target.config
     family = getattr(cfg, "model_type", None)
+    if family_type(target) is not None:  # gpt-oss, Gemma 3/4 text (dflash.backends.static.families)
+        return family_refusal(target)
     if family not in SUPPORTED_TYPES:
         return f"{family} targets run on the plain path"
     rope = getattr(cfg, "rope_parameters", None) or {}
@@ -194,18 +197,24 @@ class StaticBackend(StaticGraphs, TransformersBackend):
         self.plan = plan_graphs(self.draft_block_size, draft is not None, uniform_width)
         self._compiled: dict[str, Any] = {}
         cfg = target.config
-        self.n_layers, self.kv_heads = cfg.num_hidden_layers, cfg.num_key_value_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.heads = cfg.num_attention_heads
+        # gpt-oss, Gemma 3/4: per-layer layouts and their own forward (dflash.backends.static.families)
+        self.family = layer_specs(target) if family_type(target) else None
+        self.n_layers, self.heads = cfg.num_hidden_layers, cfg.num_attention_heads
+        if self.family is not None:  # layer 0's (Gemma 4's global layers have others)
+            self.kv_heads, self.head_dim = self.family[0].kv_heads, self.family[0].head_dim
+        else:
+            self.kv_heads = cfg.num_key_value_heads
+            self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         rot = target.model.rotary_emb
-        self.inv_freq, self.rope_scale = rot.inv_freq.float(), float(rot.attention_scaling)
+        if self.family is None:
+            self.inv_freq, self.rope_scale = rot.inv_freq.float(), float(rot.attention_scaling)
         self.dtype = self.embed_weight.dtype
         self.windows = layer_windows(cfg)  # per layer: sliding window W or None
         self.moe_route = moe_route(device, self.dtype)  # expert blocks: gather or grouped_mm
         self.feature_layers: dict[int, list[int]] = {}  # layer -> feature slots (ids may repeat)
         for n, i in enumerate(self.layer_ids):
             self.feature_layers.setdefault(i - 1, []).append(n)
-        self.fused_target = fuse_target(target)  # one qkv and one gate+up matmul per layer
+        self.fused_target = fuse_target(target) if self.family is None else []  # one qkv, one gate+up matmul per layer
         self.fused_draft = fuse_draft(draft) if draft is not None else None
         if self.fused_draft is not None:  # the device loop's draft skips its final norm
             self.draft_head.fold_norm(draft.norm.weight)
@@ -236,7 +245,7 @@ class StaticBackend(StaticGraphs, TransformersBackend):
         # o_proj/down_proj of the fused forwards for <= 32 rows: one Triton kernel each with the
         # residual add fused in, or torch (see dflash.kernels.small_linear)
         linear = linear_mode(settings.linear, device)
-        self.linear = linear if small_linear_fits(target) else "torch"
+        self.linear = linear if self.family is None and small_linear_fits(target) else "torch"
         self.draft_linear = self.fused_draft is not None and linear != "torch" and draft_small_linear_fits(draft)
         # the fused qkv and gate+up projections too, in forwards of up to linear_in rows (every
         # width under "auto" and "all")
@@ -284,7 +293,7 @@ class StaticBackend(StaticGraphs, TransformersBackend):
         elif self.folded_draft is None:
             self.folded_draft = fold_norms(draft.layers, self.fused_draft, ("post",))
         # the target's stand-alone norms through one Triton kernel each
-        self.norm_kernel = (settings.norm_kernel and device.type == "cuda" and rms_norm_available()
+        self.norm_kernel = (settings.norm_kernel and device.type == "cuda" and rms_norm_available() and self.family is None
                             and not self.fuse_norm
                             and all(rms_norm_fits(n, self.dtype) for n in _target_norms(target)))  # fmt: skip
         # programmatic dependent launch of this project's kernels, per forward
@@ -318,8 +327,11 @@ class StaticBackend(StaticGraphs, TransformersBackend):
     def _allocate(self, capacity: int) -> None:
         dev, dt = self.device, self.dtype
         shape = (1, self.kv_heads, capacity, self.head_dim)
-        self.k = [torch.zeros(shape, dtype=dt, device=dev) for _ in range(self.n_layers)]
-        self.v = [torch.zeros(shape, dtype=dt, device=dev) for _ in range(self.n_layers)]
+        if self.family is not None:  # per-layer layouts; a layer sharing K/V holds its source's buffers
+            self.k, self.v = allocate(self.family, capacity, dt, dev)
+        else:
+            self.k = [torch.zeros(shape, dtype=dt, device=dev) for _ in range(self.n_layers)]
+            self.v = [torch.zeros(shape, dtype=dt, device=dev) for _ in range(self.n_layers)]
         self.key_pos = torch.arange(capacity, device=dev)
         width = len(self.layer_ids) * self.target.config.hidden_size
         self.feats = torch.zeros(capacity, max(width, 1), dtype=dt, device=dev)  # [S, F]
@@ -337,7 +349,10 @@ class StaticBackend(StaticGraphs, TransformersBackend):
     # -- forwards -------------------------------------------------------------------------
     def _target_forward(self, ids: torch.Tensor, pos: torch.Tensor):
         """ids, pos [1, T] -> logits [T, V]; writes K/V and features at pos
-        (:func:`~dflash.backends.static.fused.target_forward_fused`)."""
+        (:func:`~dflash.backends.static.fused.target_forward_fused`; gpt-oss and Gemma:
+        :func:`~dflash.backends.static.families.family_forward`)."""
+        if self.family is not None:
+            return family_forward(self, ids, pos)
         return target_forward_fused(self, ids, pos)
 
     def _draft_forward(self, block: torch.Tensor, start: torch.Tensor, ctx_pos: torch.Tensor,
@@ -450,7 +465,10 @@ class StaticBackend(StaticGraphs, TransformersBackend):
                 "verify_widths": list(self.plan.verify_widths),
                 "device_loop": self.device_loop is not None,
                 **({"sliding_windows": sorted({w for w in self.windows if w})} if any(self.windows) else {}),
-                **({"moe_route": self.moe_route} if any(gu is None for _, gu in self.fused_target) else {}),
+                **({"moe_route": self.moe_route} if any(gu is None for _, gu in self.fused_target)
+                   or family_type(self.target) == "gpt_oss"
+                   or any(getattr(layer, "enable_moe_block", False) for layer in self.target.model.layers) else {}),
+                **({"family": family_type(self.target)} if self.family is not None else {}),
                 "attention": self.attention, "linear": self.linear,
                 # rows up to which the in-projections run small_linear (the draft: all or none)
                 "linear_in": {"target": self.linear_in, "draft": MAX_ROWS if self.draft_linear_in else 0},

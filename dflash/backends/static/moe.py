@@ -92,24 +92,142 @@ def moe_forward(mlp: Any, h: torch.Tensor, how: str = "gather") -> torch.Tensor:
         how: ``gather`` or ``grouped`` (:func:`moe_route`).
     """
     x = h[0]  # [T, H]
-    t, k = x.shape[0], mlp.gate.top_k
     weights, experts = route(mlp, x)  # [T, K]
-    gu_w, down_w, act = mlp.experts.gate_up_proj, mlp.experts.down_proj, mlp.experts.act_fn
+    ex = mlp.experts
+    act = ex.act_fn
+
+    def glu(gu: torch.Tensor) -> torch.Tensor:
+        g, u = gu.chunk(2, dim=-1)
+        return act(g) * u
+
+    return apply_experts(x, weights, experts, ex.gate_up_proj, ex.down_proj, glu, how).to(h.dtype)[None]
+
+
+def apply_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gu_w: torch.Tensor,
+                  down_w: torch.Tensor, glu, how: str = "gather", gu_b: torch.Tensor | None = None,
+                  down_b: torch.Tensor | None = None, transposed: bool = False) -> torch.Tensor:  # fmt: skip
+    """sum_k weights[t, k] * down_e(glu(gate_up_e(x[t]))) over the K experts e = experts[t, k]
+    of each row, with fixed shapes (CUDA-graph safe).
+
+    Args:
+        x: [T, H] rows; weights: [T, K] routing weights; experts: [T, K] int64 expert ids.
+        gu_w, down_w: [E, 2I, H] and [E, H, I] (``F.linear`` layout), or with ``transposed``
+            [E, H, 2I] and [E, I, H] (``x @ W``, gpt-oss).
+        glu: [N, 2I] -> [N, I], the gated activation (which half is the gate is the family's).
+        how: ``gather`` or ``grouped`` (:func:`moe_route`).
+        gu_b, down_b: [E, 2I] and [E, H] per-expert biases, or None.
+    Returns:
+        [T, H] in the product's dtype (float32 when the weights are), the K slots summed in
+        slot order.
+    """
+    t, k = experts.shape
     flat = experts.reshape(-1)  # [T*K] expert of each (row, slot)
+    gu_t = gu_w if transposed else gu_w.transpose(-2, -1)  # [E, H, 2I] views
+    down_t = down_w if transposed else down_w.transpose(-2, -1)  # [E, I, H]
     if how == "grouped":
         order = torch.argsort(flat, stable=True)  # pairs grouped by expert
         rows = torch.div(order, k, rounding_mode="floor")
         counts = torch.zeros(gu_w.shape[0], dtype=torch.int32, device=x.device)
         counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
         offs = counts.cumsum(0, dtype=torch.int32)  # [E] end of each expert's group
-        gu = F.grouped_mm(x[rows].to(gu_w.dtype), gu_w.transpose(-2, -1), offs=offs)  # [T*K, 2I]
-        g, u = gu.chunk(2, dim=-1)
-        y = F.grouped_mm(act(g) * u, down_w.transpose(-2, -1), offs=offs)  # [T*K, H], sorted
+        sorted_e = flat[order]
+        gu = F.grouped_mm(x[rows].to(gu_w.dtype), gu_t, offs=offs)  # [T*K, 2I]
+        if gu_b is not None:
+            gu = gu + gu_b[sorted_e]
+        y = F.grouped_mm(glu(gu), down_t, offs=offs)  # [T*K, H], sorted
+        if down_b is not None:
+            y = y + down_b[sorted_e]
         y = torch.empty_like(y).index_copy_(0, order, y)  # back to (row, slot) order
     else:
         xs = x[:, None, :].expand(t, k, x.shape[1]).reshape(t * k, 1, x.shape[1])  # [T*K, 1, H]
-        gu = torch.bmm(xs, gu_w[flat].transpose(1, 2))[:, 0]  # [T*K, 2I]
+        gu = torch.bmm(xs.to(gu_w.dtype), gu_t[flat])[:, 0]  # [T*K, 2I]
+        if gu_b is not None:
+            gu = gu + gu_b[flat]
+        y = torch.bmm(glu(gu)[:, None, :], down_t[flat])[:, 0]  # [T*K, H]
+        if down_b is not None:
+            y = y + down_b[flat]
+    return (y.view(t, k, -1) * weights[..., None]).sum(1)
+
+
+def gpt_oss_block(mlp: Any) -> bool:
+    """Whether ``mlp`` is a gpt-oss expert block (transformers' ``GptOssMLP``): a ``router``
+    with a [E, H] ``weight``, an [E] ``bias`` and ``top_k``; ``experts`` with [E, H, 2I]
+    ``gate_up_proj`` (gate and up interleaved), [E, 2I] ``gate_up_proj_bias``, [E, I, H]
+    ``down_proj``, [E, H] ``down_proj_bias``, ``alpha`` and ``limit``."""
+    router, ex = getattr(mlp, "router", None), getattr(mlp, "experts", None)
+    names = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
+    if router is None or ex is None or not hasattr(router, "top_k") or not all(hasattr(ex, n) for n in names):
+        return False
+    w, b = getattr(router, "weight", None), getattr(router, "bias", None)
+    gu, gub, down, downb = (getattr(ex, n) for n in names)
+    if not all(isinstance(x, torch.Tensor) for x in (w, b, gu, gub, down, downb)) or w.dim() != 2:
+        return False
+    e, hidden = w.shape
+    inter = down.shape[1] if down.dim() == 3 else -1
+    return (gu.shape == (e, hidden, 2 * inter) and down.shape == (e, inter, hidden) and gub.shape == (e, 2 * inter)
+            and downb.shape == (e, hidden) and b.shape == (e,)
+            and isinstance(getattr(ex, "alpha", None), (int, float))
+            and isinstance(getattr(ex, "limit", None), (int, float)))  # fmt: skip
+
+
+def gpt_oss_forward(mlp: Any, h: torch.Tensor, how: str = "gather") -> torch.Tensor:
+    """A gpt-oss expert block (:func:`gpt_oss_block`) on normed activations h [1, T, H] ->
+    [1, T, H], as transformers computes it: router logits h W^T + b, top-K of the logits, a
+    softmax over those K (in the logits' dtype); per expert gate_up = x W + b, gate and up
+    interleaved (even and odd columns), gate clamped to <= limit and up to [-limit, limit],
+    (up + 1) * gate * sigmoid(alpha * gate), then down = . W + b."""
+    x = h[0]
+    router, ex = mlp.router, mlp.experts
+    logits = F.linear(x, router.weight, router.bias)  # [T, E]
+    top, idx = torch.topk(logits, router.top_k, dim=-1)
+    weights = torch.softmax(top, dim=1, dtype=top.dtype)
+    alpha, limit = float(ex.alpha), float(ex.limit)
+
+    def glu(gu: torch.Tensor) -> torch.Tensor:
+        gate, up = gu[..., ::2].clamp(max=limit), gu[..., 1::2].clamp(min=-limit, max=limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+    y = apply_experts(x, weights, idx, ex.gate_up_proj, ex.down_proj, glu, how, ex.gate_up_proj_bias,
+                      ex.down_proj_bias, transposed=True)  # fmt: skip
+    return y.to(h.dtype)[None]
+
+
+def gemma4_block(layer: Any) -> bool:
+    """Whether a Gemma 4 decoder layer has an expert block this module runs (transformers'
+    ``Gemma4TextRouter`` and ``Gemma4TextExperts``: [E, 2I, H] ``gate_up_proj``, [E, H, I]
+    ``down_proj``, no biases)."""
+    router, ex = getattr(layer, "router", None), getattr(layer, "experts", None)
+    if router is None or ex is None:
+        return False
+    need = (getattr(router, "proj", None), getattr(router, "scale", None), getattr(router, "per_expert_scale", None),
+            getattr(ex, "gate_up_proj", None), getattr(ex, "down_proj", None))  # fmt: skip
+    if not all(isinstance(getattr(n, "weight", n), torch.Tensor) for n in need):
+        return False
+    e = router.proj.weight.shape[0]
+    return (ex.gate_up_proj.dim() == 3 and ex.gate_up_proj.shape[0] == e and ex.down_proj.dim() == 3
+            and callable(getattr(ex, "act_fn", None)) and callable(getattr(router, "norm", None))
+            and isinstance(getattr(getattr(router, "config", None), "top_k_experts", None), int))  # fmt: skip
+
+
+def gemma4_moe_forward(layer: Any, residual: torch.Tensor, how: str = "gather") -> torch.Tensor:
+    """A Gemma 4 layer's expert branch on its un-normed input rows residual [1, T, H] ->
+    [1, T, H] (before ``post_feedforward_layernorm_2``), as transformers computes it: the
+    router on norm(x) * scale * H^-1/2, a float32 softmax over all experts, top-K, renormalised,
+    times the chosen experts' ``per_expert_scale``; the experts on
+    ``pre_feedforward_layernorm_2(x)``: down(act(gate) * up)."""
+    x = residual[0]
+    router, ex = layer.router, layer.experts
+    hs = router.norm(x) * router.scale * router.scalar_root_size
+    probs = torch.softmax(router.proj(hs), dim=-1, dtype=torch.float32)
+    top, idx = torch.topk(probs, router.config.top_k_experts, dim=-1)
+    top = top / top.sum(dim=-1, keepdim=True)
+    top = top * router.per_expert_scale[idx]
+    act = ex.act_fn
+
+    def glu(gu: torch.Tensor) -> torch.Tensor:
         g, u = gu.chunk(2, dim=-1)
-        y = torch.bmm((act(g) * u)[:, None, :], down_w[flat].transpose(1, 2))[:, 0]  # [T*K, H]
-    y = y.view(t, k, -1) * weights[..., None]
-    return y.sum(1).to(h.dtype)[None]
+        return act(g) * u
+
+    h2 = layer.pre_feedforward_layernorm_2(x)
+    y = apply_experts(h2, top, idx, ex.gate_up_proj, ex.down_proj, glu, how)
+    return y.to(residual.dtype)[None]

@@ -1,0 +1,253 @@
+"""Static (CUDA-graph) target forwards of gpt-oss, Gemma 3 and Gemma 4 text targets.
+
+These families differ from the Llama-like layout :func:`~dflash.backends.static.fused.target_forward_fused`
+runs, so their forward is written here, over the HF model's own modules (norms, projections, MLPs,
+embeddings: their maths is transformers' by construction), with the KV cache in position-indexed
+buffers as for the other families (a sliding window is a position mask; rollback is free):
+
+- gpt-oss: attention sinks (a per-head logit in each softmax's denominator, with no value),
+  alternating sliding (128) and full layers, its expert blocks
+  (:func:`~dflash.backends.static.moe.gpt_oss_forward`);
+- Gemma 3: scaled embeddings (the embedding module's sqrt(hidden) in the weights' dtype), the
+  (1 + w) RMSNorms (the modules), q/k norms, the query pre-attention scalar (the module's
+  ``scaling``), local/global RoPE bases (one table per layer type), pre/post feed-forward norms,
+  final logit soft-capping;
+- Gemma 4: as Gemma 3, plus per-layer head dims and KV heads (the global layers' ``global_head_dim``),
+  ``attention_k_eq_v`` (v from the raw k projection), the v norm, per-layer inputs, the layer
+  scalar, layers that reuse an earlier layer's K/V (``num_kv_shared_layers``: they read that
+  layer's buffers), and the expert branch beside the dense MLP
+  (:func:`~dflash.backends.static.moe.gemma4_moe_forward`).
+
+Transformers 5.17 and 5.25 agree on every piece used here (checked side by side). Attention
+runs the split-KV kernel (:func:`~dflash.kernels.split_attention.split_attention`, with windows
+and sinks) where the backend's ``attention`` mode takes it and the head dim is at most
+:data:`KERNEL_MAX_HEAD_DIM`; else SDPA with the position mask, or, with sinks, the softmax over
+the scores and the sink column written out (float32), as transformers' eager attention.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from dflash.backends.static.moe import gemma4_block, gemma4_moe_forward, gpt_oss_block, gpt_oss_forward
+from dflash.kernels.split_attention import split_attention, uses_kernel
+from dflash.models.draft_torch import rope_cos_sin
+
+FAMILY_TYPES = ("gpt_oss", "gemma3_text", "gemma4_text")
+KERNEL_MAX_HEAD_DIM = 256  # larger heads (Gemma 4's global 512) attend through SDPA
+
+
+@dataclass
+class LayerSpec:
+    """One target layer's attention layout.
+
+    Attributes:
+        heads, kv_heads, head_dim: query heads, K/V heads and head dim of this layer.
+        window: sliding window W (tokens; keys at positions > pos - W seen) or None (full).
+        rope: the layer type whose RoPE table it uses (None: the model's one table).
+        scale: the softmax scale (the module's ``scaling``).
+        src: the layer whose K/V buffers it reads (itself, or the layer it shares K/V with).
+        sinks: [H] attention-sink logits (gpt-oss) or None.
+    """
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    window: int | None
+    rope: str | None
+    scale: float
+    src: int
+    sinks: torch.Tensor | None = None
+
+
+def family_type(target: Any) -> str | None:
+    """The target's model type when this module runs it (:data:`FAMILY_TYPES`), else None."""
+    family = getattr(getattr(target, "config", None), "model_type", None)
+    return family if family in FAMILY_TYPES else None
+
+
+def family_refusal(target: Any) -> str | None:
+    """Why the static path cannot run this gpt-oss / Gemma 3 / Gemma 4 target (one phrase), or None."""
+    cfg, family = target.config, family_type(target)
+    inner = getattr(target, "model", None)
+    if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "embed_tokens"):
+        return f"the {family} target's module layout is not transformers' causal LM"
+    kinds = list(getattr(cfg, "layer_types", None) or [])
+    if len(kinds) != len(inner.layers) or any(k not in ("full_attention", "sliding_attention") for k in kinds):
+        return f"layer kinds {sorted(set(kinds))} run on the plain path"
+    if "sliding_attention" in kinds and not (isinstance(cfg.sliding_window, int) and cfg.sliding_window > 0):
+        return "sliding layers need a positive sliding_window"
+    if family == "gemma3_text" and getattr(cfg, "use_bidirectional_attention", False):
+        return "bidirectional attention runs on the plain path"
+    if family == "gemma4_text":
+        if getattr(cfg, "use_bidirectional_attention", None) == "all":
+            return "bidirectional attention runs on the plain path"
+        if int(getattr(cfg, "num_kv_shared_layers", 0) or 0) >= len(kinds):
+            return "a Gemma 4 target whose every layer shares K/V runs on the plain path"
+    for layer in inner.layers:
+        a = layer.self_attn
+        projs = [a.q_proj, a.o_proj] + [m for m in (getattr(a, "k_proj", None), getattr(a, "v_proj", None)) if m]
+        if any(type(m).forward is not torch.nn.Linear.forward for m in projs):
+            return "its attention projections are not plain linears (quantized?)"
+        if family == "gpt_oss":
+            if not gpt_oss_block(layer.mlp) or not isinstance(getattr(a, "sinks", None), torch.Tensor):
+                return "its expert blocks or attention sinks are not transformers' gpt-oss layout"
+        elif family == "gemma4_text" and getattr(layer, "enable_moe_block", False) and not gemma4_block(layer):
+            return "its expert blocks are not transformers' Gemma 4 layout"
+    return None
+
+
+def layer_specs(target: Any) -> list[LayerSpec]:
+    """Per target layer its :class:`LayerSpec` (the caller checked :func:`family_refusal`)."""
+    cfg, family = target.config, family_type(target)
+    kinds = list(cfg.layer_types)
+    heads = cfg.num_attention_heads
+    shared_from = len(kinds) - int(getattr(cfg, "num_kv_shared_layers", 0) or 0) if family == "gemma4_text" else len(kinds)
+    specs = []
+    for i, layer in enumerate(target.model.layers):
+        a, kind = layer.self_attn, kinds[i]
+        src = i
+        if i >= shared_from:  # reuses the K/V of the last earlier layer of its kind
+            src = max(j for j in range(shared_from) if kinds[j] == kind)
+        owner = target.model.layers[src].self_attn
+        hd = int(a.head_dim)
+        specs.append(LayerSpec(heads=heads, kv_heads=owner.k_proj.out_features // hd, head_dim=hd,
+                               window=cfg.sliding_window if kind == "sliding_attention" else None,
+                               rope=None if family == "gpt_oss" else kind, scale=float(a.scaling), src=src,
+                               sinks=a.sinks if family == "gpt_oss" else None))  # fmt: skip
+    return specs
+
+
+def allocate(specs: list[LayerSpec], capacity: int, dtype, device) -> tuple[list, list]:
+    """K and V buffers [1, Hkv_i, S, D_i] per layer (a layer sharing K/V gets its source's)."""
+    ks, vs = [], []
+    for i, s in enumerate(specs):
+        if s.src != i:
+            ks.append(ks[s.src])
+            vs.append(vs[s.src])
+            continue
+        shape = (1, s.kv_heads, capacity, s.head_dim)
+        ks.append(torch.zeros(shape, dtype=dtype, device=device))
+        vs.append(torch.zeros(shape, dtype=dtype, device=device))
+    return ks, vs
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [1, H, T, D] rotated as transformers' ``apply_rotary_pos_emb`` (half-split)."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), -1) * sin
+
+
+def attend_sinks(q, k, v, mask, scale: float, sinks: torch.Tensor) -> torch.Tensor:
+    """softmax over [q k^T * scale, sink] without the sink's column, times v, in float32 (as
+    transformers' eager gpt-oss attention): q [1, H, T, D], k/v [1, Hkv, S, D], mask bool
+    [1, 1, T, S], sinks [H] -> [1, H, T, D] in q's dtype."""
+    _, h, t, d = q.shape
+    hkv = k.shape[1]
+    qg = q.float().view(1, hkv, h // hkv, t, d)
+    s = (qg @ k.float()[:, :, None].transpose(-1, -2)) * scale  # [1, Hkv, G, T, S]
+    s = s.masked_fill(~mask[:, :, None], float("-inf"))
+    sink = sinks.float().view(1, hkv, h // hkv, 1, 1).expand(1, hkv, h // hkv, t, 1)
+    s = torch.cat((s, sink), -1)
+    p = torch.softmax(s - s.amax(-1, keepdim=True), -1)[..., :-1]
+    return (p @ v.float()[:, :, None]).view(1, h, t, d).to(q.dtype)
+
+
+def _attention(be, spec: LayerSpec, q, pos, masks, split: bool, kl) -> torch.Tensor:
+    """The layer's attention over its K/V buffers: q [1, H, T, D] -> [1, H, T, D]."""
+    k, v = be.k[spec.src], be.v[spec.src]
+    if split and spec.head_dim <= KERNEL_MAX_HEAD_DIM:
+        return split_attention(q, k, v, pos[0], spec.scale, launch=kl, window=spec.window, sinks=spec.sinks)
+    if spec.sinks is not None:
+        return attend_sinks(q, k, v, masks[spec.window], spec.scale, spec.sinks)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=masks[spec.window], scale=spec.scale,
+                                          enable_gqa=q.shape[1] != k.shape[1])  # fmt: skip
+
+
+def _rope_tables(be, pos: torch.Tensor) -> dict:
+    """RoPE cos/sin [1, 1, T, D] per layer type (None: the one table), from the target's rotary
+    module's buffers, as transformers computes them (float32, then the model's dtype)."""
+    rot, out = be.target.model.rotary_emb, {}
+    for key in {s.rope for s in be.family}:
+        if key is None:
+            inv, scale = rot.inv_freq, rot.attention_scaling
+        else:
+            inv, scale = getattr(rot, f"{key}_inv_freq"), getattr(rot, f"{key}_attention_scaling")
+        out[key] = rope_cos_sin(pos, inv.float(), float(scale), be.dtype)
+    return out
+
+
+def family_forward(be, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """The static forward of a gpt-oss / Gemma 3 / Gemma 4 target (``be``: a StaticBackend
+    whose ``family`` is its :func:`layer_specs`): ids, pos [1, T] -> logits [T, V] (soft-capped
+    as the model's ``final_logit_softcapping`` says); writes K/V at ``pos`` and the target's
+    features (HF ``hidden_states``, the last one final-normed) at ``pos``."""
+    target, family = be.target, family_type(be.target)
+    inner, cfg = target.model, target.config
+    t = ids.shape[-1]
+    kl = be.launch["target"]
+    x = inner.embed_tokens(ids)  # [1, T, H]; Gemma: times sqrt(H) in the weights' dtype
+    pli = None
+    if family == "gemma4_text" and getattr(inner, "hidden_size_per_layer_input", 0):
+        pli = inner.project_per_layer_inputs(x, inner.get_per_layer_inputs(ids, x))  # [1, T, L, P]
+    tables = _rope_tables(be, pos)
+    split = uses_kernel(be.attention, t)
+    masks = {}
+    if not split or any(s.head_dim > KERNEL_MAX_HEAD_DIM for s in be.family):
+        causal = be.key_pos[None, :] <= pos[0, :, None]
+        for w in {s.window for s in be.family}:
+            masks[w] = (causal if w is None else causal & (be.key_pos[None, :] > pos[0, :, None] - w))[None, None]
+    slots: list[torch.Tensor] = [None] * len(be.layer_ids)  # type: ignore[list-item]
+    n_layers = len(be.family)
+    for i, layer in enumerate(inner.layers):
+        spec, a = be.family[i], layer.self_attn
+        hd = spec.head_dim
+        cos, sin = tables[spec.rope]
+        h = layer.input_layernorm(x)
+        q = a.q_proj(h).view(1, t, spec.heads, hd)
+        if family != "gpt_oss":
+            q = a.q_norm(q)
+        q = _rotate(q.transpose(1, 2), cos, sin)  # [1, H, T, D]
+        if spec.src == i:  # this layer writes its K/V rows (a sharing layer reads its source's)
+            kr = a.k_proj(h).view(1, t, spec.kv_heads, hd)
+            vr = kr if getattr(a, "v_proj", None) is None else a.v_proj(h).view(1, t, spec.kv_heads, hd)
+            if family != "gpt_oss":
+                kr = a.k_norm(kr)
+            if family == "gemma4_text":
+                vr = a.v_norm(vr)
+            be.k[i].index_copy_(2, pos[0], _rotate(kr.transpose(1, 2), cos, sin))
+            be.v[i].index_copy_(2, pos[0], vr.transpose(1, 2))
+        o = _attention(be, spec, q, pos, masks, split, kl)
+        o = a.o_proj(o.transpose(1, 2).reshape(1, t, spec.heads * hd))
+        if family == "gpt_oss":
+            x = x + o
+            x = x + gpt_oss_forward(layer.mlp, layer.post_attention_layernorm(x), be.moe_route)
+        else:
+            x = x + layer.post_attention_layernorm(o)
+            m = layer.mlp(layer.pre_feedforward_layernorm(x))
+            if family == "gemma4_text" and getattr(layer, "enable_moe_block", False):
+                m = layer.post_feedforward_layernorm_1(m) + layer.post_feedforward_layernorm_2(
+                    gemma4_moe_forward(layer, x, be.moe_route))
+            x = x + layer.post_feedforward_layernorm(m)
+            if pli is not None:
+                g = layer.act_fn(layer.per_layer_input_gate(x)) * pli[:, :, i]
+                x = x + layer.post_per_layer_input_norm(layer.per_layer_projection(g))
+            if family == "gemma4_text":
+                x = x * layer.layer_scalar
+        if i < n_layers - 1:
+            for n in be.feature_layers.get(i, ()):
+                slots[n] = x[0]
+    x = inner.norm(x)
+    for n in be.feature_layers.get(n_layers - 1, ()):  # HF's hidden_states[N] is final-normed
+        slots[n] = x[0]
+    if be.layer_ids:
+        be.feats.index_copy_(0, pos[0], torch.cat(slots, dim=-1))
+    logits = be.lm_head(x)[0]  # [T, V]
+    cap = getattr(cfg, "final_logit_softcapping", None)
+    if cap is not None:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
