@@ -1,6 +1,7 @@
 """GPU check of the static (CUDA-graph) path on sliding-window, interleaved and MoE targets.
 
-    PYTHONPATH=. python3 scripts/gpu_check_static_families.py [--only kernel,tiny,big] [--out DIR]
+    PYTHONPATH=. python3 scripts/gpu_check_static_families.py [--only kernel,tiny,big,parity] [--out DIR]
+        [--families gpt_oss,gemma3_text,...] [--shapes gpt_oss_20b,...]
 
 Prints one JSON object (also written to ``DIR/gpu_check_static_families.json``, DIR = --out,
 else $OUT, else ./gpu_check_out) and exits 1 when a check fails:
@@ -8,13 +9,19 @@ else $OUT, else ./gpu_check_out) and exits 1 when a check fails:
 - ``kernel``: the split-KV attention kernel with a sliding window (float32 and bf16; 1- and
   16-row queries; windows 1 to past the filled length; caches of several slices) against SDPA
   with the window mask; and the MoE block's ``gather`` and ``grouped`` routes against
-  transformers' own expert block (a Qwen3-30B-A3B-shaped layer, bf16 and float32).
+  transformers' own expert block (a Qwen3-30B-A3B-shaped layer, bf16 and float32); the kernel
+  with attention sinks (gpt-oss's head layout) against the softmax with the sink column; gpt-oss's
+  and Gemma 4's expert blocks against transformers' (one layer of their shapes).
 - ``tiny``: random float32 targets of each family the static path now runs (Mistral with a
   window of 8, Qwen2 with ``use_sliding_window``, Qwen3 with interleaved ``layer_types``,
-  Qwen3-MoE with and without windows), prompts of 40 tokens: the static path's greedy ids with
+  Qwen3-MoE with and without windows; gpt-oss, Gemma 3 text, Gemma 4 text with MoE and with
+  shared K/V layers: the test helpers' configs), prompts of 40 tokens: the static path's greedy ids with
   CUDA graphs (device loop; SDPA and the split-KV kernel; blocks 1, 4, 16; a scripted draft that
   proposes the truth: full blocks) equal HF ``generate`` and the plain path.
-- ``big``: random targets of published shapes, fewer layers where memory asks (Mistral-7B with
+- ``big``: step times of gpt-oss-20b, Qwen3-Coder-30B-A3B (24 of 48 layers) and Gemma-4-31B text
+  (30 of 60 layers) shaped random bf16 targets against the HBM floor, block 16 against block 1,
+  and HF ``generate`` on the same shape (``scripts/static_families_perf.py``; reported, not checked).
+- ``parity``: random targets of published shapes, fewer layers where memory asks (Mistral-7B with
   a 256-token window, 600-token prompts; Qwen3-30B-A3B with 8 of its 48 layers): float32 (SDPA
   with the window masks), the static path's ids against the plain path's (expected equal); bf16
   (every kernel: the split-KV kernel with windows, grouped_mm experts),
@@ -37,6 +44,8 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
+from static_families_perf import check_perf  # noqa: E402
 
 WINDOW = 8
 INTERLEAVED = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention",
@@ -62,17 +71,37 @@ BIG = {
     "mistral_7b_w256": ("MistralConfig", MISTRAL_7B),
     "qwen3_30b_a3b_8layers": ("Qwen3MoeConfig", QWEN3_30B_A3B),
 }
+# families with their own static forward (dflash.backends.static.families), tiny configs from
+# tests/helpers/target_families.py (window 8, float32)
+PERF_MOE_LAYERS = {  # one layer each, for the expert-block checks
+    "gpt_oss": ("GptOssConfig", dict(vocab_size=1024, hidden_size=2880, intermediate_size=2880, num_hidden_layers=1,
+                                     num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=32,
+                                     num_experts_per_tok=4, sliding_window=128, layer_types=["sliding_attention"])),
+    "gemma4_moe": ("Gemma4TextConfig", dict(vocab_size=1024, hidden_size=2816, intermediate_size=2112,
+                                            num_hidden_layers=1, num_attention_heads=16, num_key_value_heads=8,
+                                            head_dim=256, enable_moe_block=True, num_experts=128, top_k_experts=8,
+                                            moe_intermediate_size=704, hidden_size_per_layer_input=0,
+                                            layer_types=["sliding_attention"])),
+}  # fmt: skip
+FAMILY_TINY = ["gpt_oss", "gemma3_text", "gemma4_text", "gemma4_moe", "gemma4_kv_shared"]
 
 
 def build_target(
-    cls_name: str, kwargs: dict, dtype: torch.dtype, dev: torch.device, init: float, seed: int = 0
+    cls_name: str,
+    kwargs: dict,
+    dtype: torch.dtype,
+    dev: torch.device,
+    init: float,
+    seed: int = 0,
+    cfg=None,
 ):
-    """A random target built on ``dev`` in ``dtype`` (eval mode)."""
+    """A random target built on ``dev`` in ``dtype`` (eval mode); ``cfg``: this config instead."""
     import transformers
 
-    cfg = getattr(transformers, cls_name)(
-        **kwargs, tie_word_embeddings=False, initializer_range=init
-    )
+    if cfg is None:
+        cfg = getattr(transformers, cls_name)(
+            **kwargs, tie_word_embeddings=False, initializer_range=init
+        )
     torch.manual_seed(seed)
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -83,12 +112,12 @@ def build_target(
         torch.set_default_dtype(default)
 
 
-def build_draft(target, dev: torch.device, seed: int = 0):
+def build_draft(target, dev: torch.device, seed: int = 0, layers: int = 2):
     from dflash.models.draft_torch import DFlashDraft
     from dflash.models.init_draft import draft_config_for
 
     cfg = target.config
-    dcfg = draft_config_for(cfg, layers=2, block_size=16, mask_token_id=cfg.vocab_size - 1,
+    dcfg = draft_config_for(cfg, layers=layers, block_size=16, mask_token_id=cfg.vocab_size - 1,
                             vocab_rows=cfg.vocab_size)  # fmt: skip
     torch.manual_seed(seed)
     return DFlashDraft(dcfg).to(dev, target.dtype).eval()
@@ -173,6 +202,10 @@ def check_kernel(dev: torch.device) -> dict:
                     ok &= good
                     if not good or (split == 256 and one == 0):
                         out["attention"].append(dict(case, err=err, ok=good))
+    out["sinks"] = check_sinks(dev)
+    ok &= all(r["ok"] for r in out["sinks"])
+    out["family_moe"] = check_family_moe(dev)
+    ok &= all(r["ok"] for r in out["family_moe"])
     shape = dict(QWEN3_30B_A3B, num_hidden_layers=1)
     for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 5e-2)):
         block = build_target("Qwen3MoeConfig", shape, dtype, dev, 0.02).model.layers[0].mlp
@@ -198,17 +231,112 @@ def check_kernel(dev: torch.device) -> dict:
     return out
 
 
-def check_tiny(dev: torch.device) -> dict:
+def check_sinks(dev: torch.device) -> list:
+    """The split-KV kernel with attention sinks (gpt-oss's layout: 64 heads, 8 KV heads, D 64;
+    windows 128 and none; 1 and 16 rows; one slice and several) against the softmax over the
+    scores and the sink column written out (float32)."""
+    from dflash.backends.static.families import attend_sinks
+    from dflash.kernels import split_attention as sa
+    from dflash.kernels.settings import KernelSettings, Launch
+
+    rows = []
+    for dtype, tol in ((torch.bfloat16, 3e-2), (torch.float32, 1e-4)):
+        for h, hkv, t, d, cap, start in ((64, 8, 16, 64, 4096, 3000), (64, 8, 1, 64, 4096, 3000),
+                                         (64, 8, 16, 64, 1024, 200), (4, 2, 3, 16, 512, 40)):  # fmt: skip
+            g = torch.Generator(device=dev).manual_seed(0)
+            q = torch.randn(1, t, h, d, generator=g, device=dev, dtype=dtype).transpose(1, 2)
+            k, v = (
+                torch.randn(1, hkv, cap, d, generator=g, device=dev, dtype=dtype) for _ in range(2)
+            )
+            sinks = torch.randn(h, generator=g, device=dev) * 4
+            pos = torch.arange(start, start + t, device=dev)
+            keys = torch.arange(cap, device=dev)[None, :]
+            for window in (None, 128):
+                mask = keys <= pos[:, None]
+                if window:
+                    mask = mask & (keys > pos[:, None] - window)
+                want = attend_sinks(q.float(), k.float(), v.float(), mask[None, None], 0.125, sinks)
+                for split in (256, cap):
+                    case = dict(
+                        dtype=str(dtype),
+                        shape=[h, hkv, t, d, cap, start],
+                        window=window,
+                        split=split,
+                    )
+                    try:
+                        launch = Launch(
+                            dataclasses.replace(KernelSettings(), attn_split=split), False
+                        )
+                        got = sa.split_attention(
+                            q, k, v, pos, 0.125, launch=launch, window=window, sinks=sinks
+                        )
+                        err = (got.float() - want).abs().max().item()
+                        good = err < tol
+                    except Exception as e:  # noqa: BLE001
+                        err, good = f"{type(e).__name__}: {e}"[:200], False
+                    rows.append(dict(case, err=err, ok=good))
+    return rows
+
+
+def check_family_moe(dev: torch.device) -> list:
+    """gpt-oss's and Gemma 4's expert blocks (one layer of gpt-oss-20b's and Gemma-4-26B-A4B's
+    shapes, approximately): the gather and grouped routes against transformers' own block."""
+    import torch.nn.functional as F
+
+    from dflash.backends.static.moe import gemma4_moe_forward, gpt_oss_forward
+
+    rows = []
+    for name, (cls_name, kwargs) in PERF_MOE_LAYERS.items():
+        for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 5e-2)):
+            model = build_target(cls_name, kwargs, dtype, dev, 0.02)
+            layer = model.model.layers[0]
+            hs = torch.randn(1, 16, kwargs["hidden_size"], device=dev, dtype=dtype)
+            with torch.no_grad():
+                if name == "gpt_oss":
+                    want = layer.mlp(hs)[0].float()
+                else:
+                    flat = hs[0]
+                    _, w, idx = layer.router(flat)
+                    want = layer.experts(layer.pre_feedforward_layernorm_2(flat), idx, w)[
+                        None
+                    ].float()
+                for route in ("gather", "grouped"):
+                    if route == "grouped" and (
+                        not hasattr(F, "grouped_mm") or dtype == torch.float32
+                    ):
+                        continue
+                    try:
+                        got = (gpt_oss_forward(layer.mlp, hs, route) if name == "gpt_oss"
+                               else gemma4_moe_forward(layer, hs, route)).float()  # fmt: skip
+                        err = ((got - want).abs().max() / want.abs().max()).item()
+                        good = err < tol
+                    except Exception as e:  # noqa: BLE001
+                        err, good = f"{type(e).__name__}: {e}"[:200], False
+                    rows.append(
+                        dict(block=name, dtype=str(dtype), route=route, rel_err=err, ok=good)
+                    )
+            del model
+            torch.cuda.empty_cache()
+    return rows
+
+
+def check_tiny(dev: torch.device, families=tuple(TINY) + tuple(FAMILY_TINY)) -> dict:
     """Every family, float32: static (graphs) == plain path == HF generate."""
     from dflash.backends.plain import TransformersBackend
     from dflash.backends.static.backend import StaticBackend
     from dflash.kernels.settings import KernelSettings
-    from tests.helpers.target_families import BASE
+    from tests.helpers.target_families import BASE, family_config
 
     prompt = torch.randint(4, 250, (40,), generator=torch.Generator().manual_seed(1)).tolist()
     res, ok = {}, True
-    for family, (cls_name, kwargs) in TINY.items():
-        target = build_target(cls_name, {**BASE, **kwargs}, torch.float32, dev, 0.3)
+    cases = [(f, TINY[f]) for f in TINY if f in families] + [
+        (f, None) for f in FAMILY_TINY if f in families
+    ]
+    for family, spec in cases:
+        if spec is None:  # gpt-oss, Gemma 3/4 text: the test helpers' configs
+            target = build_target("", {}, torch.float32, dev, 0.0, cfg=family_config(family))
+        else:
+            target = build_target(spec[0], {**BASE, **spec[1]}, torch.float32, dev, 0.3)
         draft = build_draft(target, dev)
         truth = hf_greedy(target, prompt, 48)
         row = {"varied": len(set(truth)) > 4}
@@ -316,7 +444,13 @@ def check_big(dev: torch.device) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", default="kernel,tiny,big", help="comma list of kernel, tiny, big")
+    ap.add_argument(
+        "--only", default="kernel,tiny,big", help="comma list of kernel, tiny, big, parity"
+    )
+    ap.add_argument(
+        "--families", default=",".join((*TINY, *FAMILY_TINY)), help="the tiny part's families"
+    )
+    ap.add_argument("--shapes", default="", help="the big part's shapes (default: all)")
     ap.add_argument("--out", default=os.environ.get("OUT") or "gpu_check_out")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -331,7 +465,14 @@ def main() -> int:
         report["transformers"], report["triton"] = transformers.__version__, triton.__version__
     except ImportError as e:
         report["import_error"] = str(e)
-    checks = {"kernel": check_kernel, "tiny": check_tiny, "big": check_big}
+    checks = {
+        "kernel": check_kernel,
+        "tiny": lambda d: check_tiny(d, args.families.split(",")),
+        "big": lambda d: check_perf(
+            d, build_target, build_draft, args.shapes.split(",") if args.shapes else None
+        ),
+        "parity": check_big,
+    }
     for name in args.only.split(","):
         t0 = time.perf_counter()
         try:

@@ -28,11 +28,17 @@ import torch.nn.functional as F
 from dflash.backends.plain import TransformersBackend
 from dflash.backends.static.capture import StaticGraphs
 from dflash.backends.static.device_loop import DeviceLoop
-from dflash.backends.static.families import allocate, family_forward, family_refusal, family_type, layer_specs
 from dflash.backends.static.draft import (
     draft_forward_fused,
     draft_rope_fits,
     draft_small_linear_fits,
+)
+from dflash.backends.static.families import (
+    allocate,
+    family_forward,
+    family_refusal,
+    family_type,
+    layer_specs,
 )
 from dflash.backends.static.fused import (
     fold_norms,

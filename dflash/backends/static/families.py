@@ -33,7 +33,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from dflash.backends.static.moe import gemma4_block, gemma4_moe_forward, gpt_oss_block, gpt_oss_forward
+from dflash.backends.static.moe import (
+    gemma4_block,
+    gemma4_moe_forward,
+    gpt_oss_block,
+    gpt_oss_forward,
+)
 from dflash.kernels.split_attention import split_attention, uses_kernel
 from dflash.models.draft_torch import rope_cos_sin
 
@@ -77,9 +82,13 @@ def family_refusal(target: Any) -> str | None:
     if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "embed_tokens"):
         return f"the {family} target's module layout is not transformers' causal LM"
     kinds = list(getattr(cfg, "layer_types", None) or [])
-    if len(kinds) != len(inner.layers) or any(k not in ("full_attention", "sliding_attention") for k in kinds):
+    if len(kinds) != len(inner.layers) or any(
+        k not in ("full_attention", "sliding_attention") for k in kinds
+    ):
         return f"layer kinds {sorted(set(kinds))} run on the plain path"
-    if "sliding_attention" in kinds and not (isinstance(cfg.sliding_window, int) and cfg.sliding_window > 0):
+    if "sliding_attention" in kinds and not (
+        isinstance(cfg.sliding_window, int) and cfg.sliding_window > 0
+    ):
         return "sliding layers need a positive sliding_window"
     if family == "gemma3_text" and getattr(cfg, "use_bidirectional_attention", False):
         return "bidirectional attention runs on the plain path"
@@ -90,13 +99,21 @@ def family_refusal(target: Any) -> str | None:
             return "a Gemma 4 target whose every layer shares K/V runs on the plain path"
     for layer in inner.layers:
         a = layer.self_attn
-        projs = [a.q_proj, a.o_proj] + [m for m in (getattr(a, "k_proj", None), getattr(a, "v_proj", None)) if m]
+        projs = [a.q_proj, a.o_proj] + [
+            m for m in (getattr(a, "k_proj", None), getattr(a, "v_proj", None)) if m
+        ]
         if any(type(m).forward is not torch.nn.Linear.forward for m in projs):
             return "its attention projections are not plain linears (quantized?)"
         if family == "gpt_oss":
-            if not gpt_oss_block(layer.mlp) or not isinstance(getattr(a, "sinks", None), torch.Tensor):
+            if not gpt_oss_block(layer.mlp) or not isinstance(
+                getattr(a, "sinks", None), torch.Tensor
+            ):
                 return "its expert blocks or attention sinks are not transformers' gpt-oss layout"
-        elif family == "gemma4_text" and getattr(layer, "enable_moe_block", False) and not gemma4_block(layer):
+        elif (
+            family == "gemma4_text"
+            and getattr(layer, "enable_moe_block", False)
+            and not gemma4_block(layer)
+        ):
             return "its expert blocks are not transformers' Gemma 4 layout"
     return None
 
@@ -106,7 +123,11 @@ def layer_specs(target: Any) -> list[LayerSpec]:
     cfg, family = target.config, family_type(target)
     kinds = list(cfg.layer_types)
     heads = cfg.num_attention_heads
-    shared_from = len(kinds) - int(getattr(cfg, "num_kv_shared_layers", 0) or 0) if family == "gemma4_text" else len(kinds)
+    shared_from = (
+        len(kinds) - int(getattr(cfg, "num_kv_shared_layers", 0) or 0)
+        if family == "gemma4_text"
+        else len(kinds)
+    )
     specs = []
     for i, layer in enumerate(target.model.layers):
         a, kind = layer.self_attn, kinds[i]
@@ -161,7 +182,9 @@ def _attention(be, spec: LayerSpec, q, pos, masks, split: bool, kl) -> torch.Ten
     """The layer's attention over its K/V buffers: q [1, H, T, D] -> [1, H, T, D]."""
     k, v = be.k[spec.src], be.v[spec.src]
     if split and spec.head_dim <= KERNEL_MAX_HEAD_DIM:
-        return split_attention(q, k, v, pos[0], spec.scale, launch=kl, window=spec.window, sinks=spec.sinks)
+        return split_attention(
+            q, k, v, pos[0], spec.scale, launch=kl, window=spec.window, sinks=spec.sinks
+        )
     if spec.sinks is not None:
         return attend_sinks(q, k, v, masks[spec.window], spec.scale, spec.sinks)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=masks[spec.window], scale=spec.scale,
@@ -200,7 +223,9 @@ def family_forward(be, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     if not split or any(s.head_dim > KERNEL_MAX_HEAD_DIM for s in be.family):
         causal = be.key_pos[None, :] <= pos[0, :, None]
         for w in {s.window for s in be.family}:
-            masks[w] = (causal if w is None else causal & (be.key_pos[None, :] > pos[0, :, None] - w))[None, None]
+            masks[w] = (
+                causal if w is None else causal & (be.key_pos[None, :] > pos[0, :, None] - w)
+            )[None, None]
     slots: list[torch.Tensor] = [None] * len(be.layer_ids)  # type: ignore[list-item]
     n_layers = len(be.family)
     for i, layer in enumerate(inner.layers):
@@ -214,7 +239,11 @@ def family_forward(be, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         q = _rotate(q.transpose(1, 2), cos, sin)  # [1, H, T, D]
         if spec.src == i:  # this layer writes its K/V rows (a sharing layer reads its source's)
             kr = a.k_proj(h).view(1, t, spec.kv_heads, hd)
-            vr = kr if getattr(a, "v_proj", None) is None else a.v_proj(h).view(1, t, spec.kv_heads, hd)
+            vr = (
+                kr
+                if getattr(a, "v_proj", None) is None
+                else a.v_proj(h).view(1, t, spec.kv_heads, hd)
+            )
             if family != "gpt_oss":
                 kr = a.k_norm(kr)
             if family == "gemma4_text":
@@ -231,7 +260,8 @@ def family_forward(be, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
             m = layer.mlp(layer.pre_feedforward_layernorm(x))
             if family == "gemma4_text" and getattr(layer, "enable_moe_block", False):
                 m = layer.post_feedforward_layernorm_1(m) + layer.post_feedforward_layernorm_2(
-                    gemma4_moe_forward(layer, x, be.moe_route))
+                    gemma4_moe_forward(layer, x, be.moe_route)
+                )
             x = x + layer.post_feedforward_layernorm(m)
             if pli is not None:
                 g = layer.act_fn(layer.per_layer_input_gate(x)) * pli[:, :, i]

@@ -100,7 +100,9 @@ def moe_forward(mlp: Any, h: torch.Tensor, how: str = "gather") -> torch.Tensor:
         g, u = gu.chunk(2, dim=-1)
         return act(g) * u
 
-    return apply_experts(x, weights, experts, ex.gate_up_proj, ex.down_proj, glu, how).to(h.dtype)[None]
+    return apply_experts(x, weights, experts, ex.gate_up_proj, ex.down_proj, glu, how).to(h.dtype)[
+        None
+    ]
 
 
 def apply_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gu_w: torch.Tensor,
@@ -156,7 +158,12 @@ def gpt_oss_block(mlp: Any) -> bool:
     ``down_proj``, [E, H] ``down_proj_bias``, ``alpha`` and ``limit``."""
     router, ex = getattr(mlp, "router", None), getattr(mlp, "experts", None)
     names = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
-    if router is None or ex is None or not hasattr(router, "top_k") or not all(hasattr(ex, n) for n in names):
+    if (
+        router is None
+        or ex is None
+        or not hasattr(router, "top_k")
+        or not all(hasattr(ex, n) for n in names)
+    ):
         return False
     w, b = getattr(router, "weight", None), getattr(router, "bias", None)
     gu, gub, down, downb = (getattr(ex, n) for n in names)
