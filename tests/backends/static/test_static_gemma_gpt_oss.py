@@ -1,0 +1,182 @@
+"""gpt-oss, Gemma 3 text and Gemma 4 text (dense, MoE, shared K/V, the multimodal wrapper) on
+the static (CUDA-graph) path, eager on CPU (:mod:`dflash.backends.static.families`).
+
+Tiny random float32 targets from ``tests/helpers/target_families.py`` (windows of 8, prompts of
+40 tokens): greedy ids equal HF ``generate`` at block sizes 1, 3 and 16, through SDPA with
+position masks (the sinks written out for gpt-oss) and through the split-KV kernel's algorithm
+(its torch reference on CPU, sinks included); the target features the draft reads equal the
+plain path's; scripted drafts with zero-accept steps and full blocks give plain greedy, and
+after every step the K/V rows each layer can see are those of decoding one token at a time.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from dflash.backends.static.backend import StaticBackend, static_refusal
+from dflash.loop import speculative_generate
+from tests.backends.static.test_static_families import StaticSnapshots, _one_by_one_kv
+from tests.conftest import make_draft
+from tests.helpers.target_families import WINDOW, build, greedy, prompt_ids
+
+N = 32
+FAMILIES = ["gpt_oss", "gemma3_text", "gemma4_text", "gemma4_moe", "gemma4_kv_shared"]
+_MODELS: dict = {}
+
+
+def model_of(family: str):
+    """(model, HF greedy ids) once per family per session."""
+    if family not in _MODELS:
+        model = build(family)
+        _MODELS[family] = (model, greedy(model, prompt_ids(), N + 16))
+    return _MODELS[family]
+
+
+def static(model, attention: str = "sdpa") -> StaticBackend:
+    be = StaticBackend(model, make_draft(model), torch.device("cpu"), use_graphs=False)
+    be.attention = attention  # split: the split-KV kernel's algorithm (its torch reference on CPU)
+    return be
+
+
+def run(be, prompt, block: int, n: int = N) -> list[int]:
+    rounds = speculative_generate(be, prompt, block_size=block, max_new_tokens=n, stop_ids=[])
+    return [t for r in rounds for t in r.tokens]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_family_runs_on_the_static_path(family):
+    model, _ = model_of(family)
+    assert static_refusal(model) is None
+    be = static(model)
+    info = be.describe()
+    assert info["family"] == family.replace("_moe", "_text").replace("_kv_shared", "_text")
+    assert info["sliding_windows"] == [WINDOW]
+    assert ("moe_route" in info) == (family in ("gpt_oss", "gemma4_moe"))
+    kinds = model.config.layer_types
+    assert [s.window for s in be.family] == [
+        WINDOW if k == "sliding_attention" else None for k in kinds
+    ]
+    if family == "gpt_oss":
+        assert all(s.sinks is not None for s in be.family)
+    if family.startswith("gemma4"):  # the global layers' own head dim
+        assert {s.head_dim for s in be.family} == {16, 32}
+    if family == "gemma4_kv_shared":  # the last two layers read earlier layers' buffers
+        assert [s.src for s in be.family][-2:] == [2, 3]
+        be.reset(64)
+        assert be.k[4] is be.k[2] and be.v[5] is be.v[3]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("attention", ["sdpa", "split"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_static_greedy_equals_hf_generate(family, attention):
+    model, truth = model_of(family)
+    prompt = prompt_ids()
+    assert len(prompt) > WINDOW and len(set(truth)) > 4
+    be = static(model, attention)
+    for block in (1, 3, 16):
+        assert run(be, prompt, block) == truth[:N], (family, attention, block)
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "gemma4_text"])
+def test_features_equal_the_plain_paths(family):
+    """The rows the draft reads (target layers' hidden states, the last final-normed) equal
+    HF's ``hidden_states`` of the same prefill."""
+    model, _ = model_of(family)
+    be = static(model)
+    prompt = prompt_ids()
+    be.reset(len(prompt) + 32)
+    logits, feats = be.prefill(prompt, True)
+    with torch.inference_mode():
+        out = model(input_ids=torch.tensor([prompt]), output_hidden_states=True)
+    want = torch.cat([out.hidden_states[i][0] for i in be.layer_ids], -1)
+    torch.testing.assert_close(feats, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(logits, out.logits[0, -1], rtol=1e-4, atol=1e-4)
+
+
+def test_gemma_final_logits_are_soft_capped():
+    """With ``final_logit_softcapping`` the verify logits are cap * tanh(logits / cap), as HF's."""
+    model = build("gemma4_text")
+    model.config.final_logit_softcapping = 0.5
+    with torch.no_grad():
+        model.lm_head.weight.mul_(50)
+    prompt = prompt_ids()
+    be = static(model)
+    be.reset(len(prompt) + 8)
+    logits, _ = be.prefill(prompt, False)
+    with torch.inference_mode():
+        want = model(input_ids=torch.tensor([prompt])).logits[0, -1]
+    assert want.abs().max() <= 0.5
+    torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "gemma4_moe", "gemma4_kv_shared"])
+def test_scripted_schedules_see_exactly_the_one_by_one_rows(family):
+    model = build(family)
+    prompt = prompt_ids(40)
+    truth = greedy(model, prompt, 60)
+    ref = _one_by_one_kv(model, prompt + truth, len(prompt))
+    inner = static(model)
+    owners = [
+        i for i, s in enumerate(inner.family) if s.src == i
+    ]  # HF caches the layers that own K/V
+    for schedule in ([15, 0, 3, 0, 0, 15], [0]):
+        be = StaticSnapshots(inner, truth, len(prompt), schedule)
+        rounds = list(
+            speculative_generate(be, prompt, block_size=16, max_new_tokens=56, stop_ids=[])
+        )
+        assert [t for r in rounds for t in r.tokens] == truth[:56], schedule
+        accepted = [r.accepted for r in rounds[1:]]
+        if len(schedule) > 1:
+            assert accepted[:6] == [16, 1, 4, 1, 1, 16]  # full blocks and zero-accept steps
+        else:
+            assert set(accepted) == {1}
+        for length, rows in be.snapshots:
+            got = [rows[i] for i in owners]
+            for (lo, keys), want in zip(got, ref[length], strict=True):
+                torch.testing.assert_close(keys, want[:, :, lo:length], rtol=1e-4, atol=1e-4)
+        assert any(lo > 0 for _, rows in be.snapshots for lo, _ in rows)  # some window slid
+
+
+def test_a_gemma4_wrapper_folder_runs_text_prompts(tmp_path):
+    """A Gemma 4 multimodal wrapper folder loads as its text model (as the plain path loads it)
+    and decodes HF generate's ids on the static path."""
+    from dflash.models.target_torch import load_target
+    from tests.helpers.target_families import save_target
+
+    save_target(tmp_path / "wrapper", "gemma4_wrapper")
+    loaded = load_target(str(tmp_path / "wrapper"), torch.device("cpu"), torch.float32)
+    target = loaded[0] if isinstance(loaded, tuple) else loaded
+    assert target.config.model_type == "gemma4_text" and static_refusal(target) is None
+    truth = greedy(target, prompt_ids(), N)
+    assert run(static(target), prompt_ids(), 16) == truth
+
+
+def test_the_kernels_reference_counts_the_sinks():
+    """The split-KV algorithm with sinks (several slices, one slice, a window) equals the
+    softmax over the scores and the sink column written out."""
+    from dflash.backends.static.families import attend_sinks
+    from dflash.kernels.split_attention import split_attention_reference
+
+    g = torch.Generator().manual_seed(0)
+    h, hkv, t, d, cap = 8, 2, 5, 16, 512
+    q, k, v = (
+        torch.randn(1, h, t, d, generator=g),
+        torch.randn(1, hkv, cap, d, generator=g),
+        torch.randn(1, hkv, cap, d, generator=g),
+    )
+    sinks = torch.randn(h, generator=g) * 3
+    pos = torch.arange(300, 300 + t)
+    keys = torch.arange(cap)
+    for window in (0, 8):
+        mask = (keys[None] <= pos[:, None]) & (
+            (keys[None] > pos[:, None] - window) if window else True
+        )
+        want = attend_sinks(q, k, v, mask[None, None], 0.25, sinks)
+        for split, one in ((256, 0), (64, 0), (512, 0), (256, 448)):
+            got = split_attention_reference(q, k, v, pos, 0.25, split, one, window, sinks)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert math.isfinite(float(want.sum()))
