@@ -10,8 +10,10 @@ large download. What runs each family here follows from what the backends accept
 - transformers, CUDA-graph path: ``llama``, ``qwen2``, ``qwen3``, ``mistral`` and ``qwen3_moe``
   targets, full-attention, sliding-window or interleaved layers (a window is a position mask
   over the static cache), dense MLPs or top-k expert blocks
-  (:func:`dflash.backends.static.backend.supports_static`); Gemma and gpt-oss (attention sinks,
-  soft-capping, Gemma's norms and scalings) run on the plain path.
+  (:func:`dflash.backends.static.backend.supports_static`); ``gpt_oss`` (attention sinks, its
+  expert blocks as bf16 tensors), ``gemma3_text`` and ``gemma4`` text models (wrappers load their
+  text model) through their own forward (:mod:`dflash.backends.static.families`); a wrapper whose
+  text model has no causal LM class (Muse-Glimmer) runs on the plain path.
 - transformers, plain path (CPU, or CUDA without graphs): full-attention and sliding-window
   causal LMs, dense or MoE (``qwen3_moe``, ``gemma4``, ``gpt_oss``), the GatedDeltaNet hybrids
   ``qwen3_next``, ``qwen3_5`` and ``qwen3_5_moe`` (:mod:`dflash.backends.gdn_torch`), multimodal
@@ -35,8 +37,8 @@ from pathlib import Path
 import typer
 
 # what each backend path does with a family: "yes", "no: <why>" or "untested: <why>"
-SLIDING = ("no: sliding-window layers with attention sinks or Gemma's norms and scalings "
-           "(the plain transformers path runs them)")
+SLIDING = ("no: a multimodal wrapper whose text model has no causal LM class "
+           "(the plain transformers path runs it)")
 SLIDING_MLX = "no: rotating (sliding-window) caches cannot be rolled back on mlx yet"
 HYBRID_GRAPHS = "no: GatedDeltaNet layers (the plain transformers path runs them)"
 
@@ -85,7 +87,9 @@ def family_support(family: str, layers: str = "") -> dict[str, str]:
     if base == "qwen3_moe":
         return {"cuda_graphs": "yes", "transformers": "yes",
                 "mlx": SLIDING_MLX if sliding else "untested: full-attention KV caches"}  # fmt: skip
-    if sliding or base in ("gemma4", "gpt_oss"):
+    if base in ("gemma4", "gemma3", "gemma3_text", "gemma4_text", "gpt_oss"):  # static/families.py
+        return {"cuda_graphs": "yes", "transformers": "yes", "mlx": SLIDING_MLX}
+    if sliding:
         return {"cuda_graphs": SLIDING, "transformers": "yes", "mlx": SLIDING_MLX}
     if base in ("qwen3_next", "qwen3_5", "qwen3_5_moe"):
         return {"cuda_graphs": HYBRID_GRAPHS, "transformers": "yes", "mlx": "yes"}
@@ -96,6 +100,8 @@ def family_support(family: str, layers: str = "") -> dict[str, str]:
 _DENSE, _MOE = "dense, full attention", "MoE, full attention"
 _HYBRID = "GatedDeltaNet + attention hybrid (3:1)"
 _NO_THINK = "draft trained without thinking traces: use --reasoning off"
+_MXFP4 = ("MXFP4 experts: the CUDA-graph path takes them as transformers dequantizes them (bf16); "
+          "kept in MXFP4 kernels they run on the plain path")
 
 PAIRS: tuple[Pair, ...] = (
     Pair("Qwen/Qwen3-4B", "z-lab/Qwen3-4B-DFlash-b16", "qwen3", 16, "dflash", _DENSE, _NO_THINK),
@@ -125,9 +131,9 @@ PAIRS: tuple[Pair, ...] = (
     Pair("google/gemma-4-26B-A4B-it", "z-lab/gemma-4-26B-A4B-it-DFlash", "gemma4", None, "dflash",
          "sliding-window + full layers, MoE"),
     Pair("openai/gpt-oss-20b", "z-lab/gpt-oss-20b-DFlash", "gpt_oss", None, "dflash",
-         "128-token sliding windows + full layers, attention sinks, MoE"),
+         "128-token sliding windows + full layers, attention sinks, MoE", _MXFP4),
     Pair("openai/gpt-oss-120b", "z-lab/gpt-oss-120b-DFlash", "gpt_oss", None, "dflash",
-         "128-token sliding windows + full layers, attention sinks, MoE"),
+         "128-token sliding windows + full layers, attention sinks, MoE", _MXFP4),
     Pair("meta-models/Muse-Glimmer-30B", "z-lab/Muse-Glimmer-30B-DFlash2", "dense ?", None, "dflash2",
          "3:1 sliding (window 2048) + full layers, multimodal wrapper"),
     Pair("MiniMaxAI/MiniMax-M2.5", "z-lab/MiniMax-M2.5-DFlash", "minimax_m2 ?", None, "dflash",

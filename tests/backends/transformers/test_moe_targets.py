@@ -32,13 +32,14 @@ def test_gpt_oss_has_sinks_and_experts():
     assert model.config.layer_types[:2] == ["sliding_attention", "full_attention"]
 
 
-STATIC_FAMILIES = ("mistral", "qwen2_window", "qwen3_moe")  # the CUDA-graph path runs these too
+STATIC_FAMILIES = ("mistral", "qwen2_window", "qwen3_moe", "gpt_oss", "gemma3_text", "gemma4_text",
+                   "gemma4_kv_shared", "gemma4_moe")  # the CUDA-graph path runs these too
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_the_cuda_graph_path_takes_only_its_families(family):
-    """``supports_static`` takes Mistral, Qwen2 with windows and Qwen3-MoE
-    (``tests/backends/static/test_static_families.py`` checks them there) and sends the others to the plain path."""
+    """``supports_static`` takes Mistral, Qwen2 with windows, Qwen3-MoE, gpt-oss and Gemma 3/4 text
+    (``tests/backends/static/``) and sends the others to the plain path."""
     from dflash.backends.static.backend import supports_static
 
     assert supports_static(build(family)) == (family in STATIC_FAMILIES)
