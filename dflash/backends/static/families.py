@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from dflash.backends.static.fused import fusable, fuse_linears
 from dflash.backends.static.moe import (
     gemma4_block,
     gemma4_moe_forward,
@@ -57,6 +58,9 @@ class LayerSpec:
         scale: the softmax scale (the module's ``scaling``).
         src: the layer whose K/V buffers it reads (itself, or the layer it shares K/V with).
         sinks: [H] attention-sink logits (gpt-oss) or None.
+        qkv: the layer's q, k and v projections as one matmul (k and v only where the layer
+            owns its K/V, v only where it has a v_proj;
+            :func:`~dflash.backends.static.fused.fuse_linears`), or None.
     """
 
     heads: int
@@ -67,6 +71,7 @@ class LayerSpec:
     scale: float
     src: int
     sinks: torch.Tensor | None = None
+    qkv: Any = None
 
 
 def family_type(target: Any) -> str | None:
@@ -136,10 +141,14 @@ def layer_specs(target: Any) -> list[LayerSpec]:
             src = max(j for j in range(shared_from) if kinds[j] == kind)
         owner = target.model.layers[src].self_attn
         hd = int(a.head_dim)
+        projs = [a.q_proj]
+        if src == i:
+            projs += [a.k_proj] + ([a.v_proj] if getattr(a, "v_proj", None) is not None else [])
         specs.append(LayerSpec(heads=heads, kv_heads=owner.k_proj.out_features // hd, head_dim=hd,
                                window=cfg.sliding_window if kind == "sliding_attention" else None,
                                rope=None if family == "gpt_oss" else kind, scale=float(a.scaling), src=src,
-                               sinks=a.sinks if family == "gpt_oss" else None))  # fmt: skip
+                               sinks=a.sinks if family == "gpt_oss" else None,
+                               qkv=fuse_linears(projs) if fusable(*projs) else None))  # fmt: skip
     return specs
 
 
@@ -233,17 +242,17 @@ def family_forward(be, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         hd = spec.head_dim
         cos, sin = tables[spec.rope]
         h = layer.input_layernorm(x)
-        q = a.q_proj(h).view(1, t, spec.heads, hd)
+        parts = spec.qkv(h) if spec.qkv is not None else None  # one matmul: q (, k (, v))
+        q = (parts[0] if parts else a.q_proj(h)).view(1, t, spec.heads, hd)
         if family != "gpt_oss":
             q = a.q_norm(q)
         q = _rotate(q.transpose(1, 2), cos, sin)  # [1, H, T, D]
         if spec.src == i:  # this layer writes its K/V rows (a sharing layer reads its source's)
-            kr = a.k_proj(h).view(1, t, spec.kv_heads, hd)
-            vr = (
-                kr
-                if getattr(a, "v_proj", None) is None
-                else a.v_proj(h).view(1, t, spec.kv_heads, hd)
-            )
+            kr = (parts[1] if parts else a.k_proj(h)).view(1, t, spec.kv_heads, hd)
+            if getattr(a, "v_proj", None) is None:  # attention_k_eq_v: v is the raw k projection
+                vr = kr
+            else:
+                vr = (parts[2] if parts else a.v_proj(h)).view(1, t, spec.kv_heads, hd)
             if family != "gpt_oss":
                 kr = a.k_norm(kr)
             if family == "gemma4_text":

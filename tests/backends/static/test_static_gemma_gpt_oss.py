@@ -23,14 +23,36 @@ from tests.conftest import make_draft
 from tests.helpers.target_families import WINDOW, build, greedy, prompt_ids
 
 N = 32
-FAMILIES = ["gpt_oss", "gemma3_text", "gemma4_text", "gemma4_moe", "gemma4_kv_shared"]
+FAMILIES = [
+    "gpt_oss",
+    "gemma3_text",
+    "gemma4_text",
+    "gemma4_moe",
+    "gemma4_kv_shared",
+    "gemma4_k_eq_v",
+]
 _MODELS: dict = {}
+
+
+def make(family: str):
+    """A tiny target of ``family``; ``gemma4_k_eq_v``: Gemma 4 whose global layers take v from the
+    raw k projection (``attention_k_eq_v``, one global K/V head), as Gemma-4-31B."""
+    if family != "gemma4_k_eq_v":
+        return build(family)
+    import transformers
+
+    from tests.helpers.target_families import BASE, GEMMA4
+
+    cfg = transformers.Gemma4TextConfig(**BASE, **GEMMA4, attention_k_eq_v=True, num_global_key_value_heads=1,
+                                        initializer_range=0.02)  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.Gemma4ForCausalLM(cfg).eval()
 
 
 def model_of(family: str):
     """(model, HF greedy ids) once per family per session."""
     if family not in _MODELS:
-        model = build(family)
+        model = make(family)
         _MODELS[family] = (model, greedy(model, prompt_ids(), N + 16))
     return _MODELS[family]
 
@@ -52,7 +74,7 @@ def test_the_family_runs_on_the_static_path(family):
     assert static_refusal(model) is None
     be = static(model)
     info = be.describe()
-    assert info["family"] == family.replace("_moe", "_text").replace("_kv_shared", "_text")
+    assert info["family"] == ("gpt_oss" if family == "gpt_oss" else family.split("_")[0] + "_text")
     assert info["sliding_windows"] == [WINDOW]
     assert ("moe_route" in info) == (family in ("gpt_oss", "gemma4_moe"))
     kinds = model.config.layer_types
@@ -63,6 +85,9 @@ def test_the_family_runs_on_the_static_path(family):
         assert all(s.sinks is not None for s in be.family)
     if family.startswith("gemma4"):  # the global layers' own head dim
         assert {s.head_dim for s in be.family} == {16, 32}
+    if family == "gemma4_k_eq_v":  # the global layers: no v_proj, one K/V head
+        assert [s.kv_heads for s in be.family] == [2, 1] * 3
+        assert all(layer.self_attn.v_proj is None for layer in model.model.layers[1::2])
     if family == "gemma4_kv_shared":  # the last two layers read earlier layers' buffers
         assert [s.src for s in be.family][-2:] == [2, 3]
         be.reset(64)
