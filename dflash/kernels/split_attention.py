@@ -327,7 +327,9 @@ def split_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
     po = torch.empty(units, nsplit, rows, dim, dtype=torch.float32, device=q.device)
     pl = torch.empty(units, nsplit, rows, dtype=torch.float32, device=q.device)
     tune = {k: v for k, v in (("num_warps", warps), ("num_stages", stages)) if v}
-    blk = 1 << (min(block or ITER_KEYS, split).bit_length() - 1)  # a power of two (tl.arange)
+    # a power of two (tl.arange); at most 16,384 / D keys per iteration: K and V tiles of a head
+    # dim of 256 at 128 keys asked the H100 for 274 KB of shared memory (its limit: 227 KB)
+    blk = 1 << (min(block or ITER_KEYS, split, max(16, 16384 // dim)).bit_length() - 1)
     while split % blk:  # the iterations must tile each slice (a multiple of 64)
         blk //= 2
     _split_kernel[(units, nsplit)](

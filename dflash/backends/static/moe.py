@@ -27,6 +27,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from dflash.kernels.moe_gemv import MAX_PAIRS, moe_gemv
+from dflash.kernels.moe_gemv import usable as moe_gemv_usable
+
 
 def moe_block(mlp: Any) -> bool:
     """Whether ``mlp`` is a top-k routed expert block this module runs: a router ``gate`` with
@@ -64,10 +67,13 @@ def moe_block(mlp: Any) -> bool:
 
 def moe_route(device: torch.device, dtype: torch.dtype) -> str:
     """``grouped`` on CUDA with bf16 weights where this torch has ``F.grouped_mm`` (compute
-    capability 8.0 or more), else ``gather`` (CPU, float32: the parity runs)."""
+    capability 8.0 or more), else ``gather`` (CPU, float32: the parity runs); ``fused`` where,
+    besides, the expert GEMV kernel (:mod:`dflash.kernels.moe_gemv`) runs and matches torch on
+    this device: forwards of up to :data:`~dflash.kernels.moe_gemv.MAX_PAIRS` (row, expert)
+    pairs run it, longer ones ``grouped``."""
     if device.type == "cuda" and dtype == torch.bfloat16 and hasattr(F, "grouped_mm"):
         if torch.cuda.get_device_capability(device) >= (8, 0):
-            return "grouped"
+            return "fused" if moe_gemv_usable(device, dtype) else "grouped"
     return "gather"
 
 
@@ -116,7 +122,7 @@ def apply_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
         gu_w, down_w: [E, 2I, H] and [E, H, I] (``F.linear`` layout), or with ``transposed``
             [E, H, 2I] and [E, I, H] (``x @ W``, gpt-oss).
         glu: [N, 2I] -> [N, I], the gated activation (which half is the gate is the family's).
-        how: ``gather`` or ``grouped`` (:func:`moe_route`).
+        how: ``gather``, ``grouped`` or ``fused`` (:func:`moe_route`).
         gu_b, down_b: [E, 2I] and [E, H] per-expert biases, or None.
     Returns:
         [T, H] in the product's dtype (float32 when the weights are), the K slots summed in
@@ -126,7 +132,11 @@ def apply_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
     flat = experts.reshape(-1)  # [T*K] expert of each (row, slot)
     gu_t = gu_w if transposed else gu_w.transpose(-2, -1)  # [E, H, 2I] views
     down_t = down_w if transposed else down_w.transpose(-2, -1)  # [E, I, H]
-    if how == "grouped":
+    if how == "fused" and t * k <= MAX_PAIRS:  # the chosen experts' weights read in place
+        xs = x[:, None, :].expand(t, k, x.shape[1]).reshape(t * k, x.shape[1]).to(gu_w.dtype)
+        gu = moe_gemv(xs, gu_w, flat, gu_b, transposed)  # [T*K, 2I]
+        y = moe_gemv(glu(gu), down_w, flat, down_b, transposed)  # [T*K, H]
+    elif how in ("grouped", "fused"):
         order = torch.argsort(flat, stable=True)  # pairs grouped by expert
         rows = torch.div(order, k, rounding_mode="floor")
         counts = torch.zeros(gu_w.shape[0], dtype=torch.int32, device=x.device)
