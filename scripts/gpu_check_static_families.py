@@ -83,7 +83,41 @@ PERF_MOE_LAYERS = {  # one layer each, for the expert-block checks
                                             moe_intermediate_size=704, hidden_size_per_layer_input=0,
                                             layer_types=["sliding_attention"])),
 }  # fmt: skip
-FAMILY_TINY = ["gpt_oss", "gemma3_text", "gemma4_text", "gemma4_moe", "gemma4_kv_shared"]
+# tests/helpers/target_families.py's tiny layouts (the device gets dflash/ and scripts/ only)
+BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512, pad_token_id=1, bos_token_id=None, eos_token_id=3)  # fmt: skip
+ALTERNATE = ["sliding_attention", "full_attention"] * 3
+GEMMA4 = dict(head_dim=16, global_head_dim=32, sliding_window=WINDOW, layer_types=ALTERNATE,
+              vocab_size_per_layer_input=256, hidden_size_per_layer_input=8)  # fmt: skip
+FAMILY_CONFIGS = {  # family -> (config class, arguments beyond BASE, init range)
+    "gpt_oss": ("GptOssConfig", dict(head_dim=16, sliding_window=WINDOW, num_local_experts=4, num_experts_per_tok=2),
+                0.3),
+    "gemma3_text": ("Gemma3TextConfig", dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=WINDOW,
+                                             layer_types=ALTERNATE), 0.02),
+    "gemma4_text": ("Gemma4TextConfig", GEMMA4, 0.02),
+    "gemma4_moe": ("Gemma4TextConfig", dict(GEMMA4, enable_moe_block=True, num_experts=4, top_k_experts=2,
+                                            moe_intermediate_size=32), 0.02),
+    "gemma4_kv_shared": ("Gemma4TextConfig", dict(GEMMA4, num_kv_shared_layers=2), 0.02),
+    "gemma4_k_eq_v": ("Gemma4TextConfig", dict(GEMMA4, attention_k_eq_v=True, num_global_key_value_heads=1), 0.02),
+}  # fmt: skip
+
+
+def family_config(family: str):
+    """The tiny transformers config of a :data:`FAMILY_CONFIGS` family."""
+    import transformers
+
+    cls, kwargs, init = FAMILY_CONFIGS[family]
+    return getattr(transformers, cls)(**BASE, **kwargs, initializer_range=init)
+
+
+FAMILY_TINY = [
+    "gpt_oss",
+    "gemma3_text",
+    "gemma4_text",
+    "gemma4_moe",
+    "gemma4_kv_shared",
+    "gemma4_k_eq_v",
+]
 
 
 def build_target(
@@ -325,7 +359,6 @@ def check_tiny(dev: torch.device, families=tuple(TINY) + tuple(FAMILY_TINY)) -> 
     from dflash.backends.plain import TransformersBackend
     from dflash.backends.static.backend import StaticBackend
     from dflash.kernels.settings import KernelSettings
-    from tests.helpers.target_families import BASE, family_config
 
     prompt = torch.randint(4, 250, (40,), generator=torch.Generator().manual_seed(1)).tolist()
     res, ok = {}, True

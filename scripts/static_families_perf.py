@@ -12,6 +12,8 @@ tokens prefilled; then, with the captured graphs replayed ``REPS`` times each (C
   (a read-only reduction over 4 GiB; ``hbm_gbps``); ``block1_vs_floor`` = block1_ms / floor_ms;
 - ``block16_ms``: the width-16 verify graph plus the draft's 16-wide graph (one speculative step
   of block 16); ``block16_vs_block1``;
+- ``verify1_ms_grouped``, ``verify16_ms_grouped``: MoE shapes, the verify graphs again with the
+  ``grouped`` expert route in place of ``fused`` (:func:`dflash.backends.static.moe.moe_route`);
 - ``hf_ms_per_token``: HF ``generate`` (greedy, its own default attention) of ``HF_TOKENS`` tokens
   after the same prompt, per token (prefill excluded: the time of a 1-token generate subtracted).
 
@@ -160,6 +162,14 @@ def measure(name: str, dev: torch.device, build_target, build_draft, bandwidth: 
     row["floor_ms"] = round(fb["total_gb"] / bandwidth * 1e3, 4)
     row["block1_vs_floor"] = round(row["block1_ms"] / row["floor_ms"], 3)
     row["goal_block1"] = 1.35 if moe else 1.2
+    if be.moe_route == "fused":  # the same steps with the grouped_mm route, for comparison
+        be.moe_route = "grouped"
+        be.graphs.clear()
+        be.capture_all()
+        for width in (1, 16):
+            graph = be._verify_graph(width)
+            graph[2][1][0].copy_(be.key_pos[start : start + width])
+            row[f"verify{width}_ms_grouped"] = round(_time_graph(graph, REPS), 4)
     del be, draft, verify1, verify16, draft16
     gc.collect()  # the backend and its device loop refer to each other
     torch.cuda.empty_cache()
