@@ -24,6 +24,8 @@ import torch
 from dflash.kernels.pdl import pdl_supported
 
 MAX_ROWS = 32  # rows the kernel takes (decode and verify); prefill runs the module
+MAX_HEAD_ROWS = 1024  # rows of the other modes (per-head q/k norms: T * H rows)
+LLAMA, ROUND_ONCE, ONE_PLUS = 0, 1, 2  # modes: (w * y.to(dt)), (w * y).to(dt), ((1 + w) * y).to(dt)
 MAX_HIDDEN = 16384  # one row in registers
 
 try:
@@ -56,58 +58,88 @@ def rms_norm_fits(norm, dtype: torch.dtype) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _rms_norm_kernel(X, W, Y, s_xm, s_ym, eps, N: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    def _rms_norm_kernel(X, W, Y, s_xm, s_ym, eps, N: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+                         MODE: tl.constexpr = 0):  # fmt: skip
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         ok = cols < N
-        w = tl.load(W + cols, mask=ok, other=0.0).to(tl.float32)  # written by no kernel: before the wait
+        w = tl.load(W + cols, mask=ok, other=0.0).to(
+            tl.float32
+        )  # written by no kernel: before the wait
         if PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         x = tl.load(X + row * s_xm + cols, mask=ok, other=0.0).to(tl.float32)
         r = tl.math.rsqrt(tl.sum(x * x, 0) / N + eps)
         dt = Y.dtype.element_ty
-        y = (w * (x * r).to(dt).to(tl.float32)).to(dt)
+        if MODE == 0:  # Llama, Qwen: rounded, times the weight, rounded again
+            y = (w * (x * r).to(dt).to(tl.float32)).to(dt)
+        elif MODE == 1:  # gpt-oss, Gemma 4: times the weight in float32, rounded once
+            y = (w * (x * r)).to(dt)
+        else:  # Gemma 3 (and 2): times (1 + weight) in float32, rounded once
+            y = ((1.0 + w) * (x * r)).to(dt)
         tl.store(Y + row * s_ym + cols, y, mask=ok)
 
 
-def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float, pdl: bool) -> torch.Tensor:
+def _launch(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, pdl: bool, mode: int = 0
+) -> torch.Tensor:
     m, n = x.shape
-    if m > MAX_ROWS or weight.shape != (n,) or weight.stride(0) != 1 or x.stride(1) != 1 or n > MAX_HIDDEN:
+    if (
+        m > (MAX_ROWS if mode == LLAMA else MAX_HEAD_ROWS)
+        or weight.shape != (n,)
+        or weight.stride(0) != 1
+        or x.stride(1) != 1
+        or n > MAX_HIDDEN
+    ):
         raise ValueError(f"rms_norm: rows {tuple(x.shape)} (strides {x.stride()}) do not fit weight "
                          f"{tuple(weight.shape)} (at most {MAX_ROWS} rows of {MAX_HIDDEN})")  # fmt: skip
     y = torch.empty_like(x, memory_format=torch.contiguous_format)
     block = triton.next_power_of_2(n)
-    _rms_norm_kernel[(m,)](x, weight, y, x.stride(0), y.stride(0), eps, N=n, BLOCK=block, PDL=pdl,
+    _rms_norm_kernel[(m,)](x, weight, y, x.stride(0), y.stride(0), eps, N=n, BLOCK=block, PDL=pdl, MODE=mode,
                            num_warps=8 if block >= 4096 else 4, **({"launch_pdl": True} if pdl else {}))  # fmt: skip
     return y
 
 
 @torch.library.custom_op("dflash::rms_norm", mutates_args=())
-def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float, pdl: bool) -> torch.Tensor:
-    return _launch(x, weight, eps, pdl)
+def _rms_norm_op(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, pdl: bool, mode: int = 0
+) -> torch.Tensor:
+    return _launch(x, weight, eps, pdl, mode)
 
 
 @_rms_norm_op.register_fake
-def _(x, weight, eps, pdl):
+def _(x, weight, eps, pdl, mode=0):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The transformers modules' maths in torch ops: [M, N] -> [M, N] in x's dtype."""
+def rms_norm_reference(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, mode: int = 0
+) -> torch.Tensor:
+    """The transformers modules' maths in torch ops: [M, N] -> [M, N] in x's dtype (``mode``
+    as :func:`rms_norm`'s)."""
     xf = x.float()
     h = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if mode == ROUND_ONCE:
+        return (weight.float() * h).to(x.dtype)
+    if mode == ONE_PLUS:
+        return ((1.0 + weight.float()) * h).to(x.dtype)
     return weight * h.to(x.dtype)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, pdl: bool | None = None) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, pdl: bool | None = None,
+             mode: int = LLAMA) -> torch.Tensor:  # fmt: skip
     """``weight * (x * rsqrt(mean(x^2) + eps)).to(dtype)`` per row, one program per row.
 
     Args:
-        x: [M, N] rows (unit last stride), M <= :data:`MAX_ROWS`, N <= :data:`MAX_HIDDEN`.
-        weight: [N] the norm's weight (unit stride), x's dtype.
+        x: [M, N] rows (unit last stride), M <= :data:`MAX_ROWS` (other modes:
+            :data:`MAX_HEAD_ROWS`), N <= :data:`MAX_HIDDEN`.
+        weight: [N] the norm's weight (unit stride), x's dtype (other modes: any float dtype).
         eps: the norm's epsilon.
         pdl: launch with programmatic dependent launch; None = where the device supports it.
+        mode: ``LLAMA`` (above); ``ROUND_ONCE``: ``(weight * x * rsqrt(...)).to(dtype)`` in float32
+            (gpt-oss's and Gemma 4's norms); ``ONE_PLUS``: ``((1 + weight) * x * rsqrt(...)).to(dtype)``
+            (Gemma 3's).
     Returns:
         [M, N] in x's dtype (contiguous). Off CUDA (or Triton absent and not interpreting)
         :func:`rms_norm_reference` runs instead.
@@ -116,5 +148,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, pdl: bool | None
         ValueError: shapes that do not fit.
     """
     if triton is None or (x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1"):
-        return rms_norm_reference(x, weight, eps)
-    return _rms_norm_op(x, weight, float(eps), pdl_supported(x.device) if pdl is None else pdl)
+        return rms_norm_reference(x, weight, eps, mode)
+    return _rms_norm_op(
+        x, weight, float(eps), pdl_supported(x.device) if pdl is None else pdl, mode
+    )

@@ -35,6 +35,7 @@ from dflash.backends.static.draft import (
 )
 from dflash.backends.static.families import (
     allocate,
+    configure_family,
     family_forward,
     family_refusal,
     family_type,
@@ -302,6 +303,8 @@ class StaticBackend(StaticGraphs, TransformersBackend):
         self.norm_kernel = (settings.norm_kernel and device.type == "cuda" and rms_norm_available() and self.family is None
                             and not self.fuse_norm
                             and all(rms_norm_fits(n, self.dtype) for n in _target_norms(target)))  # fmt: skip
+        if self.family is not None:  # gpt-oss, Gemma: their norms and RoPE kernels
+            configure_family(self, settings)
         # programmatic dependent launch of this project's kernels, per forward
         self.launch = {part: Launch(settings, self.pdl_on(part)) for part in ("target", "draft")}
 

@@ -40,6 +40,9 @@ from dflash.backends.static.moe import (
     gpt_oss_block,
     gpt_oss_forward,
 )
+from dflash.kernels.rms_norm import MAX_HEAD_ROWS, MAX_HIDDEN, ONE_PLUS, ROUND_ONCE, rms_norm
+from dflash.kernels.rms_norm import available as rms_norm_available
+from dflash.kernels.rope_cache import norm_eps, rope_cache, rope_cache_fits
 from dflash.kernels.split_attention import split_attention, uses_kernel
 from dflash.models.draft_torch import rope_cos_sin
 
@@ -166,6 +169,39 @@ def allocate(specs: list[LayerSpec], capacity: int, dtype, device) -> tuple[list
     return ks, vs
 
 
+def _norms(target) -> list:
+    """The target's RMSNorm modules with a weight (the per-layer, head and final norms)."""
+    return [m for m in target.modules() if type(m).__name__.endswith("RMSNorm") and isinstance(
+        getattr(m, "weight", None), torch.Tensor)]  # fmt: skip
+
+
+def configure_family(be, settings) -> None:
+    """The kernels a family forward runs (the backend's ``configure`` calls it after its own
+    choices): ``norm_kernel``, the norms as :func:`~dflash.kernels.rms_norm.rms_norm` (bf16/fp16
+    on CUDA: gpt-oss's and Gemma 4's rounding once, Gemma 3's (1 + w)); ``target_rope``
+    (gpt-oss, where the split-KV kernel runs): RoPE and the K/V cache writes as
+    :func:`~dflash.kernels.rope_cache.rope_cache`. Both are rungs of the fall-back ladder."""
+    target, dtype = be.target, be.dtype
+    be.norm_kernel = bool(settings.norm_kernel and be.device.type == "cuda" and rms_norm_available()
+                          and dtype in (torch.bfloat16, torch.float16)
+                          and all(m.weight.dim() == 1 and m.weight.numel() <= MAX_HIDDEN and m.weight.stride(0) == 1
+                                  for m in _norms(target)))  # fmt: skip
+    attn = target.model.layers[0].self_attn
+    be.target_rope = bool(settings.rope_target and be.attention != "sdpa" and family_type(target) == "gpt_oss"
+                          and all(s.qkv is not None for s in be.family) and rope_cache_fits(attn, dtype, norms=False))  # fmt: skip
+
+
+def _norm(be, norm, x: torch.Tensor, kl, mode: int) -> torch.Tensor:
+    """norm(x) for [..., N] rows: the rms_norm kernel (``mode``) where ``be.norm_kernel`` and
+    the rows fit, else the module."""
+    w = getattr(norm, "weight", None)
+    rows = x.numel() // x.shape[-1]
+    if not be.norm_kernel or w is None or rows > MAX_HEAD_ROWS or x.shape[-1] != w.numel():
+        return norm(x)
+    flat = x.reshape(rows, x.shape[-1])
+    return rms_norm(flat, w, norm_eps(norm), kl.pdl, mode).view(x.shape)
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [1, H, T, D] rotated as transformers' ``apply_rotary_pos_emb`` (half-split)."""
     half = x.shape[-1] // 2
@@ -237,15 +273,32 @@ def family_forward(be, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
             )[None, None]
     slots: list[torch.Tensor] = [None] * len(be.layer_ids)  # type: ignore[list-item]
     n_layers = len(be.family)
+    mode = ONE_PLUS if family == "gemma3_text" else ROUND_ONCE
+    rope = split and be.target_rope  # gpt-oss: RoPE + K/V writes in one kernel
+
+    def nm(norm, y):
+        return _norm(be, norm, y, kl, mode)
+
     for i, layer in enumerate(inner.layers):
         spec, a = be.family[i], layer.self_attn
         hd = spec.head_dim
         cos, sin = tables[spec.rope]
-        h = layer.input_layernorm(x)
+        h = nm(layer.input_layernorm, x)
+        if rope and spec.src == i:  # gpt-oss: RoPE and the cache writes in one kernel
+            raw = F.linear(h[0], spec.qkv.weight, spec.qkv.bias)  # [T, (H + 2 Hkv) D]
+            q = rope_cache(raw, None, None, cos, sin, pos[0], be.k[i], be.v[i], 0, spec.heads, spec.kv_heads,
+                           i > 0, kl)  # fmt: skip
+            o = _attention(be, spec, q, pos, masks, split, kl)
+            x = x + a.o_proj(o.transpose(1, 2).reshape(1, t, spec.heads * hd))
+            x = x + gpt_oss_forward(layer.mlp, nm(layer.post_attention_layernorm, x), be.moe_route)
+            if i < n_layers - 1:
+                for n in be.feature_layers.get(i, ()):
+                    slots[n] = x[0]
+            continue
         parts = spec.qkv(h) if spec.qkv is not None else None  # one matmul: q (, k (, v))
         q = (parts[0] if parts else a.q_proj(h)).view(1, t, spec.heads, hd)
         if family != "gpt_oss":
-            q = a.q_norm(q)
+            q = nm(a.q_norm, q)
         q = _rotate(q.transpose(1, 2), cos, sin)  # [1, H, T, D]
         if spec.src == i:  # this layer writes its K/V rows (a sharing layer reads its source's)
             kr = (parts[1] if parts else a.k_proj(h)).view(1, t, spec.kv_heads, hd)
@@ -254,7 +307,7 @@ def family_forward(be, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
             else:
                 vr = (parts[2] if parts else a.v_proj(h)).view(1, t, spec.kv_heads, hd)
             if family != "gpt_oss":
-                kr = a.k_norm(kr)
+                kr = nm(a.k_norm, kr)
             if family == "gemma4_text":
                 vr = a.v_norm(vr)
             be.k[i].index_copy_(2, pos[0], _rotate(kr.transpose(1, 2), cos, sin))
@@ -263,24 +316,24 @@ def family_forward(be, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         o = a.o_proj(o.transpose(1, 2).reshape(1, t, spec.heads * hd))
         if family == "gpt_oss":
             x = x + o
-            x = x + gpt_oss_forward(layer.mlp, layer.post_attention_layernorm(x), be.moe_route)
+            x = x + gpt_oss_forward(layer.mlp, nm(layer.post_attention_layernorm, x), be.moe_route)
         else:
-            x = x + layer.post_attention_layernorm(o)
-            m = layer.mlp(layer.pre_feedforward_layernorm(x))
+            x = x + nm(layer.post_attention_layernorm, o)
+            m = layer.mlp(nm(layer.pre_feedforward_layernorm, x))
             if family == "gemma4_text" and getattr(layer, "enable_moe_block", False):
-                m = layer.post_feedforward_layernorm_1(m) + layer.post_feedforward_layernorm_2(
-                    gemma4_moe_forward(layer, x, be.moe_route)
+                m = nm(layer.post_feedforward_layernorm_1, m) + nm(
+                    layer.post_feedforward_layernorm_2, gemma4_moe_forward(layer, x, be.moe_route)
                 )
-            x = x + layer.post_feedforward_layernorm(m)
+            x = x + nm(layer.post_feedforward_layernorm, m)
             if pli is not None:
                 g = layer.act_fn(layer.per_layer_input_gate(x)) * pli[:, :, i]
-                x = x + layer.post_per_layer_input_norm(layer.per_layer_projection(g))
+                x = x + nm(layer.post_per_layer_input_norm, layer.per_layer_projection(g))
             if family == "gemma4_text":
                 x = x * layer.layer_scalar
         if i < n_layers - 1:
             for n in be.feature_layers.get(i, ()):
                 slots[n] = x[0]
-    x = inner.norm(x)
+    x = nm(inner.norm, x)
     for n in be.feature_layers.get(n_layers - 1, ()):  # HF's hidden_states[N] is final-normed
         slots[n] = x[0]
     if be.layer_ids:
