@@ -54,6 +54,97 @@ if triton is not None:
         tl.store(OUT + p * s_op + n, acc.to(OUT.dtype.element_ty), mask=live_n)
 
 
+if triton is not None:
+
+    @triton.jit
+    def _moe_glu_kernel(X, W, B, E, OUT, K, INTER, s_xp, s_we, s_wn, s_wk, s_be, s_op, STEP, UP, alpha, limit,
+                        HAS_BIAS: tl.constexpr, ACT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+        """out[p, j] = act(gate_j) * up_j (gpt-oss: (up + 1) * gate * sigmoid(alpha * gate), both
+        clamped) with gate_j, up_j the rows j * STEP and j * STEP + UP of W[e_p] dotted with x_p."""
+        p = tl.program_id(0)
+        nb = tl.program_id(1)
+        e = tl.load(E + p).to(tl.int64)
+        j = nb * BN + tl.arange(0, BN)
+        live = j < INTER
+        rg, ru = j * STEP, j * STEP + UP
+        g = tl.zeros([BN], tl.float32)
+        u = tl.zeros([BN], tl.float32)
+        base = W + e * s_we
+        for k0 in range(0, K, BK):
+            k = k0 + tl.arange(0, BK)
+            live_k = k < K
+            x = tl.load(X + p * s_xp + k, mask=live_k, other=0.0).to(tl.float32)[None, :]
+            m = live[:, None] & live_k[None, :]
+            wg = tl.load(base + rg[:, None] * s_wn + k[None, :] * s_wk, mask=m, other=0.0)
+            wu = tl.load(base + ru[:, None] * s_wn + k[None, :] * s_wk, mask=m, other=0.0)
+            g += tl.sum(wg.to(tl.float32) * x, 1)
+            u += tl.sum(wu.to(tl.float32) * x, 1)
+        if HAS_BIAS:
+            g += tl.load(B + e * s_be + rg, mask=live, other=0.0).to(tl.float32)
+            u += tl.load(B + e * s_be + ru, mask=live, other=0.0).to(tl.float32)
+        if ACT == 0:  # SiLU
+            a = g * tl.sigmoid(g) * u
+        elif ACT == 1:  # GELU, tanh approximation: tanh(z) = 2 sigmoid(2z) - 1
+            z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+            a = 0.5 * g * (2.0 * tl.sigmoid(2.0 * z)) * u
+        else:  # gpt-oss's clamped SwiGLU
+            g = tl.minimum(g, limit)
+            u = tl.minimum(tl.maximum(u, -limit), limit)
+            a = (u + 1.0) * (g * tl.sigmoid(g * alpha))
+        tl.store(OUT + p * s_op + j, a.to(OUT.dtype.element_ty), mask=live)
+
+
+ACTS = {"silu": 0, "gelu_tanh": 1, "gpt_oss": 2}
+
+
+def moe_glu(x: torch.Tensor, w: torch.Tensor, experts: torch.Tensor, bias: torch.Tensor | None, act: str,
+            interleaved: bool = False, transposed: bool = False, alpha: float = 1.0,
+            limit: float = 0.0) -> torch.Tensor:  # fmt: skip
+    """act(gate) * up of each row's expert in one launch: the gate+up projection
+    (:func:`moe_gemv`'s layouts) and the gated activation (``act`` of :data:`ACTS`; ``gpt_oss``:
+    ``(clamp(up) + 1) * g * sigmoid(alpha * g)``, g = min(gate, limit)) as its epilogue.
+
+    Args:
+        x: [P, K]; w: [E, 2I, K] or (``transposed``) [E, K, 2I]; experts: [P]; bias: [E, 2I] or None.
+        interleaved: gate and up alternate (gpt-oss: gate 2j, up 2j + 1), else halves (gate j, up I + j).
+    Returns:
+        [P, I] in w's dtype.
+    """
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    p, k = x.shape
+    if transposed:
+        n2, s_wn, s_wk = w.shape[2], w.stride(2), w.stride(1)
+    else:
+        n2, s_wn, s_wk = w.shape[1], w.stride(1), w.stride(2)
+    inter = n2 // 2
+    step, up = (2, 1) if interleaved else (1, inter)
+    out = torch.empty(p, inter, dtype=w.dtype, device=x.device)
+    b = bias if bias is not None else out
+    _moe_glu_kernel[(p, triton.cdiv(inter, BLOCK_N))](
+        x, w, b, experts, out, k, inter, x.stride(0), w.stride(0), s_wn, s_wk,
+        b.stride(0) if bias is not None else 0, out.stride(0), step, up, float(alpha), float(limit),
+        HAS_BIAS=bias is not None, ACT=ACTS[act], BN=BLOCK_N, BK=BLOCK_K,
+    )  # fmt: skip
+    return out
+
+
+def moe_glu_reference(x, w, experts, bias, act: str, interleaved: bool = False, transposed: bool = False,
+                      alpha: float = 1.0, limit: float = 0.0) -> torch.Tensor:  # fmt: skip
+    """:func:`moe_glu` in torch (float32)."""
+    gu = moe_gemv_reference(
+        x, w.float(), experts, None if bias is None else bias.float(), transposed
+    )
+    g, u = (gu[:, ::2], gu[:, 1::2]) if interleaved else gu.chunk(2, dim=-1)
+    if act == "silu":
+        a = torch.nn.functional.silu(g) * u
+    elif act == "gelu_tanh":
+        a = torch.nn.functional.gelu(g, approximate="tanh") * u
+    else:
+        g, u = g.clamp(max=limit), u.clamp(min=-limit, max=limit)
+        a = (u + 1) * (g * torch.sigmoid(g * alpha))
+    return a.to(w.dtype)
+
+
 def moe_gemv(x: torch.Tensor, w: torch.Tensor, experts: torch.Tensor, bias: torch.Tensor | None = None,
              transposed: bool = False) -> torch.Tensor:  # fmt: skip
     """out[p] = x[p] @ W[experts[p]]^T (+ bias[experts[p]]).
@@ -116,6 +207,10 @@ def usable(device: torch.device, dtype: torch.dtype) -> bool:
                 got = moe_gemv(x, w, e, b, transposed).float()
                 want = moe_gemv_reference(x, w, e, b, transposed).float()
                 ok &= bool(((got - want).abs().max() <= 2e-2 * want.abs().max() + 1e-3).item())
+                for act, inter in (("silu", False), ("gelu_tanh", False), ("gpt_oss", True)):
+                    got = moe_glu(x, w, e, b, act, inter, transposed, 1.702, 7.0).float()
+                    want = moe_glu_reference(x, w, e, b, act, inter, transposed, 1.702, 7.0).float()
+                    ok &= bool(((got - want).abs().max() <= 2e-2 * want.abs().max() + 1e-3).item())
             _VERIFIED[key] = ok
         except Exception:  # noqa: BLE001 - Triton raises many types
             _VERIFIED[key] = False

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from dflash.kernels.moe_gemv import MAX_PAIRS, moe_gemv
+from dflash.kernels.moe_gemv import MAX_PAIRS, moe_gemv, moe_glu
 from dflash.kernels.moe_gemv import usable as moe_gemv_usable
 
 
@@ -106,14 +106,18 @@ def moe_forward(mlp: Any, h: torch.Tensor, how: str = "gather") -> torch.Tensor:
         g, u = gu.chunk(2, dim=-1)
         return act(g) * u
 
-    return apply_experts(x, weights, experts, ex.gate_up_proj, ex.down_proj, glu, how).to(h.dtype)[
-        None
-    ]
+    name = kernel_act(act)
+    fused_glu = (name, False, 1.0, 0.0) if name else None
+    y = apply_experts(
+        x, weights, experts, ex.gate_up_proj, ex.down_proj, glu, how, kernel_glu=fused_glu
+    )
+    return y.to(h.dtype)[None]
 
 
 def apply_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gu_w: torch.Tensor,
                   down_w: torch.Tensor, glu, how: str = "gather", gu_b: torch.Tensor | None = None,
-                  down_b: torch.Tensor | None = None, transposed: bool = False) -> torch.Tensor:  # fmt: skip
+                  down_b: torch.Tensor | None = None, transposed: bool = False,
+                  kernel_glu: tuple | None = None) -> torch.Tensor:  # fmt: skip
     """sum_k weights[t, k] * down_e(glu(gate_up_e(x[t]))) over the K experts e = experts[t, k]
     of each row, with fixed shapes (CUDA-graph safe).
 
@@ -124,6 +128,9 @@ def apply_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
         glu: [N, 2I] -> [N, I], the gated activation (which half is the gate is the family's).
         how: ``gather``, ``grouped`` or ``fused`` (:func:`moe_route`).
         gu_b, down_b: [E, 2I] and [E, H] per-expert biases, or None.
+        kernel_glu: ``glu`` as the ``fused`` route's gate+up epilogue
+            (:func:`~dflash.kernels.moe_gemv.moe_glu`): (act, interleaved, alpha, limit); None:
+            ``glu`` runs as torch ops between two GEMV kernels.
     Returns:
         [T, H] in the product's dtype (float32 when the weights are), the K slots summed in
         slot order.
@@ -134,8 +141,13 @@ def apply_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
     down_t = down_w if transposed else down_w.transpose(-2, -1)  # [E, I, H]
     if how == "fused" and t * k <= MAX_PAIRS:  # the chosen experts' weights read in place
         xs = x[:, None, :].expand(t, k, x.shape[1]).reshape(t * k, x.shape[1]).to(gu_w.dtype)
-        gu = moe_gemv(xs, gu_w, flat, gu_b, transposed)  # [T*K, 2I]
-        y = moe_gemv(glu(gu), down_w, flat, down_b, transposed)  # [T*K, H]
+        if kernel_glu is not None:
+            a = moe_glu(
+                xs, gu_w, flat, gu_b, kernel_glu[0], kernel_glu[1], transposed, *kernel_glu[2:]
+            )
+        else:
+            a = glu(moe_gemv(xs, gu_w, flat, gu_b, transposed))  # [T*K, I]
+        y = moe_gemv(a, down_w, flat, down_b, transposed)  # [T*K, H]
     elif how in ("grouped", "fused"):
         order = torch.argsort(flat, stable=True)  # pairs grouped by expert
         rows = torch.div(order, k, rounding_mode="floor")
@@ -159,6 +171,15 @@ def apply_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
         if down_b is not None:
             y = y + down_b[flat]
     return (y.view(t, k, -1) * weights[..., None]).sum(1)
+
+
+def kernel_act(act: Any) -> str | None:
+    """The :func:`~dflash.kernels.moe_gemv.moe_glu` name of a transformers activation module
+    (SiLU, GELU with the tanh approximation), or None."""
+    name = type(act).__name__
+    if name in ("SiLUActivation", "SiLU"):
+        return "silu"
+    return "gelu_tanh" if name in ("GELUTanh", "PytorchGELUTanh") else None
 
 
 def gpt_oss_block(mlp: Any) -> bool:
@@ -205,7 +226,7 @@ def gpt_oss_forward(mlp: Any, h: torch.Tensor, how: str = "gather") -> torch.Ten
         return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
     y = apply_experts(x, weights, idx, ex.gate_up_proj, ex.down_proj, glu, how, ex.gate_up_proj_bias,
-                      ex.down_proj_bias, transposed=True)  # fmt: skip
+                      ex.down_proj_bias, transposed=True, kernel_glu=("gpt_oss", True, alpha, limit))  # fmt: skip
     return y.to(h.dtype)[None]
 
 
@@ -246,5 +267,7 @@ def gemma4_moe_forward(layer: Any, residual: torch.Tensor, how: str = "gather") 
         return act(g) * u
 
     h2 = layer.pre_feedforward_layernorm_2(x)
-    y = apply_experts(h2, top, idx, ex.gate_up_proj, ex.down_proj, glu, how)
+    name = kernel_act(act)
+    fused_glu = (name, False, 1.0, 0.0) if name else None
+    y = apply_experts(h2, top, idx, ex.gate_up_proj, ex.down_proj, glu, how, kernel_glu=fused_glu)
     return y.to(residual.dtype)[None]
