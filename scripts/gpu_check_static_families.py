@@ -413,6 +413,11 @@ def check_tiny(dev: torch.device, families=tuple(TINY) + tuple(FAMILY_TINY)) -> 
         row["ok"] = all(v for k, v in row.items() if isinstance(v, bool))
         ok &= row["ok"]
         res[family] = row
+        print(
+            family,
+            {k: v for k, v in row.items() if isinstance(v, bool) or "diverged" in k},
+            flush=True,
+        )
         del target, draft
         torch.cuda.empty_cache()
     res["ok"] = bool(ok)
@@ -513,6 +518,9 @@ def main() -> int:
         except Exception:  # noqa: BLE001 - report it and go on with the next check
             report[name] = {"ok": False, "error": traceback.format_exc()[-3000:]}
         report[name]["seconds"] = round(time.perf_counter() - t0, 1)
+        out = Path(args.out)  # written after every part: a run cut short keeps the parts done
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "gpu_check_static_families.json").write_text(json.dumps(report, indent=1))
     report["ok"] = all(report[name]["ok"] for name in args.only.split(","))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

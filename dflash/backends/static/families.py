@@ -64,6 +64,7 @@ class LayerSpec:
         qkv: the layer's q, k and v projections as one matmul (k and v only where the layer
             owns its K/V, v only where it has a v_proj;
             :func:`~dflash.backends.static.fused.fuse_linears`), or None.
+        gate_up: Gemma's dense MLP's gate and up projections as one matmul, or None.
     """
 
     heads: int
@@ -75,6 +76,7 @@ class LayerSpec:
     src: int
     sinks: torch.Tensor | None = None
     qkv: Any = None
+    gate_up: Any = None
 
 
 def family_type(target: Any) -> str | None:
@@ -151,8 +153,29 @@ def layer_specs(target: Any) -> list[LayerSpec]:
                                window=cfg.sliding_window if kind == "sliding_attention" else None,
                                rope=None if family == "gpt_oss" else kind, scale=float(a.scaling), src=src,
                                sinks=a.sinks if family == "gpt_oss" else None,
-                               qkv=fuse_linears(projs) if fusable(*projs) else None))  # fmt: skip
+                               qkv=fuse_linears(projs) if fusable(*projs) else None,
+                               gate_up=_gate_up(layer.mlp) if family != "gpt_oss" else None))  # fmt: skip
     return specs
+
+
+def _gate_up(mlp) -> Any:
+    """A dense Gemma MLP's gate and up projections fused (None where they do not fuse)."""
+    parts = [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+    if (
+        any(p is None for p in parts)
+        or not callable(getattr(mlp, "act_fn", None))
+        or not fusable(*parts[:2])
+    ):
+        return None
+    return fuse_linears(parts[:2])
+
+
+def _mlp(spec: LayerSpec, mlp, h: torch.Tensor) -> torch.Tensor:
+    """down(act(gate(h)) * up(h)) with gate and up as one matmul where fused, else the module."""
+    if spec.gate_up is None:
+        return mlp(h)
+    g, u = spec.gate_up(h)
+    return mlp.down_proj(mlp.act_fn(g) * u)
 
 
 def allocate(specs: list[LayerSpec], capacity: int, dtype, device) -> tuple[list, list]:
@@ -186,6 +209,7 @@ def configure_family(be, settings) -> None:
                           and dtype in (torch.bfloat16, torch.float16)
                           and all(m.weight.dim() == 1 and m.weight.numel() <= MAX_HIDDEN and m.weight.stride(0) == 1
                                   for m in _norms(target)))  # fmt: skip
+    be.family_ones = {d: torch.ones(d, device=be.device) for d in {s.head_dim for s in be.family}}
     attn = target.model.layers[0].self_attn
     be.target_rope = bool(settings.rope_target and be.attention != "sdpa" and family_type(target) == "gpt_oss"
                           and all(s.qkv is not None for s in be.family) and rope_cache_fits(attn, dtype, norms=False))  # fmt: skip
@@ -196,6 +220,10 @@ def _norm(be, norm, x: torch.Tensor, kl, mode: int) -> torch.Tensor:
     the rows fit, else the module."""
     w = getattr(norm, "weight", None)
     rows = x.numel() // x.shape[-1]
+    if (
+        w is None and getattr(norm, "with_scale", True) is False and mode == ROUND_ONCE
+    ):  # Gemma 4's v norm
+        w = be.family_ones.get(x.shape[-1])
     if not be.norm_kernel or w is None or rows > MAX_HEAD_ROWS or x.shape[-1] != w.numel():
         return norm(x)
     flat = x.reshape(rows, x.shape[-1])
@@ -309,7 +337,7 @@ def family_forward(be, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
             if family != "gpt_oss":
                 kr = nm(a.k_norm, kr)
             if family == "gemma4_text":
-                vr = a.v_norm(vr)
+                vr = nm(a.v_norm, vr)  # no weight: a weight of ones in the kernel
             be.k[i].index_copy_(2, pos[0], _rotate(kr.transpose(1, 2), cos, sin))
             be.v[i].index_copy_(2, pos[0], vr.transpose(1, 2))
         o = _attention(be, spec, q, pos, masks, split, kl)
@@ -319,7 +347,7 @@ def family_forward(be, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
             x = x + gpt_oss_forward(layer.mlp, nm(layer.post_attention_layernorm, x), be.moe_route)
         else:
             x = x + nm(layer.post_attention_layernorm, o)
-            m = layer.mlp(nm(layer.pre_feedforward_layernorm, x))
+            m = _mlp(spec, layer.mlp, nm(layer.pre_feedforward_layernorm, x))
             if family == "gemma4_text" and getattr(layer, "enable_moe_block", False):
                 m = nm(layer.post_feedforward_layernorm_1, m) + nm(
                     layer.post_feedforward_layernorm_2, gemma4_moe_forward(layer, x, be.moe_route)
