@@ -11,7 +11,8 @@ tokens prefilled; then, with the captured graphs replayed ``REPS`` times each (C
   each layer sees: min(window, context) per layer, K and V) over the HBM bandwidth measured here
   (a read-only reduction over 4 GiB; ``hbm_gbps``); ``block1_vs_floor`` = block1_ms / floor_ms;
 - ``block16_ms``: the width-16 verify graph plus the draft's 16-wide graph (one speculative step
-  of block 16); ``block16_vs_block1``;
+  of block 16); ``block16_vs_block1``; ``floor16_ms``: the 16-row verify's bytes (MoE: the
+  experts 16 rows hit under uniform routing, most of them at gpt-oss's 32), ``verify16_vs_floor16``;
 - ``verify1_ms_grouped``, ``verify16_ms_grouped``: MoE shapes, the verify graphs again with the
   ``grouped`` expert route in place of ``fused`` (:func:`dflash.backends.static.moe.moe_route`);
 - ``hf_ms_per_token``: HF ``generate`` (greedy, its own default attention) of ``HF_TOKENS`` tokens
@@ -90,20 +91,24 @@ def _expert_bytes(target) -> tuple[int, int, int]:
     return total, per_expert, top_k
 
 
-def floor_bytes(be, context: int) -> dict:
-    """Bytes a block-1 step reads at ``context`` committed rows (see the module docstring)."""
+def floor_bytes(be, context: int, rows: int = 1) -> dict:
+    """Bytes a step of ``rows`` rows reads at ``context`` committed rows (see the module
+    docstring); ``rows`` > 1: the distinct experts a layer's rows hit, expected under uniform
+    routing (E * (1 - (1 - K/E)^rows)), and the KV rows of the last row."""
     target = be.target
     params = sum(p.numel() * p.element_size() for p in target.parameters())
     emb = target.get_input_embeddings().weight
     lm = target.get_output_embeddings().weight
     emb_bytes = emb.numel() * emb.element_size() if emb.data_ptr() != lm.data_ptr() else 0
     experts, per_expert, top_k = _expert_bytes(target)
+    n_experts = experts // per_expert if per_expert else 0
+    hit = n_experts * (1 - (1 - top_k / n_experts) ** rows) if n_experts else 0
     kv = 0
     for i in range(be.n_layers):  # a layer sharing K/V reads its source's rows again
         k = be.k[i]
         rows = context + 1 if be.windows[i] is None else min(be.windows[i], context + 1)
         kv += 2 * k.shape[1] * rows * k.shape[3] * k.element_size()
-    weights = params - emb_bytes - experts + per_expert * top_k
+    weights = params - emb_bytes - experts + per_expert * hit
     return {
         "weights_gb": round(weights / 1e9, 3),
         "kv_gb": round(kv / 1e9, 4),
@@ -161,6 +166,9 @@ def measure(name: str, dev: torch.device, build_target, build_draft, bandwidth: 
     row["floor"] = fb
     row["floor_ms"] = round(fb["total_gb"] / bandwidth * 1e3, 4)
     row["block1_vs_floor"] = round(row["block1_ms"] / row["floor_ms"], 3)
+    fb16 = floor_bytes(be, start + 15, 16)  # a 16-row verify: the experts its rows hit
+    row["floor16_ms"] = round(fb16["total_gb"] / bandwidth * 1e3, 4)
+    row["verify16_vs_floor16"] = round(row["verify16_ms"] / row["floor16_ms"], 3)
     row["goal_block1"] = 1.35 if moe else 1.2
     if be.moe_route == "fused":  # the same steps with the grouped_mm route, for comparison
         be.moe_route = "grouped"

@@ -19,7 +19,8 @@ from __future__ import annotations
 import torch
 
 MAX_PAIRS = 64  # (row, expert) pairs up to which the MoE blocks use this kernel
-BLOCK_N = 32  # output features per program
+BLOCK_N = 32  # output features per program (16 where that leaves fewer than MIN_PROGRAMS)
+MIN_PROGRAMS = 264  # two per SM of an H100: fewer programs leave HBM bandwidth unused
 BLOCK_K = 128  # input features per iteration
 
 try:
@@ -97,6 +98,11 @@ if triton is not None:
 ACTS = {"silu": 0, "gelu_tanh": 1, "gpt_oss": 2}
 
 
+def _block_n(pairs: int, n: int) -> int:
+    """Output features per program: :data:`BLOCK_N`, halved while that gives too few programs."""
+    return BLOCK_N if pairs * triton.cdiv(n, BLOCK_N) >= MIN_PROGRAMS else BLOCK_N // 2
+
+
 def moe_glu(x: torch.Tensor, w: torch.Tensor, experts: torch.Tensor, bias: torch.Tensor | None, act: str,
             interleaved: bool = False, transposed: bool = False, alpha: float = 1.0,
             limit: float = 0.0) -> torch.Tensor:  # fmt: skip
@@ -120,10 +126,11 @@ def moe_glu(x: torch.Tensor, w: torch.Tensor, experts: torch.Tensor, bias: torch
     step, up = (2, 1) if interleaved else (1, inter)
     out = torch.empty(p, inter, dtype=w.dtype, device=x.device)
     b = bias if bias is not None else out
-    _moe_glu_kernel[(p, triton.cdiv(inter, BLOCK_N))](
+    bn = _block_n(p, inter)
+    _moe_glu_kernel[(p, triton.cdiv(inter, bn))](
         x, w, b, experts, out, k, inter, x.stride(0), w.stride(0), s_wn, s_wk,
         b.stride(0) if bias is not None else 0, out.stride(0), step, up, float(alpha), float(limit),
-        HAS_BIAS=bias is not None, ACT=ACTS[act], BN=BLOCK_N, BK=BLOCK_K,
+        HAS_BIAS=bias is not None, ACT=ACTS[act], BN=bn, BK=BLOCK_K,
     )  # fmt: skip
     return out
 
@@ -165,10 +172,11 @@ def moe_gemv(x: torch.Tensor, w: torch.Tensor, experts: torch.Tensor, bias: torc
         n, s_wn, s_wk = w.shape[1], w.stride(1), w.stride(2)
     out = torch.empty(p, n, dtype=w.dtype, device=x.device)
     b = bias if bias is not None else out
-    _moe_gemv_kernel[(p, triton.cdiv(n, BLOCK_N))](
+    bn = _block_n(p, n)
+    _moe_gemv_kernel[(p, triton.cdiv(n, bn))](
         x, w, b, experts, out, k, n, x.stride(0), w.stride(0), s_wn, s_wk,
         b.stride(0) if bias is not None else 0, out.stride(0),
-        HAS_BIAS=bias is not None, BN=BLOCK_N, BK=BLOCK_K,
+        HAS_BIAS=bias is not None, BN=bn, BK=BLOCK_K,
     )  # fmt: skip
     return out
 

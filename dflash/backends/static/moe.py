@@ -70,7 +70,7 @@ def moe_route(device: torch.device, dtype: torch.dtype) -> str:
     capability 8.0 or more), else ``gather`` (CPU, float32: the parity runs); ``fused`` where,
     besides, the expert GEMV kernel (:mod:`dflash.kernels.moe_gemv`) runs and matches torch on
     this device: forwards of up to :data:`~dflash.kernels.moe_gemv.MAX_PAIRS` (row, expert)
-    pairs run it, longer ones ``grouped``."""
+    pairs, and at most half as many as there are experts, run it; others ``grouped``."""
     if device.type == "cuda" and dtype == torch.bfloat16 and hasattr(F, "grouped_mm"):
         if torch.cuda.get_device_capability(device) >= (8, 0):
             return "fused" if moe_gemv_usable(device, dtype) else "grouped"
@@ -139,7 +139,9 @@ def apply_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
     flat = experts.reshape(-1)  # [T*K] expert of each (row, slot)
     gu_t = gu_w if transposed else gu_w.transpose(-2, -1)  # [E, H, 2I] views
     down_t = down_w if transposed else down_w.transpose(-2, -1)  # [E, I, H]
-    if how == "fused" and t * k <= MAX_PAIRS:  # the chosen experts' weights read in place
+    # the fused route while pairs are few next to the experts: each pair reads its expert's weights
+    # (a shared expert once per pair), where grouped_mm reads each hit expert once
+    if how == "fused" and t * k <= MAX_PAIRS and 2 * t * k <= gu_w.shape[0]:
         xs = x[:, None, :].expand(t, k, x.shape[1]).reshape(t * k, x.shape[1]).to(gu_w.dtype)
         if kernel_glu is not None:
             a = moe_glu(
