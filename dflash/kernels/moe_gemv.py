@@ -35,8 +35,8 @@ _VERIFIED: dict = {}  # device -> whether the kernel ran and matched torch there
 if triton is not None:
 
     @triton.jit
-    def _moe_gemv_kernel(X, W, B, E, OUT, K, N, s_xp, s_we, s_wn, s_wk, s_be, s_op,
-                         HAS_BIAS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+    def _moe_gemv_kernel(X, W, B, E, S, OUT, K, N, s_xp, s_we, s_wn, s_wk, s_be, s_op,
+                         HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
         p = tl.program_id(0)
         nb = tl.program_id(1)
         e = tl.load(E + p).to(tl.int64)
@@ -52,13 +52,15 @@ if triton is not None:
             acc += tl.sum(w.to(tl.float32) * x[None, :], 1)
         if HAS_BIAS:
             acc += tl.load(B + e * s_be + n, mask=live_n, other=0.0).to(tl.float32)
+        if HAS_SCALE:  # the pair's routing weight
+            acc = acc * tl.load(S + p).to(tl.float32)
         tl.store(OUT + p * s_op + n, acc.to(OUT.dtype.element_ty), mask=live_n)
 
 
 if triton is not None:
 
     @triton.jit
-    def _moe_glu_kernel(X, W, B, E, OUT, K, INTER, s_xp, s_we, s_wn, s_wk, s_be, s_op, STEP, UP, alpha, limit,
+    def _moe_glu_kernel(X, W, B, E, OUT, K, INTER, XDIV, s_xp, s_we, s_wn, s_wk, s_be, s_op, STEP, UP, alpha, limit,
                         HAS_BIAS: tl.constexpr, ACT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
         """out[p, j] = act(gate_j) * up_j (gpt-oss: (up + 1) * gate * sigmoid(alpha * gate), both
         clamped) with gate_j, up_j the rows j * STEP and j * STEP + UP of W[e_p] dotted with x_p."""
@@ -74,7 +76,7 @@ if triton is not None:
         for k0 in range(0, K, BK):
             k = k0 + tl.arange(0, BK)
             live_k = k < K
-            x = tl.load(X + p * s_xp + k, mask=live_k, other=0.0).to(tl.float32)[None, :]
+            x = tl.load(X + (p // XDIV) * s_xp + k, mask=live_k, other=0.0).to(tl.float32)[None, :]
             m = live[:, None] & live_k[None, :]
             wg = tl.load(base + rg[:, None] * s_wn + k[None, :] * s_wk, mask=m, other=0.0)
             wu = tl.load(base + ru[:, None] * s_wn + k[None, :] * s_wk, mask=m, other=0.0)
@@ -105,19 +107,20 @@ def _block_n(pairs: int, n: int) -> int:
 
 def moe_glu(x: torch.Tensor, w: torch.Tensor, experts: torch.Tensor, bias: torch.Tensor | None, act: str,
             interleaved: bool = False, transposed: bool = False, alpha: float = 1.0,
-            limit: float = 0.0) -> torch.Tensor:  # fmt: skip
+            limit: float = 0.0, x_div: int = 1) -> torch.Tensor:  # fmt: skip
     """act(gate) * up of each row's expert in one launch: the gate+up projection
     (:func:`moe_gemv`'s layouts) and the gated activation (``act`` of :data:`ACTS`; ``gpt_oss``:
     ``(clamp(up) + 1) * g * sigmoid(alpha * g)``, g = min(gate, limit)) as its epilogue.
 
     Args:
-        x: [P, K]; w: [E, 2I, K] or (``transposed``) [E, K, 2I]; experts: [P]; bias: [E, 2I] or None.
+        x: [P / x_div, K] (pair p reads row p // x_div: a row's K slots share it); w: [E, 2I, K]
+            or (``transposed``) [E, K, 2I]; experts: [P]; bias: [E, 2I] or None.
         interleaved: gate and up alternate (gpt-oss: gate 2j, up 2j + 1), else halves (gate j, up I + j).
     Returns:
         [P, I] in w's dtype.
     """
     x = x if x.stride(-1) == 1 else x.contiguous()
-    p, k = x.shape
+    p, k = experts.shape[0], x.shape[1]
     if transposed:
         n2, s_wn, s_wk = w.shape[2], w.stride(2), w.stride(1)
     else:
@@ -128,7 +131,7 @@ def moe_glu(x: torch.Tensor, w: torch.Tensor, experts: torch.Tensor, bias: torch
     b = bias if bias is not None else out
     bn = _block_n(p, inter)
     _moe_glu_kernel[(p, triton.cdiv(inter, bn))](
-        x, w, b, experts, out, k, inter, x.stride(0), w.stride(0), s_wn, s_wk,
+        x, w, b, experts, out, k, inter, x_div, x.stride(0), w.stride(0), s_wn, s_wk,
         b.stride(0) if bias is not None else 0, out.stride(0), step, up, float(alpha), float(limit),
         HAS_BIAS=bias is not None, ACT=ACTS[act], BN=bn, BK=BLOCK_K,
     )  # fmt: skip
@@ -153,16 +156,19 @@ def moe_glu_reference(x, w, experts, bias, act: str, interleaved: bool = False, 
 
 
 def moe_gemv(x: torch.Tensor, w: torch.Tensor, experts: torch.Tensor, bias: torch.Tensor | None = None,
-             transposed: bool = False) -> torch.Tensor:  # fmt: skip
-    """out[p] = x[p] @ W[experts[p]]^T (+ bias[experts[p]]).
+             transposed: bool = False, scale: torch.Tensor | None = None,
+             out_dtype: torch.dtype | None = None) -> torch.Tensor:  # fmt: skip
+    """out[p] = (x[p] @ W[experts[p]]^T (+ bias[experts[p]])) (* scale[p]).
 
     Args:
         x: [P, K] rows (unit last stride).
         w: [E, N, K] (``F.linear`` layout) or, with ``transposed``, [E, K, N] (``x @ W``).
         experts: [P] int64 expert of each row.
         bias: [E, N] or None.
+        scale: [P] a factor per row (the routing weights), or None.
+        out_dtype: the output's dtype (None: w's).
     Returns:
-        [P, N] in w's dtype.
+        [P, N] in ``out_dtype``.
     """
     x = x if x.stride(-1) == 1 else x.contiguous()
     p, k = x.shape
@@ -170,13 +176,13 @@ def moe_gemv(x: torch.Tensor, w: torch.Tensor, experts: torch.Tensor, bias: torc
         n, s_wn, s_wk = w.shape[2], w.stride(2), w.stride(1)
     else:
         n, s_wn, s_wk = w.shape[1], w.stride(1), w.stride(2)
-    out = torch.empty(p, n, dtype=w.dtype, device=x.device)
+    out = torch.empty(p, n, dtype=out_dtype or w.dtype, device=x.device)
     b = bias if bias is not None else out
     bn = _block_n(p, n)
     _moe_gemv_kernel[(p, triton.cdiv(n, bn))](
-        x, w, b, experts, out, k, n, x.stride(0), w.stride(0), s_wn, s_wk,
+        x, w, b, experts, out if scale is None else scale, out, k, n, x.stride(0), w.stride(0), s_wn, s_wk,
         b.stride(0) if bias is not None else 0, out.stride(0),
-        HAS_BIAS=bias is not None, BN=bn, BK=BLOCK_K,
+        HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, BN=bn, BK=BLOCK_K,
     )  # fmt: skip
     return out
 

@@ -142,14 +142,17 @@ def apply_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
     # the fused route while pairs are few next to the experts: each pair reads its expert's weights
     # (a shared expert once per pair), where grouped_mm reads each hit expert once
     if how == "fused" and t * k <= MAX_PAIRS and 2 * t * k <= gu_w.shape[0]:
-        xs = x[:, None, :].expand(t, k, x.shape[1]).reshape(t * k, x.shape[1]).to(gu_w.dtype)
-        if kernel_glu is not None:
+        if kernel_glu is not None:  # pair p reads row p // K
+            act, inter = kernel_glu[:2]
             a = moe_glu(
-                xs, gu_w, flat, gu_b, kernel_glu[0], kernel_glu[1], transposed, *kernel_glu[2:]
+                x.to(gu_w.dtype), gu_w, flat, gu_b, act, inter, transposed, *kernel_glu[2:], x_div=k
             )
         else:
+            xs = x[:, None, :].expand(t, k, x.shape[1]).reshape(t * k, x.shape[1]).to(gu_w.dtype)
             a = glu(moe_gemv(xs, gu_w, flat, gu_b, transposed))  # [T*K, I]
-        y = moe_gemv(a, down_w, flat, down_b, transposed)  # [T*K, H]
+        # the routing weights in the down kernel's epilogue; float32 out, the K slots summed here
+        y = moe_gemv(a, down_w, flat, down_b, transposed, weights.reshape(-1), torch.float32)
+        return y.view(t, k, -1).sum(1)  # [T, H]
     elif how in ("grouped", "fused"):
         order = torch.argsort(flat, stable=True)  # pairs grouped by expert
         rows = torch.div(order, k, rounding_mode="floor")
