@@ -375,7 +375,8 @@ def _(q, k, v, pos, scale, split, heads, block, one, early, pdl, window, sinks=N
 
 def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
                     scale: float | None, early: bool = False, launch: Launch | None = None,
-                    window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+                    window: int | None = None, sinks: torch.Tensor | None = None,
+                    sinks_log2: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """softmax(q k^T * scale) v over the keys at positions <= pos[t] (and > pos[t] - ``window``
     for a sliding-window layer), per query row t.
 
@@ -400,6 +401,8 @@ def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torc
             transformers' sliding masks (key > query - W); None = full causal attention.
         sinks: [H] per-head attention-sink logits (gpt-oss: each head's softmax denominator
             also counts exp(sink), a logit with no value), or None.
+        sinks_log2: the same already as float32 times log2(e) (made once by the caller: no
+            per-call conversion kernels), in place of ``sinks``.
     Returns:
         [1, H, T, D] in q's dtype.
     """
@@ -409,9 +412,11 @@ def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torc
     split, one = split_size(k.shape[2], cfg.attn_split), one_slice(cfg, dim)
     if triton is None or (q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1"):
         # no kernel here (CPU, Triton absent or not interpreting): the same algorithm in torch
+        if sinks is None and sinks_log2 is not None:
+            sinks = sinks_log2 / math.log2(math.e)
         return split_attention_reference(q, k, v, pos, scale, split, one, window or 0, sinks)
     groups, rows = q.shape[1] // k.shape[1], q.shape[2]
-    sinks2 = None if sinks is None else sinks.float() * math.log2(math.e)  # base 2, as the kernel's logits
+    sinks2 = sinks_log2 if sinks is None else sinks.float() * math.log2(math.e)  # base 2, as the kernel's logits
     return _attention_op(q, k, v, pos, float(scale), split, heads_per_program(groups, rows), cfg.attn_block,
                          one, early and cfg.attn_early, launch.pdl, window or 0, sinks2)  # fmt: skip
 

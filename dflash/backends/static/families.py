@@ -27,6 +27,7 @@ the scores and the sink column written out (float32), as transformers' eager att
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,6 +66,8 @@ class LayerSpec:
             owns its K/V, v only where it has a v_proj;
             :func:`~dflash.backends.static.fused.fuse_linears`), or None.
         gate_up: Gemma's dense MLP's gate and up projections as one matmul, or None.
+        sinks_log2: ``sinks`` in float32 times log2(e), for the split-KV kernel (made when the
+            backend's kernels are configured).
     """
 
     heads: int
@@ -77,6 +80,7 @@ class LayerSpec:
     sinks: torch.Tensor | None = None
     qkv: Any = None
     gate_up: Any = None
+    sinks_log2: torch.Tensor | None = None
 
 
 def family_type(target: Any) -> str | None:
@@ -209,6 +213,10 @@ def configure_family(be, settings) -> None:
                           and dtype in (torch.bfloat16, torch.float16)
                           and all(m.weight.dim() == 1 and m.weight.numel() <= MAX_HIDDEN and m.weight.stride(0) == 1
                                   for m in _norms(target)))  # fmt: skip
+    for spec in be.family:
+        spec.sinks_log2 = (
+            None if spec.sinks is None else spec.sinks.detach().float() * math.log2(math.e)
+        )
     be.family_ones = {d: torch.ones(d, device=be.device) for d in {s.head_dim for s in be.family}}
     attn = target.model.layers[0].self_attn
     be.target_rope = bool(settings.rope_target and be.attention != "sdpa" and family_type(target) == "gpt_oss"
@@ -255,9 +263,8 @@ def _attention(be, spec: LayerSpec, q, pos, masks, split: bool, kl) -> torch.Ten
     """The layer's attention over its K/V buffers: q [1, H, T, D] -> [1, H, T, D]."""
     k, v = be.k[spec.src], be.v[spec.src]
     if split and spec.head_dim <= KERNEL_MAX_HEAD_DIM:
-        return split_attention(
-            q, k, v, pos[0], spec.scale, launch=kl, window=spec.window, sinks=spec.sinks
-        )
+        return split_attention(q, k, v, pos[0], spec.scale, launch=kl, window=spec.window,
+                               sinks_log2=spec.sinks_log2)  # fmt: skip
     if spec.sinks is not None:
         return attend_sinks(q, k, v, masks[spec.window], spec.scale, spec.sinks)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=masks[spec.window], scale=spec.scale,
