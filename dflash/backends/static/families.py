@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from dflash.backends.static.fused import fusable, fuse_linears
+from dflash.backends.static.fused import _out_proj, _plain, fusable, fuse_linears
 from dflash.backends.static.moe import (
     gemma4_block,
     gemma4_moe_forward,
@@ -44,6 +44,8 @@ from dflash.backends.static.moe import (
 from dflash.kernels.rms_norm import MAX_HEAD_ROWS, MAX_HIDDEN, ONE_PLUS, ROUND_ONCE, rms_norm
 from dflash.kernels.rms_norm import available as rms_norm_available
 from dflash.kernels.rope_cache import norm_eps, rope_cache, rope_cache_fits
+from dflash.kernels.small_linear import MAX_ROWS as LINEAR_MAX_ROWS
+from dflash.kernels.small_linear import linear_mode
 from dflash.kernels.split_attention import split_attention, uses_kernel
 from dflash.models.draft_torch import rope_cos_sin
 
@@ -207,12 +209,18 @@ def configure_family(be, settings) -> None:
     choices): ``norm_kernel``, the norms as :func:`~dflash.kernels.rms_norm.rms_norm` (bf16/fp16
     on CUDA: gpt-oss's and Gemma 4's rounding once, Gemma 3's (1 + w)); ``target_rope``
     (gpt-oss, where the split-KV kernel runs): RoPE and the K/V cache writes as
-    :func:`~dflash.kernels.rope_cache.rope_cache`. Both are rungs of the fall-back ladder."""
+    :func:`~dflash.kernels.rope_cache.rope_cache`; ``linear`` (gpt-oss): o_proj with its bias
+    and the residual add as :func:`~dflash.kernels.small_linear.small_linear`. All are rungs of
+    the fall-back ladder."""
     target, dtype = be.target, be.dtype
     be.norm_kernel = bool(settings.norm_kernel and be.device.type == "cuda" and rms_norm_available()
                           and dtype in (torch.bfloat16, torch.float16)
                           and all(m.weight.dim() == 1 and m.weight.numel() <= MAX_HIDDEN and m.weight.stride(0) == 1
                                   for m in _norms(target)))  # fmt: skip
+    if family_type(target) == "gpt_oss":  # o_proj with its bias and the residual add: one kernel
+        layers = target.model.layers
+        if all(_plain(layer.self_attn.o_proj, dtype) for layer in layers):
+            be.linear = linear_mode(settings.linear, be.device)
     for spec in be.family:
         spec.sinks_log2 = (
             None if spec.sinks is None else spec.sinks.detach().float() * math.log2(math.e)
@@ -310,6 +318,7 @@ def family_forward(be, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     n_layers = len(be.family)
     mode = ONE_PLUS if family == "gemma3_text" else ROUND_ONCE
     rope = split and be.target_rope  # gpt-oss: RoPE + K/V writes in one kernel
+    lin = t <= LINEAR_MAX_ROWS and be.linear != "torch"  # gpt-oss: o_proj + residual in one kernel
 
     def nm(norm, y):
         return _norm(be, norm, y, kl, mode)
@@ -324,7 +333,7 @@ def family_forward(be, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
             q = rope_cache(raw, None, None, cos, sin, pos[0], be.k[i], be.v[i], 0, spec.heads, spec.kv_heads,
                            i > 0, kl)  # fmt: skip
             o = _attention(be, spec, q, pos, masks, split, kl)
-            x = x + a.o_proj(o.transpose(1, 2).reshape(1, t, spec.heads * hd))
+            x = _out_proj(lin, a.o_proj, o.transpose(1, 2).reshape(1, t, spec.heads * hd), x, kl)
             x = x + gpt_oss_forward(layer.mlp, nm(layer.post_attention_layernorm, x), be.moe_route)
             if i < n_layers - 1:
                 for n in be.feature_layers.get(i, ()):
@@ -348,12 +357,12 @@ def family_forward(be, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
             be.k[i].index_copy_(2, pos[0], _rotate(kr.transpose(1, 2), cos, sin))
             be.v[i].index_copy_(2, pos[0], vr.transpose(1, 2))
         o = _attention(be, spec, q, pos, masks, split, kl)
-        o = a.o_proj(o.transpose(1, 2).reshape(1, t, spec.heads * hd))
+        o = o.transpose(1, 2).reshape(1, t, spec.heads * hd)
         if family == "gpt_oss":
-            x = x + o
+            x = _out_proj(lin, a.o_proj, o, x, kl)
             x = x + gpt_oss_forward(layer.mlp, nm(layer.post_attention_layernorm, x), be.moe_route)
         else:
-            x = x + nm(layer.post_attention_layernorm, o)
+            x = x + nm(layer.post_attention_layernorm, a.o_proj(o))
             m = _mlp(spec, layer.mlp, nm(layer.pre_feedforward_layernorm, x))
             if family == "gemma4_text" and getattr(layer, "enable_moe_block", False):
                 m = nm(layer.post_feedforward_layernorm_1, m) + nm(
