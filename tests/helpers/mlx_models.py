@@ -46,13 +46,25 @@ CONFIGS = {
                     "global_head_dim": 32, "num_kv_shared_layers": 2,
                     "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": VOCAB,
                     "sliding_window": 12, "sliding_window_pattern": 3,
+                    "layer_types": ["sliding_attention"] * 2 + ["full_attention"]
+                    + ["sliding_attention"] * 2 + ["full_attention"],
                     "final_logit_softcapping": 30.0, "use_double_wide_mlp": True},
+    # the multimodal wrapper of Gemma 4 31B / 26B-A4B: K = V on full layers, an MoE block
+    "gemma4": {"model_type": "gemma4", "vocab_size": VOCAB, "tie_word_embeddings": True,
+               "text_config": {**BASE, "model_type": "gemma4_text", "num_hidden_layers": 4,
+                               "global_head_dim": 32, "num_kv_shared_layers": 0,
+                               "hidden_size_per_layer_input": 0, "sliding_window": 8,
+                               "sliding_window_pattern": 2, "attention_k_eq_v": True,
+                               "layer_types": ["sliding_attention", "full_attention"] * 2,
+                               "num_global_key_value_heads": 1, "enable_moe_block": True,
+                               "num_experts": 4, "top_k_experts": 2,
+                               "moe_intermediate_size": 32, "use_double_wide_mlp": False}},
     "gpt_oss": {**BASE, "model_type": "gpt_oss", "num_hidden_layers": 4, "num_local_experts": 4,
                 "num_experts_per_tok": 2, "sliding_window": 24, "tie_word_embeddings": False,
                 "layer_types": ["sliding_attention", "full_attention"] * 2},
 }  # fmt: skip
-SLIDING = ("gemma3_text", "gemma4_text", "gpt_oss")
-SCALES = {"gemma4_text": 1.0}  # larger weights make this tiny gemma4 repeat one token
+SLIDING = ("gemma3_text", "gemma4_text", "gemma4", "gpt_oss")
+SCALES = {"gemma4_text": 1.0, "gemma4": 0.5}  # larger weights make this tiny gemma4 repeat one token
 
 
 def save_tokenizer(folder: Path) -> None:
