@@ -64,7 +64,8 @@ CONFIGS = {
                 "layer_types": ["sliding_attention", "full_attention"] * 2},
 }  # fmt: skip
 SLIDING = ("gemma3_text", "gemma4_text", "gemma4", "gpt_oss")
-SCALES = {"gemma4_text": 1.0, "gemma4": 0.5}  # larger weights make this tiny gemma4 repeat one token
+# weight scales other than 4: larger weights make these tiny gemma4 targets repeat one token
+SCALES = {"gemma4_text": 1.0, "gemma4": 0.5}
 
 
 def save_tokenizer(folder: Path) -> None:
