@@ -24,7 +24,7 @@ import numpy as np
 
 from dflash.backend_names import MLX_DEFAULT_DEVICE, MLX_DEVICES, MLX_NO_GPU_HINT
 from dflash.backends import mlx_hooks, mlx_rotating
-from dflash.backends.base import Loaded, device_name
+from dflash.backends.base import Loaded, SelectorProposal, device_name
 from dflash.backends.mlx_loop import MLXDeviceLoop
 from dflash.errors import BackendError
 from dflash.models.draft_mlx import DFlashDraftMLX
@@ -131,7 +131,14 @@ class MLXBackend:
         self.mask_token_id = cfg.mask_token_id if cfg else -1
         self.draft_block_size = cfg.block_size if cfg else 1
         self.draft_head_rows = draft is not None  # draft(..., rows=k): the head on k rows only
-        self.draft_vocab, self.draft_weight = draft_vocab_head(self.head, self.embed, draft if draft_vocab else None)
+        # DFlash2: the candidate selector picks the proposals (sampled at T > 0) over the full head
+        self.draft_uses_sampling = bool(getattr(draft, "is_dflash2", False))
+        self.embed_scale = float(getattr(draft, "embed_scale", 1.0))
+        self._draft_key: mx.array | None = None  # the selector's PRNG key of this request
+        draft_vocab = draft_vocab and not self.draft_uses_sampling
+        self.draft_vocab, self.draft_weight = draft_vocab_head(
+            self.head, self.embed, draft if draft_vocab else None
+        )
         self.layer_ids = list(cfg.target_layer_ids) if cfg else []
         self.max_context = max_context
         self.gdn_indices, self.rotating_indices = check_caches(target, self.layers)
@@ -158,6 +165,7 @@ class MLXBackend:
         self.cache = make_prompt_cache(self.target)
         self.length = self.last_steps = 0
         self.rotating_states = {}
+        self._draft_key = None  # seeded from the request's sampling seed at its first draw
         if self.draft_cache is not None:
             self.draft_cache.reset()
 
@@ -209,15 +217,20 @@ class MLXBackend:
         else:
             head = anchor.reshape(1).astype(mx.int32)
         block = mx.concatenate([head, self.block_ids[: length - 1]])[None]
-        return self.embed(block).astype(self.draft_model.norm.weight.dtype)
+        emb = self.embed(block)
+        if self.embed_scale != 1.0:  # DFlash2's input_embedding_scale
+            emb = emb * self.embed_scale
+        return emb.astype(self.draft_model.norm.weight.dtype)
 
     def draft(self, anchor: int | mx.array, context: mx.array, start: int, length: int,
-              rows: int | None = None):  # fmt: skip
+              sampling: SamplingParams | None = None, rows: int | None = None):  # fmt: skip
         if isinstance(context, (list, tuple)):  # chunks left by plain steps (--block-size auto)
             context = mx.concatenate(list(context), axis=0)
         model = self.draft_model
         emb = self._block(anchor, length)
         h = model(emb, context[None].astype(emb.dtype), start, self.draft_cache)
+        if self.draft_uses_sampling:
+            return self._select(h[0, 1 : (rows or length - 1) + 1], anchor, sampling)
         return self._draft_head(h[0, 1 : (rows or length - 1) + 1])
 
     def draft_ahead(self, anchor: mx.array, feats: mx.array, ctx_start: int, valid: mx.array,
@@ -229,7 +242,31 @@ class MLXBackend:
         emb = self._block(anchor, length)
         ctx = feats[None].astype(emb.dtype)
         h = self.draft_model.ahead(emb, ctx, ctx_start, valid, self.draft_cache)
+        if self.draft_uses_sampling:
+            return self._select(h[0, 1 : rows + 1], anchor, None)[0]
         return self._draft_head(h[0, 1 : rows + 1])[0]
+
+    def _select(self, h: mx.array, anchor: int | mx.array,
+                sampling: SamplingParams | None) -> tuple[mx.array, SelectorProposal]:  # fmt: skip
+        """DFlash2: (proposals [R] int32, SelectorProposal(candidates [R, k], q [R, k] or None))
+        of the draft's hidden rows h [R, H], the selector walking greedily (no sampling or
+        temperature 0) or sampling at the request's temperature with this request's key."""
+        anchor = (
+            mx.array([anchor], dtype=mx.int32) if isinstance(anchor, int) else anchor.reshape(1)
+        )
+        temp = 0.0 if sampling is None else float(sampling.temperature)
+        key = None
+        if temp > 0:
+            if self._draft_key is None:
+                seed = (
+                    sampling.seed
+                    if sampling.seed is not None
+                    else int(np.random.SeedSequence().entropy % (1 << 63))
+                )
+                self._draft_key = mx.random.key(seed)
+            self._draft_key, key = mx.random.split(self._draft_key)
+        tokens, cand, q = self.draft_model.propose(h, anchor, self.head, temp, key)
+        return tokens, SelectorProposal(cand, q)
 
     def _draft_head(self, h: mx.array) -> tuple[mx.array, mx.array]:
         """(proposals [R], logits [R, V]) of the draft's hidden rows h [R, H]; with a draft
@@ -333,7 +370,8 @@ def load(model: str | None, draft: str | None, *, device: str = "auto", dtype: s
     from dflash.errors import InputError
     from dflash.kernels.settings import KernelSettings
     from dflash.models.config import DraftConfig
-    from dflash.models.draft_mlx import DTYPES, check_draft_options, load_draft_mlx
+    from dflash.models.draft2_mlx import load_any_draft_mlx
+    from dflash.models.draft_mlx import DTYPES, check_draft_options
     from dflash.models.target_mlx import load_target, resolve_draft, resolve_target
 
     if device in ("gpu", "metal", "cuda"):
@@ -361,7 +399,7 @@ def load(model: str | None, draft: str | None, *, device: str = "auto", dtype: s
     draft_cfg.check_target(int(text["hidden_size"]), len(layers), rows, stops)
     act = inner.embed_tokens(mx.array([[0]])).dtype
     dt = act if dtype == "auto" else DTYPES[dtype]
-    draft_model = load_draft_mlx(draft_dir, dtype=dt, bits=draft_bits, window=draft_window)
+    draft_model = load_any_draft_mlx(draft_dir, dtype=dt, bits=draft_bits, window=draft_window)
     context = int(text.get("max_position_embeddings") or (1 << 30))
     backend = MLXBackend(target, draft_model, max_context=context, draft_vocab=settings.draft_vocab,
                          device_loop=settings.device_loop)  # fmt: skip
