@@ -3,7 +3,8 @@ device. One tiny qwen3 target (written by mlx-lm in the HF layout, so transforme
 and an untrained DFlash2 draft (non-trivial convolutions, output multiplier, soft cap and
 embedding scale) in float32: torch and mlx propose the same tokens at every step, give the same
 ids, and those equal plain greedy decoding; the selector's candidates, edge scores, greedy walk
-and sampling q equal torch's."""
+and sampling q equal torch's. mlx runs on its CPU device here (Metal rounds differently from
+torch's CPU; the default device is restored afterwards)."""
 
 from __future__ import annotations
 
@@ -48,8 +49,16 @@ def save_dflash2_draft(folder, target_dir, seed: int = 0):
     return draft.save(folder)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def mlx_on_cpu():
+    before = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    yield
+    mx.set_default_device(before)
+
+
 @pytest.fixture(scope="module")
-def pipes(tmp_path_factory):
+def pipes(tmp_path_factory, mlx_on_cpu):
     """(torch pipeline, mlx pipeline, mlx-lm's greedy ids)."""
     import dflash
 
@@ -59,7 +68,7 @@ def pipes(tmp_path_factory):
     tpipe = dflash.load(
         str(target), str(draft), backend="transformers", device="cpu", dtype="float32"
     )
-    mpipe = dflash.load(str(target), str(draft), backend="mlx", dtype="float32")
+    mpipe = dflash.load(str(target), str(draft), backend="mlx", device="cpu", dtype="float32")
     return tpipe, mpipe, greedy_reference(target, PROMPT, N)
 
 

@@ -8,8 +8,8 @@ tokens leaves: the same ring buffer (every row of keys and values, in the same s
 write index; full-attention caches the same rows and offset. The first layer's K/V (a function
 of the embeddings alone) agree bit for bit; deeper layers' to float32 rounding: one-token
 decoding attends over the ring in slot order, a verify over the window in temporal order, and a
-permuted sum rounds differently (max difference 4e-5 on values up to 9, CPU). The greedy ids
-equal mlx-lm's greedy decoding.
+permuted sum rounds differently (max difference 4e-5 on values up to 9, CPU; on Metal 1e-3 as in
+test_mlx_hybrid.py). The greedy ids equal mlx-lm's greedy decoding.
 """
 
 from __future__ import annotations
@@ -32,7 +32,10 @@ from tests.helpers.mlx_models import MlxScriptedBackend as ScriptedBackend  # no
 PROMPT = random_prompt(40, seed=3)  # longer than every window (8, 12, 24)
 N = 48
 ROTATING = {"gemma3_text": [0, 2], "gemma4_text": [0, 1, 3], "gemma4": [0, 2], "gpt_oss": [0, 2]}
-RTOL = 2e-5  # float32 rounding of a permuted attention sum (see the module docstring)
+# float32 rounding of a permuted attention sum (see the module docstring); on Metal a 16-row verify
+# and one-row steps also tile their matmuls differently (as in test_mlx_hybrid.py)
+ON_CPU = mx.default_device().type == mx.cpu
+RTOL = 2e-5 if ON_CPU else 1e-3
 SCHEDULES = [[15, 0, 3, 0, 0, 15], [0, 0, 0], [15], [2, 7, 1, 11]]
 
 
@@ -92,7 +95,8 @@ def assert_same_caches(ours: list, ref: list, length: int) -> None:
         else:
             rows = (..., slice(0, length), slice(None))
             ka, kb, va, vb = a.keys[rows], b.keys[rows], a.values[rows], b.values[rows]
-        assert same(ka, kb, i == 0) and same(va, vb, i == 0), f"cache {i}"
+        exact = i == 0 and ON_CPU
+        assert same(ka, kb, exact) and same(va, vb, exact), f"cache {i}"
 
 
 def test_rotating_caches_are_detected(sliding):
