@@ -206,19 +206,24 @@ def test_growing_ring_with_a_prompt_shorter_than_the_window(tmp_path, monkeypatc
 
 
 @pytest.mark.slow
-def test_cli_generate_matches_mlx_lm(sliding):
-    """``dflash generate mlx --json`` at block sizes 4 and 16 gives mlx-lm's greedy ids."""
+def test_cli_init_draft_and_generate_match_mlx_lm(sliding, tmp_path):
+    """As a new user: ``dflash init-draft`` for the target, then ``dflash generate mlx --json``
+    at block sizes 4 and 16 gives mlx-lm's greedy ids."""
     import json
     import os
     import subprocess
     import sys
 
     family, pipe, target, _ = sliding
-    draft = pipe.draft_dir
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "DFLASH_DEBUG": ""}
+    draft = tmp_path / "draft"
+    init = [sys.executable, "-m", "dflash", "init-draft", "--target", str(target), "--out", str(draft),
+            "--layers", "1"]  # fmt: skip
+    p = subprocess.run(init, capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0 and (draft / "config.json").exists(), p.stderr
     ids = pipe.chat_prompt([{"role": "user", "content": " ".join(f"w{i}" for i in range(5, 45))}])
     assert len(ids) > 24  # longer than every window
     want = greedy_reference(target, ids, 20)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "DFLASH_DEBUG": ""}
     for block in (4, 16):
         cmd = [sys.executable, "-m", "dflash", "generate", "mlx", " ".join(f"w{i}" for i in range(5, 45)),
                "--model", str(target), "--draft", str(draft), "--block-size", str(block),
