@@ -88,6 +88,19 @@ class DFlash2Layer(DraftLayer):
         return h + self.mlp_conv.finish(self.mlp(m), k2)
 
 
+def _greedy_walk(unary: mx.array, first: mx.array, trans: mx.array) -> mx.array:
+    """Picks [T] int32 of the greedy walk (see :meth:`CandidateSelector.walk`)."""
+    picks = [mx.argmax(unary[0] + first).astype(mx.int32)]
+    for i in range(1, unary.shape[0]):
+        picks.append(
+            mx.argmax(unary[i] + mx.take(trans[i - 1], picks[-1], axis=0)).astype(mx.int32)
+        )
+    return mx.stack(picks)
+
+
+_GREEDY_WALK = mx.compile(_greedy_walk)  # one graph per number of rows
+
+
 class CandidateSelector(nn.Module):
     """Pairwise path selector over per-position top-k candidates, on the device.
 
@@ -113,9 +126,8 @@ class CandidateSelector(nn.Module):
         part = mx.argpartition(-logits, kth=k - 1, axis=-1)[:, :k]  # the top k, unordered
         vals = mx.take_along_axis(logits, part, axis=-1)
         order = mx.argsort(-vals, axis=-1)
-        return mx.take_along_axis(part, order, axis=-1).astype(mx.int32), mx.take_along_axis(
-            vals, order, axis=-1
-        )
+        ids = mx.take_along_axis(part, order, axis=-1).astype(mx.int32)
+        return ids, mx.take_along_axis(vals, order, axis=-1)
 
     def edges(
         self, hidden: mx.array, cand: mx.array, anchor: mx.array
@@ -144,20 +156,19 @@ class CandidateSelector(nn.Module):
             (picks [T] int32 candidate slots, q [T, k] float32 or None at temperature 0): q[i]
             is the distribution pick i was drawn from, given picks 0..i-1.
         """
+        if temperature <= 0:
+            return _GREEDY_WALK(unary, first, trans), None
         t = unary.shape[0]
-        keys = mx.random.split(key, t) if (temperature > 0 and key is not None) else [None] * t
+        keys = mx.random.split(key, t) if key is not None else [None] * t
         picks, qs = [], []
         score = unary[0] + first
         for i in range(t):
             if i:
                 score = unary[i] + mx.take(trans[i - 1], picks[-1], axis=0)
-            if temperature > 0:
-                logits = score / temperature
-                qs.append(mx.softmax(logits, axis=-1))
-                picks.append(mx.random.categorical(logits, key=keys[i]).astype(mx.int32))
-            else:
-                picks.append(mx.argmax(score).astype(mx.int32))
-        return mx.stack(picks), (mx.stack(qs) if qs else None)
+            logits = score / temperature
+            qs.append(mx.softmax(logits, axis=-1))
+            picks.append(mx.random.categorical(logits, key=keys[i]).astype(mx.int32))
+        return mx.stack(picks), mx.stack(qs)
 
     def __call__(self, hidden: mx.array, logits: mx.array, anchor: mx.array, temperature: float = 0.0,
                  key: mx.array | None = None) -> tuple[mx.array, mx.array, mx.array | None]:  # fmt: skip
