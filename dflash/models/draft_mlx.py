@@ -422,8 +422,8 @@ def load_draft_mlx(folder: str | Path, *, dtype=mx.float32, bits: int | None = N
     cfg = DraftConfig.load(folder)
     cls = model_class or DFlashDraftMLX
     if cfg.is_dflash2 != cls.is_dflash2:
-        kind = "a DFlash2 draft, not a DFlash v1" if cfg.is_dflash2 else "a DFlash v1 draft, not a DFlash2"
-        raise ConfigError(f"{folder} is {kind} draft.",
+        have, want = ("DFlash2", "DFlash v1") if cfg.is_dflash2 else ("DFlash v1", "DFlash2")
+        raise ConfigError(f"{folder} is a {have} draft, not a {want} draft.",
                           hint="load it with dflash.models.draft2_mlx.load_any_draft_mlx")  # fmt: skip
     files = sorted(folder.glob("*.safetensors"))
     if not files:
