@@ -414,6 +414,8 @@ def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torc
         # no kernel here (CPU, Triton absent or not interpreting): the same algorithm in torch
         if sinks is None and sinks_log2 is not None:
             sinks = sinks_log2 / math.log2(math.e)
+        if sinks is None:
+            return split_attention_reference(q, k, v, pos, scale, split, one, window or 0)
         return split_attention_reference(q, k, v, pos, scale, split, one, window or 0, sinks)
     groups, rows = q.shape[1] // k.shape[1], q.shape[2]
     sinks2 = sinks_log2 if sinks is None else sinks.float() * math.log2(math.e)  # base 2, as the kernel's logits
