@@ -313,6 +313,44 @@ class DFlash2Draft(DFlashDraft):
         logits = self.process_logits(head(hidden))
         return self.candidate_selector(hidden, logits, anchor, temperature, generator)
 
+    @torch.no_grad()
+    def start_dflash2_parts(self) -> None:
+        """The starting point of the DFlash2 parts for training: every convolution passes its
+        input through (base tap 0 = 1, other taps and the dynamic-tap projection 0) and the
+        selector's edge scores are 0 (hidden projection 0, codebooks ~ N(0, 1)), so the draft
+        proposes what its v1 layers alone would. Neither part is stuck: the zero factors get
+        gradients from the non-zero ones."""
+        for layer in self.layers:
+            for conv in (layer.attention_conv, layer.mlp_conv):
+                conv.base_kernel.zero_()
+                conv.base_kernel[:, 0] = 1.0
+                conv.kernel_projection.weight.zero_()
+        sel = self.candidate_selector
+        sel.hidden_projection.weight.zero_()
+        sel.predecessor_codebook.weight.normal_(0.0, 1.0)
+        sel.successor_codebook.weight.normal_(0.0, 1.0)
+
+    @classmethod
+    def from_v1(cls, v1: DFlashDraft, seed: int = 0) -> DFlash2Draft:
+        """A DFlash2 draft that starts as the DFlash v1 draft ``v1`` (for training it further):
+        v1's weights, the published DFlash2 settings and :meth:`start_dflash2_parts`, so its
+        greedy proposals are v1's."""
+        import copy
+
+        from dflash.models.config import DFlash2Settings
+
+        cfg = copy.deepcopy(v1.config)
+        cfg.dflash2 = DFlash2Settings()
+        cfg.validate()
+        torch.manual_seed(seed)
+        with torch.device(next(v1.parameters()).device):
+            model = cls(cfg)
+        model.start_dflash2_parts()
+        missing, unexpected = model.load_state_dict(v1.state_dict(), strict=False)
+        assert not unexpected and all("conv" in k or "candidate_selector" in k for k in missing)
+        model.draft_vocab = getattr(v1, "draft_vocab", None)
+        return model.to(next(v1.parameters()).dtype)
+
     @staticmethod
     def checkpoint_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Module names -> published names: the codebooks lose their ``.weight`` suffix."""
