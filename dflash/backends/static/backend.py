@@ -360,8 +360,10 @@ class StaticBackend(StaticGraphs, TransformersBackend):
         (the device loop): no full-vocabulary scatter with a draft vocabulary, and on the fused
         path no final norm (its weight folded into the head's copy,
         :meth:`~dflash.backends.draft_head.DraftHead.fold_norm`). A DFlash2 draft returns
-        (proposals, :class:`~dflash.backends.base.SelectorProposal`) from :meth:`_select`
-        (``sample``: the sampled walk), (proposals, None) with ``logits=False``."""
+        (proposals, (candidates [L-1, k], q [L-1, k] or None)) from :meth:`_select` (``sample``:
+        the sampled walk; :meth:`draft` makes the pair a
+        :class:`~dflash.backends.base.SelectorProposal`), (proposals, None) with
+        ``logits=False``."""
         length = block.shape[-1]
         q_pos = (start + torch.arange(length, device=self.device))[None]  # [1, L]
         self.dcache.write_pos = ctx_pos
@@ -377,8 +379,8 @@ class StaticBackend(StaticGraphs, TransformersBackend):
         if self.dflash2:
             h = self.draft_model(embeds, ctx, q_pos, ctx_pos[None], cache=self.dcache, masks=masks)
             props, cand, q = self._select(h[:, 1:], block[:, 0], sample)
-            chosen = SelectorProposal(cand[0], None if q is None else q[0]) if logits else None
-            return props[0], chosen
+            chosen = (cand[0], None if q is None else q[0]) if logits else None  # a plain tuple:
+            return props[0], chosen  # what a compiled graph returns; draft() wraps it
         head = self.draft_head  # the draft vocabulary's rows when the draft has one
         fold = not logits and self.fused_draft is not None and head.folded is not None
         if self.fused_draft is not None:
@@ -475,14 +477,15 @@ class StaticBackend(StaticGraphs, TransformersBackend):
             block = torch.full((1, length), self.mask_token_id, dtype=torch.long, device=dev)
             block[0, 0] = anchor
             with torch.inference_mode():
-                return self._draft_forward(block, self.key_pos[start : start + 1], self.key_pos[lo:start],
-                                           sample=sample)  # fmt: skip
+                out = self._draft_forward(block, self.key_pos[start : start + 1], self.key_pos[lo:start],
+                                          sample=sample)  # fmt: skip
+            return (out[0], SelectorProposal(*out[1])) if self.dflash2 else out
         graph, out, (blk, st, cp) = self._draft_graph(length, "sdraft" if sample else "draft")
         blk[0, 0].fill_(anchor)
         st.fill_(start)
         cp.copy_(self.key_pos[start - window : start])
         graph.replay()
-        return out
+        return (out[0], SelectorProposal(*out[1])) if self.dflash2 else out
 
     def _selector_uniforms(self, sampling, n: int) -> None:
         """Write the sampled walk's inputs: ``n`` uniforms from the request's selector generator
