@@ -72,6 +72,8 @@ def test_sampling_equals_the_plain_path_for_a_seed(tiny_target):
     runs = [tokens(static, 8, 40, sp) for _ in range(2)]
     assert runs[0] == runs[1] == tokens(plain, 8, 40, sp)
     assert tokens(static, 8, 40, SamplingParams(temperature=0.9, top_k=30, seed=6)) != runs[0]
+    static.sel_u = torch.zeros(1, 3)  # a walk longer than the uniforms buffer gets a new one
+    assert tokens(static, 8, 40, sp) == runs[0] and static.sel_u.shape == (1, 7)
 
 
 def test_sampled_walk_on_the_device_is_lossless(tiny_target):
