@@ -1,6 +1,7 @@
 """GPU check of DFlash2 drafts on the static (CUDA-graph) path.
 
-    PYTHONPATH=. python3 scripts/gpu_check_dflash2.py [--out DIR] [--tiny]
+    PYTHONPATH=. python3 scripts/gpu_check_dflash2.py [--out DIR] [--tiny] [--only exact,perf]
+        [--no-compile] [--new-tokens N]
 
 A random target of the demo target's shape (SmolLM2-135M: Llama, hidden 576, 30 layers,
 vocabulary 49152; the demo GGUF is not on the device) and untrained 5-layer block-16 drafts of
@@ -166,7 +167,7 @@ def graph_us(fn, args: tuple, dev: torch.device, reps: int = 200) -> float:
 
 
 def check_cost_and_speed(
-    tiny: bool, dev: torch.device, prompt: list[int], n: int, compile: bool
+    tiny: bool, dev: torch.device, prompt: list[int], n: int, compile: bool, baseline: bool = True
 ) -> dict:
     from dflash.backends.static.backend import StaticBackend
     from dflash.types import SamplingParams
@@ -178,26 +179,28 @@ def check_cost_and_speed(
     out: dict = {"dtype": str(dtype).split(".")[-1], "compile": compile}
     bes = {name: StaticBackend(target, d, dev, use_graphs=graphs, compile=compile)
            for name, d in (("dflash2", d2), ("dflash", d1))}  # fmt: skip
-    speed = {}
-    for name, be in bes.items():
-        for block in (16, 1) if name == "dflash" else (16,):
-            run_ids(be, prompt, block, n)  # warm-up (captures, compiles)
-            sync(dev)
-            t = time.perf_counter()
-            ids, acc = run_ids(be, prompt, block, n)
-            dt = time.perf_counter() - t
-            speed[f"{name}_b{block}"] = dict(tok_per_s=len(ids) / dt, tau=sum(acc) / max(len(acc), 1),
-                                             ms_per_step=1000 * dt / max(len(acc), 1), steps=len(acc))  # fmt: skip
+    speed, greedy_ids = {}, {}
     sp = SamplingParams(temperature=0.8, seed=7)
-    be = bes["dflash2"]
-    run_ids(be, prompt, 16, n, sp)
-    sync(dev)
-    t = time.perf_counter()
-    ids, acc = run_ids(be, prompt, 16, n, sp)
-    dt = time.perf_counter() - t
-    speed["dflash2_b16_sampled"] = dict(tok_per_s=len(ids) / dt, tau=sum(acc) / max(len(acc), 1),
-                                        ms_per_step=1000 * dt / max(len(acc), 1))  # fmt: skip
+    runs = [("dflash2", 16, None), ("dflash", 16, None), ("dflash2", 16, sp)] + (
+        [("dflash", 1, None)] if baseline else []
+    )
+    for name, block, sampling in runs:
+        be = bes[name]
+        run_ids(be, prompt, block, n, sampling)  # warm-up (captures, compiles)
+        sync(dev)
+        t = time.perf_counter()
+        ids, acc = run_ids(be, prompt, block, n, sampling)
+        dt = time.perf_counter() - t
+        key = f"{name}_b{block}" + ("_sampled" if sampling else "")
+        speed[key] = dict(tok_per_s=len(ids) / dt, tau=sum(acc) / max(len(acc), 1),
+                          ms_per_step=1000 * dt / max(len(acc), 1), steps=len(acc))  # fmt: skip
+        print(key, json.dumps(speed[key]), flush=True)
+        if sampling is None and block == 16:
+            greedy_ids[name] = ids
+    # the same target graphs verify both drafts' blocks: the same greedy ids (information)
+    out["greedy_ids_equal_v1"] = greedy_ids["dflash2"] == greedy_ids["dflash"]
     out["speed"] = speed
+    print("speed", json.dumps(speed), flush=True)  # before the costs: a time limit may cut them
     # per-piece graph costs: the caches are sized by the runs above; rows near the end are harmless
     cost = {}
     for name, be in bes.items():
@@ -235,6 +238,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (CPU tests)")
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--new-tokens", type=int, default=None, help="default 64 (exact), 256 (speed)")
+    ap.add_argument("--only", default="exact,perf", help="parts to run: exact, perf (comma list)")
+    ap.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True,
+                    help="time block-1 decoding too")  # fmt: skip
     args = ap.parse_args(argv)
     dev = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     g = torch.Generator().manual_seed(1)
@@ -242,10 +248,13 @@ def main(argv: list[str] | None = None) -> int:
     prompt = torch.randint(0, vocab - 1, (128,), generator=g).tolist()
     report: dict = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
                     "torch": torch.__version__, "tiny": args.tiny}  # fmt: skip
+    t_start = time.perf_counter()
     ok = True
     for name, fn in (("exact", lambda: check_exact(args.tiny, dev, prompt, args.new_tokens or 64)),
                      ("perf", lambda: check_cost_and_speed(args.tiny, dev, prompt, args.new_tokens or 256,
-                                                           args.compile))):  # fmt: skip
+                                                           args.compile, args.baseline))):  # fmt: skip
+        if name not in args.only.split(","):
+            continue
         t = time.perf_counter()
         try:
             report[name] = fn()
@@ -260,14 +269,14 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu_check_dflash2.json").write_text(json.dumps(report, indent=2))
     perf = report.get("perf", {})
-    if "speed" in perf:
+    if "cost" in perf:
         s, c = perf["speed"], perf["cost"]
         print(f"{report['device']}: DFlash2 b16 {s['dflash2_b16']['tok_per_s']:.0f} tok/s "
               f"({s['dflash2_b16']['ms_per_step']:.3f} ms/step), v1 b16 {s['dflash_b16']['tok_per_s']:.0f} tok/s "
-              f"({s['dflash_b16']['ms_per_step']:.3f} ms/step), block 1 {s['dflash_b1']['tok_per_s']:.0f} tok/s; "
+              f"({s['dflash_b16']['ms_per_step']:.3f} ms/step), sampled DFlash2 {s['dflash2_b16_sampled']['tok_per_s']:.0f} tok/s; "
               f"draft step DFlash2 {c['dflash2_draft_step_us']:.1f} us (selector {c['selector_greedy_us']:.1f} us "
               f"greedy, {c['selector_sampled_us']:.1f} us sampled), v1 {c['dflash_draft_step_us']:.1f} us")  # fmt: skip
-    print("ok" if ok else "FAILED", flush=True)
+    print(("ok" if ok else "FAILED") + f" ({time.perf_counter() - t_start:.0f} s)", flush=True)
     return 0 if ok else 1
 
 

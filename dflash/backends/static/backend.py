@@ -179,8 +179,8 @@ class StaticBackend(StaticGraphs, TransformersBackend):
     Raises:
         BackendError: a target :func:`supports_static` refuses.
 
-    A DFlash2 draft (brief §4) runs its module forward (the convolutions in torch ops; the v1
-    fused kernels are not used for it), then the candidate selector's walk on the device
+    A DFlash2 draft (brief §4) runs the same fused forward with its convolutions (torch ops)
+    around the sublayers, then the candidate selector's walk on the device
     (:meth:`_select`): greedy in the draft graph and the device loop, sampled in its own
     graph (``sdraft``) whose uniforms and temperature are inputs the host writes before the
     replay.
@@ -213,13 +213,13 @@ class StaticBackend(StaticGraphs, TransformersBackend):
             self.feature_layers.setdefault(i - 1, []).append(n)
         self.fused_target = fuse_target(target)  # one qkv and one gate+up matmul per layer
         self.dflash2 = bool(getattr(draft, "is_dflash2", False))
-        self.fused_draft = fuse_draft(draft) if draft is not None and not self.dflash2 else None
+        self.fused_draft = fuse_draft(draft) if draft is not None else None
         if self.dflash2:  # the sampled walk's graph inputs: uniforms [1, U] and temperature [1]
             width = max(SELECTOR_UNIFORMS, self.draft_block_size)
             self.sel_u = torch.zeros(1, width, device=device)
             self.sel_temp = torch.ones(1, device=device)
-        if self.fused_draft is not None:  # the device loop's draft skips its final norm
-            self.draft_head.fold_norm(draft.norm.weight)
+        if self.fused_draft is not None and not self.dflash2:  # the device loop's draft skips
+            self.draft_head.fold_norm(draft.norm.weight)  # its final norm (v1: argmax head)
         self.folded_target = self.folded_draft = None
         self.configure(self.settings)
         self.capacity = 0
@@ -285,7 +285,8 @@ class StaticBackend(StaticGraphs, TransformersBackend):
             return every_width and fuse_norm_auto(model.config.hidden_size, self.dtype) and norms_fit(layers, self.dtype)
 
         self.fuse_norm = self.linear_in > 0 and fused_norms(target, target.model.layers, self.linear_in >= MAX_ROWS)
-        self.draft_fuse_norm = bool(self.draft_linear_in) and fused_norms(draft, draft.layers, True)
+        self.draft_fuse_norm = (bool(self.draft_linear_in) and not self.dflash2  # DFlash2: a conv
+                                and fused_norms(draft, draft.layers, True))  # after that norm  # fmt: skip
         if not self.fuse_norm:  # the folded weight copies: made once, kept while used
             self.folded_target = None
         elif self.folded_target is None:
@@ -376,11 +377,6 @@ class StaticBackend(StaticGraphs, TransformersBackend):
         embeds, ctx = F.embedding(block, self.embed_weight), self.feats[ctx_pos][None]
         if self.embed_scale != 1.0:
             embeds = embeds * self.embed_scale
-        if self.dflash2:
-            h = self.draft_model(embeds, ctx, q_pos, ctx_pos[None], cache=self.dcache, masks=masks)
-            props, cand, q = self._select(h[:, 1:], block[:, 0], sample)
-            chosen = (cand[0], None if q is None else q[0]) if logits else None  # a plain tuple:
-            return props[0], chosen  # what a compiled graph returns; draft() wraps it
         head = self.draft_head  # the draft vocabulary's rows when the draft has one
         fold = not logits and self.fused_draft is not None and head.folded is not None
         if self.fused_draft is not None:
@@ -395,6 +391,10 @@ class StaticBackend(StaticGraphs, TransformersBackend):
                                     tables=self.draft_rope_tables if self.rope_table else None)  # fmt: skip
         else:
             h = self.draft_model(embeds, ctx, q_pos, ctx_pos[None], cache=self.dcache, masks=masks)
+        if self.dflash2:  # the selector's walk over the full head's candidates
+            props, cand, q = self._select(h[:, 1:], block[:, 0], sample)
+            chosen = (cand[0], None if q is None else q[0]) if logits else None  # a plain tuple:
+            return props[0], chosen  # what a compiled graph returns; draft() wraps it
         if fold:  # no final norm: its weight is in the head's copy (DraftHead.fold_norm)
             return head.argmax_folded(h[0, 1:], row_argmax), None
         small = head.small_logits(h[0, 1:])  # [L-1, Vd]

@@ -36,7 +36,7 @@ def test_greedy_ids_equal_hf_generate(tiny_target, truth, draft_block, block_siz
     device loop (walk, acceptance and commit on the device) decode exactly HF's greedy ids."""
     be = StaticBackend(tiny_target, make_draft2(tiny_target, block_size=draft_block), CPU,
                        use_graphs=False, device_loop=device_loop)  # fmt: skip
-    assert be.fused_draft is None and (be.device_loop is not None) == device_loop
+    assert be.fused_draft is not None and (be.device_loop is not None) == device_loop
     for _ in range(2):  # a second request reuses the buffers
         assert tokens(be, block_size, 40) == truth[:40]
 
