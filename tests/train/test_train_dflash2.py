@@ -132,3 +132,11 @@ def test_resume_continues_exactly(setup, tmp_path):
         Trainer(config(root, tmp_path / "c", init=str(tmp_path / "a"), arch="dflash"), target)
     with pytest.raises(InputError, match="--arch must be"):
         config(root, tmp_path / "d", arch="dflash3").check()
+
+
+@pytest.mark.slow
+def test_cli_bad_arch_is_one_line_error(tmp_path):
+    from tests.helpers.cli import assert_one_line_error, run
+
+    p = run("train", "--data", str(tmp_path), "--out", str(tmp_path / "o"), "--arch", "eagle")
+    assert_one_line_error(p, "--arch must be dflash or dflash2")
