@@ -223,8 +223,38 @@ def check_cost_and_speed(
             lambda a, b, f=fn, s=sample: f(a, b, s), (h, anchor), dev
         )
     cost["dflash2_forward_us_est"] = cost["dflash2_draft_step_us"] - cost["selector_greedy_us"]
+    try:  # the one-kernel walk (not on by default): same picks as the torch walk, and its cost
+        cost.update(walk_kernel_check(dev, be.draft_model.candidate_selector.top_k, 15))
+    except Exception as e:  # noqa: BLE001 - information only
+        cost["walk_kernel_error"] = f"{type(e).__name__}: {e}"[:300]
     out["cost"] = cost
     return out
+
+
+def walk_kernel_check(dev: torch.device, k: int, t: int, trials: int = 20) -> dict:
+    """:func:`dflash.kernels.selector_walk.walk_kernel` against the torch walk on random
+    scores (greedy and sampled picks equal, q within 1e-5) and both walks' graph costs."""
+    from dflash.kernels.selector_walk import walk_kernel
+    from dflash.models.draft2_torch import select_walk
+
+    g = torch.Generator(device=dev).manual_seed(0)
+    temp = torch.tensor([0.8], device=dev)
+    equal = True
+    for _ in range(trials):
+        un = torch.randn(1, t, k, device=dev, generator=g) * 3
+        fi, tr = (
+            torch.randn(1, k, device=dev, generator=g),
+            torch.randn(1, t - 1, k, k, device=dev, generator=g),
+        )
+        u = torch.rand(1, 64, device=dev, generator=g)
+        equal &= torch.equal(walk_kernel(un, fi, tr)[0], select_walk(un, fi, tr)[0])
+        (pk, q), (pr, qr) = walk_kernel(un, fi, tr, u, temp), select_walk(un, fi, tr, u, temp)
+        equal &= torch.equal(pk, pr) and (q - qr).abs().max().item() < 1e-5
+    return {"walk_kernel_equal": bool(equal),
+            "walk_kernel_greedy_us": graph_us(lambda: walk_kernel(un, fi, tr), (), dev),
+            "walk_kernel_sampled_us": graph_us(lambda: walk_kernel(un, fi, tr, u, temp), (), dev),
+            "walk_torch_greedy_us": graph_us(lambda: select_walk(un, fi, tr), (), dev),
+            "walk_torch_sampled_us": graph_us(lambda: select_walk(un, fi, tr, u, temp), (), dev)}  # fmt: skip
 
 
 def sync(dev: torch.device) -> None:
