@@ -102,15 +102,21 @@ def commit_rows(accepted: torch.Tensor, bonus: torch.Tensor, props: torch.Tensor
             step's count then its tokens (zero-padded). A row not live, done or out of budget
             commits nothing and moves nothing.
     """
-    tok, pos, n, limit, live, done = (state[k] for k in ("tok", "pos", "n", "limit", "live", "done"))
+    tok, pos, n, limit, live, done = (
+        state[k] for k in ("tok", "pos", "n", "limit", "live", "done")
+    )
     r = accepted.shape[0]
     ar = torch.arange(width, device=accepted.device)[None]  # [1, W]
     if width > 1:
         ext = torch.cat((props[:, : width - 1], props[:, :1]), 1)  # [R, W]
     else:
         ext = torch.zeros(r, 1, dtype=torch.long, device=accepted.device)
-    committed = torch.where(ar < accepted[:, None], ext, 0).scatter(1, accepted[:, None], bonus[:, None])
-    is_stop = (committed[:, :, None] == state["stops"][:, None, :]).any(-1) & (ar <= accepted[:, None])
+    committed = torch.where(ar < accepted[:, None], ext, 0).scatter(
+        1, accepted[:, None], bonus[:, None]
+    )
+    is_stop = (committed[:, :, None] == state["stops"][:, None, :]).any(-1) & (
+        ar <= accepted[:, None]
+    )
     any_stop = is_stop.any(1)
     first = torch.where(any_stop, is_stop.float().argmax(1), width)
     count = torch.minimum(accepted + 1, first + 1)

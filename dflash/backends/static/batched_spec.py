@@ -32,6 +32,7 @@ Targets: dense full-attention Llama/Qwen2/Qwen3 (as the batched generator); draf
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -79,7 +80,9 @@ class _DraftRows:
     ``rows`` [R] and ``write_pos`` [R, Tc] say where :meth:`append` writes; it returns the
     first ``width`` slots of the rows (a view for rows 0..R-1, ``gather`` False, else a copy)."""
 
-    def __init__(self, layers: int, b: int, kv_heads: int, slots: int, head_dim: int, dtype, device):
+    def __init__(
+        self, layers: int, b: int, kv_heads: int, slots: int, head_dim: int, dtype, device
+    ):
         shape = (b, kv_heads, slots, head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
@@ -103,7 +106,9 @@ class _DraftRows:
         self.keys[i][r, :, self.write_pos] = k.transpose(1, 2)
         self.values[i][r, :, self.write_pos] = v.transpose(1, 2)
         if self.gather:
-            return self.keys[i][:, :, : self.width][self.rows], self.values[i][:, :, : self.width][self.rows]
+            return self.keys[i][:, :, : self.width][self.rows], self.values[i][:, :, : self.width][
+                self.rows
+            ]
         n = self.rows.shape[0]
         return self.keys[i][:n, :, : self.width], self.values[i][:n, :, : self.width]
 
@@ -233,7 +238,9 @@ class BatchedSpec(BatchedGenerator):
         qpos = self.pos[:nb, None] + self.arange[:length]
         h = self._target(ids, qpos, rows, width, gather=False)
         logits = self._logits(h)  # [nb, L, V]
-        lim = (torch.minimum(self.limit[:nb] - self.n[:nb], torch.full_like(rows, length)) - 1).clamp(min=0)
+        lim = (
+            torch.minimum(self.limit[:nb] - self.n[:nb], torch.full_like(rows, length)) - 1
+        ).clamp(min=0)
         sampled = None
         if kind is not None:
             sampled = {"temp": self.temp[:nb], "unif": self.unif[:nb],
@@ -270,6 +277,22 @@ class BatchedSpec(BatchedGenerator):
             self.spec_graphs[key] = graph
             self.live.copy_(live)
         self.spec_graphs[key].replay()
+
+    def time_step(self, nb: int, length: int, context: int) -> float:
+        """Seconds of one step of ``nb`` rows at width ``length`` attending over ``context``
+        keys (every row marked not live, so nothing is committed; synchronised wall time)."""
+        width = min(self.slots, -(-(context + length + 1) // self.bucket) * self.bucket)
+        live = self.live.clone()
+        self.live.zero_()
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda *a: None)
+        try:
+            sync(self.device)
+            t0 = time.perf_counter()
+            self._replay(nb, width, length, None)
+            sync(self.device)
+            return time.perf_counter() - t0
+        finally:
+            self.live.copy_(live)
 
     # ------------------------------------------------------------------------- rows
     def free_rows(self) -> list[int]:
@@ -312,18 +335,28 @@ class BatchedSpec(BatchedGenerator):
         qpos = torch.arange(t, device=dev)[None].expand(len(jobs), t)
         with torch.inference_mode():
             h = self._target(ids, qpos, rows_t, t, gather=True)
-            logits = self._logits(h[torch.arange(len(jobs), device=dev), lens - 1])[:, None]  # [R, 1, V]
+            logits = self._logits(h[torch.arange(len(jobs), device=dev), lens - 1])[
+                :, None
+            ]  # [R, 1, V]
             dc = self.dcache
             dc.rows, dc.write_pos, dc.width, dc.gather = rows_t, qpos, t, True
             self.draft.write_context(self.feats[rows_t[:, None], qpos], qpos, dc)
-            temp = torch.tensor([j.sampling.temperature for j in jobs], dtype=torch.float32, device=dev)
+            temp = torch.tensor(
+                [j.sampling.temperature for j in jobs], dtype=torch.float32, device=dev
+            )
             self.temp[rows_t] = temp
             self.top_k[rows_t] = torch.tensor([j.sampling.top_k for j in jobs], device=dev)
-            self.top_p[rows_t] = torch.tensor([j.sampling.top_p for j in jobs], dtype=torch.float32, device=dev)
+            self.top_p[rows_t] = torch.tensor(
+                [j.sampling.top_p for j in jobs], dtype=torch.float32, device=dev
+            )
             for r, j in zip(rows, jobs, strict=True):
                 self.rngs[r] = None if j.sampling.greedy else np.random.default_rng(j.sampling.seed)
             unif = torch.tensor(np.stack([self._uniforms(r, 1) for r in rows]), device=dev)
-            sampled = self._sampled_rows(rows_t, unif) if not all(j.sampling.greedy for j in jobs) else None
+            sampled = (
+                self._sampled_rows(rows_t, unif)
+                if not all(j.sampling.greedy for j in jobs)
+                else None
+            )
             zero = torch.zeros(len(jobs), dtype=torch.long, device=dev)
             _, first = accept_rows(logits, zero[:, None], zero, sampled)
         firsts = first.tolist()
@@ -335,7 +368,12 @@ class BatchedSpec(BatchedGenerator):
                 self.row_stops[r, : len(stops)] = torch.tensor(stops, device=dev)
             limit = min(j.max_new_tokens, self.max_len - len(j.prompt_ids))
             self.jobs[r] = j
-            self.h_pos[r], self.h_seen[r], self.h_n[r], self.h_limit[r] = len(j.prompt_ids), len(j.prompt_ids), 1, limit
+            self.h_pos[r], self.h_seen[r], self.h_n[r], self.h_limit[r] = (
+                len(j.prompt_ids),
+                len(j.prompt_ids),
+                1,
+                limit,
+            )
             finish = "stop" if f in stops else ("length" if limit <= 1 else None)
             out.append(RowStep(r, [f], None, 0, finish))
             self.h_done[r] = finish is not None
@@ -354,7 +392,11 @@ class BatchedSpec(BatchedGenerator):
     def _uniforms(self, row: int, width: int) -> np.ndarray:
         """W + 1 uniforms of the row's own generator (zeros for a greedy row)."""
         rng = self.rngs[row]
-        return np.zeros(width + 1, dtype=np.float32) if rng is None else rng.random(width + 1).astype(np.float32)
+        return (
+            np.zeros(width + 1, dtype=np.float32)
+            if rng is None
+            else rng.random(width + 1).astype(np.float32)
+        )
 
     def release(self, row: int) -> None:
         """Free a row (its request finished or left)."""
@@ -416,7 +458,11 @@ class BatchedSpec(BatchedGenerator):
             self.h_pos[r] += count
             self.h_n[r] += count
             stops = self.jobs[r].stop_ids
-            finish = "stop" if toks and toks[-1] in stops else ("length" if self.h_n[r] >= self.h_limit[r] else None)
+            finish = (
+                "stop"
+                if toks and toks[-1] in stops
+                else ("length" if self.h_n[r] >= self.h_limit[r] else None)
+            )
             out.append(RowStep(r, toks, max(0, min(count - 1, proposed)), proposed, finish))
             self.h_done[r] = finish is not None
         return out
@@ -443,7 +489,9 @@ class BatchedSpec(BatchedGenerator):
                     owner[s.row], outs[i] = i, list(s.tokens)
                     if on_step is not None:
                         on_step(i, s)
-            width = block_size(self.busy_rows()) if callable(block_size) else (block_size or self.block)
+            width = (
+                block_size(self.busy_rows()) if callable(block_size) else (block_size or self.block)
+            )
             for s in self.step(width):
                 outs[owner[s.row]] += s.tokens
                 if on_step is not None:
