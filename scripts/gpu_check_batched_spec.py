@@ -120,7 +120,9 @@ def run(spec, jobs, block_size) -> dict:
 
         def on_step_pol(i, s, inner=on_step):
             inner(i, s)
-            if s.accepted is not None and s.proposed > 0:
+            if s.accepted is None:  # a new request in this row: the prior's rates
+                pol.forget(s.row)
+            elif s.proposed > 0:
                 pol.observe(s.row, s.accepted, s.proposed)
 
         cb = on_step_pol
@@ -164,7 +166,7 @@ def check_exact(device, out: dict) -> bool:
     jobs = [ScriptedJob(p, m, (stop,) if i % 2 == 0 else (), truth=p + free[i], schedule=s)
             for i, (p, m, s) in enumerate(zip(ps, budgets, scheds, strict=True))]  # fmt: skip
     want = {}
-    for i, (p, m) in enumerate(zip(ps, budgets, strict=True)):
+    for i, m in enumerate(budgets):
         full = free[i][:m]
         want[i] = full[: full.index(stop) + 1] if i % 2 == 0 and stop in full else full
     res = {}
