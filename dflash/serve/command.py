@@ -98,9 +98,14 @@ def serve(
     if not 0 < port < 65536:
         raise InputError(f"--port must be in 1..65535, got {port}.")
     if max_batch is not None and not 1 <= max_batch <= 512:
-        raise InputError(f"--max-batch must be in 1..512, got {max_batch}.", hint="1 serves one generation at a time")
+        raise InputError(
+            f"--max-batch must be in 1..512, got {max_batch}.",
+            hint="1 serves one generation at a time",
+        )
     if max_batch not in (None, 1) and backend != "transformers":
-        raise InputError("--max-batch runs on the transformers backend only.", hint="drop --max-batch")
+        raise InputError(
+            "--max-batch runs on the transformers backend only.", hint="drop --max-batch"
+        )
     from dflash.options import (
         check_recalibrate,
         check_warmup,

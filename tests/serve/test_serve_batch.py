@@ -67,7 +67,12 @@ def test_concurrent_requests_get_their_single_request_text(pipe):
         with ThreadPoolExecutor(8) as pool:
             got = list(pool.map(lambda i: ask(client, i), range(8)))
         assert got == want
-        metrics = client.get("/metrics").text
+        deadline = time.monotonic() + 10  # the last row's end is counted just after its reply
+        while 'request_latency_seconds_count{model_name="tiny"} 8.0' not in (
+            metrics := client.get("/metrics").text
+        ):
+            assert time.monotonic() < deadline, metrics
+            time.sleep(0.05)
         assert 'vllm:e2e_request_latency_seconds_count{model_name="tiny"} 8.0' in metrics
         assert 'vllm:num_requests_running{model_name="tiny"} 0.0' in metrics
         assert 'vllm:num_requests_waiting{model_name="tiny"} 0.0' in metrics
