@@ -69,6 +69,8 @@ class BatchEngine(Engine):
         self.pending: deque[_Req] = deque()
         self.cond = threading.Condition()
         self.rows: dict[int, _Req] = {}
+        self.solo: tuple[_Req, Any] | None = None  # a lone request on the one-at-a-time path
+        self.solo_runs = 0  # requests that ran there (tests)
         load = self._load
 
         def load_and_build() -> Any:  # the engine is ready (/health) once both are done
@@ -145,15 +147,19 @@ class BatchEngine(Engine):
         """The scheduler: admit, step, hand out tokens, end rows; forever."""
         while True:
             with self.cond:
-                while not self.pending and not self.rows:
+                while not self.pending and not self.rows and self.solo is None:
                     self.cond.wait()
             try:
                 self._admit()
+                if self.solo is not None:
+                    self._solo_step()
                 if self.rows:
                     self._step()
             except Exception as err:  # noqa: BLE001 - every held request gets it; the server lives on
                 for r in list(self.rows):
                     self._end(r, err)
+                if self.solo is not None:
+                    self._end_solo(err)
 
     def _admit(self) -> None:
         from dflash.backends.static.batched_spec import SpecJob
@@ -175,6 +181,13 @@ class BatchEngine(Engine):
                 self.metrics.running += 1
             ready.append(item)
         if not ready:
+            return
+        if len(ready) == 1 and not self.rows and self.solo is None and not self.pending:
+            it = ready[0]  # alone: the one-at-a-time path (fused kernels, the device loop)
+            self.solo_runs += 1
+            gen = self.pipe.stream(it.ids, block_size=self.stream_block, max_new_tokens=it.budget,
+                                   sampling=it.sampling, stop_ids=it.stops)  # fmt: skip
+            self.solo = (it, gen)
             return
         jobs = [SpecJob(it.ids, it.budget, tuple(it.stops), it.sampling) for it in ready]
         try:
@@ -220,6 +233,34 @@ class BatchEngine(Engine):
                 self._end(s.row, None)
         for r in [r for r, it in self.rows.items() if it.cancel.is_set()]:
             self._end(r, None)
+
+    def _solo_step(self) -> None:
+        """One step of the lone request on the one-at-a-time path (interleaved with batch
+        steps once other requests came and were batched)."""
+        it, gen = self.solo
+        try:
+            step = next(gen)
+        except StopIteration:
+            return self._end_solo(None)
+        now = time.perf_counter()
+        self.metrics.tokens(len(step.tokens))
+        if step.accepted is None:
+            it.info["cached_tokens"] = 0
+            self.metrics.prefix(len(it.ids), 0)
+            self.metrics.ttft.observe(now - it.info.get("submitted", now))
+        else:
+            self.metrics.step(step.accepted, step.proposed)
+            self.metrics.step_latency(now - it.last, len(step.tokens))
+        it.last = now
+        it.emit(("step", step))
+        if step.finish_reason is not None or it.cancel.is_set():
+            self._end_solo(None)
+
+    def _end_solo(self, error: Exception | None) -> None:
+        it, gen = self.solo
+        self.solo = None
+        gen.close()
+        self._finish(it, error)
 
     def _end(self, row: int, error: Exception | None) -> None:
         it = self.rows.pop(row)
