@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -44,73 +43,11 @@ import torch.nn.functional as F
 from dflash.backends.draft_head import DraftHead
 from dflash.backends.static.batched import BatchedGenerator
 from dflash.backends.static.batched_accept import accept_rows, commit_rows
+from dflash.backends.static.batched_rows import DraftRows, RowStep, SpecJob
 from dflash.errors import InputError
 from dflash.models.draft_torch import rope_cos_sin
-from dflash.types import SamplingParams
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-
-
-@dataclass
-class SpecJob:
-    """One request: prompt ids, budget (tokens, the stop token included), stop ids, sampling."""
-
-    prompt_ids: list[int]
-    max_new_tokens: int
-    stop_ids: Sequence[int] = ()
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-
-
-@dataclass
-class RowStep:
-    """What one row committed in a step: ``tokens`` (after a stop cut), ``accepted`` proposals
-    accepted (None for the prefill's token), ``proposed`` proposals verified, ``finish``
-    ("stop", "length" or None)."""
-
-    row: int
-    tokens: list[int]
-    accepted: int | None
-    proposed: int
-    finish: str | None
-
-
-class _DraftRows:
-    """Draft context K/V [B, Hkv', S, D'] per layer, written at per-row positions.
-
-    ``rows`` [R] and ``write_pos`` [R, Tc] say where :meth:`append` writes; it returns the
-    first ``width`` slots of the rows (a view for rows 0..R-1, ``gather`` False, else a copy)."""
-
-    def __init__(
-        self, layers: int, b: int, kv_heads: int, slots: int, head_dim: int, dtype, device
-    ):
-        shape = (b, kv_heads, slots, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.rows: torch.Tensor | None = None
-        self.write_pos: torch.Tensor | None = None
-        self.width, self.gather = 0, False
-        self.window = None
-
-    @property
-    def positions(self) -> None:
-        """None: row validity comes from the caller's masks (as the static draft cache)."""
-        return None
-
-    @positions.setter
-    def positions(self, _value) -> None:
-        pass
-
-    def append(self, i: int, k: torch.Tensor, v: torch.Tensor):
-        """k, v [R, Hkv', Tc, D'] -> written at (rows, write_pos); returns the rows' K/V."""
-        r = self.rows[:, None]
-        self.keys[i][r, :, self.write_pos] = k.transpose(1, 2)
-        self.values[i][r, :, self.write_pos] = v.transpose(1, 2)
-        if self.gather:
-            return self.keys[i][:, :, : self.width][self.rows], self.values[i][:, :, : self.width][
-                self.rows
-            ]
-        n = self.rows.shape[0]
-        return self.keys[i][:n, :, : self.width], self.values[i][:n, :, : self.width]
 
 
 class BatchedSpec(BatchedGenerator):
@@ -149,7 +86,7 @@ class BatchedSpec(BatchedGenerator):
         self.n_feats = len(dc.target_layer_ids)
         hidden = target.config.hidden_size
         self.feats = torch.zeros(b, slots, self.n_feats * hidden, dtype=self.dtype, device=dev)
-        self.dcache = _DraftRows(dc.num_hidden_layers, b, dc.num_key_value_heads, slots, dc.head_dim,
+        self.dcache = DraftRows(dc.num_hidden_layers, b, dc.num_key_value_heads, slots, dc.head_dim,
                                  self.dtype, dev)  # fmt: skip
         self.head = DraftHead.for_draft(target.get_output_embeddings(), draft, draft_vocab)
         z = dict(dtype=torch.long, device=dev)
@@ -161,6 +98,7 @@ class BatchedSpec(BatchedGenerator):
         self.top_k, self.top_p = torch.zeros(b, **z), torch.ones(b, dtype=torch.float32, device=dev)
         self.unif = torch.zeros(b, self.block + 1, dtype=torch.float32, device=dev)
         self.spec_graphs: dict[tuple, Any] = {}
+        self.pool: Any = None
         # host mirrors, per row: position of the anchor, draft rows written (< seen), the job
         self.h_pos, self.h_seen, self.h_n = [0] * b, [0] * b, [0] * b
         self.h_limit = [0] * b
@@ -178,7 +116,9 @@ class BatchedSpec(BatchedGenerator):
         rows are arbitrary (prefill) rather than 0..R-1."""
         r, t = ids.shape
         cos, sin = rope_cos_sin(qpos, self.inv_freq, self.rope_scale, self.dtype)
-        mask = (self.key_pos[:width][None, None] <= qpos[:, :, None])[:, None]  # [R, 1, T, W]
+        mask = self.key_pos[:width][None, None] <= qpos[:, :, None]  # [R, T, W]
+        rep = self.heads // self.kv_heads
+        gmask = mask[:, None, None].expand(r, 1, rep, t, width).reshape(r, 1, rep * t, width)
         x = F.embedding(ids, self.embed)
         slots: list[torch.Tensor] = [x] * self.n_feats
         last = len(self.layers) - 1
@@ -191,8 +131,13 @@ class BatchedSpec(BatchedGenerator):
                 kc, vc = self.k[i][:, :, :width][rows], self.v[i][:, :, :width][rows]
             else:
                 kc, vc = self.k[i][:r, :, :width], self.v[i][:r, :, :width]
-            o = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, scale=layer.self_attn.scaling,
-                                               enable_gqa=self.heads != self.kv_heads)  # fmt: skip
+            # query heads grouped by KV head as rows of one query ([R, Hkv, rep * T, D]): no K/V
+            # copies, and the masked memory-efficient kernel (SDPA's enable_gqa is flash/math only)
+            qg = q.reshape(r, self.kv_heads, rep * t, self.head_dim)
+            o = F.scaled_dot_product_attention(
+                qg, kc, vc, attn_mask=gmask, scale=layer.self_attn.scaling
+            )
+            o = o.view(r, self.heads, t, self.head_dim)
             x = self._finish_layer(layer, x, o.transpose(1, 2).reshape(r, t, -1))
             if i < last:
                 for n in self.feature_slots.get(i, ()):
@@ -272,7 +217,9 @@ class BatchedSpec(BatchedGenerator):
                     self._step(nb, width, length, kind)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.inference_mode(), torch.cuda.graph(graph):
+            if self.pool is None:  # one memory pool for every step graph: replays never overlap
+                self.pool = torch.cuda.graph_pool_handle()
+            with torch.inference_mode(), torch.cuda.graph(graph, pool=self.pool):
                 self._step(nb, width, length, kind)
             self.spec_graphs[key] = graph
             self.live.copy_(live)
