@@ -148,9 +148,10 @@ class BatchedSpec(BatchedGenerator):
         self.feats[ri, qpos] = torch.cat(slots, dim=-1)
         return x
 
-    def _draft_rows(self, nb: int, width: int) -> None:
+    def _draft_rows(self, nb: int, width: int, length: int) -> None:
         """Draft one block per row 0..nb-1 (anchor ``tok`` at ``pos``; context: the last L'
-        rows' features, clamped at 0); the proposals go to ``props[:nb]``."""
+        rows' features, clamped at 0) at the draft's width L'; the head scores the first
+        ``length`` - 1 rows only, whose proposals go to ``props[:nb, :length - 1]``."""
         lb, pos = self.block, self.pos[:nb]
         ar = self.arange[:lb]
         ctx = (pos[:, None] - lb + ar).clamp(min=0)  # [nb, L']
@@ -166,18 +167,18 @@ class BatchedSpec(BatchedGenerator):
         block = torch.cat((self.tok[:nb, None], self.mask_ids[None].expand(nb, -1)), 1)
         hidden = self.feats[self.rows[:nb, None], ctx]  # [nb, L', F]
         h = self.draft(F.embedding(block, self.embed), hidden, q_pos, ctx, cache=dc, masks=masks)
-        props = self.head.to_target(self.head.small_logits(h[:, 1:]).argmax(-1))  # [nb, L'-1]
-        self.props[:nb].copy_(self.proposals_hook(props, nb))
+        props = self.head.to_target(self.head.small_logits(h[:, 1:length]).argmax(-1))  # [nb, L-1]
+        self.props[:nb, : length - 1].copy_(self.proposals_hook(props, nb))
 
     def proposals_hook(self, props: torch.Tensor, nb: int) -> torch.Tensor:
-        """The draft's proposals [nb, L'-1] as verified (identity; tests and benchmarks script
+        """The draft's proposals [nb, L-1] as verified (identity; tests and benchmarks script
         them, see ``scripts/gpu_check_batched_spec.py``)."""
         return props
 
     def _step(self, nb: int, width: int, length: int, kind: str | None) -> None:  # type: ignore[override]
         """One step of rows 0..nb-1 at verify width ``length`` (graphable, no host sync)."""
         if length > 1:
-            self._draft_rows(nb, width)
+            self._draft_rows(nb, width, length)
         rows = self.rows[:nb]
         ids = torch.cat((self.tok[:nb, None], self.props[:nb, : length - 1]), 1)
         qpos = self.pos[:nb, None] + self.arange[:length]
