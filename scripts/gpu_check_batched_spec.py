@@ -27,6 +27,7 @@ prints a summary, exits 1 when a check fails.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -41,6 +42,7 @@ sys.path.insert(0, str(REPO))
 
 from dflash.auto_block_batch import BatchCosts, BatchPolicy  # noqa: E402
 from dflash.backends.static.batched_spec import SpecJob  # noqa: E402
+from dflash.types import SamplingParams  # noqa: E402
 from tests.helpers.batched_spec import ScriptedJob, ScriptedSpec  # noqa: E402
 
 SCHEDULE = [1, 5, 2, 4, 3, 0, 6]  # accepted proposals per step, cycled (mean 3)
@@ -181,17 +183,29 @@ def check_exact(device, out: dict) -> bool:
     got = dict(ScriptedSpec(target, draft, max_batch=4, capacity=256, kv_bucket=64).run_jobs(
         jobs, block_size=lambda rows, p=BatchPolicy(costs, 16): p.choose(rows)))  # fmt: skip
     res["auto_equals_alone"] = got == got_alone
+    # sampled rows (temperature; top-k/top-p): each row's seeded ids do not depend on its batch
+    samp = [SamplingParams(temperature=0.8, top_k=40 if i % 2 else 0, top_p=0.9 if i % 3 == 0 else 1.0, seed=7 + i)
+            for i in range(len(jobs))]  # fmt: skip
+    sj = [dataclasses.replace(j, sampling=s, stop_ids=()) for j, s in zip(jobs, samp, strict=True)]
+    together = dict(ScriptedSpec(target, draft, max_batch=4, capacity=256, kv_bucket=64).run_jobs(sj, block_size=6))
+    one = ScriptedSpec(target, draft, max_batch=1, capacity=256, kv_bucket=64)
+    res["sampled_seeded_equals_alone"] = all(
+        dict(one.run_jobs([j], block_size=6))[0] == together[i] for i, j in enumerate(sj))  # fmt: skip
     out["exact"] = res
     return all(v for k, v in res.items() if k.endswith("equals_alone") or k.endswith("equals_plain"))
 
 
-def speed(shape: str, device, levels: list[int], new: int, out: dict) -> None:
+def speed(shape: str, device, levels: list[int], new: int, out: dict, stop_at: float) -> None:
     target, draft = build(shape, torch.bfloat16, device)
     vocab, block = target.config.vocab_size, draft.config.block_size
     res: dict = {}
     out.setdefault("speed", {})[shape] = res
     for c in levels:
         t0 = time.perf_counter()
+        if t0 > stop_at:  # the time budget: leave the rest (named in the JSON)
+            res[str(c)] = "skipped: time budget"
+            print(f"{shape} c={c}: skipped (time budget)", flush=True)
+            continue
         n = 2 * c
         ps = prompts(n, vocab, 64, 192, seed=c)
         spec = ScriptedSpec(target, draft, max_batch=c, capacity=192 + new + 8, kv_bucket=128)
@@ -223,7 +237,7 @@ def speed(shape: str, device, levels: list[int], new: int, out: dict) -> None:
         torch.cuda.empty_cache()
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--shapes", default="demo,8b")
@@ -231,13 +245,15 @@ def main() -> int:
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--skip-exact", action="store_true")
     ap.add_argument("--out", default=None)
-    a = ap.parse_args()
+    ap.add_argument("--budget-s", type=float, default=250.0, help="start no level after this many seconds")
+    a = ap.parse_args(argv)
     device = torch.device(a.device)
     folder = Path(a.out or os.environ.get("OUT") or "gpu_check_out")
     folder.mkdir(parents=True, exist_ok=True)
     out: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                  "torch": torch.__version__, "schedule": SCHEDULE}  # fmt: skip
     ok = True
+    stop_at = time.perf_counter() + a.budget_s
     path = folder / "gpu_check_batched_spec.json"
     try:
         if not a.skip_exact:
@@ -245,7 +261,7 @@ def main() -> int:
             print(f"exact (float32): {out['exact']}", flush=True)
         for shape in [s for s in a.shapes.split(",") if s]:
             try:
-                speed(shape, device, [int(x) for x in a.levels.split(",")], a.new, out)
+                speed(shape, device, [int(x) for x in a.levels.split(",")], a.new, out, stop_at)
             except Exception as e:  # noqa: BLE001 - report and go on to the next shape
                 out.setdefault("errors", {})[shape] = traceback.format_exc()[-3000:]
                 print(f"{shape}: {type(e).__name__}: {e}", flush=True)
