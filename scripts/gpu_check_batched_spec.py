@@ -154,6 +154,28 @@ def pct(xs: list[float]) -> dict:
     return {"p50": at(0.5), "p90": at(0.9), "p99": at(0.99), "mean": round(sum(xs) / len(xs), 3)}
 
 
+def classify(target, ps, base: dict, got: dict, most: int = 16) -> dict:
+    """bf16 mismatches against the plain run, classified at their first differing position by the
+    near-tie rule of ``dflash benchmark --check-parity`` (teacher-forced target logits after the
+    plain run's tokens): counts of near ties and of unexplained ones (the first ``most``)."""
+    from dflash.bench.metrics import classify_divergence, near_tie_threshold
+
+    diff = [i for i in sorted(base) if got[i] != base[i]]
+    out = {"count": len(diff), "near_tie": 0, "unexplained": 0}
+    for i in diff[:most]:
+        m = next((k for k, (a, b) in enumerate(zip(base[i], got[i], strict=False)) if a != b),
+                 min(len(base[i]), len(got[i])))  # fmt: skip
+        if m >= len(base[i]) or m >= len(got[i]):
+            out["unexplained"] += 1
+            continue
+        with torch.no_grad():
+            dev = next(target.parameters()).device
+            logits = target(torch.tensor([ps[i] + base[i][:m]], device=dev)).logits[0, -1].float().cpu()
+        verdict = classify_divergence(logits.numpy(), base[i][m], got[i][m], near_tie_threshold("bfloat16"))
+        out["near_tie" if verdict["near_tie"] else "unexplained"] += 1
+    return out
+
+
 def check_exact(device, out: dict) -> bool:
     """float32: batched ids == alone ids == plain greedy ids (scripted schedules, stops, budgets)."""
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -225,6 +247,7 @@ def speed(shape: str, device, levels: list[int], new: int, out: dict, stop_at: f
             level[name] = {k: v for k, v in r.items() if k != "ids"}
             level[name]["speedup"] = round(r["tok_s"] / plain["tok_s"], 3)
             level[name]["ids_equal_plain"] = sum(r["ids"][i] == plain["ids"][i] for i in range(n)) / n
+            level[name]["mismatches"] = classify(target, ps, plain["ids"], r["ids"])
         level["seconds"] = round(time.perf_counter() - t0, 1)
         res[str(c)] = level
         a = level["auto"]

@@ -44,4 +44,5 @@ def test_gpu_check_batched_spec_tiny(tmp_path):
     level = out["speed"]["tiny"]["2"]
     for run in ("plain", "auto", "fixed16", "fixed4"):
         assert level[run]["tokens"] == 4 * 6 and level[run]["ttft_ms"] and level[run]["itl_ms"]
+        assert run == "plain" or set(level[run]["mismatches"]) == {"count", "near_tie", "unexplained"}
     assert level["fixed4"]["tokens_per_drafted_row_step"] > 1  # scripted acceptance took effect
