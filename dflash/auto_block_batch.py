@@ -123,7 +123,11 @@ class BatchPolicy:
         rates = [self.rates_of(k) for k in keys]
         width = choose_batch_width(table, rates, remaining)
         if width == 1 and self.probe_every and len(table) > 1:
-            self.plain_run += 1
+            # a probe re-measures rows whose rates fell; none where drafting would not pay even
+            # at the prior's rates (the batch is compute-bound: the costs decide, not the rates)
+            hopeful = [[max(a, b) for a, b in zip(r, self.prior, strict=True)] for r in rates]
+            if choose_batch_width(table, hopeful, remaining) > 1:
+                self.plain_run += 1
             if self.plain_run >= self.probe_every:  # one drafted step: the best drafted width
                 drafted = {w: c for w, c in table.items() if w > 1}
                 width = choose_batch_width(drafted, rates, remaining) if drafted else 1

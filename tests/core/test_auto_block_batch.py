@@ -80,7 +80,14 @@ def test_costs_bucket_and_policy_learning():
     assert pol.rates_of("b")[0] < 0.01 and pol.rates_of("b")[5] == 0.9  # positions not reached kept
     pol.forget("b")
     assert pol.rates_of("b") == [0.9] * 15
-    bad = BatchPolicy(BatchCosts({1: costs_at(1)}), 16, [0.0] * 15, probe_every=5)
+    bad = BatchPolicy(BatchCosts({1: costs_at(1)}), 16, [0.9] * 15, probe_every=5)
+    for _ in range(60):  # the row's draft turned out useless: plain steps, a probe every 5
+        bad.observe(0, 0, 15)
     widths = [bad.choose([0]) for _ in range(12)]
     assert widths[:4] == [1] * 4 and widths[4] > 1 and widths[9] > 1  # a probe every 5 plain steps
     assert sum(w > 1 for w in widths) == 2
+    # compute-bound: drafting would not pay even at the prior's rates, so no probe ever
+    busy = BatchPolicy(
+        BatchCosts({512: costs_at(512, per_token=0.05)}), 16, [0.8] * 15, probe_every=5
+    )
+    assert [busy.choose(list(range(512))) for _ in range(12)] == [1] * 12
