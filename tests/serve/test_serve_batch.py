@@ -54,12 +54,17 @@ def ask(client, i: int, stream: bool = False) -> str:
     return choice["message"]["content"], choice["finish_reason"]
 
 
-def test_concurrent_requests_get_their_single_request_text(pipe):
+@pytest.fixture(scope="module")
+def want(pipe):
+    """Each question's reply served alone (the one-at-a-time Engine, plain path)."""
     alone = client_for(pipe, ("tiny",), block_size=8)
     try:
-        want = [ask(alone, i) for i in range(8)]
+        return [ask(alone, i) for i in range(8)]
     finally:
         alone.__exit__(None, None, None)
+
+
+def test_concurrent_requests_get_their_single_request_text(pipe, want):
     assert {f for _, f in want} >= {"length"}
     client = batch_client(pipe, max_batch=4)
     try:
@@ -79,6 +84,18 @@ def test_concurrent_requests_get_their_single_request_text(pipe):
         r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "a"}],
                                                        "logprobs": True, "max_tokens": 3})  # fmt: skip
         assert r.status_code == 400 and "--max-batch" in r.json()["error"]["message"]
+    finally:
+        client.__exit__(None, None, None)
+
+
+def test_auto_width_batches_give_the_same_text(pipe, want, monkeypatch, tmp_path):
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path))  # the single path's cost table goes here
+    client = batch_client(pipe, max_batch=4, block_size=None)
+    try:
+        assert client.engine.policy is not None
+        with ThreadPoolExecutor(8) as pool:
+            got = list(pool.map(lambda i: ask(client, i), range(8)))
+        assert got == want and client.engine.policy.history
     finally:
         client.__exit__(None, None, None)
 
