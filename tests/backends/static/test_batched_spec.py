@@ -182,3 +182,26 @@ def test_bad_jobs_are_refused(pair):
         spec.admit([SpecJob([5, 6], 4)] * 3)
     with pytest.raises(InputError):
         BatchedSpec(pair[0], None)
+
+
+def test_draft_context_after_plain_steps_equals_a_fresh_write(pair, cases):
+    """After 12 plain steps (more than the draft's block) and one drafted step, every row's
+    draft context K/V at positions < its anchor equal those written from its features at once."""
+    ps = cases[0][:3]
+    spec = BatchedSpec(*pair, max_batch=3, capacity=96, kv_bucket=32)
+    spec.admit([SpecJob(p, 40) for p in ps])
+    for _ in range(12):
+        spec.step(1)
+    before = list(spec.h_pos[:3])
+    spec.step(BLOCK)
+    fresh = type(spec.dcache)(len(pair[1].layers), 3, spec.dcache.keys[0].shape[1], spec.slots,
+                              spec.dcache.keys[0].shape[3], spec.dtype, spec.device)  # fmt: skip
+    for r, n in enumerate(before):
+        pos = torch.arange(n)[None]
+        fresh.rows, fresh.write_pos, fresh.width, fresh.gather = torch.tensor([r]), pos, n, True
+        with torch.no_grad():
+            pair[1].write_context(spec.feats[r : r + 1, :n], pos, fresh)
+        for got, want in zip(
+            spec.dcache.keys + spec.dcache.values, fresh.keys + fresh.values, strict=True
+        ):
+            torch.testing.assert_close(got[r, :, :n], want[r, :, :n], rtol=1e-5, atol=1e-6)
