@@ -30,6 +30,7 @@ from dflash.types import RoundResult
 CUDA_MAX_BATCH = 16  # --max-batch's default on CUDA (the CPU keeps one generation at a time)
 BATCH_CAPACITY = 4096  # tokens per row (prompt + response), at most the model's context
 COST_CONTEXT = 256  # context the step costs are timed at (keys attended)
+ADMIT_WAIT_STEPS = 4  # a queued request waits at most this many steps for others to prefill with
 
 
 @dataclass
@@ -45,6 +46,7 @@ class _Req:
     info: dict
     row: int = -1
     last: float = field(default_factory=time.perf_counter)
+    queued_step: int = 0
 
 
 def default_max_batch(device: Any) -> int:
@@ -69,6 +71,7 @@ class BatchEngine(Engine):
         self.pending: deque[_Req] = deque()
         self.cond = threading.Condition()
         self.rows: dict[int, _Req] = {}
+        self.step_no = 0  # batch steps run
         self.solo: tuple[_Req, Any] | None = None  # a lone request on the one-at-a-time path
         self.solo_runs = 0  # requests that ran there (tests)
         load = self._load
@@ -138,7 +141,8 @@ class BatchEngine(Engine):
         eos = [] if req.ignore_eos else list(self.pipe.stop_ids)
         stops = eos + [t for t in req.stop_token_ids if t not in eos]
         state = info if info is not None else {"state": "queued"}
-        item = _Req(list(ids), budget, stops, sampling or req.sampling, cancel, emit, state)
+        item = _Req(list(ids), budget, stops, sampling or req.sampling, cancel, emit, state,
+                    queued_step=self.step_no)  # fmt: skip
         with self.cond:
             self.pending.append(item)
             self.cond.notify()
@@ -168,6 +172,11 @@ class BatchEngine(Engine):
         free = len(spec.free_rows())
         take: list[_Req] = []
         with self.cond:
+            # prefills are eager (tens of ms of launches whatever their size): while rows are
+            # busy, new requests join in groups (refill_min free rows), waiting a few steps at most
+            if self.rows and self.pending and free < spec.refill_min:
+                if self.step_no - self.pending[0].queued_step < ADMIT_WAIT_STEPS:
+                    return
             while self.pending and len(take) < free:
                 take.append(self.pending.popleft())
         ready = []
@@ -218,6 +227,7 @@ class BatchEngine(Engine):
         else:
             width = int(self.batch_block)
         steps = spec.step(width)
+        self.step_no += 1
         now = time.perf_counter()
         for s in steps:
             it = self.rows[s.row]

@@ -42,7 +42,7 @@ def test_gpu_check_batched_spec_tiny(tmp_path):
         if k.endswith("equals_alone") or k.endswith("equals_plain")
     )
     level = out["speed"]["tiny"]["2"]
-    for run in ("plain", "auto", "fixed16", "fixed4"):
+    for run in ("plain", "auto", "fixed16"):
         assert level[run]["tokens"] == 4 * 6 and level[run]["ttft_ms"] and level[run]["itl_ms"]
-        assert run == "plain" or set(level[run]["mismatches"]) == {"count", "near_tie", "unexplained"}
-    assert level["fixed4"]["tokens_per_drafted_row_step"] > 1  # scripted acceptance took effect
+        assert run == "plain" or level[run]["ids_equal_plain"] == 1.0  # forced: the truth
+    assert level["fixed16"]["tokens_per_drafted_row_step"] > 1  # scripted acceptance took effect

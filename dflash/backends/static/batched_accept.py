@@ -39,7 +39,7 @@ def row_probs(logits: torch.Tensor, temp: torch.Tensor, top_k: torch.Tensor | No
 
 
 def accept_rows(logits: torch.Tensor, props: torch.Tensor, lim: torch.Tensor,
-                sampled: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                sampled: dict | None = None, best: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Accepted proposals and bonus token of every row.
 
     Args:
@@ -48,12 +48,13 @@ def accept_rows(logits: torch.Tensor, props: torch.Tensor, lim: torch.Tensor,
         lim: [R] int64 proposals that may be accepted (the row's trimmed width - 1, >= 0).
         sampled: None (every row greedy) or {"temp" [R] (0 = greedy row), "unif" [R, W + 1]
             uniforms in [0, 1), "top_k" [R] | None, "top_p" [R] | None}.
+        best: [R, W] the greedy rows' target ids (None: ``logits.argmax(-1)``).
 
     Returns:
         (accepted [R] int64 in 0..lim, bonus [R] int64 token ids).
     """
     r, w, v = logits.shape
-    best = logits.argmax(-1)  # [R, W]
+    best = logits.argmax(-1) if best is None else best  # [R, W]
     if w > 1:
         run = (props[:, : w - 1] == best[:, :-1]).long().cumprod(1).sum(1)
     else:

@@ -170,6 +170,10 @@ class BatchedSpec(BatchedGenerator):
         props = self.head.to_target(self.head.small_logits(h[:, 1:length]).argmax(-1))  # [nb, L-1]
         self.props[:nb, : length - 1].copy_(self.proposals_hook(props, nb))
 
+    def argmax_hook(self, best: torch.Tensor, nb: int) -> torch.Tensor:
+        """The target's greedy ids [nb, L] as accepted (identity; a benchmark may force them)."""
+        return best
+
     def proposals_hook(self, props: torch.Tensor, nb: int) -> torch.Tensor:
         """The draft's proposals [nb, L-1] as verified (identity; tests and benchmarks script
         them, see ``scripts/gpu_check_batched_spec.py``)."""
@@ -192,7 +196,8 @@ class BatchedSpec(BatchedGenerator):
             sampled = {"temp": self.temp[:nb], "unif": self.unif[:nb],
                        "top_k": self.top_k[:nb] if kind == "filters" else None,
                        "top_p": self.top_p[:nb] if kind == "filters" else None}  # fmt: skip
-        acc, bonus = accept_rows(logits, self.props[:nb], lim, sampled)
+        best = self.argmax_hook(logits.argmax(-1), nb)
+        acc, bonus = accept_rows(logits, self.props[:nb], lim, sampled, best)
         commit_rows(acc, bonus, self.props[:nb], length, self._rows_state(nb))
 
     def _rows_state(self, nb: int) -> dict:
@@ -419,7 +424,8 @@ class BatchedSpec(BatchedGenerator):
     def run_jobs(self, jobs: Sequence[SpecJob], block_size: int | Callable[[list[int]], int] = 0,
                  on_step: Callable[[int, RowStep], None] | None = None) -> Iterator[tuple[int, list[int]]]:  # fmt: skip
         """Generate every job with continuous batching; yields ``(job index, ids)`` as each
-        finishes. ``block_size``: the width of every step (0 = the draft's L'), or a chooser
+        finishes; new jobs enter once ``refill_min`` rows are free (or none is busy), so prefills
+        (eager) come in groups. ``block_size``: the width of every step (0 = the draft's L'), or a chooser
         called with the busy rows before each step. ``on_step(job index, RowStep)`` sees every
         row's every step (the prefill's token included)."""
         for r in self.busy_rows():
@@ -429,7 +435,7 @@ class BatchedSpec(BatchedGenerator):
         nxt = 0
         while nxt < len(jobs) or owner:
             free = self.free_rows()
-            if nxt < len(jobs) and free:
+            if nxt < len(jobs) and free and (len(free) >= self.refill_min or not owner):
                 take = list(range(nxt, min(len(jobs), nxt + len(free))))
                 steps = self.admit([jobs[i] for i in take])
                 nxt += len(take)

@@ -205,3 +205,24 @@ def test_draft_context_after_plain_steps_equals_a_fresh_write(pair, cases):
             spec.dcache.keys + spec.dcache.values, fresh.keys + fresh.values, strict=True
         ):
             torch.testing.assert_close(got[r, :, :n], want[r, :, :n], rtol=1e-5, atol=1e-6)
+
+
+def test_forced_truth_is_committed_with_the_scripted_acceptance(pair):
+    """The speed runs' ``force``: rows commit their truth (here not the target's continuation)
+    and accept exactly min(k, width - 1) per step."""
+    g = torch.Generator().manual_seed(3)
+    ps = prompts(3, seed=9)
+    truth = [torch.randint(3, 250, (30,), generator=g).tolist() for _ in ps]
+    jobs = [
+        ScriptedJob(p, 20, truth=p + t, schedule=[2, 7, 0]) for p, t in zip(ps, truth, strict=True)
+    ]
+    seen: dict[int, list] = {}
+    spec = ScriptedSpec(*pair, max_batch=3, capacity=96, kv_bucket=32, force=True)
+    got = dict(
+        spec.run_jobs(jobs, block_size=BLOCK, on_step=lambda i, s: seen.setdefault(i, []).append(s))
+    )
+    for i, t in enumerate(truth):
+        assert got[i][1:] == t[1:20]  # the first token comes from the prefill (not forced)
+        assert [s.accepted for s in seen[i][1:]] == [
+            min(k, s.proposed) for k, s in zip([2, 7, 0] * 9, seen[i][1:], strict=False)
+        ]
