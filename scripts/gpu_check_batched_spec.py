@@ -284,6 +284,8 @@ def speed(shape: str, device, levels: list[int], new: int, out: dict, stop_at: f
                 level[name]["mismatches"] = classify(target, ps, plain["ids"], r["ids"])
         level["seconds"] = round(time.perf_counter() - t0, 1)
         res[str(c)] = level
+        if "save" in out:  # after every level: a run cut short keeps what it measured
+            out["save"]()
         a = level["auto"]
         print(f"{shape} c={c}: plain {plain['tok_s']:.0f} tok/s; auto {a['tok_s']:.0f} ({a['speedup']}x, widths "
               f"{a['widths']}, {a['tokens_per_drafted_row_step'] or 0:.2f} tok/row-step); fixed16 {level['fixed16']['speedup']}x; "
@@ -319,6 +321,10 @@ def main(argv: list[str] | None = None) -> int:
     ok = True
     stop_at = time.perf_counter() + a.budget_s
     path = folder / "gpu_check_batched_spec.json"
+    save = lambda: path.write_text(
+        json.dumps({k: v for k, v in out.items() if k != "save"}, indent=1)
+    )  # noqa: E731
+    out["save"] = save
     try:
         if not a.skip_exact and not a.exact_last:
             ok = check_exact(device, out)
@@ -330,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
                 out.setdefault("errors", {})[shape] = traceback.format_exc()[-3000:]
                 print(f"{shape}: {type(e).__name__}: {e}", flush=True)
                 ok = False
-            path.write_text(json.dumps(out, indent=1))
+            save()
         if a.exact_last and not a.skip_exact:  # after the speed runs, if the time budget allows
             if time.perf_counter() < stop_at:
                 ok = check_exact(device, out) and ok
@@ -341,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
         out["error"] = traceback.format_exc()[-3000:]
         print(out["error"], flush=True)
         ok = False
-    path.write_text(json.dumps(out, indent=1))
+    save()
     print(f"{'OK' if ok else 'FAILED'}; wrote {path}", flush=True)
     return 0 if ok else 1
 
