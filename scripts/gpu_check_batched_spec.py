@@ -321,9 +321,10 @@ def main(argv: list[str] | None = None) -> int:
     ok = True
     stop_at = time.perf_counter() + a.budget_s
     path = folder / "gpu_check_batched_spec.json"
-    save = lambda: path.write_text(
-        json.dumps({k: v for k, v in out.items() if k != "save"}, indent=1)
-    )  # noqa: E731
+
+    def save() -> None:
+        path.write_text(json.dumps({k: v for k, v in out.items() if k != "save"}, indent=1))
+
     out["save"] = save
     try:
         if not a.skip_exact and not a.exact_last:
