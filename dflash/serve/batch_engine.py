@@ -27,7 +27,7 @@ from dflash.serve.engine import Engine
 from dflash.serve.protocol import ApiError
 from dflash.types import RoundResult
 
-CUDA_MAX_BATCH = 16  # --max-batch's default on CUDA (the CPU keeps one generation at a time)
+CUDA_MAX_BATCH = 1  # --max-batch's default on CUDA: one at a time until the batched scheduler is measured there (docs/batched-spec.md)
 BATCH_CAPACITY = 4096  # tokens per row (prompt + response), at most the model's context
 COST_CONTEXT = 256  # context the step costs are timed at (keys attended)
 ADMIT_WAIT_STEPS = 4  # a queued request waits at most this many steps for others to prefill with

@@ -87,7 +87,7 @@ def serve(
     log_level: Annotated[str, typer.Option(help="uvicorn log level: warning, info (access log), debug.")] = "info",
     prefix_cache_mb: Annotated[int, typer.Option(help="Prefix cache size in MiB (target K/V rows and features of earlier requests, reused by one that starts alike; plain transformers path); 0 = off.")] = 2048,
     tool_call_parser: Annotated[str | None, typer.Option(help="Tool-call format: hermes, qwen3_coder, llama3_json, openai (gpt-oss), gemma4 (default: from the chat template).")] = None,
-    max_batch: Annotated[int | None, typer.Option(help="Generations decoded together by batched speculative decoding (dense Llama/Qwen targets, DFlash v1 drafts); default 16 on CUDA, 1 (one at a time) elsewhere.", show_default=False)] = None,
+    max_batch: Annotated[int | None, typer.Option(help="Generations decoded together by batched speculative decoding (dense Llama/Qwen targets, DFlash v1 drafts); default 1 (one at a time); try 16 on CUDA.", show_default=False)] = None,
 ) -> None:  # fmt: skip
     """Serve a target/draft pair over an OpenAI-compatible HTTP API (batched on CUDA)."""
     from dflash.backend_names import LOCAL_BACKENDS, one_of
@@ -170,7 +170,7 @@ def serve(
     if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         print(f"dflash serve: warning: listening on {host} without --api-key", file=sys.stderr)
     print(f"dflash serve: loading {names[0]}; OpenAI API at http://{host}:{port}/v1 "
-          f"({'one generation at a time' if max_batch == 1 else 'batched on CUDA' if max_batch is None else f'up to {max_batch} generations at once'}"
+          f"({'one generation at a time' if max_batch == 1 else 'one generation at a time' if max_batch is None else f'up to {max_batch} generations at once'}"
           f"{', API key required' if api_key else ''})",
           file=sys.stderr, flush=True)  # fmt: skip
     server.run()

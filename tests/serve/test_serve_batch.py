@@ -109,7 +109,7 @@ def test_one_row_and_cpu_default_keep_one_at_a_time(pipe):
         client.__exit__(None, None, None)
     assert (
         default_max_batch(torch.device("cpu")) == 1
-        and default_max_batch(torch.device("cuda")) == 16
+        and default_max_batch(torch.device("cuda")) == 1
     )
 
 
