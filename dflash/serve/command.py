@@ -102,6 +102,14 @@ def serve(
             f"--max-batch must be in 1..512, got {max_batch}.",
             hint="1 serves one generation at a time",
         )
+    if max_batch not in (None, 1):
+        # Withheld: on the real demo target (GQA 9:3, 30 layers) the batched rows do not yet give
+        # the single-request ids (tiny test pairs do); exactness first (docs/batched-spec.md).
+        raise InputError(
+            "--max-batch above 1 is withheld: batched rows do not yet reproduce every target's "
+            "single-request output.",
+            hint="drop --max-batch (one generation at a time is exact)",
+        )
     if max_batch not in (None, 1) and backend != "transformers":
         raise InputError(
             "--max-batch runs on the transformers backend only.", hint="drop --max-batch"
