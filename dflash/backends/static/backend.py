@@ -44,6 +44,7 @@ from dflash.backends.static.fused import (
     target_fusable,
 )
 from dflash.backends.static.graph_plan import plan_graphs
+from dflash.backends.static.hybrid import HybridState, fuse_hybrid, hybrid_forward, hybrid_refusal, is_hybrid
 from dflash.backends.static.moe import moe_route
 from dflash.errors import BackendError
 from dflash.kernels.pdl import pdl_supported
@@ -78,6 +79,8 @@ def static_refusal(target: Any) -> str | None:
     forwards fuse (:func:`~dflash.backends.static.fused.target_fusable`)."""
     cfg = target.config
     family = getattr(cfg, "model_type", None)
+    if is_hybrid(cfg):  # GatedDeltaNet hybrids: their own forward (dflash.backends.static.hybrid)
+        return hybrid_refusal(target)
     if family not in SUPPORTED_TYPES:
         return f"{family} targets run on the plain path"
     rope = getattr(cfg, "rope_parameters", None) or {}
@@ -202,10 +205,15 @@ class StaticBackend(StaticGraphs, TransformersBackend):
         self.dtype = self.embed_weight.dtype
         self.windows = layer_windows(cfg)  # per layer: sliding window W or None
         self.moe_route = moe_route(device, self.dtype)  # expert blocks: gather or grouped_mm
+        self.hybrid = is_hybrid(cfg)  # GatedDeltaNet layers: state buffers in self.gdn
+        self.gdn: HybridState | None = None
+        self._gdn_pending: tuple[int, int] | None = None  # (start, width) of a verify not rolled back
+        self._gdn_length = 0  # positions the committed GatedDeltaNet states hold
         self.feature_layers: dict[int, list[int]] = {}  # layer -> feature slots (ids may repeat)
         for n, i in enumerate(self.layer_ids):
             self.feature_layers.setdefault(i - 1, []).append(n)
-        self.fused_target = fuse_target(target)  # one qkv and one gate+up matmul per layer
+        # one qkv (hybrids: one token-mixer input) and one gate+up matmul per layer
+        self.fused_target = fuse_hybrid(target) if self.hybrid else fuse_target(target)
         self.fused_draft = fuse_draft(draft) if draft is not None else None
         if self.fused_draft is not None:  # the device loop's draft skips its final norm
             self.draft_head.fold_norm(draft.norm.weight)
@@ -213,7 +221,7 @@ class StaticBackend(StaticGraphs, TransformersBackend):
         self.configure(self.settings)
         self.capacity = 0
         if device_loop is None:
-            device_loop = self.settings.device_loop and self.use_graphs
+            device_loop = self.settings.device_loop and self.use_graphs and not self.hybrid
         self.device_loop = DeviceLoop(self) if device_loop else None
         self.graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, Any, tuple]] = {}
         # --block-size auto picks among these widths (graphs captured when costs are timed).
@@ -236,7 +244,8 @@ class StaticBackend(StaticGraphs, TransformersBackend):
         # o_proj/down_proj of the fused forwards for <= 32 rows: one Triton kernel each with the
         # residual add fused in, or torch (see dflash.kernels.small_linear)
         linear = linear_mode(settings.linear, device)
-        self.linear = linear if small_linear_fits(target) else "torch"
+        # hybrids (dflash.backends.static.hybrid): the target's forward runs torch ops and the modules
+        self.linear = linear if not self.hybrid and small_linear_fits(target) else "torch"
         self.draft_linear = self.fused_draft is not None and linear != "torch" and draft_small_linear_fits(draft)
         # the fused qkv and gate+up projections too, in forwards of up to linear_in rows (every
         # width under "auto" and "all")
@@ -249,8 +258,8 @@ class StaticBackend(StaticGraphs, TransformersBackend):
         # q/k (norm +) RoPE + cache writes as one kernel (see dflash.kernels.rope_cache)
         split = self.attention != "sdpa"  # the kernel feeds the split-KV attention only
         self.draft_rope = settings.rope_draft and self.draft_linear and split and draft_rope_fits(draft)
-        attn = target.model.layers[0].self_attn
-        self.target_rope = (settings.rope_target and self.linear != "torch" and split
+        attn = None if self.hybrid else target.model.layers[0].self_attn
+        self.target_rope = (not self.hybrid and settings.rope_target and self.linear != "torch" and split
                             and rope_cache_fits(attn, self.dtype, norms=hasattr(attn, "q_norm")))  # fmt: skip
         self.rope_table = settings.rope_table  # the draft's RoPE kernel reads [S, D] tables
         # the qkv projection inside that kernel too (dflash.kernels.qkv_rope)
@@ -284,7 +293,7 @@ class StaticBackend(StaticGraphs, TransformersBackend):
         elif self.folded_draft is None:
             self.folded_draft = fold_norms(draft.layers, self.fused_draft, ("post",))
         # the target's stand-alone norms through one Triton kernel each
-        self.norm_kernel = (settings.norm_kernel and device.type == "cuda" and rms_norm_available()
+        self.norm_kernel = (settings.norm_kernel and device.type == "cuda" and rms_norm_available() and not self.hybrid
                             and not self.fuse_norm
                             and all(rms_norm_fits(n, self.dtype) for n in _target_norms(target)))  # fmt: skip
         # programmatic dependent launch of this project's kernels, per forward
@@ -318,8 +327,11 @@ class StaticBackend(StaticGraphs, TransformersBackend):
     def _allocate(self, capacity: int) -> None:
         dev, dt = self.device, self.dtype
         shape = (1, self.kv_heads, capacity, self.head_dim)
-        self.k = [torch.zeros(shape, dtype=dt, device=dev) for _ in range(self.n_layers)]
-        self.v = [torch.zeros(shape, dtype=dt, device=dev) for _ in range(self.n_layers)]
+        linear = self.gdn_layers()  # GatedDeltaNet layers keep no K/V
+        self.k = [None if i in linear else torch.zeros(shape, dtype=dt, device=dev) for i in range(self.n_layers)]
+        self.v = [None if i in linear else torch.zeros(shape, dtype=dt, device=dev) for i in range(self.n_layers)]
+        if self.hybrid and self.gdn is None:  # fixed for the backend's life: the graphs hold them
+            self.gdn = HybridState(self.target, max(*self.plan.verify_widths, self.draft_block_size), dt, dev)
         self.key_pos = torch.arange(capacity, device=dev)
         width = len(self.layer_ids) * self.target.config.hidden_size
         self.feats = torch.zeros(capacity, max(width, 1), dtype=dt, device=dev)  # [S, F]
@@ -334,10 +346,18 @@ class StaticBackend(StaticGraphs, TransformersBackend):
         self.capacity = capacity
         self.graphs.clear()
 
+    def gdn_layers(self) -> set[int]:
+        """The target's GatedDeltaNet layers (empty unless a hybrid)."""
+        return {i for i, k in enumerate(layer_kinds(self.target.config)) if k == "linear_attention"}
+
     # -- forwards -------------------------------------------------------------------------
-    def _target_forward(self, ids: torch.Tensor, pos: torch.Tensor):
+    def _target_forward(self, ids: torch.Tensor, pos: torch.Tensor, prefill: bool = False):
         """ids, pos [1, T] -> logits [T, V]; writes K/V and features at pos
-        (:func:`~dflash.backends.static.fused.target_forward_fused`)."""
+        (:func:`~dflash.backends.static.fused.target_forward_fused`; hybrids
+        :func:`~dflash.backends.static.hybrid.hybrid_forward`, whose GatedDeltaNet layers a
+        ``prefill`` starts from zero states, a verify from the committed ones)."""
+        if self.hybrid:
+            return hybrid_forward(self, ids, pos, prefill)
         return target_forward_fused(self, ids, pos)
 
     def _draft_forward(self, block: torch.Tensor, start: torch.Tensor, ctx_pos: torch.Tensor,
@@ -383,19 +403,23 @@ class StaticBackend(StaticGraphs, TransformersBackend):
         ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)
         pos = torch.arange(len(prompt_ids), device=self.device)[None]
         with torch.inference_mode():
-            logits = self._target_forward(ids, pos)
+            logits = self._target_forward(ids, pos, prefill=True)
             seen = 0
             if with_features and self.draft_model is not None:  # the prompt's draft context K/V:
                 self.dcache.write_pos = pos[0]  # the first draft call then reads only its window
                 self.draft_model.write_context(self.feats[: len(prompt_ids)][None], pos, self.dcache)
                 seen = len(prompt_ids)
         self._draft_seen = seen
+        self._gdn_pending, self._gdn_length = None, len(prompt_ids)
         return logits[-1], (self.feats[: len(prompt_ids)] if with_features else None)
 
     def verify(self, anchor: int, proposals, start: int, with_features: bool):
         """Verify [anchor, proposals]; with graphs the width is padded to a captured one and
         the logits of the padding rows are dropped (returned logits [W, V], W = 1 + proposals)."""
         width = 1 + (0 if proposals is None else proposals.shape[0])
+        if self.hybrid:  # the committed GatedDeltaNet states must hold `start` positions
+            self._gdn_settle(start)
+            self._gdn_pending = (start, width)
         if not self.use_graphs:
             ids = torch.tensor([anchor], dtype=torch.long, device=self.device)
             ids = ids if proposals is None else torch.cat((ids, proposals))
@@ -435,7 +459,31 @@ class StaticBackend(StaticGraphs, TransformersBackend):
         return out
 
     def rollback(self, length: int) -> None:
-        """Nothing to do: rows >= length are masked by position and overwritten later."""
+        """K/V: nothing to do (rows >= length are masked by position and overwritten later).
+        GatedDeltaNet layers: the state after the accepted prefix of the last verify becomes
+        the committed one (a gather on the device, :meth:`HybridState.rollback`).
+
+        Raises:
+            BackendError: (hybrids) ``length`` outside the last verify's positions.
+        """
+        if self.hybrid:
+            self._gdn_settle(length)
+
+    def _gdn_settle(self, length: int) -> None:
+        """Commit the GatedDeltaNet states of the first ``length`` positions (within the last
+        verify, or the committed length itself)."""
+        pending, self._gdn_pending = self._gdn_pending, None
+        if pending is None:
+            if length != self._gdn_length:
+                raise BackendError(f"Cannot roll the recurrent state back from {self._gdn_length} to {length} "
+                                   "positions (only within the last verify).")  # fmt: skip
+            return
+        start, width = pending
+        if not 0 <= length - start <= width:
+            raise BackendError(f"Cannot roll the recurrent state back to {length} positions: the last "
+                               f"verify covered {start}..{start + width}.")  # fmt: skip
+        self.gdn.rollback(length - start)
+        self._gdn_length = length
 
     def _draft_head_dim(self) -> int | None:
         """The draft's attention head dim (None without a draft)."""
@@ -451,6 +499,9 @@ class StaticBackend(StaticGraphs, TransformersBackend):
                 "device_loop": self.device_loop is not None,
                 **({"sliding_windows": sorted({w for w in self.windows if w})} if any(self.windows) else {}),
                 **({"moe_route": self.moe_route} if any(gu is None for _, gu in self.fused_target) else {}),
+                **({"gdn_layers": len(self.gdn_layers()),
+                    "gdn_recurrence": "triton" if self.gdn is not None and self.gdn.triton else "torch"}
+                   if self.hybrid else {}),
                 "attention": self.attention, "linear": self.linear,
                 # rows up to which the in-projections run small_linear (the draft: all or none)
                 "linear_in": {"target": self.linear_in, "draft": MAX_ROWS if self.draft_linear_in else 0},
