@@ -64,10 +64,12 @@ def conv_prefill(conv: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, b
                  act) -> torch.Tensor:  # fmt: skip
     """Depthwise causal conv of a prompt's rows [T, C] from a zero state; writes the conv state
     (the last K rows, zero-padded) into ``conv[:, :K]``. Returns [T, C] as :func:`conv_verify`."""
-    t, k = rows.shape[0], weight.shape[1]
+    k = weight.shape[1]
     x = F.pad(rows.transpose(0, 1), (k, 0))  # [C, K + T]: zeros, then the rows
     conv[:, :k].copy_(x[:, -k:])
-    out = F.conv1d(x.to(weight.dtype)[None], weight[:, None, :], bias, groups=weight.shape[0])[0, :, 1:]
+    out = F.conv1d(x.to(weight.dtype)[None], weight[:, None, :], bias, groups=weight.shape[0])[
+        0, :, 1:
+    ]
     return act(out).to(rows.dtype).transpose(0, 1)
 
 
@@ -141,10 +143,14 @@ def chunked_prefill(q, k, v, g, beta, state: torch.Tensor, chunk: int = CHUNK) -
         n = qc.shape[1]
         cum = gc.cumsum(dim=-1)  # [H, C] log Gamma_t
         lower = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-        ratio = (cum[:, :, None] - cum[:, None, :]).masked_fill(~lower, float("-inf")).exp()  # [H, C, C]
+        ratio = (
+            (cum[:, :, None] - cum[:, None, :]).masked_fill(~lower, float("-inf")).exp()
+        )  # [H, C, C]
         gam = cum.exp()[:, :, None]  # [H, C, 1]
         strict = (kc @ kc.transpose(1, 2)) * ratio * bc[:, :, None]
-        system = strict.masked_fill(lower.logical_not() | torch.eye(n, dtype=torch.bool, device=q.device), 0.0)
+        system = strict.masked_fill(
+            lower.logical_not() | torch.eye(n, dtype=torch.bool, device=q.device), 0.0
+        )
         system = system + torch.eye(n, dtype=q.dtype, device=q.device)
         rhs = bc[:, :, None] * (vc - gam * (kc @ s))  # [H, C, Dv]
         u = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
@@ -155,7 +161,9 @@ def chunked_prefill(q, k, v, g, beta, state: torch.Tensor, chunk: int = CHUNK) -
     return torch.cat(outs)
 
 
-def rollback(conv: torch.Tensor, states: torch.Tensor, keep: torch.Tensor, taps: torch.Tensor) -> None:
+def rollback(
+    conv: torch.Tensor, states: torch.Tensor, keep: torch.Tensor, taps: torch.Tensor
+) -> None:
     """Make the state after ``keep`` tokens of the last verify the committed one (in place).
 
     Args:

@@ -43,7 +43,7 @@ def fits(dk: int, dv: int, device: torch.device) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _gdn_verify_kernel(Q, K, V, G, B, S, O, H: tl.constexpr, T: tl.constexpr, DK: tl.constexpr,
+    def _gdn_verify_kernel(Q, K, V, G, B, S, OUT, H: tl.constexpr, T: tl.constexpr, DK: tl.constexpr,
                            DV: tl.constexpr, BV: tl.constexpr):  # fmt: skip
         head = tl.program_id(0)
         col = tl.program_id(1) * BV + tl.arange(0, BV)  # [BV] value columns of this program
@@ -64,7 +64,7 @@ if triton is not None:
             s = s + k[:, None] * delta[None, :]
             o = tl.sum(s * q[:, None], 0)
             tl.store(S + (t + 1) * slot + off, s)
-            tl.store(O + (t * H + head) * DV + col, o)
+            tl.store(OUT + (t * H + head) * DV + col, o)
 
 
 def recurrent_verify_triton(q, k, v, g, beta, states: torch.Tensor) -> torch.Tensor:
@@ -78,9 +78,13 @@ def recurrent_verify_triton(q, k, v, g, beta, states: torch.Tensor) -> torch.Ten
     t, h, dk = q.shape
     dv = v.shape[-1]
     if t >= states.shape[0] or states.shape[1:] != (h, dk, dv) or not states.is_contiguous():
-        raise ValueError(f"gdn verify: {t} tokens of {h} heads {dk}x{dv} for states {tuple(states.shape)}")
+        raise ValueError(
+            f"gdn verify: {t} tokens of {h} heads {dk}x{dv} for states {tuple(states.shape)}"
+        )
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     out = torch.empty(t, h, dv, dtype=torch.float32, device=q.device)
     bv = min(dv, 32 if dk <= 128 else 16)
-    _gdn_verify_kernel[(h, dv // bv)](q, k, v, g, beta, states, out, H=h, T=t, DK=dk, DV=dv, BV=bv, num_warps=4)
+    _gdn_verify_kernel[(h, dv // bv)](
+        q, k, v, g, beta, states, out, H=h, T=t, DK=dk, DV=dv, BV=bv, num_warps=4
+    )
     return out

@@ -44,7 +44,13 @@ from dflash.backends.static.fused import (
     target_fusable,
 )
 from dflash.backends.static.graph_plan import plan_graphs
-from dflash.backends.static.hybrid import HybridState, fuse_hybrid, hybrid_forward, hybrid_refusal, is_hybrid
+from dflash.backends.static.hybrid import (
+    HybridState,
+    fuse_hybrid,
+    hybrid_forward,
+    hybrid_refusal,
+    is_hybrid,
+)
 from dflash.backends.static.moe import moe_route
 from dflash.errors import BackendError
 from dflash.kernels.pdl import pdl_supported

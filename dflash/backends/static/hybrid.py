@@ -45,7 +45,12 @@ def is_hybrid(config: Any) -> bool:
 
 def _gdn_fits(m: Any) -> bool:
     conv = getattr(m, "conv1d", None)
-    if conv is None or getattr(conv, "weight", None) is None or conv.weight.dim() != 3 or conv.weight.shape[1] != 1:
+    if (
+        conv is None
+        or getattr(conv, "weight", None) is None
+        or conv.weight.dim() != 3
+        or conv.weight.shape[1] != 1
+    ):
         return False
     if not all(isinstance(getattr(m, n, None), torch.Tensor) for n in ("A_log", "dt_bias")):
         return False
@@ -145,7 +150,9 @@ def fuse_hybrid(target: Any) -> list[tuple[FusedLinear, FusedLinear | None]]:
     for layer in target.model.layers:
         if hasattr(layer, "linear_attn"):
             m = layer.linear_attn
-            mix = fuse_linears([getattr(m, n) for n in (QWEN35_PROJ if hasattr(m, "in_proj_qkv") else NEXT_PROJ)])
+            mix = fuse_linears(
+                [getattr(m, n) for n in (QWEN35_PROJ if hasattr(m, "in_proj_qkv") else NEXT_PROJ)]
+            )
         else:
             a = layer.self_attn
             mix = fuse_linears((a.q_proj, a.k_proj, a.v_proj))
@@ -202,7 +209,9 @@ def _linear_attention(st: HybridState, i: int, m: Any, mix: FusedLinear, h: torc
     rows, z, b, a = _projections(m, mix, h)
     weight = m.conv1d.weight[:, 0, :]  # [C, K]
     act = F.silu
-    conv = (gdn.conv_prefill if prefill else gdn.conv_verify)(st.conv[n], rows, weight, m.conv1d.bias, act)
+    conv = (gdn.conv_prefill if prefill else gdn.conv_verify)(
+        st.conv[n], rows, weight, m.conv1d.bias, act
+    )
     q, k, v = conv.split((m.key_dim, m.key_dim, m.value_dim), dim=-1)
     q, k, v, g, beta = gdn.prepare(q.view(t, -1, m.head_k_dim), k.view(t, -1, m.head_k_dim),
                                    v.view(t, -1, m.head_v_dim), a, b, m.A_log, m.dt_bias)  # fmt: skip
@@ -217,7 +226,9 @@ def _linear_attention(st: HybridState, i: int, m: Any, mix: FusedLinear, h: torc
     return m.out_proj(o.reshape(1, t, -1))
 
 
-def _feed_forward(layer: Any, gate_up: FusedLinear | None, h: torch.Tensor, route: str) -> torch.Tensor:
+def _feed_forward(
+    layer: Any, gate_up: FusedLinear | None, h: torch.Tensor, route: str
+) -> torch.Tensor:
     """The layer's MLP or expert block (with its gated shared expert) on normed h [1, T, H]."""
     mlp = layer.mlp
     if gate_up is not None:

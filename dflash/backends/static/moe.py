@@ -27,7 +27,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-
 # routers without a ``norm_topk_prob`` flag that always divide the top-k weights by their sum
 ALWAYS_NORMALIZED = frozenset({"Qwen3_5MoeTopKRouter"})
 
