@@ -29,7 +29,7 @@ from dflash.backends.static.fused import FusedLinear, attend, dense_mlp, fusable
 from dflash.backends.static.moe import moe_block, moe_forward
 from dflash.kernels import gdn
 from dflash.kernels.gdn_triton import fits as triton_fits
-from dflash.kernels.gdn_triton import recurrent_verify_triton
+from dflash.kernels.gdn_triton import gdn_verify
 from dflash.models.target_torch import layer_kinds
 
 LINEAR = "linear_attention"
@@ -212,16 +212,17 @@ def _linear_attention(st: HybridState, i: int, m: Any, mix: FusedLinear, h: torc
     conv = (gdn.conv_prefill if prefill else gdn.conv_verify)(
         st.conv[n], rows, weight, m.conv1d.bias, act
     )
-    q, k, v = conv.split((m.key_dim, m.key_dim, m.value_dim), dim=-1)
-    q, k, v, g, beta = gdn.prepare(q.view(t, -1, m.head_k_dim), k.view(t, -1, m.head_k_dim),
-                                   v.view(t, -1, m.head_v_dim), a, b, m.A_log, m.dt_bias)  # fmt: skip
-    if prefill:
-        st.states[n, 0].zero_()  # a prompt starts from zero states
-        o = gdn.chunked_prefill(q, k, v, g, beta, st.states[n, 0])
-    elif st.triton:
-        o = recurrent_verify_triton(q, k, v, g, beta, st.states[n])
+    if not prefill and st.triton:  # the inputs' preparation and the recurrence: one kernel
+        o = gdn_verify(conv, a, b, m.A_log, m.dt_bias, st.states[n], m.num_k_heads)
     else:
-        o = gdn.recurrent_verify(q, k, v, g, beta, st.states[n])
+        q, k, v = conv.split((m.key_dim, m.key_dim, m.value_dim), dim=-1)
+        q, k, v, g, beta = gdn.prepare(q.view(t, -1, m.head_k_dim), k.view(t, -1, m.head_k_dim),
+                                       v.view(t, -1, m.head_v_dim), a, b, m.A_log, m.dt_bias)  # fmt: skip
+        if prefill:
+            st.states[n, 0].zero_()  # a prompt starts from zero states
+            o = gdn.chunked_prefill(q, k, v, g, beta, st.states[n, 0])
+        else:
+            o = gdn.recurrent_verify(q, k, v, g, beta, st.states[n])
     o = m.norm(o.to(h.dtype).reshape(-1, m.head_v_dim), z.reshape(-1, m.head_v_dim))
     return m.out_proj(o.reshape(1, t, -1))
 
