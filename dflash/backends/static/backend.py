@@ -227,7 +227,7 @@ class StaticBackend(StaticGraphs, TransformersBackend):
         self.configure(self.settings)
         self.capacity = 0
         if device_loop is None:
-            device_loop = self.settings.device_loop and self.use_graphs and not self.hybrid
+            device_loop = self.settings.device_loop and self.use_graphs
         self.device_loop = DeviceLoop(self) if device_loop else None
         self.graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, Any, tuple]] = {}
         # --block-size auto picks among these widths (graphs captured when costs are timed).

@@ -57,6 +57,22 @@ def test_static_greedy_equals_hf_generate(family):
     assert sorted(be.gdn.index) == GDN_LAYERS and all(be.k[i] is None for i in GDN_LAYERS)
 
 
+@pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_next"])
+def test_device_loop_commits_the_states_on_the_device(family):
+    """The device loop (acceptance, commit and the GatedDeltaNet rollback on the device, run
+    eagerly here through the glue the graphs capture): the same ids as HF generate, with
+    scripted proposals right for 0, 5 and all 15 rows."""
+    from tests.backends.static.test_device_loop import ScriptedLoop
+
+    model, truth = model_of(family)
+    for k in (0, 5, 15):
+        be = StaticBackend(model, make_draft(model), torch.device("cpu"), use_graphs=False, device_loop=True)
+        be.device_loop = ScriptedLoop(be, truth, P, k)
+        rounds = list(speculative_generate(be, prompt_ids(P), block_size=16, max_new_tokens=N, stop_ids=[]))
+        assert [t for r in rounds for t in r.tokens] == truth[:N], (family, k)
+        assert {r.accepted for r in rounds[1:-1]} == {k + 1}
+
+
 def gdn_states(layers, get) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per GatedDeltaNet layer (conv [C, K], recurrent [Hv, Dk, Dv]), cloned, from ``get(i)``."""
     return [tuple(x.clone() for x in get(i)) for i in layers]
