@@ -10,8 +10,9 @@ large download. What runs each family here follows from what the backends accept
 - transformers, CUDA-graph path: ``llama``, ``qwen2``, ``qwen3``, ``mistral`` and ``qwen3_moe``
   targets, full-attention, sliding-window or interleaved layers (a window is a position mask
   over the static cache), dense MLPs or top-k expert blocks
-  (:func:`dflash.backends.static.backend.supports_static`); Gemma and gpt-oss (attention sinks,
-  soft-capping, Gemma's norms and scalings) run on the plain path.
+  (:func:`dflash.backends.static.backend.supports_static`), and the GatedDeltaNet hybrids
+  ``qwen3_next``, ``qwen3_5``, ``qwen3_5_moe`` (:mod:`dflash.backends.static.hybrid`); Gemma and
+  gpt-oss (attention sinks, soft-capping, Gemma's norms and scalings) run on the plain path.
 - transformers, plain path (CPU, or CUDA without graphs): full-attention and sliding-window
   causal LMs, dense or MoE (``qwen3_moe``, ``gemma4``, ``gpt_oss``), the GatedDeltaNet hybrids
   ``qwen3_next``, ``qwen3_5`` and ``qwen3_5_moe`` (:mod:`dflash.backends.gdn_torch`), multimodal
@@ -38,7 +39,8 @@ import typer
 SLIDING = ("no: sliding-window layers with attention sinks or Gemma's norms and scalings "
            "(the plain transformers path runs them)")
 SLIDING_MLX = "no: rotating (sliding-window) caches cannot be rolled back on mlx yet"
-HYBRID_GRAPHS = "no: GatedDeltaNet layers (the plain transformers path runs them)"
+HYBRID_GRAPHS = ("untested: GatedDeltaNet layers in the graphs (tiny targets checked on the CPU without "
+                 "graphs; scripts/gpu_check_hybrid.py checks CUDA)")
 
 
 @dataclass(frozen=True)

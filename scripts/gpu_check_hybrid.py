@@ -10,7 +10,9 @@ reported, not checked). Imports dflash/ and scripts/ only. About 90 s on one H10
   against the torch reference (prepare + recurrent_verify) at a Qwen3.5-9B layer's shape (16 key
   and 32 value heads of 128), 1, 4 and 16 tokens, float32 and bf16 inputs: outputs and per-token
   states within 1e-5 (float32) / 1e-4 (bf16) of the largest value; the chunked prefill against the
-  recurrence (300 tokens, float32); the time of one layer's verify (kernel and torch).
+  recurrence (300 tokens, float32); the time of one layer's verify (kernel and torch); the
+  centred and gated RMSNorm kernels (:mod:`dflash.kernels.gdn_norms`) against transformers'
+  modules in bf16 (within one bf16 rounding of the largest value).
 - ``big``: a random bf16 target of Qwen3.5-9B's text shape (``scripts/bench_big.py --shape
   qwen3.5-9b``: 8.95 B parameters, 5-layer random draft, prompt 512) on the graph path with the
   device loop, no compile: ms per step at block 1 and block 16 (k = 0 and 15 right proposals),
@@ -139,6 +141,24 @@ def check_kernel(dev: torch.device) -> dict:
                 )
                 out["ok"] &= row["ok"]
             out["verify"].append(row)
+    # the norm kernels against transformers' modules (bf16, Qwen3.5-9B's widths)
+    if triton:
+        from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm, Qwen3_5RMSNormGated
+
+        from dflash.kernels.gdn_norms import centred_rms_norm, gated_rms_norm
+
+        bf = torch.bfloat16
+        norm, gated = Qwen3_5RMSNorm(4096).to(dev, bf), Qwen3_5RMSNormGated(DV).to(dev, bf)
+        with torch.no_grad():
+            norm.weight.normal_(0, 0.1)
+            gated.weight.uniform_(0.5, 1.5)
+            x = torch.randn(1, 16, 4096, device=dev).to(bf)
+            o, z = torch.randn(16, HV, DV, device=dev), torch.randn(16, HV, DV, device=dev).to(bf)
+            out["norms"] = {"centred_rel": rel(centred_rms_norm(norm, x), norm(x)),
+                            "gated_rel": rel(gated_rms_norm(gated, o, z),
+                                             gated(o.to(bf).reshape(-1, DV), z.reshape(-1, DV)))}  # fmt: skip
+        out["norms"]["ok"] = max(out["norms"]["centred_rel"], out["norms"]["gated_rel"]) <= 1e-2
+        out["ok"] &= out["norms"]["ok"]
     # the chunked prefill against the recurrence (float32)
     t = 300
     q, k = torch.randn(t, HK, DK, device=dev), torch.randn(t, HK, DK, device=dev)
@@ -351,7 +371,7 @@ def check_big(dev: torch.device, steps: int) -> dict:
     t = time.perf_counter()
     be = bb.build(tiny, dev, dtype, False, (1, 16), "qwen3.5-9b", True, None if tiny else 0.002)
     res: dict = {"build_s": time.perf_counter() - t, "describe": {k: v for k, v in be.describe().items()
-                 if k in ("gdn_recurrence", "gdn_layers", "device_loop", "cuda_graphs", "attention")}}  # fmt: skip
+                 if k in ("gdn_recurrence", "gdn_norms", "gdn_layers", "device_loop", "cuda_graphs", "attention")}}  # fmt: skip
     plen = 64 if tiny else 512
     prompt = torch.randint(
         0, be.vocab_size - 1, (plen,), generator=torch.Generator().manual_seed(1)

@@ -166,3 +166,38 @@ def test_triton_kernel_equals_the_reference_interpreted():
     truncation, unlike the GPU: bf16 is checked by scripts/gpu_check_hybrid.py)."""
     out = run_interpreted(KERNEL_CHECK)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+NORMS_CHECK = """
+import torch
+from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm, Qwen3_5RMSNormGated
+from dflash.kernels.gdn_norms import centred_rms_norm, gated_rms_norm
+g = torch.Generator().manual_seed(0)
+norm = Qwen3_5RMSNorm(48, eps=1e-6)
+with torch.no_grad():
+    norm.weight.copy_(torch.randn(48, generator=g) * 0.1)
+wide = torch.randn(1, 5, 3 * 48 + 7, generator=g)
+x = wide[..., 7 : 7 + 48]  # rows of a wider tensor
+heads = wide[..., 7:].view(1, 5, 3, 48)  # per-head rows
+with torch.no_grad():
+    torch.testing.assert_close(centred_rms_norm(norm, x), norm(x), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(centred_rms_norm(norm, heads), norm(heads), rtol=1e-6, atol=1e-6)
+gated = Qwen3_5RMSNormGated(16, eps=1e-6)
+with torch.no_grad():
+    gated.weight.copy_(torch.rand(16, generator=g) + 0.5)
+o = torch.randn(5, 4, 16, generator=g)
+z = torch.randn(5, 4 * 16 + 9, generator=g)[:, 9:].view(5, 4, 16)
+with torch.no_grad():
+    want = gated(o.reshape(-1, 16), z.reshape(-1, 16))
+    torch.testing.assert_close(gated_rms_norm(gated, o, z), want, rtol=1e-6, atol=1e-6)
+print("ok")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+def test_hybrid_norm_kernels_equal_the_modules_interpreted():
+    """The centred and gated RMSNorm kernels (dflash.kernels.gdn_norms) equal transformers'
+    Qwen3.5 modules on rows of wider tensors and per-head rows (float32, interpreted)."""
+    out = run_interpreted(NORMS_CHECK)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]

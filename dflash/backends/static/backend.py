@@ -53,6 +53,7 @@ from dflash.backends.static.hybrid import (
 )
 from dflash.backends.static.moe import moe_route
 from dflash.errors import BackendError
+from dflash.kernels.gdn_norms import norms_fit as hybrid_norms_fit
 from dflash.kernels.pdl import pdl_supported
 from dflash.kernels.qkv_rope import qkv_rope_fits, qkv_rope_wanted
 from dflash.kernels.rms_norm import available as rms_norm_available
@@ -302,6 +303,8 @@ class StaticBackend(StaticGraphs, TransformersBackend):
         self.norm_kernel = (settings.norm_kernel and device.type == "cuda" and rms_norm_available() and not self.hybrid
                             and not self.fuse_norm
                             and all(rms_norm_fits(n, self.dtype) for n in _target_norms(target)))  # fmt: skip
+        # a hybrid's RMSNorms (centred and gated) through one Triton kernel each (bf16/fp16 on CUDA)
+        self.hybrid_norms = self.hybrid and settings.norm_kernel and hybrid_norms_fit(target, self.dtype, device)
         # programmatic dependent launch of this project's kernels, per forward
         self.launch = {part: Launch(settings, self.pdl_on(part)) for part in ("target", "draft")}
 
@@ -314,7 +317,8 @@ class StaticBackend(StaticGraphs, TransformersBackend):
         """The pieces of :data:`~dflash.kernels.settings.LADDER` the forwards run (``pdl``: in
         the ``part`` forward, this project's kernels or Inductor's), for
         :func:`~dflash.kernels.settings.fall_back`."""
-        live = {"qkv_rope": self.qkv_rope_target or self.qkv_rope_draft, "norm_kernel": self.norm_kernel,
+        live = {"qkv_rope": self.qkv_rope_target or self.qkv_rope_draft,
+                "norm_kernel": self.norm_kernel or self.hybrid_norms,
                 "fuse_norm": self.fuse_norm or self.draft_fuse_norm, "glu": self.glu or self.draft_glu,
                 "rope": self.draft_rope or self.target_rope, "linear": self.linear != "torch" or self.draft_linear,
                 "attention": self.attention != "sdpa",
@@ -506,7 +510,8 @@ class StaticBackend(StaticGraphs, TransformersBackend):
                 **({"sliding_windows": sorted({w for w in self.windows if w})} if any(self.windows) else {}),
                 **({"moe_route": self.moe_route} if any(gu is None for _, gu in self.fused_target) else {}),
                 **({"gdn_layers": len(self.gdn_layers()),
-                    "gdn_recurrence": "triton" if self.gdn is not None and self.gdn.triton else "torch"}
+                    "gdn_recurrence": "triton" if self.gdn is not None and self.gdn.triton else "torch",
+                    "gdn_norms": "triton" if self.hybrid_norms else "torch"}
                    if self.hybrid else {}),
                 "attention": self.attention, "linear": self.linear,
                 # rows up to which the in-projections run small_linear (the draft: all or none)

@@ -28,11 +28,13 @@ import torch.nn.functional as F
 from dflash.backends.static.fused import FusedLinear, attend, dense_mlp, fusable, fuse_linears
 from dflash.backends.static.moe import moe_block, moe_forward
 from dflash.kernels import gdn
+from dflash.kernels.gdn_norms import centred_rms_norm, gated_rms_norm
 from dflash.kernels.gdn_triton import fits as triton_fits
 from dflash.kernels.gdn_triton import gdn_verify
 from dflash.models.target_torch import layer_kinds
 
 LINEAR = "linear_attention"
+NORM_ROWS = 32  # forwards of up to this many tokens run the norms as kernels (when be.hybrid_norms)
 HYBRID_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")  # text configs' model_type
 QWEN35_PROJ = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
 NEXT_PROJ = ("in_proj_qkvz", "in_proj_ba")
@@ -178,8 +180,10 @@ def _attention(be, i: int, a: Any, mix: FusedLinear, h: torch.Tensor, pos: torch
     qg, k, v = mix(h)
     q, gate = qg.view(1, t, heads, 2 * hd).chunk(2, dim=-1)
     gate = gate.reshape(1, t, heads * hd)
-    q = a.q_norm(q).transpose(1, 2)  # [1, H, T, D]
-    k = a.k_norm(k.view(1, t, kvh, hd)).transpose(1, 2)
+    nk = be.hybrid_norms and t <= NORM_ROWS
+    q = (centred_rms_norm(a.q_norm, q) if nk else a.q_norm(q)).transpose(1, 2)  # [1, H, T, D]
+    k = k.view(1, t, kvh, hd)
+    k = (centred_rms_norm(a.k_norm, k) if nk else a.k_norm(k)).transpose(1, 2)
     q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
     be.k[i].index_copy_(2, pos[0], k)
     be.v[i].index_copy_(2, pos[0], v.view(1, t, kvh, hd).transpose(1, 2))
@@ -202,7 +206,7 @@ def _projections(m: Any, mix: FusedLinear, h: torch.Tensor):
 
 
 def _linear_attention(st: HybridState, i: int, m: Any, mix: FusedLinear, h: torch.Tensor,
-                      prefill: bool) -> torch.Tensor:  # fmt: skip
+                      prefill: bool, kernel_norm: bool = False) -> torch.Tensor:  # fmt: skip
     """A GatedDeltaNet layer on normed h [1, T, H] -> [1, T, H]: a prefill from zero states
     (committed slots written), or a verify from the committed slots (the others written)."""
     n, t = st.index[i], h.shape[1]
@@ -223,7 +227,10 @@ def _linear_attention(st: HybridState, i: int, m: Any, mix: FusedLinear, h: torc
             o = gdn.chunked_prefill(q, k, v, g, beta, st.states[n, 0])
         else:
             o = gdn.recurrent_verify(q, k, v, g, beta, st.states[n])
-    o = m.norm(o.to(h.dtype).reshape(-1, m.head_v_dim), z.reshape(-1, m.head_v_dim))
+    if kernel_norm:  # the gated norm in one kernel (dflash.kernels.gdn_norms)
+        o = gated_rms_norm(m.norm, o, z)
+    else:
+        o = m.norm(o.to(h.dtype).reshape(-1, m.head_v_dim), z.reshape(-1, m.head_v_dim))
     return m.out_proj(o.reshape(1, t, -1))
 
 
@@ -251,18 +258,23 @@ def hybrid_forward(be, ids: torch.Tensor, pos: torch.Tensor, prefill: bool = Fal
     cos, sin = cos[:, None], sin[:, None]
     mask = (be.key_pos[None, :] <= pos[0, :, None])[None, None]  # [1, 1, T, S]
     slots: list[torch.Tensor] = [None] * len(be.layer_ids)  # type: ignore[list-item]
+    nk = be.hybrid_norms and ids.shape[1] <= NORM_ROWS  # the norms as kernels (verify widths)
+
+    def norm(module, x):
+        return centred_rms_norm(module, x) if nk else module(x)
+
     for i, layer in enumerate(target.model.layers):
         mix, gate_up = be.fused_target[i]
-        h = layer.input_layernorm(x)
+        h = norm(layer.input_layernorm, x)
         if i in be.gdn.index:
-            x = x + _linear_attention(be.gdn, i, layer.linear_attn, mix, h, prefill)
+            x = x + _linear_attention(be.gdn, i, layer.linear_attn, mix, h, prefill, nk)
         else:
             x = x + _attention(be, i, layer.self_attn, mix, h, pos, cos, sin, mask)
-        x = x + _feed_forward(layer, gate_up, layer.post_attention_layernorm(x), be.moe_route)
+        x = x + _feed_forward(layer, gate_up, norm(layer.post_attention_layernorm, x), be.moe_route)
         if i < be.n_layers - 1:
             for n in be.feature_layers.get(i, ()):
                 slots[n] = x[0]
-    x = target.model.norm(x)
+    x = norm(target.model.norm, x)
     for n in be.feature_layers.get(be.n_layers - 1, ()):
         slots[n] = x[0]
     if be.layer_ids:
