@@ -18,9 +18,12 @@ large download. What runs each family here follows from what the backends accept
   ``qwen3_next``, ``qwen3_5`` and ``qwen3_5_moe`` (:mod:`dflash.backends.gdn_torch`), multimodal
   wrappers for text prompts; chunked attention and other recurrent layers are refused
   (:func:`dflash.models.target_torch.check_target_layers`).
-- mlx: full-attention KV caches and the GatedDeltaNet hybrids of mlx-lm's ``qwen3_next`` and
-  ``qwen3_5`` modules (``qwen3_5_moe`` reuses the latter); sliding-window (rotating) caches are
-  refused (:func:`dflash.backends.mlx.check_caches`).
+- mlx: full-attention KV caches, the rotating (sliding-window) caches of mlx-lm's
+  ``gemma3_text``, ``gemma4_text``/``gemma4`` and ``gpt_oss`` models
+  (:mod:`dflash.backends.mlx_rotating`), and the GatedDeltaNet hybrids of mlx-lm's
+  ``qwen3_next`` and ``qwen3_5`` modules (``qwen3_5_moe`` reuses the latter); other cache kinds
+  are refused (:func:`dflash.backends.mlx.check_caches`). Other families with windows are
+  untested there (mlx-lm's own model decides whether it keeps a window: its qwen2/qwen3 do not).
 
 Torch-free and mlx-free: the CLI imports it before anything heavy.
 """
@@ -38,7 +41,8 @@ import typer
 # what each backend path does with a family: "yes", "no: <why>" or "untested: <why>"
 SLIDING = ("no: sliding-window layers with attention sinks or Gemma's norms and scalings "
            "(the plain transformers path runs them)")
-SLIDING_MLX = "no: rotating (sliding-window) caches cannot be rolled back on mlx yet"
+SLIDING_MLX = ("untested: rotating (sliding-window) caches roll back exactly on mlx (tiny gemma3, "
+               "gemma4 and gpt-oss targets tested), this family's mlx-lm model was not run")
 HYBRID_GRAPHS = ("untested: GatedDeltaNet layers in the graphs (tiny targets checked on the CPU without "
                  "graphs; scripts/gpu_check_hybrid.py checks CUDA)")
 
@@ -87,7 +91,9 @@ def family_support(family: str, layers: str = "") -> dict[str, str]:
     if base == "qwen3_moe":
         return {"cuda_graphs": "yes", "transformers": "yes",
                 "mlx": SLIDING_MLX if sliding else "untested: full-attention KV caches"}  # fmt: skip
-    if sliding or base in ("gemma4", "gpt_oss"):
+    if base in ("gemma3", "gemma3_text", "gemma4", "gemma4_text", "gpt_oss"):
+        return {"cuda_graphs": SLIDING, "transformers": "yes", "mlx": "yes"}
+    if sliding:
         return {"cuda_graphs": SLIDING, "transformers": "yes", "mlx": SLIDING_MLX}
     if base in ("qwen3_next", "qwen3_5", "qwen3_5_moe"):
         return {"cuda_graphs": HYBRID_GRAPHS, "transformers": "yes", "mlx": "yes"}

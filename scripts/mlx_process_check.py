@@ -15,7 +15,12 @@ mean per-response time per output token after the first, as ``dflash benchmark``
 - ``ours_bench``: the benchmark's code path itself (``harness.run_benchmark`` with its progress
   bar: per prompt mlx-lm, block size 1, then DFlash); mlx-lm, block-1 and DFlash tok/s;
 - ``ours_bench_torch``: the same with torch imported first (how ``dflash benchmark mlx`` ran
-  before it kept torch out).
+  before it kept torch out);
+- ``authors``: the DFlash authors' package (``dflash`` 0.1.0 from PyPI, installed with its
+  mlx-lm into the folder ``--authors-site`` names; it shares our import name, so this child runs
+  without our repository on its path): per prompt mlx-lm's ``stream_generate`` and then the
+  authors' ``dflash.model_mlx.stream_generate`` on the same target folder, draft and prompt ids,
+  as their mlx benchmark does; mlx-lm and DFlash tok/s by the same timing rule.
 
 Each child also reports whether torch was loaded, its Python threads, garbage-collector passes
 and pause time during the timed part, and mlx's peak memory.
@@ -48,6 +53,7 @@ VARIANTS = (
     "ours_ref",
     "ours_bench",
     "ours_bench_torch",
+    "authors",
 )
 DEFAULT = ("plain", "plain_torch", "ours_ref", "ours_bench", "ours_bench_torch")
 
@@ -138,6 +144,8 @@ def child(variant: str, spec: dict) -> dict:
                 return {"variant": variant, "skipped": "torch sees no CUDA device"}
             torch.zeros(1 << 20, device="cuda").sum().item()  # a context and the caching allocator
     out: dict = {"variant": variant}
+    if variant == "authors":
+        return out | authors_child(spec)
     if variant.startswith("plain"):
         from mlx_lm import load
 
@@ -176,6 +184,50 @@ def child(variant: str, spec: dict) -> dict:
     return out
 
 
+def authors_child(spec: dict) -> dict:
+    """The authors' mlx path (their package must be first on ``sys.path``, ours absent)."""
+    import mlx.core as mx
+
+    import dflash  # theirs: the child runs with --authors-site on PYTHONPATH, not our repo
+    from dflash import model_mlx
+
+    here = str(Path(dflash.__file__).resolve())
+    if here.startswith(str(ROOT)):
+        raise SystemExit(f"authors variant imported this repository's dflash ({here})")
+    model_mlx.snapshot_download = lambda path, **_: path  # local folders, no hub
+    model, tokenizer = model_mlx.load(spec["model_path"])
+    draft = model_mlx.load_draft(spec["draft_path"])
+    block = spec["block_size"] or int(draft.config.block_size)
+
+    def theirs(prompt: list[int], n: int) -> tuple[int, float, list[int]]:
+        count, accepted = 0, []
+        mx.synchronize()
+        t1 = time.perf_counter()
+        for i, r in enumerate(model_mlx.stream_generate(model, draft, tokenizer, prompt,
+                                                        block_size=block, max_tokens=n)):  # fmt: skip
+            count += len(r.tokens)
+            if r.accepted is not None:
+                accepted.append(r.accepted)
+            if i == 0:
+                t1 = time.perf_counter()
+        return count, time.perf_counter() - t1, accepted
+
+    prompts, n = spec["prompts"], spec["max_new_tokens"]
+    plain_generate(model, tokenizer, prompts[0], min(64, n))  # untimed warm-ups
+    theirs(prompts[0], min(64, n))
+    base, runs, accepted = [], [], []
+    with GcClock() as gcc:
+        for p in prompts:
+            base.append(plain_generate(model, tokenizer, p, n))
+            c, d, acc = theirs(p, n)
+            runs.append((c, d))
+            accepted += acc
+    return {"mlx_lm_tok_s": tok_s(base), "dflash_tok_s": tok_s(runs), "block_size": block,
+            "authors_version": getattr(dflash, "__version__", None), "authors_file": here,
+            "accepted_mean": statistics.mean(accepted) if accepted else None,
+            "gc_passes": gcc.passes, "gc_pause_s": round(gcc.pause_s, 4)} | process_info(False)  # fmt: skip
+
+
 def harness_items(spec: dict) -> list:
     from dflash.data.datasets import load_prompts, select
 
@@ -197,6 +249,7 @@ def prepare(args: argparse.Namespace) -> dict:
             "offline": args.offline, "max_new_tokens": args.max_new_tokens, "block_size": args.block_size,
             "model_path": resolve_target(args.model)}  # fmt: skip
     pipe = dflash.load(args.model, args.draft, backend="mlx", device=args.device)
+    spec["draft_path"] = str(args.draft or ROOT / "dflash" / "assets" / "smollm2-135m-instruct-dflash")
     spec["prompts"] = []
     from dflash.data.datasets import load_prompts, select
 
@@ -219,6 +272,8 @@ def main() -> None:
     ap.add_argument(
         "--variants", default=",".join(DEFAULT), help=f"comma list of {', '.join(VARIANTS)}"
     )
+    ap.add_argument("--authors-site", default=None,
+                    help="folder holding the authors' dflash 0.1.0 (pip install --target) for the authors variant")  # fmt: skip
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--spec", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -236,7 +291,7 @@ def main() -> None:
         for rnd in range(args.rounds):
             order = variants if rnd % 2 == 0 else variants[::-1]  # interleaved, alternating order
             for v in order:
-                rec = run_child(v, spec_file)
+                rec = run_child(v, spec_file, args.authors_site)
                 rec["round"] = rnd + 1
                 rows.append(rec)
                 print(json.dumps(rec), file=sys.stderr, flush=True)
@@ -271,9 +326,16 @@ def prepare_in_child(args: argparse.Namespace, spec_file: Path) -> dict:
     return json.loads(spec_file.read_text())
 
 
-def run_child(variant: str, spec_file: Path) -> dict:
+def run_child(variant: str, spec_file: Path, authors_site: str | None = None) -> dict:
+    env = dict(os.environ)
+    if variant == "authors":
+        if not authors_site:
+            return {"variant": variant, "skipped": "no --authors-site"}
+        keep = [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
+                if p and Path(p).resolve() != ROOT]  # fmt: skip
+        env["PYTHONPATH"] = os.pathsep.join([authors_site, *keep])
     out = subprocess.run([sys.executable, __file__, "--child", variant, "--spec", str(spec_file)],
-                         capture_output=True, text=True, cwd=ROOT, env=dict(os.environ))  # fmt: skip
+                         capture_output=True, text=True, cwd=ROOT, env=env)  # fmt: skip
     for line in out.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT ") :])

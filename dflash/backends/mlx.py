@@ -3,7 +3,10 @@
 Target: any mlx-lm model (hub id or local mlx-lm folder, quantized included) whose caches can
 be rolled back exactly: KV caches are trimmed after a rejection; GatedDeltaNet layers of hybrid
 targets (qwen3_next, qwen3_5) are restored from what the verify forward recorded
-(:mod:`dflash.backends.mlx_hooks`, brief §5.3). Any other cache layout is refused at load.
+(:mod:`dflash.backends.mlx_hooks`, brief §5.3); rotating sliding-window caches (gemma3_text,
+gemma4_text, gpt_oss) get their pre-verify ring back plus the committed rows, written as
+one-token decoding writes them (:mod:`dflash.backends.mlx_rotating`). Any other cache layout
+is refused at load.
 Features: the outputs of ``layers[L]`` for L in ``target_layer_ids`` (HF ``hidden_states[L+1]``,
 brief §1.3), concatenated. Draft: :class:`dflash.models.draft_mlx.DFlashDraftMLX` with the
 target's embedding table (raw lookup) and LM head (``lm_head`` or tied embeddings).
@@ -20,8 +23,8 @@ import mlx.nn as nn
 import numpy as np
 
 from dflash.backend_names import MLX_DEFAULT_DEVICE, MLX_DEVICES, MLX_NO_GPU_HINT
-from dflash.backends import mlx_hooks
-from dflash.backends.base import Loaded, device_name
+from dflash.backends import mlx_hooks, mlx_rotating
+from dflash.backends.base import Loaded, SelectorProposal, device_name
 from dflash.backends.mlx_loop import MLXDeviceLoop
 from dflash.errors import BackendError
 from dflash.models.draft_mlx import DFlashDraftMLX
@@ -50,32 +53,53 @@ def model_parts(model: Any) -> tuple[Any, list, Any]:
     return inner, list(layers), holder
 
 
-def check_caches(model: Any, layers: list) -> list[int]:
-    """Check every cache of the target can be rolled back; returns GatedDeltaNet cache indices.
+def check_caches(model: Any, layers: list) -> tuple[list[int], list[int]]:
+    """Check every cache of the target can be rolled back exactly.
+
+    Returns:
+        (GatedDeltaNet cache indices, rotating sliding-window cache indices); cache i belongs to
+        layer i (gemma4_text's KV-sharing layers at the end have no cache of their own).
 
     Raises:
-        BackendError: a cache type dflash cannot roll back exactly (sliding-window KV, Mamba
-            state, a linear-attention layout the capture does not cover).
+        BackendError: a cache type dflash cannot roll back exactly (Mamba state, a
+            linear-attention layout the capture does not cover, an unknown cache).
     """
     from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 
     caches = make_prompt_cache(model)
-    if len(caches) != len(layers):
+    shared = _kv_shared_layers(model)
+    if len(caches) + shared != len(layers):
         raise BackendError(f"The target has {len(caches)} caches for {len(layers)} layers; "
                            "dflash cannot map them.", hint="use a Llama/Qwen-family target")  # fmt: skip
-    gdn = []
-    for i, (layer, c) in enumerate(zip(layers, caches, strict=True)):
+    gdn, rotating = [], []
+    for i, (layer, c) in enumerate(zip(layers, caches, strict=False)):  # shared layers: no cache
         name = type(c).__name__
         if name in TRIMMABLE:
+            continue
+        if mlx_rotating.is_rotating(c):
+            rotating.append(i)
             continue
         if isinstance(c, ArraysCache) and len(c.cache) == 2 and mlx_hooks.find_gdn(layer):
             gdn.append(i)
             continue
         raise BackendError(f"Layer {i} of the target uses a {name} cache "
                            f"({type(layer).__module__}), which dflash cannot roll back exactly.",
-                           hint="supported: full-attention KV caches and qwen3_next/qwen3_5 "
-                           "GatedDeltaNet layers")  # fmt: skip
-    return gdn
+                           hint="supported: full-attention and sliding-window (rotating) KV caches "
+                           "and qwen3_next/qwen3_5 GatedDeltaNet layers")  # fmt: skip
+    return gdn, rotating
+
+
+def _kv_shared_layers(model: Any) -> int:
+    """Trailing layers that reuse an earlier layer's K/V and have no cache (gemma4_text's
+    ``num_kv_shared_layers``, also under a multimodal wrapper); 0 for other models."""
+    for holder in (model, getattr(model, "language_model", None)):
+        args = getattr(holder, "args", None)
+        n = getattr(args, "num_kv_shared_layers", None)
+        if n is None and args is not None and hasattr(args, "text_config"):
+            n = (args.text_config or {}).get("num_kv_shared_layers")
+        if n:
+            return int(n)
+    return 0
 
 
 class MLXBackend:
@@ -107,10 +131,18 @@ class MLXBackend:
         self.mask_token_id = cfg.mask_token_id if cfg else -1
         self.draft_block_size = cfg.block_size if cfg else 1
         self.draft_head_rows = draft is not None  # draft(..., rows=k): the head on k rows only
-        self.draft_vocab, self.draft_weight = draft_vocab_head(self.head, self.embed, draft if draft_vocab else None)
+        # DFlash2: the candidate selector picks the proposals (sampled at T > 0) over the full head
+        self.draft_uses_sampling = bool(getattr(draft, "is_dflash2", False))
+        self.embed_scale = float(getattr(draft, "embed_scale", 1.0))
+        self._draft_key: mx.array | None = None  # the selector's PRNG key of this request
+        draft_vocab = draft_vocab and not self.draft_uses_sampling
+        self.draft_vocab, self.draft_weight = draft_vocab_head(
+            self.head, self.embed, draft if draft_vocab else None
+        )
         self.layer_ids = list(cfg.target_layer_ids) if cfg else []
         self.max_context = max_context
-        self.gdn_indices = check_caches(target, self.layers)
+        self.gdn_indices, self.rotating_indices = check_caches(target, self.layers)
+        self.rotating_states: dict[int, tuple] = {}  # cache index -> state before the last forward
         mlx_hooks.hook_layers(self.layers, self.layer_ids)
         for i in self.gdn_indices:
             mlx_hooks.hook_gdn(mlx_hooks.find_gdn(self.layers[i]), i)
@@ -132,6 +164,8 @@ class MLXBackend:
 
         self.cache = make_prompt_cache(self.target)
         self.length = self.last_steps = 0
+        self.rotating_states = {}
+        self._draft_key = None  # seeded from the request's sampling seed at its first draw
         if self.draft_cache is not None:
             self.draft_cache.reset()
 
@@ -145,6 +179,11 @@ class MLXBackend:
 
     def _forward(self, ids: list[int] | mx.array, with_features: bool):
         tokens = mx.array(ids) if isinstance(ids, list) else ids
+        # rotating caches: what the rollback of a multi-token forward restores (references)
+        wide = int(tokens.shape[0]) > 1
+        self.rotating_states = {
+            i: mlx_rotating.snapshot(self.cache[i]) for i in self.rotating_indices if wide
+        }
         with self.tap:
             logits = self.target(tokens[None], cache=self.cache)
             feats = self._features() if with_features else None
@@ -178,15 +217,20 @@ class MLXBackend:
         else:
             head = anchor.reshape(1).astype(mx.int32)
         block = mx.concatenate([head, self.block_ids[: length - 1]])[None]
-        return self.embed(block).astype(self.draft_model.norm.weight.dtype)
+        emb = self.embed(block)
+        if self.embed_scale != 1.0:  # DFlash2's input_embedding_scale
+            emb = emb * self.embed_scale
+        return emb.astype(self.draft_model.norm.weight.dtype)
 
     def draft(self, anchor: int | mx.array, context: mx.array, start: int, length: int,
-              rows: int | None = None):  # fmt: skip
+              sampling: SamplingParams | None = None, rows: int | None = None):  # fmt: skip
         if isinstance(context, (list, tuple)):  # chunks left by plain steps (--block-size auto)
             context = mx.concatenate(list(context), axis=0)
         model = self.draft_model
         emb = self._block(anchor, length)
         h = model(emb, context[None].astype(emb.dtype), start, self.draft_cache)
+        if self.draft_uses_sampling:
+            return self._select(h[0, 1 : (rows or length - 1) + 1], anchor, sampling)
         return self._draft_head(h[0, 1 : (rows or length - 1) + 1])
 
     def draft_ahead(self, anchor: mx.array, feats: mx.array, ctx_start: int, valid: mx.array,
@@ -198,7 +242,31 @@ class MLXBackend:
         emb = self._block(anchor, length)
         ctx = feats[None].astype(emb.dtype)
         h = self.draft_model.ahead(emb, ctx, ctx_start, valid, self.draft_cache)
+        if self.draft_uses_sampling:
+            return self._select(h[0, 1 : rows + 1], anchor, None)[0]
         return self._draft_head(h[0, 1 : rows + 1])[0]
+
+    def _select(self, h: mx.array, anchor: int | mx.array,
+                sampling: SamplingParams | None) -> tuple[mx.array, SelectorProposal]:  # fmt: skip
+        """DFlash2: (proposals [R] int32, SelectorProposal(candidates [R, k], q [R, k] or None))
+        of the draft's hidden rows h [R, H], the selector walking greedily (no sampling or
+        temperature 0) or sampling at the request's temperature with this request's key."""
+        anchor = (
+            mx.array([anchor], dtype=mx.int32) if isinstance(anchor, int) else anchor.reshape(1)
+        )
+        temp = 0.0 if sampling is None else float(sampling.temperature)
+        key = None
+        if temp > 0:
+            if self._draft_key is None:
+                seed = (
+                    sampling.seed
+                    if sampling.seed is not None
+                    else int(np.random.SeedSequence().entropy % (1 << 63))
+                )
+                self._draft_key = mx.random.key(seed)
+            self._draft_key, key = mx.random.split(self._draft_key)
+        tokens, cand, q = self.draft_model.propose(h, anchor, self.head, temp, key)
+        return tokens, SelectorProposal(cand, q)
 
     def _draft_head(self, h: mx.array) -> tuple[mx.array, mx.array]:
         """(proposals [R], logits [R, V]) of the draft's hidden rows h [R, H]; with a draft
@@ -221,17 +289,22 @@ class MLXBackend:
 
     def rollback(self, length: int) -> None:
         remove = self.length - length
-        if remove <= 0:
+        if remove <= 0 and not self.rotating_states:
             return
-        keep = self.last_steps - remove
+        keep = self.last_steps - max(remove, 0)
         assert keep >= 1, f"rollback of {remove} tokens past the last verify ({self.last_steps})"
         gdn = set(self.gdn_indices)
         for i, c in enumerate(self.cache):
-            if i in gdn:
+            if i in self.rotating_states:  # also after a full accept: one-by-one decoding's layout
+                mlx_rotating.restore(c, self.rotating_states[i], self.last_steps, keep)
+            elif remove <= 0:
+                continue
+            elif i in gdn:
                 mlx_hooks.restore_gdn(c, self.tap, i, keep, self.last_steps)
             else:
                 c.trim(remove)
-        self.length = length
+        self.rotating_states = {}
+        self.length = min(self.length, length)
 
     def argmax(self, logits: mx.array) -> mx.array:
         return mx.argmax(logits, axis=-1)
@@ -297,7 +370,8 @@ def load(model: str | None, draft: str | None, *, device: str = "auto", dtype: s
     from dflash.errors import InputError
     from dflash.kernels.settings import KernelSettings
     from dflash.models.config import DraftConfig
-    from dflash.models.draft_mlx import DTYPES, check_draft_options, load_draft_mlx
+    from dflash.models.draft2_mlx import load_any_draft_mlx
+    from dflash.models.draft_mlx import DTYPES, check_draft_options
     from dflash.models.target_mlx import load_target, resolve_draft, resolve_target
 
     if device in ("gpu", "metal", "cuda"):
@@ -325,7 +399,7 @@ def load(model: str | None, draft: str | None, *, device: str = "auto", dtype: s
     draft_cfg.check_target(int(text["hidden_size"]), len(layers), rows, stops)
     act = inner.embed_tokens(mx.array([[0]])).dtype
     dt = act if dtype == "auto" else DTYPES[dtype]
-    draft_model = load_draft_mlx(draft_dir, dtype=dt, bits=draft_bits, window=draft_window)
+    draft_model = load_any_draft_mlx(draft_dir, dtype=dt, bits=draft_bits, window=draft_window)
     context = int(text.get("max_position_embeddings") or (1 << 30))
     backend = MLXBackend(target, draft_model, max_context=context, draft_vocab=settings.draft_vocab,
                          device_loop=settings.device_loop)  # fmt: skip

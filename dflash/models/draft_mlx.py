@@ -245,6 +245,8 @@ class DFlashDraftMLX(nn.Module):
     """
 
     draft_vocab = None
+    layer_class: type[nn.Module] = DraftLayer
+    is_dflash2 = False
 
     def __init__(self, cfg: DraftConfig, window: int | None = None):
         super().__init__()
@@ -252,7 +254,7 @@ class DFlashDraftMLX(nn.Module):
         self.window = window
         self.fc = nn.Linear(cfg.num_features * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.layers = [DraftLayer(cfg) for _ in range(cfg.num_hidden_layers)]
+        self.layers = [self.layer_class(cfg) for _ in range(cfg.num_hidden_layers)]
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self._rope = Rope(cfg)
 
@@ -260,6 +262,16 @@ class DFlashDraftMLX(nn.Module):
     def feature_width(self) -> int:
         """F: the width of the concatenated target features the draft expects."""
         return self.config.num_features * self.config.hidden_size
+
+    @staticmethod
+    def module_names(state: dict) -> dict:
+        """Checkpoint tensor names -> this module's parameter names (the same for v1)."""
+        return state
+
+    @staticmethod
+    def checkpoint_names(state: dict) -> dict:
+        """This module's parameter names -> checkpoint tensor names (the same for v1)."""
+        return state
 
     def new_cache(self) -> DraftCache:
         """An empty context cache for one request (windows per layer applied)."""
@@ -385,7 +397,8 @@ def check_draft_options(bits: int | None, window: int | None) -> None:
 
 
 def load_draft_mlx(folder: str | Path, *, dtype=mx.float32, bits: int | None = None,
-                   window: int | None = None, group_size: int = 64) -> DFlashDraftMLX:  # fmt: skip
+                   window: int | None = None, group_size: int = 64,
+                   model_class: type[DFlashDraftMLX] | None = None) -> DFlashDraftMLX:  # fmt: skip
     """Load a draft folder (config.json + safetensors, sharded or not) as an MLX module.
 
     Args:
@@ -394,19 +407,24 @@ def load_draft_mlx(folder: str | Path, *, dtype=mx.float32, bits: int | None = N
         bits: 4 or 8 quantizes the linear layers at load (``--draft-bits``, group size 64);
             layers whose input width is not a multiple of the group size stay unquantized.
         window: ``--draft-window`` (see :class:`DFlashDraftMLX`).
+        model_class: the module class (:class:`DFlashDraftMLX`, or the DFlash2 class that
+            :func:`dflash.models.draft2_mlx.load_any_draft_mlx` picks from the config).
 
     Raises:
         CheckpointError: no weights, an unreadable file, missing/unexpected tensors, or a bad
             ``draft_vocab.json``.
-        ConfigError: an invalid config, a DFlash2 draft, or an fc width that does not fit it.
+        ConfigError: an invalid config, a draft of the other architecture than ``model_class``,
+            or an fc width that does not fit it.
         InputError: bits not in (4, 8) or a window < 1.
     """
     check_draft_options(bits, window)
     folder = Path(folder)
     cfg = DraftConfig.load(folder)
-    if cfg.is_dflash2:
-        raise ConfigError(f"{folder} is a DFlash2 draft; the mlx backend runs DFlash (v1) drafts only.",
-                          hint="run it with the transformers backend")  # fmt: skip
+    cls = model_class or DFlashDraftMLX
+    if cfg.is_dflash2 != cls.is_dflash2:
+        have, want = ("DFlash2", "DFlash v1") if cfg.is_dflash2 else ("DFlash v1", "DFlash2")
+        raise ConfigError(f"{folder} is a {have} draft, not a {want} draft.",
+                          hint="load it with dflash.models.draft2_mlx.load_any_draft_mlx")  # fmt: skip
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"No .safetensors weights in draft folder {folder}.",
@@ -417,13 +435,14 @@ def load_draft_mlx(folder: str | Path, *, dtype=mx.float32, bits: int | None = N
             state.update(mx.load(str(f)))
         except (RuntimeError, ValueError, OSError) as e:
             raise CheckpointError(f"Cannot read draft weights {f.name}: {e}.") from e
+    state = cls.module_names(state)
     width = cfg.num_features * cfg.hidden_size
     fc = state.get("fc.weight")
     if fc is not None and tuple(fc.shape) != (cfg.hidden_size, width):
         raise ConfigError(f"Draft fc.weight has shape {tuple(fc.shape)} but len(target_layer_ids) x "
                           f"hidden_size needs ({cfg.hidden_size}, {width}).",
                           hint="the weights and config.json belong to different drafts")  # fmt: skip
-    model = DFlashDraftMLX(cfg, window=window)
+    model = cls(cfg, window=window)
     expected = {k for k, _ in tree_flatten(model.parameters())}
     missing, unexpected = expected - set(state), set(state) - expected
     if missing or unexpected:
@@ -464,7 +483,7 @@ def save_draft_mlx(model: DFlashDraftMLX, folder: str | Path, dtype: str = "bflo
     """
     if dtype not in DTYPES:
         raise InputError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}.")
-    weights = dict(tree_flatten(model.parameters()))
+    weights = model.checkpoint_names(dict(tree_flatten(model.parameters())))
     if any(k.endswith(".scales") for k in weights):
         raise InputError("A quantized draft cannot be saved as a DFlash checkpoint.")
     out = Path(folder)

@@ -50,7 +50,9 @@ def test_models_lists_every_published_pair():
         runs = by_target[sliding]["runs"]
         assert runs["transformers"] == "yes"
         assert runs["cuda_graphs"].startswith("no: sliding-window layers with attention sinks or Gemma")
-        assert runs["mlx"].startswith("no: rotating")
+        # rotating caches roll back on mlx: gemma4 and gpt_oss tested, Muse-Glimmer not run
+        want = "untested: rotating" if "Muse" in sliding else "yes"
+        assert runs["mlx"].startswith(want), sliding
     table = CliRunner().invoke(app, ["models"])
     assert table.exit_code == 0 and "z-lab/Qwen3-8B-DFlash-b16" in table.stdout
 
@@ -128,8 +130,8 @@ def test_graph_path_column_follows_the_static_families():
 
     for family in ("mistral", "qwen2", "qwen3"):
         runs = family_support(family, "sliding-window + full layers")
-        assert runs["cuda_graphs"] == "yes" and runs["mlx"].startswith("no: rotating"), family
+        assert runs["cuda_graphs"] == "yes" and runs["mlx"].startswith("untested: rotating"), family
     assert family_support("qwen3_moe", "MoE, full attention")["cuda_graphs"] == "yes"
-    assert family_support("qwen3_moe", "MoE, sliding-window")["mlx"].startswith("no: rotating")
+    assert family_support("qwen3_moe", "MoE, sliding-window")["mlx"].startswith("untested: rotating")
     for family in ("gemma4", "gpt_oss", "gemma3_text"):
         assert family_support(family, "sliding-window + full layers")["cuda_graphs"].startswith("no:"), family

@@ -1,5 +1,5 @@
-"""Tiny random mlx-lm targets (dense Qwen3/Llama, hybrid qwen3_next/qwen3_5) and drafts for them,
-built in the test itself: hidden 64, a few layers, a 1000-word WordLevel tokenizer (mlx-facts §3).
+"""Tiny random mlx-lm targets (dense Qwen3/Llama, hybrid qwen3_next/qwen3_5, sliding-window
+gemma3_text/gemma4_text/gpt_oss) and drafts for them, built in the test itself: hidden 64, a few layers, a 1000-word WordLevel tokenizer (mlx-facts §3).
 """
 
 from __future__ import annotations
@@ -38,7 +38,34 @@ CONFIGS = {
                                 "linear_conv_kernel_dim": 4, "full_attention_interval": 4,
                                 "rope_parameters": {"type": "default", "rope_theta": 10000.0,
                                                     "partial_rotary_factor": 0.5}}},
+    # sliding windows (rotating caches) shorter than the prompts and, for gemma3_text, than a block
+    "gemma3_text": {**BASE, "model_type": "gemma3_text", "num_hidden_layers": 4,
+                    "query_pre_attn_scalar": 16, "sliding_window": 8,
+                    "sliding_window_pattern": 2, "rope_local_base_freq": 10000.0},
+    "gemma4_text": {**BASE, "model_type": "gemma4_text", "num_hidden_layers": 6,
+                    "global_head_dim": 32, "num_kv_shared_layers": 2,
+                    "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": VOCAB,
+                    "sliding_window": 12, "sliding_window_pattern": 3,
+                    "layer_types": ["sliding_attention"] * 2 + ["full_attention"]
+                    + ["sliding_attention"] * 2 + ["full_attention"],
+                    "final_logit_softcapping": 30.0, "use_double_wide_mlp": True},
+    # the multimodal wrapper of Gemma 4 31B / 26B-A4B: K = V on full layers, an MoE block
+    "gemma4": {"model_type": "gemma4", "vocab_size": VOCAB, "tie_word_embeddings": True,
+               "text_config": {**BASE, "model_type": "gemma4_text", "num_hidden_layers": 4,
+                               "global_head_dim": 32, "num_kv_shared_layers": 0,
+                               "hidden_size_per_layer_input": 0, "sliding_window": 8,
+                               "sliding_window_pattern": 2, "attention_k_eq_v": True,
+                               "layer_types": ["sliding_attention", "full_attention"] * 2,
+                               "num_global_key_value_heads": 1, "enable_moe_block": True,
+                               "num_experts": 4, "top_k_experts": 2,
+                               "moe_intermediate_size": 32, "use_double_wide_mlp": False}},
+    "gpt_oss": {**BASE, "model_type": "gpt_oss", "num_hidden_layers": 4, "num_local_experts": 4,
+                "num_experts_per_tok": 2, "sliding_window": 24, "tie_word_embeddings": False,
+                "layer_types": ["sliding_attention", "full_attention"] * 2},
 }  # fmt: skip
+SLIDING = ("gemma3_text", "gemma4_text", "gemma4", "gpt_oss")
+# weight scales other than 4: larger weights make these tiny gemma4 targets repeat one token
+SCALES = {"gemma4_text": 0.5, "gemma4": 0.5}
 
 
 def save_tokenizer(folder: Path) -> None:
@@ -56,21 +83,22 @@ def save_tokenizer(folder: Path) -> None:
     fast.save_pretrained(str(folder))
 
 
-def build_target(folder: Path, kind: str, seed: int = 0, scale: float = 4.0) -> Path:
+def build_target(folder: Path, kind: str, seed: int = 0, scale: float | None = None) -> Path:
     """Write a random mlx-lm model folder of family ``kind`` (see CONFIGS); returns it.
 
-    Weights are the default init times ``scale`` (4 gives varied greedy continuations; the
-    default init repeats one token).
+    Weights are the default init times ``scale`` (default 4, see SCALES: varied greedy
+    continuations; the default init repeats one token).
     """
     import importlib
 
     from mlx.utils import tree_flatten
     from mlx_lm.utils import save_config, save_model
 
+    scale = SCALES.get(kind, 4.0) if scale is None else scale
     cfg = json.loads(json.dumps(CONFIGS[kind]))
     module = importlib.import_module(f"mlx_lm.models.{kind}")
+    mx.random.seed(seed)  # before the model's own init: the same weights in every process
     model = module.Model(module.ModelArgs.from_dict(cfg))
-    mx.random.seed(seed)
     params = []
     for name, p in tree_flatten(model.parameters()):
         if name.endswith("norm.weight") or "A_log" in name or "dt_bias" in name:

@@ -178,10 +178,11 @@ def test_scaled_down_checkpoint_round_trip(tmp_path):
     assert isinstance(DFlash2Draft.load(tmp_path / "d"), DFlash2Draft)
 
 
-def test_mlx_refuses_a_dflash2_draft_by_name(tmp_path):
-    """The mlx backend runs v1 drafts only: a DFlash2 folder gets that one line, not a list of
-    unexpected tensors (found by a user trial)."""
+def test_mlx_loads_a_dflash2_draft_by_its_config(tmp_path):
+    """The mlx backend reads the same DFlash2 checkpoint (bare codebook names); the v1 loader
+    refuses it by name, not with a list of unexpected tensors (found by a user trial)."""
     pytest.importorskip("mlx.core")
+    from dflash.models.draft2_mlx import DFlash2DraftMLX, load_any_draft_mlx
     from dflash.models.draft_mlx import load_draft_mlx
 
     d = fixture("dflash2-config.json")
@@ -189,7 +190,8 @@ def test_mlx_refuses_a_dflash2_draft_by_name(tmp_path):
              head_dim=32, vocab_size=500, dflash_config={**d["dflash_config"], "mask_token_id": 499,
                                                          "selector_rank": 8, "selector_top_k": 5})  # fmt: skip
     DFlash2Draft(DraftConfig.from_dict(d)).save(tmp_path / "d")
-    with pytest.raises(ConfigError, match="DFlash2 draft; the mlx backend runs DFlash \\(v1\\) drafts only"):
+    assert isinstance(load_any_draft_mlx(tmp_path / "d"), DFlash2DraftMLX)
+    with pytest.raises(ConfigError, match="is a DFlash2 draft, not a DFlash v1 draft"):
         load_draft_mlx(tmp_path / "d")
 
 
