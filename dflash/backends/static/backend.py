@@ -251,7 +251,8 @@ class StaticBackend(StaticGraphs, TransformersBackend):
         # o_proj/down_proj of the fused forwards for <= 32 rows: one Triton kernel each with the
         # residual add fused in, or torch (see dflash.kernels.small_linear)
         linear = linear_mode(settings.linear, device)
-        # hybrids (dflash.backends.static.hybrid): the target's forward runs torch ops and the modules
+        # hybrids (dflash.backends.static.hybrid): the same projections; their own norm kernels
+        # (hybrids: torch for now; their forward takes small_linear where be.linear says so)
         self.linear = linear if not self.hybrid and small_linear_fits(target) else "torch"
         self.draft_linear = self.fused_draft is not None and linear != "torch" and draft_small_linear_fits(draft)
         # the fused qkv and gate+up projections too, in forwards of up to linear_in rows (every
@@ -289,7 +290,7 @@ class StaticBackend(StaticGraphs, TransformersBackend):
                 return settings.fuse_norm and norms_fit(layers, self.dtype)
             return every_width and fuse_norm_auto(model.config.hidden_size, self.dtype) and norms_fit(layers, self.dtype)
 
-        self.fuse_norm = self.linear_in > 0 and fused_norms(target, target.model.layers, self.linear_in >= MAX_ROWS)
+        self.fuse_norm = not self.hybrid and self.linear_in > 0 and fused_norms(target, target.model.layers, self.linear_in >= MAX_ROWS)
         self.draft_fuse_norm = bool(self.draft_linear_in) and fused_norms(draft, draft.layers, True)
         if not self.fuse_norm:  # the folded weight copies: made once, kept while used
             self.folded_target = None

@@ -25,7 +25,17 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from dflash.backends.static.fused import FusedLinear, attend, dense_mlp, fusable, fuse_linears
+from dflash.backends.static.fused import (
+    FusedLinear,
+    _in_proj,
+    _mlp,
+    _out_proj,
+    _plain,
+    attend,
+    dense_mlp,
+    fusable,
+    fuse_linears,
+)
 from dflash.backends.static.moe import moe_block, moe_forward
 from dflash.kernels import gdn
 from dflash.kernels.gdn_norms import centred_rms_norm, gated_rms_norm
@@ -145,6 +155,18 @@ class HybridState:
         return self.conv[n, :, :k], self.states[n, 0]
 
 
+def linears_fit(target: Any, dtype: torch.dtype) -> bool:
+    """Whether every out-projection (``o_proj`` / ``out_proj``) and dense ``down_proj`` of the
+    hybrid is a dense row-major linear of ``dtype`` (what small_linear takes)."""
+    for layer in target.model.layers:
+        mixer = getattr(layer, "linear_attn", None)
+        out = mixer.out_proj if mixer is not None else layer.self_attn.o_proj
+        down = getattr(layer.mlp, "down_proj", None)
+        if not _plain(out, dtype) or (down is not None and not _plain(down, dtype)):
+            return False
+    return True
+
+
 def fuse_hybrid(target: Any) -> list[tuple[FusedLinear, FusedLinear | None]]:
     """Per layer (the token mixer's input projections fused, gate+up fused or None for an
     expert block)."""
@@ -173,11 +195,12 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 def _attention(be, i: int, a: Any, mix: FusedLinear, h: torch.Tensor, pos: torch.Tensor, cos, sin,
-               mask) -> torch.Tensor:  # fmt: skip
-    """Gated full attention of normed h [1, T, H] at ``pos`` [1, T]; writes K/V rows. -> [1, T, H]."""
+               mask, lin_in: bool, kl) -> torch.Tensor:  # fmt: skip
+    """Gated full attention of normed h [1, T, H] at ``pos`` [1, T]; writes K/V rows. -> the
+    gated attention output [1, T, heads * D], before o_proj."""
     t, hd = h.shape[1], a.head_dim
     heads, kvh = be.heads, be.kv_heads
-    qg, k, v = mix(h)
+    qg, k, v = _in_proj(lin_in, mix, h, kl)
     q, gate = qg.view(1, t, heads, 2 * hd).chunk(2, dim=-1)
     gate = gate.reshape(1, t, heads * hd)
     nk = be.hybrid_norms and t <= NORM_ROWS
@@ -188,29 +211,30 @@ def _attention(be, i: int, a: Any, mix: FusedLinear, h: torch.Tensor, pos: torch
     be.k[i].index_copy_(2, pos[0], k)
     be.v[i].index_copy_(2, pos[0], v.view(1, t, kvh, hd).transpose(1, 2))
     o = attend(q, be.k[i], be.v[i], mask, a.scaling)  # [1, H, T, D]
-    o = o.transpose(1, 2).reshape(1, t, heads * hd) * torch.sigmoid(gate)
-    return a.o_proj(o)
+    return o.transpose(1, 2).reshape(1, t, heads * hd) * torch.sigmoid(gate)
 
 
-def _projections(m: Any, mix: FusedLinear, h: torch.Tensor):
+def _projections(m: Any, mix: FusedLinear, h: torch.Tensor, lin_in: bool, kl):
     """A GatedDeltaNet layer's projections of normed h [1, T, H]: (q|k|v rows [T, C], z
     [T, Hv, Dv], b [T, Hv], a [T, Hv])."""
     t = h.shape[1]
     if hasattr(m, "in_proj_qkv"):  # Qwen3.5: four projections
-        qkv, z, b, a = mix(h)
+        qkv, z, b, a = _in_proj(lin_in, mix, h, kl)
         return qkv[0], z[0].reshape(t, -1, m.head_v_dim), b[0], a[0]
-    qkvz, ba = mix(h)  # Qwen3-Next: grouped per key head
+    qkvz, ba = _in_proj(lin_in, mix, h, kl)  # Qwen3-Next: grouped per key head
     q, k, v, z, b, a = m.fix_query_key_value_ordering(qkvz, ba)
     rows = torch.cat((q.reshape(1, t, -1), k.reshape(1, t, -1), v.reshape(1, t, -1)), dim=-1)
     return rows[0], z[0], b[0], a[0]
 
 
 def _linear_attention(st: HybridState, i: int, m: Any, mix: FusedLinear, h: torch.Tensor,
-                      prefill: bool, kernel_norm: bool = False) -> torch.Tensor:  # fmt: skip
-    """A GatedDeltaNet layer on normed h [1, T, H] -> [1, T, H]: a prefill from zero states
-    (committed slots written), or a verify from the committed slots (the others written)."""
+                      prefill: bool, kernel_norm: bool = False, lin_in: bool = False,
+                      kl=None) -> torch.Tensor:  # fmt: skip
+    """A GatedDeltaNet layer on normed h [1, T, H] -> its gated-norm output [1, T, Hv * Dv]
+    (before out_proj): a prefill from zero states (committed slots written), or a verify from
+    the committed slots (the others written)."""
     n, t = st.index[i], h.shape[1]
-    rows, z, b, a = _projections(m, mix, h)
+    rows, z, b, a = _projections(m, mix, h, lin_in, kl)
     weight = m.conv1d.weight[:, 0, :]  # [C, K]
     act = F.silu
     conv = (gdn.conv_prefill if prefill else gdn.conv_verify)(
@@ -231,21 +255,20 @@ def _linear_attention(st: HybridState, i: int, m: Any, mix: FusedLinear, h: torc
         o = gated_rms_norm(m.norm, o, z)
     else:
         o = m.norm(o.to(h.dtype).reshape(-1, m.head_v_dim), z.reshape(-1, m.head_v_dim))
-    return m.out_proj(o.reshape(1, t, -1))
+    return o.reshape(1, t, -1)
 
 
-def _feed_forward(
-    layer: Any, gate_up: FusedLinear | None, h: torch.Tensor, route: str
-) -> torch.Tensor:
-    """The layer's MLP or expert block (with its gated shared expert) on normed h [1, T, H]."""
+def _feed_forward(layer: Any, gate_up: FusedLinear | None, h: torch.Tensor, x: torch.Tensor, route: str,
+                  lin: bool, lin_in: bool, glu: bool, kl) -> torch.Tensor:  # fmt: skip
+    """x + the layer's MLP or expert block (with its gated shared expert) of normed h [1, T, H]
+    (dense MLPs through :func:`~dflash.backends.static.fused._mlp`: small_linear when ``lin``)."""
     mlp = layer.mlp
     if gate_up is not None:
-        g, u = gate_up(h)
-        return mlp.down_proj(mlp.act_fn(g) * u)
+        return _mlp(lin, lin_in, gate_up, mlp.down_proj, mlp.act_fn, h, x, glu, kl)
     out = moe_forward(mlp, h, route)
     if getattr(mlp, "shared_expert", None) is not None:
         out = out + torch.sigmoid(mlp.shared_expert_gate(h)) * mlp.shared_expert(h)
-    return out
+    return x + out
 
 
 def hybrid_forward(be, ids: torch.Tensor, pos: torch.Tensor, prefill: bool = False) -> torch.Tensor:
@@ -258,7 +281,11 @@ def hybrid_forward(be, ids: torch.Tensor, pos: torch.Tensor, prefill: bool = Fal
     cos, sin = cos[:, None], sin[:, None]
     mask = (be.key_pos[None, :] <= pos[0, :, None])[None, None]  # [1, 1, T, S]
     slots: list[torch.Tensor] = [None] * len(be.layer_ids)  # type: ignore[list-item]
-    nk = be.hybrid_norms and ids.shape[1] <= NORM_ROWS  # the norms as kernels (verify widths)
+    t = ids.shape[1]
+    nk = be.hybrid_norms and t <= NORM_ROWS  # the norms as kernels (verify widths)
+    kl = be.launch["target"]
+    lin = t <= NORM_ROWS and be.linear != "torch"  # small_linear: out-projections with the residual
+    lin_in = lin and t <= be.linear_in  # the in-projections too
 
     def norm(module, x):
         return centred_rms_norm(module, x) if nk else module(x)
@@ -267,10 +294,14 @@ def hybrid_forward(be, ids: torch.Tensor, pos: torch.Tensor, prefill: bool = Fal
         mix, gate_up = be.fused_target[i]
         h = norm(layer.input_layernorm, x)
         if i in be.gdn.index:
-            x = x + _linear_attention(be.gdn, i, layer.linear_attn, mix, h, prefill, nk)
+            m = layer.linear_attn
+            o = _linear_attention(be.gdn, i, m, mix, h, prefill, nk, lin_in, kl)
+            x = _out_proj(lin, m.out_proj, o, x, kl)
         else:
-            x = x + _attention(be, i, layer.self_attn, mix, h, pos, cos, sin, mask)
-        x = x + _feed_forward(layer, gate_up, norm(layer.post_attention_layernorm, x), be.moe_route)
+            o = _attention(be, i, layer.self_attn, mix, h, pos, cos, sin, mask, lin_in, kl)
+            x = _out_proj(lin, layer.self_attn.o_proj, o, x, kl)
+        h = norm(layer.post_attention_layernorm, x)
+        x = _feed_forward(layer, gate_up, h, x, be.moe_route, lin, lin_in, be.glu, kl)
         if i < be.n_layers - 1:
             for n in be.feature_layers.get(i, ()):
                 slots[n] = x[0]
