@@ -87,8 +87,9 @@ def serve(
     log_level: Annotated[str, typer.Option(help="uvicorn log level: warning, info (access log), debug.")] = "info",
     prefix_cache_mb: Annotated[int, typer.Option(help="Prefix cache size in MiB (target K/V rows and features of earlier requests, reused by one that starts alike; plain transformers path); 0 = off.")] = 2048,
     tool_call_parser: Annotated[str | None, typer.Option(help="Tool-call format: hermes, qwen3_coder, llama3_json, openai (gpt-oss), gemma4 (default: from the chat template).")] = None,
+    max_batch: Annotated[int | None, typer.Option(help="Generations decoded together by batched speculative decoding (dense Llama/Qwen targets, DFlash v1 drafts); default 1 (one at a time); try 16 on CUDA.", show_default=False)] = None,
 ) -> None:  # fmt: skip
-    """Serve a target/draft pair over an OpenAI-compatible HTTP API (one generation at a time)."""
+    """Serve a target/draft pair over an OpenAI-compatible HTTP API (batched on CUDA)."""
     from dflash.backend_names import LOCAL_BACKENDS, one_of
 
     if backend not in LOCAL_BACKENDS:
@@ -96,6 +97,15 @@ def serve(
                            hint="use " + " or ".join(f"--backend {b}" for b in LOCAL_BACKENDS))  # fmt: skip
     if not 0 < port < 65536:
         raise InputError(f"--port must be in 1..65535, got {port}.")
+    if max_batch is not None and not 1 <= max_batch <= 512:
+        raise InputError(
+            f"--max-batch must be in 1..512, got {max_batch}.",
+            hint="1 serves one generation at a time",
+        )
+    if max_batch not in (None, 1) and backend != "transformers":
+        raise InputError(
+            "--max-batch runs on the transformers backend only.", hint="drop --max-batch"
+        )
     from dflash.options import (
         check_recalibrate,
         check_warmup,
@@ -143,10 +153,10 @@ def serve(
         pipe.recalibrate = recalibrate  # read by the calibration at startup
         return pipe
 
-    from dflash.serve.engine import Engine
+    from dflash.serve.batch_engine import BatchEngine
     from dflash.serve.server import build_app
 
-    engine = Engine(load, names, width, warmup)
+    engine = BatchEngine(load, names, width, warmup, max_batch=max_batch)
     engine.tool_parser_name = tool_call_parser
     if prefix_cache_mb < 0:
         raise InputError(
@@ -160,7 +170,8 @@ def serve(
     if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         print(f"dflash serve: warning: listening on {host} without --api-key", file=sys.stderr)
     print(f"dflash serve: loading {names[0]}; OpenAI API at http://{host}:{port}/v1 "
-          f"(one generation at a time{', API key required' if api_key else ''})",
+          f"({'one generation at a time' if max_batch == 1 else 'one generation at a time' if max_batch is None else f'up to {max_batch} generations at once'}"
+          f"{', API key required' if api_key else ''})",
           file=sys.stderr, flush=True)  # fmt: skip
     server.run()
     if engine.error is not None:

@@ -7,8 +7,8 @@ Counters (``_total``): ``vllm:prompt_tokens_total`` (prompt tokens run through t
 at each prefill), ``vllm:generation_tokens_total`` (tokens committed, counted at every verify step),
 ``vllm:request_success_total{finished_reason}``, ``vllm:prefix_cache_queries_total`` /
 ``vllm:prefix_cache_hits_total`` (prompt tokens looked up in / supplied by the prefix cache) and
-the spec-decode counters below. Gauges: ``vllm:num_requests_running`` (0 or 1: one generation
-at a time) and ``vllm:num_requests_waiting``, read from the engine's counts at each scrape, so
+the spec-decode counters below. Gauges: ``vllm:num_requests_running`` (up to ``--max-batch``;
+0 or 1 one generation at a time) and ``vllm:num_requests_waiting``, read from the engine's counts at each scrape, so
 they fall as soon as a client leaves. Histograms (vLLM's buckets, seconds, per generated
 choice): ``vllm:time_to_first_token_seconds`` (queue + prefill + the first token),
 ``vllm:inter_token_latency_seconds`` (each token after the first: a verify step's time divided
@@ -93,7 +93,7 @@ class ServerMetrics:
                                        "Prompt tokens looked up in the prefix cache.")  # fmt: skip
         self._prefix_hits = counter("vllm:prefix_cache_hits",
                                     "Prompt tokens the prefix cache supplied.")  # fmt: skip
-        gauge = Gauge("vllm:num_requests_running", "Requests generating now (at most 1).",
+        gauge = Gauge("vllm:num_requests_running", "Requests generating now.",
                       ["model_name"], registry=registry)  # fmt: skip
         gauge.labels(model).set_function(lambda: self.running)
         gauge = Gauge("vllm:num_requests_waiting", "Requests queued behind it.", ["model_name"],
