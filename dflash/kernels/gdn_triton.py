@@ -14,6 +14,7 @@ reductions over Dk (the norms, S^T k, S^T q) sum in another order and ``softplus
 ``log(1 + exp(x))`` (``exp(x)`` below -10, ``x`` above 20), so results agree to float32 rounding
 (checked against the reference in tests/kernels, under ``TRITON_INTERPRET=1``).
 """
+
 from __future__ import annotations
 
 import torch

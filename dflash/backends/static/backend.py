@@ -214,8 +214,6 @@ class StaticBackend(StaticGraphs, TransformersBackend):
         self.moe_route = moe_route(device, self.dtype)  # expert blocks: gather or grouped_mm
         self.hybrid = is_hybrid(cfg)  # GatedDeltaNet layers: state buffers in self.gdn
         self.gdn: HybridState | None = None
-        self._gdn_pending: tuple[int, int] | None = None  # (start, width) of a verify not rolled back
-        self._gdn_length = 0  # positions the committed GatedDeltaNet states hold
         self.feature_layers: dict[int, list[int]] = {}  # layer -> feature slots (ids may repeat)
         for n, i in enumerate(self.layer_ids):
             self.feature_layers.setdefault(i - 1, []).append(n)
@@ -251,8 +249,7 @@ class StaticBackend(StaticGraphs, TransformersBackend):
         # o_proj/down_proj of the fused forwards for <= 32 rows: one Triton kernel each with the
         # residual add fused in, or torch (see dflash.kernels.small_linear)
         linear = linear_mode(settings.linear, device)
-        # hybrids (dflash.backends.static.hybrid): the same projections; their own norm kernels
-        # (hybrids: torch for now; their forward takes small_linear where be.linear says so)
+        # (hybrids: torch for now, not yet measured; their forward takes small_linear where allowed)
         self.linear = linear if not self.hybrid and small_linear_fits(target) else "torch"
         self.draft_linear = self.fused_draft is not None and linear != "torch" and draft_small_linear_fits(draft)
         # the fused qkv and gate+up projections too, in forwards of up to linear_in rows (every
@@ -421,7 +418,8 @@ class StaticBackend(StaticGraphs, TransformersBackend):
                 self.draft_model.write_context(self.feats[: len(prompt_ids)][None], pos, self.dcache)
                 seen = len(prompt_ids)
         self._draft_seen = seen
-        self._gdn_pending, self._gdn_length = None, len(prompt_ids)
+        if self.gdn is not None:
+            self.gdn.prefilled(len(prompt_ids))
         return logits[-1], (self.feats[: len(prompt_ids)] if with_features else None)
 
     def verify(self, anchor: int, proposals, start: int, with_features: bool):
@@ -429,8 +427,7 @@ class StaticBackend(StaticGraphs, TransformersBackend):
         the logits of the padding rows are dropped (returned logits [W, V], W = 1 + proposals)."""
         width = 1 + (0 if proposals is None else proposals.shape[0])
         if self.hybrid:  # the committed GatedDeltaNet states must hold `start` positions
-            self._gdn_settle(start)
-            self._gdn_pending = (start, width)
+            self.gdn.verifying(start, width)
         if not self.use_graphs:
             ids = torch.tensor([anchor], dtype=torch.long, device=self.device)
             ids = ids if proposals is None else torch.cat((ids, proposals))
@@ -478,23 +475,7 @@ class StaticBackend(StaticGraphs, TransformersBackend):
             BackendError: (hybrids) ``length`` outside the last verify's positions.
         """
         if self.hybrid:
-            self._gdn_settle(length)
-
-    def _gdn_settle(self, length: int) -> None:
-        """Commit the GatedDeltaNet states of the first ``length`` positions (within the last
-        verify, or the committed length itself)."""
-        pending, self._gdn_pending = self._gdn_pending, None
-        if pending is None:
-            if length != self._gdn_length:
-                raise BackendError(f"Cannot roll the recurrent state back from {self._gdn_length} to {length} "
-                                   "positions (only within the last verify).")  # fmt: skip
-            return
-        start, width = pending
-        if not 0 <= length - start <= width:
-            raise BackendError(f"Cannot roll the recurrent state back to {length} positions: the last "
-                               f"verify covered {start}..{start + width}.")  # fmt: skip
-        self.gdn.rollback(length - start)
-        self._gdn_length = length
+            self.gdn.settle(length)
 
     def _draft_head_dim(self) -> int | None:
         """The draft's attention head dim (None without a draft)."""

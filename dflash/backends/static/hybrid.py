@@ -37,6 +37,7 @@ from dflash.backends.static.fused import (
     fuse_linears,
 )
 from dflash.backends.static.moe import moe_block, moe_forward
+from dflash.errors import BackendError
 from dflash.kernels import gdn
 from dflash.kernels.gdn_norms import centred_rms_norm, gated_rms_norm
 from dflash.kernels.gdn_triton import fits as triton_fits
@@ -135,6 +136,39 @@ class HybridState:
         self.taps = torch.arange(k, device=device)
         self.keep = torch.zeros(1, dtype=torch.long, device=device)
         self.triton = triton_fits(dk, dv, device)
+        self.pending: tuple[int, int] | None = None  # (start, width) of a verify not settled yet
+        self.length = 0  # positions the committed states hold
+
+    def prefilled(self, length: int) -> None:
+        """A prefill of ``length`` positions wrote the committed states."""
+        self.pending, self.length = None, length
+
+    def verifying(self, start: int, width: int) -> None:
+        """Before a verify of ``width`` tokens at ``start``: settle the last verify at ``start``
+        (:meth:`settle`), then remember this one."""
+        self.settle(start)
+        self.pending = (start, width)
+
+    def settle(self, length: int) -> None:
+        """Commit the states of the first ``length`` positions: within the last verify (a
+        :meth:`rollback` to its accepted prefix), or the committed length itself.
+
+        Raises:
+            BackendError: ``length`` is outside the last verify, or (none pending) differs from
+                the committed length.
+        """
+        pending, self.pending = self.pending, None
+        if pending is None:
+            if length != self.length:
+                raise BackendError(f"Cannot roll the recurrent state back from {self.length} to {length} "
+                                   "positions (only within the last verify).")  # fmt: skip
+            return
+        start, width = pending
+        if not 0 <= length - start <= width:
+            raise BackendError(f"Cannot roll the recurrent state back to {length} positions: the last "
+                               f"verify covered {start}..{start + width}.")  # fmt: skip
+        self.rollback(length - start)
+        self.length = length
 
     def clear(self) -> None:
         """Zero states (a new request; the prefill starts from them)."""

@@ -66,9 +66,13 @@ def test_device_loop_commits_the_states_on_the_device(family):
 
     model, truth = model_of(family)
     for k in (0, 5, 15):
-        be = StaticBackend(model, make_draft(model), torch.device("cpu"), use_graphs=False, device_loop=True)
+        be = StaticBackend(
+            model, make_draft(model), torch.device("cpu"), use_graphs=False, device_loop=True
+        )
         be.device_loop = ScriptedLoop(be, truth, P, k)
-        rounds = list(speculative_generate(be, prompt_ids(P), block_size=16, max_new_tokens=N, stop_ids=[]))
+        rounds = list(
+            speculative_generate(be, prompt_ids(P), block_size=16, max_new_tokens=N, stop_ids=[])
+        )
         assert [t for r in rounds for t in r.tokens] == truth[:N], (family, k)
         assert {r.accepted for r in rounds[1:-1]} == {k + 1}
 
