@@ -1,6 +1,7 @@
 """The acceptance rule of speculative decoding: the one definition, backend-free (numpy).
 
-Every implementation on a device - :class:`dflash.sampling_torch.TorchSampler`, the device
+Every implementation on a device - :class:`dflash.sampling_torch.TorchSampler` (its candidate
+variant :func:`dflash.sampling_torch.accept_candidates` too), the device
 loop's commit (:func:`dflash.backends.static.device_loop.commit`), the host loop on MLX arrays - returns
 exactly what these functions return for the same inputs (tests/core/test_accept_equivalence.py).
 

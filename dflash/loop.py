@@ -129,6 +129,11 @@ def speculative_generate(
             lists = backend.to_list(*arrays)  # sync: the one host copy of this step
             target_ids, proposals = lists[0], (lists[1] if length > 1 else [])
             a, bonus = accept_greedy(proposals, target_ids)
+        elif (isinstance(drafted, SelectorProposal) and drafted.q is not None
+              and hasattr(sampler, "accept_candidates")):  # on the device, one host copy  # fmt: skip
+            rows = len(proposals_arr)
+            a, bonus, proposals = sampler.accept_candidates(proposals_arr, logits, drafted.candidates[:rows],
+                                                            drafted.q[:rows])  # fmt: skip
         elif isinstance(drafted, SelectorProposal) and drafted.q is not None:
             proposals, cand = backend.to_list(proposals_arr, drafted.candidates)
             p_target = sampling_probs(backend.to_numpy(logits), sampling)

@@ -85,6 +85,24 @@ class TorchSampler:
         host = torch.cat((a.view(1), bonus, props)).tolist()  # the one sync
         return int(host[0]), int(host[1]), host[2:]
 
+    def accept_candidates(self, proposals: torch.Tensor, logits: torch.Tensor, candidates: torch.Tensor,
+                          q: torch.Tensor) -> tuple[int, int, list[int]]:  # fmt: skip
+        """Rejection sampling for a DFlash2 draft's proposals (q over its candidates), one host
+        sync: :func:`accept_candidates` with the sampler's uniforms and draws.
+
+        Args:
+            proposals: [n] int64 (n >= 1); logits: [n + 1, V] target logits.
+            candidates: [n, k] candidate ids; q: [n, k] the selector's probabilities of them.
+        """
+        p = sampling_probs_torch(logits, self.params)  # [n+1, V]
+        n = int(proposals.shape[0])
+        props = proposals.to(device=p.device, dtype=torch.long)
+        u = torch.rand(n, generator=self.gen, device=p.device, dtype=p.dtype)
+        a, bonus = accept_candidates(props, p, candidates.to(p.device), q.to(p.device, p.dtype), u,
+                                     self._multinomial)  # fmt: skip
+        host = torch.cat((a.view(1), bonus, props)).tolist()  # the one sync
+        return int(host[0]), int(host[1]), host[2:]
+
     def _multinomial(self, weights: torch.Tensor) -> torch.Tensor:
         """One id [1] drawn from weights [V] (not normalised) with the sampler's generator."""
         return torch.multinomial(weights, 1, generator=self.gen)
@@ -117,5 +135,35 @@ def accept_one_hot(
     d = torch.cat((props, props[:1])).index_select(0, a.view(1))  # d_a (unused when a = n)
     drop = torch.zeros_like(row).scatter(0, d, (a < n).to(row.dtype).view(1))
     residual = row * (1 - drop)  # p_a with d_a removed on a rejection
+    residual = torch.where(residual.sum() > 0, residual, row)
+    return a, draw(residual)
+
+
+def accept_candidates(
+    props: torch.Tensor, p: torch.Tensor, candidates: torch.Tensor, q: torch.Tensor,
+    u: torch.Tensor, draw: Callable[[torch.Tensor], torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """:func:`dflash.accept.accept_sampling_candidates` as device ops (no host sync): proposal
+    d_i is accepted when u_i * q_i(d_i) < p_i(d_i), q_i(d) summed over the candidate slots
+    holding d; on the first rejection the bonus is drawn from max(p_i - q_i, 0), q subtracted
+    at the candidate ids only (p_i itself when that has no mass), else from p_n.
+
+    Args:
+        props: [n] int64 proposals (n >= 1); p: [n + 1, V] processed target probabilities.
+        candidates: [n, k] int64 candidate ids; q: [n, k] their probabilities (dtype of p).
+        u: [n] the accept tests' uniforms in [0, 1); draw: as :func:`accept_one_hot`.
+
+    Returns:
+        (a, bonus): a [] int64 accepted proposals, bonus [1] int64 (device tensors).
+    """
+    n = int(props.shape[0])
+    p_d = p[:n].gather(1, props[:, None])[:, 0]  # [n]
+    q_d = (q * (candidates == props[:, None])).sum(-1)  # [n]
+    a = (u * q_d < p_d).to(torch.int64).cumprod(0).sum()
+    row = p.index_select(0, a.view(1))[0]  # [V] p_a
+    at = a.clamp(max=n - 1).view(1)  # the rejected row (when a < n)
+    q_a, c_a = q.index_select(0, at)[0], candidates.index_select(0, at)[0]  # [k]
+    sub = torch.zeros_like(row).scatter_add(0, c_a, q_a * (a < n).to(row.dtype))
+    residual = (row - sub).clamp(min=0)
     residual = torch.where(residual.sum() > 0, residual, row)
     return a, draw(residual)

@@ -33,7 +33,12 @@
 # PAUSE_S, BATCH_TOKENS, ANCHORS, LAYERS, MAX_LEN, LR, PROMPTS, EVAL_N, EVAL_EVERY,
 # CALL_BUDGET_S (train until this many seconds after the call began, then export), BENCH1_S,
 # BENCH2_S (0 skips the four other datasets), NO_SMOKE=1, TINY=1 (a CPU dry run with a tiny
-# random target and miniature settings).
+# random target and miniature settings), ARCH (dflash or dflash2: `dflash train --arch`; empty:
+# the --resume-from draft's own, else dflash).
+# A DFlash2 demo draft (docs/training.md#dflash2-drafts), the same data and budget as v6: the
+# calls above with ARCH=dflash2 in every call (from scratch); or, to start from v6 instead,
+# ARCH=dflash2 RESUME_FROM=<repo>/dflash/assets/<v6 draft> on the regen call. Its export is
+# larger (the selector's two codebooks, 2 x 49152 x 256 in bf16: 50 MB, 4 more shards in $OUT).
 set -euo pipefail
 phase=${1:?usage: demo_draft_job.sh stage PART|regen|train|bench}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 DFLASH_CACHE=${DFLASH_CACHE:-/tmp/dflash-cache}
@@ -75,6 +80,7 @@ pause_s() {  # train until CALL_BUDGET_S seconds after this call began, minus a 
 train() {  # same settings in every call, so a later call resumes the run exactly
   local from=()
   [ -n "${RESUME_FROM:-}" ] && from=(--resume-from "$RESUME_FROM")
+  [ -n "${ARCH:-}" ] && from+=(--arch "$ARCH")
   python3 -m dflash train --target "$GGUF" --data "$W/data" --eval-data "$W/eval" --out "$W/draft" \
     --state-dir "$W/state" --layers "$LAYERS" --block-size 16 --anchors "$ANCHORS" --epochs 40 \
     --lr "$LR" --max-len "$MAX_LEN" --batch-tokens "$BATCH_TOKENS" --time-limit "$TRAIN_TOTAL_S" \

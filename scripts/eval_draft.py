@@ -33,14 +33,14 @@ def per_position(lengths: list[int], proposed: list[int], block: int) -> list[fl
 
 
 def estimate(target: str, draft: str, eval_data: str, device: str) -> dict:
-    from dflash.models.draft_torch import DFlashDraft
+    from dflash.models.draft_load import load_draft
     from dflash.train.data import prepare, read_shards
     from dflash.train.objective import FrozenTarget, estimate_acceptance
     from dflash.train.train import load_training_target
 
     model, _ = load_training_target(target, device)
     dev = next(model.parameters()).device
-    d = DFlashDraft.load(draft, dtype=torch.float32, device=dev).eval()
+    d = load_draft(draft, dtype=torch.float32, device=dev).eval()  # DFlash v1 or DFlash2
     seqs = prepare(read_shards(eval_data), 4096)
     ac = torch.bfloat16 if dev.type == "cuda" else None
     out = estimate_acceptance(d, FrozenTarget(model, d.config.target_layer_ids), seqs,

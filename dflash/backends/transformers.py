@@ -64,11 +64,9 @@ def load(model: str | None, draft: str | None, *, device: str = "auto", dtype: s
             draft = registered_draft(model)
 
     def draft_folder() -> tuple[Any, DraftConfig]:
-        """The draft's folder and config; a DFlash2 draft with ``cuda_graphs`` refused."""
+        """The draft's folder and config; ``--draft-window`` with ``cuda_graphs`` refused."""
         folder = resolve_draft(draft, model)
         cfg = DraftConfig.load(folder)
-        if cuda_graphs and cfg.is_dflash2:  # auto mode falls back to the plain path
-            raise BackendError("CUDA graphs do not support DFlash2 drafts yet.", hint="drop --cuda-graphs")
         if cuda_graphs and draft_window is not None:  # likewise
             raise BackendError("CUDA graphs do not support --draft-window yet.",
                                hint="drop --cuda-graphs (the plain path runs it) or --draft-window")  # fmt: skip
@@ -108,7 +106,7 @@ def load(model: str | None, draft: str | None, *, device: str = "auto", dtype: s
 
     refusal = static_refusal(target_model)
     fast = dev.type == "cuda" and refusal is None and cuda_graphs is not False
-    fast = fast and not draft_cfg.is_dflash2 and draft_window is None  # these run on the plain path
+    fast = fast and draft_window is None  # it runs on the plain path
     if cuda_graphs and not fast:
         raise BackendError(no_graphs_reason(target_model, refusal) if dev.type == "cuda" else
                            "CUDA graphs need a CUDA device and a Llama/Qwen2/Qwen3/Mistral/"

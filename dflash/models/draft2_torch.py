@@ -16,7 +16,7 @@ from torch import nn
 
 from dflash.errors import CheckpointError, ConfigError
 from dflash.models.config import DraftConfig
-from dflash.models.draft_torch import DFlashDraft, DraftLayer
+from dflash.models.draft_torch import DFlashDraft, DraftLayer, extend_positions, rope_cos_sin
 
 CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
 
@@ -49,9 +49,20 @@ class GroupedDynamicCausalConv(nn.Module):
             self.base_kernel[:, 0] = 1.0  # identity until trained: prepare/finish pass x through
         self.kernel_projection = nn.Linear(hidden, 2 * kernel_size * self.groups, bias=False)
 
-    def conv(self, x: torch.Tensor, dyn: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
-        """x [B, T, H], dyn [B, T, K, H/G] (taps per output position), base [K, H] -> [B, T, H]."""
+    def conv(self, x: torch.Tensor, dyn: torch.Tensor, base: torch.Tensor,
+             period: int | None = None) -> torch.Tensor:  # fmt: skip
+        """x [B, T, H], dyn [B, T, K, H/G] (taps per output position), base [K, H] -> [B, T, H].
+
+        ``period``: the T rows are T / period blocks of ``period`` rows each (the packed
+        training layout), convolved one by one (a block never sees the block before it);
+        None: the rows are one block.
+        """
         b, t, h = x.shape
+        if period is not None and period != t:
+            n = t // period
+            xs, ds = x.reshape(b * n, period, h), dyn.reshape(b * n, period, *dyn.shape[2:])
+            y = self.conv(xs, ds, base)
+            return y.reshape(b, t, h)
         y = torch.zeros_like(x)
         for o in range(min(self.kernel_size, t)):
             xs = x if o == 0 else F.pad(x, (0, 0, o, 0))[:, :t]  # xs[:, s] = x[:, s - o]
@@ -59,15 +70,16 @@ class GroupedDynamicCausalConv(nn.Module):
             y = y + xs * base[o] + grouped.reshape(b, t, h)
         return y
 
-    def prepare(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [B, T, H] sublayer input -> (conv with kernel 0 [B, T, H], kernel-1 taps [B, T, K, H/G])."""
+    def prepare(self, x: torch.Tensor, period: int | None = None):
+        """x [B, T, H] sublayer input -> (conv with kernel 0 [B, T, H], kernel-1 taps
+        [B, T, K, H/G]); ``period`` as :meth:`conv`."""
         b, t, _ = x.shape
         dyn = self.kernel_projection(x).reshape(b, t, 2, self.kernel_size, self.groups)
-        return self.conv(x, dyn[:, :, 0], self.base_kernel[0]), dyn[:, :, 1]
+        return self.conv(x, dyn[:, :, 0], self.base_kernel[0], period), dyn[:, :, 1]
 
-    def finish(self, y: torch.Tensor, dyn: torch.Tensor) -> torch.Tensor:
+    def finish(self, y: torch.Tensor, dyn: torch.Tensor, period: int | None = None) -> torch.Tensor:
         """y [B, T, H] sublayer output, dyn from :meth:`prepare` -> [B, T, H]."""
-        return self.conv(y, dyn, self.base_kernel[1])
+        return self.conv(y, dyn, self.base_kernel[1], period)
 
 
 class DFlash2Layer(DraftLayer):
@@ -83,13 +95,14 @@ class DFlash2Layer(DraftLayer):
             cfg.hidden_size, s.conv_kernel_size, s.conv_group_size
         )
 
-    def forward(self, h, ctx, q_rope, ctx_rope, mask, cache, idx):
-        a, k1 = self.attention_conv.prepare(self.input_layernorm(h))
+    def forward(self, h, ctx, q_rope, ctx_rope, mask, cache, idx, period: int | None = None):
+        """As the v1 layer; ``period``: rows per block when several blocks are packed (training)."""
+        a, k1 = self.attention_conv.prepare(self.input_layernorm(h), period)
         h = h + self.attention_conv.finish(
-            self.self_attn(a, ctx, q_rope, ctx_rope, mask, cache, idx), k1
+            self.self_attn(a, ctx, q_rope, ctx_rope, mask, cache, idx), k1, period
         )
-        m, k2 = self.mlp_conv.prepare(self.post_attention_layernorm(h))
-        return h + self.mlp_conv.finish(self.mlp(m), k2)
+        m, k2 = self.mlp_conv.prepare(self.post_attention_layernorm(h), period)
+        return h + self.mlp_conv.finish(self.mlp(m), k2, period)
 
 
 class CandidateSelector(nn.Module):
@@ -138,7 +151,8 @@ class CandidateSelector(nn.Module):
     @staticmethod
     def walk(unary: torch.Tensor, first: torch.Tensor, trans: torch.Tensor,
              temperature: float = 0.0, generator: torch.Generator | None = None):  # fmt: skip
-        """Left-to-right walk over the candidates: argmax at T = 0, ancestral sampling at T > 0.
+        """Left-to-right walk over the candidates: argmax at T = 0, ancestral sampling at T > 0
+        (:func:`select_walk` with [B, T] uniforms drawn from ``generator``).
 
         Args:
             unary: [B, T, k]; first: [B, k]; trans: [B, T-1, k, k] (see :meth:`edges`).
@@ -149,20 +163,10 @@ class CandidateSelector(nn.Module):
             (picks [B, T] int64 candidate slots, q [B, T, k] float32 or None at T = 0): q[:, i]
             is the distribution pick i was drawn from, given picks 0..i-1.
         """
-        b, t, k = unary.shape
-        picks, qs = [], []
-        score = unary[:, 0] + first
-        for i in range(t):
-            if i:
-                prev = picks[-1][:, None, None].expand(b, 1, k)
-                score = unary[:, i] + trans[:, i - 1].gather(1, prev)[:, 0]
-            if temperature > 0:
-                q = torch.softmax(score / temperature, dim=-1)
-                picks.append(torch.multinomial(q, 1, generator=generator)[:, 0])
-                qs.append(q)
-            else:
-                picks.append(score.argmax(-1))
-        return torch.stack(picks, 1), (torch.stack(qs, 1) if qs else None)
+        if temperature <= 0:
+            return select_walk(unary, first, trans)
+        u = torch.rand(unary.shape[:2], generator=generator, device=unary.device)
+        return select_walk(unary, first, trans, u, temperature)
 
     def forward(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: torch.Tensor,
                 temperature: float = 0.0, generator: torch.Generator | None = None):  # fmt: skip
@@ -182,10 +186,45 @@ class CandidateSelector(nn.Module):
         return cand.gather(-1, picks[..., None])[..., 0], cand, q
 
 
+def select_walk(unary: torch.Tensor, first: torch.Tensor, trans: torch.Tensor,
+                uniforms: torch.Tensor | None = None, temperature: float | torch.Tensor = 1.0):  # fmt: skip
+    """The selector's walk as fixed-shape tensor ops (no host sync: it runs inside a CUDA graph).
+
+    Step i scores candidate j as ``unary[:, i, j]`` plus the edge from the previous pick
+    (``first`` at i = 0, ``trans[:, i-1, prev, j]`` after); greedy takes the argmax (the first
+    on ties), sampling draws from q = softmax(score / temperature) by inverse CDF: the first
+    slot whose cumulative mass exceeds ``u * total`` (as :func:`dflash.accept.draw`).
+
+    Args:
+        unary: [B, T, k]; first: [B, k]; trans: [B, T-1, k, k] (see :meth:`CandidateSelector.edges`).
+        uniforms: [B, >= T] uniforms in [0, 1), one per position; None = greedy.
+        temperature: > 0, a float or a tensor broadcasting against [B, 1] (a graph input).
+
+    Returns:
+        (picks [B, T] int64 candidate slots, q [B, T, k] float32, or None when greedy).
+    """
+    b, t, k = unary.shape
+    picks, qs = [], []
+    score = unary[:, 0] + first
+    for i in range(t):
+        if i:
+            prev = picks[-1][:, None, None].expand(b, 1, k)
+            score = unary[:, i] + trans[:, i - 1].gather(1, prev)[:, 0]
+        if uniforms is None:
+            picks.append(score.argmax(-1))
+            continue
+        q = torch.softmax(score / temperature, dim=-1)
+        cdf = q.cumsum(-1)
+        below = (cdf <= uniforms[:, i : i + 1] * cdf[:, -1:]).sum(-1)
+        picks.append(below.clamp(max=k - 1))
+        qs.append(q)
+    return torch.stack(picks, 1), (torch.stack(qs, 1) if qs else None)
+
+
 class DFlash2Draft(DFlashDraft):
     """DFlash2 draft: v1 context projection and attention, :class:`DFlash2Layer` layers and a
     :class:`CandidateSelector` (brief §4). One block per forward (the convolutions run over the
-    given block), so the packed-block training layout of ``dflash train`` is not supported.
+    given block; the packed training layout of ``dflash train`` is convolved block by block).
 
     Args:
         cfg: a DFlash2 draft configuration (``cfg.dflash2`` set).
@@ -212,18 +251,40 @@ class DFlash2Draft(DFlashDraft):
         """Factor applied to the raw target embeddings of the block (brief §1.4)."""
         return float(self.config.dflash2.input_embedding_scale)
 
-    def forward(self, block_embeds, target_hidden, q_pos, ctx_pos, cache=None, masks=None):
-        """As :meth:`DFlashDraft.forward` for one block per row; explicit masks are refused.
+    def forward(self, block_embeds, target_hidden, q_pos, ctx_pos, cache=None, masks=None,
+                packed: bool = False):  # fmt: skip
+        """As :meth:`DFlashDraft.forward`, with the in-block convolutions.
+
+        Args:
+            packed: the Lq block rows are Lq / block_size blocks of block_size rows each (the
+                training layout of :func:`dflash.train.masks.build_blocks`, ``masks`` given):
+                each block is convolved on its own. False: the rows are one block (inference,
+                any width).
 
         Raises:
-            ConfigError: ``masks`` given (the training layout packs several blocks per row,
-                which the in-block convolutions would mix).
+            ConfigError: ``packed`` without masks, or Lq not a multiple of the block size.
         """
-        if masks is not None:
-            raise ConfigError("DFlash2 drafts run one block per forward; training them and "
-                              "explicit masks are not supported yet.",
-                              hint="train a DFlash v1 draft (dflash init-draft --arch dflash)")  # fmt: skip
-        return super().forward(block_embeds, target_hidden, q_pos, ctx_pos, cache=cache)
+        period = None
+        if packed:
+            period = self.config.block_size
+            if masks is None or block_embeds.shape[1] % period:
+                raise ConfigError(f"A packed DFlash2 forward needs masks and whole blocks of "
+                                  f"{period} rows, got {block_embeds.shape[1]} rows.")  # fmt: skip
+        ctx = self.hidden_norm(self.fc(target_hidden))  # [B, Tc, H]
+        if cache is not None:
+            new_pos = extend_positions(cache, ctx_pos)
+        if masks is None:
+            k_ctx = new_pos if cache is not None else ctx_pos
+            masks = self.inference_masks(q_pos, torch.cat((k_ctx, q_pos), dim=1))
+        dt = block_embeds.dtype
+        q_rope = rope_cos_sin(q_pos, self.inv_freq, self.rope_scale, dt)
+        ctx_rope = rope_cos_sin(ctx_pos, self.inv_freq, self.rope_scale, dt)
+        h = block_embeds
+        for i, layer in enumerate(self.layers):
+            h = layer(h, ctx, q_rope, ctx_rope, masks[self.config.layer_types[i]], cache, i, period)
+        if cache is not None:
+            cache.positions = new_pos
+        return self.norm(h)
 
     def process_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """Output multiplier, then ``cap * tanh(logits / cap)`` when a soft cap is set (§1.4)."""
@@ -251,6 +312,44 @@ class DFlash2Draft(DFlashDraft):
         """
         logits = self.process_logits(head(hidden))
         return self.candidate_selector(hidden, logits, anchor, temperature, generator)
+
+    @torch.no_grad()
+    def start_dflash2_parts(self) -> None:
+        """The starting point of the DFlash2 parts for training: every convolution passes its
+        input through (base tap 0 = 1, other taps and the dynamic-tap projection 0) and the
+        selector's edge scores are 0 (hidden projection 0, codebooks ~ N(0, 1)), so the draft
+        proposes what its v1 layers alone would. Neither part is stuck: the zero factors get
+        gradients from the non-zero ones."""
+        for layer in self.layers:
+            for conv in (layer.attention_conv, layer.mlp_conv):
+                conv.base_kernel.zero_()
+                conv.base_kernel[:, 0] = 1.0
+                conv.kernel_projection.weight.zero_()
+        sel = self.candidate_selector
+        sel.hidden_projection.weight.zero_()
+        sel.predecessor_codebook.weight.normal_(0.0, 1.0)
+        sel.successor_codebook.weight.normal_(0.0, 1.0)
+
+    @classmethod
+    def from_v1(cls, v1: DFlashDraft, seed: int = 0) -> DFlash2Draft:
+        """A DFlash2 draft that starts as the DFlash v1 draft ``v1`` (for training it further):
+        v1's weights, the published DFlash2 settings and :meth:`start_dflash2_parts`, so its
+        greedy proposals are v1's."""
+        import copy
+
+        from dflash.models.config import DFlash2Settings
+
+        cfg = copy.deepcopy(v1.config)
+        cfg.dflash2 = DFlash2Settings()
+        cfg.validate()
+        torch.manual_seed(seed)
+        with torch.device(next(v1.parameters()).device):
+            model = cls(cfg)
+        model.start_dflash2_parts()
+        missing, unexpected = model.load_state_dict(v1.state_dict(), strict=False)
+        assert not unexpected and all("conv" in k or "candidate_selector" in k for k in missing)
+        model.draft_vocab = getattr(v1, "draft_vocab", None)
+        return model.to(next(v1.parameters()).dtype)
 
     @staticmethod
     def checkpoint_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

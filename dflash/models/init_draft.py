@@ -166,7 +166,8 @@ def init_draft(target: str | None, out: str | Path, *, layers: int = 5, block_si
         dtype: storage dtype, bfloat16 or float32.
         force: overwrite a folder that already holds a draft.
         arch: "dflash" (v1) or "dflash2" (dynamic convolutions + candidate selector, brief §4;
-            untrained: the convolutions start as identities and the selector near argmax).
+            untrained: the convolutions start as identities and the selector's edge scores at 0,
+            :meth:`~dflash.models.draft2_torch.DFlash2Draft.start_dflash2_parts`).
 
     Raises:
         InputError: bad numbers, ``out`` is a file, or ``out`` holds a draft and not force;
@@ -257,10 +258,9 @@ def init_draft(target: str | None, out: str | Path, *, layers: int = 5, block_si
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
-            elif name.endswith("base_kernel"):  # DFlash2 convolutions: identity (tap 0 = 1)
-                p.zero_()
-                p[:, 0] = 1.0
             else:
                 p.normal_(0.0, 0.02)
+        if arch == "dflash2":  # identity convolutions, zero selector edges (trainable from there)
+            model.start_dflash2_parts()
     model.to(getattr(torch, dtype)).save(out)
     return Path(out)

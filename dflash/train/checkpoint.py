@@ -78,13 +78,14 @@ def _weights_only(cfg: TrainConfig):
     Raises:
         CheckpointError: the folder holds no draft.
     """
-    from dflash.models.draft_torch import DFlashDraft
+    from dflash.models.draft_load import load_draft
+    from dflash.train.config import match_arch
 
     folder = Path(cfg.resume_from)
     if not (folder / "config.json").is_file():
         raise CheckpointError(f"--resume-from {folder} holds no draft (config.json).",
                               hint="pass a folder written by 'dflash train'")  # fmt: skip
-    draft = DFlashDraft.load(folder, dtype=torch.float32)
+    draft = match_arch(load_draft(folder, dtype=torch.float32), cfg.arch, str(folder), cfg.seed)
     log_path = folder / "train_log.jsonl"
     log = [json.loads(x) for x in log_path.read_text().splitlines() if x.strip()] \
         if log_path.is_file() else []  # fmt: skip

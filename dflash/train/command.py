@@ -180,8 +180,9 @@ def train(
     state_dir: Annotated[Path | None, typer.Option(help="Resume state folder (default: OUT/state).")] = None,
     mask_token_id: Annotated[int | None, typer.Option(help="Mask id of a fresh draft (default: as init-draft).")] = None,
     resume_from: Annotated[Path | None, typer.Option(help="Continue from a draft folder written by train (weights only): fresh optimizer and schedule, step count kept; --max-steps counts all steps.")] = None,
+    arch: Annotated[str | None, typer.Option(help="dflash or dflash2 (default: the --init/--resume-from draft's, else dflash); dflash2 with a v1 --init starts from that draft.")] = None,
 ) -> None:  # fmt: skip
-    """Train a DFlash draft on target-regenerated data (paper recipe); resumable.
+    """Train a DFlash or DFlash2 draft on target-regenerated data (paper recipe); resumable.
 
     Under 'torchrun --nproc-per-node N -m dflash train ...' the run is data-parallel over N
     processes (one GPU each): --batch-tokens is per process, rank 0 prints, evaluates and writes.
@@ -201,7 +202,7 @@ def train(
                       eval_data=str(eval_data) if eval_data else None, eval_every=eval_every,
                       save_every=save_every, log_every=log_every, attention=attention, device=device,
                       save_dtype=save_dtype, state_dir=str(state_dir) if state_dir else None,
-                      mask_token_id=mask_token_id,
+                      mask_token_id=mask_token_id, arch=arch,
                       resume_from=str(resume_from) if resume_from else None)  # fmt: skip
     cfg.check()
     info = init_distributed(device)

@@ -57,6 +57,11 @@ class TrainConfig:
             fresh optimizer and schedule; ``max_steps`` then counts all steps, old ones included.
         attention: auto (flex on CUDA, dense on CPU), flex or dense.
         save_dtype: dtype of the exported draft (bfloat16 or float32).
+        arch: "dflash" or "dflash2" (brief §4) for a fresh draft; None: the --init /
+            --resume-from draft's own, else "dflash". ``dflash2`` with a v1 --init starts from
+            that draft (:meth:`DFlash2Draft.from_v1 <dflash.models.draft2_torch.DFlash2Draft.from_v1>`).
+        selector_weight: weight of a DFlash2 draft's selector loss next to the token loss
+            (:func:`dflash.train.objective.selector_loss`).
     """
 
     target: str | None
@@ -89,6 +94,8 @@ class TrainConfig:
     mask_token_id: int | None = None
     resume_from: str | None = None
     eval_per_dataset: int = 16
+    arch: str | None = None
+    selector_weight: float = 1.0
     extra: dict = field(default_factory=dict)
 
     def check(self) -> None:
@@ -102,7 +109,9 @@ class TrainConfig:
                  (min(self.log_every, self.eval_every, self.save_every) >= 1,
                   "--log-every, --eval-every and --save-every must be >= 1"),
                  (self.attention in ("auto", "flex", "dense"), "--attention must be auto, flex or dense"),
-                 (self.save_dtype in ("bfloat16", "float32"), "--save-dtype must be bfloat16 or float32")]  # fmt: skip
+                 (self.save_dtype in ("bfloat16", "float32"), "--save-dtype must be bfloat16 or float32"),
+                 (self.arch in (None, "dflash", "dflash2"), "--arch must be dflash or dflash2"),
+                 (self.selector_weight >= 0, "selector_weight must be >= 0")]  # fmt: skip
         for ok, msg in rules:
             if not ok:
                 raise InputError(msg + ".")
@@ -132,21 +141,41 @@ def lr_at(progress: float, base: float, warmup: float) -> float:
 
 
 def _fresh_draft(cfg: TrainConfig, state_dir: Path):
-    """A new draft from --init, or shaped for the target like ``dflash init-draft``."""
-    from dflash.models.draft_torch import DFlashDraft
+    """A new draft from --init, or shaped for the target like ``dflash init-draft`` (of
+    ``cfg.arch``); a v1 --init with ``--arch dflash2`` becomes a DFlash2 draft that starts as it."""
+    from dflash.models.draft_load import load_draft
     from dflash.models.init_draft import init_draft
 
     if cfg.init is not None:
-        draft = DFlashDraft.load(cfg.init, dtype=torch.float32)
+        draft = match_arch(load_draft(cfg.init, dtype=torch.float32), cfg.arch, cfg.init, cfg.seed)
     else:
         import tempfile
 
         with tempfile.TemporaryDirectory() as tmp:
             folder = init_draft(cfg.target, tmp, layers=cfg.layers, block_size=cfg.block_size,
-                                seed=cfg.seed, mask_token_id=cfg.mask_token_id, dtype="float32")  # fmt: skip
-            draft = DFlashDraft.load(folder, dtype=torch.float32)
+                                seed=cfg.seed, mask_token_id=cfg.mask_token_id, dtype="float32",
+                                arch=cfg.arch or "dflash")  # fmt: skip
+            draft = load_draft(folder, dtype=torch.float32)
     if draft.config.block_size != cfg.block_size:
         draft.config.block_size = cfg.block_size  # a draft may be re-trained for another L
+    return draft
+
+
+def match_arch(draft, arch: str | None, where: str, seed: int = 0):
+    """``draft`` as the architecture ``arch`` asks (None: as it is): a v1 draft becomes a
+    DFlash2 draft that starts as it; a DFlash2 draft is never turned back into v1.
+
+    Raises:
+        InputError: ``arch`` "dflash" for a DFlash2 draft.
+    """
+    is2 = bool(getattr(draft, "is_dflash2", False))
+    if arch == "dflash" and is2:
+        raise InputError(f"{where} holds a DFlash2 draft and --arch is dflash.",
+                         hint="drop --arch (the draft's own is used) or pass --arch dflash2")  # fmt: skip
+    if arch == "dflash2" and not is2:
+        from dflash.models.draft2_torch import DFlash2Draft
+
+        return DFlash2Draft.from_v1(draft, seed=seed)
     return draft
 
 

@@ -116,6 +116,7 @@ class StepOutput:
     blocks: torch.Tensor  # int64: kept blocks of this batch (this rank's part under data parallelism)
     weight: torch.Tensor | None = None  # float32 sum of the slot weights the loss averages over
     grad_norm: torch.Tensor | None = None  # total gradient norm before clipping (set by the step)
+    selector: torch.Tensor | None = None  # DFlash2: the selector loss's part of ``loss`` (this rank's)
 
 
 def draft_hidden(draft, target: FrozenTarget, input_ids, attention_mask, loss_mask, anchors,
@@ -142,13 +143,18 @@ def draft_hidden(draft, target: FrozenTarget, input_ids, attention_mask, loss_ma
         emb = emb.float()  # keep the residual stream in float32 under autocast
     ctx_pos = torch.arange(s, device=input_ids.device)[None].expand(b, s)
     masks = layer_masks(cfg, anchors, s, flex=flex)
-    h = (runner or draft)(emb, feats, blocks["q_pos"], ctx_pos, masks=masks)
+    packed = {"packed": True} if getattr(draft, "is_dflash2", False) else {}  # block-wise convolutions
+    h = (runner or draft)(emb, feats, blocks["q_pos"], ctx_pos, masks=masks, **packed)
     return h, blocks
 
 
 def batch_loss(draft, target: FrozenTarget, batch: dict, *, flex: bool = False,
-               gamma: float | None = None, chunk: int = 8192, runner=None) -> StepOutput:  # fmt: skip
+               gamma: float | None = None, chunk: int = 8192, runner=None,
+               selector_weight: float = 1.0) -> StepOutput:  # fmt: skip
     """Forward one batch and return the weighted loss with its statistics (see StepOutput).
+
+    A DFlash2 draft: the token loss is taken on its logits times ``output_multiplier`` (its soft
+    cap, monotone, is left out), and ``selector_weight`` x :func:`selector_loss` is added.
 
     A batch whose ``keep`` is all False (a data-parallel rank without a sequence this step) gives
     loss 0 and weight 0, and backward still reaches every draft parameter (zero gradients).
@@ -167,8 +173,16 @@ def batch_loss(draft, target: FrozenTarget, batch: dict, *, flex: bool = False,
     sel = batch.get("rows")  # the supervised slots, found on the host (no device sync)
     if sel is None:
         sel = (w > 0).nonzero().squeeze(1)  # a host sync
-    loss, correct = head_cross_entropy(h.reshape(-1, h.shape[-1])[sel], target.head,
+    rows_h = h.reshape(-1, h.shape[-1])[sel]
+    dflash2 = getattr(draft, "is_dflash2", False)
+    scale = float(draft.config.dflash2.output_multiplier) if dflash2 else 1.0
+    loss, correct = head_cross_entropy(rows_h * scale if scale != 1.0 else rows_h, target.head,
                                        blocks["labels"].reshape(-1)[sel], w[sel], chunk)  # fmt: skip
+    part = None
+    if dflash2:
+        part = selector_loss(draft, target, rows_h, sel, batch["input_ids"], batch["anchors"],
+                             blocks["labels"].reshape(-1)[sel], w[sel], chunk)  # fmt: skip
+        loss = loss + selector_weight * part
     hit = torch.zeros_like(w, dtype=torch.bool)
     hit[sel] = correct
     hit = hit.view(-1, lsz)[:, 1:]  # [B*N, L-1]
@@ -178,7 +192,50 @@ def batch_loss(draft, target: FrozenTarget, batch: dict, *, flex: bool = False,
     lead = hit.int().cumprod(dim=1).sum(dim=1).float()  # leading correct slots per block
     accept = 1.0 + (lead * kept).sum() / kept.sum().clamp(min=1)
     acc = (correct.float() * w_sel).sum() / wsum.clamp(min=1e-12)
-    return StepOutput(loss, acc.detach(), accept.detach(), kept.sum(), wsum.detach())
+    return StepOutput(loss, acc.detach(), accept.detach(), kept.sum(), wsum.detach(),
+                      selector=None if part is None else part.detach())  # fmt: skip
+
+
+def selector_loss(draft, target: FrozenTarget, h: torch.Tensor, rows: torch.Tensor,
+                  input_ids: torch.Tensor, anchors: torch.Tensor, labels: torch.Tensor,
+                  weights: torch.Tensor, chunk: int = 8192) -> torch.Tensor:  # fmt: skip
+    """The DFlash2 candidate selector's loss (brief §4.2), teacher-forced.
+
+    For each supervised slot k of a block the selector scores, as at inference, the draft's
+    top-k candidates of that slot (unary: the processed draft logits, not trained by this loss)
+    plus the pairwise edge from the previous token, here the true token at anchor + k - 1 (the
+    anchor itself for k = 1: the walk's previous pick whenever the slots before were right,
+    the only case acceptance reaches). The loss is the cross-entropy of picking the label among
+    the candidates, over the slots whose label is a candidate (the others add 0), averaged with
+    the token loss's slot weights (so data-parallel steps equal one step of the global batch).
+    Gradients reach the selector and, through its hidden projection, the draft.
+
+    Args:
+        h: [M, H] draft states of the supervised slots (rows of the flattened [B*N*L] layout).
+        rows: [M] their indices in that layout; input_ids: [B, S]; anchors: [B, N].
+        labels: [M] int64; weights: [M] float32 slot weights (> 0).
+        chunk: rows per logits chunk of the candidates' top-k (no gradient).
+
+    Returns:
+        float32 scalar (0 without rows, with zero gradients for every selector weight).
+    """
+    sel = draft.candidate_selector
+    lsz, n, s = draft.config.block_size, anchors.shape[1], input_ids.shape[1]
+    blk, slot = rows // lsz, rows % lsz
+    prev_pos = (anchors.reshape(-1)[blk] + slot - 1).clamp(max=s - 1)
+    prev = input_ids[blk // n, prev_pos]  # [M] the true previous token
+    with torch.no_grad(), torch.autocast(h.device.type, enabled=False):
+        parts = [torch.topk(draft.process_logits(h[lo : lo + chunk].to(target.head.dtype) @ target.head.T),
+                            sel.top_k, dim=-1) for lo in range(0, max(h.shape[0], 1), chunk)]  # fmt: skip
+        unary = torch.cat([p.values for p in parts]).float()  # [M, k]
+        cand = torch.cat([p.indices for p in parts])  # [M, k]
+    hit = cand == labels[:, None]  # [M, k]
+    hp = sel.hidden_projection(h).float()  # [M, r]
+    edge = torch.einsum("mr,mkr->mk", sel.predecessor_codebook(prev).float() * hp,
+                        sel.successor_codebook(cand).float())  # fmt: skip
+    ce = torch.nn.functional.cross_entropy(unary + edge, hit.float().argmax(-1), reduction="none")
+    w = weights / weights.sum().clamp(min=1e-12)
+    return (ce * w * hit.any(-1)).sum()
 
 
 def supervised_rows(input_ids, loss_mask, anchors, keep, block_size: int,
@@ -276,10 +333,13 @@ def estimate_acceptance(draft, target: FrozenTarget, seqs: list[tuple[list[int],
             h, _ = draft_hidden(draft, target, ids.to(dev), att.to(dev), loss_mask.to(dev),
                                 anchors.to(dev), keep.to(dev), flex=flex)  # fmt: skip
         h = h.view(len(part), n, lsz, -1)[:, :, 1:]  # [B, N, L-1, H]
-        pred = torch.stack(
-            [(h[:, :, k].to(target.head.dtype) @ target.head.T).argmax(-1) for k in range(lsz - 1)],
-            dim=-1,
-        ).cpu()  # [B, N, L-1]; sync
+        if getattr(draft, "is_dflash2", False):  # the selector's greedy walk from each anchor
+            pred = _walk_proposals(draft, target, h, ids.to(dev).gather(1, anchors.to(dev))).cpu()
+        else:
+            pred = torch.stack(
+                [(h[:, :, k].to(target.head.dtype) @ target.head.T).argmax(-1) for k in range(lsz - 1)],
+                dim=-1,
+            ).cpu()  # [B, N, L-1]; sync
         for r, (x, st) in enumerate(part):
             xt = torch.tensor(x)
             rows = []
@@ -303,6 +363,29 @@ def estimate_acceptance(draft, target: FrozenTarget, seqs: list[tuple[list[int],
         "attempts": attempts[1:],
         "hits": hits[1:],
     }
+
+
+def _walk_proposals(draft, target: FrozenTarget, h: torch.Tensor, anchor_ids: torch.Tensor,
+                    blocks: int = 256) -> torch.Tensor:  # fmt: skip
+    """A DFlash2 draft's greedy proposals (the selector's walk, as at inference) of every block.
+
+    Args:
+        h: [B, N, L-1, H] draft states; anchor_ids: [B, N] the anchors' tokens.
+        blocks: blocks per chunk (memory: blocks x (L-1) x V logits).
+
+    Returns:
+        [B, N, L-1] int64 token ids.
+    """
+    b, n, t, hid = h.shape
+    flat, anchors = h.reshape(b * n, t, hid), anchor_ids.reshape(-1)
+    w = target.head
+
+    def head(x):
+        return x.to(w.dtype) @ w.T
+
+    out = [draft.propose(flat[lo : lo + blocks], anchors[lo : lo + blocks], head)[0]
+           for lo in range(0, b * n, blocks)]  # fmt: skip
+    return torch.cat(out).view(b, n, t)
 
 
 def merge_acceptance(parts: list[dict]) -> dict:

@@ -69,13 +69,16 @@ class Trainer:
         self.seqs, self.eval_sets = self._load_data()
         self.eval_seqs = [sq for _, group in self.eval_sets for sq in group]
         resume = (self.state_dir / "trainer_state.json").is_file()
-        from dflash.models.draft_torch import DFlashDraft
+        from dflash.models.draft_load import load_draft
 
         self.base_step, prior_log = 0, []
         if cfg.resume_from and not resume:
             draft, self.base_step, prior_log = _weights_only(cfg)
         elif resume:
-            draft = DFlashDraft.load(self.state_dir / "draft", dtype=torch.float32)
+            draft = load_draft(self.state_dir / "draft", dtype=torch.float32)
+            if cfg.arch is not None and cfg.arch != ("dflash2" if getattr(draft, "is_dflash2", False) else "dflash"):
+                raise InputError(f"{self.state_dir} holds a run of another architecture than --arch {cfg.arch}.",
+                                 hint="drop --arch to resume it, or use another --out")  # fmt: skip
         else:
             draft = _fresh_draft(cfg, self.state_dir)
         self._check_pair(draft, target_model)
@@ -210,10 +213,13 @@ class Trainer:
         with torch.autocast(self.device.type, dtype=self.autocast or torch.float32,
                             enabled=self.autocast is not None):  # fmt: skip
             out = batch_loss(self.draft, self.target, batch, flex=self.flex, gamma=self.cfg.gamma,
-                             chunk=8192 if self.device.type == "cuda" else 1024, runner=self.runner)  # fmt: skip
+                             chunk=8192 if self.device.type == "cuda" else 1024, runner=self.runner,
+                             selector_weight=self.cfg.selector_weight)  # fmt: skip
         loss = out.loss
         if self.dist.world > 1:  # global statistics; DDP's average = the global batch's gradient
+            selector = out.selector
             loss, out = ddp.global_step_stats(out, self.dist)
+            out.selector = selector  # this rank's
         loss.backward()
         out.grad_norm = torch.nn.utils.clip_grad_norm_(self.draft.parameters(), self.cfg.clip)
         self.opt.step()
@@ -256,10 +262,8 @@ class Trainer:
         export = self.draft.config
         dtype = getattr(torch, self.cfg.save_dtype)
         export.extra["dtype"] = self.cfg.save_dtype
-        from dflash.models.draft_torch import DFlashDraft
-
         with torch.device("meta"):
-            copy = DFlashDraft(export)
+            copy = type(self.draft)(export)  # DFlash v1 or DFlash2
         state = {k: v.detach().to("cpu", dtype) for k, v in self.draft.state_dict().items()}
         copy.load_state_dict(state, assign=True)
         copy.save(self.out)
@@ -360,7 +364,8 @@ class Trainer:
             idx = batches[cur["batch"]]
             part, empty = ddp.rank_part(idx, self.dist)
             out = self._guarded_step(self._batch(part, cur["epoch"], empty), lr)
-            pending.append((out.loss.detach(), out.accuracy, out.accept, out.grad_norm.detach()))
+            sel = out.selector if out.selector is not None else out.accept.new_zeros(())
+            pending.append((out.loss.detach(), out.accuracy, out.accept, out.grad_norm.detach(), sel))
             seen[0], seen[1] = seen[0] + len(idx), seen[1] + sum(self.lengths[i] for i in idx)
             cur["step"], cur["batch"] = cur["step"] + 1, cur["batch"] + 1
             if cur["batch"] >= len(batches):
@@ -383,7 +388,8 @@ class Trainer:
                        "accuracy": stats[1], "accept": stats[2], "grad_norm": stats[3],
                        "elapsed": round(cur["elapsed"], 2),
                        "samples_per_s": round(seen[0] / secs, 3), "tokens_per_s": round(seen[1] / secs, 1),
-                       "samples": seen[0], "train_s": round(secs, 4)}  # fmt: skip
+                       "samples": seen[0], "train_s": round(secs, 4),
+                       **({"selector_loss": stats[4]} if out.selector is not None else {})}  # fmt: skip
                 for key, v in zip(self.speed, (seen[0], seen[1], secs), strict=True):
                     self.speed[key] += v
                 if do_eval:

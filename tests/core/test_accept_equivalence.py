@@ -31,7 +31,12 @@ from dflash.backends.base import SelectorProposal
 from dflash.backends.static.device_loop import commit
 from dflash.loop import speculative_generate
 from dflash.sampling import sampling_probs
-from dflash.sampling_torch import TorchSampler, accept_one_hot, sampling_probs_torch
+from dflash.sampling_torch import (
+    TorchSampler,
+    accept_candidates,
+    accept_one_hot,
+    sampling_probs_torch,
+)
 from dflash.types import SamplingParams
 
 DRAFT_WIDTH = 16  # the draft's trained block size: proposals come 15 at a time
@@ -182,6 +187,27 @@ def test_candidate_restriction_equals_dense_rule():
         assert got == accept_sampling(props, p, dense, fixed)
         if k == 1:
             assert got == accept_sampling(props, p, None, fixed)
+
+
+def test_torch_candidate_ops_equal_accept_sampling_candidates():
+    """accept_candidates (TorchSampler's device ops for DFlash2 proposals) ==
+    accept_sampling_candidates for the same fixed uniforms: repeated candidate ids, proposals
+    outside the target's support, residuals without mass."""
+    rng = np.random.default_rng(4)
+    for _ in range(600):
+        n, vocab, k = int(rng.integers(1, 16)), int(rng.integers(2, 30)), int(rng.integers(1, 5))
+        p = dyadic_table(rng, n + 1, vocab)
+        cand = rng.integers(0, vocab, (n, k))
+        q = dyadic_table(rng, n, k) if k > 1 else np.ones((n, 1))
+        hit = rng.random(n) < 0.5  # some proposals the target would pick anyway
+        cand[hit, 0] = p[:n].argmax(-1)[hit]
+        props = [int(cand[i, 0]) if hit[i] else int(cand[i, rng.integers(k)]) for i in range(n)]
+        u, u_bonus = uniforms(rng, n), float(rng.integers(0, 2**16)) / 2**16
+        want = accept_sampling_candidates(props, p, cand, q, Uniforms(u, u_bonus))
+        a, bonus = accept_candidates(torch.tensor(props), torch.tensor(p), torch.tensor(cand),
+                                     torch.tensor(q), torch.tensor(u, dtype=torch.float64),
+                                     fixed_draw(u_bonus))  # fmt: skip
+        assert (int(a), int(bonus)) == want
 
 
 # ------------------------------------------------------------------------- device loop commit

@@ -19,30 +19,12 @@ from dflash.models.draft2_torch import (
 )
 from dflash.models.draft_torch import DFlashDraft, read_safetensors
 from dflash.types import SamplingParams
+from tests.helpers.dflash2 import make_draft2
 from tests.helpers.paths import fixture_json as fixture
 from tests.helpers.stats import one_torch_thread
 from tests.helpers.tiny import PROMPT
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # one torch thread (tests/conftest.py)
-
-
-
-def make_draft2(target, layers=2, block_size=16, seed=0, **settings) -> DFlash2Draft:
-    """A random DFlash2 draft for ``target`` with non-trivial convolutions and selector."""
-    from dflash.models.init_draft import draft_config_for
-
-    cfg = draft_config_for(target.config, layers=layers, block_size=block_size, mask_token_id=255,
-                           vocab_rows=target.config.vocab_size, arch="dflash2")  # fmt: skip
-    for k, v in {"selector_rank": 8, "selector_top_k": 4, **settings}.items():
-        setattr(cfg.dflash2, k, v)
-    cfg.validate()
-    torch.manual_seed(seed)
-    draft = DFlash2Draft(cfg).eval()
-    with torch.no_grad():
-        for layer in draft.layers:
-            for conv in (layer.attention_conv, layer.mlp_conv):
-                conv.base_kernel.normal_(0.0, 0.7)
-    return draft
 
 
 def expected_shapes(cfg: DraftConfig) -> dict[str, list[int]]:
@@ -203,11 +185,33 @@ def test_v1_folder_is_not_a_dflash2_draft(tmp_path, tiny_target):
         DFlash2Draft.load(tmp_path / "v1")
 
 
-def test_explicit_masks_refused(tiny_target):
-    draft = make_draft2(tiny_target)
-    with pytest.raises(ConfigError, match="one block per forward"):
-        draft(torch.randn(1, 4, 64), torch.randn(1, 2, draft.feature_width), torch.arange(2, 6)[None],
-              torch.arange(2)[None], masks={"full_attention": None})  # fmt: skip
+def test_packed_blocks_equal_one_forward_per_block(tiny_target):
+    """The training layout: N blocks packed in one forward (masks given) equal N one-block
+    forwards, so no block's convolution sees the block before it; packed without whole blocks
+    is refused."""
+    draft = make_draft2(tiny_target, block_size=4)
+    torch.manual_seed(1)
+    h = tiny_target.config.hidden_size
+    emb, feats = torch.randn(1, 8, h), torch.randn(1, 6, draft.feature_width)
+    ctx_pos, anchors = torch.arange(6)[None], [2, 4]
+    q_pos = torch.cat([torch.arange(a, a + 4) for a in anchors])[None]
+    # block n sees the context rows before its anchor and its own block
+    vis = torch.zeros(8, 14, dtype=torch.bool)
+    for n, a in enumerate(anchors):
+        vis[4 * n : 4 * n + 4, :a] = True
+        vis[4 * n : 4 * n + 4, 6 + 4 * n : 6 + 4 * n + 4] = True
+    masks = {"full_attention": vis[None, None]}
+    with torch.no_grad():
+        packed = draft(emb, feats, q_pos, ctx_pos, masks=masks, packed=True)
+        for n, a in enumerate(anchors):
+            one = draft(
+                emb[:, 4 * n : 4 * n + 4], feats[:, :a], q_pos[:, 4 * n : 4 * n + 4], ctx_pos[:, :a]
+            )
+            torch.testing.assert_close(packed[:, 4 * n : 4 * n + 4], one, rtol=1e-5, atol=1e-5)
+        unpacked = draft(emb, feats, q_pos, ctx_pos, masks=masks)  # one 8-row block: differs
+    assert (unpacked[:, 4:] - packed[:, 4:]).abs().max() > 1e-3
+    with pytest.raises(ConfigError, match="whole blocks"):
+        draft(emb[:, :6], feats, q_pos[:, :6], ctx_pos, masks=masks, packed=True)
 
 
 # ----------------------------------------------------------------------------- convolution
@@ -372,5 +376,6 @@ def test_cli_init_draft_dflash2_and_generate(tmp_path, demo_gguf, demo_pipe):
             do_sample=False, eos_token_id=demo_pipe.stop_ids, pad_token_id=demo_pipe.stop_ids[0],
         )[0, len(ids) :].tolist()  # fmt: skip
     assert a["token_ids"] == ref and a["block_size"] == 6  # both keep the stop token
-    assert_one_line_error(graphs, "DFlash2")
+    # DFlash2 drafts run on the CUDA-graph path now: on the CPU the usual refusal, not a DFlash2 one
+    assert_one_line_error(graphs, "CUDA graphs need a CUDA device")
     assert_one_line_error(arch, "--arch")

@@ -71,18 +71,18 @@ def setup(tmp_path_factory):
     return root
 
 
-def options(root, out, batch_tokens: int, steps: int) -> list[str]:
-    return ["--data", str(root / "data"), "--out", str(out), "--init", str(root / "init"),
+def options(root, out, batch_tokens: int, steps: int, arch: str = "dflash") -> list[str]:
+    return ["--arch", arch, "--data", str(root / "data"), "--out", str(out), "--init", str(root / "init"),
             "--block-size", "8", "--anchors", "6", "--max-steps", str(steps), "--lr", "1e-3",
             "--max-len", "64", "--batch-tokens", str(batch_tokens), "--save-dtype", "float32",
             "--device", "cpu", "--eval-every", "1000", "--save-every", "1000"]  # fmt: skip
 
 
-def one_process(root, out, batch_tokens: int, steps: int) -> Trainer:
+def one_process(root, out, batch_tokens: int, steps: int, arch: str = "dflash") -> Trainer:
     cfg = TrainConfig(target=None, data=str(root / "data"), out=str(out), init=str(root / "init"),
                       block_size=8, anchors=6, max_steps=steps, lr=1e-3, max_len=64,
                       batch_tokens=batch_tokens, save_dtype="float32", device="cpu",
-                      eval_every=1000, save_every=1000)  # fmt: skip
+                      eval_every=1000, save_every=1000, arch=arch)  # fmt: skip
     trainer = Trainer(cfg, train_target())
     trainer.run()
     return trainer
@@ -99,9 +99,9 @@ def torchrun(tmp_path, args: list[str]) -> subprocess.CompletedProcess:
 
 
 def weights(folder) -> dict:
-    from dflash.models.draft_torch import DFlashDraft
+    from dflash.models.draft_load import load_draft
 
-    return DFlashDraft.load(folder, dtype=torch.float32).state_dict()
+    return load_draft(folder, dtype=torch.float32).state_dict()
 
 
 def read_log(folder) -> list[dict]:
@@ -116,27 +116,29 @@ def moments(folder) -> dict:
 
 
 @pytest.mark.slow
-def test_two_processes_take_the_steps_of_one_process_with_the_global_batch(setup, tmp_path):
+@pytest.mark.parametrize("arch", ["dflash", "dflash2"])
+def test_two_processes_take_the_steps_of_one_process_with_the_global_batch(setup, tmp_path, arch):
     """Two steps, then a resume under torchrun for a third (where rank 0 has no sequence):
     the same weights, AdamW moments
     (float32, atol 1e-5), loss, accuracy, training τ and gradient norm as one process with
     twice the batch tokens. (The cosine schedule ends at lr 0, so weights move at step 1 only;
-    the moments carry every step's gradient.)"""
+    the moments carry every step's gradient.) DFlash2: the v1 init turned into a DFlash2
+    draft, its selector loss and selector weights included."""
     root = setup
     one, two = tmp_path / "one", tmp_path / "two"
-    single = one_process(root, one, batch_tokens=256, steps=2)
+    single = one_process(root, one, batch_tokens=256, steps=2, arch=arch)
     shutil.copytree(one, f"{one}.0")
-    one_process(root, one, batch_tokens=256, steps=3)  # resumed
+    one_process(root, one, batch_tokens=256, steps=3, arch=arch)  # resumed
     sizes = [len(b) for b in single.epoch_batches[0][:3]]
     assert sizes == [4, 5, 1], sizes  # step 3: rank 0 runs a zero-weight part
-    proc = torchrun(tmp_path, [*options(root, two, batch_tokens=128, steps=2), "::",
-                               *options(root, two, batch_tokens=128, steps=3)])  # fmt: skip
+    proc = torchrun(tmp_path, [*options(root, two, batch_tokens=128, steps=2, arch=arch), "::",
+                               *options(root, two, batch_tokens=128, steps=3, arch=arch)])  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stderr.count("wrote ") == 2  # rank 0 alone reports
     assert "samples/s" in proc.stderr and "2 process(es)" in proc.stderr
     init = weights(root / "init")
     for k, v in weights(f"{one}.0").items():
-        assert not torch.equal(v, init[k]), f"{k} did not train"
+        assert k not in init or not torch.equal(v, init[k]), f"{k} did not train"
         torch.testing.assert_close(weights(f"{two}.0")[k], v, atol=1e-5, rtol=0, msg=k)
     for a, b in ((f"{one}.0", f"{two}.0"), (one, two)):
         want, got = moments(a), moments(b)

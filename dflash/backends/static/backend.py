@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from dflash.backends.base import SelectorProposal
 from dflash.backends.plain import TransformersBackend
 from dflash.backends.static.capture import StaticGraphs
 from dflash.backends.static.device_loop import DeviceLoop
@@ -62,12 +63,14 @@ from dflash.kernels.rope_cache import rope_cache_fits
 from dflash.kernels.settings import KernelSettings, Launch, one_slice, pdl_wanted
 from dflash.kernels.small_linear import MAX_ROWS, fuse_norm_auto, linear_mode
 from dflash.kernels.split_attention import attention_mode, uses_kernel
+from dflash.models.draft2_torch import select_walk
 from dflash.models.draft_torch import DFlashDraft, rope_cos_sin
 from dflash.models.target_torch import SLIDING, layer_kinds
 
 DENSE_TYPES = ("llama", "qwen2", "qwen3")  # the batched engine's (dense full attention)
 SUPPORTED_TYPES = (*DENSE_TYPES, "mistral", "qwen3_moe")
 AUTO_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16)  # widths --block-size auto may use on the graph path
+SELECTOR_UNIFORMS = 64  # draft positions a DFlash2 sampled walk's uniform buffer holds (at least)
 
 
 def layer_windows(config: Any) -> list[int | None]:
@@ -184,15 +187,18 @@ class StaticBackend(StaticGraphs, TransformersBackend):
             with CUDA graphs only. True without graphs runs the same glue eagerly (tests).
 
     Raises:
-        BackendError: a DFlash2 draft, or a target :func:`supports_static` refuses.
+        BackendError: a target :func:`supports_static` refuses.
+
+    A DFlash2 draft (brief §4) runs the same fused forward with its convolutions (torch ops)
+    around the sublayers, then the candidate selector's walk on the device
+    (:meth:`_select`): greedy in the draft graph and the device loop, sampled in its own
+    graph (``sdraft``) whose uniforms and temperature are inputs the host writes before the
+    replay.
     """
 
     def __init__(self, target: Any, draft: DFlashDraft | None, device: torch.device,
                  use_graphs: bool = True, compile: bool = False, uniform_width: bool = False,
                  settings: KernelSettings | None = None, device_loop: bool | None = None):  # fmt: skip
-        if getattr(draft, "is_dflash2", False):
-            raise BackendError("The static/CUDA-graph path does not run DFlash2 drafts yet.",
-                               hint="drop --cuda-graphs; DFlash2 drafts run on the plain path")  # fmt: skip
         why = static_refusal(target)
         if why is not None:
             raise BackendError(f"The static/CUDA-graph path cannot run this target: {why}.",
@@ -219,9 +225,14 @@ class StaticBackend(StaticGraphs, TransformersBackend):
             self.feature_layers.setdefault(i - 1, []).append(n)
         # one qkv (hybrids: one token-mixer input) and one gate+up matmul per layer
         self.fused_target = fuse_hybrid(target) if self.hybrid else fuse_target(target)
+        self.dflash2 = bool(getattr(draft, "is_dflash2", False))
         self.fused_draft = fuse_draft(draft) if draft is not None else None
-        if self.fused_draft is not None:  # the device loop's draft skips its final norm
-            self.draft_head.fold_norm(draft.norm.weight)
+        if self.dflash2:  # the sampled walk's graph inputs: uniforms [1, U] and temperature [1]
+            width = max(SELECTOR_UNIFORMS, self.draft_block_size)
+            self.sel_u = torch.zeros(1, width, device=device)
+            self.sel_temp = torch.ones(1, device=device)
+        if self.fused_draft is not None and not self.dflash2:  # the device loop's draft skips
+            self.draft_head.fold_norm(draft.norm.weight)  # its final norm (v1: argmax head)
         self.folded_target = self.folded_draft = None
         self.configure(self.settings)
         self.capacity = 0
@@ -288,7 +299,8 @@ class StaticBackend(StaticGraphs, TransformersBackend):
             return every_width and fuse_norm_auto(model.config.hidden_size, self.dtype) and norms_fit(layers, self.dtype)
 
         self.fuse_norm = not self.hybrid and self.linear_in > 0 and fused_norms(target, target.model.layers, self.linear_in >= MAX_ROWS)
-        self.draft_fuse_norm = bool(self.draft_linear_in) and fused_norms(draft, draft.layers, True)
+        self.draft_fuse_norm = (bool(self.draft_linear_in) and not self.dflash2  # DFlash2: a conv
+                                and fused_norms(draft, draft.layers, True))  # after that norm  # fmt: skip
         if not self.fuse_norm:  # the folded weight copies: made once, kept while used
             self.folded_target = None
         elif self.folded_target is None:
@@ -326,6 +338,7 @@ class StaticBackend(StaticGraphs, TransformersBackend):
     # -- buffers --------------------------------------------------------------------------
     def reset(self, max_positions: int | None = None) -> None:
         """Size the caches for the request and capture every planned graph (before prefill)."""
+        self._draft_rng = None  # DFlash2's sampled walk: re-seeded at the request's first draft
         need = (max_positions or 2048) + self.draft_block_size + 16  # padded verify rows
         if need > self.capacity:
             self._allocate(-(-need // 1024) * 1024)
@@ -369,13 +382,17 @@ class StaticBackend(StaticGraphs, TransformersBackend):
         return target_forward_fused(self, ids, pos)
 
     def _draft_forward(self, block: torch.Tensor, start: torch.Tensor, ctx_pos: torch.Tensor,
-                       logits: bool = True):  # fmt: skip
+                       logits: bool = True, sample: bool = False):  # fmt: skip
         """block [1, L] ids, start [1] position of the anchor, ctx_pos [Tc] context rows.
 
         Returns (proposals [L-1] int64, logits [L-1, V]); ``logits=False``: (proposals, None)
         (the device loop): no full-vocabulary scatter with a draft vocabulary, and on the fused
         path no final norm (its weight folded into the head's copy,
-        :meth:`~dflash.backends.draft_head.DraftHead.fold_norm`)."""
+        :meth:`~dflash.backends.draft_head.DraftHead.fold_norm`). A DFlash2 draft returns
+        (proposals, (candidates [L-1, k], q [L-1, k] or None)) from :meth:`_select` (``sample``:
+        the sampled walk; :meth:`draft` makes the pair a
+        :class:`~dflash.backends.base.SelectorProposal`), (proposals, None) with
+        ``logits=False``."""
         length = block.shape[-1]
         q_pos = (start + torch.arange(length, device=self.device))[None]  # [1, L]
         self.dcache.write_pos = ctx_pos
@@ -386,6 +403,8 @@ class StaticBackend(StaticGraphs, TransformersBackend):
         masks = {kind: valid.expand(1, 1, length, -1) if rule is None else rule & valid
                  for kind, rule in rules.items()}  # fmt: skip
         embeds, ctx = F.embedding(block, self.embed_weight), self.feats[ctx_pos][None]
+        if self.embed_scale != 1.0:
+            embeds = embeds * self.embed_scale
         head = self.draft_head  # the draft vocabulary's rows when the draft has one
         fold = not logits and self.fused_draft is not None and head.folded is not None
         if self.fused_draft is not None:
@@ -400,11 +419,37 @@ class StaticBackend(StaticGraphs, TransformersBackend):
                                     tables=self.draft_rope_tables if self.rope_table else None)  # fmt: skip
         else:
             h = self.draft_model(embeds, ctx, q_pos, ctx_pos[None], cache=self.dcache, masks=masks)
+        if self.dflash2:  # the selector's walk over the full head's candidates
+            props, cand, q = self._select(h[:, 1:], block[:, 0], sample)
+            chosen = (cand[0], None if q is None else q[0]) if logits else None  # a plain tuple:
+            return props[0], chosen  # what a compiled graph returns; draft() wraps it
         if fold:  # no final norm: its weight is in the head's copy (DraftHead.fold_norm)
             return head.argmax_folded(h[0, 1:], row_argmax), None
         small = head.small_logits(h[0, 1:])  # [L-1, Vd]
         props = head.to_target(row_argmax(small))
         return props, (head.widen(small) if logits else None)  # [L-1, V] for sampling
+
+    def _select(self, hidden: torch.Tensor, anchor: torch.Tensor, sample: bool):
+        """The DFlash2 candidate selector on the device (brief §4.2), fixed shapes, no host sync.
+
+        Args:
+            hidden: [B, L-1, H] final-normed draft states of the draft positions (B = 1 in the
+                forwards; the sampling test walks many rows at once).
+            anchor: [B] anchor token ids.
+            sample: walk with the uniforms ``sel_u`` [B, >= L-1] and temperature ``sel_temp``
+                (graph inputs written by :meth:`draft`); False: the greedy walk.
+
+        Returns:
+            (proposals [B, L-1] int64, candidates [B, L-1, k], q [B, L-1, k] float32 or None).
+        """
+        d = self.draft_model
+        sel = d.candidate_selector
+        cand, unary = sel.candidates(d.process_logits(self.lm_head(hidden)))  # [1, L-1, k] each
+        first, trans = sel.edges(hidden, cand, anchor)
+        t = hidden.shape[1]
+        picks, q = select_walk(unary, first, trans, self.sel_u[:, :t], self.sel_temp) if sample else \
+            select_walk(unary, first, trans)  # fmt: skip
+        return cand.gather(-1, picks[..., None])[..., 0], cand, q
 
     # -- protocol -------------------------------------------------------------------------
     def prefill(self, prompt_ids: list[int], with_features: bool):
@@ -444,27 +489,47 @@ class StaticBackend(StaticGraphs, TransformersBackend):
         graph.replay()
         return out[:width], self.feats[start : start + width]
 
-    def draft(self, anchor: int, context, start: int, length: int):
+    def draft(self, anchor: int, context, start: int, length: int, sampling=None):
         """Propose a block; reads context features by position (``context`` is not needed).
 
         A prefill with features wrote the prompt's draft context, so every call re-reads the
         last ``draft_block_size`` committed rows, which covers all rows committed since (after
         plain steps of ``--block-size auto`` every row since the last draft call, eagerly).
+        ``sampling`` (DFlash2, temperature > 0): the selector samples its path; the host draws
+        the walk's L-1 uniforms from the request's seeded generator (the plain path's draws) into
+        the graph's input before the replay.
         """
         dev, window = self.device, self.draft_block_size
         seen, self._draft_seen = self._draft_seen, start  # rows < seen are in the draft cache
+        sample = self.dflash2 and sampling is not None and float(sampling.temperature) > 0
+        if sample:
+            self._selector_uniforms(sampling, length - 1)
         if start < window or not self.use_graphs or start - seen > window:
             lo = max(0, min(start - window, seen))
             block = torch.full((1, length), self.mask_token_id, dtype=torch.long, device=dev)
             block[0, 0] = anchor
             with torch.inference_mode():
-                return self._draft_forward(block, self.key_pos[start : start + 1], self.key_pos[lo:start])
-        graph, out, (blk, st, cp) = self._draft_graph(length)
+                out = self._draft_forward(block, self.key_pos[start : start + 1], self.key_pos[lo:start],
+                                          sample=sample)  # fmt: skip
+            return (out[0], SelectorProposal(*out[1])) if self.dflash2 else out
+        graph, out, (blk, st, cp) = self._draft_graph(length, "sdraft" if sample else "draft")
         blk[0, 0].fill_(anchor)
         st.fill_(start)
         cp.copy_(self.key_pos[start - window : start])
         graph.replay()
-        return out
+        return (out[0], SelectorProposal(*out[1])) if self.dflash2 else out
+
+    def _selector_uniforms(self, sampling, n: int) -> None:
+        """Write the sampled walk's inputs: ``n`` uniforms from the request's selector generator
+        (the same draws as the plain path's walk) and the temperature. A longer walk than the
+        buffer holds gets a new buffer (its sampled graphs are captured again)."""
+        if n > self.sel_u.shape[1]:
+            self.sel_u = torch.zeros(1, n, device=self.device)
+            for key in [k for k in self.graphs if k[0] == "sdraft"]:
+                del self.graphs[key]
+        gen = self._selector_rng(sampling)
+        self.sel_u[:, :n].copy_(torch.rand(1, n, generator=gen, device=self.device))
+        self.sel_temp.fill_(float(sampling.temperature))
 
     def rollback(self, length: int) -> None:
         """K/V: nothing to do (rows >= length are masked by position and overwritten later).

@@ -57,6 +57,8 @@ class StaticGraphs:
         keys = self.plan.keys()
         if self.device_loop is not None:  # the same forwards with the device loop's glue
             keys += [("d" + kind, width) for kind, width in keys]
+        if getattr(self, "dflash2", False):  # DFlash2: the sampled walk's draft graph too
+            keys += [("sdraft", width) for kind, width in self.plan.keys() if kind == "draft"]
         new: set[tuple[str, int]] = set()
         while any(key not in self.graphs for key in keys):
             for kind, width in keys:
@@ -65,8 +67,8 @@ class StaticGraphs:
                 new.add((kind, width))
                 if kind == "verify":
                     self._verify_graph(width)
-                elif kind == "draft":
-                    self._draft_graph(width)
+                elif kind in ("draft", "sdraft"):
+                    self._draft_graph(width, kind)
                 else:
                     self._device_graph(kind, width)
         warm = self.settings.graph_warm
@@ -86,7 +88,8 @@ class StaticGraphs:
             return lambda: self.device_loop.verify_step(width, self._fn("verify"))
         if kind == "ddraft":
             return lambda: self.device_loop.draft_step(partial(self._fn("draft"), logits=False))
-        eager = self._target_forward if kind == "verify" else self._draft_forward
+        eager = {"verify": self._target_forward, "draft": self._draft_forward,
+                 "sdraft": partial(self._draft_forward, sample=True)}[kind]  # fmt: skip
         if not self.compile:
             return eager
         if kind not in self._compiled:
@@ -106,7 +109,7 @@ class StaticGraphs:
         static_inputs = make_inputs()  # allocated once per graph, not per step
         if self.compile:  # Dynamo compiles in this thread, during the warm-up (its config is
             allow_recompiles()  # per thread: a server captures in its worker thread)
-        part = "draft" if kind in ("draft", "ddraft") else "target"
+        part = "draft" if kind in ("draft", "ddraft", "sdraft") else "target"
         try:
             with inductor_pdl(self.pdl_on(part, inductor=True), self.device):  # per forward
                 self.graphs[key] = self._capture(self._fn(kind, width), static_inputs)
@@ -176,7 +179,8 @@ class StaticGraphs:
             self.device_loop.park()
         return self._graph(kind, width, tuple)
 
-    def _draft_graph(self, length: int):
+    def _draft_graph(self, length: int, kind: str = "draft"):
+        """The draft graph at ``length`` (``kind`` "sdraft": a DFlash2 draft's sampled walk)."""
         dev, window = self.device, self.draft_block_size
 
         def make_inputs():  # block ids, anchor position, context rows; harmless during capture
@@ -184,4 +188,4 @@ class StaticGraphs:
                     self.key_pos[-length:-length + 1].clone(),
                     self.key_pos[-length - window : -length].clone())  # fmt: skip
 
-        return self._graph("draft", length, make_inputs)
+        return self._graph(kind, length, make_inputs)

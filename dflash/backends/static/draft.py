@@ -32,7 +32,7 @@ from dflash.kernels.qkv_rope import qkv_rope
 from dflash.kernels.rope_cache import rope_cache, rope_cache_fits
 from dflash.kernels.settings import Launch
 from dflash.kernels.small_linear import MAX_ROWS as LINEAR_MAX_ROWS
-from dflash.kernels.small_linear import small_linear
+from dflash.kernels.small_linear import small_linear, small_linear_glu
 from dflash.kernels.split_attention import split_attention
 from dflash.models.draft_torch import rope_cos_sin
 
@@ -41,7 +41,9 @@ def draft_forward_fused(draft, fused, block_embeds, target_hidden, q_pos, ctx_po
                         split_kinds=frozenset(), lin: bool = False, lin_in: bool = False, rope: bool = False,
                         glu: bool = False, folded=None, qkv_fused: bool = False, final_norm: bool = True,
                         tables=None):  # fmt: skip
-    """:meth:`DFlashDraft.forward` for the static cache with fused projections.
+    """:meth:`DFlashDraft.forward` for the static cache with fused projections (a DFlash2
+    draft's convolutions around its sublayers too: then ``folded`` must be None, as the
+    post-attention norm is not followed by the gate+up projection).
 
     Context and block rows go through one QKV matmul ([Tc + L] rows; the context rows' Q is
     computed and dropped, cheaper than a second launch). Args as the draft's forward, with
@@ -100,7 +102,11 @@ def draft_forward_fused(draft, fused, block_embeds, target_hidden, q_pos, ctx_po
     for i, layer in enumerate(draft.layers):
         a, (qkv, gate_up) = layer.self_attn, fused[i]
         d, kind = a.head_dim, cfg.layer_types[i]
-        x = torch.cat((ctx, layer.input_layernorm(h)), 1)  # [1, Tc + L, H]
+        conv = getattr(layer, "attention_conv", None)  # DFlash2: convolutions around sublayers
+        nb = layer.input_layernorm(h)
+        if conv is not None:
+            nb, taps = conv.prepare(nb)
+        x = torch.cat((ctx, nb), 1)  # [1, Tc + L, H]
         fg = folded[i][1] if folded is not None and lin_in else None  # gate+up, norm folded in
         if wpos is not None and kind in split_kinds and qkv_fused:  # the qkv_rope setting
             kc, vc = cache.keys[i], cache.values[i]
@@ -130,6 +136,16 @@ def draft_forward_fused(draft, fused, block_embeds, target_hidden, q_pos, ctx_po
                 k, v = torch.cat((kc, k[:, :, tc:]), 2), torch.cat((vc, v[:, :, tc:]), 2)
                 out = attend(q, k, v, masks[kind], None)
         out = out.transpose(1, 2).reshape(1, lq, a.heads * d)
+        if conv is not None:  # DFlash2 (brief §4.1): h + finish(sublayer(prepare(norm(h))))
+            h = h + conv.finish(_proj(lin, a.o_proj, out, kl), taps)
+            m, taps = layer.mlp_conv.prepare(layer.post_attention_layernorm(h))
+            if glu and lin_in and lq <= LINEAR_MAX_ROWS:
+                act = small_linear_glu(m[0], gate_up.weight, gate_up.bias, launch=kl)[None]
+            else:
+                g, u = _in_proj(lin_in, gate_up, m, kl)
+                act = F.silu(g) * u
+            h = h + layer.mlp_conv.finish(_proj(lin, layer.mlp.down_proj, act, kl), taps)
+            continue
         h = _out_proj(lin, a.o_proj, out, h, kl)
         if fg is not None:
             h = _mlp_rn(lin, fg, layer.mlp.down_proj, F.silu, layer.post_attention_layernorm, h, glu, kl)
@@ -137,6 +153,13 @@ def draft_forward_fused(draft, fused, block_embeds, target_hidden, q_pos, ctx_po
             h = _mlp(lin, lin_in, gate_up, layer.mlp.down_proj, F.silu, layer.post_attention_layernorm(h), h, glu,
                      kl)  # fmt: skip
     return draft.norm(h) if final_norm else h
+
+
+def _proj(lin: bool, proj, x: torch.Tensor, kl: Launch) -> torch.Tensor:
+    """proj(x) for [1, T, *] activations (no residual): one small_linear kernel when ``lin``."""
+    if lin:
+        return small_linear(x[0], proj.weight, proj.bias, launch=kl)[None]
+    return proj(x)
 
 
 def draft_rope_fits(draft) -> bool:
