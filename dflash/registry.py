@@ -13,7 +13,8 @@ large download. What runs each family here follows from what the backends accept
   (:func:`dflash.backends.static.backend.supports_static`); ``gpt_oss`` (attention sinks, its
   expert blocks as bf16 tensors), ``gemma3_text`` and ``gemma4`` text models (wrappers load their
   text model) through their own forward (:mod:`dflash.backends.static.families`); a wrapper whose
-  text model has no causal LM class (Muse-Glimmer) runs on the plain path.
+  text model has no causal LM class (Muse-Glimmer) runs on the plain path; the GatedDeltaNet hybrids
+  ``qwen3_next``, ``qwen3_5``, ``qwen3_5_moe`` through theirs (:mod:`dflash.backends.static.hybrid`).
 - transformers, plain path (CPU, or CUDA without graphs): full-attention and sliding-window
   causal LMs, dense or MoE (``qwen3_moe``, ``gemma4``, ``gpt_oss``), the GatedDeltaNet hybrids
   ``qwen3_next``, ``qwen3_5`` and ``qwen3_5_moe`` (:mod:`dflash.backends.gdn_torch`), multimodal
@@ -44,7 +45,8 @@ SLIDING = ("no: a multimodal wrapper whose text model has no causal LM class "
            "(the plain transformers path runs it)")
 SLIDING_MLX = ("untested: rotating (sliding-window) caches roll back exactly on mlx (tiny gemma3, "
                "gemma4 and gpt-oss targets tested), this family's mlx-lm model was not run")
-HYBRID_GRAPHS = "no: GatedDeltaNet layers (the plain transformers path runs them)"
+HYBRID_GRAPHS = ("untested: GatedDeltaNet layers in the graphs (tiny targets checked on the CPU without "
+                 "graphs; scripts/gpu_check_hybrid.py checks CUDA)")
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Cost of one speculative step on a Qwen3-8B-shaped random target, next to the HBM floor.
 
     PYTHONPATH=. python3 scripts/bench_big.py [--tiny] [--out DIR] [--no-compile]
-        [--shape qwen3-8b|smollm2] [--arch qwen3|llama] [--no-device-loop] [--profile] [--dtype float32]
+        [--shape qwen3-8b|smollm2|qwen3.5-9b] [--arch qwen3|llama] [--no-device-loop] [--profile] [--dtype float32]
 
 A random-weight bf16 target with Qwen3-8B dimensions (36 layers, hidden 4096, intermediate
 12288, 32 heads, 8 KV heads, head dim 128, vocab 151936; 16.4 GB) is built on the GPU with a
@@ -19,6 +19,8 @@ first token where a run left the block-1 truth (None: never), so a low τ at k =
 from a numerical difference between widths. ``--profile`` adds, per setting, the kernels of
 ``--steps`` steps (torch.profiler): device-busy ms per step next to the wall ms per step (the
 difference is time the GPU waited for the host) and the kernels with the most device time.
+``--shape qwen3.5-9b`` runs a GatedDeltaNet hybrid of Qwen3.5-9B's text shape (the floor then
+counts the K/V of its 8 attention layers and one read and one write of the 24 recurrent states);
 ``--shape smollm2`` runs the demo target's shape (SmolLM2-135M, with a 5-layer draft of the
 demo draft's shape). ``--arch llama`` builds a Llama model of those dims instead of a Qwen3 one
 (no q/k norms). ``--tiny`` runs the same code on a miniature model on the CPU (eager) for
@@ -46,7 +48,22 @@ QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, nu
 SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                num_attention_heads=9, num_key_value_heads=3, head_dim=64,
                max_position_embeddings=8192, tie_word_embeddings=False, rope_theta=100000.0)  # fmt: skip
-SHAPES = {"qwen3-8b": QWEN3_8B, "smollm2": SMOLLM2}
+# Qwen3.5-9B's text model (its published config's text part): 32 layers, 3 GatedDeltaNet : 1
+# gated attention, hidden 4096, MLP 12288, attention 16 heads (4 KV) of 256 with RoPE on 64 dims,
+# linear attention 16 key heads and 32 value heads of 128, conv 4, vocab 248320 (~17.9 GB bf16)
+QWEN35_9B = dict(vocab_size=248320, hidden_size=4096, intermediate_size=12288, num_hidden_layers=32,
+                 num_attention_heads=16, num_key_value_heads=4, head_dim=256, linear_conv_kernel_dim=4,
+                 linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16,
+                 linear_num_value_heads=32, max_position_embeddings=262144, tie_word_embeddings=False,
+                 rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
+                                  "partial_rotary_factor": 0.25})  # fmt: skip
+SHAPES = {"qwen3-8b": QWEN3_8B, "smollm2": SMOLLM2, "qwen3.5-9b": QWEN35_9B}
+HYBRID_SHAPES = ("qwen3.5-9b",)  # built as Qwen3.5 text models (Qwen3_5ForCausalLM)
+TINY_HYBRID = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_conv_kernel_dim=4,
+                   linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+                   linear_num_value_heads=4, max_position_embeddings=4096, tie_word_embeddings=False,
+                   initializer_range=0.3)  # fmt: skip
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16,
             max_position_embeddings=4096, tie_word_embeddings=False, initializer_range=0.3)  # fmt: skip
@@ -97,7 +114,14 @@ def build(tiny: bool, device: torch.device, dtype: torch.dtype, compile: bool,
     ``init_std``: weight init std of the target (default the config's 0.02): a small one keeps
     the residual stream near the token's embedding, so the greedy margin is wide at every width.
     """
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen3_5ForCausalLM,
+        Qwen3_5TextConfig,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
     from dflash.backends.static.backend import StaticBackend
     from dflash.backends.static.graph_plan import GraphPlan
@@ -107,7 +131,10 @@ def build(tiny: bool, device: torch.device, dtype: torch.dtype, compile: bool,
     torch.manual_seed(0)
     extra = {} if init_std is None else {"initializer_range": init_std}
     config, model = (LlamaConfig, LlamaForCausalLM) if arch == "llama" else (Qwen3Config, Qwen3ForCausalLM)
-    cfg = config(**(TINY if tiny else SHAPES[shape]), **extra)
+    dims = TINY if tiny else SHAPES[shape]
+    if shape in HYBRID_SHAPES:  # a GatedDeltaNet hybrid (dflash.backends.static.hybrid)
+        config, model, dims = Qwen3_5TextConfig, Qwen3_5ForCausalLM, TINY_HYBRID if tiny else dims
+    cfg = config(**{**dims, **extra})
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # build in the compute dtype (an fp32 8B would be 33 GB)
     try:
@@ -274,8 +301,11 @@ def main(argv: list[str] | None = None) -> dict:
     tgt = param_bytes(be.target, skip=("model.embed_tokens",))
     drf = param_bytes(be.draft_model) + be.lm_head.weight.numel() * be.lm_head.weight.element_size()
     c = be.target.config
-    kv_per_pos = 2 * c.num_hidden_layers * c.num_key_value_heads * be.head_dim * be.dtype.itemsize
+    attn_layers = sum(k is not None for k in be.k)  # layers with K/V (a hybrid's full-attention ones)
+    kv_per_pos = 2 * attn_layers * c.num_key_value_heads * be.head_dim * be.dtype.itemsize
     kv = kv_per_pos * (args.prompt_len + args.steps * max(blocks) // 2)
+    # a hybrid's GatedDeltaNet states: the committed one read and one slot written per step at least
+    kv += 2 * be.gdn.states[:, 0].numel() * 4 if be.gdn is not None else 0
     bw = copy_bandwidth(device, 1 << (22 if args.tiny else 32))
     desc = be.describe()
     report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

@@ -138,9 +138,8 @@ def no_graphs_reason(target: Any, refusal: str | None = None) -> str:
     ``refusal`` is :func:`static_refusal`'s reason, if known."""
     text = target.config.get_text_config()
     if "linear_attention" in (getattr(text, "layer_types", None) or []):
-        return (
-            "CUDA graphs do not run GatedDeltaNet hybrids (Qwen3-Next, Qwen3.5) yet; the plain "
-            "path runs them exactly."
-        )
+        why = f" ({refusal})" if refusal else ""
+        return (f"CUDA graphs run GatedDeltaNet hybrids of the Qwen3-Next / Qwen3.5 layouts only{why}; "
+                "the plain path runs this one exactly.")  # fmt: skip
     why = f" ({refusal})" if refusal else ""
     return f"CUDA graphs need a Llama/Qwen2/Qwen3/Mistral/Qwen3-MoE-style target{why}."

@@ -53,8 +53,16 @@ from dflash.backends.static.fused import (
     target_fusable,
 )
 from dflash.backends.static.graph_plan import plan_graphs
+from dflash.backends.static.hybrid import (
+    HybridState,
+    fuse_hybrid,
+    hybrid_forward,
+    hybrid_refusal,
+    is_hybrid,
+)
 from dflash.backends.static.moe import moe_route
 from dflash.errors import BackendError
+from dflash.kernels.gdn_norms import norms_fit as hybrid_norms_fit
 from dflash.kernels.pdl import pdl_supported
 from dflash.kernels.qkv_rope import qkv_rope_fits, qkv_rope_wanted
 from dflash.kernels.rms_norm import available as rms_norm_available
@@ -89,6 +97,8 @@ def static_refusal(target: Any) -> str | None:
     forwards fuse (:func:`~dflash.backends.static.fused.target_fusable`)."""
     cfg = target.config
     family = getattr(cfg, "model_type", None)
+    if is_hybrid(cfg):  # GatedDeltaNet hybrids: their own forward (dflash.backends.static.hybrid)
+        return hybrid_refusal(target)
     if family_type(target) is not None:  # gpt-oss, Gemma 3/4 text (dflash.backends.static.families)
         return family_refusal(target)
     if family not in SUPPORTED_TYPES:
@@ -224,10 +234,13 @@ class StaticBackend(StaticGraphs, TransformersBackend):
         self.dtype = self.embed_weight.dtype
         self.windows = layer_windows(cfg)  # per layer: sliding window W or None
         self.moe_route = moe_route(device, self.dtype)  # expert blocks: gather or grouped_mm
+        self.hybrid = is_hybrid(cfg)  # GatedDeltaNet layers: state buffers in self.gdn
+        self.gdn: HybridState | None = None
         self.feature_layers: dict[int, list[int]] = {}  # layer -> feature slots (ids may repeat)
         for n, i in enumerate(self.layer_ids):
             self.feature_layers.setdefault(i - 1, []).append(n)
-        self.fused_target = fuse_target(target) if self.family is None else []  # one qkv, one gate+up matmul per layer
+        # one qkv (hybrids: one token-mixer input) and one gate+up matmul per layer; families: their own
+        self.fused_target = fuse_hybrid(target) if self.hybrid else fuse_target(target) if self.family is None else []
         self.dflash2 = bool(getattr(draft, "is_dflash2", False))
         self.fused_draft = fuse_draft(draft) if draft is not None else None
         if self.dflash2:  # the sampled walk's graph inputs: uniforms [1, U] and temperature [1]
@@ -263,7 +276,8 @@ class StaticBackend(StaticGraphs, TransformersBackend):
         # o_proj/down_proj of the fused forwards for <= 32 rows: one Triton kernel each with the
         # residual add fused in, or torch (see dflash.kernels.small_linear)
         linear = linear_mode(settings.linear, device)
-        self.linear = linear if self.family is None and small_linear_fits(target) else "torch"
+        # (hybrids: torch for now, not yet measured; their forward takes small_linear where allowed)
+        self.linear = linear if self.family is None and not self.hybrid and small_linear_fits(target) else "torch"
         self.draft_linear = self.fused_draft is not None and linear != "torch" and draft_small_linear_fits(draft)
         # the fused qkv and gate+up projections too, in forwards of up to linear_in rows (every
         # width under "auto" and "all")
@@ -276,8 +290,8 @@ class StaticBackend(StaticGraphs, TransformersBackend):
         # q/k (norm +) RoPE + cache writes as one kernel (see dflash.kernels.rope_cache)
         split = self.attention != "sdpa"  # the kernel feeds the split-KV attention only
         self.draft_rope = settings.rope_draft and self.draft_linear and split and draft_rope_fits(draft)
-        attn = target.model.layers[0].self_attn
-        self.target_rope = (settings.rope_target and self.linear != "torch" and split
+        attn = None if self.hybrid else target.model.layers[0].self_attn
+        self.target_rope = (not self.hybrid and settings.rope_target and self.linear != "torch" and split
                             and rope_cache_fits(attn, self.dtype, norms=hasattr(attn, "q_norm")))  # fmt: skip
         self.rope_table = settings.rope_table  # the draft's RoPE kernel reads [S, D] tables
         # the qkv projection inside that kernel too (dflash.kernels.qkv_rope)
@@ -300,7 +314,7 @@ class StaticBackend(StaticGraphs, TransformersBackend):
                 return settings.fuse_norm and norms_fit(layers, self.dtype)
             return every_width and fuse_norm_auto(model.config.hidden_size, self.dtype) and norms_fit(layers, self.dtype)
 
-        self.fuse_norm = self.linear_in > 0 and fused_norms(target, target.model.layers, self.linear_in >= MAX_ROWS)
+        self.fuse_norm = not self.hybrid and self.linear_in > 0 and fused_norms(target, target.model.layers, self.linear_in >= MAX_ROWS)
         self.draft_fuse_norm = (bool(self.draft_linear_in) and not self.dflash2  # DFlash2: a conv
                                 and fused_norms(draft, draft.layers, True))  # after that norm  # fmt: skip
         if not self.fuse_norm:  # the folded weight copies: made once, kept while used
@@ -313,10 +327,12 @@ class StaticBackend(StaticGraphs, TransformersBackend):
             self.folded_draft = fold_norms(draft.layers, self.fused_draft, ("post",))
         # the target's stand-alone norms through one Triton kernel each
         self.norm_kernel = (settings.norm_kernel and device.type == "cuda" and rms_norm_available() and self.family is None
-                            and not self.fuse_norm
+                            and not self.hybrid and not self.fuse_norm
                             and all(rms_norm_fits(n, self.dtype) for n in _target_norms(target)))  # fmt: skip
         if self.family is not None:  # gpt-oss, Gemma: their norms and RoPE kernels
             configure_family(self, settings)
+        # a hybrid's RMSNorms (centred and gated) through one Triton kernel each (bf16/fp16 on CUDA)
+        self.hybrid_norms = self.hybrid and settings.norm_kernel and hybrid_norms_fit(target, self.dtype, device)
         # programmatic dependent launch of this project's kernels, per forward
         self.launch = {part: Launch(settings, self.pdl_on(part)) for part in ("target", "draft")}
 
@@ -329,7 +345,8 @@ class StaticBackend(StaticGraphs, TransformersBackend):
         """The pieces of :data:`~dflash.kernels.settings.LADDER` the forwards run (``pdl``: in
         the ``part`` forward, this project's kernels or Inductor's), for
         :func:`~dflash.kernels.settings.fall_back`."""
-        live = {"qkv_rope": self.qkv_rope_target or self.qkv_rope_draft, "norm_kernel": self.norm_kernel,
+        live = {"qkv_rope": self.qkv_rope_target or self.qkv_rope_draft,
+                "norm_kernel": self.norm_kernel or self.hybrid_norms,
                 "fuse_norm": self.fuse_norm or self.draft_fuse_norm, "glu": self.glu or self.draft_glu,
                 "rope": self.draft_rope or self.target_rope, "linear": self.linear != "torch" or self.draft_linear,
                 "attention": self.attention != "sdpa",
@@ -352,8 +369,11 @@ class StaticBackend(StaticGraphs, TransformersBackend):
         if self.family is not None:  # per-layer layouts; a layer sharing K/V holds its source's buffers
             self.k, self.v = allocate(self.family, capacity, dt, dev)
         else:
-            self.k = [torch.zeros(shape, dtype=dt, device=dev) for _ in range(self.n_layers)]
-            self.v = [torch.zeros(shape, dtype=dt, device=dev) for _ in range(self.n_layers)]
+            linear = self.gdn_layers()  # GatedDeltaNet layers keep no K/V
+            self.k = [None if i in linear else torch.zeros(shape, dtype=dt, device=dev) for i in range(self.n_layers)]
+            self.v = [None if i in linear else torch.zeros(shape, dtype=dt, device=dev) for i in range(self.n_layers)]
+        if self.hybrid and self.gdn is None:  # fixed for the backend's life: the graphs hold them
+            self.gdn = HybridState(self.target, max(*self.plan.verify_widths, self.draft_block_size), dt, dev)
         self.key_pos = torch.arange(capacity, device=dev)
         width = len(self.layer_ids) * self.target.config.hidden_size
         self.feats = torch.zeros(capacity, max(width, 1), dtype=dt, device=dev)  # [S, F]
@@ -368,13 +388,21 @@ class StaticBackend(StaticGraphs, TransformersBackend):
         self.capacity = capacity
         self.graphs.clear()
 
+    def gdn_layers(self) -> set[int]:
+        """The target's GatedDeltaNet layers (empty unless a hybrid)."""
+        return {i for i, k in enumerate(layer_kinds(self.target.config)) if k == "linear_attention"}
+
     # -- forwards -------------------------------------------------------------------------
-    def _target_forward(self, ids: torch.Tensor, pos: torch.Tensor):
+    def _target_forward(self, ids: torch.Tensor, pos: torch.Tensor, prefill: bool = False):
         """ids, pos [1, T] -> logits [T, V]; writes K/V and features at pos
         (:func:`~dflash.backends.static.fused.target_forward_fused`; gpt-oss and Gemma:
-        :func:`~dflash.backends.static.families.family_forward`)."""
+        :func:`~dflash.backends.static.families.family_forward`; hybrids
+        :func:`~dflash.backends.static.hybrid.hybrid_forward`, whose GatedDeltaNet layers a
+        ``prefill`` starts from zero states, a verify from the committed ones)."""
         if self.family is not None:
             return family_forward(self, ids, pos)
+        if self.hybrid:
+            return hybrid_forward(self, ids, pos, prefill)
         return target_forward_fused(self, ids, pos)
 
     def _draft_forward(self, block: torch.Tensor, start: torch.Tensor, ctx_pos: torch.Tensor,
@@ -452,19 +480,23 @@ class StaticBackend(StaticGraphs, TransformersBackend):
         ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)
         pos = torch.arange(len(prompt_ids), device=self.device)[None]
         with torch.inference_mode():
-            logits = self._target_forward(ids, pos)
+            logits = self._target_forward(ids, pos, prefill=True)
             seen = 0
             if with_features and self.draft_model is not None:  # the prompt's draft context K/V:
                 self.dcache.write_pos = pos[0]  # the first draft call then reads only its window
                 self.draft_model.write_context(self.feats[: len(prompt_ids)][None], pos, self.dcache)
                 seen = len(prompt_ids)
         self._draft_seen = seen
+        if self.gdn is not None:
+            self.gdn.prefilled(len(prompt_ids))
         return logits[-1], (self.feats[: len(prompt_ids)] if with_features else None)
 
     def verify(self, anchor: int, proposals, start: int, with_features: bool):
         """Verify [anchor, proposals]; with graphs the width is padded to a captured one and
         the logits of the padding rows are dropped (returned logits [W, V], W = 1 + proposals)."""
         width = 1 + (0 if proposals is None else proposals.shape[0])
+        if self.hybrid:  # the committed GatedDeltaNet states must hold `start` positions
+            self.gdn.verifying(start, width)
         if not self.use_graphs:
             ids = torch.tensor([anchor], dtype=torch.long, device=self.device)
             ids = ids if proposals is None else torch.cat((ids, proposals))
@@ -524,7 +556,15 @@ class StaticBackend(StaticGraphs, TransformersBackend):
         self.sel_temp.fill_(float(sampling.temperature))
 
     def rollback(self, length: int) -> None:
-        """Nothing to do: rows >= length are masked by position and overwritten later."""
+        """K/V: nothing to do (rows >= length are masked by position and overwritten later).
+        GatedDeltaNet layers: the state after the accepted prefix of the last verify becomes
+        the committed one (a gather on the device, :meth:`HybridState.rollback`).
+
+        Raises:
+            BackendError: (hybrids) ``length`` outside the last verify's positions.
+        """
+        if self.hybrid:
+            self.gdn.settle(length)
 
     def _draft_head_dim(self) -> int | None:
         """The draft's attention head dim (None without a draft)."""
@@ -543,6 +583,10 @@ class StaticBackend(StaticGraphs, TransformersBackend):
                    or family_type(self.target) == "gpt_oss"
                    or any(getattr(layer, "enable_moe_block", False) for layer in self.target.model.layers) else {}),
                 **({"family": family_type(self.target)} if self.family is not None else {}),
+                **({"gdn_layers": len(self.gdn_layers()),
+                    "gdn_recurrence": "triton" if self.gdn is not None and self.gdn.triton else "torch",
+                    "gdn_norms": "triton" if self.hybrid_norms else "torch"}
+                   if self.hybrid else {}),
                 "attention": self.attention, "linear": self.linear,
                 # rows up to which the in-projections run small_linear (the draft: all or none)
                 "linear_in": {"target": self.linear_in, "draft": MAX_ROWS if self.draft_linear_in else 0},

@@ -127,11 +127,13 @@ class DeviceLoop:
     def verify_step(self, width: int, verify_fn) -> None:
         """Verify [anchor, props[:width-1]] at ``pos``, accept the longest greedy prefix (capped
         by ``lim`` and the budget), commit it plus the bonus token; writes ``last`` and moves the
-        state. No host sync."""
+        state (a hybrid target's GatedDeltaNet states too). No host sync."""
         ids, pos = self._glue("verify_inputs", verify_inputs)(self.tok, self.props, self.pos, self.arange, width)
         logits = verify_fn(ids, pos)  # [W, V]
         self._glue("commit", commit)(logits, self.props, self.tok, self.pos, self.n, self.budget,
                                      self.lim, self.last, self.arange)  # fmt: skip
+        if self.be.gdn is not None:  # hybrids: the committed tokens' GatedDeltaNet states (a gather)
+            self.be.gdn.rollback(self.last[:1])
 
     def draft_step(self, draft_fn, ctx_pos: torch.Tensor | None = None) -> None:
         """Draft a block of width L at ``pos`` from the anchor ``tok``; proposals go to

@@ -30,6 +30,15 @@ import torch.nn.functional as F
 from dflash.kernels.moe_gemv import MAX_PAIRS, moe_gemv, moe_glu
 from dflash.kernels.moe_gemv import usable as moe_gemv_usable
 
+# routers without a ``norm_topk_prob`` flag that always divide the top-k weights by their sum
+ALWAYS_NORMALIZED = frozenset({"Qwen3_5MoeTopKRouter"})
+
+
+def normalizes(gate: Any) -> bool:
+    """Whether the router divides its top-k weights by their sum (``norm_topk_prob``, or always
+    for :data:`ALWAYS_NORMALIZED` routers)."""
+    return bool(getattr(gate, "norm_topk_prob", True))
+
 
 def moe_block(mlp: Any) -> bool:
     """Whether ``mlp`` is a top-k routed expert block this module runs: a router ``gate`` with
@@ -41,7 +50,7 @@ def moe_block(mlp: Any) -> bool:
         gate is None
         or experts is None
         or not hasattr(gate, "top_k")
-        or not hasattr(gate, "norm_topk_prob")
+        or not (hasattr(gate, "norm_topk_prob") or type(gate).__name__ in ALWAYS_NORMALIZED)
     ):
         return False
     w, gu, down = (getattr(gate, "weight", None), getattr(experts, "gate_up_proj", None),
@@ -84,7 +93,7 @@ def route(mlp: Any, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     logits = F.linear(h, gate.weight)  # [T, E]
     probs = torch.softmax(logits, dim=-1, dtype=torch.float)
     top, idx = torch.topk(probs, gate.top_k, dim=-1)
-    if gate.norm_topk_prob:
+    if normalizes(gate):
         top = top / top.sum(dim=-1, keepdim=True)
     return top.to(logits.dtype), idx
 

@@ -166,15 +166,19 @@ def test_sampling_emits_the_target_distribution_after_rollbacks():
     check_sampling_after_rollbacks(build("qwen3_5_text"), prompt_ids(P), tol=1e-3)
 
 
-def test_the_cuda_graph_path_names_the_hybrid():
-    """The CUDA-graph path does not run the hybrids: auto mode takes the plain path, and
-    ``--cuda-graphs`` says why in one sentence."""
-    from dflash.backends.static.backend import supports_static
+def test_the_cuda_graph_path_takes_the_hybrids_it_covers():
+    """The CUDA-graph path runs the covered hybrid layouts (dflash.backends.static.hybrid); one it
+    does not cover goes to the plain path, and ``--cuda-graphs`` says why in one sentence."""
+    from dflash.backends.static.backend import static_refusal, supports_static
     from dflash.backends.transformers import no_graphs_reason
 
     model = build("qwen3_next")
-    assert not supports_static(model)
-    assert "GatedDeltaNet" in no_graphs_reason(model) and "plain path" in no_graphs_reason(model)
+    assert supports_static(model)
+    model.config.rope_parameters = {**model.config.rope_parameters, "rope_type": "yarn"}
+    why = static_refusal(model)
+    assert why is not None and not supports_static(model)
+    msg = no_graphs_reason(model, why)
+    assert "GatedDeltaNet" in msg and "plain path" in msg and why in msg and "\n" not in msg
 
 
 @pytest.mark.slow  # two CLI processes: about a minute on a small shared CPU

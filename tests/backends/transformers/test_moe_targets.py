@@ -33,12 +33,13 @@ def test_gpt_oss_has_sinks_and_experts():
 
 
 STATIC_FAMILIES = ("mistral", "qwen2_window", "qwen3_moe", "gpt_oss", "gemma3_text", "gemma4_text",
-                   "gemma4_kv_shared", "gemma4_moe")  # the CUDA-graph path runs these too
+                   "gemma4_kv_shared", "gemma4_moe", "qwen3_5_text", "qwen3_5_moe",
+                   "qwen3_next")  # the CUDA-graph path runs these too
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_the_cuda_graph_path_takes_only_its_families(family):
-    """``supports_static`` takes Mistral, Qwen2 with windows, Qwen3-MoE, gpt-oss and Gemma 3/4 text
+    """``supports_static`` takes Mistral, Qwen2 with windows, Qwen3-MoE, gpt-oss, Gemma 3/4 text and the GatedDeltaNet hybrids
     (``tests/backends/static/``) and sends the others to the plain path."""
     from dflash.backends.static.backend import supports_static
 
