@@ -97,8 +97,11 @@ def family_support(family: str, layers: str = "") -> dict[str, str]:
         return {"cuda_graphs": "yes", "transformers": "yes", "mlx": "yes"}
     if sliding:
         return {"cuda_graphs": SLIDING, "transformers": "yes", "mlx": SLIDING_MLX}
-    if base in ("qwen3_next", "qwen3_5", "qwen3_5_moe"):
+    if base in ("qwen3_next", "qwen3_5"):
         return {"cuda_graphs": HYBRID_GRAPHS, "transformers": "yes", "mlx": "yes"}
+    if base == "qwen3_5_moe":  # mlx-lm's qwen3_5_moe reuses qwen3_5's layers, not run here
+        return {"cuda_graphs": HYBRID_GRAPHS, "transformers": "yes",
+                "mlx": "untested: hybrid MoE (no tiny qwen3_5_moe mlx target tested)"}  # fmt: skip
     why = "untested: family not confirmed" if family.endswith("?") else "untested"
     return {"cuda_graphs": "no: not a Llama/Qwen/Mistral/Qwen3-MoE target", "transformers": why, "mlx": why}
 
@@ -140,7 +143,7 @@ PAIRS: tuple[Pair, ...] = (
          "128-token sliding windows + full layers, attention sinks, MoE", _MXFP4),
     Pair("openai/gpt-oss-120b", "z-lab/gpt-oss-120b-DFlash", "gpt_oss", None, "dflash",
          "128-token sliding windows + full layers, attention sinks, MoE", _MXFP4),
-    Pair("meta-models/Muse-Glimmer-30B", "z-lab/Muse-Glimmer-30B-DFlash2", "dense ?", None, "dflash2",
+    Pair("meta-models/Muse-Glimmer-30B", "z-lab/Muse-Glimmer-30B-DFlash2", "muse_glimmer ?", None, "dflash2",
          "3:1 sliding (window 2048) + full layers, multimodal wrapper"),
     Pair("MiniMaxAI/MiniMax-M2.5", "z-lab/MiniMax-M2.5-DFlash", "minimax_m2 ?", None, "dflash",
          _MOE + " (?)", "preview draft"),
