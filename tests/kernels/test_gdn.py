@@ -32,6 +32,8 @@ def hf_step(q, k, v, a, b, a_log, dt_bias, state):
     from transformers.models.qwen3_5.modeling_qwen3_5 import torch_recurrent_gated_delta_rule
 
     g = -a_log.float().exp() * F.softplus(a.float() + dt_bias)
+    rep = v.shape[-2] // q.shape[-2]  # key heads repeated for the value heads, as the layer does
+    q, k = q.repeat_interleave(rep, dim=-2), k.repeat_interleave(rep, dim=-2)
     return torch_recurrent_gated_delta_rule(q[None], k[None], v[None], g=g[None], beta=b.sigmoid()[None],
                                             initial_state=state, output_final_state=True,
                                             use_qk_l2norm_in_kernel=True)  # fmt: skip

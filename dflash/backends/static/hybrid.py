@@ -311,7 +311,11 @@ def hybrid_forward(be, ids: torch.Tensor, pos: torch.Tensor, prefill: bool = Fal
     (``be.gdn``: a prefill the committed slots, a verify the per-token slots)."""
     target = be.target
     x = F.embedding(ids, be.embed_weight)  # [1, T, H]
-    cos, sin = target.model.rotary_emb(x, pos)  # [1, T, R]
+    rot = target.model.rotary_emb
+    # Qwen3.5's text rotary takes multimodal positions [3, 1, T] (transformers 5.17 needs them;
+    # later versions broadcast [1, T]): text positions are the same in all three sections
+    rot_pos = pos.expand(3, -1, -1) if type(rot).__name__.startswith("Qwen3_5") else pos
+    cos, sin = rot(x, rot_pos)  # [1, T, R]
     cos, sin = cos[:, None], sin[:, None]
     mask = (be.key_pos[None, :] <= pos[0, :, None])[None, None]  # [1, 1, T, S]
     slots: list[torch.Tensor] = [None] * len(be.layer_ids)  # type: ignore[list-item]
