@@ -112,8 +112,10 @@ class BatchedSpec(BatchedGenerator):
                 gather: bool) -> torch.Tensor:  # fmt: skip
         """Target forward of ids [R, T] at positions qpos [R, T] of batch rows ``rows`` [R]:
         writes K/V and features there, attends to keys <= each query's position among the
-        first ``width`` slots; returns the final-normed hidden states [R, T, H]. ``gather``:
-        rows are arbitrary (prefill) rather than 0..R-1."""
+        first ``width`` slots; returns the last layer's hidden states [R, T, H] before the
+        final norm (:meth:`_logits` applies it: returning the normed states would norm twice,
+        which only weights of ones forgive). ``gather``: rows are arbitrary (prefill) rather
+        than 0..R-1."""
         r, t = ids.shape
         cos, sin = rope_cos_sin(qpos, self.inv_freq, self.rope_scale, self.dtype)
         mask = self.key_pos[:width][None, None] <= qpos[:, :, None]  # [R, T, W]
@@ -142,9 +144,10 @@ class BatchedSpec(BatchedGenerator):
             if i < last:
                 for n in self.feature_slots.get(i, ()):
                     slots[n] = x
-        x = self.model.model.norm(x)
-        for n in self.feature_slots.get(last, ()):  # HF's hidden_states[N] is final-normed
-            slots[n] = x
+        if last in self.feature_slots:  # HF's hidden_states[N] is final-normed
+            normed = self.model.model.norm(x)
+            for n in self.feature_slots[last]:
+                slots[n] = normed
         self.feats[ri, qpos] = torch.cat(slots, dim=-1)
         return x
 

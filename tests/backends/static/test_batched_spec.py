@@ -15,7 +15,7 @@ from dflash.errors import InputError
 from dflash.types import SamplingParams
 from tests.helpers.batched_spec import ScriptedJob, ScriptedSpec
 from tests.helpers.stats import tv
-from tests.helpers.tiny import make_draft, tiny_llama
+from tests.helpers.tiny import custom_draft, make_draft, tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 BLOCK = 8
@@ -228,14 +228,51 @@ def test_forced_truth_is_committed_with_the_scripted_acceptance(pair):
         ]
 
 
+def demo_like_target():
+    """A tiny target set like the demo's where the shared one is not: GQA ratio 3 (6:2), tied
+    embeddings, a rope base of 100000, eps 1e-5 and random (not all-ones) norm weights (every
+    norm applied twice is a no-op at weight one, so the shared target hid a double final norm)."""
+    target = tiny_llama(3, num_attention_heads=6, num_key_value_heads=2, hidden_size=96,
+                        tie_word_embeddings=True, rope_theta=100000.0, rms_norm_eps=1e-5)  # fmt: skip
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for name, w in target.named_parameters():
+            if name.endswith("norm.weight"):
+                w.copy_(0.5 + torch.rand(w.shape, generator=g) * 1.5)
+    return target
+
+
+def test_demo_like_target_rows_and_features_equal_hf():
+    """A demo-like target (see :func:`demo_like_target`) whose draft reads the last layer too:
+    the features equal HF's ``hidden_states`` (the last one final-normed) and every row's ids,
+    plain (width 1) and drafted (scripted), equal HF greedy decoding, alone and together."""
+    target = demo_like_target()
+    draft = custom_draft(target, target_layer_ids=[0, 3, 5], block_size=BLOCK, mask_token_id=255)
+    ps = prompts(3, seed=5)
+    truth = [hf_greedy(target, p, 12) for p in ps]
+    spec = BatchedSpec(target, draft, max_batch=3, capacity=64, kv_bucket=16)
+    spec.admit([SpecJob(ps[0], 12)])
+    with torch.no_grad():
+        hs = target(torch.tensor([ps[0]]), output_hidden_states=True).hidden_states
+    want = torch.cat([hs[i + 1][0] for i in (0, 3, 5)], -1)
+    torch.testing.assert_close(spec.feats[0, : len(ps[0])], want, rtol=1e-5, atol=1e-5)
+    for width in (1, BLOCK):
+        jobs = [ScriptedJob(p, 12, truth=p + t, schedule=[2, BLOCK - 1, 0])
+                for p, t in zip(ps, truth, strict=True)]  # fmt: skip
+        got = dict(ScriptedSpec(target, draft, max_batch=3, capacity=64, kv_bucket=16)
+                   .run_jobs(jobs, block_size=width))  # fmt: skip
+        assert [got[i] for i in range(3)] == truth, width
+        alone = ScriptedSpec(target, draft, max_batch=1, capacity=64, kv_bucket=16)
+        assert dict(alone.run_jobs(jobs[:1], block_size=width))[0] == truth[0], width
+
+
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="known bug (issue 53): on the real demo target (GQA 9:3, "
-                   "30 layers) a batched row's ids differ from greedy even alone at width 1; "
-                   "dflash serve refuses --max-batch above 1 until this passes")  # fmt: skip
 def test_demo_target_row_alone_equals_greedy(demo_pipe):
-    """The demo target (float32, CPU) through one batched row at width 1 gives its greedy ids."""
+    """The demo target (float32, CPU) through one batched row, plain (width 1) and drafted by
+    the untrained draft (width 4), gives its greedy ids."""
     target = demo_pipe.backend.target
     prompt = demo_pipe.chat_prompt([{"role": "user", "content": "What is the capital of France?"}])[:16]
-    truth = hf_greedy(target, prompt, 4)
+    truth = hf_greedy(target, prompt, 6)
     engine = BatchedSpec(target, demo_pipe.backend.draft_model, max_batch=2, capacity=256, use_graphs=False)
-    assert dict(engine.run_jobs([SpecJob(prompt, 4)], block_size=1))[0] == truth
+    for width in (1, 4):
+        assert dict(engine.run_jobs([SpecJob(prompt, 6)], block_size=width))[0] == truth, width
