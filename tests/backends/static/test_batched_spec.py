@@ -271,8 +271,10 @@ def test_demo_target_row_alone_equals_greedy(demo_pipe):
     """The demo target (float32, CPU) through one batched row, plain (width 1) and drafted by
     the untrained draft (width 4), gives its greedy ids."""
     target = demo_pipe.backend.target
-    prompt = demo_pipe.chat_prompt([{"role": "user", "content": "What is the capital of France?"}])[:16]
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    prompt = demo_pipe.chat_prompt(messages)[:16]
     truth = hf_greedy(target, prompt, 6)
-    engine = BatchedSpec(target, demo_pipe.backend.draft_model, max_batch=2, capacity=256, use_graphs=False)
+    draft = demo_pipe.backend.draft_model
+    engine = BatchedSpec(target, draft, max_batch=2, capacity=256, use_graphs=False)
     for width in (1, 4):
         assert dict(engine.run_jobs([SpecJob(prompt, 6)], block_size=width))[0] == truth, width
