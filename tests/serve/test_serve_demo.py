@@ -258,3 +258,40 @@ def test_prefix_cache_gives_the_same_ids_and_prefills_only_the_new_tokens(pipe):
             assert f'vllm:prefix_cache_hits_total{{model_name="{NAME}"}} {shared}' in metrics
     finally:
         be.prefix_cache = None
+
+
+@pytest.mark.slow
+def test_eight_concurrent_requests_batched_get_their_single_request_text(http, pipe):
+    """``--max-batch 4`` on the real demo pair (GQA 9:3, tied embeddings, trained norms): 8
+    concurrent chat requests through 4 batched rows at block size 16 get the text each one gets
+    served alone (one at a time), and the batched rows did run."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from starlette.testclient import TestClient
+
+    from dflash.serve.batch_engine import BatchEngine
+    from dflash.serve.server import build_app
+
+    questions = ["What is 12 times 7?", "Name a colour.", "Say hello.", "What is the capital of France?",
+                 "Count to five.", "Why is the sky blue?", "What is 2+2?", "Name a fruit."]  # fmt: skip
+
+    def ask(client, i: int) -> tuple[str, str]:
+        body = {"messages": [{"role": "user", "content": questions[i]}], "max_tokens": 12 + 3 * i,
+                "temperature": 0}  # fmt: skip
+        r = client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["message"]["content"], r.json()["choices"][0]["finish_reason"]
+
+    want = [ask(http, i) for i in range(8)]
+    engine = BatchEngine(lambda: pipe, [NAME], 16, max_batch=4)
+    with TestClient(build_app(engine)) as client:
+        deadline = time.monotonic() + 300
+        while client.get("/health").status_code != 200:
+            assert time.monotonic() < deadline and engine.error is None, engine.error
+            time.sleep(0.02)
+        assert engine.spec is not None
+        with ThreadPoolExecutor(8) as pool:
+            got = list(pool.map(lambda i: ask(client, i), range(8)))
+        assert got == want
+        assert engine.spec.steps_run > 0
