@@ -129,7 +129,9 @@ def run(spec, jobs, block_size) -> dict:
         pol = block_size
 
         def chooser(rows):
-            w = pol.choose(rows, [spec.h_limit[r] - spec.h_n[r] for r in rows])
+            live = [r for r in rows if not spec.h_done[r]]
+            left = [spec.h_limit[r] - spec.h_n[r] for r in live]
+            w = pol.choose(live, left, rows=spec.rows_bucket(live))
             widths.append(w)
             return w
 

@@ -119,7 +119,7 @@ class BatchEngine(Engine):
             costs = BatchCosts.measure(spec, buckets, widths, context=min(COST_CONTEXT, capacity // 2),
                                        repeats=repeats)  # fmt: skip
             prior = load_acceptance(getattr(pipe, "draft_dir", None), block).rates
-            self.policy = BatchPolicy(costs, block, prior)
+            self.policy = BatchPolicy(costs, block, prior, plain_steps=spec.plain_steps)
         self.spec, self.max_batch = spec, n
         threading.Thread(target=self._loop, name="dflash-batch", daemon=True).start()
         print(f"dflash serve: batching up to {n} generations (block size {self.batch_block})",
@@ -223,7 +223,8 @@ class BatchEngine(Engine):
         spec = self.spec
         busy = [r for r in self.rows if not spec.h_done[r]]
         if self.policy is not None:
-            width = self.policy.choose(busy, [spec.h_limit[r] - spec.h_n[r] for r in busy])
+            width = self.policy.choose(busy, [spec.h_limit[r] - spec.h_n[r] for r in busy],
+                                       rows=spec.rows_bucket(busy))  # fmt: skip
         else:
             width = int(self.batch_block)
         steps = spec.step(width)

@@ -12,9 +12,10 @@ draft at its trained width, from the anchor and the last L' committed rows' feat
 draft's block size), verifies [anchor, L - 1 proposals] of every row in one target forward,
 accepts per row with the rule of :mod:`dflash.accept` (each row's width trimmed to its budget,
 its own stop ids, its own sampling settings and seeded uniforms) and commits on the device
-(:mod:`dflash.backends.static.batched_accept`); the host then reads one [B, 1 + L] buffer. A
-step of width 1 is plain batched decoding through the same forward (no draft). Rows join
-(prefilled eagerly, right-padded, into the lowest free rows) and leave between steps.
+(:mod:`dflash.backends.static.batched_accept`); the host then reads one [B, 1 + L] buffer.
+Width 1 is plain batched decoding through the same forward: ``plain_steps`` steps per graph
+replay and host sync, no draft forward (as the plain batched generator). Rows join (prefilled
+eagerly, right-padded, into the lowest free rows; the target only) and leave between calls.
 
 On CUDA each step is one graph replay, captured per (rows bucket, attention width bucket, L,
 sampling kind): the step runs over the first ``nb`` rows, ``nb`` the smallest bucket covering
@@ -23,9 +24,9 @@ the highest occupied row, and attends over the first ``width`` KV slots (a multi
 CPU the same code runs eagerly; in float32 every row's greedy ids equal that row decoded alone
 (tests/backends/static/test_batched_spec.py).
 
-Draft context after width-1 steps: a drafted step rewrites the draft K/V of the last L' rows
-before each row's anchor; rows committed by plain steps further back are written first by one
-eager catch-up forward (:meth:`BatchedSpec._catch_up`).
+Draft context: a drafted step rewrites the draft K/V of the last L' rows before each row's
+anchor; rows further back (the prompt, rows of plain steps) are written first by one eager
+catch-up forward (:meth:`BatchedSpec._catch_up`), so a row that never drafts never runs the draft.
 
 Targets: dense full-attention Llama/Qwen2/Qwen3 (as the batched generator); drafts: DFlash v1.
 """
@@ -48,6 +49,7 @@ from dflash.errors import InputError
 from dflash.models.draft_torch import rope_cos_sin
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+PLAIN_STEPS = 4  # plain (width-1) steps per graph replay and host sync (the plain generator's way)
 
 
 class BatchedSpec(BatchedGenerator):
@@ -61,6 +63,8 @@ class BatchedSpec(BatchedGenerator):
         use_graphs: one CUDA graph per step shape (CUDA only).
         kv_bucket: attention width granularity (KV slots).
         draft_vocab: score proposals over the draft's vocabulary when it has one.
+        plain_steps: plain (width-1) steps per :meth:`step` call: one graph replay, one host
+            sync, no draft, as the plain batched generator runs; rows join only between calls.
 
     Memory: the target K/V of :class:`BatchedGenerator` plus B x S x F features and the draft's
     K/V, S = capacity + L' + 1 rounded up to ``kv_bucket``.
@@ -70,11 +74,13 @@ class BatchedSpec(BatchedGenerator):
     """
 
     def __init__(self, target: Any, draft: Any, *, max_batch: int = 16, capacity: int = 2048,
-                 use_graphs: bool = True, kv_bucket: int = 256, draft_vocab: bool = True):  # fmt: skip
+                 use_graphs: bool = True, kv_bucket: int = 256, draft_vocab: bool = True,
+                 plain_steps: int = PLAIN_STEPS):  # fmt: skip
         if draft is None or getattr(draft, "is_dflash2", False):
             raise InputError("Batched speculative decoding needs a DFlash v1 draft.")
         self.block = int(draft.config.block_size)  # L': the draft's trained width
-        slots = -(-(capacity + self.block + 1) // kv_bucket) * kv_bucket
+        self.plain_steps = max(1, int(plain_steps))
+        slots = -(-(capacity + max(self.block, self.plain_steps) + 1) // kv_bucket) * kv_bucket
         super().__init__(target, max_batch=max_batch, capacity=slots, use_graphs=use_graphs,
                          steps_per_sync=1, kv_bucket=kv_bucket, kv_lengths=False, compile=False)  # fmt: skip
         self.max_len, self.slots = capacity, slots
@@ -93,10 +99,12 @@ class BatchedSpec(BatchedGenerator):
         self.mask_ids = torch.full((self.block - 1,), int(dc.mask_token_id), **z)
         self.arange = torch.arange(max(self.block, 1) + 1, **z)
         self.props = torch.zeros(b, max(self.block - 1, 1), **z)
-        self.last = torch.zeros(b, 1 + self.block, **z)
+        self.last = torch.zeros(b, 1 + max(self.block, self.plain_steps), **z)
+        self.scratch = torch.zeros(b, 2, **z)  # one plain step's [count, token] per row
         self.row_stops = torch.full((b, 4), -1, **z)
         self.top_k, self.top_p = torch.zeros(b, **z), torch.ones(b, dtype=torch.float32, device=dev)
-        self.unif = torch.zeros(b, self.block + 1, dtype=torch.float32, device=dev)
+        self.unif = torch.zeros(b, max(self.block + 1, 2 * self.plain_steps), dtype=torch.float32,
+                                device=dev)  # fmt: skip
         self.spec_graphs: dict[tuple, Any] = {}
         self.pool: Any = None
         # host mirrors, per row: position of the anchor, draft rows written (< seen), the job
@@ -182,8 +190,34 @@ class BatchedSpec(BatchedGenerator):
         them, see ``scripts/gpu_check_batched_spec.py``)."""
         return props
 
-    def _step(self, nb: int, width: int, length: int, kind: str | None) -> None:  # type: ignore[override]
-        """One step of rows 0..nb-1 at verify width ``length`` (graphable, no host sync)."""
+    def _plain(self, nb: int, width: int, repeat: int, kind: str | None) -> None:
+        """``repeat`` plain steps of rows 0..nb-1 (graphable, no host sync, no draft): step i
+        writes its token to ``last[:, 1 + i]`` and adds its count to ``last[:, 0]`` (a row
+        that stops stays stopped, so each row's tokens are ``last[r, 1 : 1 + count]``);
+        sampled rows use ``unif[:, 2i : 2i + 2]``."""
+        rows, state = self.rows[:nb], self._rows_state(nb)
+        state["last"] = self.scratch[:nb]
+        self.last[:nb, 0].zero_()
+        zero = torch.zeros(nb, dtype=torch.long, device=self.device)
+        for i in range(repeat):
+            h = self._target(self.tok[:nb, None], self.pos[:nb, None], rows, width, gather=False)
+            logits = self._logits(h)  # [nb, 1, V]
+            sampled = None
+            if kind is not None:
+                sampled = {"temp": self.temp[:nb], "unif": self.unif[:nb, 2 * i : 2 * i + 2],
+                           "top_k": self.top_k[:nb] if kind == "filters" else None,
+                           "top_p": self.top_p[:nb] if kind == "filters" else None}  # fmt: skip
+            best = self.argmax_hook(logits.argmax(-1), nb)
+            acc, bonus = accept_rows(logits, self.props[:nb], zero, sampled, best)
+            commit_rows(acc, bonus, self.props[:nb], 1, state)
+            self.last[:nb, 0] += self.scratch[:nb, 0]
+            self.last[:nb, 1 + i] = self.scratch[:nb, 1]
+
+    def _step(self, nb: int, width: int, length: int, kind: str | None, repeat: int = 1) -> None:  # type: ignore[override]
+        """One step of rows 0..nb-1 at verify width ``length`` (graphable, no host sync); at
+        width 1, ``repeat`` plain steps (:meth:`_plain`)."""
+        if length == 1:
+            return self._plain(nb, width, repeat, kind)
         if length > 1:
             self._draft_rows(nb, width, length)
         rows = self.rows[:nb]
@@ -208,14 +242,14 @@ class BatchedSpec(BatchedGenerator):
                 "live": self.live[:nb], "done": self.done[:nb], "stops": self.row_stops[:nb],
                 "last": self.last[:nb]}  # fmt: skip
 
-    def _replay(self, nb: int, width: int, length: int, kind: str | None) -> None:
+    def _replay(self, nb: int, width: int, length: int, kind: str | None, repeat: int = 1) -> None:
         """Run the step: eagerly, or from its CUDA graph (captured at first use, with every row
         marked not live so the warm-up commits nothing)."""
         if not self.use_graphs:
             with torch.inference_mode():
-                self._step(nb, width, length, kind)
+                self._step(nb, width, length, kind, repeat)
             return
-        key = (nb, width, length, kind)
+        key = (nb, width, length, kind, repeat)
         if key not in self.spec_graphs:
             live = self.live.clone()
             self.live.zero_()
@@ -223,30 +257,35 @@ class BatchedSpec(BatchedGenerator):
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream), torch.inference_mode():
                 for _ in range(2):
-                    self._step(nb, width, length, kind)
+                    self._step(nb, width, length, kind, repeat)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             if self.pool is None:  # one memory pool for every step graph: replays never overlap
                 self.pool = torch.cuda.graph_pool_handle()
             with torch.inference_mode(), torch.cuda.graph(graph, pool=self.pool):
-                self._step(nb, width, length, kind)
+                self._step(nb, width, length, kind, repeat)
             self.spec_graphs[key] = graph
             self.live.copy_(live)
         self.spec_graphs[key].replay()
 
     def time_step(self, nb: int, length: int, context: int) -> float:
         """Seconds of one step of ``nb`` rows at width ``length`` attending over ``context``
-        keys (every row marked not live, so nothing is committed; synchronised wall time)."""
-        width = min(self.slots, -(-(context + length + 1) // self.bucket) * self.bucket)
+        keys (every row marked not live, so nothing is committed; synchronised wall time). At
+        width 1: a call's ``plain_steps`` steps (one replay, one sync), divided by their number:
+        what a plain step costs as :meth:`step` runs it."""
+        repeat = self.plain_steps if length == 1 else 1
+        width = min(
+            self.slots, -(-(context + max(length, repeat) + 1) // self.bucket) * self.bucket
+        )
         live = self.live.clone()
         self.live.zero_()
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda *a: None)
         try:
             sync(self.device)
             t0 = time.perf_counter()
-            self._replay(nb, width, length, None)
+            self._replay(nb, width, length, None, repeat)
             sync(self.device)
-            return time.perf_counter() - t0
+            return (time.perf_counter() - t0) / repeat
         finally:
             self.live.copy_(live)
 
@@ -294,9 +333,6 @@ class BatchedSpec(BatchedGenerator):
             logits = self._logits(h[torch.arange(len(jobs), device=dev), lens - 1])[
                 :, None
             ]  # [R, 1, V]
-            dc = self.dcache
-            dc.rows, dc.write_pos, dc.width, dc.gather = rows_t, qpos, t, True
-            self.draft.write_context(self.feats[rows_t[:, None], qpos], qpos, dc)
             temp = torch.tensor(
                 [j.sampling.temperature for j in jobs], dtype=torch.float32, device=dev
             )
@@ -324,9 +360,11 @@ class BatchedSpec(BatchedGenerator):
                 self.row_stops[r, : len(stops)] = torch.tensor(stops, device=dev)
             limit = min(j.max_new_tokens, self.max_len - len(j.prompt_ids))
             self.jobs[r] = j
+            # no draft context yet (h_seen 0): the first drafted step's catch-up writes it, so
+            # rows that never draft (plain steps only) never run the draft
             self.h_pos[r], self.h_seen[r], self.h_n[r], self.h_limit[r] = (
                 len(j.prompt_ids),
-                len(j.prompt_ids),
+                0,
                 1,
                 limit,
             )
@@ -364,7 +402,8 @@ class BatchedSpec(BatchedGenerator):
 
     def _catch_up(self, busy: list[int]) -> None:
         """Write the draft context K/V of rows committed since the last draft further back than
-        L' rows (after width-1 steps), eagerly, in one forward over the rows that need it."""
+        L' rows (the prompt of a row not drafted yet, and rows of width-1 steps), eagerly, in
+        one forward over the rows that need it."""
         lb = self.block
         need = [r for r in busy if self.h_pos[r] - self.h_seen[r] > lb]
         if not need:
@@ -380,16 +419,23 @@ class BatchedSpec(BatchedGenerator):
         with torch.inference_mode():
             self.draft.write_context(self.feats[rows[:, None], ctx], ctx, dc)
 
+    def rows_bucket(self, busy: Sequence[int]) -> int:
+        """The rows a step runs over (``nb``): the smallest of ``ROW_BUCKETS`` covering the
+        highest busy row, at most B (1 with none busy). The chooser prices a step at it."""
+        top = max(busy, default=0)
+        return min(self.b, next((b for b in ROW_BUCKETS if b > top), self.b))
+
     def step(self, length: int) -> list[RowStep]:
-        """One step of every busy row at verify width ``length`` (1 = plain decoding, else
-        2..L'); returns what each busy row committed (finished rows stay until
-        :meth:`release`)."""
+        """One step of every busy row at verify width ``length`` (2..L'), or at width 1
+        ``plain_steps`` plain steps in one replay (no draft, no catch-up); returns what each
+        busy row committed (finished rows stay until :meth:`release`)."""
         busy = [r for r in self.busy_rows() if not self.h_done[r]]
         if not busy:
             return []
         length = max(1, min(length, self.block))
-        nb = min(self.b, next((b for b in ROW_BUCKETS if b > max(busy)), self.b))
-        top = max(self.h_pos[r] for r in busy) + length + 1
+        repeat = self.plain_steps if length == 1 else 1
+        nb = self.rows_bucket(busy)
+        top = max(self.h_pos[r] for r in busy) + max(length, repeat) + 1
         width = min(self.slots, -(-top // self.bucket) * self.bucket)
         if length > 1:
             self._catch_up(busy)
@@ -398,13 +444,18 @@ class BatchedSpec(BatchedGenerator):
         if sampled:
             kind = "filters" if any(self.jobs[r].sampling.top_k > 0 or self.jobs[r].sampling.top_p < 1
                                     for r in sampled) else "temp"  # fmt: skip
-            unif = np.zeros((nb, self.block + 1), dtype=np.float32)
-            for r in sampled:
-                unif[r, : length + 1] = self._uniforms(r, length)
+            unif = np.zeros((nb, self.unif.shape[1]), dtype=np.float32)
+            for r in sampled:  # each row's own generator, in its steps' order
+                if length == 1:
+                    unif[r, : 2 * repeat] = np.concatenate(
+                        [self._uniforms(r, 1) for _ in range(repeat)]
+                    )
+                else:
+                    unif[r, : length + 1] = self._uniforms(r, length)
             self.unif[:nb].copy_(torch.from_numpy(unif))
-        self._replay(nb, width, length, kind)
+        self._replay(nb, width, length, kind, repeat)
         self.steps_run += 1
-        got = self.last[:nb, : 1 + length].cpu().tolist()  # the step's one host sync
+        got = self.last[:nb, : 1 + max(length, repeat)].cpu().tolist()  # the call's one host sync
         out = []
         for r in busy:
             count, toks = got[r][0], got[r][1 : 1 + got[r][0]]

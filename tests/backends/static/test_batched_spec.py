@@ -190,8 +190,9 @@ def test_draft_context_after_plain_steps_equals_a_fresh_write(pair, cases):
     ps = cases[0][:3]
     spec = BatchedSpec(*pair, max_batch=3, capacity=96, kv_bucket=32)
     spec.admit([SpecJob(p, 40) for p in ps])
-    for _ in range(12):
+    for _ in range(-(-12 // spec.plain_steps)):  # each call: plain_steps plain steps
         spec.step(1)
+    assert spec.h_pos[0] - spec.h_seen[0] >= 12
     before = list(spec.h_pos[:3])
     spec.step(BLOCK)
     fresh = type(spec.dcache)(len(pair[1].layers), 3, spec.dcache.keys[0].shape[1], spec.slots,
@@ -278,3 +279,32 @@ def test_demo_target_row_alone_equals_greedy(demo_pipe):
     engine = BatchedSpec(target, draft, max_batch=2, capacity=256, use_graphs=False)
     for width in (1, 4):
         assert dict(engine.run_jobs([SpecJob(prompt, 6)], block_size=width))[0] == truth, width
+
+
+def test_plain_mode_runs_no_draft_and_one_call_per_plain_steps(pair, cases, monkeypatch):
+    """Width 1 everywhere (the chooser's "no drafting"): the draft never runs (neither its
+    forward nor its context writes, prefill included), each call commits up to ``plain_steps``
+    tokens per row in one replay and host read, and greedy and seeded sampled rows give the ids
+    of one plain step per call."""
+    ps, truth, budgets, _, _ = cases
+    samp = [SamplingParams(temperature=0.9, top_k=30 if i % 2 else 0, seed=40 + i) if i % 3 else SamplingParams()
+            for i in range(7)]  # fmt: skip
+    jobs = [SpecJob(p, m, sampling=s) for p, m, s in zip(ps, budgets, samp, strict=True)]
+    one = dict(BatchedSpec(*pair, max_batch=3, capacity=96, kv_bucket=32, plain_steps=1)
+               .run_jobs(jobs, block_size=1))  # fmt: skip
+
+    def no_draft(*a, **k):
+        raise AssertionError("the draft ran in a plain step")
+
+    monkeypatch.setattr(pair[1], "forward", no_draft)
+    monkeypatch.setattr(pair[1], "write_context", no_draft)
+    spec = BatchedSpec(*pair, max_batch=3, capacity=96, kv_bucket=32, plain_steps=4)
+    assert dict(spec.run_jobs(jobs, block_size=1)) == one
+    for i in (0, 3, 6):  # greedy rows: the target's greedy ids
+        assert one[i] == truth[i][: budgets[i]]
+    alone = BatchedSpec(*pair, max_batch=1, capacity=96, kv_bucket=32, plain_steps=4)
+    seen = []
+    dict(alone.run_jobs([jobs[2]], block_size=1, on_step=lambda i, s: seen.append(len(s.tokens))))
+    assert (
+        seen == [1] + [4] * 9 + [3] and alone.steps_run == 10
+    )  # 40 tokens: prefill, then 4 a call
