@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import itertools
 
-import pytest
-
 import numpy as np
+import pytest
 
 from dflash.auto_block import expected_tau
 from dflash.auto_block_batch import (
