@@ -1,17 +1,19 @@
 """GPU check of batched speculative decoding (dflash/backends/static/batched_spec.py).
 
     PYTHONPATH=. python3 scripts/gpu_check_batched_spec.py [--shapes demo,8b] [--out DIR]
-    PYTHONPATH=. python3 scripts/gpu_check_batched_spec.py --device cpu --shapes tiny   # smoke test
+    PYTHONPATH=. python3 scripts/gpu_check_batched_spec.py --device cpu --shapes tiny --new 24  # smoke test
 
 Writes ``DIR/gpu_check_batched_spec.json`` (DIR = --out, else $OUT, else ./gpu_check_out),
 prints a summary, exits 1 when a check fails.
 
-- ``exact`` (float32, TF32 off): 8 requests with ragged prompts, own budgets and stop ids and
+- ``exact`` (float32, TF32 off, the target's norm weights random: a weight of one hides a norm
+  applied twice): 8 requests with ragged prompts, own budgets and stop ids and
   scripted accept schedules (zero accept, full blocks, mixed) through 4 rows with continuous
   batching, at block size 16 and under the chooser: every request's ids equal the same request
   decoded alone (1 row) and plain greedy decoding of the same engine (width 1).
 - ``speed`` per shape (bf16, random weights; ``demo`` = SmolLM2-135M + its 5-layer draft's
-  shapes, ``8b`` = Qwen3-8B + a 5-layer draft): at each concurrency c (1, 4, 16, 64) 2c
+  shapes, ``8b`` = Qwen3-8B + a 5-layer draft): at each concurrency c (``LEVELS``: demo 1, 4,
+  16, 64; 8b 1, 4, 16) 2c
   requests (prompts of 64-192 tokens, 128 new tokens each) go through c rows, closed loop.
   Plain batched decoding (every step width 1) gives the baseline tokens/s and each request's
   greedy ids; the draft is random, so its acceptance is ~0: to measure what acceptance buys,
@@ -22,10 +24,14 @@ prints a summary, exits 1 when a check fails.
   logits are near-tied everywhere, and bf16 rounding of other batch shapes would otherwise part
   a row from its truth after which every proposal fails; the compute is unchanged). New jobs
   enter in groups (1/8 of the rows free), in every run alike.
-  Runs: ``auto`` (the per-step chooser on costs timed at that bucket, rates learned per row),
-  and ``fixed16``; each reports tokens/s, speedup over plain, mean committed tokens
-  per row-step, the widths chosen, and TTFT / ITL percentiles (ms; ITL = (e2e - TTFT) /
-  (tokens - 1) per request, TTFT from the request's admission).
+  Runs: ``auto`` (the per-step chooser on costs timed at every rows bucket up to c, rates
+  learned per row), and ``fixed16``; each reports tokens/s, speedup over plain, mean committed
+  tokens per row-step, the widths chosen, engine calls, prefills and catch-ups, and TTFT / ITL
+  percentiles (ms; ITL = (e2e - TTFT) / (tokens - 1) per request, TTFT from the request's
+  admission). ``generator``: the plain batched generator of ``data regenerate`` (dense
+  attention, graphs of ``plain_steps`` steps, no compile) on the same requests, the reference
+  for the engine's plain mode (``engine_plain_vs_generator``). A last line per shape gives auto /
+  plain by concurrency (the goal: >= 1.0 everywhere).
 """
 
 from __future__ import annotations
@@ -62,8 +68,10 @@ SHAPES = {
 }  # fmt: skip
 
 
-def build(shape: str, dtype, device, seed: int = 0):
-    """A random target (Qwen3 for 8b, Llama otherwise) and a random DFlash draft for it."""
+def build(shape: str, dtype, device, seed: int = 0, random_norms: bool = False):
+    """A random target (Qwen3 for 8b, Llama otherwise) and a random DFlash draft for it;
+    ``random_norms``: the target's norm weights drawn in [0.5, 2) (a weight of one hides a norm
+    applied twice, as the batched rows once did)."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     from dflash.models.draft_torch import DFlashDraft
@@ -90,6 +98,12 @@ def build(shape: str, dtype, device, seed: int = 0):
             draft = DFlashDraft(dcfg).to(dtype).eval()
     finally:
         torch.set_default_dtype(default)
+    if random_norms:
+        g = torch.Generator().manual_seed(seed + 1)
+        with torch.no_grad():
+            for name, w in target.named_parameters():
+                if name.endswith("norm.weight"):
+                    w.copy_(0.5 + 1.5 * torch.rand(w.shape, generator=g))
     return target, draft
 
 
@@ -102,13 +116,23 @@ def prompts(n: int, vocab: int, lo: int, hi: int, seed: int) -> list[list[int]]:
 def run(spec, jobs, block_size) -> dict:
     """Run ``jobs`` through ``spec``; returns ids per job, wall seconds, timings, widths."""
     t_admit = [0.0]
-    orig = spec.admit
+    prefill = [0.0, 0, 0]  # seconds in admit (it ends with a host read), calls, catch-ups
+    orig, orig_catch = spec.admit, spec._catch_up
 
     def admit(js):
         t_admit[0] = time.perf_counter()
-        return orig(js)
+        got = orig(js)
+        prefill[0] += time.perf_counter() - t_admit[0]
+        prefill[1] += 1
+        return got
 
-    spec.admit = admit
+    def catch_up(busy):
+        if any(spec.h_pos[r] - spec.h_seen[r] > spec.block for r in busy):
+            prefill[2] += 1
+        return orig_catch(busy)
+
+    spec.admit, spec._catch_up = admit, catch_up
+    steps0 = spec.steps_run
     first, last, count = {}, {}, {}
     committed = [0, 0]  # tokens committed by drafted row-steps, drafted row-steps
 
@@ -151,13 +175,15 @@ def run(spec, jobs, block_size) -> dict:
     ids = dict(spec.run_jobs(jobs, block_size=chooser, on_step=cb))
     sync()
     wall = time.perf_counter() - t0
-    spec.admit = orig
+    spec.admit, spec._catch_up = orig, orig_catch
     ttft = [1000 * (b - a) for a, b in first.values()]
     itl = [1000 * (last[i] - first[i][1]) / (count[i] - 1) for i in last if count[i] > 1]
     tokens = sum(len(v) for v in ids.values())
     return {"ids": ids, "wall_s": wall, "tokens": tokens, "tok_s": tokens / wall,
             "ttft_ms": pct(ttft), "itl_ms": pct(itl),
             "tokens_per_drafted_row_step": committed[0] / committed[1] if committed[1] else None,
+            "calls": spec.steps_run - steps0, "admits": prefill[1], "admit_s": round(prefill[0], 3),
+            "catch_ups": prefill[2],
             "widths": {str(w): widths.count(w) for w in sorted(set(widths))} if widths else None}  # fmt: skip
 
 
@@ -198,9 +224,8 @@ def classify(target, ps, base: dict, got: dict, most: int = 16) -> dict:
 def check_exact(device, out: dict) -> bool:
     """float32: batched ids == alone ids == plain greedy ids (scripted schedules, stops, budgets)."""
     torch.backends.cuda.matmul.allow_tf32 = False
-    target, draft = build(
-        "demo" if device.type == "cuda" else "tiny", torch.float32, device, seed=1
-    )
+    target, draft = build("demo" if device.type == "cuda" else "tiny", torch.float32, device, seed=1,
+                          random_norms=True)  # fmt: skip
     vocab = target.config.vocab_size
     ps = prompts(8, vocab, 5, 60, seed=2)
     budgets = [40, 7, 33, 1, 25, 40, 12, 30]
@@ -248,7 +273,33 @@ def check_exact(device, out: dict) -> bool:
     )
 
 
+LEVELS = {"tiny": [1, 4], "demo": [1, 4, 16, 64], "8b": [1, 4, 16]}
+
+
+def generator_run(target, ps: list[list[int]], c: int, new: int, capacity: int, steps: int) -> dict:
+    """The plain batched generator (``dflash data regenerate``'s: dense attention, CUDA graphs,
+    ``steps`` decode steps per replay, no compile) on the same prompts through c rows: the
+    reference the engine's plain mode should match (warm-up run, then the timed one)."""
+    from dflash.backends.static.batched import BatchedGenerator
+
+    gen = BatchedGenerator(target, max_batch=c, capacity=capacity, steps_per_sync=steps, kv_bucket=128,
+                           kv_lengths=False, compile=False, refill_fraction=0.125)  # fmt: skip
+    gen.generate(ps, new)
+    sync = torch.cuda.synchronize if gen.device.type == "cuda" else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    ids = gen.generate(ps, new)
+    sync()
+    wall = time.perf_counter() - t0
+    tokens = sum(len(v) for v in ids)
+    return {"ids": ids, "wall_s": wall, "tokens": tokens, "tok_s": tokens / wall}
+
+
 def speed(shape: str, device, levels: list[int], new: int, out: dict, stop_at: float) -> None:
+    """Per concurrency: plain (width 1 every call) -> baseline; costs at every rows bucket up to
+    c; auto and fixed16 (scripted acceptance); the plain batched generator as a reference."""
+    from dflash.backends.static.batched_spec import ROW_BUCKETS
+
     target, draft = build(shape, torch.bfloat16, device)
     vocab, block = target.config.vocab_size, draft.config.block_size
     res: dict = {}
@@ -261,22 +312,28 @@ def speed(shape: str, device, levels: list[int], new: int, out: dict, stop_at: f
             continue
         n = 2 * c
         ps = prompts(n, vocab, 64, 192, seed=c)
+        capacity = 192 + new + 8
         spec = ScriptedSpec(
-            target, draft, max_batch=c, capacity=192 + new + 8, kv_bucket=128, force=True
+            target, draft, max_batch=c, capacity=capacity, kv_bucket=128, force=True
         )
         jobs = [SpecJob(p, new) for p in ps]
         run(spec, jobs, 1)  # warm-up: captures every graph the run needs (as each run below)
         plain = run(spec, jobs, 1)
         truth = {i: ps[i] + plain["ids"][i] for i in range(n)}
         sj = [ScriptedJob(p, new, truth=truth[i], schedule=SCHEDULE) for i, p in enumerate(ps)]
-        nb = spec.b
         widths = [1, 2, 4, 6, 8, 16] if block >= 16 else [1, 2, 4, block]
-        costs = BatchCosts.measure(spec, [nb], widths, context=128 + new // 2, repeats=5)
+        buckets = sorted({b for b in ROW_BUCKETS if b < c} | {c})  # every bucket a step runs at
+        costs = BatchCosts.measure(spec, buckets, widths, context=128 + new // 2, repeats=5)
         level = {"plain": {k: v for k, v in plain.items() if k != "ids"},
-                 "costs_ms": {str(w): round(1000 * s, 3) for w, s in costs.table[nb].items()}}  # fmt: skip
+                 "costs_ms": {str(nb): {str(w): round(1000 * s, 3) for w, s in costs.table[nb].items()}
+                              for nb in buckets}}  # fmt: skip
+
+        def policy(costs=costs, steps=spec.plain_steps):
+            return BatchPolicy(costs, block, plain_steps=steps)
+
         for name, bs in (("auto", None), ("fixed16", block)):
-            run(spec, sj, BatchPolicy(costs, block) if bs is None else bs)  # warm-up: captures
-            r = run(spec, sj, BatchPolicy(costs, block) if bs is None else bs)
+            run(spec, sj, policy() if bs is None else bs)  # warm-up: captures
+            r = run(spec, sj, policy() if bs is None else bs)
             level[name] = {k: v for k, v in r.items() if k != "ids"}
             level[name]["speedup"] = round(r["tok_s"] / plain["tok_s"], 3)
             level[name]["ids_equal_plain"] = (
@@ -284,25 +341,46 @@ def speed(shape: str, device, levels: list[int], new: int, out: dict, stop_at: f
             )
             if not spec.force:  # forced runs commit the truth: nothing to classify
                 level[name]["mismatches"] = classify(target, ps, plain["ids"], r["ids"])
+        steps = spec.plain_steps
+        del spec
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        if time.perf_counter() < stop_at:
+            g = generator_run(target, ps, c, new, capacity, steps=steps)
+            level["generator"] = {k: v for k, v in g.items() if k != "ids"}
+            level["generator"]["engine_plain_vs_generator"] = round(plain["tok_s"] / g["tok_s"], 3)
         level["seconds"] = round(time.perf_counter() - t0, 1)
         res[str(c)] = level
         if "save" in out:  # after every level: a run cut short keeps what it measured
             out["save"]()
-        a = level["auto"]
-        print(f"{shape} c={c}: plain {plain['tok_s']:.0f} tok/s; auto {a['tok_s']:.0f} ({a['speedup']}x, widths "
-              f"{a['widths']}, {a['tokens_per_drafted_row_step'] or 0:.2f} tok/row-step); fixed16 {level['fixed16']['speedup']}x; "
-              f"TTFT p50 {a['ttft_ms'].get('p50')} ms, ITL p50 {a['itl_ms'].get('p50')} ms "
-              f"({level['seconds']} s)", flush=True)  # fmt: skip
+        a, p = level["auto"], level["plain"]
+        gen = level.get("generator", {}).get("engine_plain_vs_generator")
+        print(f"{shape} c={c}: plain {p['tok_s']:.0f} tok/s (vs plain generator {gen}x); auto {a['tok_s']:.0f} "
+              f"= {a['speedup']}x plain (widths {a['widths']}, {a['tokens_per_drafted_row_step'] or 0:.2f} "
+              f"tok/row-step, {a['catch_ups']} catch-ups); fixed16 {level['fixed16']['speedup']}x; "
+              f"TTFT p50/p90 ms plain {p['ttft_ms'].get('p50')}/{p['ttft_ms'].get('p90')} auto "
+              f"{a['ttft_ms'].get('p50')}/{a['ttft_ms'].get('p90')}; ITL p50/p90 ms plain "
+              f"{p['itl_ms'].get('p50')}/{p['itl_ms'].get('p90')} auto {a['itl_ms'].get('p50')}/"
+              f"{a['itl_ms'].get('p90')} ({level['seconds']} s)", flush=True)  # fmt: skip
     del target, draft
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def summary(out: dict) -> None:
+    """One line per shape: auto / plain at every level (the goal: >= 1.0 everywhere)."""
+    for shape, res in out.get("speed", {}).items():
+        ratios = {c: (v["auto"]["speedup"] if isinstance(v, dict) else v) for c, v in res.items()}
+        print(f"summary {shape}: auto/plain by concurrency {ratios}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--shapes", default="demo,8b")
-    ap.add_argument("--levels", default="1,4,16,64")
+    ap.add_argument(
+        "--levels", default=None, help="concurrencies for every shape (default: LEVELS)"
+    )
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--skip-exact", action="store_true")
     ap.add_argument(
@@ -312,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--out", default=None)
     ap.add_argument(
-        "--budget-s", type=float, default=250.0, help="start no level after this many seconds"
+        "--budget-s", type=float, default=170.0, help="start no level after this many seconds"
     )
     a = ap.parse_args(argv)
     device = torch.device(a.device)
@@ -334,7 +412,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"exact (float32): {out['exact']}", flush=True)
         for shape in [s for s in a.shapes.split(",") if s]:
             try:
-                speed(shape, device, [int(x) for x in a.levels.split(",")], a.new, out, stop_at)
+                levels = [int(x) for x in a.levels.split(",")] if a.levels else LEVELS[shape]
+                speed(shape, device, levels, a.new, out, stop_at)
             except Exception as e:  # noqa: BLE001 - report and go on to the next shape
                 out.setdefault("errors", {})[shape] = traceback.format_exc()[-3000:]
                 print(f"{shape}: {type(e).__name__}: {e}", flush=True)
@@ -351,6 +430,7 @@ def main(argv: list[str] | None = None) -> int:
         print(out["error"], flush=True)
         ok = False
     save()
+    summary(out)
     print(f"{'OK' if ok else 'FAILED'}; wrote {path}", flush=True)
     return 0 if ok else 1
 
