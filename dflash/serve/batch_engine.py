@@ -228,7 +228,7 @@ class BatchEngine(Engine):
         else:
             width = int(self.batch_block)
         steps = spec.step(width)
-        self.step_no += spec.plain_steps if width == 1 else 1  # decode steps (a plain call runs several)
+        self.step_no += spec.plain_steps if width == 1 else 1  # a plain call runs several
         now = time.perf_counter()
         for s in steps:
             it = self.rows[s.row]
