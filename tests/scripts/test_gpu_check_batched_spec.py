@@ -46,3 +46,9 @@ def test_gpu_check_batched_spec_tiny(tmp_path):
         assert level[run]["tokens"] == 4 * 6 and level[run]["ttft_ms"] and level[run]["itl_ms"]
         assert run == "plain" or level[run]["ids_equal_plain"] == 1.0  # forced: the truth
     assert level["fixed16"]["tokens_per_drafted_row_step"] > 1  # scripted acceptance took effect
+    assert level["plain"]["catch_ups"] == 0  # plain runs never write the draft's context
+    assert (
+        level["generator"]["tokens"] == 4 * 6
+        and level["generator"]["engine_plain_vs_generator"] > 0
+    )
+    assert set(level["costs_ms"]) == {"1", "2"}  # every rows bucket up to c measured
