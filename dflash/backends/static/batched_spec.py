@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from dflash.backends.draft_head import DraftHead
 from dflash.backends.static.batched import BatchedGenerator
 from dflash.backends.static.batched_accept import accept_rows, commit_rows
+from dflash.backends.static.batched_admit import PREFILL_CHUNK, RowAdmission
 from dflash.backends.static.batched_rows import DraftRows, RowStep, SpecJob
 from dflash.errors import InputError
 from dflash.models.draft_torch import rope_cos_sin
@@ -52,7 +53,7 @@ ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 PLAIN_STEPS = 4  # plain (width-1) steps per graph replay and host sync (the plain generator's way)
 
 
-class BatchedSpec(BatchedGenerator):
+class BatchedSpec(RowAdmission, BatchedGenerator):
     """Batched speculative decoding over a dense HF target and a DFlash v1 draft.
 
     Args:
@@ -65,6 +66,7 @@ class BatchedSpec(BatchedGenerator):
         draft_vocab: score proposals over the draft's vocabulary when it has one.
         plain_steps: plain (width-1) steps per :meth:`step` call: one graph replay, one host
             sync, no draft, as the plain batched generator runs; rows join only between calls.
+        prefill_chunk: prompt positions per prefill forward (one graph replay on CUDA).
 
     Memory: the target K/V of :class:`BatchedGenerator` plus B x S x F features and the draft's
     K/V, S = capacity + L' + 1 rounded up to ``kv_bucket``.
@@ -75,7 +77,7 @@ class BatchedSpec(BatchedGenerator):
 
     def __init__(self, target: Any, draft: Any, *, max_batch: int = 16, capacity: int = 2048,
                  use_graphs: bool = True, kv_bucket: int = 256, draft_vocab: bool = True,
-                 plain_steps: int = PLAIN_STEPS):  # fmt: skip
+                 plain_steps: int = PLAIN_STEPS, prefill_chunk: int = PREFILL_CHUNK):  # fmt: skip
         if draft is None or getattr(draft, "is_dflash2", False):
             raise InputError("Batched speculative decoding needs a DFlash v1 draft.")
         self.block = int(draft.config.block_size)  # L': the draft's trained width
@@ -101,6 +103,11 @@ class BatchedSpec(BatchedGenerator):
         self.props = torch.zeros(b, max(self.block - 1, 1), **z)
         self.last = torch.zeros(b, 1 + max(self.block, self.plain_steps), **z)
         self.scratch = torch.zeros(b, 2, **z)  # one plain step's [count, token] per row
+        self.prefill_chunk = max(1, int(prefill_chunk))  # prefill's static buffers (batched_admit)
+        self.p_ids = torch.zeros(b, self.prefill_chunk, **z)
+        self.p_pos = torch.zeros(b, self.prefill_chunk, **z)
+        self.p_rows = torch.zeros(b, **z)
+        self.p_out = torch.zeros(b, self.prefill_chunk, hidden, dtype=self.dtype, device=dev)
         self.row_stops = torch.full((b, 4), -1, **z)
         self.top_k, self.top_p = torch.zeros(b, **z), torch.ones(b, dtype=torch.float32, device=dev)
         self.unif = torch.zeros(b, max(self.block + 1, 2 * self.plain_steps), dtype=torch.float32,
@@ -243,13 +250,19 @@ class BatchedSpec(BatchedGenerator):
                 "last": self.last[:nb]}  # fmt: skip
 
     def _replay(self, nb: int, width: int, length: int, kind: str | None, repeat: int = 1) -> None:
-        """Run the step: eagerly, or from its CUDA graph (captured at first use, with every row
-        marked not live so the warm-up commits nothing)."""
+        """Run the step (or a call's plain steps), eagerly or from its CUDA graph."""
+        self._graph(
+            (nb, width, length, kind, repeat), lambda: self._step(nb, width, length, kind, repeat)
+        )
+
+    def _graph(self, key: tuple, body: Callable[[], None]) -> None:
+        """Run ``body`` eagerly (CPU), or from its CUDA graph ``key`` (captured at first use
+        after two warm-up runs on a side stream, with every row marked not live so a step's
+        warm-up commits nothing; a prefill's warm-up writes what its replay writes)."""
         if not self.use_graphs:
             with torch.inference_mode():
-                self._step(nb, width, length, kind, repeat)
+                body()
             return
-        key = (nb, width, length, kind, repeat)
         if key not in self.spec_graphs:
             live = self.live.clone()
             self.live.zero_()
@@ -257,13 +270,13 @@ class BatchedSpec(BatchedGenerator):
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream), torch.inference_mode():
                 for _ in range(2):
-                    self._step(nb, width, length, kind, repeat)
+                    body()
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            if self.pool is None:  # one memory pool for every step graph: replays never overlap
+            if self.pool is None:  # one memory pool for every graph: replays never overlap
                 self.pool = torch.cuda.graph_pool_handle()
             with torch.inference_mode(), torch.cuda.graph(graph, pool=self.pool):
-                self._step(nb, width, length, kind, repeat)
+                body()
             self.spec_graphs[key] = graph
             self.live.copy_(live)
         self.spec_graphs[key].replay()
@@ -290,135 +303,6 @@ class BatchedSpec(BatchedGenerator):
             self.live.copy_(live)
 
     # ------------------------------------------------------------------------- rows
-    def free_rows(self) -> list[int]:
-        return [r for r in range(self.b) if self.jobs[r] is None]
-
-    def busy_rows(self) -> list[int]:
-        return [r for r in range(self.b) if self.jobs[r] is not None]
-
-    def admit(self, jobs: Sequence[SpecJob]) -> list[RowStep]:
-        """Prefill ``jobs`` into the lowest free rows (eager, one forward) and pick each one's
-        first token; returns one :class:`RowStep` per job (``row`` is where it went).
-
-        Raises:
-            InputError: more jobs than free rows, an empty prompt, one that leaves no room in
-                ``capacity``, or a budget < 1.
-        """
-        free = self.free_rows()
-        if len(jobs) > len(free):
-            raise InputError(f"{len(jobs)} jobs for {len(free)} free rows.")
-        for j in jobs:
-            if not j.prompt_ids or len(j.prompt_ids) >= self.max_len or j.max_new_tokens < 1:
-                raise InputError(f"A prompt of {len(j.prompt_ids)} tokens does not fit the batched "
-                                 f"engine's capacity of {self.max_len} tokens.",
-                                 hint="raise the capacity or shorten the prompt")  # fmt: skip
-        if not jobs:
-            return []
-        rows, dev = free[: len(jobs)], self.device
-        need = max(len(j.stop_ids) for j in jobs) if jobs else 0
-        if need > self.row_stops.shape[1]:  # more stop ids: a wider table (new graphs)
-            wider = torch.full((self.b, need), -1, dtype=torch.long, device=dev)
-            wider[:, : self.row_stops.shape[1]] = self.row_stops
-            self.row_stops = wider
-            self.spec_graphs.clear()
-        t = max(len(j.prompt_ids) for j in jobs)
-        ids = torch.zeros(len(jobs), t, dtype=torch.long)
-        for i, j in enumerate(jobs):
-            ids[i, : len(j.prompt_ids)] = torch.tensor(j.prompt_ids)
-        ids, rows_t = ids.to(dev), torch.tensor(rows, device=dev)
-        lens = torch.tensor([len(j.prompt_ids) for j in jobs], device=dev)
-        qpos = torch.arange(t, device=dev)[None].expand(len(jobs), t)
-        with torch.inference_mode():
-            h = self._target(ids, qpos, rows_t, t, gather=True)
-            logits = self._logits(h[torch.arange(len(jobs), device=dev), lens - 1])[
-                :, None
-            ]  # [R, 1, V]
-            temp = torch.tensor(
-                [j.sampling.temperature for j in jobs], dtype=torch.float32, device=dev
-            )
-            self.temp[rows_t] = temp
-            self.top_k[rows_t] = torch.tensor([j.sampling.top_k for j in jobs], device=dev)
-            self.top_p[rows_t] = torch.tensor(
-                [j.sampling.top_p for j in jobs], dtype=torch.float32, device=dev
-            )
-            for r, j in zip(rows, jobs, strict=True):
-                self.rngs[r] = None if j.sampling.greedy else np.random.default_rng(j.sampling.seed)
-            unif = torch.tensor(np.stack([self._uniforms(r, 1) for r in rows]), device=dev)
-            sampled = (
-                self._sampled_rows(rows_t, unif)
-                if not all(j.sampling.greedy for j in jobs)
-                else None
-            )
-            zero = torch.zeros(len(jobs), dtype=torch.long, device=dev)
-            _, first = accept_rows(logits, zero[:, None], zero, sampled)
-        firsts = first.tolist()
-        out = []
-        for r, j, f in zip(rows, jobs, firsts, strict=True):
-            stops = list(j.stop_ids)
-            self.row_stops[r].fill_(-1)
-            if stops:
-                self.row_stops[r, : len(stops)] = torch.tensor(stops, device=dev)
-            limit = min(j.max_new_tokens, self.max_len - len(j.prompt_ids))
-            self.jobs[r] = j
-            # no draft context yet (h_seen 0): the first drafted step's catch-up writes it, so
-            # rows that never draft (plain steps only) never run the draft
-            self.h_pos[r], self.h_seen[r], self.h_n[r], self.h_limit[r] = (
-                len(j.prompt_ids),
-                0,
-                1,
-                limit,
-            )
-            finish = "stop" if f in stops else ("length" if limit <= 1 else None)
-            out.append(RowStep(r, [f], None, 0, finish))
-            self.h_done[r] = finish is not None
-        self.tok[rows_t], self.pos[rows_t] = first, lens
-        self.n[rows_t] = 1
-        self.limit[rows_t] = torch.tensor([self.h_limit[r] for r in rows], device=dev)
-        self.live[rows_t] = True
-        self.done[rows_t] = torch.tensor([s.finish is not None for s in out], device=dev)
-        return out
-
-    def _sampled_rows(self, rows: torch.Tensor, unif: torch.Tensor) -> dict:
-        filters = bool(((self.top_k[rows] > 0) | (self.top_p[rows] < 1)).any())
-        return {"temp": self.temp[rows], "unif": unif, "top_k": self.top_k[rows] if filters else None,
-                "top_p": self.top_p[rows] if filters else None}  # fmt: skip
-
-    def _uniforms(self, row: int, width: int) -> np.ndarray:
-        """W + 1 uniforms of the row's own generator (zeros for a greedy row)."""
-        rng = self.rngs[row]
-        return (
-            np.zeros(width + 1, dtype=np.float32)
-            if rng is None
-            else rng.random(width + 1).astype(np.float32)
-        )
-
-    def release(self, row: int) -> None:
-        """Free a row (its request finished or left)."""
-        self.jobs[row] = None
-        self.h_done[row] = False
-        self.rngs[row] = None
-        self.live[row] = False
-        self.done[row] = True
-
-    def _catch_up(self, busy: list[int]) -> None:
-        """Write the draft context K/V of rows committed since the last draft further back than
-        L' rows (the prompt of a row not drafted yet, and rows of width-1 steps), eagerly, in
-        one forward over the rows that need it."""
-        lb = self.block
-        need = [r for r in busy if self.h_pos[r] - self.h_seen[r] > lb]
-        if not need:
-            return
-        span = max(self.h_pos[r] - lb - self.h_seen[r] for r in need)
-        dev = self.device
-        lo = torch.tensor([self.h_seen[r] for r in need], device=dev)
-        hi = torch.tensor([self.h_pos[r] - lb - 1 for r in need], device=dev)
-        ctx = torch.minimum(lo[:, None] + torch.arange(span, device=dev), hi[:, None])  # [R, span]
-        rows = torch.tensor(need, device=dev)
-        dc = self.dcache
-        dc.rows, dc.write_pos, dc.width, dc.gather = rows, ctx, 1, True
-        with torch.inference_mode():
-            self.draft.write_context(self.feats[rows[:, None], ctx], ctx, dc)
-
     def rows_bucket(self, busy: Sequence[int]) -> int:
         """The rows a step runs over (``nb``): the smallest of ``ROW_BUCKETS`` covering the
         highest busy row, at most B (1 with none busy). The chooser prices a step at it."""

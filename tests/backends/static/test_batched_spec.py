@@ -308,3 +308,23 @@ def test_plain_mode_runs_no_draft_and_one_call_per_plain_steps(pair, cases, monk
     assert (
         seen == [1] + [4] * 9 + [3] and alone.steps_run == 10
     )  # 40 tokens: prefill, then 4 a call
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 64])
+def test_chunked_prefill_gives_the_same_rows(pair, cases, chunk):
+    """Prompts prefilled in chunks of 1, 5 or 64 positions (joins padded to their rows bucket
+    by other free rows) give the features of HF's hidden states and the greedy ids."""
+    jobs, want = jobs_of(cases, stops=False)
+    spec = ScriptedSpec(*pair, max_batch=4, capacity=96, kv_bucket=32, prefill_chunk=chunk)
+    got = dict(spec.run_jobs(jobs, block_size=BLOCK))
+    assert [got[i] for i in range(7)] == want
+    fresh = BatchedSpec(*pair, max_batch=4, capacity=96, kv_bucket=32, prefill_chunk=chunk)
+    p = cases[0][2]  # 3 rows: padded to 4 by the free row 3
+    fresh.admit([SpecJob(p, 4), SpecJob(cases[0][0], 4), SpecJob(cases[0][1], 4)])
+    with torch.no_grad():
+        hs = pair[0](torch.tensor([p]), output_hidden_states=True).hidden_states
+    ids = pair[1].config.target_layer_ids
+    want_f = torch.cat([hs[i + 1][0] for i in ids], -1)
+    torch.testing.assert_close(
+        fresh.feats[0, : len(p)], want_f, rtol=1e-4, atol=2e-4
+    )  # GEMM shapes differ
