@@ -126,12 +126,13 @@ class RowAdmission:
             zero = torch.zeros(len(jobs), dtype=torch.long, device=dev)
             _, first = accept_rows(logits, zero[:, None], zero, sampled)
         firsts = first.tolist()
+        table = np.full((len(jobs), self.row_stops.shape[1]), -1, dtype=np.int64)
+        for i, j in enumerate(jobs):  # every row's stop ids in one copy (no per-row launches)
+            table[i, : len(j.stop_ids)] = list(j.stop_ids)
+        self.row_stops[rows_t] = torch.from_numpy(table).to(dev)
         out = []
         for r, j, f in zip(rows, jobs, firsts, strict=True):
             stops = list(j.stop_ids)
-            self.row_stops[r].fill_(-1)
-            if stops:
-                self.row_stops[r, : len(stops)] = torch.tensor(stops, device=dev)
             limit = min(j.max_new_tokens, self.max_len - len(j.prompt_ids))
             self.jobs[r] = j
             # no draft context yet (h_seen 0): the first drafted step's catch-up writes it, so
