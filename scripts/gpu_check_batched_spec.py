@@ -14,7 +14,8 @@ prints a summary, exits 1 when a check fails.
 - ``speed`` per shape (bf16, random weights; ``demo`` = SmolLM2-135M + its 5-layer draft's
   shapes, ``8b`` = Qwen3-8B + a 5-layer draft): at each concurrency c (``LEVELS``: demo 1, 4,
   16, 64; 8b 1, 4, 16) 2c
-  requests (prompts of 64-192 tokens, 128 new tokens each) go through c rows, closed loop.
+  requests (prompts of 64-192 tokens, budgets of 64-192 new tokens, mean 128: rows end and
+  others join at ragged times, as in serving) go through c rows, closed loop.
   Plain batched decoding (every step width 1) gives the baseline tokens/s and each request's
   greedy ids; the draft is random, so its acceptance is ~0: to measure what acceptance buys,
   the draft's proposals (the draft still runs, its cost is real) are replaced on the device by
@@ -277,22 +278,25 @@ LEVELS = {"tiny": [1, 4], "demo": [1, 4, 16, 64], "8b": [1, 4, 16]}
 GENERATOR_SHAPES = ("tiny", "demo")  # the generator reference (8b: its runs would not fit the time)
 
 
-def generator_run(target, ps: list[list[int]], c: int, new: int, capacity: int, steps: int) -> dict:
+def generator_run(
+    target, ps: list[list[int]], c: int, budgets: list[int], capacity: int, steps: int
+) -> dict:
     """The plain batched generator (``dflash data regenerate``'s: dense attention, CUDA graphs,
     ``steps`` decode steps per replay, no compile) on the same prompts through c rows: the
     reference the engine's plain mode should match (warm-up run, then the timed one)."""
-    from dflash.backends.static.batched import BatchedGenerator
+    from dflash.backends.static.batched import BatchedGenerator, Job
 
     gen = BatchedGenerator(target, max_batch=c, capacity=capacity, steps_per_sync=steps, kv_bucket=128,
                            kv_lengths=False, compile=False, refill_fraction=0.125)  # fmt: skip
-    gen.generate(ps, new)
+    jobs = [Job(p, m) for p, m in zip(ps, budgets, strict=True)]
+    dict(gen.run(jobs))
     sync = torch.cuda.synchronize if gen.device.type == "cuda" else (lambda: None)
     sync()
     t0 = time.perf_counter()
-    ids = gen.generate(ps, new)
+    ids = dict(gen.run(jobs))
     sync()
     wall = time.perf_counter() - t0
-    tokens = sum(len(v) for v in ids)
+    tokens = sum(len(v) for v in ids.values())
     return {"ids": ids, "wall_s": wall, "tokens": tokens, "tok_s": tokens / wall}
 
 
@@ -313,15 +317,18 @@ def speed(shape: str, device, levels: list[int], new: int, out: dict, stop_at: f
             continue
         n = 2 * c
         ps = prompts(n, vocab, 64, 192, seed=c)
-        capacity = 192 + new + 8
+        capacity = 192 + new + new // 2 + 8
         spec = ScriptedSpec(
             target, draft, max_batch=c, capacity=capacity, kv_bucket=128, force=True
         )
-        jobs = [SpecJob(p, new) for p in ps]
+        budgets = [new // 2 + (37 * i) % (new + 1) for i in range(n)]  # new/2..3new/2: ragged ends
+        jobs = [SpecJob(p, m) for p, m in zip(ps, budgets, strict=True)]
         run(spec, jobs, 1)  # warm-up: captures every graph the run needs (as each run below)
         plain = run(spec, jobs, 1)
         truth = {i: ps[i] + plain["ids"][i] for i in range(n)}
-        sj = [ScriptedJob(p, new, truth=truth[i], schedule=SCHEDULE) for i, p in enumerate(ps)]
+        sj = [
+            ScriptedJob(p, budgets[i], truth=truth[i], schedule=SCHEDULE) for i, p in enumerate(ps)
+        ]
         widths = [1, 2, 4, 6, 8, 16] if block >= 16 else [1, 2, 4, block]
         buckets = sorted({b for b in ROW_BUCKETS if b < c} | {c})  # every bucket a step runs at
         costs = BatchCosts.measure(spec, buckets, widths, context=128 + new // 2, repeats=5)
@@ -347,7 +354,7 @@ def speed(shape: str, device, levels: list[int], new: int, out: dict, stop_at: f
         if device.type == "cuda":
             torch.cuda.empty_cache()
         if shape in GENERATOR_SHAPES and time.perf_counter() < stop_at:
-            g = generator_run(target, ps, c, new, capacity, steps=steps)
+            g = generator_run(target, ps, c, budgets, capacity, steps=steps)
             level["generator"] = {k: v for k, v in g.items() if k != "ids"}
             level["generator"]["engine_plain_vs_generator"] = round(plain["tok_s"] / g["tok_s"], 3)
         level["seconds"] = round(time.perf_counter() - t0, 1)
