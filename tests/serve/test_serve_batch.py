@@ -108,8 +108,7 @@ def test_one_row_and_cpu_default_keep_one_at_a_time(pipe):
     finally:
         client.__exit__(None, None, None)
     assert (
-        default_max_batch(torch.device("cpu")) == 1
-        and default_max_batch(torch.device("cuda")) == 1
+        default_max_batch(torch.device("cpu")) == 1 and default_max_batch(torch.device("cuda")) == 1
     )
 
 
@@ -121,3 +120,15 @@ def test_bad_max_batch_is_one_line_error(args):
 
     res = CliRunner().invoke(app, ["serve", *args])
     assert res.exit_code != 0 and "--max-batch" in str(res.exception)
+
+
+def test_max_batch_above_one_is_accepted():
+    """``--max-batch 8`` is no longer withheld: the command goes on to its later checks (here a
+    bad ``--block-size``, before anything loads)."""
+    from typer.testing import CliRunner
+
+    from dflash.cli import app
+
+    res = CliRunner().invoke(app, ["serve", "--max-batch", "8", "--block-size", "bogus"])
+    assert res.exit_code != 0 and "block" in str(res.exception).lower()
+    assert "--max-batch" not in str(res.exception)

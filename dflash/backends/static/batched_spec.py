@@ -69,7 +69,7 @@ class BatchedSpec(RowAdmission, BatchedGenerator):
         prefill_chunk: prompt positions per prefill forward (one graph replay on CUDA).
 
     Memory: the target K/V of :class:`BatchedGenerator` plus B x S x F features and the draft's
-    K/V, S = capacity + L' + 1 rounded up to ``kv_bucket``.
+    K/V, S = capacity + max(L', plain_steps) + 1 rounded up to ``kv_bucket``.
 
     Raises:
         InputError: bad sizes, or a draft that is not DFlash v1.
