@@ -102,7 +102,6 @@ class BatchedSpec(RowAdmission, BatchedGenerator):
         self.arange = torch.arange(max(self.block, 1) + 1, **z)
         self.props = torch.zeros(b, max(self.block - 1, 1), **z)
         self.last = torch.zeros(b, 1 + max(self.block, self.plain_steps), **z)
-        self.scratch = torch.zeros(b, 2, **z)  # one plain step's [count, token] per row
         self.prefill_chunk = max(1, int(prefill_chunk))  # prefill's static buffers (batched_admit)
         self.p_ids = torch.zeros(b, self.prefill_chunk, **z)
         self.p_pos = torch.zeros(b, self.prefill_chunk, **z)
@@ -201,24 +200,29 @@ class BatchedSpec(RowAdmission, BatchedGenerator):
         """``repeat`` plain steps of rows 0..nb-1 (graphable, no host sync, no draft): step i
         writes its token to ``last[:, 1 + i]`` and adds its count to ``last[:, 0]`` (a row
         that stops stays stopped, so each row's tokens are ``last[r, 1 : 1 + count]``);
-        sampled rows use ``unif[:, 2i : 2i + 2]``."""
-        rows, state = self.rows[:nb], self._rows_state(nb)
-        state["last"] = self.scratch[:nb]
-        self.last[:nb, 0].zero_()
+        sampled rows use ``unif[:, 2i : 2i + 2]``. The commit is the plain generator's (a
+        handful of element-wise ops), equal to :func:`commit_rows` at width 1."""
+        rows, last = self.rows[:nb], self.last[:nb]
+        tok, pos, n, limit = self.tok[:nb], self.pos[:nb], self.n[:nb], self.limit[:nb]
+        live, done, stops = self.live[:nb], self.done[:nb], self.row_stops[:nb]
+        last[:, 0].zero_()
         zero = torch.zeros(nb, dtype=torch.long, device=self.device)
         for i in range(repeat):
-            h = self._target(self.tok[:nb, None], self.pos[:nb, None], rows, width, gather=False)
+            h = self._target(tok[:, None], pos[:, None], rows, width, gather=False)
             logits = self._logits(h)  # [nb, 1, V]
-            sampled = None
-            if kind is not None:
+            nxt = self.argmax_hook(logits.argmax(-1), nb)[:, 0]
+            if kind is not None:  # sampled rows: the bonus draw of accept.py at width 1
                 sampled = {"temp": self.temp[:nb], "unif": self.unif[:nb, 2 * i : 2 * i + 2],
                            "top_k": self.top_k[:nb] if kind == "filters" else None,
                            "top_p": self.top_p[:nb] if kind == "filters" else None}  # fmt: skip
-            best = self.argmax_hook(logits.argmax(-1), nb)
-            acc, bonus = accept_rows(logits, self.props[:nb], zero, sampled, best)
-            commit_rows(acc, bonus, self.props[:nb], 1, state)
-            self.last[:nb, 0] += self.scratch[:nb, 0]
-            self.last[:nb, 1 + i] = self.scratch[:nb, 1]
+                nxt = accept_rows(logits, self.props[:nb], zero, sampled, nxt[:, None])[1]
+            act = live & ~done & (limit > n)
+            last[:, 1 + i] = nxt
+            last[:, 0] += act
+            tok.copy_(torch.where(act, nxt, tok))
+            pos.add_(act)
+            n.add_(act)
+            done |= act & ((nxt[:, None] == stops).any(-1) | (n >= limit))
 
     def _step(self, nb: int, width: int, length: int, kind: str | None, repeat: int = 1) -> None:  # type: ignore[override]
         """One step of rows 0..nb-1 at verify width ``length`` (graphable, no host sync); at
