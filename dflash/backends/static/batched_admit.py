@@ -177,19 +177,32 @@ class RowAdmission:
 
     def _catch_up(self, busy: list[int]) -> None:
         """Write the draft context K/V of rows committed since the last draft further back than
-        L' rows (the prompt of a row not drafted yet, and rows of width-1 steps), eagerly, in
-        one forward over the rows that need it."""
+        L' rows (the prompt of a row not drafted yet, and rows of width-1 steps): positions
+        h_seen .. h_pos - L' - 1 of every row that needs it, ``prefill_chunk`` positions per
+        forward (one graph replay per (rows bucket) on CUDA; a row's shorter range repeats its
+        last position). Rows padding the bucket rewrite their position 0 from their features."""
         lb = self.block
         need = [r for r in busy if self.h_pos[r] - self.h_seen[r] > lb]
         if not need:
             return
         span = max(self.h_pos[r] - lb - self.h_seen[r] for r in need)
-        dev = self.device
-        lo = torch.tensor([self.h_seen[r] for r in need], device=dev)
-        hi = torch.tensor([self.h_pos[r] - lb - 1 for r in need], device=dev)
-        ctx = torch.minimum(lo[:, None] + torch.arange(span, device=dev), hi[:, None])  # [R, span]
-        rows = torch.tensor(need, device=dev)
-        dc = self.dcache
-        dc.rows, dc.write_pos, dc.width, dc.gather = rows, ctx, 1, True
-        with torch.inference_mode():
+        r, c = len(need), self.prefill_chunk
+        others = [x for x in range(self.b) if x not in need]
+        rb = next((b for b in PREFILL_BUCKETS if b >= r), r)
+        if rb - r > len(others):
+            rb = r
+        pad = rb - r
+        bounds = [[self.h_seen[x], self.h_pos[x] - lb - 1] for x in need] + [[0, 0]] * pad
+        self.p_rows[:rb].copy_(torch.tensor(need + others[:pad]))
+        self.c_bounds[:rb].copy_(torch.tensor(bounds))
+
+        def body(rb=rb):
+            rows, lo, hi = self.p_rows[:rb], self.c_bounds[:rb, :1], self.c_bounds[:rb, 1:]
+            ctx = torch.minimum(lo + self.c_off + self.c_arange, hi)  # [rb, C]
+            dc = self.dcache
+            dc.rows, dc.write_pos, dc.width, dc.gather = rows, ctx, 1, True
             self.draft.write_context(self.feats[rows[:, None], ctx], ctx, dc)
+
+        for k in range(-(-span // c)):
+            self.c_off.fill_(k * c)
+            self._graph(("catch_up", rb), body)

@@ -107,6 +107,9 @@ class BatchedSpec(RowAdmission, BatchedGenerator):
         self.p_pos = torch.zeros(b, self.prefill_chunk, **z)
         self.p_rows = torch.zeros(b, **z)
         self.p_out = torch.zeros(b, self.prefill_chunk, hidden, dtype=self.dtype, device=dev)
+        self.c_bounds = torch.zeros(b, 2, **z)  # the catch-up's first and last position per row
+        self.c_off = torch.zeros(1, **z)  # the catch-up chunk's offset
+        self.c_arange = torch.arange(self.prefill_chunk, **z)[None]
         self.row_stops = torch.full((b, 4), -1, **z)
         self.top_k, self.top_p = torch.zeros(b, **z), torch.ones(b, dtype=torch.float32, device=dev)
         self.unif = torch.zeros(b, max(self.block + 1, 2 * self.plain_steps), dtype=torch.float32,

@@ -184,11 +184,13 @@ def test_bad_jobs_are_refused(pair):
         BatchedSpec(pair[0], None)
 
 
-def test_draft_context_after_plain_steps_equals_a_fresh_write(pair, cases):
+@pytest.mark.parametrize("chunk", [64, 5])
+def test_draft_context_after_plain_steps_equals_a_fresh_write(pair, cases, chunk):
     """After 12 plain steps (more than the draft's block) and one drafted step, every row's
-    draft context K/V at positions < its anchor equal those written from its features at once."""
+    draft context K/V at positions < its anchor equal those written from its features at once
+    (the catch-up in one chunk, or in chunks of 5 positions)."""
     ps = cases[0][:3]
-    spec = BatchedSpec(*pair, max_batch=3, capacity=96, kv_bucket=32)
+    spec = BatchedSpec(*pair, max_batch=3, capacity=96, kv_bucket=32, prefill_chunk=chunk)
     spec.admit([SpecJob(p, 40) for p in ps])
     for _ in range(-(-12 // spec.plain_steps)):  # each call: plain_steps plain steps
         spec.step(1)
