@@ -15,7 +15,8 @@ its own stop ids, its own sampling settings and seeded uniforms) and commits on 
 (:mod:`dflash.backends.static.batched_accept`); the host then reads one [B, 1 + L] buffer.
 Width 1 is plain batched decoding through the same forward: ``plain_steps`` steps per graph
 replay and host sync, no draft forward (as the plain batched generator). Rows join (prefilled
-eagerly, right-padded, into the lowest free rows; the target only) and leave between calls.
+in chunks, right-padded, into the lowest free rows; the target only; :mod:`.batched_admit`)
+and leave between calls.
 
 On CUDA each step is one graph replay, captured per (rows bucket, attention width bucket, L,
 sampling kind): the step runs over the first ``nb`` rows, ``nb`` the smallest bucket covering
@@ -25,8 +26,8 @@ CPU the same code runs eagerly; in float32 every row's greedy ids equal that row
 (tests/backends/static/test_batched_spec.py).
 
 Draft context: a drafted step rewrites the draft K/V of the last L' rows before each row's
-anchor; rows further back (the prompt, rows of plain steps) are written first by one eager
-catch-up forward (:meth:`BatchedSpec._catch_up`), so a row that never drafts never runs the draft.
+anchor; rows further back (the prompt, rows of plain steps) are written first by the chunked
+catch-up (:meth:`BatchedSpec._catch_up`), so a row that never drafts never runs the draft.
 
 Targets: dense full-attention Llama/Qwen2/Qwen3 (as the batched generator); drafts: DFlash v1.
 """
