@@ -4,8 +4,8 @@ plus a candidate selector that walks one coherent path through per-position top-
 Everything else (context projection, attention with context K/V injection, RoPE, masks, cache,
 shared embedding and LM head) is the v1 draft of :mod:`dflash.models.draft_torch`, reused here.
 Tensor names follow the published checkpoints (brief §1.2), except that the two selector
-codebooks are stored without a ``.weight`` suffix; :meth:`DFlash2Draft.module_names` and
-:meth:`DFlash2Draft.checkpoint_names` map between the two (brief §4.3).
+codebooks are stored without a ``.weight`` suffix; :mod:`dflash.models.draft2_names` maps
+between the two (brief §4.3).
 """
 
 from __future__ import annotations
@@ -14,11 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash.errors import CheckpointError, ConfigError
+from dflash.errors import ConfigError
+from dflash.models import draft2_names
 from dflash.models.config import DraftConfig
 from dflash.models.draft_torch import DFlashDraft, DraftLayer, extend_positions, rope_cos_sin
-
-CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
 
 
 class GroupedDynamicCausalConv(nn.Module):
@@ -351,27 +350,6 @@ class DFlash2Draft(DFlashDraft):
         model.draft_vocab = getattr(v1, "draft_vocab", None)
         return model.to(next(v1.parameters()).dtype)
 
-    @staticmethod
-    def checkpoint_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Module names -> published names: the codebooks lose their ``.weight`` suffix."""
-        state = dict(state)
-        for name in CODEBOOKS:
-            if name + ".weight" in state:
-                state[name] = state.pop(name + ".weight")
-        return state
-
-    @staticmethod
-    def module_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Published names -> module names (codebooks gain ``.weight``; both forms accepted).
-
-        Raises:
-            CheckpointError: a codebook stored under both names.
-        """
-        state = dict(state)
-        for name in CODEBOOKS:
-            if name in state:
-                if name + ".weight" in state:
-                    raise CheckpointError(f"Draft weights hold both {name} and {name}.weight; "
-                                          "keep one of them.")  # fmt: skip
-                state[name + ".weight"] = state.pop(name)
-        return state
+    # published <-> module names (the codebooks' ``.weight``, brief §4.3), shared with MLX
+    checkpoint_names = staticmethod(draft2_names.checkpoint_names)
+    module_names = staticmethod(draft2_names.module_names)
