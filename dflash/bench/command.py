@@ -274,8 +274,10 @@ def benchmark(
         from dflash.mlx_process import keep_torch_out
 
         keep_torch_out()
-    block_sizes = parse_block_sizes(block_size)
+    from dflash.models.target_torch import local_draft_block_size  # torch-free
     from dflash.options import check_recalibrate
+
+    block_sizes = parse_block_sizes(block_size, local_draft_block_size(draft, model))
 
     check_recalibrate(recalibrate, block_sizes)
     if kernels not in ("auto", "off"):
@@ -440,8 +442,9 @@ def _final_json(
     return {"config": config.record_config(block_size), "datasets": summaries}
 
 
-def parse_block_sizes(value: str | None) -> list[int | str | None]:
-    """``--block-size``: None (the draft's), "auto", an integer >= 1, or a comma list of those.
+def parse_block_sizes(value: str | None, trained: int | None = None) -> list[int | str | None]:
+    """``--block-size``: None (the draft's), "auto", an integer >= 1, or a comma list of those;
+    ``trained``: the draft's trained block size when known, for the hint of a value below 1.
 
     Raises:
         InputError: an empty item, a value that is neither auto nor an integer >= 1, or a
@@ -457,9 +460,9 @@ def parse_block_sizes(value: str | None) -> list[int | str | None]:
                              f"got {item.strip()!r}.", hint="e.g. --block-size auto,1,4,8,16")  # fmt: skip
         v: int | str = text if text == "auto" else int(text)
         if isinstance(v, int) and v < 1:
-            from dflash.options import BLOCK_SIZE_RANGE
+            from dflash.options import block_size_range
 
-            raise InputError(f"--block-size must be >= 1, got {v}.", hint=BLOCK_SIZE_RANGE)
+            raise InputError(f"--block-size must be >= 1, got {v}.", hint=block_size_range(trained))
         if v in out:
             raise InputError(f"--block-size lists {v} twice.", hint="list each value once")
         out.append(v)

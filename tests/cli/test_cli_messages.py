@@ -126,7 +126,7 @@ def test_any_other_folder_under_a_file_is_one_line_naming_the_file(tmp_path, mon
 
 # -- 3b. --block-size 0 ------------------------------------------------------------------------
 
-RANGE = "use auto (picked per step) or 1 (no drafting) up to the draft's trained block size (16 for the demo draft)"
+RANGE = "use auto (picked per step) or 1 (no drafting) up to the draft's trained block size"
 
 
 @pytest.mark.parametrize("args", [["generate", "transformers", "hi", "--block-size", "0"],
@@ -134,8 +134,28 @@ RANGE = "use auto (picked per step) or 1 (no drafting) up to the draft's trained
                                   ["benchmark", "transformers", "--dataset", "gsm8k", "--block-size", "0"],
                                   ["benchmark", "transformers", "--dataset", "gsm8k", "--block-size", "auto,4,0"]])  # fmt: skip
 def test_block_size_zero_has_a_hint_with_the_valid_range(args):
-    """`dflash benchmark ... --block-size 0` said 'must be >= 1' and nothing more (user trial)."""
-    assert error_lines(dflash_cli(*args)) == ["error: --block-size must be >= 1, got 0.", f"hint: {RANGE}"]
+    """`dflash benchmark ... --block-size 0` said 'must be >= 1' and nothing more (user trial);
+    the hint names the demo draft's trained block size (its config.json, read before loading)."""
+    assert error_lines(dflash_cli(*args)) == ["error: --block-size must be >= 1, got 0.", f"hint: {RANGE} (16)"]
+
+
+@pytest.mark.parametrize("command", [["generate", "transformers", "hi"],
+                                     ["benchmark", "transformers", "--dataset", "gsm8k"]])  # fmt: skip
+def test_the_block_size_hint_names_the_given_drafts_trained_size(tmp_path, command):
+    """With --draft FOLDER the hint names that draft's trained block size (8 here), not the demo
+    draft's; with a draft that is not on this machine it names no number."""
+    import json
+
+    from tests.helpers.paths import FIXTURES_DIR
+
+    cfg = json.loads((FIXTURES_DIR / "qwen3-8b-dflash-config.json").read_text())
+    cfg["block_size"] = 8
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "config.json").write_text(json.dumps(cfg))
+    res = dflash_cli(*command, "--model", "some/target", "--draft", str(tmp_path / "d"), "--block-size", "0")
+    assert error_lines(res) == ["error: --block-size must be >= 1, got 0.", f"hint: {RANGE} (8)"]
+    res = dflash_cli(*command, "--model", "some/target", "--draft", "no-such/draft", "--block-size", "0")
+    assert error_lines(res) == ["error: --block-size must be >= 1, got 0.", f"hint: {RANGE}"]
 
 
 # -- 3c. no blank line before an error ---------------------------------------------------------

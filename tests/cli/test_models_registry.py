@@ -110,6 +110,29 @@ def test_an_unregistered_target_still_needs_a_draft():
     assert "dflash models" in err.value.hint and "init-draft --target some/model" in err.value.hint
 
 
+def test_local_draft_block_size_reads_only_what_is_here(tmp_path):
+    """The trained block size a hint names before loading: a draft folder's, the demo draft's, a
+    registered draft's from the hub cache; None for a draft not on this machine or unreadable,
+    and never a stderr note or a download (the hub is unreachable here)."""
+    cache = hub_cache_with(tmp_path, "z-lab/Qwen3-8B-DFlash-b16")
+    snap = next((cache / "models--z-lab--Qwen3-8B-DFlash-b16" / "snapshots").iterdir())
+    cfg = json.loads((snap / "config.json").read_text())
+    (snap / "config.json").write_text(json.dumps({**cfg, "block_size": 10}))
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "config.json").write_text(json.dumps({**cfg, "block_size": 8}))
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.json").write_text("{")
+    code = ("from dflash.models.target_torch import local_draft_block_size as f\n"
+            f"print([f({str(tmp_path / 'mine')!r}, 'Qwen/Qwen3-8B'), f(None, None), f(None, 'Qwen/Qwen3-8B'),"
+            f" f(None, 'some/model'), f('no-such/draft', None), f({str(tmp_path / 'broken')!r}, None),"
+            f" f({str(tmp_path / 'missing')!r}, None)])")  # fmt: skip
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env={**ENV, "HF_HUB_CACHE": str(cache)}, timeout=120)  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split("\n")[0] == "[8, 16, 10, None, None, None, None]"
+    assert p.stderr == ""
+
+
 def test_generate_says_which_draft_it_uses_before_loading(tmp_path):
     """`generate --model Qwen/Qwen3-8B` without --draft: the note, then (the target itself is
     not in the cache) one error line about the target, not "--draft is required"."""
