@@ -37,6 +37,34 @@ from dflash.kernels.split_attention import split_attention
 from dflash.models.draft_torch import rope_cos_sin
 
 
+class StaticDraftCache:
+    """Draft context K/V in position-indexed buffers [1, Hkv, S, D] per layer.
+
+    Only context rows are written (at ``write_pos``); block K/V stay transient. Validity of a
+    row is decided by the caller's mask (key position < start).
+    """
+
+    def __init__(self, layers: int, kv_heads: int, capacity: int, head_dim: int, dtype, device):
+        shape = (1, kv_heads, capacity, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.write_pos: torch.Tensor | None = None  # [Tc] positions of this call's context rows
+
+    @property
+    def positions(self) -> None:
+        """Always None: row validity comes from the caller's mask, so the draft's forward never
+        concatenates position history (which would bake a stale tensor into a CUDA graph)."""
+        return None
+
+    @positions.setter
+    def positions(self, _value) -> None:
+        pass
+
+    def append(self, i: int, k: torch.Tensor, v: torch.Tensor):
+        self.keys[i].index_copy_(2, self.write_pos, k)
+        self.values[i].index_copy_(2, self.write_pos, v)
+        return self.keys[i], self.values[i]
+
 def draft_forward_fused(draft, fused, block_embeds, target_hidden, q_pos, ctx_pos, cache, masks, kl: Launch,
                         split_kinds=frozenset(), lin: bool = False, lin_in: bool = False, rope: bool = False,
                         glu: bool = False, folded=None, qkv_fused: bool = False, final_norm: bool = True,

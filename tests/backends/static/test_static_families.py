@@ -16,12 +16,8 @@ import functools
 import pytest
 import torch
 
-from dflash.backends.static.backend import (
-    StaticBackend,
-    layer_windows,
-    static_refusal,
-    supports_static,
-)
+from dflash.backends.static.backend import StaticBackend
+from dflash.backends.static.support import layer_windows, static_refusal, supports_static
 from tests.helpers.static_families import check_scripted_rows, run, static
 from tests.helpers.target_families import BASE, WINDOW, build, greedy, prompt_ids
 

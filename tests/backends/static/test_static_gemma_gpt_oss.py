@@ -17,7 +17,7 @@ import math
 import pytest
 import torch
 
-from dflash.backends.static.backend import static_refusal
+from dflash.backends.static.support import static_refusal
 from tests.helpers.static_families import check_scripted_rows, run, static
 from tests.helpers.target_families import WINDOW, build, greedy, prompt_ids
 

@@ -151,7 +151,7 @@ def test_sampling_emits_the_target_distribution_after_rollbacks():
 def test_the_cuda_graph_path_takes_the_hybrids_it_covers():
     """The CUDA-graph path runs the covered hybrid layouts (dflash.backends.static.hybrid); one it
     does not cover goes to the plain path, and ``--cuda-graphs`` says why in one sentence."""
-    from dflash.backends.static.backend import static_refusal, supports_static
+    from dflash.backends.static.support import static_refusal, supports_static
     from dflash.backends.transformers import no_graphs_reason
 
     model = build("qwen3_next")
