@@ -8,8 +8,6 @@ The same ``forward`` serves inference (with a :class:`DraftCache`) and training 
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 
 import torch
@@ -19,8 +17,7 @@ from torch import nn
 from dflash.errors import CheckpointError, ConfigError
 from dflash.models.config import DraftConfig
 from dflash.models.draft_vocab import load_draft_vocab, save_draft_vocab
-
-SHARD_BYTES = 15_000_000
+from dflash.models.safetensors_io import SHARD_BYTES, read_safetensors, write_shards
 
 try:  # FlexAttention (torch >= 2.5) serves training with a sparse block mask
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
@@ -245,21 +242,6 @@ class DraftLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-def save_safetensors(tensors: dict[str, torch.Tensor], path: str | Path,
-                     metadata: dict[str, str] | None = None) -> None:  # fmt: skip
-    """``safetensors.torch.save_file``, then the file mode a plain ``open`` would give.
-
-    save_file writes through a private temporary file (mode 0600); weights should be as
-    readable as the config.json beside them, so the mode follows the umask (0644 typically).
-    """
-    from safetensors.torch import save_file
-
-    save_file(tensors, str(path), metadata=metadata)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(path, 0o666 & ~umask)
-
-
 class DFlashDraft(nn.Module):
     """DFlash v1 draft: ``fc`` + ``hidden_norm`` context projection, decoder layers, final norm.
 
@@ -407,32 +389,9 @@ class DFlashDraft(nn.Module):
         state = self.checkpoint_names(self.state_dict())
         # Copies: weights may be views of one fused tensor (static path), which safetensors refuses.
         tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()}
-        shards: list[dict[str, torch.Tensor]] = [{}]
-        size = 0
-        for name, t in tensors.items():
-            nbytes = t.numel() * t.element_size()
-            if shards[-1] and size + nbytes > max_shard_bytes:
-                shards.append({})
-                size = 0
-            shards[-1][name] = t
-            size += nbytes
-        for old in out.glob("model*.safetensors*"):
-            old.unlink()
         if self.draft_vocab is not None:
             save_draft_vocab(out, self.draft_vocab)
-        meta = {"format": "pt"}
-        if len(shards) == 1:
-            save_safetensors(shards[0], out / "model.safetensors", metadata=meta)
-            return out
-        n = len(shards)
-        weight_map = {}
-        for i, shard in enumerate(shards, 1):
-            fname = f"model-{i:05d}-of-{n:05d}.safetensors"
-            save_safetensors(shard, out / fname, metadata=meta)
-            weight_map.update({k: fname for k in shard})
-        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
-                 "weight_map": weight_map}  # fmt: skip
-        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        write_shards(tensors, out, max_shard_bytes)
         return out
 
     @staticmethod
@@ -487,27 +446,3 @@ class DFlashDraft(nn.Module):
         model._inv_freq_f32, model.inv_freq = inv_freq, inv_freq
         model.draft_vocab = load_draft_vocab(folder, cfg.vocab_size)
         return model.to(device=device, dtype=dtype)  # inv_freq stays float32 (see _apply)
-
-
-def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
-    """Read every ``*.safetensors`` file of a folder into one dict of CPU tensors.
-
-    Raises:
-        CheckpointError: no file, or a file that safetensors cannot parse.
-    """
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(
-            f"No .safetensors weights in draft folder {folder}.",
-            hint="a draft folder needs config.json and model.safetensors",
-        )
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        try:
-            state.update(load_file(str(f)))
-        except (SafetensorError, OSError, ValueError) as e:
-            raise CheckpointError(f"Cannot read draft weights {f.name}: {e}.") from e
-    return state

@@ -184,8 +184,8 @@ def test_fuse_norm_switch_and_greedy_parity(tiny_target, monkeypatch):
     in-projections run small_linear and their norms are plain RMSNorms (recorded when on); the
     static path with it (reference maths on CPU) decodes exactly plain greedy, with and without
     the SwiGLU epilogue and the RoPE kernel's path."""
-    from dflash.backends.static import kernel_choice
     from dflash.backends.static import fused as static_fused
+    from dflash.backends.static import kernel_choice
     from dflash.backends.static.backend import StaticBackend
     from tests.helpers.static import assert_static_greedy
     from tests.helpers.tiny import make_draft

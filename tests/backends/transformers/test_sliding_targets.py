@@ -187,8 +187,8 @@ def test_a_wrapper_missing_text_weights_is_refused(tmp_path):
     would otherwise leave that tensor random)."""
     import dflash
     from dflash.errors import CheckpointError
-    from dflash.models.draft_torch import read_safetensors, save_safetensors
     from dflash.models.init_draft import init_draft
+    from dflash.models.safetensors_io import read_safetensors, save_safetensors
 
     save_target(tmp_path / "t", "gemma4_wrapper")
     init_draft(str(tmp_path / "t"), tmp_path / "d", layers=2, dtype="float32")
