@@ -65,7 +65,10 @@ def _check_options(
     if backend not in LOCAL_BACKENDS:
         raise BackendError(f"dflash benchmark cannot drive the '{backend}' backend yet.")
     if max_new_tokens < 1:
-        raise InputError(f"--max-new-tokens must be >= 1, got {max_new_tokens}.", hint="e.g. --max-new-tokens 256")
+        raise InputError(
+            f"--max-new-tokens must be >= 1, got {max_new_tokens}.",
+            hint="e.g. --max-new-tokens 256",
+        )
     if check_parity and not sampling.greedy:
         raise InputError(
             "--check-parity compares token ids, which only match under greedy decoding.",
@@ -117,7 +120,9 @@ def benchmark(
     reasoning: Annotated[
         str | None, typer.Option(help="off/on or a model-supported reasoning level.")
     ] = None,
-    device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N (mlx: auto, gpu or cpu).")] = "auto",
+    device: Annotated[
+        str, typer.Option(help="auto, cpu, cuda, cuda:N (mlx: auto, gpu or cpu).")
+    ] = "auto",
     dtype: Annotated[str, typer.Option(help="auto, bfloat16, float16, float32.")] = "auto",
     data_dir: Annotated[
         Path | None,
@@ -126,8 +131,12 @@ def benchmark(
         ),
     ] = None,
     offline: Annotated[
-        bool, typer.Option("--offline", help="Never ask the hub for a dataset: a benchmark set not "
-                           "in the cache comes from the test prompts shipped with dflash.")
+        bool,
+        typer.Option(
+            "--offline",
+            help="Never ask the hub for a dataset: a benchmark set not "
+            "in the cache comes from the test prompts shipped with dflash.",
+        ),
     ] = False,
     output: Annotated[
         Path | None, typer.Option(help="Append one JSON record per response to this file.")
@@ -139,8 +148,12 @@ def benchmark(
         bool, typer.Option(help="Compare baseline and DFlash token ids per response.")
     ] = False,
     score: Annotated[
-        bool, typer.Option("--score", help="Score the answers of baseline and DFlash: gsm8k/math500 exact "
-                           "answer, humaneval/mbpp pass@1 (RUNS the generated code, in a separate process).")
+        bool,
+        typer.Option(
+            "--score",
+            help="Score the answers of baseline and DFlash: gsm8k/math500 exact "
+            "answer, humaneval/mbpp pass@1 (RUNS the generated code, in a separate process).",
+        ),
     ] = False,
     plot: Annotated[
         Path | None, typer.Option(help="Save histogram + per-position plot (needs matplotlib).")
@@ -173,7 +186,8 @@ def benchmark(
         int | None, typer.Option(help="mlx backend: quantize the draft to 4 or 8 bits at load.")
     ] = None,
     draft_window: Annotated[
-        int | None, typer.Option(help="the draft attends to at most N recent context rows (tokens).")
+        int | None,
+        typer.Option(help="the draft attends to at most N recent context rows (tokens)."),
     ] = None,
     kernels: Annotated[
         str,
@@ -196,30 +210,39 @@ def benchmark(
     num_prompts: Annotated[
         int | None,
         typer.Option(
-            rich_help_panel=OPENAI_PANEL, help="alias of --max-samples: prompts per dataset (default: all; "
-            "repeats when larger than the dataset); giving both with different values is an error."
+            rich_help_panel=OPENAI_PANEL,
+            help="alias of --max-samples: prompts per dataset (default: all; "
+            "repeats when larger than the dataset); giving both with different values is an error.",
         ),
     ] = None,
-    concurrency: Annotated[int, typer.Option(rich_help_panel=OPENAI_PANEL, help="parallel requests.")] = 1,
+    concurrency: Annotated[
+        int, typer.Option(rich_help_panel=OPENAI_PANEL, help="parallel requests.")
+    ] = 1,
     timeout_s: Annotated[
         float, typer.Option(rich_help_panel=OPENAI_PANEL, help="HTTP timeout per connect/read, s.")
     ] = TIMEOUT_DEFAULT,
     api_key: Annotated[
         str | None,
         typer.Option(
-            rich_help_panel=OPENAI_PANEL, help="API key (default: $OPENAI_API_KEY); never printed.",
+            rich_help_panel=OPENAI_PANEL,
+            help="API key (default: $OPENAI_API_KEY); never printed.",
             show_default=False,
         ),
     ] = None,
     baseline_url: Annotated[
         str | None,
-        typer.Option(rich_help_panel=OPENAI_PANEL, help="a second server without speculation, for a speedup."),
+        typer.Option(
+            rich_help_panel=OPENAI_PANEL, help="a second server without speculation, for a speedup."
+        ),
     ] = None,
     baseline_model: Annotated[
         str | None, typer.Option(rich_help_panel=OPENAI_PANEL, help="model name on --baseline-url.")
     ] = None,
     max_retries: Annotated[
-        int, typer.Option(rich_help_panel=OPENAI_PANEL, help="retries on 429/502/503/504 (with backoff).")
+        int,
+        typer.Option(
+            rich_help_panel=OPENAI_PANEL, help="retries on 429/502/503/504 (with backoff)."
+        ),
     ] = RETRIES_DEFAULT,
 ) -> None:
     """Benchmark DFlash against plain decoding (block size 1; on mlx also mlx_lm's own
@@ -250,8 +273,12 @@ def benchmark(
         **dict.fromkeys(("--base-url", "--num-prompts", "--concurrency", "--timeout-s", "--api-key",
                          "--baseline-url", "--baseline-model", "--max-retries"), remote),
     })  # fmt: skip
-    if max_samples is not None and max_samples < 1:  # named as given (openai reads it as --num-prompts)
-        raise InputError(f"--max-samples must be >= 1, got {max_samples}.", hint="drop it to use every prompt")
+    if (
+        max_samples is not None and max_samples < 1
+    ):  # named as given (openai reads it as --num-prompts)
+        raise InputError(
+            f"--max-samples must be >= 1, got {max_samples}.", hint="drop it to use every prompt"
+        )
     if num_prompts is not None and max_samples is not None and num_prompts != max_samples:
         raise InputError(f"--num-prompts {num_prompts} and --max-samples {max_samples} disagree; they are "
                          "the same option (prompts per dataset).", hint="give one of them")  # fmt: skip
@@ -283,7 +310,10 @@ def benchmark(
         raise InputError(f"--kernels must be auto or off, got {kernels!r}.",
                          hint="auto runs this project's Triton kernels where they fit; off runs torch ops")  # fmt: skip
     if score and len(block_sizes) > 1:
-        raise InputError("--score scores one run; --block-size lists several.", hint="drop --score or list one block size")
+        raise InputError(
+            "--score scores one run; --block-size lists several.",
+            hint="drop --score or list one block size",
+        )
     if draft is None and model is not None:  # the published draft of a registered target
         from dflash.registry import registered_draft
 
@@ -305,8 +335,20 @@ def benchmark(
         runs.sweep(
             _load_pipeline,
             block_sizes,
-            (backend, model, draft, device, dtype, cuda_graphs, compile, uniform_width, kernels,
-             recalibrate, draft_bits, draft_window),
+            (
+                backend,
+                model,
+                draft,
+                device,
+                dtype,
+                cuda_graphs,
+                compile,
+                uniform_width,
+                kernels,
+                recalibrate,
+                draft_bits,
+                draft_window,
+            ),
             names,
             (data_dir, offline),
             max_samples,
@@ -337,8 +379,20 @@ def benchmark(
         gathered = runs.run(
             dist,
             _load_pipeline,
-            (backend, model, draft, device, dtype, cuda_graphs, compile, uniform_width, kernels,
-             recalibrate, draft_bits, draft_window),
+            (
+                backend,
+                model,
+                draft,
+                device,
+                dtype,
+                cuda_graphs,
+                compile,
+                uniform_width,
+                kernels,
+                recalibrate,
+                draft_bits,
+                draft_window,
+            ),
             selected,
             config,
             output,
@@ -354,7 +408,9 @@ def benchmark(
     summaries = {name: summarize(recs) for name, recs in gathered.items()}
     console = Console(highlight=False, soft_wrap=True)  # no 80-column wrapping when piped
     for name, summary in summaries.items():
-        report.print_summary(console, name, summary, parity_asked=config.check_parity, requested=config.block_size)
+        report.print_summary(
+            console, name, summary, parity_asked=config.check_parity, requested=config.block_size
+        )
     if score:
         from dflash.bench.score import add_scores
 

@@ -167,7 +167,11 @@ class DraftAttention(nn.Module):
     def __init__(self, cfg: DraftConfig):
         super().__init__()
         h, d = cfg.hidden_size, cfg.head_dim
-        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
+        self.heads, self.kv_heads, self.head_dim = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            d,
+        )
         self.q_proj = nn.Linear(h, self.heads * d, bias=False)
         self.k_proj = nn.Linear(h, self.kv_heads * d, bias=False)
         self.v_proj = nn.Linear(h, self.kv_heads * d, bias=False)
@@ -405,7 +409,9 @@ class DFlashDraft(nn.Module):
         return state
 
     @classmethod
-    def load(cls, folder: str | Path, dtype: torch.dtype | None = None, device="cpu") -> DFlashDraft:
+    def load(
+        cls, folder: str | Path, dtype: torch.dtype | None = None, device="cpu"
+    ) -> DFlashDraft:
         """Load a draft folder (config.json + safetensors, sharded or not).
 
         The folder must hold this class's architecture (v1 or DFlash2);
@@ -419,7 +425,11 @@ class DFlashDraft(nn.Module):
         folder = Path(folder)
         cfg = DraftConfig.load(folder)
         if cfg.is_dflash2 != getattr(cls, "is_dflash2", False):
-            kind = "a DFlash2 draft, not a DFlash v1" if cfg.is_dflash2 else "a DFlash v1 draft, not a DFlash2"
+            kind = (
+                "a DFlash2 draft, not a DFlash v1"
+                if cfg.is_dflash2
+                else "a DFlash v1 draft, not a DFlash2"
+            )
             raise ConfigError(f"Draft {folder} is {kind} draft.",
                               hint="load it with dflash.models.draft_load.load_draft, which picks the class")  # fmt: skip
         state = cls.module_names(read_safetensors(folder))

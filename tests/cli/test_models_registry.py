@@ -42,7 +42,9 @@ def test_models_lists_every_published_pair():
     assert qwen["draft"] == "z-lab/Qwen3-8B-DFlash-b16" and qwen["block_size"] == 16
     assert qwen["runs"] == {"cuda_graphs": "yes", "transformers": "yes", "mlx": "yes"}
     moe = by_target["Qwen/Qwen3-Coder-30B-A3B-Instruct"]["runs"]
-    assert moe["cuda_graphs"] == "yes" and moe["transformers"] == "yes"  # expert blocks in the graphs
+    assert (
+        moe["cuda_graphs"] == "yes" and moe["transformers"] == "yes"
+    )  # expert blocks in the graphs
     hybrid = by_target["Qwen/Qwen3.5-9B"]["runs"]
     assert hybrid["mlx"] == "yes" and hybrid["transformers"] == "yes"
     assert hybrid["cuda_graphs"].startswith("untested: GatedDeltaNet layers in the graphs")
@@ -50,7 +52,11 @@ def test_models_lists_every_published_pair():
         runs = by_target[sliding]["runs"]
         assert runs["transformers"] == "yes"
         graphs = runs["cuda_graphs"]  # gpt-oss and Gemma: dflash/backends/static/families.py
-        assert graphs == "yes" if "Muse" not in sliding else graphs.startswith("no: a multimodal wrapper")
+        assert (
+            graphs == "yes"
+            if "Muse" not in sliding
+            else graphs.startswith("no: a multimodal wrapper")
+        )
         # rotating caches roll back on mlx: gemma4 and gpt_oss tested, Muse-Glimmer not run
         want = "untested: rotating" if "Muse" in sliding else "yes"
         assert runs["mlx"].startswith(want), sliding
@@ -79,8 +85,10 @@ def test_a_registered_target_resolves_its_draft_offline(tmp_path):
     """The registered draft comes from the hub cache with the hub unreachable (a stand-in
     snapshot holding its config), and one stderr line says which draft and why."""
     cache = hub_cache_with(tmp_path, "z-lab/Qwen3-8B-DFlash-b16")
-    code = ("from dflash.models.target_torch import resolve_draft\n"
-            "print(resolve_draft(None, 'Qwen/Qwen3-8B'))\nprint(resolve_draft(None, 'Qwen/Qwen3-8B'))")
+    code = (
+        "from dflash.models.target_torch import resolve_draft\n"
+        "print(resolve_draft(None, 'Qwen/Qwen3-8B'))\nprint(resolve_draft(None, 'Qwen/Qwen3-8B'))"
+    )
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        env={**ENV, "HF_HUB_CACHE": str(cache)}, timeout=120)  # fmt: skip
     assert p.returncode == 0, p.stderr
@@ -142,7 +150,9 @@ def test_generate_says_which_draft_it_uses_before_loading(tmp_path):
                        env={**ENV, "HF_HUB_CACHE": str(cache)}, timeout=300)  # fmt: skip
     lines = p.stderr.strip().splitlines()
     assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr
-    assert lines[0].startswith("dflash: --draft not given; using z-lab/Qwen3-8B-DFlash-b16"), p.stderr
+    assert lines[0].startswith("dflash: --draft not given; using z-lab/Qwen3-8B-DFlash-b16"), (
+        p.stderr
+    )
     assert lines[1].startswith("error: ") and "Qwen/Qwen3-8B" in lines[1], p.stderr
     assert "--draft is required" not in p.stderr
 
@@ -156,7 +166,11 @@ def test_graph_path_column_follows_the_static_families():
         runs = family_support(family, "sliding-window + full layers")
         assert runs["cuda_graphs"] == "yes" and runs["mlx"].startswith("untested: rotating"), family
     assert family_support("qwen3_moe", "MoE, full attention")["cuda_graphs"] == "yes"
-    assert family_support("qwen3_moe", "MoE, sliding-window")["mlx"].startswith("untested: rotating")
+    assert family_support("qwen3_moe", "MoE, sliding-window")["mlx"].startswith(
+        "untested: rotating"
+    )
     for family in ("gemma4", "gpt_oss", "gemma3_text"):
-        assert family_support(family, "sliding-window + full layers")["cuda_graphs"] == "yes", family
+        assert family_support(family, "sliding-window + full layers")["cuda_graphs"] == "yes", (
+            family
+        )
     assert family_support("dense ?", "3:1 sliding + full layers")["cuda_graphs"].startswith("no:")

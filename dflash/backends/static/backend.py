@@ -121,7 +121,9 @@ class StaticBackend(StaticGraphs, TransformersBackend):
             self.kv_heads, self.head_dim = self.family[0].kv_heads, self.family[0].head_dim
         else:
             self.kv_heads = cfg.num_key_value_heads
-            self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+            self.head_dim = (
+                getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+            )
         rot = target.model.rotary_emb
         if self.family is None:
             self.inv_freq, self.rope_scale = rot.inv_freq.float(), float(rot.attention_scaling)
@@ -134,7 +136,13 @@ class StaticBackend(StaticGraphs, TransformersBackend):
         for n, i in enumerate(self.layer_ids):
             self.feature_layers.setdefault(i - 1, []).append(n)
         # one qkv (hybrids: one token-mixer input) and one gate+up matmul per layer; families: their own
-        self.fused_target = fuse_hybrid(target) if self.hybrid else fuse_target(target) if self.family is None else []
+        self.fused_target = (
+            fuse_hybrid(target)
+            if self.hybrid
+            else fuse_target(target)
+            if self.family is None
+            else []
+        )
         self.dflash2 = bool(getattr(draft, "is_dflash2", False))
         self.fused_draft = fuse_draft(draft) if draft is not None else None
         if self.dflash2:  # the sampled walk's graph inputs: uniforms [1, U] and temperature [1]
@@ -152,7 +160,9 @@ class StaticBackend(StaticGraphs, TransformersBackend):
         self.graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, Any, tuple]] = {}
         # --block-size auto picks among these widths (graphs captured when costs are timed).
         b = self.draft_block_size
-        self.auto_widths = sorted({w for w in AUTO_WIDTHS if w < b} | {1, b}) if self.use_graphs else None
+        self.auto_widths = (
+            sorted({w for w in AUTO_WIDTHS if w < b} | {1, b}) if self.use_graphs else None
+        )
 
     def configure(self, settings: KernelSettings) -> None:
         """Decide from ``settings`` (and what the target, the draft, the device and the dtype
@@ -174,12 +184,20 @@ class StaticBackend(StaticGraphs, TransformersBackend):
         """The pieces of :data:`~dflash.kernels.settings.LADDER` the forwards run (``pdl``: in
         the ``part`` forward, this project's kernels or Inductor's), for
         :func:`~dflash.kernels.settings.fall_back`."""
-        live = {"qkv_rope": self.qkv_rope_target or self.qkv_rope_draft,
-                "norm_kernel": self.norm_kernel or self.hybrid_norms,
-                "fuse_norm": self.fuse_norm or self.draft_fuse_norm, "glu": self.glu or self.draft_glu,
-                "rope": self.draft_rope or self.target_rope, "linear": self.linear != "torch" or self.draft_linear,
-                "attention": self.attention != "sdpa",
-                "pdl": any(self.pdl_on(p, i) for p in ([part] if part else ["target", "draft"]) for i in (False, True))}
+        live = {
+            "qkv_rope": self.qkv_rope_target or self.qkv_rope_draft,
+            "norm_kernel": self.norm_kernel or self.hybrid_norms,
+            "fuse_norm": self.fuse_norm or self.draft_fuse_norm,
+            "glu": self.glu or self.draft_glu,
+            "rope": self.draft_rope or self.target_rope,
+            "linear": self.linear != "torch" or self.draft_linear,
+            "attention": self.attention != "sdpa",
+            "pdl": any(
+                self.pdl_on(p, i)
+                for p in ([part] if part else ["target", "draft"])
+                for i in (False, True)
+            ),
+        }
         return {name for name, on in live.items() if on}
 
     # -- buffers --------------------------------------------------------------------------
@@ -195,14 +213,24 @@ class StaticBackend(StaticGraphs, TransformersBackend):
     def _allocate(self, capacity: int) -> None:
         dev, dt = self.device, self.dtype
         shape = (1, self.kv_heads, capacity, self.head_dim)
-        if self.family is not None:  # per-layer layouts; a layer sharing K/V holds its source's buffers
+        if (
+            self.family is not None
+        ):  # per-layer layouts; a layer sharing K/V holds its source's buffers
             self.k, self.v = allocate(self.family, capacity, dt, dev)
         else:
             linear = self.gdn_layers()  # GatedDeltaNet layers keep no K/V
-            self.k = [None if i in linear else torch.zeros(shape, dtype=dt, device=dev) for i in range(self.n_layers)]
-            self.v = [None if i in linear else torch.zeros(shape, dtype=dt, device=dev) for i in range(self.n_layers)]
+            self.k = [
+                None if i in linear else torch.zeros(shape, dtype=dt, device=dev)
+                for i in range(self.n_layers)
+            ]
+            self.v = [
+                None if i in linear else torch.zeros(shape, dtype=dt, device=dev)
+                for i in range(self.n_layers)
+            ]
         if self.hybrid and self.gdn is None:  # fixed for the backend's life: the graphs hold them
-            self.gdn = HybridState(self.target, max(*self.plan.verify_widths, self.draft_block_size), dt, dev)
+            self.gdn = HybridState(
+                self.target, max(*self.plan.verify_widths, self.draft_block_size), dt, dev
+            )
         self.key_pos = torch.arange(capacity, device=dev)
         width = len(self.layer_ids) * self.target.config.hidden_size
         self.feats = torch.zeros(capacity, max(width, 1), dtype=dt, device=dev)  # [S, F]
@@ -262,7 +290,11 @@ class StaticBackend(StaticGraphs, TransformersBackend):
         fold = not logits and self.fused_draft is not None and head.folded is not None
         if self.fused_draft is not None:
             split = uses_kernel(self.attention, length)
-            kinds = frozenset(kind for kind, rule in rules.items() if rule is None) if split else frozenset()
+            kinds = (
+                frozenset(kind for kind, rule in rules.items() if rule is None)
+                if split
+                else frozenset()
+            )
             lin = self.draft_linear and length <= MAX_ROWS  # residual adds fused in
             h = draft_forward_fused(self.draft_model, self.fused_draft, embeds, ctx, q_pos, ctx_pos[None],
                                     self.dcache, masks, self.launch["draft"], kinds, lin,
@@ -313,7 +345,9 @@ class StaticBackend(StaticGraphs, TransformersBackend):
             seen = 0
             if with_features and self.draft_model is not None:  # the prompt's draft context K/V:
                 self.dcache.write_pos = pos[0]  # the first draft call then reads only its window
-                self.draft_model.write_context(self.feats[: len(prompt_ids)][None], pos, self.dcache)
+                self.draft_model.write_context(
+                    self.feats[: len(prompt_ids)][None], pos, self.dcache
+                )
                 seen = len(prompt_ids)
         self._draft_seen = seen
         if self.gdn is not None:

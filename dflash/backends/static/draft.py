@@ -65,6 +65,7 @@ class StaticDraftCache:
         self.values[i].index_copy_(2, self.write_pos, v)
         return self.keys[i], self.values[i]
 
+
 def draft_forward_fused(draft, fused, block_embeds, target_hidden, q_pos, ctx_pos, cache, masks, kl: Launch,
                         split_kinds=frozenset(), lin: bool = False, lin_in: bool = False, rope: bool = False,
                         glu: bool = False, folded=None, qkv_fused: bool = False, final_norm: bool = True,
@@ -104,7 +105,9 @@ def draft_forward_fused(draft, fused, block_embeds, target_hidden, q_pos, ctx_po
     cfg, tc, lq = draft.config, target_hidden.shape[1], block_embeds.shape[1]
     fc = draft.fc
     if lin and tc <= LINEAR_MAX_ROWS and _plain(fc, target_hidden.dtype):  # one kernel, not
-        ctx = draft.hidden_norm(small_linear(target_hidden[0].contiguous(), fc.weight, fc.bias, launch=kl)[None])
+        ctx = draft.hidden_norm(
+            small_linear(target_hidden[0].contiguous(), fc.weight, fc.bias, launch=kl)[None]
+        )
     else:  # cuBLAS's split-K GEMM and its reduction (two, ~7 us on the H200)
         ctx = draft.hidden_norm(fc(target_hidden))  # [1, Tc, H]
     qkv_fused = qkv_fused and lin_in and tc + lq <= LINEAR_MAX_ROWS
@@ -146,7 +149,9 @@ def draft_forward_fused(draft, fused, block_embeds, target_hidden, q_pos, ctx_po
         elif wpos is not None and kind in split_kinds:
             raw = _in_proj_joint(lin_in, qkv, x, kl)  # [Tc + L, (H + 2 Hkv) D]
             kc, vc = cache.keys[i], cache.values[i]
-            q = rope_cache(raw, a.q_norm, a.k_norm, cos, sin, wpos, kc, vc, tc, a.heads, a.kv_heads, early, kl)
+            q = rope_cache(
+                raw, a.q_norm, a.k_norm, cos, sin, wpos, kc, vc, tc, a.heads, a.kv_heads, early, kl
+            )
             out = split_attention(q, kc, vc, see, None, early, kl)
             early = True
         else:
@@ -176,7 +181,9 @@ def draft_forward_fused(draft, fused, block_embeds, target_hidden, q_pos, ctx_po
             continue
         h = _out_proj(lin, a.o_proj, out, h, kl)
         if fg is not None:
-            h = _mlp_rn(lin, fg, layer.mlp.down_proj, F.silu, layer.post_attention_layernorm, h, glu, kl)
+            h = _mlp_rn(
+                lin, fg, layer.mlp.down_proj, F.silu, layer.post_attention_layernorm, h, glu, kl
+            )
         else:
             h = _mlp(lin, lin_in, gate_up, layer.mlp.down_proj, F.silu, layer.post_attention_layernorm(h), h, glu,
                      kl)  # fmt: skip

@@ -34,8 +34,9 @@ def _target_norms(target: Any) -> list:
     """The target's RMSNorm modules that can run as their own kernels: every layer's two and the
     final norm."""
     layers = target.model.layers
-    return [n for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)] + [
-        target.model.norm]
+    return [
+        n for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)
+    ] + [target.model.norm]
 
 
 def choose_kernels(be, settings: KernelSettings) -> None:
@@ -51,15 +52,21 @@ def choose_kernels(be, settings: KernelSettings) -> None:
     # residual add fused in, or torch (see dflash.kernels.small_linear)
     linear = linear_mode(settings.linear, device)
     # (hybrids: torch for now, not yet measured; their forward takes small_linear where allowed)
-    be.linear = linear if be.family is None and not be.hybrid and small_linear_fits(target) else "torch"
-    be.draft_linear = be.fused_draft is not None and linear != "torch" and draft_small_linear_fits(draft)
+    be.linear = (
+        linear if be.family is None and not be.hybrid and small_linear_fits(target) else "torch"
+    )
+    be.draft_linear = (
+        be.fused_draft is not None and linear != "torch" and draft_small_linear_fits(draft)
+    )
     # the fused qkv and gate+up projections too, in forwards of up to linear_in rows (every
     # width under "auto" and "all")
     be.linear_in = _in_proj_rows(be.linear)
     be.draft_linear_in = be.draft_linear and _in_proj_rows(linear) == MAX_ROWS
     # SiLU(gate) * up as the epilogue of those gate+up kernels (SiLU MLPs)
     glu = settings.glu
-    be.glu = glu and be.linear_in > 0 and getattr(target.config, "hidden_act", None) in ("silu", "swish")
+    be.glu = (
+        glu and be.linear_in > 0 and getattr(target.config, "hidden_act", None) in ("silu", "swish")
+    )
     be.draft_glu = glu and be.draft_linear_in
     # q/k (norm +) RoPE + cache writes as one kernel (see dflash.kernels.rope_cache)
     split = be.attention != "sdpa"  # the kernel feeds the split-KV attention only
@@ -74,11 +81,15 @@ def choose_kernels(be, settings: KernelSettings) -> None:
         qkvs = [qkv.weight for qkv, _ in be.fused_target]
         norms = hasattr(attn, "q_norm")
         be.qkv_rope_target = qkv_rope_wanted(qkvs, norms, settings.qkv_rope) and all(
-            qkv_rope_fits(layer.self_attn, w, norms) for layer, w in zip(target.model.layers, qkvs, strict=True))
+            qkv_rope_fits(layer.self_attn, w, norms)
+            for layer, w in zip(target.model.layers, qkvs, strict=True)
+        )
     if be.draft_rope and be.draft_linear_in:
         qkvs = [qkv.weight for qkv, _ in be.fused_draft]
         be.qkv_rope_draft = qkv_rope_wanted(qkvs, True, settings.qkv_rope) and all(
-            qkv_rope_fits(layer.self_attn, w, True) for layer, w in zip(draft.layers, qkvs, strict=True))
+            qkv_rope_fits(layer.self_attn, w, True)
+            for layer, w in zip(draft.layers, qkvs, strict=True)
+        )
     # RMSNorms inside the in-projections' kernels, with the norms' weights folded into copies
     # of the projections' weights (fold_norms); None: by size and dtype, and only where every
     # forward's in-projections run small_linear (as measured)
@@ -86,9 +97,17 @@ def choose_kernels(be, settings: KernelSettings) -> None:
     def fused_norms(model, layers, every_width: bool) -> bool:
         if settings.fuse_norm is not None:
             return settings.fuse_norm and norms_fit(layers, be.dtype)
-        return every_width and fuse_norm_auto(model.config.hidden_size, be.dtype) and norms_fit(layers, be.dtype)
+        return (
+            every_width
+            and fuse_norm_auto(model.config.hidden_size, be.dtype)
+            and norms_fit(layers, be.dtype)
+        )
 
-    be.fuse_norm = not be.hybrid and be.linear_in > 0 and fused_norms(target, target.model.layers, be.linear_in >= MAX_ROWS)
+    be.fuse_norm = (
+        not be.hybrid
+        and be.linear_in > 0
+        and fused_norms(target, target.model.layers, be.linear_in >= MAX_ROWS)
+    )
     be.draft_fuse_norm = (bool(be.draft_linear_in) and not be.dflash2  # DFlash2: a conv
                           and fused_norms(draft, draft.layers, True))  # after that norm  # fmt: skip
     if not be.fuse_norm:  # the folded weight copies: made once, kept while used
@@ -106,6 +125,8 @@ def choose_kernels(be, settings: KernelSettings) -> None:
     if be.family is not None:  # gpt-oss, Gemma: their norms and RoPE kernels
         configure_family(be, settings)
     # a hybrid's RMSNorms (centred and gated) through one Triton kernel each (bf16/fp16 on CUDA)
-    be.hybrid_norms = be.hybrid and settings.norm_kernel and hybrid_norms_fit(target, be.dtype, device)
+    be.hybrid_norms = (
+        be.hybrid and settings.norm_kernel and hybrid_norms_fit(target, be.dtype, device)
+    )
     # programmatic dependent launch of this project's kernels, per forward
     be.launch = {part: Launch(settings, be.pdl_on(part)) for part in ("target", "draft")}

@@ -43,13 +43,19 @@ def static_refusal(target: Any) -> str | None:
     kinds = layer_kinds(cfg)
     if any(k not in ("full_attention", SLIDING) for k in kinds):
         return f"layer kinds {sorted(set(kinds))} run on the plain path"
-    if any(not (isinstance(w, int) and w > 0) for w, k in zip(layer_windows(cfg), kinds, strict=True) if k == SLIDING):
+    if any(
+        not (isinstance(w, int) and w > 0)
+        for w, k in zip(layer_windows(cfg), kinds, strict=True)
+        if k == SLIDING
+    ):
         return "sliding layers need a positive sliding_window"
     inner = getattr(target, "model", None)
     if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "rotary_emb"):
         return "the target's module layout is not Llama-like"
     if len(inner.layers) != len(kinds) or not target_fusable(target):
-        return "its layers are not plain linears with dense MLPs or top-k expert blocks (quantized?)"
+        return (
+            "its layers are not plain linears with dense MLPs or top-k expert blocks (quantized?)"
+        )
     return None
 
 
