@@ -17,7 +17,7 @@ from torch import nn
 from dflash.errors import ConfigError
 from dflash.models import draft2_names
 from dflash.models.config import DraftConfig
-from dflash.models.draft_torch import DFlashDraft, DraftLayer, extend_positions, rope_cos_sin
+from dflash.models.draft_torch import DFlashDraft, DraftLayer
 
 
 class GroupedDynamicCausalConv(nn.Module):
@@ -269,21 +269,7 @@ class DFlash2Draft(DFlashDraft):
             if masks is None or block_embeds.shape[1] % period:
                 raise ConfigError(f"A packed DFlash2 forward needs masks and whole blocks of "
                                   f"{period} rows, got {block_embeds.shape[1]} rows.")  # fmt: skip
-        ctx = self.hidden_norm(self.fc(target_hidden))  # [B, Tc, H]
-        if cache is not None:
-            new_pos = extend_positions(cache, ctx_pos)
-        if masks is None:
-            k_ctx = new_pos if cache is not None else ctx_pos
-            masks = self.inference_masks(q_pos, torch.cat((k_ctx, q_pos), dim=1))
-        dt = block_embeds.dtype
-        q_rope = rope_cos_sin(q_pos, self.inv_freq, self.rope_scale, dt)
-        ctx_rope = rope_cos_sin(ctx_pos, self.inv_freq, self.rope_scale, dt)
-        h = block_embeds
-        for i, layer in enumerate(self.layers):
-            h = layer(h, ctx, q_rope, ctx_rope, masks[self.config.layer_types[i]], cache, i, period)
-        if cache is not None:
-            cache.positions = new_pos
-        return self.norm(h)
+        return self._forward(block_embeds, target_hidden, q_pos, ctx_pos, cache, masks, period)
 
     def process_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """Output multiplier, then ``cap * tanh(logits / cap)`` when a soft cap is set (§1.4)."""

@@ -313,6 +313,11 @@ class DFlashDraft(nn.Module):
         Returns:
             [B, Lq, H] final-normed hidden states; project with the target LM head.
         """
+        return self._forward(block_embeds, target_hidden, q_pos, ctx_pos, cache, masks)
+
+    def _forward(self, block_embeds, target_hidden, q_pos, ctx_pos, cache, masks, *layer_args):
+        """The body of :meth:`forward`; ``layer_args`` go to every layer after its own arguments
+        (DFlash2: the rows per packed block)."""
         ctx = self.hidden_norm(self.fc(target_hidden))  # [B, Tc, H]
         if cache is not None:
             new_pos = extend_positions(cache, ctx_pos)
@@ -324,7 +329,9 @@ class DFlashDraft(nn.Module):
         ctx_rope = rope_cos_sin(ctx_pos, self.inv_freq, self.rope_scale, dt)
         h = block_embeds
         for i, layer in enumerate(self.layers):
-            h = layer(h, ctx, q_rope, ctx_rope, masks[self.config.layer_types[i]], cache, i)
+            h = layer(
+                h, ctx, q_rope, ctx_rope, masks[self.config.layer_types[i]], cache, i, *layer_args
+            )
         if cache is not None:
             cache.positions = new_pos
         return self.norm(h)
