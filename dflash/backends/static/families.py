@@ -21,7 +21,7 @@ buffers as for the other families (a sliding window is a position mask; rollback
 Transformers 5.17 and 5.25 agree on every piece used here (checked side by side). Attention
 runs the split-KV kernel (:func:`~dflash.kernels.split_attention.split_attention`, with windows
 and sinks) where the backend's ``attention`` mode takes it and the head dim is at most
-:data:`KERNEL_MAX_HEAD_DIM`; else SDPA with the position mask, or, with sinks, the softmax over
+:data:`KERNEL_MAX_HEAD_DIM` (Gemma 4's global 512 included) and a power of two; else SDPA with the position mask, or, with sinks, the softmax over
 the scores and the sink column written out (float32), as transformers' eager attention.
 """
 
@@ -34,23 +34,31 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from dflash.backends.static.fused import _out_proj, _plain, fusable, fuse_linears
+from dflash.backends.static.fused import (
+    _in_proj,
+    _in_proj_joint,
+    _out_proj,
+    _plain,
+    fusable,
+    fuse_linears,
+)
 from dflash.backends.static.moe import (
     gemma4_block,
     gemma4_moe_forward,
     gpt_oss_block,
     gpt_oss_forward,
+    kernel_act,
 )
 from dflash.kernels.rms_norm import MAX_HEAD_ROWS, MAX_HIDDEN, ONE_PLUS, ROUND_ONCE, rms_norm
 from dflash.kernels.rms_norm import available as rms_norm_available
 from dflash.kernels.rope_cache import norm_eps, rope_cache, rope_cache_fits
 from dflash.kernels.small_linear import MAX_ROWS as LINEAR_MAX_ROWS
-from dflash.kernels.small_linear import linear_mode
+from dflash.kernels.small_linear import linear_mode, small_linear, small_linear_glu
 from dflash.kernels.split_attention import split_attention, uses_kernel
 from dflash.models.draft_torch import rope_cos_sin
 
 FAMILY_TYPES = ("gpt_oss", "gemma3_text", "gemma4_text")
-KERNEL_MAX_HEAD_DIM = 256  # larger heads (Gemma 4's global 512) attend through SDPA
+KERNEL_MAX_HEAD_DIM = 512  # Gemma 4's global layers' 512 included; larger heads attend through SDPA
 
 
 @dataclass
@@ -176,12 +184,26 @@ def _gate_up(mlp) -> Any:
     return fuse_linears(parts[:2])
 
 
-def _mlp(spec: LayerSpec, mlp, h: torch.Tensor) -> torch.Tensor:
-    """down(act(gate(h)) * up(h)) with gate and up as one matmul where fused, else the module."""
+def _mlp(spec: LayerSpec, mlp, h: torch.Tensor, lin: bool = False, kl=None) -> torch.Tensor:
+    """down(act(gate(h)) * up(h)) for h [1, T, H] with gate and up as one matmul where fused,
+    else the module; ``lin``: both projections as :func:`~dflash.kernels.small_linear.small_linear`
+    kernels, the activation (SiLU, GELU-tanh) as the gate+up kernel's epilogue where it is one."""
     if spec.gate_up is None:
         return mlp(h)
-    g, u = spec.gate_up(h)
-    return mlp.down_proj(mlp.act_fn(g) * u)
+    act = kernel_act(mlp.act_fn) if lin else None
+    if act is not None:
+        a = small_linear_glu(h[0], spec.gate_up.weight, spec.gate_up.bias, kl, act)[None]
+    else:
+        g, u = _in_proj(lin, spec.gate_up, h, kl)
+        a = mlp.act_fn(g) * u
+    return _proj(lin, mlp.down_proj, a, kl)
+
+
+def _proj(lin: bool, proj, h: torch.Tensor, kl) -> torch.Tensor:
+    """proj(h) for [1, T, in] activations (no residual): one small_linear kernel when ``lin``."""
+    if lin:
+        return small_linear(h[0], proj.weight, proj.bias, launch=kl)[None]
+    return proj(h)
 
 
 def allocate(specs: list[LayerSpec], capacity: int, dtype, device) -> tuple[list, list]:
@@ -198,6 +220,17 @@ def allocate(specs: list[LayerSpec], capacity: int, dtype, device) -> tuple[list
     return ks, vs
 
 
+def _projections_fit(spec: LayerSpec, layer, dtype: torch.dtype) -> bool:
+    """Whether a layer's fused qkv, and a dense Gemma MLP's fused gate+up and down_proj, are
+    plain row-major linears of ``dtype`` (what small_linear takes)."""
+    if spec.qkv is not None and (spec.qkv.weight.dtype != dtype or spec.qkv.weight.stride(-1) != 1):
+        return False
+    if spec.gate_up is None:
+        return True
+    w = spec.gate_up.weight
+    return w.dtype == dtype and w.stride(-1) == 1 and _plain(layer.mlp.down_proj, dtype)
+
+
 def _norms(target) -> list:
     """The target's RMSNorm modules with a weight (the per-layer, head and final norms)."""
     return [m for m in target.modules() if type(m).__name__.endswith("RMSNorm") and isinstance(
@@ -209,18 +242,20 @@ def configure_family(be, settings) -> None:
     choices): ``norm_kernel``, the norms as :func:`~dflash.kernels.rms_norm.rms_norm` (bf16/fp16
     on CUDA: gpt-oss's and Gemma 4's rounding once, Gemma 3's (1 + w)); ``target_rope``
     (gpt-oss, where the split-KV kernel runs): RoPE and the K/V cache writes as
-    :func:`~dflash.kernels.rope_cache.rope_cache`; ``linear`` (gpt-oss): o_proj with its bias
-    and the residual add as :func:`~dflash.kernels.small_linear.small_linear`. All are rungs of
-    the fall-back ladder."""
+    :func:`~dflash.kernels.rope_cache.rope_cache`; ``linear``: the projections as
+    :func:`~dflash.kernels.small_linear.small_linear` kernels in forwards of up to 32 rows, as the
+    dense path's (o_proj, with gpt-oss's residual add; under ``auto``/``all`` the fused qkv and
+    Gemma's gate+up, its GELU-tanh as the epilogue, and down_proj too). All are rungs of the
+    fall-back ladder."""
     target, dtype = be.target, be.dtype
     be.norm_kernel = bool(settings.norm_kernel and be.device.type == "cuda" and rms_norm_available()
                           and dtype in (torch.bfloat16, torch.float16)
                           and all(m.weight.dim() == 1 and m.weight.numel() <= MAX_HIDDEN and m.weight.stride(0) == 1
                                   for m in _norms(target)))  # fmt: skip
-    if family_type(target) == "gpt_oss":  # o_proj with its bias and the residual add: one kernel
-        layers = target.model.layers
-        if all(_plain(layer.self_attn.o_proj, dtype) for layer in layers):
-            be.linear = linear_mode(settings.linear, be.device)
+    layers = target.model.layers
+    if all(_plain(layer.self_attn.o_proj, dtype) and _projections_fit(spec, layer, dtype)
+           for spec, layer in zip(be.family, layers, strict=True)):  # fmt: skip
+        be.linear = linear_mode(settings.linear, be.device)
     for spec in be.family:
         spec.sinks_log2 = (
             None if spec.sinks is None else spec.sinks.detach().float() * math.log2(math.e)
@@ -267,10 +302,16 @@ def attend_sinks(q, k, v, mask, scale: float, sinks: torch.Tensor) -> torch.Tens
     return (p @ v.float()[:, :, None]).view(1, h, t, d).to(q.dtype)
 
 
+def kernel_head(head_dim: int) -> bool:
+    """Whether the split-KV kernel takes this head dim: a power of two up to
+    :data:`KERNEL_MAX_HEAD_DIM` (its tiles are ``tl.arange(0, D)``)."""
+    return 0 < head_dim <= KERNEL_MAX_HEAD_DIM and head_dim & (head_dim - 1) == 0
+
+
 def _attention(be, spec: LayerSpec, q, pos, masks, split: bool, kl) -> torch.Tensor:
     """The layer's attention over its K/V buffers: q [1, H, T, D] -> [1, H, T, D]."""
     k, v = be.k[spec.src], be.v[spec.src]
-    if split and spec.head_dim <= KERNEL_MAX_HEAD_DIM:
+    if split and kernel_head(spec.head_dim):
         return split_attention(q, k, v, pos[0], spec.scale, launch=kl, window=spec.window,
                                sinks_log2=spec.sinks_log2)  # fmt: skip
     if spec.sinks is not None:
@@ -308,7 +349,7 @@ def family_forward(be, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     tables = _rope_tables(be, pos)
     split = uses_kernel(be.attention, t)
     masks = {}
-    if not split or any(s.head_dim > KERNEL_MAX_HEAD_DIM for s in be.family):
+    if not split or not all(kernel_head(s.head_dim) for s in be.family):
         causal = be.key_pos[None, :] <= pos[0, :, None]
         for w in {s.window for s in be.family}:
             masks[w] = (
@@ -318,7 +359,8 @@ def family_forward(be, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     n_layers = len(be.family)
     mode = ONE_PLUS if family == "gemma3_text" else ROUND_ONCE
     rope = split and be.target_rope  # gpt-oss: RoPE + K/V writes in one kernel
-    lin = t <= LINEAR_MAX_ROWS and be.linear != "torch"  # gpt-oss: o_proj + residual in one kernel
+    lin = t <= LINEAR_MAX_ROWS and be.linear != "torch"  # o_proj (gpt-oss: + residual) as small_linear
+    lin_in = lin and be.linear in ("auto", "all")  # the qkv and gate+up projections too (and down)
 
     def nm(norm, y):
         return _norm(be, norm, y, kl, mode)
@@ -329,7 +371,7 @@ def family_forward(be, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         cos, sin = tables[spec.rope]
         h = nm(layer.input_layernorm, x)
         if rope and spec.src == i:  # gpt-oss: RoPE and the cache writes in one kernel
-            raw = F.linear(h[0], spec.qkv.weight, spec.qkv.bias)  # [T, (H + 2 Hkv) D]
+            raw = _in_proj_joint(lin_in, spec.qkv, h, kl)  # [T, (H + 2 Hkv) D]
             q = rope_cache(raw, None, None, cos, sin, pos[0], be.k[i], be.v[i], 0, spec.heads, spec.kv_heads,
                            i > 0, kl)  # fmt: skip
             o = _attention(be, spec, q, pos, masks, split, kl)
@@ -339,7 +381,7 @@ def family_forward(be, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
                 for n in be.feature_layers.get(i, ()):
                     slots[n] = x[0]
             continue
-        parts = spec.qkv(h) if spec.qkv is not None else None  # one matmul: q (, k (, v))
+        parts = _in_proj(lin_in, spec.qkv, h, kl) if spec.qkv is not None else None  # q (, k (, v))
         q = (parts[0] if parts else a.q_proj(h)).view(1, t, spec.heads, hd)
         if family != "gpt_oss":
             q = nm(a.q_norm, q)
@@ -362,8 +404,8 @@ def family_forward(be, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
             x = _out_proj(lin, a.o_proj, o, x, kl)
             x = x + gpt_oss_forward(layer.mlp, nm(layer.post_attention_layernorm, x), be.moe_route)
         else:
-            x = x + nm(layer.post_attention_layernorm, a.o_proj(o))
-            m = _mlp(spec, layer.mlp, nm(layer.pre_feedforward_layernorm, x))
+            x = x + nm(layer.post_attention_layernorm, _proj(lin, a.o_proj, o, kl))
+            m = _mlp(spec, layer.mlp, nm(layer.pre_feedforward_layernorm, x), lin_in, kl)
             if family == "gemma4_text" and getattr(layer, "enable_moe_block", False):
                 m = nm(layer.post_feedforward_layernorm_1, m) + nm(
                     layer.post_feedforward_layernorm_2, gemma4_moe_forward(layer, x, be.moe_route)
