@@ -1,0 +1,97 @@
+"""The kernels the gpt-oss / Gemma / Qwen3-MoE static forwards take on CUDA, run by Triton's
+interpreter on the CPU (float32) against torch: the split-KV attention at Gemma 4's head dims
+(256 with a window, 512 for the global layers, k = v), small_linear's GELU-tanh epilogue.
+
+The interpreter needs numpy < 2.3 (numpy 2.3+ refuses Triton 3.6's scalar conversions); with a
+newer numpy these tests fail inside the interpreter, not in the kernels."""
+
+from __future__ import annotations
+
+import importlib.util
+import textwrap
+
+import pytest
+
+from tests.helpers.kernels import compile_for_hopper, run_interpreted
+
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+
+ATTENTION = textwrap.dedent("""
+    import math
+    import torch
+    from dflash.backends.static.families import attend_sinks
+    from dflash.kernels import split_attention as sa
+    from tests.kernels.test_split_attention import _inputs, masked_sdpa
+
+    # Gemma 4 (31B): sliding layers D 256 with a window, global layers D 512 with k = v
+    for h, hkv, t, d, cap, start, window in ((8, 2, 1, 256, 512, 300, 64), (8, 2, 16, 256, 512, 200, 64),
+                                             (8, 1, 1, 512, 512, 299, 0), (8, 1, 16, 512, 512, 130, 0)):
+        q, k, v, pos = _inputs(h, hkv, t, d, cap, start)
+        if d == 512:
+            v = k  # attention_k_eq_v: one buffer read as keys and values
+        want = masked_sdpa(q, k, v, pos, 1.0, window)
+        for split, one in ((128, 0), (512, 0), (128, 448)):
+            got = sa.split_attention_kernel(q, k, v, pos, 1.0, split, 1, 0, one_slice=one, window=window)
+            err = (got - want).abs().max().item()
+            assert err < 1e-4, (h, hkv, t, d, split, one, window, err)
+            assert int(sa._COUNTERS[("cpu", None)].abs().sum()) == 0
+    # gpt-oss: D 64, sinks, window 128 over several slices
+    q, k, v, pos = _inputs(16, 2, 1, 64, 512, 400)
+    sinks = torch.randn(16, generator=torch.Generator().manual_seed(3)) * 2
+    keys = torch.arange(512)
+    mask = ((keys[None] <= pos[:, None]) & (keys[None] > pos[:, None] - 128))[None, None]
+    want = attend_sinks(q, k, v, mask, 0.125, sinks)
+    got = sa.split_attention_kernel(q, k, v, pos, 0.125, 128, 0, 0, window=128,
+                                    sinks=sinks * math.log2(math.e))
+    assert (got - want).abs().max().item() < 1e-4
+    print("ok")
+""")
+
+GEGLU = textwrap.dedent("""
+    import torch
+    import torch.nn.functional as F
+    from dflash.kernels import small_linear as sl
+
+    g = torch.Generator().manual_seed(0)
+    for m, n, k in ((1, 96, 200), (16, 64, 128), (5, 40, 72)):
+        x, w, b = torch.randn(m, k, generator=g), torch.randn(2 * n, k, generator=g) / 8, torch.randn(2 * n, generator=g)
+        gate, up = F.linear(x, w, b).chunk(2, -1)
+        want = F.gelu(gate, approximate="tanh") * up
+        got = sl.small_linear_glu(x, w, b, act="gelu_tanh")
+        assert (got - want).abs().max().item() < 1e-4 * want.abs().max().item() + 1e-5, (m, n, k)
+        want = F.silu(gate) * up  # the SiLU epilogue unchanged
+        got = sl.small_linear_glu(x, w, b)
+        assert (got - want).abs().max().item() < 1e-4 * want.abs().max().item() + 1e-5, (m, n, k)
+    print("ok")
+""")
+
+
+@needs_triton
+@pytest.mark.slow
+def test_split_attention_at_gemma_and_gpt_oss_head_dims():
+    out = run_interpreted(ATTENTION, timeout=900)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+@needs_triton
+def test_small_linear_gelu_tanh_epilogue():
+    out = run_interpreted(GEGLU)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+@needs_triton
+@pytest.mark.parametrize("d,t,gp", [(512, 1, 8), (512, 16, 1), (256, 16, 1)])
+def test_split_attention_compiles_for_hopper_at_wide_heads(d, t, gp):
+    """The kernel compiles for sm_90 at head dims 256 and 512 (the keys per iteration lowered to
+    16,384 / D) within the H100's shared memory."""
+    from dflash.kernels import split_attention as sa
+
+    ints = ("scale_log2", "cap", "s_pos", "window", "s_qh", "s_qt", "s_kh", "s_ks", "s_vh", "s_vs", "s_oh", "s_ot",
+            "s_ph", "s_ps", "s_pr", "s_lh", "s_ls")  # fmt: skip
+    consts = {"T": t, "G": 8, "GP": gp, "D": d, "ROWS": 16, "SPLIT_N": 256, "BLOCK": 16384 // d, "IEEE": False,
+              "MERGE": True, "PDL": True, "ONE": 448, "EARLY": True, "WINDOW": d == 256}  # fmt: skip
+    sig = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "POS": "*i64", "OUT": "*bf16", "PO": "*fp32", "PL": "*fp32",
+           "CNT": "*i32", **{n: "i32" for n in ints}, **dict.fromkeys(consts, "constexpr")}  # fmt: skip
+    sig["scale_log2"] = "fp32"
+    kernel = compile_for_hopper(sa._split_kernel, sig, consts, num_warps=4, num_stages=2)
+    assert kernel.metadata.shared <= 227 * 1024
