@@ -95,3 +95,51 @@ def test_split_attention_compiles_for_hopper_at_wide_heads(d, t, gp):
     sig["scale_log2"] = "fp32"
     kernel = compile_for_hopper(sa._split_kernel, sig, consts, num_warps=4, num_stages=2)
     assert kernel.metadata.shared <= 227 * 1024
+
+
+ROPE = textwrap.dedent("""
+    import torch
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm
+    from dflash.kernels.rms_norm import ONE_PLUS, ROUND_ONCE
+    from dflash.kernels.rope_cache import rope_cache_family, rope_cache_family_reference
+    from dflash.models.draft_torch import rope_cos_sin
+
+    g = torch.Generator().manual_seed(0)
+    # (mode, head dim, heads, kv heads, k = v, v norm): Gemma 3, Gemma 4 sliding, Gemma 4 global
+    for mode, d, h, hkv, k_eq_v, vn in ((ONE_PLUS, 16, 4, 2, False, False), (ROUND_ONCE, 256, 4, 2, False, True),
+                                        (ROUND_ONCE, 512, 4, 1, True, True)):
+        t, cap = 3, 64
+        if mode == ONE_PLUS:
+            qn, kn, vnorm = Gemma3RMSNorm(d, 1e-6), Gemma3RMSNorm(d, 1e-6), None
+        else:
+            qn, kn = Gemma4RMSNorm(d, 1e-6), Gemma4RMSNorm(d, 1e-6)
+            vnorm = Gemma4RMSNorm(d, 1e-6, with_scale=False) if vn else None
+        with torch.no_grad():
+            for n in (qn, kn):
+                n.weight.copy_(torch.randn(d, generator=g) * 0.5)
+        qkv = torch.randn(t, (h + (1 if k_eq_v else 2) * hkv) * d, generator=g) * 3
+        pos = torch.tensor([40, 41, 42])
+        inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+        inv[d // 8:] = 0.0  # a partial rotary (Gemma 4's global layers): cos 1, sin 0 past it
+        cos, sin = rope_cos_sin(pos[None], inv, 1.0, torch.float32)
+        caches = [torch.zeros(1, hkv, cap, d) for _ in range(4)]
+        with torch.no_grad():
+            want = rope_cache_family_reference(qkv, qn, kn, vnorm, cos, sin, pos, caches[0], caches[1], h, hkv, k_eq_v)
+            got = rope_cache_family(qkv, qn, kn, vnorm, cos, sin, pos, caches[2], caches[3], h, hkv, mode, k_eq_v)
+        for a, b in ((got, want), (caches[2], caches[0]), (caches[3], caches[1])):
+            err = (a - b).abs().max().item()
+            assert err < 1e-5, (mode, d, err)
+        assert caches[3][:, :, 40:43].abs().sum() > 0
+        assert got.transpose(1, 2).is_contiguous()
+    print("ok")
+""")
+
+
+@needs_triton
+def test_rope_cache_family_equals_the_gemma_modules():
+    """Gemma 3's (1 + w) and Gemma 4's round-once q/k norms, Gemma 4's weightless v norm and its
+    k = v global layers (head dim 512, a partial rotary), RoPE and the cache writes in one
+    kernel equal the modules and torch's rotation (float32)."""
+    out = run_interpreted(ROPE)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]

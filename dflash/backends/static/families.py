@@ -51,7 +51,7 @@ from dflash.backends.static.moe import (
 )
 from dflash.kernels.rms_norm import MAX_HEAD_ROWS, MAX_HIDDEN, ONE_PLUS, ROUND_ONCE, rms_norm
 from dflash.kernels.rms_norm import available as rms_norm_available
-from dflash.kernels.rope_cache import norm_eps, rope_cache, rope_cache_fits
+from dflash.kernels.rope_cache import norm_eps, rope_cache, rope_cache_family, rope_cache_fits
 from dflash.kernels.small_linear import MAX_ROWS as LINEAR_MAX_ROWS
 from dflash.kernels.small_linear import linear_mode, small_linear, small_linear_glu
 from dflash.kernels.split_attention import split_attention, uses_kernel
@@ -262,8 +262,22 @@ def configure_family(be, settings) -> None:
         )
     be.family_ones = {d: torch.ones(d, device=be.device) for d in {s.head_dim for s in be.family}}
     attn = target.model.layers[0].self_attn
-    be.target_rope = bool(settings.rope_target and be.attention != "sdpa" and family_type(target) == "gpt_oss"
-                          and all(s.qkv is not None for s in be.family) and rope_cache_fits(attn, dtype, norms=False))  # fmt: skip
+    if family_type(target) == "gpt_oss":
+        fits = rope_cache_fits(attn, dtype, norms=False)
+    else:  # Gemma: the owners of K/V rows, with their head norms
+        fits = all(_gemma_rope_fits(layer.self_attn, spec, dtype)
+                   for i, (spec, layer) in enumerate(zip(be.family, target.model.layers, strict=True)) if spec.src == i)  # fmt: skip
+    be.target_rope = bool(settings.rope_target and be.attention != "sdpa" and fits
+                          and all(s.qkv is not None for s in be.family))  # fmt: skip
+
+
+def _gemma_rope_fits(attn, spec: LayerSpec, dtype: torch.dtype) -> bool:
+    """Whether :func:`~dflash.kernels.rope_cache.rope_cache_family` runs a Gemma layer: a
+    power-of-two head dim of 16 to 512, q/k norms with [D] weights, 16- or 32-bit activations."""
+    d = spec.head_dim
+    norms = [getattr(attn, n, None) for n in ("q_norm", "k_norm")]
+    return (16 <= d <= 512 and d & (d - 1) == 0 and dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and all(isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight.shape == (d,) for m in norms))  # fmt: skip
 
 
 def _norm(be, norm, x: torch.Tensor, kl, mode: int) -> torch.Tensor:
@@ -333,6 +347,39 @@ def _rope_tables(be, pos: torch.Tensor) -> dict:
     return out
 
 
+def _queries(be, i: int, h: torch.Tensor, cos, sin, pos, lin_in: bool, rope: bool, nm, kl) -> torch.Tensor:
+    """Layer i's queries [1, H, T, D] (normed and rotated) from its normed input h [1, T, H],
+    writing its K/V rows at ``pos`` where it owns them (a sharing layer reads its source's):
+    with ``rope`` (Gemma 3/4) one :func:`~dflash.kernels.rope_cache.rope_cache_family` kernel
+    after the fused projection, else torch ops and the norms ``nm``."""
+    spec, family = be.family[i], family_type(be.target)
+    a, t, hd = be.target.model.layers[i].self_attn, h.shape[1], be.family[i].head_dim
+    gemma4 = family == "gemma4_text"
+    if rope and spec.src == i and family != "gpt_oss":
+        raw = _in_proj_joint(lin_in, spec.qkv, h, kl)  # [T, (H + 2 Hkv) D] (k = v: (H + Hkv) D)
+        return rope_cache_family(raw, a.q_norm, a.k_norm, a.v_norm if gemma4 else None, cos, sin, pos[0], be.k[i],
+                                 be.v[i], spec.heads, spec.kv_heads, ONE_PLUS if family == "gemma3_text" else ROUND_ONCE,
+                                 getattr(a, "v_proj", None) is None, i > 0, kl)  # fmt: skip
+    parts = _in_proj(lin_in, spec.qkv, h, kl) if spec.qkv is not None else None  # q (, k (, v))
+    q = (parts[0] if parts else a.q_proj(h)).view(1, t, spec.heads, hd)
+    if family != "gpt_oss":
+        q = nm(a.q_norm, q)
+    q = _rotate(q.transpose(1, 2), cos, sin)  # [1, H, T, D]
+    if spec.src == i:  # this layer writes its K/V rows (a sharing layer reads its source's)
+        kr = (parts[1] if parts else a.k_proj(h)).view(1, t, spec.kv_heads, hd)
+        if getattr(a, "v_proj", None) is None:  # attention_k_eq_v: v is the raw k projection
+            vr = kr
+        else:
+            vr = (parts[2] if parts else a.v_proj(h)).view(1, t, spec.kv_heads, hd)
+        if family != "gpt_oss":
+            kr = nm(a.k_norm, kr)
+        if gemma4:
+            vr = nm(a.v_norm, vr)  # no weight: a weight of ones in the kernel
+        be.k[i].index_copy_(2, pos[0], _rotate(kr.transpose(1, 2), cos, sin))
+        be.v[i].index_copy_(2, pos[0], vr.transpose(1, 2))
+    return q
+
+
 def family_forward(be, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     """The static forward of a gpt-oss / Gemma 3 / Gemma 4 target (``be``: a StaticBackend
     whose ``family`` is its :func:`layer_specs`): ids, pos [1, T] -> logits [T, V] (soft-capped
@@ -358,7 +405,7 @@ def family_forward(be, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     slots: list[torch.Tensor] = [None] * len(be.layer_ids)  # type: ignore[list-item]
     n_layers = len(be.family)
     mode = ONE_PLUS if family == "gemma3_text" else ROUND_ONCE
-    rope = split and be.target_rope  # gpt-oss: RoPE + K/V writes in one kernel
+    rope = split and be.target_rope  # RoPE (Gemma: and the q/k/v norms) + K/V writes in one kernel
     lin = t <= LINEAR_MAX_ROWS and be.linear != "torch"  # o_proj (gpt-oss: + residual) as small_linear
     lin_in = lin and be.linear in ("auto", "all")  # the qkv and gate+up projections too (and down)
 
@@ -370,7 +417,7 @@ def family_forward(be, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         hd = spec.head_dim
         cos, sin = tables[spec.rope]
         h = nm(layer.input_layernorm, x)
-        if rope and spec.src == i:  # gpt-oss: RoPE and the cache writes in one kernel
+        if rope and spec.src == i and family == "gpt_oss":  # RoPE and the cache writes in one kernel
             raw = _in_proj_joint(lin_in, spec.qkv, h, kl)  # [T, (H + 2 Hkv) D]
             q = rope_cache(raw, None, None, cos, sin, pos[0], be.k[i], be.v[i], 0, spec.heads, spec.kv_heads,
                            i > 0, kl)  # fmt: skip
@@ -381,23 +428,7 @@ def family_forward(be, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
                 for n in be.feature_layers.get(i, ()):
                     slots[n] = x[0]
             continue
-        parts = _in_proj(lin_in, spec.qkv, h, kl) if spec.qkv is not None else None  # q (, k (, v))
-        q = (parts[0] if parts else a.q_proj(h)).view(1, t, spec.heads, hd)
-        if family != "gpt_oss":
-            q = nm(a.q_norm, q)
-        q = _rotate(q.transpose(1, 2), cos, sin)  # [1, H, T, D]
-        if spec.src == i:  # this layer writes its K/V rows (a sharing layer reads its source's)
-            kr = (parts[1] if parts else a.k_proj(h)).view(1, t, spec.kv_heads, hd)
-            if getattr(a, "v_proj", None) is None:  # attention_k_eq_v: v is the raw k projection
-                vr = kr
-            else:
-                vr = (parts[2] if parts else a.v_proj(h)).view(1, t, spec.kv_heads, hd)
-            if family != "gpt_oss":
-                kr = nm(a.k_norm, kr)
-            if family == "gemma4_text":
-                vr = nm(a.v_norm, vr)  # no weight: a weight of ones in the kernel
-            be.k[i].index_copy_(2, pos[0], _rotate(kr.transpose(1, 2), cos, sin))
-            be.v[i].index_copy_(2, pos[0], vr.transpose(1, 2))
+        q = _queries(be, i, h, cos, sin, pos, lin_in, rope, nm, kl)
         o = _attention(be, spec, q, pos, masks, split, kl)
         o = o.transpose(1, 2).reshape(1, t, spec.heads * hd)
         if family == "gpt_oss":

@@ -210,13 +210,14 @@ def test_the_kernels_reference_counts_the_sinks():
 def test_the_kernel_wiring_keeps_greedy_ids(family):
     """The forward as CUDA runs it in bf16 (split-KV attention with every head dim, Gemma 4's
     global 32-wide heads included; the projections through small_linear, Gemma's GELU-tanh as
-    the gate+up epilogue; their torch references on CPU, float32): HF generate's ids at
+    the gate+up epilogue; q/k/v norms, RoPE and the cache writes as one kernel; their torch
+    references on CPU, float32): HF generate's ids at
     blocks 1 and 16, and no position mask is built for a forward the kernel takes."""
     from dflash.backends.static import families
 
     model, truth = model_of(family)
     be = static(model, "split")
-    be.linear = "auto"
+    be.linear, be.target_rope = "auto", True  # the RoPE kernels' references on CPU
     calls = []
     real = families.small_linear_glu
 
