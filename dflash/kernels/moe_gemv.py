@@ -97,6 +97,96 @@ if triton is not None:
         tl.store(OUT + p * s_op + j, a.to(OUT.dtype.element_ty), mask=live)
 
 
+if triton is not None:
+
+    @triton.jit
+    def _moe_topk_kernel(L, W, I, E, s_l, K: tl.constexpr, BK: tl.constexpr, BE: tl.constexpr,
+                         SOFTMAX_FIRST: tl.constexpr, NORMALIZE: tl.constexpr):  # fmt: skip
+        """One row's router: its K largest logits (descending, the lower expert first on ties)
+        and their weights: SOFTMAX_FIRST (Qwen3-MoE) softmax over all E in float32, the K
+        probabilities (NORMALIZE: over their sum); else (gpt-oss) a softmax over the K logits."""
+        row = tl.program_id(0)
+        e = tl.arange(0, BE)
+        live = e < E
+        x = tl.load(L + row * s_l + e, mask=live, other=float("-inf")).to(tl.float32)
+        top = tl.max(x, 0)
+        if SOFTMAX_FIRST:
+            den = tl.sum(tl.where(live, tl.exp(x - top), 0.0), 0)
+        vals = x
+        slots = tl.arange(0, BK)
+        wv = tl.zeros([BK], tl.float32)
+        iv = tl.zeros([BK], tl.int32)
+        for j in tl.static_range(K):  # the K largest, one at a time
+            m = tl.max(vals, 0)
+            pick = tl.min(tl.where(vals == m, e, BE), 0)
+            w = tl.exp(m - top)  # the first is the row's max: exp(0) = 1
+            if SOFTMAX_FIRST:
+                w = w / den
+            wv = tl.where(slots == j, w, wv)
+            iv = tl.where(slots == j, pick, iv)
+            vals = tl.where(e == pick, float("-inf"), vals)
+        if not SOFTMAX_FIRST or NORMALIZE:
+            wv = wv / tl.sum(wv, 0)
+        keep = slots < K
+        tl.store(I + row * K + slots, iv.to(tl.int64), mask=keep)
+        tl.store(W + row * K + slots, wv.to(W.dtype.element_ty), mask=keep)
+
+    @triton.jit
+    def _moe_combine_kernel(Y, R, OUT, N, s_y, s_r, s_o, K: tl.constexpr, BN: tl.constexpr):
+        """out[t] = r[t] + round(sum_k y[t * K + k]) (float32 sum in slot order, rounded to the
+        residual's dtype, then the rounded add of two tensors, as torch's ``x + y.to(dtype)``)."""
+        t = tl.program_id(0)
+        n = tl.program_id(1) * BN + tl.arange(0, BN)
+        live = n < N
+        acc = tl.zeros([BN], tl.float32)
+        for k in tl.static_range(K):
+            acc += tl.load(Y + (t * K + k) * s_y + n, mask=live, other=0.0).to(tl.float32)
+        dt = OUT.dtype.element_ty
+        r = tl.load(R + t * s_r + n, mask=live, other=0.0).to(tl.float32)
+        tl.store(OUT + t * s_o + n, (r + acc.to(dt).to(tl.float32)).to(dt), mask=live)
+
+
+MAX_EXPERTS = 1024  # experts a router row may have for moe_topk (one row per program)
+
+
+def moe_topk(logits: torch.Tensor, k: int, softmax_first: bool, normalize: bool = True) -> tuple:
+    """A router's top-k in one launch: logits [T, E] (E <= :data:`MAX_EXPERTS`) -> (weights
+    [T, K] in the logits' dtype, experts [T, K] int64, descending). ``softmax_first`` (Qwen3-MoE):
+    torch's ``topk(softmax(logits, float32))``, divided by their sum when ``normalize``; else
+    (gpt-oss) ``softmax(topk(logits))``. Same maths as those torch ops; the exponentials and sums
+    round in another order (float32)."""
+    t, e = logits.shape
+    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+    w = torch.empty(t, k, dtype=logits.dtype, device=logits.device)
+    idx = torch.empty(t, k, dtype=torch.int64, device=logits.device)
+    _moe_topk_kernel[(t,)](logits, w, idx, e, logits.stride(0), K=k, BK=triton.next_power_of_2(k),
+                           BE=max(16, triton.next_power_of_2(e)), SOFTMAX_FIRST=softmax_first,
+                           NORMALIZE=normalize)  # fmt: skip
+    return w, idx
+
+
+def moe_topk_reference(logits: torch.Tensor, k: int, softmax_first: bool, normalize: bool = True) -> tuple:
+    """:func:`moe_topk` in torch ops (transformers' routers' order)."""
+    if softmax_first:
+        top, idx = torch.topk(torch.softmax(logits, -1, dtype=torch.float), k, dim=-1)
+        if normalize:
+            top = top / top.sum(-1, keepdim=True)
+        return top.to(logits.dtype), idx
+    top, idx = torch.topk(logits, k, dim=-1)
+    return torch.softmax(top, dim=1, dtype=top.dtype), idx
+
+
+def moe_combine(y: torch.Tensor, k: int, residual: torch.Tensor) -> torch.Tensor:
+    """residual [T, H] + (y [T*K, H] float32 summed over each row's K slots in slot order,
+    rounded to the residual's dtype): one launch for torch's sum, cast and add."""
+    t, n = residual.shape
+    out = torch.empty_like(residual, memory_format=torch.contiguous_format)
+    bn = 512
+    _moe_combine_kernel[(t, triton.cdiv(n, bn))](y, residual, out, n, y.stride(0), residual.stride(0), out.stride(0),
+                                                 K=k, BN=bn)  # fmt: skip
+    return out
+
+
 ACTS = {"silu": 0, "gelu_tanh": 1, "gpt_oss": 2}
 
 
@@ -225,6 +315,15 @@ def usable(device: torch.device, dtype: torch.dtype) -> bool:
                     got = moe_glu(x, w, e, b, act, inter, transposed, 1.702, 7.0).float()
                     want = moe_glu_reference(x, w, e, b, act, inter, transposed, 1.702, 7.0).float()
                     ok &= bool(((got - want).abs().max() <= 2e-2 * want.abs().max() + 1e-3).item())
+            logits = torch.randn(5, 40, generator=g, device=device, dtype=dtype)
+            for first in (True, False):
+                w, i = moe_topk(logits, 4, first)
+                w_ref, i_ref = moe_topk_reference(logits, 4, first)
+                ok &= bool(torch.equal(i, i_ref)) and bool(((w - w_ref).abs().max() <= 1e-2).item())
+            y = torch.randn(10, 96, generator=g, device=device)
+            r = torch.randn(5, 96, generator=g, device=device, dtype=dtype)
+            want = r + y.view(5, 2, 96).sum(1).to(dtype)
+            ok &= bool(((moe_combine(y, 2, r).float() - want.float()).abs().max() <= 2e-2).item())
             _VERIFIED[key] = ok
         except Exception:  # noqa: BLE001 - Triton raises many types
             _VERIFIED[key] = False

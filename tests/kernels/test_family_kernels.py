@@ -143,3 +143,46 @@ def test_rope_cache_family_equals_the_gemma_modules():
     kernel equal the modules and torch's rotation (float32)."""
     out = run_interpreted(ROPE)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+MOE = textwrap.dedent("""
+    import torch
+    from dflash.backends.static.moe import gpt_oss_forward, moe_forward
+    from dflash.kernels.moe_gemv import moe_combine, moe_topk, moe_topk_reference
+    from tests.helpers.target_families import build
+
+    g = torch.Generator().manual_seed(0)
+    for t, e, k in ((1, 32, 4), (3, 128, 8), (16, 40, 2)):
+        logits = torch.randn(t, e, generator=g) * 3
+        for first, norm in ((True, True), (True, False), (False, True)):
+            w, i = moe_topk(logits, k, first, norm)
+            w_ref, i_ref = moe_topk_reference(logits, k, first, norm)
+            assert torch.equal(i, i_ref), (t, e, k, first)
+            assert (w - w_ref).abs().max().item() < 1e-6, (t, e, k, first)
+        y, r = torch.randn(t * k, 72, generator=g), torch.randn(t, 72, generator=g)
+        assert (moe_combine(y, k, r) - (r + y.view(t, k, 72).sum(1))).abs().max().item() < 1e-5
+    # whole blocks: the fused route (router kernel, expert GEMVs, slot-sum + residual kernel)
+    # against the gather route plus the residual (float32)
+    for family in ("qwen3_moe", "gpt_oss"):
+        model = build(family).eval()
+        layer = model.model.layers[0]
+        forward = gpt_oss_forward if family == "gpt_oss" else moe_forward
+        for t in (1, 3):  # 1 row: the expert GEMVs (2 pairs of 4 experts); 3: grouped_mm
+            h, r = torch.randn(1, t, 64, generator=g), torch.randn(1, t, 64, generator=g)
+            with torch.no_grad():
+                want = r + forward(layer.mlp, h, "gather")
+                got = forward(layer.mlp, h, "fused", residual=r)
+            err = (got - want).abs().max().item()
+            assert err < 1e-5 * max(1.0, want.abs().max().item()), (family, t, err)
+    print("ok")
+""")
+
+
+@needs_triton
+def test_moe_router_and_combine_kernels():
+    """The fused route's router kernel (Qwen3-MoE's softmax-then-top-k with and without the
+    renormalisation, gpt-oss's top-k-then-softmax) picks torch.topk's experts with its weights,
+    the slot-sum kernel adds the residual as torch does, and whole expert blocks on the fused
+    route with the residual equal the gather route's (float32, interpreter)."""
+    out = run_interpreted(MOE)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]

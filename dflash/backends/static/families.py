@@ -423,7 +423,7 @@ def family_forward(be, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
                            i > 0, kl)  # fmt: skip
             o = _attention(be, spec, q, pos, masks, split, kl)
             x = _out_proj(lin, a.o_proj, o.transpose(1, 2).reshape(1, t, spec.heads * hd), x, kl)
-            x = x + gpt_oss_forward(layer.mlp, nm(layer.post_attention_layernorm, x), be.moe_route)
+            x = gpt_oss_forward(layer.mlp, nm(layer.post_attention_layernorm, x), be.moe_route, residual=x)
             if i < n_layers - 1:
                 for n in be.feature_layers.get(i, ()):
                     slots[n] = x[0]
@@ -433,7 +433,7 @@ def family_forward(be, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         o = o.transpose(1, 2).reshape(1, t, spec.heads * hd)
         if family == "gpt_oss":
             x = _out_proj(lin, a.o_proj, o, x, kl)
-            x = x + gpt_oss_forward(layer.mlp, nm(layer.post_attention_layernorm, x), be.moe_route)
+            x = gpt_oss_forward(layer.mlp, nm(layer.post_attention_layernorm, x), be.moe_route, residual=x)
         else:
             x = x + nm(layer.post_attention_layernorm, _proj(lin, a.o_proj, o, kl))
             m = _mlp(spec, layer.mlp, nm(layer.pre_feedforward_layernorm, x), lin_in, kl)
