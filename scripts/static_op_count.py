@@ -3,7 +3,7 @@
     TRITON_INTERPRET=1 PYTHONPATH=.:<triton 3.6> python scripts/static_op_count.py [--rows 1] [family ...]
 
 Builds tiny random bf16 targets (``tests/helpers/target_families.py``: gpt_oss, gemma3_text,
-gemma4_text, gemma4_k_eq_v, qwen3_moe; and a dense qwen3), a StaticBackend on the CPU configured
+gemma4_text, qwen3_moe; a dense qwen3; gemma4_31b_like: k = v, no per-layer inputs), a StaticBackend on the CPU configured
 as it would be on CUDA in bf16 (the split-KV attention, ``linear`` ``auto``, the norm kernel,
 the ``fused`` expert route; :func:`emulate_cuda`), and profiles one forward of ``--rows`` rows
 with ``torch.profiler``: the top-level ops (aten ops and this project's Triton kernels,
@@ -71,8 +71,8 @@ def _named_moe_kernels() -> None:
         wrapper._counted = True
         return wrapper
 
-    moe.moe_gemv = named(moe.moe_gemv, "dflash::moe_gemv")
-    moe.moe_glu = named(moe.moe_glu, "dflash::moe_glu")
+    for name in ("moe_gemv", "moe_glu", "moe_topk", "moe_combine"):
+        setattr(moe, name, named(getattr(moe, name), f"dflash::{name}"))
 
 
 def _small_linear_stub() -> None:
@@ -103,8 +103,9 @@ def build(family: str):
     torch.manual_seed(0)
     if family == "qwen3":
         model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**BASE, head_dim=16))
-    elif family == "gemma4_k_eq_v":
-        cfg = transformers.Gemma4TextConfig(**BASE, **GEMMA4, attention_k_eq_v=True, num_global_key_value_heads=1)
+    elif family == "gemma4_31b_like":  # k = v global layers, no per-layer inputs (Gemma-4-31B's layout)
+        cfg = transformers.Gemma4TextConfig(**BASE, **dict(GEMMA4, hidden_size_per_layer_input=0),
+                                            attention_k_eq_v=True, num_global_key_value_heads=1)  # fmt: skip
         model = transformers.Gemma4ForCausalLM(cfg)
     else:
         model = build_family(family)
@@ -149,7 +150,7 @@ def count(family: str, rows: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("families", nargs="*", default=["qwen3", "qwen3_moe", "gpt_oss", "gemma3_text", "gemma4_text",
-                                                    "gemma4_k_eq_v"])  # fmt: skip
+                                                    "gemma4_31b_like"])  # fmt: skip
     ap.add_argument("--rows", type=int, default=1)
     args = ap.parse_args()
     for family in args.families:

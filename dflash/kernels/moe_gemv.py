@@ -190,14 +190,17 @@ def moe_combine(y: torch.Tensor, k: int, residual: torch.Tensor) -> torch.Tensor
 ACTS = {"silu": 0, "gelu_tanh": 1, "gpt_oss": 2}
 
 
-def _block_n(pairs: int, n: int) -> int:
-    """Output features per program: :data:`BLOCK_N`, halved while that gives too few programs."""
+def _block_n(pairs: int, n: int, block_n: int = 0) -> int:
+    """Output features per program: ``block_n`` when given (tuning sweeps), else
+    :data:`BLOCK_N`, halved where that gives too few programs."""
+    if block_n:
+        return block_n
     return BLOCK_N if pairs * triton.cdiv(n, BLOCK_N) >= MIN_PROGRAMS else BLOCK_N // 2
 
 
 def moe_glu(x: torch.Tensor, w: torch.Tensor, experts: torch.Tensor, bias: torch.Tensor | None, act: str,
             interleaved: bool = False, transposed: bool = False, alpha: float = 1.0,
-            limit: float = 0.0, x_div: int = 1) -> torch.Tensor:  # fmt: skip
+            limit: float = 0.0, x_div: int = 1, block_n: int = 0, block_k: int = 0) -> torch.Tensor:  # fmt: skip
     """act(gate) * up of each row's expert in one launch: the gate+up projection
     (:func:`moe_gemv`'s layouts) and the gated activation (``act`` of :data:`ACTS`; ``gpt_oss``:
     ``(clamp(up) + 1) * g * sigmoid(alpha * g)``, g = min(gate, limit)) as its epilogue.
@@ -219,11 +222,11 @@ def moe_glu(x: torch.Tensor, w: torch.Tensor, experts: torch.Tensor, bias: torch
     step, up = (2, 1) if interleaved else (1, inter)
     out = torch.empty(p, inter, dtype=w.dtype, device=x.device)
     b = bias if bias is not None else out
-    bn = _block_n(p, inter)
+    bn = _block_n(p, inter, block_n)
     _moe_glu_kernel[(p, triton.cdiv(inter, bn))](
         x, w, b, experts, out, k, inter, x_div, x.stride(0), w.stride(0), s_wn, s_wk,
         b.stride(0) if bias is not None else 0, out.stride(0), step, up, float(alpha), float(limit),
-        HAS_BIAS=bias is not None, ACT=ACTS[act], BN=bn, BK=BLOCK_K,
+        HAS_BIAS=bias is not None, ACT=ACTS[act], BN=bn, BK=block_k or BLOCK_K,
     )  # fmt: skip
     return out
 
@@ -247,7 +250,7 @@ def moe_glu_reference(x, w, experts, bias, act: str, interleaved: bool = False, 
 
 def moe_gemv(x: torch.Tensor, w: torch.Tensor, experts: torch.Tensor, bias: torch.Tensor | None = None,
              transposed: bool = False, scale: torch.Tensor | None = None,
-             out_dtype: torch.dtype | None = None) -> torch.Tensor:  # fmt: skip
+             out_dtype: torch.dtype | None = None, block_n: int = 0, block_k: int = 0) -> torch.Tensor:  # fmt: skip
     """out[p] = (x[p] @ W[experts[p]]^T (+ bias[experts[p]])) (* scale[p]).
 
     Args:
@@ -257,6 +260,8 @@ def moe_gemv(x: torch.Tensor, w: torch.Tensor, experts: torch.Tensor, bias: torc
         bias: [E, N] or None.
         scale: [P] a factor per row (the routing weights), or None.
         out_dtype: the output's dtype (None: w's).
+        block_n, block_k: the tile (output features per program, input features per iteration;
+            0: :data:`BLOCK_N` by :func:`_block_n`, :data:`BLOCK_K`), for tuning sweeps.
     Returns:
         [P, N] in ``out_dtype``.
     """
@@ -268,11 +273,11 @@ def moe_gemv(x: torch.Tensor, w: torch.Tensor, experts: torch.Tensor, bias: torc
         n, s_wn, s_wk = w.shape[1], w.stride(1), w.stride(2)
     out = torch.empty(p, n, dtype=out_dtype or w.dtype, device=x.device)
     b = bias if bias is not None else out
-    bn = _block_n(p, n)
+    bn = _block_n(p, n, block_n)
     _moe_gemv_kernel[(p, triton.cdiv(n, bn))](
         x, w, b, experts, out if scale is None else scale, out, k, n, x.stride(0), w.stride(0), s_wn, s_wk,
         b.stride(0) if bias is not None else 0, out.stride(0),
-        HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, BN=bn, BK=BLOCK_K,
+        HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, BN=bn, BK=block_k or BLOCK_K,
     )  # fmt: skip
     return out
 
