@@ -13,7 +13,6 @@ import typer
 from dflash.backend_names import CLIENT_BACKENDS, LOCAL_BACKENDS, backend_help, check_backend
 from dflash.errors import InputError
 from dflash.options import (  # noqa: F401 - re-exported
-    BLOCK_SIZE_RANGE,
     SERVER_SIDE,
     WARMUP_DEFAULT,
     check_recalibrate,
@@ -141,7 +140,9 @@ def generate(
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     if max_new_tokens < 1:
         raise InputError(f"--max-new-tokens must be >= 1, got {max_new_tokens}.", hint="e.g. --max-new-tokens 256")
-    block_size = parse_block_size(block_size)
+    from dflash.models.target_torch import local_draft_block_size  # torch-free
+
+    block_size = parse_block_size(block_size, local_draft_block_size(draft, model))
     check_warmup(warmup)
     check_recalibrate(recalibrate, [block_size])
     pipe = dflash.load(model, draft, backend=backend, device=device, dtype=dtype, cuda_graphs=cuda_graphs,

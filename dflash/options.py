@@ -9,7 +9,9 @@ from dflash.errors import InputError
 SERVER_SIDE = ("--block-size", "--draft", "--device", "--dtype", "--cuda-graphs/--no-cuda-graphs")
 
 
-def refuse_foreign_options(backend: str, given: dict[str, bool], readers: dict[str, tuple[str, ...]]) -> None:
+def refuse_foreign_options(
+    backend: str, given: dict[str, bool], readers: dict[str, tuple[str, ...]]
+) -> None:
     """Refuse an option the chosen backend would silently ignore (``--block-size`` on ``openai``:
     the server picks its own; ``--base-url`` on a local backend), naming the option.
 
@@ -31,13 +33,18 @@ def refuse_foreign_options(backend: str, given: dict[str, bool], readers: dict[s
                                                     "to the server, e.g. dflash serve)" if server else ""))  # fmt: skip
 
 
-# the valid --block-size values, the hint of every out-of-range error (generate and benchmark)
-BLOCK_SIZE_RANGE = ("use auto (picked per step) or 1 (no drafting) up to the draft's trained block size "
-                    "(16 for the demo draft)")  # fmt: skip
+def block_size_range(trained: int | None = None) -> str:
+    """The hint of every out-of-range ``--block-size`` error (generate, benchmark, serve): the
+    valid values, naming the draft's trained block size ``trained`` when it is known."""
+    size = f" ({trained})" if trained else ""
+    return (
+        f"use auto (picked per step) or 1 (no drafting) up to the draft's trained block size{size}"
+    )
 
 
-def parse_block_size(value: str | int | None) -> int | str:
-    """``--block-size``: "auto" or an integer >= 1 (a list only for ``benchmark``).
+def parse_block_size(value: str | int | None, trained: int | None = None) -> int | str:
+    """``--block-size``: "auto" or an integer >= 1 (a list only for ``benchmark``); ``trained``:
+    the draft's trained block size when known, for the hint (:func:`block_size_range`).
 
     Raises:
         InputError: anything else.
@@ -49,7 +56,9 @@ def parse_block_size(value: str | int | None) -> int | str:
         raise InputError(f"--block-size must be auto or an integer >= 1, got {value!r}.",
                          hint="auto picks it per step; 1 decodes without a draft; the draft's trained size drafts most")  # fmt: skip
     if int(text) < 1:
-        raise InputError(f"--block-size must be >= 1, got {int(text)}.", hint=BLOCK_SIZE_RANGE)
+        raise InputError(
+            f"--block-size must be >= 1, got {int(text)}.", hint=block_size_range(trained)
+        )
     return int(text)
 
 

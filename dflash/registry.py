@@ -10,7 +10,7 @@ large download. What runs each family here follows from what the backends accept
 - transformers, CUDA-graph path: ``llama``, ``qwen2``, ``qwen3``, ``mistral`` and ``qwen3_moe``
   targets, full-attention, sliding-window or interleaved layers (a window is a position mask
   over the static cache), dense MLPs or top-k expert blocks
-  (:func:`dflash.backends.static.backend.supports_static`); ``gpt_oss`` (attention sinks, its
+  (:func:`dflash.backends.static.support.supports_static`); ``gpt_oss`` (attention sinks, its
   expert blocks as bf16 tensors), ``gemma3_text`` and ``gemma4`` text models (wrappers load their
   text model) through their own forward (:mod:`dflash.backends.static.families`); a wrapper whose
   text model has no causal LM class (Muse-Glimmer) runs on the plain path; the GatedDeltaNet hybrids

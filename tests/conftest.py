@@ -63,10 +63,10 @@ def gpu_like(monkeypatch):
     """The static backend decides as on a GPU with Triton (the split-KV attention and the
     projection kernel available, whatever the dtype), on CPU: for tests of its choices and of
     the fall-backs (their captures are stubs: no kernel runs)."""
-    import dflash.backends.static.backend as sb
+    import dflash.backends.static.kernel_choice as choice
 
-    monkeypatch.setattr(sb, "attention_mode", lambda mode, device, dtype=None: mode)
-    monkeypatch.setattr(sb, "linear_mode", lambda mode, device: mode)
+    monkeypatch.setattr(choice, "attention_mode", lambda mode, device, dtype=None: mode)
+    monkeypatch.setattr(choice, "linear_mode", lambda mode, device: mode)
 
 
 @pytest.fixture(scope="session")

@@ -19,7 +19,7 @@ from dflash.paths import key_path
 def plain_path_note(device_type: str, refusal: str | None, cuda_graphs: bool | None) -> str | None:
     """The one stderr line said when a CUDA load falls back to the plain path because the
     CUDA-graph path cannot run the target (``refusal``: why, from
-    :func:`~dflash.backends.static.backend.static_refusal`); None when nothing is to be said
+    :func:`~dflash.backends.static.support.static_refusal`); None when nothing is to be said
     (not CUDA, the target runs there, or ``--cuda-graphs``/``--no-cuda-graphs`` given)."""
     if device_type != "cuda" or refusal is None or cuda_graphs is not None:
         return None
@@ -89,8 +89,9 @@ def load(model: str | None, draft: str | None, *, device: str = "auto", dtype: s
         pick_device,
         pick_dtype,
     )
-    from dflash.backends.static.backend import StaticBackend, static_refusal
+    from dflash.backends.static.backend import StaticBackend
     from dflash.backends.static.graph_plan import resolve_compile
+    from dflash.backends.static.support import static_refusal
 
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)

@@ -12,7 +12,6 @@ No torch import here: cheap checks (options, datasets, output file) run before a
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -20,9 +19,9 @@ import typer
 from rich.console import Console
 
 from dflash.backend_names import BACKENDS, CLIENT_BACKENDS, LOCAL_BACKENDS, check_backend
-from dflash.bench import harness, report
-from dflash.bench.metrics import ResponseRecord, summarize
-from dflash.data.datasets import PromptItem, load_prompts, select
+from dflash.bench import harness, report, runs
+from dflash.bench.metrics import summarize
+from dflash.data.datasets import load_prompts, select
 from dflash.errors import BackendError, InputError
 from dflash.paths import make_parent, refuse_folder
 from dflash.types import SamplingParams
@@ -66,7 +65,10 @@ def _check_options(
     if backend not in LOCAL_BACKENDS:
         raise BackendError(f"dflash benchmark cannot drive the '{backend}' backend yet.")
     if max_new_tokens < 1:
-        raise InputError(f"--max-new-tokens must be >= 1, got {max_new_tokens}.", hint="e.g. --max-new-tokens 256")
+        raise InputError(
+            f"--max-new-tokens must be >= 1, got {max_new_tokens}.",
+            hint="e.g. --max-new-tokens 256",
+        )
     if check_parity and not sampling.greedy:
         raise InputError(
             "--check-parity compares token ids, which only match under greedy decoding.",
@@ -118,7 +120,9 @@ def benchmark(
     reasoning: Annotated[
         str | None, typer.Option(help="off/on or a model-supported reasoning level.")
     ] = None,
-    device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N (mlx: auto, gpu or cpu).")] = "auto",
+    device: Annotated[
+        str, typer.Option(help="auto, cpu, cuda, cuda:N (mlx: auto, gpu or cpu).")
+    ] = "auto",
     dtype: Annotated[str, typer.Option(help="auto, bfloat16, float16, float32.")] = "auto",
     data_dir: Annotated[
         Path | None,
@@ -127,8 +131,12 @@ def benchmark(
         ),
     ] = None,
     offline: Annotated[
-        bool, typer.Option("--offline", help="Never ask the hub for a dataset: a benchmark set not "
-                           "in the cache comes from the test prompts shipped with dflash.")
+        bool,
+        typer.Option(
+            "--offline",
+            help="Never ask the hub for a dataset: a benchmark set not "
+            "in the cache comes from the test prompts shipped with dflash.",
+        ),
     ] = False,
     output: Annotated[
         Path | None, typer.Option(help="Append one JSON record per response to this file.")
@@ -140,8 +148,12 @@ def benchmark(
         bool, typer.Option(help="Compare baseline and DFlash token ids per response.")
     ] = False,
     score: Annotated[
-        bool, typer.Option("--score", help="Score the answers of baseline and DFlash: gsm8k/math500 exact "
-                           "answer, humaneval/mbpp pass@1 (RUNS the generated code, in a separate process).")
+        bool,
+        typer.Option(
+            "--score",
+            help="Score the answers of baseline and DFlash: gsm8k/math500 exact "
+            "answer, humaneval/mbpp pass@1 (RUNS the generated code, in a separate process).",
+        ),
     ] = False,
     plot: Annotated[
         Path | None, typer.Option(help="Save histogram + per-position plot (needs matplotlib).")
@@ -174,7 +186,8 @@ def benchmark(
         int | None, typer.Option(help="mlx backend: quantize the draft to 4 or 8 bits at load.")
     ] = None,
     draft_window: Annotated[
-        int | None, typer.Option(help="the draft attends to at most N recent context rows (tokens).")
+        int | None,
+        typer.Option(help="the draft attends to at most N recent context rows (tokens)."),
     ] = None,
     kernels: Annotated[
         str,
@@ -197,30 +210,39 @@ def benchmark(
     num_prompts: Annotated[
         int | None,
         typer.Option(
-            rich_help_panel=OPENAI_PANEL, help="alias of --max-samples: prompts per dataset (default: all; "
-            "repeats when larger than the dataset); giving both with different values is an error."
+            rich_help_panel=OPENAI_PANEL,
+            help="alias of --max-samples: prompts per dataset (default: all; "
+            "repeats when larger than the dataset); giving both with different values is an error.",
         ),
     ] = None,
-    concurrency: Annotated[int, typer.Option(rich_help_panel=OPENAI_PANEL, help="parallel requests.")] = 1,
+    concurrency: Annotated[
+        int, typer.Option(rich_help_panel=OPENAI_PANEL, help="parallel requests.")
+    ] = 1,
     timeout_s: Annotated[
         float, typer.Option(rich_help_panel=OPENAI_PANEL, help="HTTP timeout per connect/read, s.")
     ] = TIMEOUT_DEFAULT,
     api_key: Annotated[
         str | None,
         typer.Option(
-            rich_help_panel=OPENAI_PANEL, help="API key (default: $OPENAI_API_KEY); never printed.",
+            rich_help_panel=OPENAI_PANEL,
+            help="API key (default: $OPENAI_API_KEY); never printed.",
             show_default=False,
         ),
     ] = None,
     baseline_url: Annotated[
         str | None,
-        typer.Option(rich_help_panel=OPENAI_PANEL, help="a second server without speculation, for a speedup."),
+        typer.Option(
+            rich_help_panel=OPENAI_PANEL, help="a second server without speculation, for a speedup."
+        ),
     ] = None,
     baseline_model: Annotated[
         str | None, typer.Option(rich_help_panel=OPENAI_PANEL, help="model name on --baseline-url.")
     ] = None,
     max_retries: Annotated[
-        int, typer.Option(rich_help_panel=OPENAI_PANEL, help="retries on 429/502/503/504 (with backoff).")
+        int,
+        typer.Option(
+            rich_help_panel=OPENAI_PANEL, help="retries on 429/502/503/504 (with backoff)."
+        ),
     ] = RETRIES_DEFAULT,
 ) -> None:
     """Benchmark DFlash against plain decoding (block size 1; on mlx also mlx_lm's own
@@ -251,8 +273,12 @@ def benchmark(
         **dict.fromkeys(("--base-url", "--num-prompts", "--concurrency", "--timeout-s", "--api-key",
                          "--baseline-url", "--baseline-model", "--max-retries"), remote),
     })  # fmt: skip
-    if max_samples is not None and max_samples < 1:  # named as given (openai reads it as --num-prompts)
-        raise InputError(f"--max-samples must be >= 1, got {max_samples}.", hint="drop it to use every prompt")
+    if (
+        max_samples is not None and max_samples < 1
+    ):  # named as given (openai reads it as --num-prompts)
+        raise InputError(
+            f"--max-samples must be >= 1, got {max_samples}.", hint="drop it to use every prompt"
+        )
     if num_prompts is not None and max_samples is not None and num_prompts != max_samples:
         raise InputError(f"--num-prompts {num_prompts} and --max-samples {max_samples} disagree; they are "
                          "the same option (prompts per dataset).", hint="give one of them")  # fmt: skip
@@ -274,15 +300,20 @@ def benchmark(
         from dflash.mlx_process import keep_torch_out
 
         keep_torch_out()
-    block_sizes = parse_block_sizes(block_size)
+    from dflash.models.target_torch import local_draft_block_size  # torch-free
     from dflash.options import check_recalibrate
+
+    block_sizes = parse_block_sizes(block_size, local_draft_block_size(draft, model))
 
     check_recalibrate(recalibrate, block_sizes)
     if kernels not in ("auto", "off"):
         raise InputError(f"--kernels must be auto or off, got {kernels!r}.",
                          hint="auto runs this project's Triton kernels where they fit; off runs torch ops")  # fmt: skip
     if score and len(block_sizes) > 1:
-        raise InputError("--score scores one run; --block-size lists several.", hint="drop --score or list one block size")
+        raise InputError(
+            "--score scores one run; --block-size lists several.",
+            hint="drop --score or list one block size",
+        )
     if draft is None and model is not None:  # the published draft of a registered target
         from dflash.registry import registered_draft
 
@@ -301,10 +332,23 @@ def benchmark(
         **({"draft_window": draft_window} if draft_window else {}),
     }
     if len(block_sizes) > 1:
-        _sweep(
+        runs.sweep(
+            _load_pipeline,
             block_sizes,
-            (backend, model, draft, device, dtype, cuda_graphs, compile, uniform_width, kernels,
-             recalibrate, draft_bits, draft_window),
+            (
+                backend,
+                model,
+                draft,
+                device,
+                dtype,
+                cuda_graphs,
+                compile,
+                uniform_width,
+                kernels,
+                recalibrate,
+                draft_bits,
+                draft_window,
+            ),
             names,
             (data_dir, offline),
             max_samples,
@@ -332,17 +376,30 @@ def benchmark(
     )
     dist = harness.init_distributed(device)
     try:
-        gathered = _run(
+        gathered = runs.run(
             dist,
-            (backend, model, draft, device, dtype, cuda_graphs, compile, uniform_width, kernels,
-             recalibrate, draft_bits, draft_window),
+            _load_pipeline,
+            (
+                backend,
+                model,
+                draft,
+                device,
+                dtype,
+                cuda_graphs,
+                compile,
+                uniform_width,
+                kernels,
+                recalibrate,
+                draft_bits,
+                draft_window,
+            ),
             selected,
             config,
             output,
             resume,
         )
     except KeyboardInterrupt:
-        _interrupted(output, dist.rank)
+        runs.interrupted(output, dist.rank)
         raise
     finally:
         harness.finish_distributed(dist)
@@ -351,7 +408,9 @@ def benchmark(
     summaries = {name: summarize(recs) for name, recs in gathered.items()}
     console = Console(highlight=False, soft_wrap=True)  # no 80-column wrapping when piped
     for name, summary in summaries.items():
-        report.print_summary(console, name, summary, parity_asked=config.check_parity, requested=config.block_size)
+        report.print_summary(
+            console, name, summary, parity_asked=config.check_parity, requested=config.block_size
+        )
     if score:
         from dflash.bench.score import add_scores
 
@@ -363,76 +422,6 @@ def benchmark(
     print(json.dumps(_final_json(config, block, summaries), ensure_ascii=False))
 
 
-def _run(
-    dist: harness.DistInfo,
-    load_args: tuple,
-    selected: dict[str, list[PromptItem]],
-    config: harness.BenchConfig,
-    output: Path | None,
-    resume: bool,
-    pipeline: Any = None,
-) -> dict[str, list[ResponseRecord]] | None:
-    """Load, run this rank's shard with a progress bar, gather on rank 0 and merge its files.
-
-    Args:
-        load_args: (backend, model, draft, device, dtype, cuda_graphs, compile, uniform_width,
-            kernels, recalibrate, draft_bits, draft_window) for :func:`_load_pipeline`.
-
-        pipeline: an already loaded pipeline (a sweep loads once), else loaded here.
-
-    Returns:
-        Records per dataset on rank 0, None on other ranks.
-    """
-    (backend, model, draft, device, dtype, cuda_graphs, compile, uniform_width, kernels, recalibrate,
-     draft_bits, draft_window) = load_args
-    device = harness.rank_device(dist, device)
-    log = harness.ResultsLog(output, resume=resume, rank=dist.rank, world=dist.world)
-    log.check_settings(config)  # before loading: a mismatch must not cost a model load
-    results, failure = None, None
-    gguf = model is None or str(model).endswith(".gguf")  # the demo target is a .gguf too
-    if pipeline is None and dist.world > 1 and backend == "transformers" and gguf:
-        from dflash.models.target_torch import resolve_target
-
-        harness.once_per_machine(dist, lambda: resolve_target(model))  # converted once, cached
-    try:
-        if pipeline is None:
-            pipeline = _load_pipeline(backend, model, draft, device, dtype, cuda_graphs, compile, uniform_width,
-                                      kernels, recalibrate, draft_bits=draft_bits, draft_window=draft_window)  # fmt: skip
-        shards = {name: harness.shard(items, dist) for name, items in selected.items()}
-        with report.BenchProgress(enabled=dist.rank == 0) as progress:
-            results = harness.run_benchmark(pipeline, shards, config, log=log,
-                                            on_record=progress.update, on_dataset=progress.start)  # fmt: skip
-    except Exception as e:  # under torchrun: report to rank 0 instead of leaving it waiting
-        if dist.world == 1:
-            raise
-        failure = e
-    error = None if failure is None else getattr(failure, "message", None) or \
-        f"{type(failure).__name__}: {str(failure).splitlines()[0] if str(failure) else ''}"  # fmt: skip
-    try:
-        gathered = harness.gather_records(results, dist, error)
-    except harness.RankFailure as err:
-        if dist.rank == 0:  # report before any rank exits: torchrun then stops the others
-            from dflash.errors import report_error
-
-            report_error(err)
-        harness.barrier(dist)
-        raise failure if failure is not None and dist.rank else typer.Exit(1) from None
-    if gathered is not None:
-        gathered = harness.in_prompt_order(gathered, selected)
-        log.write_merged([r for recs in gathered.values() for r in recs])
-    return gathered
-
-
-def _interrupted(output: Path | list[Path] | None, rank: int) -> None:
-    """On Ctrl-C: where the finished responses are (one file, or a sweep's files) and how to
-    continue (rank 0, stderr)."""
-    files = [output] if isinstance(output, Path) else list(output or [])
-    if rank == 0 and files:
-        where = str(files[0]) if len(files) == 1 else ", ".join(map(str, files[:-1])) + f" and {files[-1]}"
-        print(f"interrupted: the finished responses are in {where}; run the same command with --resume "
-              "to continue.", file=sys.stderr)  # fmt: skip
-
-
 def _final_json(
     config: harness.BenchConfig, block_size: int | str, summaries: dict[str, dict[str, Any]]
 ) -> dict[str, Any]:
@@ -440,8 +429,9 @@ def _final_json(
     return {"config": config.record_config(block_size), "datasets": summaries}
 
 
-def parse_block_sizes(value: str | None) -> list[int | str | None]:
-    """``--block-size``: None (the draft's), "auto", an integer >= 1, or a comma list of those.
+def parse_block_sizes(value: str | None, trained: int | None = None) -> list[int | str | None]:
+    """``--block-size``: None (the draft's), "auto", an integer >= 1, or a comma list of those;
+    ``trained``: the draft's trained block size when known, for the hint of a value below 1.
 
     Raises:
         InputError: an empty item, a value that is neither auto nor an integer >= 1, or a
@@ -457,72 +447,10 @@ def parse_block_sizes(value: str | None) -> list[int | str | None]:
                              f"got {item.strip()!r}.", hint="e.g. --block-size auto,1,4,8,16")  # fmt: skip
         v: int | str = text if text == "auto" else int(text)
         if isinstance(v, int) and v < 1:
-            from dflash.options import BLOCK_SIZE_RANGE
+            from dflash.options import block_size_range
 
-            raise InputError(f"--block-size must be >= 1, got {v}.", hint=BLOCK_SIZE_RANGE)
+            raise InputError(f"--block-size must be >= 1, got {v}.", hint=block_size_range(trained))
         if v in out:
             raise InputError(f"--block-size lists {v} twice.", hint="list each value once")
         out.append(v)
     return out
-
-
-def _sweep(
-    block_sizes: list[int | str | None],
-    load_args: tuple,
-    names: list[str],
-    data: tuple[Path | None, bool],
-    max_samples: int | None,
-    base_config: harness.BenchConfig,
-    output: Path | None,
-    resume: bool = False,
-    plot: Path | None = None,
-) -> None:
-    """Benchmark every block size in turn on the same prompts with one loaded pipeline.
-
-    Each value gets its own baseline runs (paired per response, so drift of the machine's
-    speed cancels in the speedup) and, with ``--output a.jsonl``, its own ``a.bs<L>.jsonl``
-    (``--resume`` continues each; every file is checked before anything loads) and with
-    ``--plot p.png`` its own ``p.bs<L>.png``. Prints one table per dataset with a row per
-    value, then one JSON line.
-
-    Raises:
-        InputError: a value's results file exists without ``--resume``, or holds records made
-            with other settings.
-    """
-    from dataclasses import replace
-
-    def per_value(path: Path | None, bs: int | str | None) -> Path | None:
-        return None if path is None else path.with_name(f"{path.stem}.bs{bs}{path.suffix}")
-
-    selected = {name: select(load_prompts(name, *data), max_samples) for name in names}  # data: dir, offline
-    dist = harness.init_distributed(load_args[3])  # load_args[3]: --device
-    rows: list[tuple[int | str | None, dict[str, dict[str, Any]]]] = []
-    pipeline = None
-    started: list[int | str | None] = []  # the values whose files may hold responses
-    try:
-        for bs in block_sizes:  # every value's file, before a model loads or a value runs
-            log = harness.ResultsLog(per_value(output, bs), resume=resume, rank=dist.rank, world=dist.world)
-            log.check_settings(replace(base_config, block_size=bs))
-        *first, draft_bits, draft_window = load_args
-        pipeline = _load_pipeline(*first, draft_bits=draft_bits, draft_window=draft_window)
-        for bs in block_sizes:
-            started.append(bs)
-            config = replace(base_config, block_size=bs)
-            gathered = _run(dist, load_args, selected, config, per_value(output, bs), resume, pipeline=pipeline)
-            if gathered is not None:
-                rows.append((bs, {n: summarize(r) for n, r in gathered.items()}))
-    except KeyboardInterrupt:
-        _interrupted([per_value(output, bs) for bs in started or block_sizes] if output else None, dist.rank)
-        raise
-    finally:
-        harness.finish_distributed(dist)
-    if dist.rank != 0:
-        return
-    console = Console(highlight=False, soft_wrap=True)
-    for name in names:
-        console.print(report.sweep_table(name, [(bs, sums[name]) for bs, sums in rows]))
-    for bs, sums in rows if plot is not None else []:
-        console.print(f"plot written to {report.save_plot(per_value(plot, bs), sums)}")
-    print(json.dumps({"config": base_config.record_config(None),  # type: ignore[arg-type]
-                      "sweep": [{"block_size": bs, "datasets": sums} for bs, sums in rows]},
-                     ensure_ascii=False))  # fmt: skip

@@ -6,7 +6,7 @@ pairwise scores and the left-to-right walk are mlx operations, so the proposals 
 sampling, the selector's q) stay on the device until the loop reads them. The maths, the order
 of the candidates (top-k by logit, descending) and the parameter names are those of the torch
 draft; the two codebooks are stored without a ``.weight`` suffix in checkpoints
-(:meth:`DFlash2DraftMLX.module_names`). :func:`load_any_draft_mlx` picks the class from
+(:mod:`dflash.models.draft2_names`). :func:`load_any_draft_mlx` picks the class from
 ``config.json`` (as :func:`dflash.models.draft_load.load_draft` does for torch).
 """
 
@@ -17,11 +17,10 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from dflash.errors import CheckpointError, ConfigError
+from dflash.errors import ConfigError
+from dflash.models import draft2_names
 from dflash.models.config import DraftConfig
 from dflash.models.draft_mlx import DFlashDraftMLX, DraftLayer, load_draft_mlx
-
-CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
 
 
 class GroupedDynamicCausalConv(nn.Module):
@@ -235,30 +234,9 @@ class DFlash2DraftMLX(DFlashDraftMLX):
         logits = self.process_logits(head(hidden))
         return self.candidate_selector(hidden, logits, anchor, temperature, key)
 
-    @staticmethod
-    def module_names(state: dict) -> dict:
-        """Checkpoint names -> module names: the codebooks gain ``.weight`` (both forms read).
-
-        Raises:
-            CheckpointError: a codebook stored under both names.
-        """
-        state = dict(state)
-        for name in CODEBOOKS:
-            if name in state:
-                if name + ".weight" in state:
-                    raise CheckpointError(f"Draft weights hold both {name} and {name}.weight; "
-                                          "keep one of them.")  # fmt: skip
-                state[name + ".weight"] = state.pop(name)
-        return state
-
-    @staticmethod
-    def checkpoint_names(state: dict) -> dict:
-        """Module names -> checkpoint names: the codebooks lose their ``.weight`` suffix."""
-        state = dict(state)
-        for name in CODEBOOKS:
-            if name + ".weight" in state:
-                state[name] = state.pop(name + ".weight")
-        return state
+    # checkpoint <-> module names (the codebooks' ``.weight``), shared with the torch draft
+    module_names = staticmethod(draft2_names.module_names)
+    checkpoint_names = staticmethod(draft2_names.checkpoint_names)
 
 
 def load_any_draft_mlx(folder: str | Path, **kwargs) -> DFlashDraftMLX:

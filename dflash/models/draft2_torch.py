@@ -4,8 +4,8 @@ plus a candidate selector that walks one coherent path through per-position top-
 Everything else (context projection, attention with context K/V injection, RoPE, masks, cache,
 shared embedding and LM head) is the v1 draft of :mod:`dflash.models.draft_torch`, reused here.
 Tensor names follow the published checkpoints (brief §1.2), except that the two selector
-codebooks are stored without a ``.weight`` suffix; :meth:`DFlash2Draft.module_names` and
-:meth:`DFlash2Draft.checkpoint_names` map between the two (brief §4.3).
+codebooks are stored without a ``.weight`` suffix; :mod:`dflash.models.draft2_names` maps
+between the two (brief §4.3).
 """
 
 from __future__ import annotations
@@ -14,11 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash.errors import CheckpointError, ConfigError
+from dflash.errors import ConfigError
+from dflash.models import draft2_names
 from dflash.models.config import DraftConfig
-from dflash.models.draft_torch import DFlashDraft, DraftLayer, extend_positions, rope_cos_sin
-
-CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
+from dflash.models.draft_torch import DFlashDraft, DraftLayer
 
 
 class GroupedDynamicCausalConv(nn.Module):
@@ -270,21 +269,7 @@ class DFlash2Draft(DFlashDraft):
             if masks is None or block_embeds.shape[1] % period:
                 raise ConfigError(f"A packed DFlash2 forward needs masks and whole blocks of "
                                   f"{period} rows, got {block_embeds.shape[1]} rows.")  # fmt: skip
-        ctx = self.hidden_norm(self.fc(target_hidden))  # [B, Tc, H]
-        if cache is not None:
-            new_pos = extend_positions(cache, ctx_pos)
-        if masks is None:
-            k_ctx = new_pos if cache is not None else ctx_pos
-            masks = self.inference_masks(q_pos, torch.cat((k_ctx, q_pos), dim=1))
-        dt = block_embeds.dtype
-        q_rope = rope_cos_sin(q_pos, self.inv_freq, self.rope_scale, dt)
-        ctx_rope = rope_cos_sin(ctx_pos, self.inv_freq, self.rope_scale, dt)
-        h = block_embeds
-        for i, layer in enumerate(self.layers):
-            h = layer(h, ctx, q_rope, ctx_rope, masks[self.config.layer_types[i]], cache, i, period)
-        if cache is not None:
-            cache.positions = new_pos
-        return self.norm(h)
+        return self._forward(block_embeds, target_hidden, q_pos, ctx_pos, cache, masks, period)
 
     def process_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """Output multiplier, then ``cap * tanh(logits / cap)`` when a soft cap is set (§1.4)."""
@@ -351,27 +336,6 @@ class DFlash2Draft(DFlashDraft):
         model.draft_vocab = getattr(v1, "draft_vocab", None)
         return model.to(next(v1.parameters()).dtype)
 
-    @staticmethod
-    def checkpoint_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Module names -> published names: the codebooks lose their ``.weight`` suffix."""
-        state = dict(state)
-        for name in CODEBOOKS:
-            if name + ".weight" in state:
-                state[name] = state.pop(name + ".weight")
-        return state
-
-    @staticmethod
-    def module_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Published names -> module names (codebooks gain ``.weight``; both forms accepted).
-
-        Raises:
-            CheckpointError: a codebook stored under both names.
-        """
-        state = dict(state)
-        for name in CODEBOOKS:
-            if name in state:
-                if name + ".weight" in state:
-                    raise CheckpointError(f"Draft weights hold both {name} and {name}.weight; "
-                                          "keep one of them.")  # fmt: skip
-                state[name + ".weight"] = state.pop(name)
-        return state
+    # published <-> module names (the codebooks' ``.weight``, brief §4.3), shared with MLX
+    checkpoint_names = staticmethod(draft2_names.checkpoint_names)
+    module_names = staticmethod(draft2_names.module_names)

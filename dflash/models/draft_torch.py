@@ -8,8 +8,6 @@ The same ``forward`` serves inference (with a :class:`DraftCache`) and training 
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 
 import torch
@@ -19,8 +17,7 @@ from torch import nn
 from dflash.errors import CheckpointError, ConfigError
 from dflash.models.config import DraftConfig
 from dflash.models.draft_vocab import load_draft_vocab, save_draft_vocab
-
-SHARD_BYTES = 15_000_000
+from dflash.models.safetensors_io import SHARD_BYTES, read_safetensors, write_shards
 
 try:  # FlexAttention (torch >= 2.5) serves training with a sparse block mask
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
@@ -170,7 +167,11 @@ class DraftAttention(nn.Module):
     def __init__(self, cfg: DraftConfig):
         super().__init__()
         h, d = cfg.hidden_size, cfg.head_dim
-        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
+        self.heads, self.kv_heads, self.head_dim = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            d,
+        )
         self.q_proj = nn.Linear(h, self.heads * d, bias=False)
         self.k_proj = nn.Linear(h, self.kv_heads * d, bias=False)
         self.v_proj = nn.Linear(h, self.kv_heads * d, bias=False)
@@ -245,21 +246,6 @@ class DraftLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-def save_safetensors(tensors: dict[str, torch.Tensor], path: str | Path,
-                     metadata: dict[str, str] | None = None) -> None:  # fmt: skip
-    """``safetensors.torch.save_file``, then the file mode a plain ``open`` would give.
-
-    save_file writes through a private temporary file (mode 0600); weights should be as
-    readable as the config.json beside them, so the mode follows the umask (0644 typically).
-    """
-    from safetensors.torch import save_file
-
-    save_file(tensors, str(path), metadata=metadata)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(path, 0o666 & ~umask)
-
-
 class DFlashDraft(nn.Module):
     """DFlash v1 draft: ``fc`` + ``hidden_norm`` context projection, decoder layers, final norm.
 
@@ -327,6 +313,11 @@ class DFlashDraft(nn.Module):
         Returns:
             [B, Lq, H] final-normed hidden states; project with the target LM head.
         """
+        return self._forward(block_embeds, target_hidden, q_pos, ctx_pos, cache, masks)
+
+    def _forward(self, block_embeds, target_hidden, q_pos, ctx_pos, cache, masks, *layer_args):
+        """The body of :meth:`forward`; ``layer_args`` go to every layer after its own arguments
+        (DFlash2: the rows per packed block)."""
         ctx = self.hidden_norm(self.fc(target_hidden))  # [B, Tc, H]
         if cache is not None:
             new_pos = extend_positions(cache, ctx_pos)
@@ -338,7 +329,9 @@ class DFlashDraft(nn.Module):
         ctx_rope = rope_cos_sin(ctx_pos, self.inv_freq, self.rope_scale, dt)
         h = block_embeds
         for i, layer in enumerate(self.layers):
-            h = layer(h, ctx, q_rope, ctx_rope, masks[self.config.layer_types[i]], cache, i)
+            h = layer(
+                h, ctx, q_rope, ctx_rope, masks[self.config.layer_types[i]], cache, i, *layer_args
+            )
         if cache is not None:
             cache.positions = new_pos
         return self.norm(h)
@@ -407,32 +400,9 @@ class DFlashDraft(nn.Module):
         state = self.checkpoint_names(self.state_dict())
         # Copies: weights may be views of one fused tensor (static path), which safetensors refuses.
         tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()}
-        shards: list[dict[str, torch.Tensor]] = [{}]
-        size = 0
-        for name, t in tensors.items():
-            nbytes = t.numel() * t.element_size()
-            if shards[-1] and size + nbytes > max_shard_bytes:
-                shards.append({})
-                size = 0
-            shards[-1][name] = t
-            size += nbytes
-        for old in out.glob("model*.safetensors*"):
-            old.unlink()
         if self.draft_vocab is not None:
             save_draft_vocab(out, self.draft_vocab)
-        meta = {"format": "pt"}
-        if len(shards) == 1:
-            save_safetensors(shards[0], out / "model.safetensors", metadata=meta)
-            return out
-        n = len(shards)
-        weight_map = {}
-        for i, shard in enumerate(shards, 1):
-            fname = f"model-{i:05d}-of-{n:05d}.safetensors"
-            save_safetensors(shard, out / fname, metadata=meta)
-            weight_map.update({k: fname for k in shard})
-        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
-                 "weight_map": weight_map}  # fmt: skip
-        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        write_shards(tensors, out, max_shard_bytes)
         return out
 
     @staticmethod
@@ -446,7 +416,9 @@ class DFlashDraft(nn.Module):
         return state
 
     @classmethod
-    def load(cls, folder: str | Path, dtype: torch.dtype | None = None, device="cpu") -> DFlashDraft:
+    def load(
+        cls, folder: str | Path, dtype: torch.dtype | None = None, device="cpu"
+    ) -> DFlashDraft:
         """Load a draft folder (config.json + safetensors, sharded or not).
 
         The folder must hold this class's architecture (v1 or DFlash2);
@@ -460,7 +432,11 @@ class DFlashDraft(nn.Module):
         folder = Path(folder)
         cfg = DraftConfig.load(folder)
         if cfg.is_dflash2 != getattr(cls, "is_dflash2", False):
-            kind = "a DFlash2 draft, not a DFlash v1" if cfg.is_dflash2 else "a DFlash v1 draft, not a DFlash2"
+            kind = (
+                "a DFlash2 draft, not a DFlash v1"
+                if cfg.is_dflash2
+                else "a DFlash v1 draft, not a DFlash2"
+            )
             raise ConfigError(f"Draft {folder} is {kind} draft.",
                               hint="load it with dflash.models.draft_load.load_draft, which picks the class")  # fmt: skip
         state = cls.module_names(read_safetensors(folder))
@@ -487,27 +463,3 @@ class DFlashDraft(nn.Module):
         model._inv_freq_f32, model.inv_freq = inv_freq, inv_freq
         model.draft_vocab = load_draft_vocab(folder, cfg.vocab_size)
         return model.to(device=device, dtype=dtype)  # inv_freq stays float32 (see _apply)
-
-
-def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
-    """Read every ``*.safetensors`` file of a folder into one dict of CPU tensors.
-
-    Raises:
-        CheckpointError: no file, or a file that safetensors cannot parse.
-    """
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(
-            f"No .safetensors weights in draft folder {folder}.",
-            hint="a draft folder needs config.json and model.safetensors",
-        )
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        try:
-            state.update(load_file(str(f)))
-        except (SafetensorError, OSError, ValueError) as e:
-            raise CheckpointError(f"Cannot read draft weights {f.name}: {e}.") from e
-    return state

@@ -159,7 +159,10 @@ def _gguf_read_once():
     except ImportError:
         yield
         return
-    reader_cls, name_map = getattr(gguf, "GGUFReader", None), getattr(gguf, "get_tensor_name_map", None)
+    reader_cls, name_map = (
+        getattr(gguf, "GGUFReader", None),
+        getattr(gguf, "get_tensor_name_map", None),
+    )
     if reader_cls is None or name_map is None:
         yield
         return
@@ -366,7 +369,9 @@ def resolve_target(model: str | None, flag: str = "--model") -> str:
     if p.suffix == ".gguf":
         return str(gguf_to_cached_folder(p))
     if p.exists() and not p.is_dir():
-        raise CheckpointError(f"{flag} {model} is a file; pass a model folder, hub id or .gguf file.")
+        raise CheckpointError(
+            f"{flag} {model} is a file; pass a model folder, hub id or .gguf file."
+        )
     refuse_draft_as_target(model, flag)
     if is_hub_id(model):
         from dflash.hub import cache_only
@@ -378,7 +383,11 @@ def resolve_target(model: str | None, flag: str = "--model") -> str:
 def is_hub_id(name: str) -> bool:
     """Whether ``name`` is read as a hub id ("org/name", not an existing local path) rather than
     a local folder."""
-    return not Path(name).expanduser().exists() and not name.startswith((".", "/", "~")) and name.count("/") == 1
+    return (
+        not Path(name).expanduser().exists()
+        and not name.startswith((".", "/", "~"))
+        and name.count("/") == 1
+    )
 
 
 def _is_demo_target(model: str) -> bool:
@@ -436,5 +445,42 @@ def resolve_draft(draft: str | None, model: str | None) -> Path:
     except Exception as e:
         if hub.is_cache_miss(e):
             raise hub.cache_miss("Draft", draft, "--draft DIR (a local draft folder)") from e
-        raise CheckpointError(f"Cannot download draft {draft}: {type(e).__name__}.",
-                              hint="check the hub id and the network, or pass a local folder") from e
+        raise CheckpointError(
+            f"Cannot download draft {draft}: {type(e).__name__}.",
+            hint="check the hub id and the network, or pass a local folder",
+        ) from e
+
+
+def local_draft_block_size(draft: str | None, model: str | None) -> int | None:
+    """The trained block size of the draft that ``--draft`` and ``--model`` pick (as
+    :func:`resolve_draft` does), read from its config.json when that is on this machine already:
+    a folder, the shipped demo draft, a hub draft in the Hugging Face cache. None when it is not
+    there or cannot be read (the load that follows says why). Never downloads, never prints: it
+    names the draft's size in a hint given before the draft is loaded."""
+    from dflash.errors import DflashError
+    from dflash.models.config import DraftConfig
+
+    try:
+        if draft is None and model is not None and not _is_demo_target(model):
+            from dflash.registry import find
+
+            found = find(model)
+            if found is None:
+                return None
+            draft = found[0].draft
+        if draft is None:
+            folder = DEMO_DRAFT_DIR
+        elif Path(draft).expanduser().is_dir():
+            folder = Path(draft).expanduser()
+        elif is_hub_id(draft):
+            from huggingface_hub import try_to_load_from_cache
+
+            hit = try_to_load_from_cache(draft, "config.json")
+            if not isinstance(hit, str):  # not cached (None) or known missing
+                return None
+            folder = Path(hit).parent
+        else:
+            return None
+        return DraftConfig.load(folder).block_size
+    except (DflashError, OSError, ValueError):
+        return None

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 def save_state(state_dir: Path, draft, opt, cursor: dict) -> None:
     """Write float32 weights, AdamW moments (safetensors) and the cursor (JSON), atomically."""
-    from dflash.models.draft_torch import save_safetensors
+    from dflash.models.safetensors_io import save_safetensors
 
     tmp = state_dir.with_name(state_dir.name + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)

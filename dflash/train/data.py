@@ -196,7 +196,7 @@ def regenerate(
     skipped = len(items) - len({i for i, _ in jobs})
     order = generation_order([len(prompts[i]) for i, _ in jobs])
     writer = ShardWriter(out, meta)
-    from dflash.backends.static.backend import supports_dense_static
+    from dflash.backends.static.support import supports_dense_static
 
     if engine == "batched" and not supports_dense_static(model):  # it has no window masks or experts
         raise InputError("--engine batched runs dense full-attention Llama/Qwen2/Qwen3 targets only.",

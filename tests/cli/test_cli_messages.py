@@ -77,8 +77,12 @@ def test_a_404_names_the_base_url_as_the_thing_to_check():
 
     gone = json_reply({"error": {"message": "The model `m` does not exist."}}, status=404)
     with ReplayServer({"POST /v1/chat/completions": [gone]}) as srv:
-        wrong_path = error_lines(dflash_cli("generate", "openai", "--base-url", srv.url + "/api", "hi"))
-        wrong_model = error_lines(dflash_cli("generate", "openai", "--base-url", srv.url, "--model", "m", "hi"))
+        wrong_path = error_lines(
+            dflash_cli("generate", "openai", "--base-url", srv.url + "/api", "hi")
+        )
+        wrong_model = error_lines(
+            dflash_cli("generate", "openai", "--base-url", srv.url, "--model", "m", "hi")
+        )
     assert wrong_path == [
         f"error: {srv.url}/api/v1/models answered HTTP 404: no route GET /api/v1/models",
         "hint: check --base-url: the server's base URL, e.g. http://127.0.0.1:30000/v1",
@@ -98,7 +102,9 @@ def test_a_404_names_the_base_url_as_the_thing_to_check():
     ("openai", ["--base-url", "http://127.0.0.1:9"], "--output", "x.jsonl"),
     ("transformers", [], "--plot", "x.png"),
 ])  # fmt: skip
-def test_an_output_path_under_a_file_names_the_file_in_the_way(tmp_path, backend, extra, flag, name):
+def test_an_output_path_under_a_file_names_the_file_in_the_way(
+    tmp_path, backend, extra, flag, name
+):
     """`--output afile/x.jsonl` with afile a file printed a bare 'File exists' (user trial)."""
     (tmp_path / "afile").write_text("not a folder\n")
     p = dflash_cli("benchmark", backend, "--dataset", "gsm8k", "--data-dir", str(DATA_DIR), *extra,
@@ -126,7 +132,7 @@ def test_any_other_folder_under_a_file_is_one_line_naming_the_file(tmp_path, mon
 
 # -- 3b. --block-size 0 ------------------------------------------------------------------------
 
-RANGE = "use auto (picked per step) or 1 (no drafting) up to the draft's trained block size (16 for the demo draft)"
+RANGE = "use auto (picked per step) or 1 (no drafting) up to the draft's trained block size"
 
 
 @pytest.mark.parametrize("args", [["generate", "transformers", "hi", "--block-size", "0"],
@@ -134,8 +140,35 @@ RANGE = "use auto (picked per step) or 1 (no drafting) up to the draft's trained
                                   ["benchmark", "transformers", "--dataset", "gsm8k", "--block-size", "0"],
                                   ["benchmark", "transformers", "--dataset", "gsm8k", "--block-size", "auto,4,0"]])  # fmt: skip
 def test_block_size_zero_has_a_hint_with_the_valid_range(args):
-    """`dflash benchmark ... --block-size 0` said 'must be >= 1' and nothing more (user trial)."""
-    assert error_lines(dflash_cli(*args)) == ["error: --block-size must be >= 1, got 0.", f"hint: {RANGE}"]
+    """`dflash benchmark ... --block-size 0` said 'must be >= 1' and nothing more (user trial);
+    the hint names the demo draft's trained block size (its config.json, read before loading)."""
+    assert error_lines(dflash_cli(*args)) == [
+        "error: --block-size must be >= 1, got 0.",
+        f"hint: {RANGE} (16)",
+    ]
+
+
+@pytest.mark.parametrize("command", [["generate", "transformers", "hi"],
+                                     ["benchmark", "transformers", "--dataset", "gsm8k"]])  # fmt: skip
+def test_the_block_size_hint_names_the_given_drafts_trained_size(tmp_path, command):
+    """With --draft FOLDER the hint names that draft's trained block size (8 here), not the demo
+    draft's; with a draft that is not on this machine it names no number."""
+    import json
+
+    from tests.helpers.paths import FIXTURES_DIR
+
+    cfg = json.loads((FIXTURES_DIR / "qwen3-8b-dflash-config.json").read_text())
+    cfg["block_size"] = 8
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "config.json").write_text(json.dumps(cfg))
+    res = dflash_cli(
+        *command, "--model", "some/target", "--draft", str(tmp_path / "d"), "--block-size", "0"
+    )
+    assert error_lines(res) == ["error: --block-size must be >= 1, got 0.", f"hint: {RANGE} (8)"]
+    res = dflash_cli(
+        *command, "--model", "some/target", "--draft", "no-such/draft", "--block-size", "0"
+    )
+    assert error_lines(res) == ["error: --block-size must be >= 1, got 0.", f"hint: {RANGE}"]
 
 
 # -- 3c. no blank line before an error ---------------------------------------------------------
@@ -189,7 +222,9 @@ def test_ctrl_c_in_a_sweep_names_the_real_files(tmp_path, monkeypatch, stop_at):
 
     class Interrupted(FakePipeline):
         def generate(self, prompt_ids, **kw):
-            if running.exists() and len(running.read_text().splitlines()) == 1:  # one response written
+            if (
+                running.exists() and len(running.read_text().splitlines()) == 1
+            ):  # one response written
                 raise KeyboardInterrupt
             return super().generate(prompt_ids, **kw)
 
@@ -221,22 +256,34 @@ def test_num_prompts_and_max_samples_are_one_option_and_may_not_disagree(monkeyp
         "hint: give one of them",
     ]
     asked = []
-    monkeypatch.setattr(remote_command, "benchmark_openai", lambda **kw: asked.append(kw["num_prompts"]))
-    for given in (["--num-prompts", "3", "--max-samples", "3"], ["--max-samples", "3"], ["--num-prompts", "3"]):
+    monkeypatch.setattr(
+        remote_command, "benchmark_openai", lambda **kw: asked.append(kw["num_prompts"])
+    )
+    for given in (
+        ["--num-prompts", "3", "--max-samples", "3"],
+        ["--max-samples", "3"],
+        ["--num-prompts", "3"],
+    ):
         res = CliRunner().invoke(app, ["benchmark", "openai", "--dataset", "gsm8k", *given])
         assert res.exit_code == 0, res.output
     assert asked == [3, 3, 3]
-    help_text = " ".join(CliRunner().invoke(app, ["benchmark", "--help"], env={"COLUMNS": "200"}).stdout.split())
+    help_text = " ".join(
+        CliRunner().invoke(app, ["benchmark", "--help"], env={"COLUMNS": "200"}).stdout.split()
+    )
     assert "alias of --max-samples: prompts per dataset" in help_text
     assert "giving both with different values is an error" in help_text
 
 
 # -- 3f. the mlx backend's --device ------------------------------------------------------------
 
-MLX_TAKES = "the mlx backend takes --device auto (its default device), cpu or gpu (cuda and metal mean gpu)"
+MLX_TAKES = (
+    "the mlx backend takes --device auto (its default device), cpu or gpu (cuda and metal mean gpu)"
+)
 
 
-@pytest.mark.parametrize("command", [["generate", "mlx", "hi"], ["benchmark", "mlx", "--dataset", "gsm8k"]])
+@pytest.mark.parametrize(
+    "command", [["generate", "mlx", "hi"], ["benchmark", "mlx", "--dataset", "gsm8k"]]
+)
 def test_mlx_with_device_cuda_says_where_mlx_runs_and_what_it_takes(command):
     """`dflash generate mlx --device cuda` on a machine whose mlx has no GPU: the error says that
     mlx runs on its default device and which --device values the backend takes (user trial)."""
@@ -296,7 +343,17 @@ def test_an_output_folder_gets_a_hint_naming_a_file_in_it(tmp_path, backend, fla
     """`--output /some/folder` said 'is a folder; pass a .jsonl file path.' with no hint (user
     trial); the hint names a file in that folder."""
     extra = ["--base-url", "http://127.0.0.1:9"] if backend == "openai" else []
-    p = dflash_cli("benchmark", backend, "--dataset", "gsm8k", "--data-dir", str(DATA_DIR), *extra, flag, str(tmp_path))
+    p = dflash_cli(
+        "benchmark",
+        backend,
+        "--dataset",
+        "gsm8k",
+        "--data-dir",
+        str(DATA_DIR),
+        *extra,
+        flag,
+        str(tmp_path),
+    )
     assert error_lines(p) == [
         f"error: {flag} {tmp_path} is a folder; pass a {suffix} file path.",
         f"hint: name a file in it, e.g. {flag} {tmp_path / name}",
@@ -358,7 +415,11 @@ def test_the_data_dir_hint_lists_the_files_of_tests_data():
     from dflash.data.datasets import DATA_DIR_FILES
 
     assert all((DATA_DIR / f).is_file() for f in DATA_DIR_FILES)
-    held = {str(p.relative_to(DATA_DIR)) for p in DATA_DIR.rglob("*") if p.is_file() and p.name != "README.md"}
+    held = {
+        str(p.relative_to(DATA_DIR))
+        for p in DATA_DIR.rglob("*")
+        if p.is_file() and p.name != "README.md"
+    }
     assert held == set(DATA_DIR_FILES)
 
 
@@ -383,12 +444,17 @@ def test_a_400_from_the_server_gets_a_hint_that_fits(message, hint):
     server refused the options."""
     from tests.helpers.openai_replay import ReplayServer, json_reply
 
-    refused = json_reply({"object": "error", "message": message, "type": "BadRequestError", "code": 400}, status=400)
+    refused = json_reply(
+        {"object": "error", "message": message, "type": "BadRequestError", "code": 400}, status=400
+    )
     with ReplayServer({"POST /v1/chat/completions": [refused]}) as srv:
         lines = error_lines(dflash_cli("generate", "openai", "--base-url", srv.url, "--model", "m",
                                        "--max-new-tokens", "100000", "hi"))  # fmt: skip
         assert len(srv.requests) == 1  # a 400 is not retried
-    assert lines == [f"error: {srv.url}/v1/chat/completions failed: HTTP 400: {message.rstrip('.')}.", f"hint: {hint}"]
+    assert lines == [
+        f"error: {srv.url}/v1/chat/completions failed: HTTP 400: {message.rstrip('.')}.",
+        f"hint: {hint}",
+    ]
 
 
 def test_a_benchmark_whose_every_request_is_too_long_says_to_lower_max_new_tokens():
@@ -396,7 +462,9 @@ def test_a_benchmark_whose_every_request_is_too_long_says_to_lower_max_new_token
     dataset's, so only --max-new-tokens is named."""
     from tests.helpers.openai_replay import ReplayServer, json_reply
 
-    refused = json_reply({"error": {"message": TOO_LONG, "code": "context_length_exceeded"}}, status=400)
+    refused = json_reply(
+        {"error": {"message": TOO_LONG, "code": "context_length_exceeded"}}, status=400
+    )
     with ReplayServer({"POST /v1/chat/completions": [refused]}) as srv:
         p = dflash_cli("benchmark", "openai", "--base-url", srv.url, "--model", "m", "--dataset", "gsm8k",
                        "--data-dir", str(DATA_DIR), "--num-prompts", "1", "--max-new-tokens", "100000")  # fmt: skip
@@ -414,9 +482,14 @@ def test_an_empty_prompt_is_refused_before_any_request(prompt):
     from tests.helpers.openai_replay import ReplayServer
 
     with ReplayServer({}) as srv:
-        lines = error_lines(dflash_cli("generate", "openai", "--base-url", srv.url, "--model", "m", prompt))
+        lines = error_lines(
+            dflash_cli("generate", "openai", "--base-url", srv.url, "--model", "m", prompt)
+        )
         assert not srv.requests
-    assert lines == ["error: The prompt is empty.", "hint: pass a question or instruction as PROMPT"]
+    assert lines == [
+        "error: The prompt is empty.",
+        "hint: pass a question or instruction as PROMPT",
+    ]
 
 
 def test_generate_openai_timeout_zero_has_a_hint():

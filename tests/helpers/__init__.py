@@ -9,7 +9,9 @@
 - ``cli``: the CLI in a subprocess and its one-line ``error:``/``hint:`` checks.
 - ``bench``: a scripted fake pipeline for the benchmark harness.
 - ``kernels``: Triton's CPU interpreter in a subprocess, compiling for sm_90 without a GPU.
-- ``target_families``, ``mlx_models``: tiny random targets per family (transformers, mlx-lm).
+- ``target_families``, ``mlx_models``: tiny random targets per family (transformers, mlx-lm);
+  ``static_families``: those targets on the static path, scripted-rollback row checks.
+- ``dflash2``: a random DFlash2 draft for a tiny target.
 - ``serve_scripted``, ``openai_replay``: a scripted pipeline for ``dflash serve``; a loopback
   server replaying recorded OpenAI-compatible responses.
 """

@@ -72,7 +72,9 @@ def family_config(family: str):
                                               out_hidden_size=32, projector_hidden_size=32)  # fmt: skip
     if family == "qwen3_5_wrapper":
         text = transformers.Qwen3_5TextConfig(**BASE, **GDN, initializer_range=init)
-        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
+        vision = dict(
+            depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64
+        )
         return transformers.Qwen3_5Config(text_config=text.to_dict(), vision_config=vision,
                                           tie_word_embeddings=False)  # fmt: skip
     if family == "gemma4_wrapper":
@@ -177,6 +179,56 @@ class ScriptedRollback:
 def cached_keys(cache) -> list:
     """Per cache layer the keys it holds [1, Hkv, rows, D] (cloned), None for a layer without."""
     return [None if layer.keys is None else layer.keys.clone() for layer in cache.layers]
+
+
+def one_by_one(model, ids: list[int], prompt_len: int, snapshot, cache=None) -> dict[int, list]:
+    """Plain decoding's cache, the prompt ``ids[:prompt_len]`` in one forward and then one token
+    at a time: committed length -> ``snapshot(cache)`` after each forward (prompt_len up to
+    len(ids)). ``cache``: the transformers cache to fill; default ``DynamicCache(config=...)``,
+    whose sliding layers keep only their window (``DynamicCache()`` keeps every row)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config) if cache is None else cache
+    out = {}
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([ids[:prompt_len]]), past_key_values=cache, use_cache=True)
+        out[prompt_len] = snapshot(cache)
+        for i in range(prompt_len, len(ids)):
+            model(input_ids=torch.tensor([[ids[i]]]), position_ids=torch.tensor([[i]]),
+                  past_key_values=cache, use_cache=True)  # fmt: skip
+            out[i + 1] = snapshot(cache)
+    return out
+
+
+def check_cli_generate_on_folder(
+    folder: Path, family: str, prompt: list[int], block_size: int
+) -> list[int]:
+    """As a user: ``dflash init-draft`` on a saved ``family`` folder at ``folder / "target"`` (the
+    draft to ``folder / "d"``), then ``dflash generate transformers --json`` on the words of
+    ``prompt`` at ``block_size``: the prompt is the chat template's and the ids equal HF
+    generate's on it (24 tokens, cut at the first stop token). Returns the chat prompt's ids."""
+    import json
+
+    import dflash
+    from tests.helpers.cli import run
+
+    model = save_target(folder / "target", family)
+    p = run("init-draft", "--target", str(folder / "target"), "--out", str(folder / "d"), "--layers", "2",
+            "--dtype", "float32")  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    words = " ".join(f"w{t}" for t in prompt)
+    p = run("generate", "transformers", words, "--model", str(folder / "target"), "--draft", str(folder / "d"),
+            "--json", "--device", "cpu", "--dtype", "float32", "--block-size", str(block_size),
+            "--max-new-tokens", "24")  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    pipe = dflash.load(str(folder / "target"), str(folder / "d"), device="cpu", dtype="float32")
+    ids = pipe.chat_prompt([{"role": "user", "content": words}])
+    assert out["prompt_tokens"] == len(ids)
+    truth = greedy(model, ids, 24)
+    cut = next((i + 1 for i, t in enumerate(truth) if t in set(pipe.stop_ids)), 24)
+    assert out["token_ids"] == truth[:cut]
+    return ids
 
 
 def check_sampling_after_rollbacks(model, prompt: list[int], tol: float) -> None:

@@ -99,14 +99,14 @@ def test_auto_takes_in_projections_at_every_width(tiny_target, monkeypatch):
     """The linear setting auto (and all): a model's fused qkv and gate+up projections run small_linear
     in every forward of up to MAX_ROWS rows, target and draft, whatever their size (the H200's
     Qwen3-8B shape too); triton and torch never; recorded with benchmark results."""
-    from dflash.backends.static import backend as static_torch
+    from dflash.backends.static import kernel_choice
     from dflash.backends.static.backend import StaticBackend
     from tests.helpers.tiny import make_draft
 
     draft = make_draft(tiny_target)
 
     def made(mode: str) -> dict:
-        monkeypatch.setattr(static_torch, "linear_mode", lambda setting, device: mode)
+        monkeypatch.setattr(kernel_choice, "linear_mode", lambda setting, device: mode)
         return StaticBackend(tiny_target, draft, torch.device("cpu"), use_graphs=False).describe()["linear_in"]
 
     assert made("auto") == {"target": sl.MAX_ROWS, "draft": sl.MAX_ROWS}
@@ -145,7 +145,7 @@ def test_glu_switch_and_where_it_runs(tiny_target, monkeypatch):
     target's SiLU MLPs and the draft's where their gate+up projections run small_linear;
     recorded; a target with another activation keeps its own; the unfused maths equal the
     fused reference."""
-    from dflash.backends.static import backend as static_torch
+    from dflash.backends.static import kernel_choice
     from dflash.backends.static.backend import StaticBackend
     from tests.helpers.tiny import make_draft
 
@@ -155,7 +155,7 @@ def test_glu_switch_and_where_it_runs(tiny_target, monkeypatch):
     draft = make_draft(tiny_target)
 
     def made(mode: str, glu: str = "1") -> dict:
-        monkeypatch.setattr(static_torch, "linear_mode", lambda setting, device: mode)
+        monkeypatch.setattr(kernel_choice, "linear_mode", lambda setting, device: mode)
         settings = KernelSettings.resolve(environ={"DFLASH_GLU": glu})
         return StaticBackend(tiny_target, draft, torch.device("cpu"), use_graphs=False,
                              settings=settings).describe()["glu"]  # fmt: skip
@@ -163,10 +163,10 @@ def test_glu_switch_and_where_it_runs(tiny_target, monkeypatch):
     assert made("auto") == {"target": True, "draft": True}
     assert made("triton") == {"target": False, "draft": False}  # gate+up on cuBLAS: nothing to fuse into
     assert made("all", "0") == {"target": False, "draft": False}
-    monkeypatch.setattr(static_torch, "_in_proj_rows", lambda linear: 1)  # in-projections: 1-row steps only
+    monkeypatch.setattr(kernel_choice, "_in_proj_rows", lambda linear: 1)  # in-projections: 1-row steps only
     assert made("auto") == {"target": True, "draft": False}
     monkeypatch.undo()
-    monkeypatch.setattr(static_torch, "linear_mode", lambda setting, device: "all")
+    monkeypatch.setattr(kernel_choice, "linear_mode", lambda setting, device: "all")
     monkeypatch.setattr(tiny_target.config, "hidden_act", "gelu")
     assert StaticBackend(tiny_target, draft, torch.device("cpu"), use_graphs=False).describe()["glu"] == {
         "target": False, "draft": True}  # fmt: skip
@@ -184,8 +184,8 @@ def test_fuse_norm_switch_and_greedy_parity(tiny_target, monkeypatch):
     in-projections run small_linear and their norms are plain RMSNorms (recorded when on); the
     static path with it (reference maths on CPU) decodes exactly plain greedy, with and without
     the SwiGLU epilogue and the RoPE kernel's path."""
-    from dflash.backends.static import backend as static_torch
     from dflash.backends.static import fused as static_fused
+    from dflash.backends.static import kernel_choice
     from dflash.backends.static.backend import StaticBackend
     from tests.helpers.static import assert_static_greedy
     from tests.helpers.tiny import make_draft
@@ -204,19 +204,19 @@ def test_fuse_norm_switch_and_greedy_parity(tiny_target, monkeypatch):
         return StaticBackend(tiny_target, draft, torch.device("cpu"), use_graphs=False,
                              settings=settings).describe().get("fuse_norm")  # fmt: skip
 
-    monkeypatch.setattr(static_torch, "linear_mode", lambda setting, device: "all")
+    monkeypatch.setattr(kernel_choice, "linear_mode", lambda setting, device: "all")
     assert made(forced) == {"target": True, "draft": True}  # CPU: SDPA, no RoPE kernel: the norms still fold
     assert made() is None  # unset: off in float32
-    monkeypatch.setattr(static_torch, "fuse_norm_auto", lambda hidden, dtype: True)  # a bf16 model's size
+    monkeypatch.setattr(kernel_choice, "fuse_norm_auto", lambda hidden, dtype: True)  # a bf16 model's size
     assert made() == {"target": True, "draft": True}
-    monkeypatch.setattr(static_torch, "_in_proj_rows", lambda linear: 1)  # in-projections: 1-row steps only
+    monkeypatch.setattr(kernel_choice, "_in_proj_rows", lambda linear: 1)  # in-projections: 1-row steps only
     assert made() is None  # the default wants every width (block 1 = verify maths); the draft has none
     assert made(forced) == {"target": True, "draft": False}  # 1 forces it where it can run
     monkeypatch.undo()
-    monkeypatch.setattr(static_torch, "linear_mode", lambda setting, device: "all")
-    monkeypatch.setattr(static_torch, "attention_mode", lambda mode, device, dtype=None: "split")
+    monkeypatch.setattr(kernel_choice, "linear_mode", lambda setting, device: "all")
+    monkeypatch.setattr(kernel_choice, "attention_mode", lambda mode, device, dtype=None: "split")
     assert made(forced) == {"target": True, "draft": True}
-    monkeypatch.setattr(static_torch, "linear_mode", lambda setting, device: "triton")  # in-projections on cuBLAS
+    monkeypatch.setattr(kernel_choice, "linear_mode", lambda setting, device: "triton")  # in-projections on cuBLAS
     assert made(forced) is None
     assert static_fused.norms_fit(tiny_target.model.layers, torch.float32)
     assert not static_fused.norms_fit(tiny_target.model.layers, torch.bfloat16)  # another dtype

@@ -17,7 +17,8 @@ from dflash.models.draft2_torch import (
     DFlash2Layer,
     GroupedDynamicCausalConv,
 )
-from dflash.models.draft_torch import DFlashDraft, read_safetensors
+from dflash.models.draft_torch import DFlashDraft
+from dflash.models.safetensors_io import read_safetensors
 from dflash.types import SamplingParams
 from tests.helpers.dflash2 import make_draft2
 from tests.helpers.paths import fixture_json as fixture

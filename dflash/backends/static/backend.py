@@ -15,7 +15,9 @@ Every graph a request can need is captured in :meth:`StaticBackend.reset`, befor
 in ``torch.compile`` (Inductor, kernels cached on disk), which fuses the small kernels.
 
 The graph capture methods live in :mod:`dflash.backends.static.capture` (the
-:class:`~dflash.backends.static.capture.StaticGraphs` mixin that :class:`StaticBackend` inherits).
+:class:`~dflash.backends.static.capture.StaticGraphs` mixin that :class:`StaticBackend` inherits),
+which targets the path runs in :mod:`dflash.backends.static.support`, which kernels the forwards
+run in :mod:`dflash.backends.static.kernel_choice`.
 """
 
 from __future__ import annotations
@@ -29,159 +31,51 @@ from dflash.backends.base import SelectorProposal
 from dflash.backends.plain import TransformersBackend
 from dflash.backends.static.capture import StaticGraphs
 from dflash.backends.static.device_loop import DeviceLoop
-from dflash.backends.static.draft import (
-    draft_forward_fused,
-    draft_rope_fits,
-    draft_small_linear_fits,
-)
+from dflash.backends.static.draft import StaticDraftCache, draft_forward_fused
 from dflash.backends.static.families import (
     allocate,
-    configure_family,
     family_forward,
-    family_refusal,
     family_type,
     layer_specs,
 )
 from dflash.backends.static.fused import (
-    fold_norms,
     fuse_draft,
     fuse_target,
-    norms_fit,
     row_argmax,
-    small_linear_fits,
     target_forward_fused,
-    target_fusable,
 )
 from dflash.backends.static.graph_plan import plan_graphs
 from dflash.backends.static.hybrid import (
     HybridState,
     fuse_hybrid,
     hybrid_forward,
-    hybrid_refusal,
     is_hybrid,
 )
+from dflash.backends.static.kernel_choice import choose_kernels
 from dflash.backends.static.moe import moe_route
+from dflash.backends.static.support import (
+    layer_windows,
+    static_refusal,
+    supports_dense_static,  # noqa: F401 - dflash.serve imports it here
+)
 from dflash.errors import BackendError
-from dflash.kernels.gdn_norms import norms_fit as hybrid_norms_fit
 from dflash.kernels.pdl import pdl_supported
-from dflash.kernels.qkv_rope import qkv_rope_fits, qkv_rope_wanted
-from dflash.kernels.rms_norm import available as rms_norm_available
-from dflash.kernels.rms_norm import rms_norm_fits
-from dflash.kernels.rope_cache import rope_cache_fits
-from dflash.kernels.settings import KernelSettings, Launch, one_slice, pdl_wanted
-from dflash.kernels.small_linear import MAX_ROWS, fuse_norm_auto, linear_mode
-from dflash.kernels.split_attention import attention_mode, uses_kernel
+from dflash.kernels.settings import KernelSettings, one_slice, pdl_wanted
+from dflash.kernels.small_linear import MAX_ROWS
+from dflash.kernels.split_attention import uses_kernel
 from dflash.models.draft2_torch import select_walk
 from dflash.models.draft_torch import DFlashDraft, rope_cos_sin
-from dflash.models.target_torch import SLIDING, layer_kinds
+from dflash.models.target_torch import layer_kinds
 
-DENSE_TYPES = ("llama", "qwen2", "qwen3")  # the batched engine's (dense full attention)
-SUPPORTED_TYPES = (*DENSE_TYPES, "mistral", "qwen3_moe")
 AUTO_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16)  # widths --block-size auto may use on the graph path
 SELECTOR_UNIFORMS = 64  # draft positions a DFlash2 sampled walk's uniform buffer holds (at least)
-
-
-def layer_windows(config: Any) -> list[int | None]:
-    """Per target layer, its sliding window W in tokens (the key at the query's position
-    counts: keys at positions > pos - W are seen) or None for full attention, from
-    ``layer_types`` / ``sliding_window`` / ``use_sliding_window`` as transformers reads them."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    window = getattr(text, "sliding_window", None)
-    return [window if kind == SLIDING else None for kind in layer_kinds(config)]
-
-
-def static_refusal(target: Any) -> str | None:
-    """Why the static path cannot run this target (one phrase), or None when it can: a
-    Llama/Qwen2/Qwen3/Mistral/Qwen3-MoE target with full-attention or sliding-window layers,
-    a supported RoPE, and plain linears and dense MLPs or top-k expert blocks, which its
-    forwards fuse (:func:`~dflash.backends.static.fused.target_fusable`)."""
-    cfg = target.config
-    family = getattr(cfg, "model_type", None)
-    if is_hybrid(cfg):  # GatedDeltaNet hybrids: their own forward (dflash.backends.static.hybrid)
-        return hybrid_refusal(target)
-    if family_type(target) is not None:  # gpt-oss, Gemma 3/4 text (dflash.backends.static.families)
-        return family_refusal(target)
-    if family not in SUPPORTED_TYPES:
-        return f"{family} targets run on the plain path"
-    rope = getattr(cfg, "rope_parameters", None) or {}
-    if rope.get("rope_type", "default") not in ("default", "linear", "llama3", "yarn"):
-        return f"RoPE type {rope.get('rope_type')!r} runs on the plain path"
-    kinds = layer_kinds(cfg)
-    if any(k not in ("full_attention", SLIDING) for k in kinds):
-        return f"layer kinds {sorted(set(kinds))} run on the plain path"
-    if any(not (isinstance(w, int) and w > 0) for w, k in zip(layer_windows(cfg), kinds, strict=True) if k == SLIDING):
-        return "sliding layers need a positive sliding_window"
-    inner = getattr(target, "model", None)
-    if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "rotary_emb"):
-        return "the target's module layout is not Llama-like"
-    if len(inner.layers) != len(kinds) or not target_fusable(target):
-        return "its layers are not plain linears with dense MLPs or top-k expert blocks (quantized?)"
-    return None
-
-
-def supports_static(target: Any) -> bool:
-    """Whether the static path can run this target (:func:`static_refusal` gives no reason)."""
-    return static_refusal(target) is None
-
-
-def supports_dense_static(target: Any) -> bool:
-    """Whether the target is a dense full-attention Llama/Qwen2/Qwen3 (what the batched engine
-    of :mod:`dflash.backends.static.batched` runs): no sliding layer, no expert block."""
-    return (getattr(target.config, "model_type", None) in DENSE_TYPES and supports_static(target)
-            and all(w is None for w in layer_windows(target.config)))  # fmt: skip
-
-
-def _in_proj_rows(mode: str) -> int:
-    """Forwards of up to how many rows run the fused qkv and gate+up projections through
-    ``small_linear`` under the ``linear`` mode ``mode``:
-    :data:`~dflash.kernels.small_linear.MAX_ROWS` under ``auto`` and ``all`` (every width, as
-    measured on both the demo pair and Qwen3-8B's shape, see
-    :func:`~dflash.kernels.small_linear.linear_mode`), else 0."""
-    return MAX_ROWS if mode in ("auto", "all") else 0
-
-
-def _target_norms(target: Any) -> list:
-    """The target's RMSNorm modules that can run as their own kernels: every layer's two and the
-    final norm."""
-    layers = target.model.layers
-    return [n for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)] + [
-        target.model.norm]
-
-
-class StaticDraftCache:
-    """Draft context K/V in position-indexed buffers [1, Hkv, S, D] per layer.
-
-    Only context rows are written (at ``write_pos``); block K/V stay transient. Validity of a
-    row is decided by the caller's mask (key position < start).
-    """
-
-    def __init__(self, layers: int, kv_heads: int, capacity: int, head_dim: int, dtype, device):
-        shape = (1, kv_heads, capacity, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.write_pos: torch.Tensor | None = None  # [Tc] positions of this call's context rows
-
-    @property
-    def positions(self) -> None:
-        """Always None: row validity comes from the caller's mask, so the draft's forward never
-        concatenates position history (which would bake a stale tensor into a CUDA graph)."""
-        return None
-
-    @positions.setter
-    def positions(self, _value) -> None:
-        pass
-
-    def append(self, i: int, k: torch.Tensor, v: torch.Tensor):
-        self.keys[i].index_copy_(2, self.write_pos, k)
-        self.values[i].index_copy_(2, self.write_pos, v)
-        return self.keys[i], self.values[i]
 
 
 class StaticBackend(StaticGraphs, TransformersBackend):
     """TransformersBackend with static caches and (on CUDA) CUDA-graph replay.
 
     Args:
-        target: HF Llama/Qwen2/Qwen3/Mistral/Qwen3-MoE causal LM (see :func:`supports_static`).
+        target: HF Llama/Qwen2/Qwen3/Mistral/Qwen3-MoE causal LM (see :func:`~dflash.backends.static.support.supports_static`).
         draft: DFlashDraft or None; its per-layer types (sliding windows, causal overrides)
             are honoured through the same position masks as the plain path.
         device: torch device.
@@ -197,7 +91,7 @@ class StaticBackend(StaticGraphs, TransformersBackend):
             with CUDA graphs only. True without graphs runs the same glue eagerly (tests).
 
     Raises:
-        BackendError: a target :func:`supports_static` refuses.
+        BackendError: a target :func:`~dflash.backends.static.support.supports_static` refuses.
 
     A DFlash2 draft (brief §4) runs the same fused forward with its convolutions (torch ops)
     around the sublayers, then the candidate selector's walk on the device
@@ -227,7 +121,9 @@ class StaticBackend(StaticGraphs, TransformersBackend):
             self.kv_heads, self.head_dim = self.family[0].kv_heads, self.family[0].head_dim
         else:
             self.kv_heads = cfg.num_key_value_heads
-            self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+            self.head_dim = (
+                getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+            )
         rot = target.model.rotary_emb
         if self.family is None:
             self.inv_freq, self.rope_scale = rot.inv_freq.float(), float(rot.attention_scaling)
@@ -240,7 +136,13 @@ class StaticBackend(StaticGraphs, TransformersBackend):
         for n, i in enumerate(self.layer_ids):
             self.feature_layers.setdefault(i - 1, []).append(n)
         # one qkv (hybrids: one token-mixer input) and one gate+up matmul per layer; families: their own
-        self.fused_target = fuse_hybrid(target) if self.hybrid else fuse_target(target) if self.family is None else []
+        self.fused_target = (
+            fuse_hybrid(target)
+            if self.hybrid
+            else fuse_target(target)
+            if self.family is None
+            else []
+        )
         self.dflash2 = bool(getattr(draft, "is_dflash2", False))
         self.fused_draft = fuse_draft(draft) if draft is not None else None
         if self.dflash2:  # the sampled walk's graph inputs: uniforms [1, U] and temperature [1]
@@ -258,7 +160,9 @@ class StaticBackend(StaticGraphs, TransformersBackend):
         self.graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, Any, tuple]] = {}
         # --block-size auto picks among these widths (graphs captured when costs are timed).
         b = self.draft_block_size
-        self.auto_widths = sorted({w for w in AUTO_WIDTHS if w < b} | {1, b}) if self.use_graphs else None
+        self.auto_widths = (
+            sorted({w for w in AUTO_WIDTHS if w < b} | {1, b}) if self.use_graphs else None
+        )
 
     def configure(self, settings: KernelSettings) -> None:
         """Decide from ``settings`` (and what the target, the draft, the device and the dtype
@@ -267,74 +171,9 @@ class StaticBackend(StaticGraphs, TransformersBackend):
         ``qkv_rope_target``/``qkv_rope_draft``, ``fuse_norm``/``draft_fuse_norm`` (with the
         folded weight copies), ``norm_kernel``, ``rope_table``, and ``launch`` (the kernels'
         :class:`~dflash.kernels.settings.Launch` per forward). Run at build and after a
-        fall-back (:meth:`~dflash.backends.static.capture.StaticGraphs._fall_back`)."""
-        self.settings = settings
-        target, draft, device = self.target, self.draft_model, self.device
-        # the fused forwards' attention (target; the draft's all-visible layers when the draft is
-        # fused too): split-KV kernel over the filled rows or SDPA with a position mask
-        self.attention = attention_mode(settings.attention, device, self.dtype)
-        # o_proj/down_proj of the fused forwards for <= 32 rows: one Triton kernel each with the
-        # residual add fused in, or torch (see dflash.kernels.small_linear)
-        linear = linear_mode(settings.linear, device)
-        # (hybrids: torch for now, not yet measured; their forward takes small_linear where allowed)
-        self.linear = linear if self.family is None and not self.hybrid and small_linear_fits(target) else "torch"
-        self.draft_linear = self.fused_draft is not None and linear != "torch" and draft_small_linear_fits(draft)
-        # the fused qkv and gate+up projections too, in forwards of up to linear_in rows (every
-        # width under "auto" and "all")
-        self.linear_in = _in_proj_rows(self.linear)
-        self.draft_linear_in = self.draft_linear and _in_proj_rows(linear) == MAX_ROWS
-        # SiLU(gate) * up as the epilogue of those gate+up kernels (SiLU MLPs)
-        glu = settings.glu
-        self.glu = glu and self.linear_in > 0 and getattr(target.config, "hidden_act", None) in ("silu", "swish")
-        self.draft_glu = glu and self.draft_linear_in
-        # q/k (norm +) RoPE + cache writes as one kernel (see dflash.kernels.rope_cache)
-        split = self.attention != "sdpa"  # the kernel feeds the split-KV attention only
-        self.draft_rope = settings.rope_draft and self.draft_linear and split and draft_rope_fits(draft)
-        attn = None if self.hybrid else target.model.layers[0].self_attn
-        self.target_rope = (not self.hybrid and settings.rope_target and self.linear != "torch" and split
-                            and rope_cache_fits(attn, self.dtype, norms=hasattr(attn, "q_norm")))  # fmt: skip
-        self.rope_table = settings.rope_table  # the draft's RoPE kernel reads [S, D] tables
-        # the qkv projection inside that kernel too (dflash.kernels.qkv_rope)
-        self.qkv_rope_target = self.qkv_rope_draft = False
-        if self.target_rope and self.linear_in > 0:
-            qkvs = [qkv.weight for qkv, _ in self.fused_target]
-            norms = hasattr(attn, "q_norm")
-            self.qkv_rope_target = qkv_rope_wanted(qkvs, norms, settings.qkv_rope) and all(
-                qkv_rope_fits(layer.self_attn, w, norms) for layer, w in zip(target.model.layers, qkvs, strict=True))
-        if self.draft_rope and self.draft_linear_in:
-            qkvs = [qkv.weight for qkv, _ in self.fused_draft]
-            self.qkv_rope_draft = qkv_rope_wanted(qkvs, True, settings.qkv_rope) and all(
-                qkv_rope_fits(layer.self_attn, w, True) for layer, w in zip(draft.layers, qkvs, strict=True))
-        # RMSNorms inside the in-projections' kernels, with the norms' weights folded into copies
-        # of the projections' weights (fold_norms); None: by size and dtype, and only where every
-        # forward's in-projections run small_linear (as measured)
-
-        def fused_norms(model, layers, every_width: bool) -> bool:
-            if settings.fuse_norm is not None:
-                return settings.fuse_norm and norms_fit(layers, self.dtype)
-            return every_width and fuse_norm_auto(model.config.hidden_size, self.dtype) and norms_fit(layers, self.dtype)
-
-        self.fuse_norm = not self.hybrid and self.linear_in > 0 and fused_norms(target, target.model.layers, self.linear_in >= MAX_ROWS)
-        self.draft_fuse_norm = (bool(self.draft_linear_in) and not self.dflash2  # DFlash2: a conv
-                                and fused_norms(draft, draft.layers, True))  # after that norm  # fmt: skip
-        if not self.fuse_norm:  # the folded weight copies: made once, kept while used
-            self.folded_target = None
-        elif self.folded_target is None:
-            self.folded_target = fold_norms(target.model.layers, self.fused_target)
-        if not self.draft_fuse_norm:
-            self.folded_draft = None
-        elif self.folded_draft is None:
-            self.folded_draft = fold_norms(draft.layers, self.fused_draft, ("post",))
-        # the target's stand-alone norms through one Triton kernel each
-        self.norm_kernel = (settings.norm_kernel and device.type == "cuda" and rms_norm_available() and self.family is None
-                            and not self.hybrid and not self.fuse_norm
-                            and all(rms_norm_fits(n, self.dtype) for n in _target_norms(target)))  # fmt: skip
-        if self.family is not None:  # gpt-oss, Gemma: their norms and RoPE kernels
-            configure_family(self, settings)
-        # a hybrid's RMSNorms (centred and gated) through one Triton kernel each (bf16/fp16 on CUDA)
-        self.hybrid_norms = self.hybrid and settings.norm_kernel and hybrid_norms_fit(target, self.dtype, device)
-        # programmatic dependent launch of this project's kernels, per forward
-        self.launch = {part: Launch(settings, self.pdl_on(part)) for part in ("target", "draft")}
+        fall-back (:meth:`~dflash.backends.static.capture.StaticGraphs._fall_back`); the choices
+        are :func:`~dflash.backends.static.kernel_choice.choose_kernels`."""
+        choose_kernels(self, settings)
 
     def pdl_on(self, part: str, inductor: bool = False) -> bool:
         """Whether the ``part`` ("target" or "draft") forward's kernels launch with PDL
@@ -345,12 +184,20 @@ class StaticBackend(StaticGraphs, TransformersBackend):
         """The pieces of :data:`~dflash.kernels.settings.LADDER` the forwards run (``pdl``: in
         the ``part`` forward, this project's kernels or Inductor's), for
         :func:`~dflash.kernels.settings.fall_back`."""
-        live = {"qkv_rope": self.qkv_rope_target or self.qkv_rope_draft,
-                "norm_kernel": self.norm_kernel or self.hybrid_norms,
-                "fuse_norm": self.fuse_norm or self.draft_fuse_norm, "glu": self.glu or self.draft_glu,
-                "rope": self.draft_rope or self.target_rope, "linear": self.linear != "torch" or self.draft_linear,
-                "attention": self.attention != "sdpa",
-                "pdl": any(self.pdl_on(p, i) for p in ([part] if part else ["target", "draft"]) for i in (False, True))}
+        live = {
+            "qkv_rope": self.qkv_rope_target or self.qkv_rope_draft,
+            "norm_kernel": self.norm_kernel or self.hybrid_norms,
+            "fuse_norm": self.fuse_norm or self.draft_fuse_norm,
+            "glu": self.glu or self.draft_glu,
+            "rope": self.draft_rope or self.target_rope,
+            "linear": self.linear != "torch" or self.draft_linear,
+            "attention": self.attention != "sdpa",
+            "pdl": any(
+                self.pdl_on(p, i)
+                for p in ([part] if part else ["target", "draft"])
+                for i in (False, True)
+            ),
+        }
         return {name for name, on in live.items() if on}
 
     # -- buffers --------------------------------------------------------------------------
@@ -366,14 +213,24 @@ class StaticBackend(StaticGraphs, TransformersBackend):
     def _allocate(self, capacity: int) -> None:
         dev, dt = self.device, self.dtype
         shape = (1, self.kv_heads, capacity, self.head_dim)
-        if self.family is not None:  # per-layer layouts; a layer sharing K/V holds its source's buffers
+        if (
+            self.family is not None
+        ):  # per-layer layouts; a layer sharing K/V holds its source's buffers
             self.k, self.v = allocate(self.family, capacity, dt, dev)
         else:
             linear = self.gdn_layers()  # GatedDeltaNet layers keep no K/V
-            self.k = [None if i in linear else torch.zeros(shape, dtype=dt, device=dev) for i in range(self.n_layers)]
-            self.v = [None if i in linear else torch.zeros(shape, dtype=dt, device=dev) for i in range(self.n_layers)]
+            self.k = [
+                None if i in linear else torch.zeros(shape, dtype=dt, device=dev)
+                for i in range(self.n_layers)
+            ]
+            self.v = [
+                None if i in linear else torch.zeros(shape, dtype=dt, device=dev)
+                for i in range(self.n_layers)
+            ]
         if self.hybrid and self.gdn is None:  # fixed for the backend's life: the graphs hold them
-            self.gdn = HybridState(self.target, max(*self.plan.verify_widths, self.draft_block_size), dt, dev)
+            self.gdn = HybridState(
+                self.target, max(*self.plan.verify_widths, self.draft_block_size), dt, dev
+            )
         self.key_pos = torch.arange(capacity, device=dev)
         width = len(self.layer_ids) * self.target.config.hidden_size
         self.feats = torch.zeros(capacity, max(width, 1), dtype=dt, device=dev)  # [S, F]
@@ -433,7 +290,11 @@ class StaticBackend(StaticGraphs, TransformersBackend):
         fold = not logits and self.fused_draft is not None and head.folded is not None
         if self.fused_draft is not None:
             split = uses_kernel(self.attention, length)
-            kinds = frozenset(kind for kind, rule in rules.items() if rule is None) if split else frozenset()
+            kinds = (
+                frozenset(kind for kind, rule in rules.items() if rule is None)
+                if split
+                else frozenset()
+            )
             lin = self.draft_linear and length <= MAX_ROWS  # residual adds fused in
             h = draft_forward_fused(self.draft_model, self.fused_draft, embeds, ctx, q_pos, ctx_pos[None],
                                     self.dcache, masks, self.launch["draft"], kinds, lin,
@@ -484,7 +345,9 @@ class StaticBackend(StaticGraphs, TransformersBackend):
             seen = 0
             if with_features and self.draft_model is not None:  # the prompt's draft context K/V:
                 self.dcache.write_pos = pos[0]  # the first draft call then reads only its window
-                self.draft_model.write_context(self.feats[: len(prompt_ids)][None], pos, self.dcache)
+                self.draft_model.write_context(
+                    self.feats[: len(prompt_ids)][None], pos, self.dcache
+                )
                 seen = len(prompt_ids)
         self._draft_seen = seen
         if self.gdn is not None:

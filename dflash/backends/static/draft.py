@@ -37,6 +37,35 @@ from dflash.kernels.split_attention import split_attention
 from dflash.models.draft_torch import rope_cos_sin
 
 
+class StaticDraftCache:
+    """Draft context K/V in position-indexed buffers [1, Hkv, S, D] per layer.
+
+    Only context rows are written (at ``write_pos``); block K/V stay transient. Validity of a
+    row is decided by the caller's mask (key position < start).
+    """
+
+    def __init__(self, layers: int, kv_heads: int, capacity: int, head_dim: int, dtype, device):
+        shape = (1, kv_heads, capacity, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.write_pos: torch.Tensor | None = None  # [Tc] positions of this call's context rows
+
+    @property
+    def positions(self) -> None:
+        """Always None: row validity comes from the caller's mask, so the draft's forward never
+        concatenates position history (which would bake a stale tensor into a CUDA graph)."""
+        return None
+
+    @positions.setter
+    def positions(self, _value) -> None:
+        pass
+
+    def append(self, i: int, k: torch.Tensor, v: torch.Tensor):
+        self.keys[i].index_copy_(2, self.write_pos, k)
+        self.values[i].index_copy_(2, self.write_pos, v)
+        return self.keys[i], self.values[i]
+
+
 def draft_forward_fused(draft, fused, block_embeds, target_hidden, q_pos, ctx_pos, cache, masks, kl: Launch,
                         split_kinds=frozenset(), lin: bool = False, lin_in: bool = False, rope: bool = False,
                         glu: bool = False, folded=None, qkv_fused: bool = False, final_norm: bool = True,
@@ -76,7 +105,9 @@ def draft_forward_fused(draft, fused, block_embeds, target_hidden, q_pos, ctx_po
     cfg, tc, lq = draft.config, target_hidden.shape[1], block_embeds.shape[1]
     fc = draft.fc
     if lin and tc <= LINEAR_MAX_ROWS and _plain(fc, target_hidden.dtype):  # one kernel, not
-        ctx = draft.hidden_norm(small_linear(target_hidden[0].contiguous(), fc.weight, fc.bias, launch=kl)[None])
+        ctx = draft.hidden_norm(
+            small_linear(target_hidden[0].contiguous(), fc.weight, fc.bias, launch=kl)[None]
+        )
     else:  # cuBLAS's split-K GEMM and its reduction (two, ~7 us on the H200)
         ctx = draft.hidden_norm(fc(target_hidden))  # [1, Tc, H]
     qkv_fused = qkv_fused and lin_in and tc + lq <= LINEAR_MAX_ROWS
@@ -118,7 +149,9 @@ def draft_forward_fused(draft, fused, block_embeds, target_hidden, q_pos, ctx_po
         elif wpos is not None and kind in split_kinds:
             raw = _in_proj_joint(lin_in, qkv, x, kl)  # [Tc + L, (H + 2 Hkv) D]
             kc, vc = cache.keys[i], cache.values[i]
-            q = rope_cache(raw, a.q_norm, a.k_norm, cos, sin, wpos, kc, vc, tc, a.heads, a.kv_heads, early, kl)
+            q = rope_cache(
+                raw, a.q_norm, a.k_norm, cos, sin, wpos, kc, vc, tc, a.heads, a.kv_heads, early, kl
+            )
             out = split_attention(q, kc, vc, see, None, early, kl)
             early = True
         else:
@@ -148,7 +181,9 @@ def draft_forward_fused(draft, fused, block_embeds, target_hidden, q_pos, ctx_po
             continue
         h = _out_proj(lin, a.o_proj, out, h, kl)
         if fg is not None:
-            h = _mlp_rn(lin, fg, layer.mlp.down_proj, F.silu, layer.post_attention_layernorm, h, glu, kl)
+            h = _mlp_rn(
+                lin, fg, layer.mlp.down_proj, F.silu, layer.post_attention_layernorm, h, glu, kl
+            )
         else:
             h = _mlp(lin, lin_in, gate_up, layer.mlp.down_proj, F.silu, layer.post_attention_layernorm(h), h, glu,
                      kl)  # fmt: skip

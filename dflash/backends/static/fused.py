@@ -126,7 +126,7 @@ def dense_mlp(layer) -> bool:
 def target_fusable(target) -> bool:
     """Whether every layer of an HF Llama/Qwen2/Qwen3/Mistral/Qwen3-MoE target has plain linears
     to fuse, and a dense MLP or an expert block :func:`~dflash.backends.static.moe.moe_block`
-    runs (the static path needs it: :func:`dflash.backends.static.backend.supports_static`)."""
+    runs (the static path needs it: :func:`dflash.backends.static.support.supports_static`)."""
     return all(fusable(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj)
                and (fusable(layer.mlp.gate_proj, layer.mlp.up_proj) if dense_mlp(layer) else moe_block(layer.mlp))
                for layer in target.model.layers)  # fmt: skip

@@ -31,22 +31,10 @@ def save_dflash2_draft(folder, target_dir, seed: int = 0):
     import json
     from types import SimpleNamespace
 
-    from dflash.models.draft2_torch import DFlash2Draft
-    from dflash.models.init_draft import draft_config_for
+    from tests.helpers.dflash2 import draft2_for_config
 
-    cfg = json.loads((target_dir / "config.json").read_text())
-    dcfg = draft_config_for(SimpleNamespace(**cfg), layers=2, block_size=16, mask_token_id=1,
-                            vocab_rows=1000, arch="dflash2")  # fmt: skip
-    for k, v in SETTINGS.items():
-        setattr(dcfg.dflash2, k, v)
-    dcfg.validate()
-    torch.manual_seed(seed)
-    draft = DFlash2Draft(dcfg).eval()
-    with torch.no_grad():
-        for layer in draft.layers:
-            for conv in (layer.attention_conv, layer.mlp_conv):
-                conv.base_kernel.normal_(0.0, 0.7)
-    return draft.save(folder)
+    cfg = SimpleNamespace(**json.loads((target_dir / "config.json").read_text()))
+    return draft2_for_config(cfg, seed=seed, mask_token_id=1, **SETTINGS).save(folder)
 
 
 @pytest.fixture(scope="module", autouse=True)

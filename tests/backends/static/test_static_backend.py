@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash.backends.static.backend import StaticBackend, supports_static
+from dflash.backends.static.backend import StaticBackend
+from dflash.backends.static.support import supports_static
 from dflash.loop import speculative_generate
 from tests.helpers.static import draft_twice
 from tests.helpers.tiny import PROMPT, custom_draft, greedy_reference, make_draft

@@ -11,18 +11,15 @@ path does not run are refused with a reason and go to the plain path.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
-from dflash.backends.static.backend import (
-    StaticBackend,
-    layer_windows,
-    static_refusal,
-    supports_static,
-)
-from dflash.loop import speculative_generate
-from tests.conftest import make_draft
-from tests.helpers.target_families import BASE, WINDOW, ScriptedRollback, build, greedy, prompt_ids
+from dflash.backends.static.backend import StaticBackend
+from dflash.backends.static.support import layer_windows, static_refusal, supports_static
+from tests.helpers.static_families import check_scripted_rows, run, static
+from tests.helpers.target_families import BASE, WINDOW, build, greedy, prompt_ids
 
 N = 32  # new tokens per run
 INTERLEAVED = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention",
@@ -50,21 +47,11 @@ def make(family: str, seed: int = 0):
     return auto(cfg).eval()
 
 
-_MODELS: dict = {}
-
-
+@functools.cache
 def model_of(family: str):
-    """One model per family per test session (building them is most of the cost)."""
-    if family not in _MODELS:
-        model = make(family)
-        _MODELS[family] = (model, greedy(model, prompt_ids(), N + 16))
-    return _MODELS[family]
-
-
-def static(model, attention: str = "sdpa") -> StaticBackend:
-    be = StaticBackend(model, make_draft(model), torch.device("cpu"), use_graphs=False)
-    be.attention = attention  # split: the split-KV kernel's algorithm (its torch reference on CPU)
-    return be
+    """(model, HF greedy ids) once per family per test session (building them is most of the cost)."""
+    model = make(family)
+    return model, greedy(model, prompt_ids(), N + 16)
 
 
 @pytest.mark.parametrize("family", STATIC)
@@ -91,9 +78,7 @@ def test_static_path_runs_the_family_with_its_windows(family):
     if any(windows):  # the check can fail: the same target without its windows decodes other ids
         _, truth = model_of(family)
         be.windows = [None] * len(windows)
-        got = [t for r in speculative_generate(be, prompt_ids(), block_size=16, max_new_tokens=N, stop_ids=[])
-               for t in r.tokens]  # fmt: skip
-        assert got != truth[:N]
+        assert run(be, prompt_ids(), 16, N) != truth[:N]
         be.windows = windows
     if "moe" in family:
         assert any(gu is None for _, gu in be.fused_target)  # expert blocks
@@ -111,67 +96,13 @@ def test_static_greedy_equals_hf_generate(family, attention):
     assert len(prompt) > WINDOW and len(set(truth)) > 4
     be = static(model, attention)
     for bs in (1, 4, 16, 16):
-        got = [t for r in speculative_generate(be, prompt, block_size=bs, max_new_tokens=N, stop_ids=[])
-               for t in r.tokens]  # fmt: skip
-        assert got == truth[:N], (family, attention, bs)
-
-
-def _one_by_one_kv(model, ids: list[int], prompt_len: int) -> dict[int, list[torch.Tensor]]:
-    """Committed length n -> per layer the keys [1, Hkv, n, D] of every position < n, from a
-    forward of the prompt and then one token at a time through a static HF cache (keeps all
-    rows, so sliding layers' older rows are there too)."""
-    from transformers import DynamicCache
-
-    cache = DynamicCache()  # no config: full layers keep every row
-    out = {}
-    with torch.inference_mode():
-        model(input_ids=torch.tensor([ids[:prompt_len]]), past_key_values=cache, use_cache=True)
-        out[prompt_len] = [layer.keys.clone() for layer in cache.layers]
-        for i in range(prompt_len, len(ids)):
-            model(input_ids=torch.tensor([[ids[i]]]), position_ids=torch.tensor([[i]]), past_key_values=cache,
-                  use_cache=True)  # fmt: skip
-            out[i + 1] = [layer.keys.clone() for layer in cache.layers]
-    return out
-
-
-class StaticSnapshots(ScriptedRollback):
-    """ScriptedRollback over a static backend: after every rollback, per layer the K rows the
-    next query (at the committed length n) can see: positions in (n - W, n) for a sliding
-    layer of window W (the query's own row is written by its step), [0, n) for a full one."""
-
-    def rollback(self, length: int) -> None:
-        self.inner.rollback(length)
-        rows = []
-        for i, w in enumerate(self.inner.windows):
-            lo = 0 if w is None else max(0, length - w + 1)
-            rows.append((lo, self.inner.k[i][:, :, lo:length].clone()))
-        self.snapshots.append((length, rows))
+        assert run(be, prompt, bs, N) == truth[:N], (family, attention, bs)
 
 
 @pytest.mark.parametrize("family", ["mistral", "qwen3_interleaved", "qwen3_moe_window"])
 @pytest.mark.parametrize("prompt_len", [40, 3])  # 3: the window fills while decoding
 def test_scripted_schedules_see_exactly_the_one_by_one_rows(family, prompt_len):
-    model = make(family)
-    prompt = prompt_ids(prompt_len)
-    truth = greedy(model, prompt, 60)
-    ref = _one_by_one_kv(model, prompt + truth, prompt_len)
-    inner = static(model)
-    for schedule in ([15, 0, 3, 0, 0, 15], [0], [15]):
-        be = StaticSnapshots(inner, truth, prompt_len, schedule)
-        rounds = list(
-            speculative_generate(be, prompt, block_size=16, max_new_tokens=56, stop_ids=[])
-        )
-        assert [t for r in rounds for t in r.tokens] == truth[:56], schedule
-        accepted = [r.accepted for r in rounds[1:]]
-        if schedule[0] == 15 and len(schedule) > 1:
-            assert accepted[:6] == [16, 1, 4, 1, 1, 16]  # full blocks and zero-accept steps
-        elif schedule == [0]:
-            assert set(accepted) == {1}
-        assert be.snapshots
-        for length, rows in be.snapshots:
-            for (lo, got), want in zip(rows, ref[length], strict=True):
-                torch.testing.assert_close(got, want[:, :, lo:length], rtol=1e-4, atol=1e-4)
-        assert any(lo > 0 for n, rows in be.snapshots for lo, _ in rows)  # some window slid
+    check_scripted_rows(make(family), prompt_len, [[15, 0, 3, 0, 0, 15], [0], [15]])
 
 
 def test_moe_routes_agree_and_follow_transformers():
@@ -199,7 +130,9 @@ def test_moe_routes_agree_and_follow_transformers():
     assert not moe_block(model.model.layers[0].self_attn)
 
 
-@pytest.mark.parametrize("family", ["muse_glimmer"])  # gpt-oss and Gemma: test_static_gemma_gpt_oss.py
+@pytest.mark.parametrize(
+    "family", ["muse_glimmer"]
+)  # gpt-oss and Gemma: test_static_gemma_gpt_oss.py
 def test_other_families_are_refused_with_a_reason(family):
     model = build(family)
     why = static_refusal(model)

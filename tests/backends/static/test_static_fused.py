@@ -114,7 +114,7 @@ def test_targets_without_plain_linears_take_the_plain_path(tiny_target):
     fused (quantized, custom) is not taken (the transformers load runs the plain path)."""
     import copy
 
-    from dflash.backends.static.backend import supports_static
+    from dflash.backends.static.support import supports_static
     from dflash.errors import BackendError
 
     assert supports_static(tiny_target)

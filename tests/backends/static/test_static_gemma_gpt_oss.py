@@ -11,15 +11,14 @@ after every step the K/V rows each layer can see are those of decoding one token
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
 import torch
 
-from dflash.backends.static.backend import StaticBackend, static_refusal
-from dflash.loop import speculative_generate
-from tests.backends.static.test_static_families import StaticSnapshots, _one_by_one_kv
-from tests.conftest import make_draft
+from dflash.backends.static.support import static_refusal
+from tests.helpers.static_families import check_scripted_rows, run, static
 from tests.helpers.target_families import WINDOW, build, greedy, prompt_ids
 
 N = 32
@@ -31,7 +30,6 @@ FAMILIES = [
     "gemma4_kv_shared",
     "gemma4_k_eq_v",
 ]
-_MODELS: dict = {}
 
 
 def make(family: str):
@@ -49,23 +47,11 @@ def make(family: str):
     return transformers.Gemma4ForCausalLM(cfg).eval()
 
 
+@functools.cache
 def model_of(family: str):
     """(model, HF greedy ids) once per family per session."""
-    if family not in _MODELS:
-        model = make(family)
-        _MODELS[family] = (model, greedy(model, prompt_ids(), N + 16))
-    return _MODELS[family]
-
-
-def static(model, attention: str = "sdpa") -> StaticBackend:
-    be = StaticBackend(model, make_draft(model), torch.device("cpu"), use_graphs=False)
-    be.attention = attention  # split: the split-KV kernel's algorithm (its torch reference on CPU)
-    return be
-
-
-def run(be, prompt, block: int, n: int = N) -> list[int]:
-    rounds = speculative_generate(be, prompt, block_size=block, max_new_tokens=n, stop_ids=[])
-    return [t for r in rounds for t in r.tokens]
+    model = make(family)
+    return model, greedy(model, prompt_ids(), N + 16)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -103,7 +89,7 @@ def test_static_greedy_equals_hf_generate(family, attention):
     assert len(prompt) > WINDOW and len(set(truth)) > 4
     be = static(model, attention)
     for block in (1, 3, 16):
-        assert run(be, prompt, block) == truth[:N], (family, attention, block)
+        assert run(be, prompt, block, N) == truth[:N], (family, attention, block)
 
 
 @pytest.mark.parametrize("family", ["gpt_oss", "gemma4_text"])
@@ -140,30 +126,7 @@ def test_gemma_final_logits_are_soft_capped():
 
 @pytest.mark.parametrize("family", ["gpt_oss", "gemma4_moe", "gemma4_kv_shared"])
 def test_scripted_schedules_see_exactly_the_one_by_one_rows(family):
-    model = build(family)
-    prompt = prompt_ids(40)
-    truth = greedy(model, prompt, 60)
-    ref = _one_by_one_kv(model, prompt + truth, len(prompt))
-    inner = static(model)
-    owners = [
-        i for i, s in enumerate(inner.family) if s.src == i
-    ]  # HF caches the layers that own K/V
-    for schedule in ([15, 0, 3, 0, 0, 15], [0]):
-        be = StaticSnapshots(inner, truth, len(prompt), schedule)
-        rounds = list(
-            speculative_generate(be, prompt, block_size=16, max_new_tokens=56, stop_ids=[])
-        )
-        assert [t for r in rounds for t in r.tokens] == truth[:56], schedule
-        accepted = [r.accepted for r in rounds[1:]]
-        if len(schedule) > 1:
-            assert accepted[:6] == [16, 1, 4, 1, 1, 16]  # full blocks and zero-accept steps
-        else:
-            assert set(accepted) == {1}
-        for length, rows in be.snapshots:
-            got = [rows[i] for i in owners]
-            for (lo, keys), want in zip(got, ref[length], strict=True):
-                torch.testing.assert_close(keys, want[:, :, lo:length], rtol=1e-4, atol=1e-4)
-        assert any(lo > 0 for _, rows in be.snapshots for lo, _ in rows)  # some window slid
+    check_scripted_rows(build(family), 40, [[15, 0, 3, 0, 0, 15], [0]])
 
 
 def test_a_gemma4_wrapper_folder_runs_text_prompts(tmp_path):
@@ -176,7 +139,7 @@ def test_a_gemma4_wrapper_folder_runs_text_prompts(tmp_path):
     target, _ = load_target(str(tmp_path / "wrapper"), torch.device("cpu"), torch.float32)
     assert target.config.model_type == "gemma4_text" and static_refusal(target) is None
     truth = greedy(wrapper, prompt_ids(), N)
-    assert run(static(target), prompt_ids(), 16) == truth
+    assert run(static(target), prompt_ids(), 16, N) == truth
 
 
 def test_the_kernels_reference_counts_the_sinks():

@@ -16,8 +16,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash.backends.static.backend import StaticBackend, static_refusal
+from dflash.backends.static.backend import StaticBackend
 from dflash.backends.static.hybrid import hybrid_refusal
+from dflash.backends.static.support import static_refusal
 from dflash.loop import speculative_generate
 from tests.conftest import make_draft
 from tests.helpers.target_families import ScriptedRollback, build, greedy, prompt_ids

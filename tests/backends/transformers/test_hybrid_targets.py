@@ -16,9 +16,6 @@ distribution; ``init-draft`` and ``generate`` through the CLI.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -28,9 +25,11 @@ from tests.helpers.target_families import (
     HYBRID,
     ScriptedRollback,
     build,
+    check_cli_generate_on_folder,
     check_sampling_after_rollbacks,
     greedy,
     load_family,
+    one_by_one,
     prompt_ids,
 )
 
@@ -63,23 +62,6 @@ def states(cache) -> list[tuple[torch.Tensor, ...]]:
             else (layer.keys.clone(),) for layer in cache.layers]  # fmt: skip
 
 
-def one_by_one_states(model, ids: list[int]) -> dict[int, list]:
-    """Plain decoding's cache, the prompt in one forward and then one token at a time:
-    committed length -> :func:`states`."""
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=model.config)
-    out = {}
-    with torch.inference_mode():
-        model(input_ids=torch.tensor([ids[:P]]), past_key_values=cache, use_cache=True)
-        out[P] = states(cache)
-        for i in range(P, len(ids)):
-            model(input_ids=torch.tensor([[ids[i]]]), position_ids=torch.tensor([[i]]),
-                  past_key_values=cache, use_cache=True)  # fmt: skip
-            out[i + 1] = states(cache)
-    return out
-
-
 class Recording(ScriptedRollback):
     """The scripted draft, recording every layer's states after each rollback."""
 
@@ -102,7 +84,7 @@ def test_scripted_schedules_restore_the_one_by_one_states(family):
     model = build(family)
     prompt = prompt_ids(P)
     truth = greedy(model, prompt, 60)
-    ref = one_by_one_states(model, prompt + truth)
+    ref = one_by_one(model, prompt + truth, P, states)
     inner = TransformersBackend(model, make_draft(model), torch.device("cpu"))
     for schedule, first in (([15, 0, 3, 0, 0, 15], [16, 1, 4, 1, 1, 16]), ([0, 0, 0], [1, 1, 1]),
                             ([2, 7, 1, 11], [3, 8, 2, 12])):  # fmt: skip
@@ -169,7 +151,7 @@ def test_sampling_emits_the_target_distribution_after_rollbacks():
 def test_the_cuda_graph_path_takes_the_hybrids_it_covers():
     """The CUDA-graph path runs the covered hybrid layouts (dflash.backends.static.hybrid); one it
     does not cover goes to the plain path, and ``--cuda-graphs`` says why in one sentence."""
-    from dflash.backends.static.backend import static_refusal, supports_static
+    from dflash.backends.static.support import static_refusal, supports_static
     from dflash.backends.transformers import no_graphs_reason
 
     model = build("qwen3_next")
@@ -185,29 +167,7 @@ def test_the_cuda_graph_path_takes_the_hybrids_it_covers():
 def test_cli_init_draft_and_generate_on_a_hybrid_folder(tmp_path):
     """As a user: ``dflash init-draft`` on a Qwen3-Next folder, then ``dflash generate
     transformers --json``; the ids equal HF generate on the chat prompt (cut at a stop token)."""
-    import dflash
-    from tests.helpers.target_families import save_target
-
-    model = save_target(tmp_path / "target", "qwen3_next")
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "DFLASH_DEBUG": ""}
-    run = [sys.executable, "-m", "dflash"]
-    p = subprocess.run(run + ["init-draft", "--target", str(tmp_path / "target"), "--out", str(tmp_path / "d"),
-                              "--layers", "2", "--dtype", "float32"],
-                       capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
-    assert p.returncode == 0, p.stderr
-    words = " ".join(f"w{t}" for t in prompt_ids(P))
-    p = subprocess.run(run + ["generate", "transformers", words, "--model", str(tmp_path / "target"),
-                              "--draft", str(tmp_path / "d"), "--json", "--device", "cpu",
-                              "--dtype", "float32", "--block-size", "4", "--max-new-tokens", "24"],
-                       capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
-    assert p.returncode == 0, p.stderr
-    out = json.loads(p.stdout)
-    pipe = dflash.load(str(tmp_path / "target"), str(tmp_path / "d"), device="cpu", dtype="float32")
-    ids = pipe.chat_prompt([{"role": "user", "content": words}])
-    assert out["prompt_tokens"] == len(ids) > 64
-    truth = greedy(model, ids, 24)
-    cut = next((i + 1 for i, t in enumerate(truth) if t in set(pipe.stop_ids)), 24)
-    assert out["token_ids"] == truth[:cut]
+    assert len(check_cli_generate_on_folder(tmp_path, "qwen3_next", prompt_ids(P), 4)) > 64
 
 
 def mlx_readable(folder) -> None:

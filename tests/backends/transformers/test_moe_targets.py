@@ -41,6 +41,6 @@ STATIC_FAMILIES = ("mistral", "qwen2_window", "qwen3_moe", "gpt_oss", "gemma3_te
 def test_the_cuda_graph_path_takes_only_its_families(family):
     """``supports_static`` takes Mistral, Qwen2 with windows, Qwen3-MoE, gpt-oss, Gemma 3/4 text and the GatedDeltaNet hybrids
     (``tests/backends/static/``) and sends the others to the plain path."""
-    from dflash.backends.static.backend import supports_static
+    from dflash.backends.static.support import supports_static
 
     assert supports_static(build(family)) == (family in STATIC_FAMILIES)

@@ -11,11 +11,6 @@ on a multimodal wrapper folder.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -27,15 +22,24 @@ from tests.helpers.target_families import (
     ScriptedRollback,
     build,
     cached_keys,
+    check_cli_generate_on_folder,
     check_sampling_after_rollbacks,
     greedy,
     load_family,
+    one_by_one,
     prompt_ids,
     save_target,
 )
 
-PLAIN = ["mistral", "qwen2_window", "gemma3_text", "gemma4_text", "gemma4_kv_shared", "gemma4_wrapper",
-         "muse_glimmer"]
+PLAIN = [
+    "mistral",
+    "qwen2_window",
+    "gemma3_text",
+    "gemma4_text",
+    "gemma4_kv_shared",
+    "gemma4_wrapper",
+    "muse_glimmer",
+]
 
 
 @pytest.mark.parametrize("family", PLAIN)
@@ -55,23 +59,6 @@ def test_init_draft_load_and_greedy_parity(tmp_path, family):
         assert not any("vision" in name for name, _ in be.target.named_parameters())
 
 
-def one_by_one_keys(model, ids: list[int], prompt_len: int) -> dict[int, list]:
-    """Plain decoding's cache, the prompt in one forward and then one token at a time: committed
-    length -> cached keys per layer (HF's own sliding layers, no past recording)."""
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=model.config)
-    out = {}
-    with torch.inference_mode():
-        model(input_ids=torch.tensor([ids[:prompt_len]]), past_key_values=cache, use_cache=True)
-        out[prompt_len] = cached_keys(cache)
-        for i in range(prompt_len, len(ids)):
-            model(input_ids=torch.tensor([[ids[i]]]), position_ids=torch.tensor([[i]]),
-                  past_key_values=cache, use_cache=True)  # fmt: skip
-            out[i + 1] = cached_keys(cache)
-    return out
-
-
 @pytest.mark.parametrize("family", ["mistral", "gemma4_text", "gemma4_kv_shared", "gpt_oss"])
 @pytest.mark.parametrize("prompt_len", [40, 3])  # 3: the window fills while decoding
 def test_scripted_schedule_keeps_exactly_the_one_by_one_rows(family, prompt_len):
@@ -81,7 +68,7 @@ def test_scripted_schedule_keeps_exactly_the_one_by_one_rows(family, prompt_len)
     model = build(family)
     prompt = prompt_ids(prompt_len)
     truth = greedy(model, prompt, 60)
-    ref = one_by_one_keys(model, prompt + truth, prompt_len)
+    ref = one_by_one(model, prompt + truth, prompt_len, cached_keys)
     inner = TransformersBackend(model, make_draft(model), torch.device("cpu"))
     for schedule in ([15, 0, 3, 0, 0, 15], [0]):
         be = ScriptedRollback(inner, truth, prompt_len, schedule)
@@ -101,7 +88,9 @@ def test_scripted_schedule_keeps_exactly_the_one_by_one_rows(family, prompt_len)
                 assert got.shape == exp.shape, (length, got.shape, exp.shape)
                 torch.testing.assert_close(got, exp, rtol=1e-3, atol=1e-3)  # float32 noise only
         # the window slid: sliding layers held window - 1 rows of a longer text
-        assert any(k is not None and k.shape[2] == WINDOW - 1 < n for n, keys in be.snapshots for k in keys)
+        assert any(
+            k is not None and k.shape[2] == WINDOW - 1 < n for n, keys in be.snapshots for k in keys
+        )
 
 
 def test_sampling_emits_the_target_distribution_after_rollbacks():
@@ -115,28 +104,8 @@ def test_sampling_emits_the_target_distribution_after_rollbacks():
 def test_cli_generate_on_a_multimodal_wrapper_folder(tmp_path):
     """As a user: init-draft on a Gemma 4 wrapper folder, then ``dflash generate transformers
     --json``; the ids equal HF generate on the chat prompt (cut at the first stop token)."""
-    import dflash
-
-    model = save_target(tmp_path / "target", "gemma4_wrapper")
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "DFLASH_DEBUG": ""}
-    run = [sys.executable, "-m", "dflash"]
-    p = subprocess.run(run + ["init-draft", "--target", str(tmp_path / "target"), "--out", str(tmp_path / "d"),
-                              "--layers", "2", "--dtype", "float32"],
-                       capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
-    assert p.returncode == 0, p.stderr
-    words = " ".join(f"w{t}" for t in prompt_ids())
-    p = subprocess.run(run + ["generate", "transformers", words, "--model", str(tmp_path / "target"),
-                              "--draft", str(tmp_path / "d"), "--json", "--device", "cpu",
-                              "--dtype", "float32", "--block-size", "3", "--max-new-tokens", "24"],
-                       capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
-    assert p.returncode == 0, p.stderr
-    out = json.loads(p.stdout)
-    pipe = dflash.load(str(tmp_path / "target"), str(tmp_path / "d"), device="cpu", dtype="float32")
-    ids = pipe.chat_prompt([{"role": "user", "content": words}])
-    assert len(ids) > WINDOW and out["prompt_tokens"] == len(ids)
-    truth = greedy(model, ids, 24)
-    cut = next((i + 1 for i, t in enumerate(truth) if t in set(pipe.stop_ids)), 24)
-    assert out["token_ids"] == truth[:cut]
+    ids = check_cli_generate_on_folder(tmp_path, "gemma4_wrapper", prompt_ids(), 3)
+    assert len(ids) > WINDOW
 
 
 def test_draft_sliding_layers_and_draft_window_keep_parity(tmp_path):
@@ -156,7 +125,9 @@ def test_draft_sliding_layers_and_draft_window_keep_parity(tmp_path):
     prompt = prompt_ids()
     truth = greedy(model, prompt, N)
     for bs in (3, 16):
-        assert pipe.generate(prompt, block_size=bs, max_new_tokens=N, stop_ids=[]).token_ids == truth
+        assert (
+            pipe.generate(prompt, block_size=bs, max_new_tokens=N, stop_ids=[]).token_ids == truth
+        )
         cache = pipe.backend.draft_cache
         assert cache.length == 6 and all(k.shape[2] == 6 for k in cache.keys)
     assert pipe.cost_key["draft_window"] == 6
@@ -178,7 +149,13 @@ def test_draft_window_sees_exactly_the_last_rows():
     win = draft.new_cache()
     with torch.inference_mode():
         for lo, hi in ((0, 12), (12, 20), (20, 30)):  # three rounds of new context rows
-            h = draft(emb, feats[:, lo:hi], torch.arange(hi, hi + 8)[None], torch.arange(lo, hi)[None], cache=win)
+            h = draft(
+                emb,
+                feats[:, lo:hi],
+                torch.arange(hi, hi + 8)[None],
+                torch.arange(lo, hi)[None],
+                cache=win,
+            )
         draft.context_window = None
         ref = draft(emb, feats[:, 25:30], torch.arange(30, 38)[None], torch.arange(25, 30)[None],
                     cache=draft.new_cache())  # fmt: skip
@@ -195,7 +172,9 @@ def test_init_draft_shapes_for_every_family(tmp_path, family):
 
     model = save_target(tmp_path / "t", family)
     depth = model.config.get_text_config().num_hidden_layers  # 6 (Muse-Glimmer 8: two 3:1 groups)
-    cfg = DraftConfig.load(init_draft(str(tmp_path / "t"), tmp_path / "d", layers=2, dtype="float32"))
+    cfg = DraftConfig.load(
+        init_draft(str(tmp_path / "t"), tmp_path / "d", layers=2, dtype="float32")
+    )
     assert cfg.hidden_size == 64 and cfg.num_target_layers == depth
     assert cfg.target_layer_ids == ([1, 3] if depth == 6 else [1, 5])
     assert cfg.rope.get("rope_type", "default") in ("default", "yarn")
@@ -208,8 +187,8 @@ def test_a_wrapper_missing_text_weights_is_refused(tmp_path):
     would otherwise leave that tensor random)."""
     import dflash
     from dflash.errors import CheckpointError
-    from dflash.models.draft_torch import read_safetensors, save_safetensors
     from dflash.models.init_draft import init_draft
+    from dflash.models.safetensors_io import read_safetensors, save_safetensors
 
     save_target(tmp_path / "t", "gemma4_wrapper")
     init_draft(str(tmp_path / "t"), tmp_path / "d", layers=2, dtype="float32")
@@ -234,7 +213,9 @@ def test_dflash2_draft_on_muse_glimmer_keeps_parity(tmp_path):
     prompt = prompt_ids()
     truth = greedy(model, prompt, N)
     for bs in (3, 16):
-        assert pipe.generate(prompt, block_size=bs, max_new_tokens=N, stop_ids=[]).token_ids == truth
+        assert (
+            pipe.generate(prompt, block_size=bs, max_new_tokens=N, stop_ids=[]).token_ids == truth
+        )
 
 
 def test_a_wrapper_text_model_ties_its_head_as_the_wrapper_does(tmp_path):
