@@ -162,7 +162,10 @@ def measure(name: str, dev: torch.device, build_target, build_draft, bandwidth: 
         from static_families_profile import profile_step
 
         try:
-            row["profile_block1"] = profile_step(verify1[0])
+            ids1, pos1 = verify1[2][0], verify1[2][1]
+            row["profile_block1"] = profile_step(
+                verify1[0], lambda b=be: b._target_forward(ids1, pos1)
+            )
         except Exception as e:  # noqa: BLE001 - the profiler is a report, not a check
             row["profile_block1"] = {"error": f"{type(e).__name__}: {e}"[:300]}
     verify16 = be._verify_graph(16)

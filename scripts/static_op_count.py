@@ -17,8 +17,8 @@ A development aid for docs/cuda-path.md's per-layer table; no GPU needed.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import collections
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -38,8 +38,8 @@ VIEWS = {"aten::view", "aten::reshape", "aten::transpose", "aten::select", "aten
 def emulate_cuda(be) -> None:
     """Configure ``be`` (a CPU StaticBackend) as on CUDA in bf16: the ``configure`` choices that
     test the device are patched to their CUDA answers; the kernels then run in the interpreter."""
-    import dflash.backends.static.backend as backend
     import dflash.backends.static.families as families
+    import dflash.backends.static.kernel_choice as backend
 
     def keep(mode, *_args):
         return mode
@@ -72,7 +72,8 @@ def _named_moe_kernels() -> None:
         return wrapper
 
     for name in ("moe_gemv", "moe_glu", "moe_topk", "moe_combine"):
-        setattr(moe, name, named(getattr(moe, name), f"dflash::{name}"))
+        if hasattr(moe, name):
+            setattr(moe, name, named(getattr(moe, name), f"dflash::{name}"))
 
 
 def _small_linear_stub() -> None:
@@ -84,7 +85,9 @@ def _small_linear_stub() -> None:
 
     def launch(x, weight, bias, residual, glu=False, rn_eps=None, pdl=False, config=""):
         if rn_eps is not None:
-            x = (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + rn_eps)).to(x.dtype)
+            x = (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + rn_eps)).to(
+                x.dtype
+            )
         y = F.linear(x, weight, bias)
         if glu:
             g, u = y.chunk(2, -1)
@@ -103,13 +106,17 @@ def build(family: str):
     torch.manual_seed(0)
     if family == "qwen3":
         model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**BASE, head_dim=16))
-    elif family == "gemma4_31b_like":  # k = v global layers, no per-layer inputs (Gemma-4-31B's layout)
+    elif (
+        family == "gemma4_31b_like"
+    ):  # k = v global layers, no per-layer inputs (Gemma-4-31B's layout)
         cfg = transformers.Gemma4TextConfig(**BASE, **dict(GEMMA4, hidden_size_per_layer_input=0),
                                             attention_k_eq_v=True, num_global_key_value_heads=1)  # fmt: skip
         model = transformers.Gemma4ForCausalLM(cfg)
     else:
         model = build_family(family)
-    return model.eval()  # float32: the interpreter has no bf16; the choices are bf16's (emulate_cuda)
+    return (
+        model.eval()
+    )  # float32: the interpreter has no bf16; the choices are bf16's (emulate_cuda)
 
 
 def count(family: str, rows: int) -> dict:
@@ -134,7 +141,11 @@ def count(family: str, rows: int) -> dict:
             be._target_forward(ids, pos)
     top = []
     for e in prof.events():
-        if not e.name.startswith(("aten::", "dflash::")) or e.name in VIEWS or e.name.startswith("dflash::_"):
+        if (
+            not e.name.startswith(("aten::", "dflash::"))
+            or e.name in VIEWS
+            or e.name.startswith("dflash::_")
+        ):
             continue
         parent = e.cpu_parent
         while parent is not None and not parent.name.startswith(("aten::", "dflash::")):

@@ -100,7 +100,7 @@ if triton is not None:
 if triton is not None:
 
     @triton.jit
-    def _moe_topk_kernel(L, W, I, E, s_l, K: tl.constexpr, BK: tl.constexpr, BE: tl.constexpr,
+    def _moe_topk_kernel(L, W, IDX, E, s_l, K: tl.constexpr, BK: tl.constexpr, BE: tl.constexpr,
                          SOFTMAX_FIRST: tl.constexpr, NORMALIZE: tl.constexpr):  # fmt: skip
         """One row's router: its K largest logits (descending, the lower expert first on ties)
         and their weights: SOFTMAX_FIRST (Qwen3-MoE) softmax over all E in float32, the K
@@ -128,7 +128,7 @@ if triton is not None:
         if not SOFTMAX_FIRST or NORMALIZE:
             wv = wv / tl.sum(wv, 0)
         keep = slots < K
-        tl.store(I + row * K + slots, iv.to(tl.int64), mask=keep)
+        tl.store(IDX + row * K + slots, iv.to(tl.int64), mask=keep)
         tl.store(W + row * K + slots, wv.to(W.dtype.element_ty), mask=keep)
 
     @triton.jit
@@ -165,7 +165,9 @@ def moe_topk(logits: torch.Tensor, k: int, softmax_first: bool, normalize: bool 
     return w, idx
 
 
-def moe_topk_reference(logits: torch.Tensor, k: int, softmax_first: bool, normalize: bool = True) -> tuple:
+def moe_topk_reference(
+    logits: torch.Tensor, k: int, softmax_first: bool, normalize: bool = True
+) -> tuple:
     """:func:`moe_topk` in torch ops (transformers' routers' order)."""
     if softmax_first:
         top, idx = torch.topk(torch.softmax(logits, -1, dtype=torch.float), k, dim=-1)

@@ -50,7 +50,11 @@ def rope_cache_fits(attn, dtype: torch.dtype, norms: bool = True) -> bool:
     power-of-two head size of 16 to 256, 16-bit or 32-bit activations, and with ``norms``
     q_norm and k_norm with a weight of the head size (``eps`` or ``variance_epsilon``)."""
     d = getattr(attn, "head_dim", 0)
-    ok = 16 <= d <= 256 and d & (d - 1) == 0 and dtype in (torch.float32, torch.bfloat16, torch.float16)
+    ok = (
+        16 <= d <= 256
+        and d & (d - 1) == 0
+        and dtype in (torch.float32, torch.bfloat16, torch.float16)
+    )
     if norms:
         mods = [getattr(attn, n, None) for n in ("q_norm", "k_norm")]
         ok = ok and all(getattr(m, "weight", None) is not None and m.weight.numel() == d
@@ -118,12 +122,16 @@ if triton is not None:
         head = tl.program_id(1)
         d = tl.arange(0, HALF)
         if EARLY:  # the tables and positions come from kernels done before the previous one
-            w1, w2, c1, c2, s1, s2, at = _row_inputs(QW, KW, COS, SIN, POS, row, head, s_cos, d, H, KV, HALF, NORM, TABLE)
+            w1, w2, c1, c2, s1, s2, at = _row_inputs(
+                QW, KW, COS, SIN, POS, row, head, s_cos, d, H, KV, HALF, NORM, TABLE
+            )
         if PDL:  # the rest (the projection's output) comes from the kernel just before
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         if not EARLY:
-            w1, w2, c1, c2, s1, s2, at = _row_inputs(QW, KW, COS, SIN, POS, row, head, s_cos, d, H, KV, HALF, NORM, TABLE)
+            w1, w2, c1, c2, s1, s2, at = _row_inputs(
+                QW, KW, COS, SIN, POS, row, head, s_cos, d, H, KV, HALF, NORM, TABLE
+            )
         base = QKV + row * s_row + head * (2 * HALF)
         dt = QKV.dtype.element_ty
         if head < H:  # a query head: block rows only (the context rows' queries are dropped)
@@ -161,11 +169,24 @@ def _launch(qkv, q_w, k_w, eps_q, eps_k, cos, sin, pos, kc, vc, tc, heads, kv_he
     t, width = qkv.shape
     d = kc.shape[-1]
     table = cos.dim() == 2  # [S, D] tables by position, else [1, 1, T, D] by row
-    cos, sin = (cos, sin) if table else (cos[0, 0], sin[0, 0])  # sliced here, inside the op (see rope_cache)
-    if width != (heads + (1 if k_eq_v else 2) * kv_heads) * d or qkv.stride(1) != 1 or cos.stride(-1) != 1 \
-            or sin.stride() != cos.stride() or cos.shape[-1] != d or (not table and cos.shape[0] != t) \
-            or (table and cos.shape[0] < kc.shape[2]) or pos.shape != (t,) or pos.stride(0) != 1 \
-            or kc.shape[1] != kv_heads or vc.shape != kc.shape or kc.stride(-1) != 1 or vc.stride(-1) != 1:
+    cos, sin = (
+        (cos, sin) if table else (cos[0, 0], sin[0, 0])
+    )  # sliced here, inside the op (see rope_cache)
+    if (
+        width != (heads + (1 if k_eq_v else 2) * kv_heads) * d
+        or qkv.stride(1) != 1
+        or cos.stride(-1) != 1
+        or sin.stride() != cos.stride()
+        or cos.shape[-1] != d
+        or (not table and cos.shape[0] != t)
+        or (table and cos.shape[0] < kc.shape[2])
+        or pos.shape != (t,)
+        or pos.stride(0) != 1
+        or kc.shape[1] != kv_heads
+        or vc.shape != kc.shape
+        or kc.stride(-1) != 1
+        or vc.stride(-1) != 1
+    ):
         raise ValueError(f"rope_cache: qkv {tuple(qkv.shape)} (strides {qkv.stride()}) does not fit "
                          f"{heads} + 2 x {kv_heads} heads of {d}, cos/sin {tuple(cos.shape)}, positions "
                          f"{tuple(pos.shape)} and caches {tuple(kc.shape)} / {tuple(vc.shape)}")  # fmt: skip
@@ -192,7 +213,26 @@ def _rope_cache_family_op(qkv: torch.Tensor, q_w: torch.Tensor, k_w: torch.Tenso
 
 
 @_rope_cache_family_op.register_fake
-def _(qkv, q_w, k_w, eps_q, eps_k, cos, sin, pos, kc, vc, heads, kv_heads, early, pdl, mode, eps_v, v_norm, k_eq_v):
+def _(
+    qkv,
+    q_w,
+    k_w,
+    eps_q,
+    eps_k,
+    cos,
+    sin,
+    pos,
+    kc,
+    vc,
+    heads,
+    kv_heads,
+    early,
+    pdl,
+    mode,
+    eps_v,
+    v_norm,
+    k_eq_v,
+):
     return qkv.new_empty(1, qkv.shape[0], heads, kc.shape[-1]).transpose(1, 2)
 
 
@@ -200,7 +240,9 @@ def _(qkv, q_w, k_w, eps_q, eps_k, cos, sin, pos, kc, vc, heads, kv_heads, early
 def _rope_cache_op(qkv: torch.Tensor, q_w: torch.Tensor | None, k_w: torch.Tensor | None, eps_q: float, eps_k: float,
                    cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor, kc: torch.Tensor,
                    vc: torch.Tensor, tc: int, heads: int, kv_heads: int, early: bool, pdl: bool) -> torch.Tensor:  # fmt: skip
-    return _launch(qkv, q_w, k_w, eps_q, eps_k, cos, sin, pos, kc, vc, tc, heads, kv_heads, early, pdl)
+    return _launch(
+        qkv, q_w, k_w, eps_q, eps_k, cos, sin, pos, kc, vc, tc, heads, kv_heads, early, pdl
+    )
 
 
 @_rope_cache_op.register_fake
@@ -217,7 +259,10 @@ def rope_cache_reference(qkv, q_norm, k_norm, cos, sin, pos, kc, vc, tc: int, he
     if cos.dim() == 2:  # [S, D] tables by position
         cos, sin = cos[pos][None, None], sin[pos][None, None]
     q, k, v = qkv[None].split((heads * d, kv_heads * d, kv_heads * d), dim=-1)
-    q, k = q[:, tc:].view(1, t - tc, heads, d).transpose(1, 2), k.view(1, t, kv_heads, d).transpose(1, 2)
+    q, k = (
+        q[:, tc:].view(1, t - tc, heads, d).transpose(1, 2),
+        k.view(1, t, kv_heads, d).transpose(1, 2),
+    )
     if q_norm is not None:
         q, k = q_norm(q), k_norm(k)
     q, k = apply_rope(q, cos[:, :, tc:], sin[:, :, tc:]), apply_rope(k, cos, sin)
@@ -248,7 +293,9 @@ def rope_cache_family(qkv: torch.Tensor, q_norm, k_norm, v_norm, cos: torch.Tens
         Triton, unless ``TRITON_INTERPRET=1``) the modules and torch ops run instead.
     """
     if triton is None or (qkv.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1"):
-        return rope_cache_family_reference(qkv, q_norm, k_norm, v_norm, cos, sin, pos, kc, vc, heads, kv_heads, k_eq_v)
+        return rope_cache_family_reference(
+            qkv, q_norm, k_norm, v_norm, cos, sin, pos, kc, vc, heads, kv_heads, k_eq_v
+        )
     launch = default_launch(qkv.device) if launch is None else launch
     eps_v = norm_eps(v_norm) if v_norm is not None else 0.0
     return _rope_cache_family_op(qkv, q_norm.weight, k_norm.weight, norm_eps(q_norm), norm_eps(k_norm), cos, sin,
@@ -310,6 +357,8 @@ def rope_cache(qkv: torch.Tensor, q_norm, k_norm, cos: torch.Tensor, sin: torch.
     launch = default_launch(qkv.device) if launch is None else launch
     early, pdl = early and launch.settings.attn_early, launch.pdl
     if q_norm is None:
-        return _rope_cache_op(qkv, None, None, 0.0, 0.0, cos, sin, pos, kc, vc, tc, heads, kv_heads, early, pdl)
+        return _rope_cache_op(
+            qkv, None, None, 0.0, 0.0, cos, sin, pos, kc, vc, tc, heads, kv_heads, early, pdl
+        )
     return _rope_cache_op(qkv, q_norm.weight, k_norm.weight, norm_eps(q_norm), norm_eps(k_norm),
                           cos, sin, pos, kc, vc, tc, heads, kv_heads, early, pdl)  # fmt: skip

@@ -49,7 +49,10 @@ from dflash.kernels.pdl import default_launch
 from dflash.kernels.settings import Launch, config_override
 
 MAX_ROWS = 32  # rows (M) the kernel takes; longer forwards (prefill) use torch
-GLU_ACTS = {"silu": 1, "gelu_tanh": 2}  # small_linear_glu's activations (the kernel's GLU constexpr)
+GLU_ACTS = {
+    "silu": 1,
+    "gelu_tanh": 2,
+}  # small_linear_glu's activations (the kernel's GLU constexpr)
 SMEM_BUDGET = 200 * 1024  # bytes of shared memory the pipelined tiles may take
 FUSE_NORM_AUTO_MAX_K = 1024  # fuse_norm unset: on for hidden sizes up to this (bf16/fp16)
 
@@ -107,7 +110,9 @@ TUNED = {
 }
 
 
-def kernel_config(m: int, n: int, k: int, elem: int = 2, override: str = "") -> tuple[int, int, int, int, int]:
+def kernel_config(
+    m: int, n: int, k: int, elem: int = 2, override: str = ""
+) -> tuple[int, int, int, int, int]:
     """(BM, BN, BK, num_warps, num_stages) for an [m, k] x [n, k]^T product (n output columns)
     of ``elem``-byte elements.
 
@@ -163,10 +168,18 @@ if triton is not None:
         if PDL:  # the first weight tile does not depend on the previous kernel: load it first
             rk0 = tl.arange(0, BK)  # own names: the loop's values are not carried from here
             k_ok0 = rk0 < K
-            w0 = tl.load(W + rn[:, None] * s_wn + rk0[None, :], mask=n_ok[:, None] & k_ok0[None, :], other=0.0)
+            w0 = tl.load(
+                W + rn[:, None] * s_wn + rk0[None, :],
+                mask=n_ok[:, None] & k_ok0[None, :],
+                other=0.0,
+            )
             tl.extra.cuda.gdc_wait()  # the previous kernel is done: x (and a residual) are ready
             tl.extra.cuda.gdc_launch_dependents()
-            x0 = tl.load(X + rm[:, None] * s_xm + rk0[None, :], mask=m_ok[:, None] & k_ok0[None, :], other=0.0)
+            x0 = tl.load(
+                X + rm[:, None] * s_xm + rk0[None, :],
+                mask=m_ok[:, None] & k_ok0[None, :],
+                other=0.0,
+            )
             if IEEE:
                 acc += tl.dot(x0, tl.trans(w0), input_precision="ieee")
             else:
@@ -176,8 +189,12 @@ if triton is not None:
         for k0 in range(k_first, K, BK):
             rk = k0 + tl.arange(0, BK)
             k_ok = rk < K
-            x = tl.load(X + rm[:, None] * s_xm + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(W + rn[:, None] * s_wn + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            x = tl.load(
+                X + rm[:, None] * s_xm + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0
+            )
+            w = tl.load(
+                W + rn[:, None] * s_wn + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0
+            )
             if IEEE:
                 acc += tl.dot(x, tl.trans(w), input_precision="ieee")
             else:
@@ -219,7 +236,9 @@ if triton is not None:
         else:
             rn = tl.program_id(0) * BN + tl.arange(0, BN)  # output columns of this program
             n_ok = rn < N
-            acc = _rows_times_weight(X, W, rm, rn, m_ok, n_ok, K, s_xm, s_wn, IEEE, BM, BN, BK, PDL, RN, EPS)
+            acc = _rows_times_weight(
+                X, W, rm, rn, m_ok, n_ok, K, s_xm, s_wn, IEEE, BM, BN, BK, PDL, RN, EPS
+            )
             if HAS_BIAS:
                 acc += tl.load(B + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         y = acc.to(Y.dtype.element_ty)
@@ -245,7 +264,9 @@ def _launch(x, weight, bias, residual, glu: int = 0, rn_eps: float | None = None
                          f"weight {tuple(weight.shape)}{' (gate and up halves)' if glu else ''}")  # fmt: skip
     n = rows // 2 if glu else rows  # output columns
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    bm, bn, bk, warps, stages = kernel_config(m, rows, k, weight.element_size(), config)  # tiles by the weight read
+    bm, bn, bk, warps, stages = kernel_config(
+        m, rows, k, weight.element_size(), config
+    )  # tiles by the weight read
     if glu:  # each program takes bn weight rows: bn // 2 columns of gate and of up
         bn //= 2
     _small_linear_kernel[(triton.cdiv(n, bn),)](
@@ -315,7 +336,9 @@ def _launch_args(x: torch.Tensor, launch: Launch | None) -> tuple[bool, str]:
     return launch.pdl, launch.settings.linear_config
 
 
-def small_linear_rn_reference(x, weight, bias=None, eps: float = 1e-6, glu: bool = False) -> torch.Tensor:
+def small_linear_rn_reference(
+    x, weight, bias=None, eps: float = 1e-6, glu: bool = False
+) -> torch.Tensor:
     """:func:`small_linear_rn`'s maths in torch ops: the float32 product scaled by the rows' RMS
     factors, the bias added, rounded to x's dtype (``glu``: then SiLU(gate) * up in float32,
     rounded once)."""
@@ -325,8 +348,14 @@ def small_linear_rn_reference(x, weight, bias=None, eps: float = 1e-6, glu: bool
     return _silu_times_up(y) if glu else y
 
 
-def small_linear_rn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                    eps: float = 1e-6, glu: bool = False, launch: Launch | None = None) -> torch.Tensor:
+def small_linear_rn(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    glu: bool = False,
+    launch: Launch | None = None,
+) -> torch.Tensor:
     """``linear(RMSNorm(x), W, bias)`` in one kernel, the norm's weight g folded into the
     projection beforehand (``weight`` = W * g per input column, :func:`fold_norm_weight`): the
     norm's row factor r = rsqrt(mean(x^2) + eps) commutes with the product, so the kernel streams
@@ -350,7 +379,9 @@ def small_linear_rn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         ValueError: shapes that do not fit.
     """
     if glu and weight.shape[0] % 2:
-        raise ValueError(f"small_linear: weight {tuple(weight.shape)} does not split into gate and up halves")
+        raise ValueError(
+            f"small_linear: weight {tuple(weight.shape)} does not split into gate and up halves"
+        )
     if _on_cpu(x):
         return small_linear_rn_reference(x, weight, bias, eps, glu)
     return _small_linear_rn_op(x, weight, bias, float(eps), glu, *_launch_args(x, launch))
@@ -400,7 +431,9 @@ def small_linear_glu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         ValueError: x does not fit the weight, or the weight has an odd number of rows.
     """
     if weight.shape[0] % 2:
-        raise ValueError(f"small_linear: weight {tuple(weight.shape)} does not split into gate and up halves")
+        raise ValueError(
+            f"small_linear: weight {tuple(weight.shape)} does not split into gate and up halves"
+        )
     if _on_cpu(x):
         return small_linear_glu_reference(x, weight, bias, act)
     op = _small_linear_glu_op if GLU_ACTS[act] == 1 else _small_linear_geglu_op

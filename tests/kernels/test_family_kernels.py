@@ -14,7 +14,9 @@ import pytest
 
 from tests.helpers.kernels import compile_for_hopper, run_interpreted
 
-needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+needs_triton = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None, reason="Triton is not installed"
+)
 
 ATTENTION = textwrap.dedent("""
     import math

@@ -347,7 +347,9 @@ def _rope_tables(be, pos: torch.Tensor) -> dict:
     return out
 
 
-def _queries(be, i: int, h: torch.Tensor, cos, sin, pos, lin_in: bool, rope: bool, nm, kl) -> torch.Tensor:
+def _queries(
+    be, i: int, h: torch.Tensor, cos, sin, pos, lin_in: bool, rope: bool, nm, kl
+) -> torch.Tensor:
     """Layer i's queries [1, H, T, D] (normed and rotated) from its normed input h [1, T, H],
     writing its K/V rows at ``pos`` where it owns them (a sharing layer reads its source's):
     with ``rope`` (Gemma 3/4) one :func:`~dflash.kernels.rope_cache.rope_cache_family` kernel
@@ -406,7 +408,9 @@ def family_forward(be, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     n_layers = len(be.family)
     mode = ONE_PLUS if family == "gemma3_text" else ROUND_ONCE
     rope = split and be.target_rope  # RoPE (Gemma: and the q/k/v norms) + K/V writes in one kernel
-    lin = t <= LINEAR_MAX_ROWS and be.linear != "torch"  # o_proj (gpt-oss: + residual) as small_linear
+    lin = (
+        t <= LINEAR_MAX_ROWS and be.linear != "torch"
+    )  # o_proj (gpt-oss: + residual) as small_linear
     lin_in = lin and be.linear in ("auto", "all")  # the qkv and gate+up projections too (and down)
 
     def nm(norm, y):
@@ -417,13 +421,17 @@ def family_forward(be, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         hd = spec.head_dim
         cos, sin = tables[spec.rope]
         h = nm(layer.input_layernorm, x)
-        if rope and spec.src == i and family == "gpt_oss":  # RoPE and the cache writes in one kernel
+        if (
+            rope and spec.src == i and family == "gpt_oss"
+        ):  # RoPE and the cache writes in one kernel
             raw = _in_proj_joint(lin_in, spec.qkv, h, kl)  # [T, (H + 2 Hkv) D]
             q = rope_cache(raw, None, None, cos, sin, pos[0], be.k[i], be.v[i], 0, spec.heads, spec.kv_heads,
                            i > 0, kl)  # fmt: skip
             o = _attention(be, spec, q, pos, masks, split, kl)
             x = _out_proj(lin, a.o_proj, o.transpose(1, 2).reshape(1, t, spec.heads * hd), x, kl)
-            x = gpt_oss_forward(layer.mlp, nm(layer.post_attention_layernorm, x), be.moe_route, residual=x)
+            x = gpt_oss_forward(
+                layer.mlp, nm(layer.post_attention_layernorm, x), be.moe_route, residual=x
+            )
             if i < n_layers - 1:
                 for n in be.feature_layers.get(i, ()):
                     slots[n] = x[0]
@@ -433,7 +441,9 @@ def family_forward(be, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         o = o.transpose(1, 2).reshape(1, t, spec.heads * hd)
         if family == "gpt_oss":
             x = _out_proj(lin, a.o_proj, o, x, kl)
-            x = gpt_oss_forward(layer.mlp, nm(layer.post_attention_layernorm, x), be.moe_route, residual=x)
+            x = gpt_oss_forward(
+                layer.mlp, nm(layer.post_attention_layernorm, x), be.moe_route, residual=x
+            )
         else:
             x = x + nm(layer.post_attention_layernorm, _proj(lin, a.o_proj, o, kl))
             m = _mlp(spec, layer.mlp, nm(layer.pre_feedforward_layernorm, x), lin_in, kl)

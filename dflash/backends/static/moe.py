@@ -107,7 +107,9 @@ def route(mlp: Any, h: torch.Tensor, how: str = "gather") -> tuple[torch.Tensor,
     return top.to(logits.dtype), idx
 
 
-def moe_forward(mlp: Any, h: torch.Tensor, how: str = "gather", residual: torch.Tensor | None = None) -> torch.Tensor:
+def moe_forward(
+    mlp: Any, h: torch.Tensor, how: str = "gather", residual: torch.Tensor | None = None
+) -> torch.Tensor:
     """The expert block's output for normed activations h [1, T, H] -> [1, T, H].
 
     Args:
@@ -161,7 +163,9 @@ def apply_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
     return y if residual is None or combined else residual + y.to(residual.dtype)
 
 
-def _experts(x, weights, experts, gu_w, down_w, glu, how, gu_b, down_b, transposed, kernel_glu, residual):
+def _experts(
+    x, weights, experts, gu_w, down_w, glu, how, gu_b, down_b, transposed, kernel_glu, residual
+):
     """:func:`apply_experts`'s body: (rows, whether the residual is already added in)."""
     t, k = experts.shape
     flat = experts.reshape(-1)  # [T*K] expert of each (row, slot)
@@ -243,7 +247,9 @@ def gpt_oss_block(mlp: Any) -> bool:
             and isinstance(getattr(ex, "limit", None), (int, float)))  # fmt: skip
 
 
-def gpt_oss_forward(mlp: Any, h: torch.Tensor, how: str = "gather", residual: torch.Tensor | None = None) -> torch.Tensor:
+def gpt_oss_forward(
+    mlp: Any, h: torch.Tensor, how: str = "gather", residual: torch.Tensor | None = None
+) -> torch.Tensor:
     """A gpt-oss expert block (:func:`gpt_oss_block`) on normed activations h [1, T, H] ->
     [1, T, H], as transformers computes it: router logits h W^T + b, top-K of the logits, a
     softmax over those K (in the logits' dtype); per expert gate_up = x W + b, gate and up
