@@ -167,7 +167,7 @@ def _profile(step, reps: int, top: int) -> dict:
         if getattr(e, "device_type", None) != torch.autograd.DeviceType.CUDA:
             continue
         k = kernels.setdefault(e.name, [0.0, 0])
-        k[0] += e.device_time if hasattr(e, "device_time") else e.cuda_time
+        k[0] += e.time_range.elapsed_us()  # a kernel's own span on the device
         k[1] += 1
     ranked = sorted(kernels.items(), key=lambda kv: -kv[1][0])
     total = sum(v[0] for v in kernels.values())
