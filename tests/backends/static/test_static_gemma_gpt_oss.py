@@ -191,7 +191,7 @@ def test_the_kernel_wiring_keeps_greedy_ids(family):
     families.small_linear_glu = glu
     try:
         for block in (1, 16):
-            assert run(be, prompt_ids(), block) == truth[:N]
+            assert run(be, prompt_ids(), block, N) == truth[:N]
     finally:
         families.small_linear_glu = real
     assert (len(calls) > 0) == family.startswith("gemma")
