@@ -41,6 +41,7 @@ from dflash.backends.static.fused import (
     _plain,
     fusable,
     fuse_linears,
+    realized,
 )
 from dflash.backends.static.moe import (
     gemma4_block,
@@ -343,7 +344,7 @@ def _rope_tables(be, pos: torch.Tensor) -> dict:
             inv, scale = rot.inv_freq, rot.attention_scaling
         else:
             inv, scale = getattr(rot, f"{key}_inv_freq"), getattr(rot, f"{key}_attention_scaling")
-        out[key] = rope_cos_sin(pos, inv.float(), float(scale), be.dtype)
+        out[key] = realized(*rope_cos_sin(pos, inv.float(), float(scale), be.dtype))  # one buffer each
     return out
 
 
@@ -395,6 +396,9 @@ def family_forward(be, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     pli = None
     if family == "gemma4_text" and getattr(inner, "hidden_size_per_layer_input", 0):
         pli = inner.project_per_layer_inputs(x, inner.get_per_layer_inputs(ids, x))  # [1, T, L, P]
+    # one buffer each under Inductor: the RoPE kernels load the positions and tables before their
+    # PDL wait past layer 0 (``early``), which a per-call copy made just before them would race
+    (pos,) = realized(pos)
     tables = _rope_tables(be, pos)
     split = uses_kernel(be.attention, t)
     masks = {}
