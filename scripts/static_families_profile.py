@@ -118,6 +118,18 @@ def check_family_kernels(dev: torch.device) -> list:
     record("small_linear_glu gelu_tanh m1", lambda: geglu(1), 2e-2)
     record("small_linear_glu gelu_tanh m16", lambda: geglu(16), 2e-2)
 
+    def sandwich():  # Gemma-4-31B's post-norm + residual + layer scalar (+ the next norm)
+        from dflash.kernels.add_norm import add_norm, add_norm_reference
+
+        a, r = (torch.randn(16, 5376, generator=g, device=dev, dtype=bf) for _ in range(2))
+        w1, w2 = (torch.randn(5376, generator=g, device=dev, dtype=bf) for _ in range(2))
+        s = torch.tensor([0.5], device=dev, dtype=bf)
+        x, h = add_norm(a, r, w1, 1e-6, ROUND_ONCE, s, w2, 1e-6)
+        xr, hr = add_norm_reference(a, r, w1, 1e-6, ROUND_ONCE, s, w2, 1e-6)
+        return max(_rel(x, xr), _rel(h, hr))
+
+    record("add_norm gemma4 5376", sandwich, 2e-2)
+
     def topk(e, k, first):
         logits = torch.randn(16, e, generator=g, device=dev, dtype=bf) * 2
         w, i = moe_topk(logits, k, first)

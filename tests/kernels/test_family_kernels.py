@@ -188,3 +188,36 @@ def test_moe_router_and_combine_kernels():
     route with the residual equal the gather route's (float32, interpreter)."""
     out = run_interpreted(MOE)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+ADD_NORM = textwrap.dedent("""
+    import torch
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm
+    from dflash.kernels.add_norm import add_norm
+    from dflash.kernels.rms_norm import ONE_PLUS, ROUND_ONCE
+
+    g = torch.Generator().manual_seed(0)
+    for mode, cls in ((ROUND_ONCE, Gemma4RMSNorm), (ONE_PLUS, Gemma3RMSNorm)):
+        n1, n2 = cls(96, 1e-6), cls(96, 1e-5)
+        with torch.no_grad():
+            for n in (n1, n2):
+                n.weight.copy_(torch.randn(96, generator=g) * 0.5)
+        a, r = torch.randn(3, 96, generator=g) * 4, torch.randn(3, 96, generator=g)
+        s = torch.tensor([0.7])
+        with torch.no_grad():
+            x, h = add_norm(a, r, n1.weight, 1e-6, mode, None, n2.weight, 1e-5)
+            want = r + n1(a)
+            assert (x - want).abs().max().item() < 1e-5 and (h - n2(want)).abs().max().item() < 1e-5, mode
+            x, h = add_norm(a, r, n1.weight, 1e-6, mode, s)
+            assert h is None and (x - want * s).abs().max().item() < 1e-5, mode
+    print("ok")
+""")
+
+
+@needs_triton
+def test_add_norm_equals_the_gemma_modules():
+    """Gemma's post-norm, residual add, layer scalar and next norm in one kernel equal the
+    modules and torch's ops (Gemma 4's round-once norms, Gemma 3's (1 + w); float32)."""
+    out = run_interpreted(ADD_NORM)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]

@@ -34,6 +34,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from dflash.backends.static.family_checks import (  # noqa: F401  (family_refusal, FAMILY_TYPES re-exported)
+    FAMILY_TYPES,
+    family_refusal,
+    family_type,
+)
 from dflash.backends.static.fused import (
     _in_proj,
     _in_proj_joint,
@@ -44,13 +49,13 @@ from dflash.backends.static.fused import (
     realized,
 )
 from dflash.backends.static.moe import (
-    gemma4_block,
     gemma4_moe_forward,
-    gpt_oss_block,
     gpt_oss_forward,
     kernel_act,
 )
+from dflash.kernels.add_norm import add_norm, add_norm_fits
 from dflash.kernels.rms_norm import MAX_HEAD_ROWS, MAX_HIDDEN, ONE_PLUS, ROUND_ONCE, rms_norm
+from dflash.kernels.rms_norm import MAX_ROWS as NORM_MAX_ROWS
 from dflash.kernels.rms_norm import available as rms_norm_available
 from dflash.kernels.rope_cache import norm_eps, rope_cache, rope_cache_family, rope_cache_fits
 from dflash.kernels.small_linear import MAX_ROWS as LINEAR_MAX_ROWS
@@ -58,7 +63,6 @@ from dflash.kernels.small_linear import linear_mode, small_linear, small_linear_
 from dflash.kernels.split_attention import split_attention, uses_kernel
 from dflash.models.draft_torch import rope_cos_sin
 
-FAMILY_TYPES = ("gpt_oss", "gemma3_text", "gemma4_text")
 KERNEL_MAX_HEAD_DIM = 512  # Gemma 4's global layers' 512 included; larger heads attend through SDPA
 
 
@@ -92,55 +96,6 @@ class LayerSpec:
     qkv: Any = None
     gate_up: Any = None
     sinks_log2: torch.Tensor | None = None
-
-
-def family_type(target: Any) -> str | None:
-    """The target's model type when this module runs it (:data:`FAMILY_TYPES`), else None."""
-    family = getattr(getattr(target, "config", None), "model_type", None)
-    return family if family in FAMILY_TYPES else None
-
-
-def family_refusal(target: Any) -> str | None:
-    """Why the static path cannot run this gpt-oss / Gemma 3 / Gemma 4 target (one phrase), or None."""
-    cfg, family = target.config, family_type(target)
-    inner = getattr(target, "model", None)
-    if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "embed_tokens"):
-        return f"the {family} target's module layout is not transformers' causal LM"
-    kinds = list(getattr(cfg, "layer_types", None) or [])
-    if len(kinds) != len(inner.layers) or any(
-        k not in ("full_attention", "sliding_attention") for k in kinds
-    ):
-        return f"layer kinds {sorted(set(kinds))} run on the plain path"
-    if "sliding_attention" in kinds and not (
-        isinstance(cfg.sliding_window, int) and cfg.sliding_window > 0
-    ):
-        return "sliding layers need a positive sliding_window"
-    if family == "gemma3_text" and getattr(cfg, "use_bidirectional_attention", False):
-        return "bidirectional attention runs on the plain path"
-    if family == "gemma4_text":
-        if getattr(cfg, "use_bidirectional_attention", None) == "all":
-            return "bidirectional attention runs on the plain path"
-        if int(getattr(cfg, "num_kv_shared_layers", 0) or 0) >= len(kinds):
-            return "a Gemma 4 target whose every layer shares K/V runs on the plain path"
-    for layer in inner.layers:
-        a = layer.self_attn
-        projs = [a.q_proj, a.o_proj] + [
-            m for m in (getattr(a, "k_proj", None), getattr(a, "v_proj", None)) if m
-        ]
-        if any(type(m).forward is not torch.nn.Linear.forward for m in projs):
-            return "its attention projections are not plain linears (quantized?)"
-        if family == "gpt_oss":
-            if not gpt_oss_block(layer.mlp) or not isinstance(
-                getattr(a, "sinks", None), torch.Tensor
-            ):
-                return "its expert blocks or attention sinks are not transformers' gpt-oss layout"
-        elif (
-            family == "gemma4_text"
-            and getattr(layer, "enable_moe_block", False)
-            and not gemma4_block(layer)
-        ):
-            return "its expert blocks are not transformers' Gemma 4 layout"
-    return None
 
 
 def layer_specs(target: Any) -> list[LayerSpec]:
@@ -344,7 +299,9 @@ def _rope_tables(be, pos: torch.Tensor) -> dict:
             inv, scale = rot.inv_freq, rot.attention_scaling
         else:
             inv, scale = getattr(rot, f"{key}_inv_freq"), getattr(rot, f"{key}_attention_scaling")
-        out[key] = realized(*rope_cos_sin(pos, inv.float(), float(scale), be.dtype))  # one buffer each
+        out[key] = realized(
+            *rope_cos_sin(pos, inv.float(), float(scale), be.dtype)
+        )  # one buffer each
     return out
 
 
@@ -381,6 +338,46 @@ def _queries(
         be.k[i].index_copy_(2, pos[0], _rotate(kr.transpose(1, 2), cos, sin))
         be.v[i].index_copy_(2, pos[0], vr.transpose(1, 2))
     return q
+
+
+def _gemma_rest(be, i: int, o, x, pli, lin: bool, lin_in: bool, kl, nm, mode: int) -> torch.Tensor:
+    """A Gemma layer after its attention: o_proj, the sandwich norms and residual adds, the MLP,
+    Gemma 4's expert branch, per-layer input and layer scalar; o [1, T, H*D], x [1, T, H] -> x.
+    Where the norm kernel runs, each post-norm, its residual add and what follows (the next
+    norm; Gemma 4's layer scalar) are one :func:`~dflash.kernels.add_norm.add_norm` launch."""
+    layer, spec = be.target.model.layers[i], be.family[i]
+    gemma4 = family_type(be.target) == "gemma4_text"
+    post, pre, ff = (
+        layer.post_attention_layernorm,
+        layer.pre_feedforward_layernorm,
+        layer.post_feedforward_layernorm,
+    )
+    out = _proj(lin, layer.self_attn.o_proj, o, kl)
+    fuse = (be.norm_kernel and x.shape[1] <= NORM_MAX_ROWS
+            and add_norm_fits(x.shape[-1], x.dtype, *(getattr(n, "weight", None) for n in (post, pre, ff))))  # fmt: skip
+    if fuse:
+        x2, h = add_norm(
+            out[0], x[0], post.weight, norm_eps(post), mode, None, pre.weight, norm_eps(pre), kl.pdl
+        )
+        x, h = x2[None], h[None]
+    else:
+        x = x + nm(post, out)
+        h = nm(pre, x)
+    m = _mlp(spec, layer.mlp, h, lin_in, kl)
+    if gemma4 and getattr(layer, "enable_moe_block", False):
+        m = nm(layer.post_feedforward_layernorm_1, m) + nm(
+            layer.post_feedforward_layernorm_2, gemma4_moe_forward(layer, x, be.moe_route)
+        )
+    scale = getattr(layer, "layer_scalar", None) if gemma4 else None
+    if fuse and pli is None and (scale is None or (scale.numel() == 1 and scale.dtype == x.dtype)):
+        return add_norm(m[0], x[0], ff.weight, norm_eps(ff), mode, scale, pdl=kl.pdl)[0][None]
+    x = x + nm(ff, m)
+    if pli is not None:
+        g = layer.act_fn(layer.per_layer_input_gate(x)) * pli[:, :, i]
+        x = x + nm(layer.post_per_layer_input_norm, layer.per_layer_projection(g))
+    if gemma4:
+        x = x * layer.layer_scalar
+    return x
 
 
 def family_forward(be, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -449,18 +446,7 @@ def family_forward(be, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
                 layer.mlp, nm(layer.post_attention_layernorm, x), be.moe_route, residual=x
             )
         else:
-            x = x + nm(layer.post_attention_layernorm, _proj(lin, a.o_proj, o, kl))
-            m = _mlp(spec, layer.mlp, nm(layer.pre_feedforward_layernorm, x), lin_in, kl)
-            if family == "gemma4_text" and getattr(layer, "enable_moe_block", False):
-                m = nm(layer.post_feedforward_layernorm_1, m) + nm(
-                    layer.post_feedforward_layernorm_2, gemma4_moe_forward(layer, x, be.moe_route)
-                )
-            x = x + nm(layer.post_feedforward_layernorm, m)
-            if pli is not None:
-                g = layer.act_fn(layer.per_layer_input_gate(x)) * pli[:, :, i]
-                x = x + nm(layer.post_per_layer_input_norm, layer.per_layer_projection(g))
-            if family == "gemma4_text":
-                x = x * layer.layer_scalar
+            x = _gemma_rest(be, i, o, x, pli, lin, lin_in, kl, nm, mode)
         if i < n_layers - 1:
             for n in be.feature_layers.get(i, ()):
                 slots[n] = x[0]

@@ -180,7 +180,9 @@ def test_the_kernel_wiring_keeps_greedy_ids(family):
 
     model, truth = model_of(family)
     be = static(model, "split")
-    be.linear, be.target_rope = "auto", True  # the RoPE kernels' references on CPU
+    # the kernels' references on CPU: RoPE, the norms (Gemma: the post-norm + residual + next
+    # norm as one add_norm)
+    be.linear, be.target_rope, be.norm_kernel = "auto", True, True
     calls = []
     real = families.small_linear_glu
 
