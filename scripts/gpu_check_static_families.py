@@ -217,7 +217,11 @@ def main() -> int:
         "kernel": check_kernel,
         "tiny": lambda d: check_tiny(d, args.families.split(",")),
         "big": lambda d: check_perf(
-            d, build_target, build_draft, args.shapes.split(",") if args.shapes else None, args.profile
+            d,
+            build_target,
+            build_draft,
+            args.shapes.split(",") if args.shapes else None,
+            args.profile,
         ),
         "parity": check_big,
     }
