@@ -20,9 +20,14 @@ buffers as for the other families (a sliding window is a position mask; rollback
 
 Transformers 5.17 and 5.25 agree on every piece used here (checked side by side). Attention
 runs the split-KV kernel (:func:`~dflash.kernels.split_attention.split_attention`, with windows
-and sinks) where the backend's ``attention`` mode takes it and the head dim is at most
-:data:`KERNEL_MAX_HEAD_DIM` (Gemma 4's global 512 included) and a power of two; else SDPA with the position mask, or, with sinks, the softmax over
-the scores and the sink column written out (float32), as transformers' eager attention.
+and sinks) where the backend's ``attention`` mode takes it and the head dim is a power of two
+up to :data:`KERNEL_MAX_HEAD_DIM` (Gemma 4's global 512 included); else SDPA with the position
+mask, or, with sinks, the softmax over the scores and the sink column written out (float32), as
+transformers' eager attention. On CUDA in bf16 a layer launches about as many kernels as a
+dense Qwen3 layer (docs/cuda-path.md): the projections as ``small_linear`` (Gemma's GELU-tanh
+in the gate+up kernel), q/k (/v) norms + RoPE + cache writes as one ``rope_cache`` /
+``rope_cache_family`` kernel, Gemma's sandwich norms with their residual adds as ``add_norm``,
+the expert blocks' router and slot sum as ``moe_topk`` / ``moe_combine`` (the ``fused`` route).
 """
 
 from __future__ import annotations
