@@ -1,7 +1,7 @@
 """GPU check of the static (CUDA-graph) path on sliding-window, interleaved and MoE targets.
 
     PYTHONPATH=. python3 scripts/gpu_check_static_families.py [--only kernel,tiny,big,parity] [--out DIR]
-        [--families gpt_oss,gemma3_text,...] [--shapes gpt_oss_20b,...]
+        [--families gpt_oss,gemma3_text,...] [--shapes gpt_oss_20b,...] [--profile]
 
 Prints one JSON object (also written to ``DIR/gpu_check_static_families.json``, DIR = --out,
 else $OUT, else ./gpu_check_out) and exits 1 when a check fails:
@@ -198,6 +198,8 @@ def main() -> int:
     )
     ap.add_argument("--shapes", default="", help="the big part's shapes (default: all)")
     ap.add_argument("--out", default=os.environ.get("OUT") or "gpu_check_out")
+    ap.add_argument("--profile", action="store_true",
+                    help="big: torch.profiler's top CUDA kernels of each shape's block-1 step, the MoE GEMV tile sweep")  # fmt: skip
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print(json.dumps({"error": "needs a CUDA device"}))
@@ -215,7 +217,11 @@ def main() -> int:
         "kernel": check_kernel,
         "tiny": lambda d: check_tiny(d, args.families.split(",")),
         "big": lambda d: check_perf(
-            d, build_target, build_draft, args.shapes.split(",") if args.shapes else None
+            d,
+            build_target,
+            build_draft,
+            args.shapes.split(",") if args.shapes else None,
+            args.profile,
         ),
         "parity": check_big,
     }

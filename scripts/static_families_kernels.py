@@ -57,6 +57,12 @@ def check_kernel(dev: torch.device) -> dict:
                     ok &= good
                     if not good or (split == 256 and one == 0):
                         out["attention"].append(dict(case, err=err, ok=good))
+    from static_families_profile import check_family_kernels
+
+    out["family_kernels"] = check_family_kernels(
+        dev
+    )  # Gemma's head dims, rope_cache_family, the MoE kernels
+    ok &= all(r["ok"] for r in out["family_kernels"])
     out["sinks"] = check_sinks(dev)
     ok &= all(r["ok"] for r in out["sinks"])
     out["family_moe"] = check_family_moe(dev)

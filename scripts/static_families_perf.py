@@ -130,7 +130,8 @@ def _time_graph(key_graph, reps: int) -> float:
     return start.elapsed_time(end) / reps
 
 
-def measure(name: str, dev: torch.device, build_target, build_draft, bandwidth: float) -> dict:
+def measure(name: str, dev: torch.device, build_target, build_draft, bandwidth: float,
+            profile: bool = False) -> dict:  # fmt: skip
     """Build the ``name`` shape (bf16), prefill, time the graphs and HF generate (see module doc)."""
     from dflash.backends.static.backend import StaticBackend
 
@@ -149,10 +150,24 @@ def measure(name: str, dev: torch.device, build_target, build_draft, bandwidth: 
     torch.cuda.synchronize(dev)
     row["describe"] = {k: v for k, v in be.describe().items()
                        if k in ("attention", "moe_route", "family", "sliding_windows", "linear", "device_loop")}  # fmt: skip
+    # what the forwards run (after any fall-back): the ladder's live rungs and the choices
+    row["chosen"] = {"attention": be.attention, "linear": be.linear, "moe_route": be.moe_route,
+                     "target_rope": bool(be.target_rope), "norm_kernel": bool(be.norm_kernel),
+                     "fuse_norm": bool(getattr(be, "fuse_norm", False)), "live": sorted(be.live_kernels("target"))}  # fmt: skip
     start = PROMPT
     verify1 = be._verify_graph(1)
     verify1[2][1][0].copy_(be.key_pos[start : start + 1])  # position of the step's row
     row["block1_ms"] = round(_time_graph(verify1, REPS), 4)
+    if profile:  # where a block-1 step's time goes
+        from static_families_profile import profile_step
+
+        try:
+            ids1, pos1 = verify1[2][0], verify1[2][1]
+            row["profile_block1"] = profile_step(
+                verify1[0], lambda b=be: b._target_forward(ids1, pos1)
+            )
+        except Exception as e:  # noqa: BLE001 - the profiler is a report, not a check
+            row["profile_block1"] = {"error": f"{type(e).__name__}: {e}"[:300]}
     verify16 = be._verify_graph(16)
     verify16[2][1][0].copy_(be.key_pos[start : start + 16])
     draft16 = be._draft_graph(16)
@@ -200,22 +215,34 @@ def measure(name: str, dev: torch.device, build_target, build_draft, bandwidth: 
     return row
 
 
-def check_perf(dev: torch.device, build_target, build_draft, only: list[str] | None = None) -> dict:
-    """Every shape of :data:`SHAPES` (or ``only``); ``ok`` is False only when one fails to run."""
+def check_perf(dev: torch.device, build_target, build_draft, only: list[str] | None = None,
+               profile: bool = False) -> dict:  # fmt: skip
+    """Every shape of :data:`SHAPES` (or ``only``); ``ok`` is False only when one fails to run.
+    ``profile``: each shape's block-1 graph under torch.profiler (``profile_block1``: the top
+    CUDA kernels) and the expert GEMV tile sweep (``moe_tiles``)."""
     import traceback
 
     res: dict = {"hbm_gbps": round(hbm_gbps(dev), 1), "prompt": PROMPT}
+    if profile:
+        from static_families_profile import moe_tile_sweep
+
+        try:
+            res["moe_tiles"] = moe_tile_sweep(dev, res["hbm_gbps"])
+        except Exception as e:  # noqa: BLE001 - a report
+            res["moe_tiles"] = [{"error": f"{type(e).__name__}: {e}"[:300]}]
     ok = True
     for name in only or SHAPES:
         t0 = time.perf_counter()
         try:
-            res[name] = measure(name, dev, build_target, build_draft, res["hbm_gbps"])
+            res[name] = measure(name, dev, build_target, build_draft, res["hbm_gbps"], profile)
         except Exception:  # noqa: BLE001 - report it and go on
             res[name] = {"error": traceback.format_exc()[-2500:]}
             ok = False
             torch.cuda.empty_cache()
         res[name]["seconds"] = round(time.perf_counter() - t0, 1)
-        print(name, {k: v for k, v in res[name].items() if k.endswith(("_ms", "vs_floor", "vs_block1", "token"))},
-              flush=True)  # fmt: skip
+        print(name, {k: v for k, v in res[name].items()
+                     if k.endswith(("_ms", "vs_floor", "vs_floor16", "vs_block1", "token", "chosen"))}, flush=True)  # fmt: skip
+        for k in (res[name].get("profile_block1") or {}).get("top", [])[:8]:
+            print("   ", k["us"], "us", k["calls"], "x", k["kernel"][:90], flush=True)
     res["ok"] = ok
     return res

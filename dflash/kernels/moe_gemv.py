@@ -97,17 +97,112 @@ if triton is not None:
         tl.store(OUT + p * s_op + j, a.to(OUT.dtype.element_ty), mask=live)
 
 
+if triton is not None:
+
+    @triton.jit
+    def _moe_topk_kernel(L, W, IDX, E, s_l, K: tl.constexpr, BK: tl.constexpr, BE: tl.constexpr,
+                         SOFTMAX_FIRST: tl.constexpr, NORMALIZE: tl.constexpr):  # fmt: skip
+        """One row's router: its K largest logits (descending, the lower expert first on ties)
+        and their weights: SOFTMAX_FIRST (Qwen3-MoE) softmax over all E in float32, the K
+        probabilities (NORMALIZE: over their sum); else (gpt-oss) a softmax over the K logits."""
+        row = tl.program_id(0)
+        e = tl.arange(0, BE)
+        live = e < E
+        x = tl.load(L + row * s_l + e, mask=live, other=float("-inf")).to(tl.float32)
+        top = tl.max(x, 0)
+        if SOFTMAX_FIRST:
+            den = tl.sum(tl.where(live, tl.exp(x - top), 0.0), 0)
+        vals = x
+        slots = tl.arange(0, BK)
+        wv = tl.zeros([BK], tl.float32)
+        iv = tl.zeros([BK], tl.int32)
+        for j in tl.static_range(K):  # the K largest, one at a time
+            m = tl.max(vals, 0)
+            pick = tl.min(tl.where(vals == m, e, BE), 0)
+            w = tl.exp(m - top)  # the first is the row's max: exp(0) = 1
+            if SOFTMAX_FIRST:
+                w = w / den
+            wv = tl.where(slots == j, w, wv)
+            iv = tl.where(slots == j, pick, iv)
+            vals = tl.where(e == pick, float("-inf"), vals)
+        if not SOFTMAX_FIRST or NORMALIZE:
+            wv = wv / tl.sum(wv, 0)
+        keep = slots < K
+        tl.store(IDX + row * K + slots, iv.to(tl.int64), mask=keep)
+        tl.store(W + row * K + slots, wv.to(W.dtype.element_ty), mask=keep)
+
+    @triton.jit
+    def _moe_combine_kernel(Y, R, OUT, N, s_y, s_r, s_o, K: tl.constexpr, BN: tl.constexpr):
+        """out[t] = r[t] + round(sum_k y[t * K + k]) (float32 sum in slot order, rounded to the
+        residual's dtype, then the rounded add of two tensors, as torch's ``x + y.to(dtype)``)."""
+        t = tl.program_id(0)
+        n = tl.program_id(1) * BN + tl.arange(0, BN)
+        live = n < N
+        acc = tl.zeros([BN], tl.float32)
+        for k in tl.static_range(K):
+            acc += tl.load(Y + (t * K + k) * s_y + n, mask=live, other=0.0).to(tl.float32)
+        dt = OUT.dtype.element_ty
+        r = tl.load(R + t * s_r + n, mask=live, other=0.0).to(tl.float32)
+        tl.store(OUT + t * s_o + n, (r + acc.to(dt).to(tl.float32)).to(dt), mask=live)
+
+
+MAX_EXPERTS = 1024  # experts a router row may have for moe_topk (one row per program)
+
+
+def moe_topk(logits: torch.Tensor, k: int, softmax_first: bool, normalize: bool = True) -> tuple:
+    """A router's top-k in one launch: logits [T, E] (E <= :data:`MAX_EXPERTS`) -> (weights
+    [T, K] in the logits' dtype, experts [T, K] int64, descending). ``softmax_first`` (Qwen3-MoE):
+    torch's ``topk(softmax(logits, float32))``, divided by their sum when ``normalize``; else
+    (gpt-oss) ``softmax(topk(logits))``. Same maths as those torch ops; the exponentials and sums
+    round in another order (float32)."""
+    t, e = logits.shape
+    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+    w = torch.empty(t, k, dtype=logits.dtype, device=logits.device)
+    idx = torch.empty(t, k, dtype=torch.int64, device=logits.device)
+    _moe_topk_kernel[(t,)](logits, w, idx, e, logits.stride(0), K=k, BK=triton.next_power_of_2(k),
+                           BE=max(16, triton.next_power_of_2(e)), SOFTMAX_FIRST=softmax_first,
+                           NORMALIZE=normalize)  # fmt: skip
+    return w, idx
+
+
+def moe_topk_reference(
+    logits: torch.Tensor, k: int, softmax_first: bool, normalize: bool = True
+) -> tuple:
+    """:func:`moe_topk` in torch ops (transformers' routers' order)."""
+    if softmax_first:
+        top, idx = torch.topk(torch.softmax(logits, -1, dtype=torch.float), k, dim=-1)
+        if normalize:
+            top = top / top.sum(-1, keepdim=True)
+        return top.to(logits.dtype), idx
+    top, idx = torch.topk(logits, k, dim=-1)
+    return torch.softmax(top, dim=1, dtype=top.dtype), idx
+
+
+def moe_combine(y: torch.Tensor, k: int, residual: torch.Tensor) -> torch.Tensor:
+    """residual [T, H] + (y [T*K, H] float32 summed over each row's K slots in slot order,
+    rounded to the residual's dtype): one launch for torch's sum, cast and add."""
+    t, n = residual.shape
+    out = torch.empty_like(residual, memory_format=torch.contiguous_format)
+    bn = 512
+    _moe_combine_kernel[(t, triton.cdiv(n, bn))](y, residual, out, n, y.stride(0), residual.stride(0), out.stride(0),
+                                                 K=k, BN=bn)  # fmt: skip
+    return out
+
+
 ACTS = {"silu": 0, "gelu_tanh": 1, "gpt_oss": 2}
 
 
-def _block_n(pairs: int, n: int) -> int:
-    """Output features per program: :data:`BLOCK_N`, halved while that gives too few programs."""
+def _block_n(pairs: int, n: int, block_n: int = 0) -> int:
+    """Output features per program: ``block_n`` when given (tuning sweeps), else
+    :data:`BLOCK_N`, halved where that gives too few programs."""
+    if block_n:
+        return block_n
     return BLOCK_N if pairs * triton.cdiv(n, BLOCK_N) >= MIN_PROGRAMS else BLOCK_N // 2
 
 
 def moe_glu(x: torch.Tensor, w: torch.Tensor, experts: torch.Tensor, bias: torch.Tensor | None, act: str,
             interleaved: bool = False, transposed: bool = False, alpha: float = 1.0,
-            limit: float = 0.0, x_div: int = 1) -> torch.Tensor:  # fmt: skip
+            limit: float = 0.0, x_div: int = 1, block_n: int = 0, block_k: int = 0) -> torch.Tensor:  # fmt: skip
     """act(gate) * up of each row's expert in one launch: the gate+up projection
     (:func:`moe_gemv`'s layouts) and the gated activation (``act`` of :data:`ACTS`; ``gpt_oss``:
     ``(clamp(up) + 1) * g * sigmoid(alpha * g)``, g = min(gate, limit)) as its epilogue.
@@ -129,11 +224,11 @@ def moe_glu(x: torch.Tensor, w: torch.Tensor, experts: torch.Tensor, bias: torch
     step, up = (2, 1) if interleaved else (1, inter)
     out = torch.empty(p, inter, dtype=w.dtype, device=x.device)
     b = bias if bias is not None else out
-    bn = _block_n(p, inter)
+    bn = _block_n(p, inter, block_n)
     _moe_glu_kernel[(p, triton.cdiv(inter, bn))](
         x, w, b, experts, out, k, inter, x_div, x.stride(0), w.stride(0), s_wn, s_wk,
         b.stride(0) if bias is not None else 0, out.stride(0), step, up, float(alpha), float(limit),
-        HAS_BIAS=bias is not None, ACT=ACTS[act], BN=bn, BK=BLOCK_K,
+        HAS_BIAS=bias is not None, ACT=ACTS[act], BN=bn, BK=block_k or BLOCK_K,
     )  # fmt: skip
     return out
 
@@ -157,7 +252,7 @@ def moe_glu_reference(x, w, experts, bias, act: str, interleaved: bool = False, 
 
 def moe_gemv(x: torch.Tensor, w: torch.Tensor, experts: torch.Tensor, bias: torch.Tensor | None = None,
              transposed: bool = False, scale: torch.Tensor | None = None,
-             out_dtype: torch.dtype | None = None) -> torch.Tensor:  # fmt: skip
+             out_dtype: torch.dtype | None = None, block_n: int = 0, block_k: int = 0) -> torch.Tensor:  # fmt: skip
     """out[p] = (x[p] @ W[experts[p]]^T (+ bias[experts[p]])) (* scale[p]).
 
     Args:
@@ -167,6 +262,8 @@ def moe_gemv(x: torch.Tensor, w: torch.Tensor, experts: torch.Tensor, bias: torc
         bias: [E, N] or None.
         scale: [P] a factor per row (the routing weights), or None.
         out_dtype: the output's dtype (None: w's).
+        block_n, block_k: the tile (output features per program, input features per iteration;
+            0: :data:`BLOCK_N` by :func:`_block_n`, :data:`BLOCK_K`), for tuning sweeps.
     Returns:
         [P, N] in ``out_dtype``.
     """
@@ -178,11 +275,11 @@ def moe_gemv(x: torch.Tensor, w: torch.Tensor, experts: torch.Tensor, bias: torc
         n, s_wn, s_wk = w.shape[1], w.stride(1), w.stride(2)
     out = torch.empty(p, n, dtype=out_dtype or w.dtype, device=x.device)
     b = bias if bias is not None else out
-    bn = _block_n(p, n)
+    bn = _block_n(p, n, block_n)
     _moe_gemv_kernel[(p, triton.cdiv(n, bn))](
         x, w, b, experts, out if scale is None else scale, out, k, n, x.stride(0), w.stride(0), s_wn, s_wk,
         b.stride(0) if bias is not None else 0, out.stride(0),
-        HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, BN=bn, BK=BLOCK_K,
+        HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, BN=bn, BK=block_k or BLOCK_K,
     )  # fmt: skip
     return out
 
@@ -225,6 +322,15 @@ def usable(device: torch.device, dtype: torch.dtype) -> bool:
                     got = moe_glu(x, w, e, b, act, inter, transposed, 1.702, 7.0).float()
                     want = moe_glu_reference(x, w, e, b, act, inter, transposed, 1.702, 7.0).float()
                     ok &= bool(((got - want).abs().max() <= 2e-2 * want.abs().max() + 1e-3).item())
+            logits = torch.randn(5, 40, generator=g, device=device, dtype=dtype)
+            for first in (True, False):
+                w, i = moe_topk(logits, 4, first)
+                w_ref, i_ref = moe_topk_reference(logits, 4, first)
+                ok &= bool(torch.equal(i, i_ref)) and bool(((w - w_ref).abs().max() <= 1e-2).item())
+            y = torch.randn(10, 96, generator=g, device=device)
+            r = torch.randn(5, 96, generator=g, device=device, dtype=dtype)
+            want = r + y.view(5, 2, 96).sum(1).to(dtype)
+            ok &= bool(((moe_combine(y, 2, r).float() - want.float()).abs().max() <= 2e-2).item())
             _VERIFIED[key] = ok
         except Exception:  # noqa: BLE001 - Triton raises many types
             _VERIFIED[key] = False

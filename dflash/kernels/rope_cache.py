@@ -30,6 +30,7 @@ import os
 import torch
 
 from dflash.kernels.pdl import default_launch
+from dflash.kernels.rms_norm import LLAMA
 from dflash.kernels.settings import Launch
 
 try:
@@ -49,7 +50,11 @@ def rope_cache_fits(attn, dtype: torch.dtype, norms: bool = True) -> bool:
     power-of-two head size of 16 to 256, 16-bit or 32-bit activations, and with ``norms``
     q_norm and k_norm with a weight of the head size (``eps`` or ``variance_epsilon``)."""
     d = getattr(attn, "head_dim", 0)
-    ok = 16 <= d <= 256 and d & (d - 1) == 0 and dtype in (torch.float32, torch.bfloat16, torch.float16)
+    ok = (
+        16 <= d <= 256
+        and d & (d - 1) == 0
+        and dtype in (torch.float32, torch.bfloat16, torch.float16)
+    )
     if norms:
         mods = [getattr(attn, n, None) for n in ("q_norm", "k_norm")]
         ok = ok and all(getattr(m, "weight", None) is not None and m.weight.numel() == d
@@ -62,15 +67,27 @@ if triton is not None:
     @triton.jit
     def _norm_rope(x1, x2, w1, w2, c1, c2, s1, s2, eps, HALF: tl.constexpr, DT: tl.constexpr,
                    NORM: tl.constexpr):  # fmt: skip
-        """RMSNorm (weight halves w1, w2; NORM) then RoPE (tables c1, c2, s1, s2) of one head's
-        halves x1, x2 [HALF] (float32)."""
-        n1, n2 = x1, x2
-        if NORM:
-            r = tl.math.rsqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / (2 * HALF) + eps)
-            n1 = (x1 * r).to(DT).to(tl.float32) * w1
-            n2 = (x2 * r).to(DT).to(tl.float32) * w2
-            n1, n2 = n1.to(DT).to(tl.float32), n2.to(DT).to(tl.float32)
+        """RMSNorm (weight halves w1, w2; NORM: 0 none, 1 Llama/Qwen3's two roundings, 2 times w
+        rounded once (gpt-oss, Gemma 4), 3 times (1 + w) rounded once (Gemma 3)) then RoPE
+        (tables c1, c2, s1, s2) of one head's halves x1, x2 [HALF] (float32)."""
+        n1, n2 = _head_norm(x1, x2, w1, w2, eps, HALF, DT, NORM)
         return n1 * c1 - n2 * s1, n2 * c2 + n1 * s2
+
+    @triton.jit
+    def _head_norm(x1, x2, w1, w2, eps, HALF: tl.constexpr, DT: tl.constexpr, NORM: tl.constexpr):
+        """One head's RMSNorm (NORM as :func:`_norm_rope`'s), rounded to DT, back in float32."""
+        n1, n2 = x1, x2
+        if NORM > 0:
+            r = tl.math.rsqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / (2 * HALF) + eps)
+            if NORM == 1:
+                n1 = (x1 * r).to(DT).to(tl.float32) * w1
+                n2 = (x2 * r).to(DT).to(tl.float32) * w2
+            elif NORM == 2:
+                n1, n2 = x1 * r * w1, x2 * r * w2
+            else:
+                n1, n2 = x1 * r * (1.0 + w1), x2 * r * (1.0 + w2)
+            n1, n2 = n1.to(DT).to(tl.float32), n2.to(DT).to(tl.float32)
+        return n1, n2
 
     @triton.jit
     def _row_inputs(QW, KW, COS, SIN, POS, row, head, s_cos, d, H: tl.constexpr, KV: tl.constexpr,
@@ -99,17 +116,22 @@ if triton is not None:
     def _rope_cache_kernel(QKV, QW, KW, COS, SIN, POS, QO, KC, VC, TC, s_row, s_cos, s_qh, s_qt,
                            s_kh, s_ks, s_vh, s_vs, eps_q, eps_k, H: tl.constexpr, KV: tl.constexpr,
                            HALF: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr,
-                           EARLY: tl.constexpr = False, TABLE: tl.constexpr = False):  # fmt: skip
+                           EARLY: tl.constexpr = False, TABLE: tl.constexpr = False, eps_v=0.0,
+                           VNORM: tl.constexpr = False, KEQV: tl.constexpr = False):  # fmt: skip
         row = tl.program_id(0)
         head = tl.program_id(1)
         d = tl.arange(0, HALF)
         if EARLY:  # the tables and positions come from kernels done before the previous one
-            w1, w2, c1, c2, s1, s2, at = _row_inputs(QW, KW, COS, SIN, POS, row, head, s_cos, d, H, KV, HALF, NORM, TABLE)
+            w1, w2, c1, c2, s1, s2, at = _row_inputs(
+                QW, KW, COS, SIN, POS, row, head, s_cos, d, H, KV, HALF, NORM, TABLE
+            )
         if PDL:  # the rest (the projection's output) comes from the kernel just before
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         if not EARLY:
-            w1, w2, c1, c2, s1, s2, at = _row_inputs(QW, KW, COS, SIN, POS, row, head, s_cos, d, H, KV, HALF, NORM, TABLE)
+            w1, w2, c1, c2, s1, s2, at = _row_inputs(
+                QW, KW, COS, SIN, POS, row, head, s_cos, d, H, KV, HALF, NORM, TABLE
+            )
         base = QKV + row * s_row + head * (2 * HALF)
         dt = QKV.dtype.element_ty
         if head < H:  # a query head: block rows only (the context rows' queries are dropped)
@@ -127,22 +149,44 @@ if triton is not None:
             out = KC + (head - H) * s_kh + at * s_ks
             tl.store(out + d, y1.to(KC.dtype.element_ty))
             tl.store(out + HALF + d, y2.to(KC.dtype.element_ty))
-        else:  # a value head, as it is
+        else:  # a value head, as it is (KEQV: the raw key head's values; VNORM: normed, no weight)
             out = VC + (head - H - KV) * s_vh + at * s_vs
-            tl.store(out + d, tl.load(base + d))
-            tl.store(out + HALF + d, tl.load(base + HALF + d))
+            if KEQV:
+                base = base - KV * (2 * HALF)
+            if VNORM:
+                x1 = tl.load(base + d).to(tl.float32)
+                x2 = tl.load(base + HALF + d).to(tl.float32)
+                r = tl.math.rsqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / (2 * HALF) + eps_v)
+                tl.store(out + d, (x1 * r).to(VC.dtype.element_ty))
+                tl.store(out + HALF + d, (x2 * r).to(VC.dtype.element_ty))
+            else:
+                tl.store(out + d, tl.load(base + d))
+                tl.store(out + HALF + d, tl.load(base + HALF + d))
 
 
 def _launch(qkv, q_w, k_w, eps_q, eps_k, cos, sin, pos, kc, vc, tc, heads, kv_heads, early=False,
-            pdl=False) -> torch.Tensor:  # fmt: skip
+            pdl=False, mode=LLAMA, eps_v=None, k_eq_v=False) -> torch.Tensor:  # fmt: skip
     t, width = qkv.shape
     d = kc.shape[-1]
     table = cos.dim() == 2  # [S, D] tables by position, else [1, 1, T, D] by row
-    cos, sin = (cos, sin) if table else (cos[0, 0], sin[0, 0])  # sliced here, inside the op (see rope_cache)
-    if width != (heads + 2 * kv_heads) * d or qkv.stride(1) != 1 or cos.stride(-1) != 1 \
-            or sin.stride() != cos.stride() or cos.shape[-1] != d or (not table and cos.shape[0] != t) \
-            or (table and cos.shape[0] < kc.shape[2]) or pos.shape != (t,) or pos.stride(0) != 1 \
-            or kc.shape[1] != kv_heads or vc.shape != kc.shape or kc.stride(-1) != 1 or vc.stride(-1) != 1:
+    cos, sin = (
+        (cos, sin) if table else (cos[0, 0], sin[0, 0])
+    )  # sliced here, inside the op (see rope_cache)
+    if (
+        width != (heads + (1 if k_eq_v else 2) * kv_heads) * d
+        or qkv.stride(1) != 1
+        or cos.stride(-1) != 1
+        or sin.stride() != cos.stride()
+        or cos.shape[-1] != d
+        or (not table and cos.shape[0] != t)
+        or (table and cos.shape[0] < kc.shape[2])
+        or pos.shape != (t,)
+        or pos.stride(0) != 1
+        or kc.shape[1] != kv_heads
+        or vc.shape != kc.shape
+        or kc.stride(-1) != 1
+        or vc.stride(-1) != 1
+    ):
         raise ValueError(f"rope_cache: qkv {tuple(qkv.shape)} (strides {qkv.stride()}) does not fit "
                          f"{heads} + 2 x {kv_heads} heads of {d}, cos/sin {tuple(cos.shape)}, positions "
                          f"{tuple(pos.shape)} and caches {tuple(kc.shape)} / {tuple(vc.shape)}")  # fmt: skip
@@ -151,18 +195,54 @@ def _launch(qkv, q_w, k_w, eps_q, eps_k, cos, sin, pos, kc, vc, tc, heads, kv_he
     _rope_cache_kernel[(t, heads + 2 * kv_heads)](
         qkv, q_w if norm else qkv, k_w if norm else qkv, cos, sin, pos, q, kc, vc, tc, qkv.stride(0),
         cos.stride(-2), q.stride(1), q.stride(2), kc.stride(1), kc.stride(2), vc.stride(1), vc.stride(2),
-        eps_q, eps_k, H=heads, KV=kv_heads, HALF=d // 2, NORM=norm, PDL=pdl, EARLY=early, TABLE=table,
-        num_warps=1,
+        eps_q, eps_k, H=heads, KV=kv_heads, HALF=d // 2, NORM=mode + 1 if norm else 0, PDL=pdl, EARLY=early,
+        TABLE=table, eps_v=float(eps_v or 0.0), VNORM=eps_v is not None, KEQV=k_eq_v,
+        num_warps=1 if d <= 256 else 2,
         **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
     return q
+
+
+@torch.library.custom_op("dflash::rope_cache_family", mutates_args=("kc", "vc"))
+def _rope_cache_family_op(qkv: torch.Tensor, q_w: torch.Tensor, k_w: torch.Tensor, eps_q: float, eps_k: float,
+                          cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor, kc: torch.Tensor,
+                          vc: torch.Tensor, heads: int, kv_heads: int, early: bool, pdl: bool, mode: int,
+                          eps_v: float, v_norm: bool, k_eq_v: bool) -> torch.Tensor:  # fmt: skip
+    return _launch(qkv, q_w, k_w, eps_q, eps_k, cos, sin, pos, kc, vc, 0, heads, kv_heads, early, pdl, mode,
+                   eps_v if v_norm else None, k_eq_v)  # fmt: skip
+
+
+@_rope_cache_family_op.register_fake
+def _(
+    qkv,
+    q_w,
+    k_w,
+    eps_q,
+    eps_k,
+    cos,
+    sin,
+    pos,
+    kc,
+    vc,
+    heads,
+    kv_heads,
+    early,
+    pdl,
+    mode,
+    eps_v,
+    v_norm,
+    k_eq_v,
+):
+    return qkv.new_empty(1, qkv.shape[0], heads, kc.shape[-1]).transpose(1, 2)
 
 
 @torch.library.custom_op("dflash::rope_cache", mutates_args=("kc", "vc"))
 def _rope_cache_op(qkv: torch.Tensor, q_w: torch.Tensor | None, k_w: torch.Tensor | None, eps_q: float, eps_k: float,
                    cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor, kc: torch.Tensor,
                    vc: torch.Tensor, tc: int, heads: int, kv_heads: int, early: bool, pdl: bool) -> torch.Tensor:  # fmt: skip
-    return _launch(qkv, q_w, k_w, eps_q, eps_k, cos, sin, pos, kc, vc, tc, heads, kv_heads, early, pdl)
+    return _launch(
+        qkv, q_w, k_w, eps_q, eps_k, cos, sin, pos, kc, vc, tc, heads, kv_heads, early, pdl
+    )
 
 
 @_rope_cache_op.register_fake
@@ -179,13 +259,66 @@ def rope_cache_reference(qkv, q_norm, k_norm, cos, sin, pos, kc, vc, tc: int, he
     if cos.dim() == 2:  # [S, D] tables by position
         cos, sin = cos[pos][None, None], sin[pos][None, None]
     q, k, v = qkv[None].split((heads * d, kv_heads * d, kv_heads * d), dim=-1)
-    q, k = q[:, tc:].view(1, t - tc, heads, d).transpose(1, 2), k.view(1, t, kv_heads, d).transpose(1, 2)
+    q, k = (
+        q[:, tc:].view(1, t - tc, heads, d).transpose(1, 2),
+        k.view(1, t, kv_heads, d).transpose(1, 2),
+    )
     if q_norm is not None:
         q, k = q_norm(q), k_norm(k)
     q, k = apply_rope(q, cos[:, :, tc:], sin[:, :, tc:]), apply_rope(k, cos, sin)
     kc.index_copy_(2, pos, k)
     vc.index_copy_(2, pos, v.view(1, t, kv_heads, d).transpose(1, 2))
     return q
+
+
+def rope_cache_family(qkv: torch.Tensor, q_norm, k_norm, v_norm, cos: torch.Tensor, sin: torch.Tensor,
+                      pos: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, heads: int, kv_heads: int,
+                      mode: int, k_eq_v: bool = False, early: bool = False,
+                      launch: Launch | None = None) -> torch.Tensor:  # fmt: skip
+    """A Gemma 3 / Gemma 4 target layer's q/k norms, RoPE, v norm and K/V cache writes in one
+    kernel (as :func:`rope_cache` with no context rows, for the norms of those families).
+
+    Args:
+        qkv: [T, (H + 2 Hkv) * D] the fused projection (``k_eq_v``: [T, (H + Hkv) * D], no v
+            part: the values are the raw keys, Gemma 4's ``attention_k_eq_v`` layers).
+        q_norm, k_norm: the head norms (``weight`` [D]); v_norm: Gemma 4's weightless v norm
+            (its ``eps``), or None (values copied as they are).
+        cos, sin: [1, 1, T, D] RoPE tables; pos: [T] cache positions; kc, vc: [1, Hkv, S, D].
+        mode: the norms' maths, :data:`~dflash.kernels.rms_norm.ROUND_ONCE` (Gemma 4: times the
+            weight, rounded once) or :data:`~dflash.kernels.rms_norm.ONE_PLUS` (Gemma 3); the
+            v norm rounds once.
+        early, launch: as :func:`rope_cache`'s.
+    Returns:
+        q: [1, H, T, D] normed and rotated (laid out as [1, T, H, D]). Off CUDA (or without
+        Triton, unless ``TRITON_INTERPRET=1``) the modules and torch ops run instead.
+    """
+    if triton is None or (qkv.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1"):
+        return rope_cache_family_reference(
+            qkv, q_norm, k_norm, v_norm, cos, sin, pos, kc, vc, heads, kv_heads, k_eq_v
+        )
+    launch = default_launch(qkv.device) if launch is None else launch
+    eps_v = norm_eps(v_norm) if v_norm is not None else 0.0
+    return _rope_cache_family_op(qkv, q_norm.weight, k_norm.weight, norm_eps(q_norm), norm_eps(k_norm), cos, sin,
+                                 pos, kc, vc, heads, kv_heads, early and launch.settings.attn_early, launch.pdl,
+                                 mode, eps_v, v_norm is not None, k_eq_v)  # fmt: skip
+
+
+def rope_cache_family_reference(qkv, q_norm, k_norm, v_norm, cos, sin, pos, kc, vc, heads: int, kv_heads: int,
+                                k_eq_v: bool = False) -> torch.Tensor:  # fmt: skip
+    """:func:`rope_cache_family` in the modules and torch ops (the family forward's own steps)."""
+    from dflash.models.draft_torch import apply_rope
+
+    t, d = qkv.shape[0], kc.shape[-1]
+    sizes = (heads * d, kv_heads * d) if k_eq_v else (heads * d, kv_heads * d, kv_heads * d)
+    parts = qkv[None].split(sizes, dim=-1)
+    q, k = parts[0].view(1, t, heads, d), parts[1].view(1, t, kv_heads, d)
+    v = k if k_eq_v else parts[2].view(1, t, kv_heads, d)
+    q, k = q_norm(q).transpose(1, 2), k_norm(k).transpose(1, 2)
+    if v_norm is not None:
+        v = v_norm(v)
+    kc.index_copy_(2, pos, apply_rope(k, cos, sin))
+    vc.index_copy_(2, pos, v.transpose(1, 2))
+    return apply_rope(q, cos, sin)
 
 
 def rope_cache(qkv: torch.Tensor, q_norm, k_norm, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
@@ -224,6 +357,8 @@ def rope_cache(qkv: torch.Tensor, q_norm, k_norm, cos: torch.Tensor, sin: torch.
     launch = default_launch(qkv.device) if launch is None else launch
     early, pdl = early and launch.settings.attn_early, launch.pdl
     if q_norm is None:
-        return _rope_cache_op(qkv, None, None, 0.0, 0.0, cos, sin, pos, kc, vc, tc, heads, kv_heads, early, pdl)
+        return _rope_cache_op(
+            qkv, None, None, 0.0, 0.0, cos, sin, pos, kc, vc, tc, heads, kv_heads, early, pdl
+        )
     return _rope_cache_op(qkv, q_norm.weight, k_norm.weight, norm_eps(q_norm), norm_eps(k_norm),
                           cos, sin, pos, kc, vc, tc, heads, kv_heads, early, pdl)  # fmt: skip

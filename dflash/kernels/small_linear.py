@@ -49,6 +49,10 @@ from dflash.kernels.pdl import default_launch
 from dflash.kernels.settings import Launch, config_override
 
 MAX_ROWS = 32  # rows (M) the kernel takes; longer forwards (prefill) use torch
+GLU_ACTS = {
+    "silu": 1,
+    "gelu_tanh": 2,
+}  # small_linear_glu's activations (the kernel's GLU constexpr)
 SMEM_BUDGET = 200 * 1024  # bytes of shared memory the pipelined tiles may take
 FUSE_NORM_AUTO_MAX_K = 1024  # fuse_norm unset: on for hidden sizes up to this (bf16/fp16)
 
@@ -106,7 +110,9 @@ TUNED = {
 }
 
 
-def kernel_config(m: int, n: int, k: int, elem: int = 2, override: str = "") -> tuple[int, int, int, int, int]:
+def kernel_config(
+    m: int, n: int, k: int, elem: int = 2, override: str = ""
+) -> tuple[int, int, int, int, int]:
     """(BM, BN, BK, num_warps, num_stages) for an [m, k] x [n, k]^T product (n output columns)
     of ``elem``-byte elements.
 
@@ -162,10 +168,18 @@ if triton is not None:
         if PDL:  # the first weight tile does not depend on the previous kernel: load it first
             rk0 = tl.arange(0, BK)  # own names: the loop's values are not carried from here
             k_ok0 = rk0 < K
-            w0 = tl.load(W + rn[:, None] * s_wn + rk0[None, :], mask=n_ok[:, None] & k_ok0[None, :], other=0.0)
+            w0 = tl.load(
+                W + rn[:, None] * s_wn + rk0[None, :],
+                mask=n_ok[:, None] & k_ok0[None, :],
+                other=0.0,
+            )
             tl.extra.cuda.gdc_wait()  # the previous kernel is done: x (and a residual) are ready
             tl.extra.cuda.gdc_launch_dependents()
-            x0 = tl.load(X + rm[:, None] * s_xm + rk0[None, :], mask=m_ok[:, None] & k_ok0[None, :], other=0.0)
+            x0 = tl.load(
+                X + rm[:, None] * s_xm + rk0[None, :],
+                mask=m_ok[:, None] & k_ok0[None, :],
+                other=0.0,
+            )
             if IEEE:
                 acc += tl.dot(x0, tl.trans(w0), input_precision="ieee")
             else:
@@ -175,8 +189,12 @@ if triton is not None:
         for k0 in range(k_first, K, BK):
             rk = k0 + tl.arange(0, BK)
             k_ok = rk < K
-            x = tl.load(X + rm[:, None] * s_xm + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(W + rn[:, None] * s_wn + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            x = tl.load(
+                X + rm[:, None] * s_xm + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0
+            )
+            w = tl.load(
+                W + rn[:, None] * s_wn + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0
+            )
             if IEEE:
                 acc += tl.dot(x, tl.trans(w), input_precision="ieee")
             else:
@@ -208,13 +226,19 @@ if triton is not None:
             # rounded once (as Inductor's fused kernel)
             g, u = tl.split(tl.permute(tl.reshape(acc2.to(Y.dtype.element_ty).to(tl.float32), [BM, 2, BN]),
                                        [0, 2, 1]))  # fmt: skip
-            acc = g * tl.sigmoid(g) * u
+            if GLU == 2:  # GELU, tanh approximation (Gemma): tanh(z) = 2 sigmoid(2z) - 1
+                z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+                acc = g * tl.sigmoid(2.0 * z) * u
+            else:  # SiLU
+                acc = g * tl.sigmoid(g) * u
             rn = tl.program_id(0) * BN + tl.arange(0, BN)
             n_ok = rn < N
         else:
             rn = tl.program_id(0) * BN + tl.arange(0, BN)  # output columns of this program
             n_ok = rn < N
-            acc = _rows_times_weight(X, W, rm, rn, m_ok, n_ok, K, s_xm, s_wn, IEEE, BM, BN, BK, PDL, RN, EPS)
+            acc = _rows_times_weight(
+                X, W, rm, rn, m_ok, n_ok, K, s_xm, s_wn, IEEE, BM, BN, BK, PDL, RN, EPS
+            )
             if HAS_BIAS:
                 acc += tl.load(B + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         y = acc.to(Y.dtype.element_ty)
@@ -225,9 +249,10 @@ if triton is not None:
         tl.store(Y + rm[:, None] * s_ym + rn[None, :], y, mask=ym)
 
 
-def _launch(x, weight, bias, residual, glu: bool = False, rn_eps: float | None = None, pdl: bool = False,
+def _launch(x, weight, bias, residual, glu: int = 0, rn_eps: float | None = None, pdl: bool = False,
             config: str = ""):  # fmt: skip
-    """One kernel launch: y [M, N]; ``rn_eps``: the product scaled by x's rows' RMS factors
+    """One kernel launch: y [M, N]; ``glu``: 0 none, 1 (or True) SiLU(gate) * up, 2
+    GELU-tanh(gate) * up (:data:`GLU_ACTS`); ``rn_eps``: the product scaled by x's rows' RMS factors
     rsqrt(mean(x^2) + rn_eps) (see :func:`small_linear_rn`); ``pdl``: with programmatic
     dependent launch; ``config``: the ``linear_config`` setting (:func:`kernel_config`)."""
     m = x.shape[0]
@@ -239,14 +264,16 @@ def _launch(x, weight, bias, residual, glu: bool = False, rn_eps: float | None =
                          f"weight {tuple(weight.shape)}{' (gate and up halves)' if glu else ''}")  # fmt: skip
     n = rows // 2 if glu else rows  # output columns
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    bm, bn, bk, warps, stages = kernel_config(m, rows, k, weight.element_size(), config)  # tiles by the weight read
+    bm, bn, bk, warps, stages = kernel_config(
+        m, rows, k, weight.element_size(), config
+    )  # tiles by the weight read
     if glu:  # each program takes bn weight rows: bn // 2 columns of gate and of up
         bn //= 2
     _small_linear_kernel[(triton.cdiv(n, bn),)](
         x, weight, bias if bias is not None else y, residual if residual is not None else y, y, m, n, k,
         x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0),
         HAS_BIAS=bias is not None, HAS_RES=residual is not None, IEEE=x.dtype == torch.float32,
-        BM=bm, BN=bn, BK=bk, PDL=pdl, GLU=glu, RN=rn_eps is not None, EPS=float(rn_eps or 0.0),
+        BM=bm, BN=bn, BK=bk, PDL=pdl, GLU=int(glu), RN=rn_eps is not None, EPS=float(rn_eps or 0.0),
         num_warps=warps, num_stages=stages, **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
     return y
@@ -270,6 +297,17 @@ def _small_linear_glu_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
 
 
 @_small_linear_glu_op.register_fake
+def _(x, weight, bias, pdl, config):
+    return x.new_empty(x.shape[0], weight.shape[0] // 2)
+
+
+@torch.library.custom_op("dflash::small_linear_geglu", mutates_args=())
+def _small_linear_geglu_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pdl: bool,
+                           config: str) -> torch.Tensor:  # fmt: skip
+    return _launch(x, weight, bias, None, glu=GLU_ACTS["gelu_tanh"], pdl=pdl, config=config)
+
+
+@_small_linear_geglu_op.register_fake
 def _(x, weight, bias, pdl, config):
     return x.new_empty(x.shape[0], weight.shape[0] // 2)
 
@@ -298,7 +336,9 @@ def _launch_args(x: torch.Tensor, launch: Launch | None) -> tuple[bool, str]:
     return launch.pdl, launch.settings.linear_config
 
 
-def small_linear_rn_reference(x, weight, bias=None, eps: float = 1e-6, glu: bool = False) -> torch.Tensor:
+def small_linear_rn_reference(
+    x, weight, bias=None, eps: float = 1e-6, glu: bool = False
+) -> torch.Tensor:
     """:func:`small_linear_rn`'s maths in torch ops: the float32 product scaled by the rows' RMS
     factors, the bias added, rounded to x's dtype (``glu``: then SiLU(gate) * up in float32,
     rounded once)."""
@@ -308,8 +348,14 @@ def small_linear_rn_reference(x, weight, bias=None, eps: float = 1e-6, glu: bool
     return _silu_times_up(y) if glu else y
 
 
-def small_linear_rn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                    eps: float = 1e-6, glu: bool = False, launch: Launch | None = None) -> torch.Tensor:
+def small_linear_rn(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    glu: bool = False,
+    launch: Launch | None = None,
+) -> torch.Tensor:
     """``linear(RMSNorm(x), W, bias)`` in one kernel, the norm's weight g folded into the
     projection beforehand (``weight`` = W * g per input column, :func:`fold_norm_weight`): the
     norm's row factor r = rsqrt(mean(x^2) + eps) commutes with the product, so the kernel streams
@@ -333,7 +379,9 @@ def small_linear_rn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         ValueError: shapes that do not fit.
     """
     if glu and weight.shape[0] % 2:
-        raise ValueError(f"small_linear: weight {tuple(weight.shape)} does not split into gate and up halves")
+        raise ValueError(
+            f"small_linear: weight {tuple(weight.shape)} does not split into gate and up halves"
+        )
     if _on_cpu(x):
         return small_linear_rn_reference(x, weight, bias, eps, glu)
     return _small_linear_rn_op(x, weight, bias, float(eps), glu, *_launch_args(x, launch))
@@ -345,10 +393,14 @@ def fold_norm_weight(weight: torch.Tensor, norm_weight: torch.Tensor) -> torch.T
     return (weight.float() * norm_weight.float()[None, :]).to(weight.dtype).contiguous()
 
 
-def small_linear_glu_reference(x, weight, bias=None) -> torch.Tensor:
+def small_linear_glu_reference(x, weight, bias=None, act: str = "silu") -> torch.Tensor:
     """The unfused maths of :func:`small_linear_glu` in torch ops: the projection rounded to x's
-    dtype, then SiLU(gate) * up in float32 rounded once (as Inductor fuses it)."""
-    return _silu_times_up(F.linear(x, weight, bias))
+    dtype, then act(gate) * up in float32 rounded once (as Inductor fuses it)."""
+    y = F.linear(x, weight, bias)
+    if GLU_ACTS[act] == 1:
+        return _silu_times_up(y)
+    g, u = y.chunk(2, dim=-1)
+    return (F.gelu(g.float(), approximate="tanh") * u.float()).to(y.dtype)
 
 
 def _silu_times_up(y: torch.Tensor) -> torch.Tensor:
@@ -359,8 +411,8 @@ def _silu_times_up(y: torch.Tensor) -> torch.Tensor:
 
 
 def small_linear_glu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                     launch: Launch | None = None) -> torch.Tensor:  # fmt: skip
-    """A SwiGLU MLP's first half, ``SiLU(x @ gate^T) * (x @ up^T)``, in one kernel: each
+                     launch: Launch | None = None, act: str = "silu") -> torch.Tensor:  # fmt: skip
+    """A gated MLP's first half, ``act(x @ gate^T) * (x @ up^T)``, in one kernel: each
     program takes the same output columns of the gate and the up rows, so the activation is an
     epilogue and its kernel (and the [M, 2N] intermediate) is gone.
 
@@ -369,6 +421,8 @@ def small_linear_glu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         weight: [2N, K], the gate rows then the up rows (a fused gate+up projection); bias: [2N]
             or None.
         launch: the settings and PDL (None: :func:`~dflash.kernels.pdl.default_launch`).
+        act: ``silu`` (SwiGLU) or ``gelu_tanh`` (GeGLU, Gemma's ``gelu_pytorch_tanh``), a key of
+            :data:`GLU_ACTS`.
     Returns:
         [M, N] in x's dtype. Off CUDA (or Triton absent and not interpreting)
         :func:`small_linear_glu_reference` runs instead.
@@ -377,10 +431,13 @@ def small_linear_glu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         ValueError: x does not fit the weight, or the weight has an odd number of rows.
     """
     if weight.shape[0] % 2:
-        raise ValueError(f"small_linear: weight {tuple(weight.shape)} does not split into gate and up halves")
+        raise ValueError(
+            f"small_linear: weight {tuple(weight.shape)} does not split into gate and up halves"
+        )
     if _on_cpu(x):
-        return small_linear_glu_reference(x, weight, bias)
-    return _small_linear_glu_op(x, weight, bias, *_launch_args(x, launch))
+        return small_linear_glu_reference(x, weight, bias, act)
+    op = _small_linear_glu_op if GLU_ACTS[act] == 1 else _small_linear_geglu_op
+    return op(x, weight, bias, *_launch_args(x, launch))
 
 
 def small_linear_reference(x, weight, bias=None, residual=None) -> torch.Tensor:

@@ -20,9 +20,14 @@ buffers as for the other families (a sliding window is a position mask; rollback
 
 Transformers 5.17 and 5.25 agree on every piece used here (checked side by side). Attention
 runs the split-KV kernel (:func:`~dflash.kernels.split_attention.split_attention`, with windows
-and sinks) where the backend's ``attention`` mode takes it and the head dim is at most
-:data:`KERNEL_MAX_HEAD_DIM`; else SDPA with the position mask, or, with sinks, the softmax over
-the scores and the sink column written out (float32), as transformers' eager attention.
+and sinks) where the backend's ``attention`` mode takes it and the head dim is a power of two
+up to :data:`KERNEL_MAX_HEAD_DIM` (Gemma 4's global 512 included); else SDPA with the position
+mask, or, with sinks, the softmax over the scores and the sink column written out (float32), as
+transformers' eager attention. On CUDA in bf16 a layer launches about as many kernels as a
+dense Qwen3 layer (docs/cuda-path.md): the projections as ``small_linear`` (Gemma's GELU-tanh
+in the gate+up kernel), q/k (/v) norms + RoPE + cache writes as one ``rope_cache`` /
+``rope_cache_family`` kernel, Gemma's sandwich norms with their residual adds as ``add_norm``,
+the expert blocks' router and slot sum as ``moe_topk`` / ``moe_combine`` (the ``fused`` route).
 """
 
 from __future__ import annotations
@@ -34,23 +39,36 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from dflash.backends.static.fused import _out_proj, _plain, fusable, fuse_linears
-from dflash.backends.static.moe import (
-    gemma4_block,
-    gemma4_moe_forward,
-    gpt_oss_block,
-    gpt_oss_forward,
+from dflash.backends.static.family_checks import (  # noqa: F401  (family_refusal, FAMILY_TYPES re-exported)
+    FAMILY_TYPES,
+    family_refusal,
+    family_type,
 )
+from dflash.backends.static.fused import (
+    _in_proj,
+    _in_proj_joint,
+    _out_proj,
+    _plain,
+    fusable,
+    fuse_linears,
+    realized,
+)
+from dflash.backends.static.moe import (
+    gemma4_moe_forward,
+    gpt_oss_forward,
+    kernel_act,
+)
+from dflash.kernels.add_norm import add_norm, add_norm_fits
 from dflash.kernels.rms_norm import MAX_HEAD_ROWS, MAX_HIDDEN, ONE_PLUS, ROUND_ONCE, rms_norm
+from dflash.kernels.rms_norm import MAX_ROWS as NORM_MAX_ROWS
 from dflash.kernels.rms_norm import available as rms_norm_available
-from dflash.kernels.rope_cache import norm_eps, rope_cache, rope_cache_fits
+from dflash.kernels.rope_cache import norm_eps, rope_cache, rope_cache_family, rope_cache_fits
 from dflash.kernels.small_linear import MAX_ROWS as LINEAR_MAX_ROWS
-from dflash.kernels.small_linear import linear_mode
+from dflash.kernels.small_linear import linear_mode, small_linear, small_linear_glu
 from dflash.kernels.split_attention import split_attention, uses_kernel
 from dflash.models.draft_torch import rope_cos_sin
 
-FAMILY_TYPES = ("gpt_oss", "gemma3_text", "gemma4_text")
-KERNEL_MAX_HEAD_DIM = 256  # larger heads (Gemma 4's global 512) attend through SDPA
+KERNEL_MAX_HEAD_DIM = 512  # Gemma 4's global layers' 512 included; larger heads attend through SDPA
 
 
 @dataclass
@@ -83,55 +101,6 @@ class LayerSpec:
     qkv: Any = None
     gate_up: Any = None
     sinks_log2: torch.Tensor | None = None
-
-
-def family_type(target: Any) -> str | None:
-    """The target's model type when this module runs it (:data:`FAMILY_TYPES`), else None."""
-    family = getattr(getattr(target, "config", None), "model_type", None)
-    return family if family in FAMILY_TYPES else None
-
-
-def family_refusal(target: Any) -> str | None:
-    """Why the static path cannot run this gpt-oss / Gemma 3 / Gemma 4 target (one phrase), or None."""
-    cfg, family = target.config, family_type(target)
-    inner = getattr(target, "model", None)
-    if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "embed_tokens"):
-        return f"the {family} target's module layout is not transformers' causal LM"
-    kinds = list(getattr(cfg, "layer_types", None) or [])
-    if len(kinds) != len(inner.layers) or any(
-        k not in ("full_attention", "sliding_attention") for k in kinds
-    ):
-        return f"layer kinds {sorted(set(kinds))} run on the plain path"
-    if "sliding_attention" in kinds and not (
-        isinstance(cfg.sliding_window, int) and cfg.sliding_window > 0
-    ):
-        return "sliding layers need a positive sliding_window"
-    if family == "gemma3_text" and getattr(cfg, "use_bidirectional_attention", False):
-        return "bidirectional attention runs on the plain path"
-    if family == "gemma4_text":
-        if getattr(cfg, "use_bidirectional_attention", None) == "all":
-            return "bidirectional attention runs on the plain path"
-        if int(getattr(cfg, "num_kv_shared_layers", 0) or 0) >= len(kinds):
-            return "a Gemma 4 target whose every layer shares K/V runs on the plain path"
-    for layer in inner.layers:
-        a = layer.self_attn
-        projs = [a.q_proj, a.o_proj] + [
-            m for m in (getattr(a, "k_proj", None), getattr(a, "v_proj", None)) if m
-        ]
-        if any(type(m).forward is not torch.nn.Linear.forward for m in projs):
-            return "its attention projections are not plain linears (quantized?)"
-        if family == "gpt_oss":
-            if not gpt_oss_block(layer.mlp) or not isinstance(
-                getattr(a, "sinks", None), torch.Tensor
-            ):
-                return "its expert blocks or attention sinks are not transformers' gpt-oss layout"
-        elif (
-            family == "gemma4_text"
-            and getattr(layer, "enable_moe_block", False)
-            and not gemma4_block(layer)
-        ):
-            return "its expert blocks are not transformers' Gemma 4 layout"
-    return None
 
 
 def layer_specs(target: Any) -> list[LayerSpec]:
@@ -176,12 +145,26 @@ def _gate_up(mlp) -> Any:
     return fuse_linears(parts[:2])
 
 
-def _mlp(spec: LayerSpec, mlp, h: torch.Tensor) -> torch.Tensor:
-    """down(act(gate(h)) * up(h)) with gate and up as one matmul where fused, else the module."""
+def _mlp(spec: LayerSpec, mlp, h: torch.Tensor, lin: bool = False, kl=None) -> torch.Tensor:
+    """down(act(gate(h)) * up(h)) for h [1, T, H] with gate and up as one matmul where fused,
+    else the module; ``lin``: both projections as :func:`~dflash.kernels.small_linear.small_linear`
+    kernels, the activation (SiLU, GELU-tanh) as the gate+up kernel's epilogue where it is one."""
     if spec.gate_up is None:
         return mlp(h)
-    g, u = spec.gate_up(h)
-    return mlp.down_proj(mlp.act_fn(g) * u)
+    act = kernel_act(mlp.act_fn) if lin else None
+    if act is not None:
+        a = small_linear_glu(h[0], spec.gate_up.weight, spec.gate_up.bias, kl, act)[None]
+    else:
+        g, u = _in_proj(lin, spec.gate_up, h, kl)
+        a = mlp.act_fn(g) * u
+    return _proj(lin, mlp.down_proj, a, kl)
+
+
+def _proj(lin: bool, proj, h: torch.Tensor, kl) -> torch.Tensor:
+    """proj(h) for [1, T, in] activations (no residual): one small_linear kernel when ``lin``."""
+    if lin:
+        return small_linear(h[0], proj.weight, proj.bias, launch=kl)[None]
+    return proj(h)
 
 
 def allocate(specs: list[LayerSpec], capacity: int, dtype, device) -> tuple[list, list]:
@@ -198,6 +181,17 @@ def allocate(specs: list[LayerSpec], capacity: int, dtype, device) -> tuple[list
     return ks, vs
 
 
+def _projections_fit(spec: LayerSpec, layer, dtype: torch.dtype) -> bool:
+    """Whether a layer's fused qkv, and a dense Gemma MLP's fused gate+up and down_proj, are
+    plain row-major linears of ``dtype`` (what small_linear takes)."""
+    if spec.qkv is not None and (spec.qkv.weight.dtype != dtype or spec.qkv.weight.stride(-1) != 1):
+        return False
+    if spec.gate_up is None:
+        return True
+    w = spec.gate_up.weight
+    return w.dtype == dtype and w.stride(-1) == 1 and _plain(layer.mlp.down_proj, dtype)
+
+
 def _norms(target) -> list:
     """The target's RMSNorm modules with a weight (the per-layer, head and final norms)."""
     return [m for m in target.modules() if type(m).__name__.endswith("RMSNorm") and isinstance(
@@ -209,26 +203,42 @@ def configure_family(be, settings) -> None:
     choices): ``norm_kernel``, the norms as :func:`~dflash.kernels.rms_norm.rms_norm` (bf16/fp16
     on CUDA: gpt-oss's and Gemma 4's rounding once, Gemma 3's (1 + w)); ``target_rope``
     (gpt-oss, where the split-KV kernel runs): RoPE and the K/V cache writes as
-    :func:`~dflash.kernels.rope_cache.rope_cache`; ``linear`` (gpt-oss): o_proj with its bias
-    and the residual add as :func:`~dflash.kernels.small_linear.small_linear`. All are rungs of
-    the fall-back ladder."""
+    :func:`~dflash.kernels.rope_cache.rope_cache`; ``linear``: the projections as
+    :func:`~dflash.kernels.small_linear.small_linear` kernels in forwards of up to 32 rows, as the
+    dense path's (o_proj, with gpt-oss's residual add; under ``auto``/``all`` the fused qkv and
+    Gemma's gate+up, its GELU-tanh as the epilogue, and down_proj too). All are rungs of the
+    fall-back ladder."""
     target, dtype = be.target, be.dtype
     be.norm_kernel = bool(settings.norm_kernel and be.device.type == "cuda" and rms_norm_available()
                           and dtype in (torch.bfloat16, torch.float16)
                           and all(m.weight.dim() == 1 and m.weight.numel() <= MAX_HIDDEN and m.weight.stride(0) == 1
                                   for m in _norms(target)))  # fmt: skip
-    if family_type(target) == "gpt_oss":  # o_proj with its bias and the residual add: one kernel
-        layers = target.model.layers
-        if all(_plain(layer.self_attn.o_proj, dtype) for layer in layers):
-            be.linear = linear_mode(settings.linear, be.device)
+    layers = target.model.layers
+    if all(_plain(layer.self_attn.o_proj, dtype) and _projections_fit(spec, layer, dtype)
+           for spec, layer in zip(be.family, layers, strict=True)):  # fmt: skip
+        be.linear = linear_mode(settings.linear, be.device)
     for spec in be.family:
         spec.sinks_log2 = (
             None if spec.sinks is None else spec.sinks.detach().float() * math.log2(math.e)
         )
     be.family_ones = {d: torch.ones(d, device=be.device) for d in {s.head_dim for s in be.family}}
     attn = target.model.layers[0].self_attn
-    be.target_rope = bool(settings.rope_target and be.attention != "sdpa" and family_type(target) == "gpt_oss"
-                          and all(s.qkv is not None for s in be.family) and rope_cache_fits(attn, dtype, norms=False))  # fmt: skip
+    if family_type(target) == "gpt_oss":
+        fits = rope_cache_fits(attn, dtype, norms=False)
+    else:  # Gemma: the owners of K/V rows, with their head norms
+        fits = all(_gemma_rope_fits(layer.self_attn, spec, dtype)
+                   for i, (spec, layer) in enumerate(zip(be.family, target.model.layers, strict=True)) if spec.src == i)  # fmt: skip
+    be.target_rope = bool(settings.rope_target and be.attention != "sdpa" and fits
+                          and all(s.qkv is not None for s in be.family))  # fmt: skip
+
+
+def _gemma_rope_fits(attn, spec: LayerSpec, dtype: torch.dtype) -> bool:
+    """Whether :func:`~dflash.kernels.rope_cache.rope_cache_family` runs a Gemma layer: a
+    power-of-two head dim of 16 to 512, q/k norms with [D] weights, 16- or 32-bit activations."""
+    d = spec.head_dim
+    norms = [getattr(attn, n, None) for n in ("q_norm", "k_norm")]
+    return (16 <= d <= 512 and d & (d - 1) == 0 and dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and all(isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight.shape == (d,) for m in norms))  # fmt: skip
 
 
 def _norm(be, norm, x: torch.Tensor, kl, mode: int) -> torch.Tensor:
@@ -267,10 +277,16 @@ def attend_sinks(q, k, v, mask, scale: float, sinks: torch.Tensor) -> torch.Tens
     return (p @ v.float()[:, :, None]).view(1, h, t, d).to(q.dtype)
 
 
+def kernel_head(head_dim: int) -> bool:
+    """Whether the split-KV kernel takes this head dim: a power of two up to
+    :data:`KERNEL_MAX_HEAD_DIM` (its tiles are ``tl.arange(0, D)``)."""
+    return 0 < head_dim <= KERNEL_MAX_HEAD_DIM and head_dim & (head_dim - 1) == 0
+
+
 def _attention(be, spec: LayerSpec, q, pos, masks, split: bool, kl) -> torch.Tensor:
     """The layer's attention over its K/V buffers: q [1, H, T, D] -> [1, H, T, D]."""
     k, v = be.k[spec.src], be.v[spec.src]
-    if split and spec.head_dim <= KERNEL_MAX_HEAD_DIM:
+    if split and kernel_head(spec.head_dim):
         return split_attention(q, k, v, pos[0], spec.scale, launch=kl, window=spec.window,
                                sinks_log2=spec.sinks_log2)  # fmt: skip
     if spec.sinks is not None:
@@ -288,8 +304,85 @@ def _rope_tables(be, pos: torch.Tensor) -> dict:
             inv, scale = rot.inv_freq, rot.attention_scaling
         else:
             inv, scale = getattr(rot, f"{key}_inv_freq"), getattr(rot, f"{key}_attention_scaling")
-        out[key] = rope_cos_sin(pos, inv.float(), float(scale), be.dtype)
+        out[key] = realized(
+            *rope_cos_sin(pos, inv.float(), float(scale), be.dtype)
+        )  # one buffer each
     return out
+
+
+def _queries(
+    be, i: int, h: torch.Tensor, cos, sin, pos, lin_in: bool, rope: bool, nm, kl
+) -> torch.Tensor:
+    """Layer i's queries [1, H, T, D] (normed and rotated) from its normed input h [1, T, H],
+    writing its K/V rows at ``pos`` where it owns them (a sharing layer reads its source's):
+    with ``rope`` (Gemma 3/4) one :func:`~dflash.kernels.rope_cache.rope_cache_family` kernel
+    after the fused projection, else torch ops and the norms ``nm``."""
+    spec, family = be.family[i], family_type(be.target)
+    a, t, hd = be.target.model.layers[i].self_attn, h.shape[1], be.family[i].head_dim
+    gemma4 = family == "gemma4_text"
+    if rope and spec.src == i and family != "gpt_oss":
+        raw = _in_proj_joint(lin_in, spec.qkv, h, kl)  # [T, (H + 2 Hkv) D] (k = v: (H + Hkv) D)
+        return rope_cache_family(raw, a.q_norm, a.k_norm, a.v_norm if gemma4 else None, cos, sin, pos[0], be.k[i],
+                                 be.v[i], spec.heads, spec.kv_heads, ONE_PLUS if family == "gemma3_text" else ROUND_ONCE,
+                                 getattr(a, "v_proj", None) is None, i > 0, kl)  # fmt: skip
+    parts = _in_proj(lin_in, spec.qkv, h, kl) if spec.qkv is not None else None  # q (, k (, v))
+    q = (parts[0] if parts else a.q_proj(h)).view(1, t, spec.heads, hd)
+    if family != "gpt_oss":
+        q = nm(a.q_norm, q)
+    q = _rotate(q.transpose(1, 2), cos, sin)  # [1, H, T, D]
+    if spec.src == i:  # this layer writes its K/V rows (a sharing layer reads its source's)
+        kr = (parts[1] if parts else a.k_proj(h)).view(1, t, spec.kv_heads, hd)
+        if getattr(a, "v_proj", None) is None:  # attention_k_eq_v: v is the raw k projection
+            vr = kr
+        else:
+            vr = (parts[2] if parts else a.v_proj(h)).view(1, t, spec.kv_heads, hd)
+        if family != "gpt_oss":
+            kr = nm(a.k_norm, kr)
+        if gemma4:
+            vr = nm(a.v_norm, vr)  # no weight: a weight of ones in the kernel
+        be.k[i].index_copy_(2, pos[0], _rotate(kr.transpose(1, 2), cos, sin))
+        be.v[i].index_copy_(2, pos[0], vr.transpose(1, 2))
+    return q
+
+
+def _gemma_rest(be, i: int, o, x, pli, lin: bool, lin_in: bool, kl, nm, mode: int) -> torch.Tensor:
+    """A Gemma layer after its attention: o_proj, the sandwich norms and residual adds, the MLP,
+    Gemma 4's expert branch, per-layer input and layer scalar; o [1, T, H*D], x [1, T, H] -> x.
+    Where the norm kernel runs, each post-norm, its residual add and what follows (the next
+    norm; Gemma 4's layer scalar) are one :func:`~dflash.kernels.add_norm.add_norm` launch."""
+    layer, spec = be.target.model.layers[i], be.family[i]
+    gemma4 = family_type(be.target) == "gemma4_text"
+    post, pre, ff = (
+        layer.post_attention_layernorm,
+        layer.pre_feedforward_layernorm,
+        layer.post_feedforward_layernorm,
+    )
+    out = _proj(lin, layer.self_attn.o_proj, o, kl)
+    fuse = (be.norm_kernel and x.shape[1] <= NORM_MAX_ROWS
+            and add_norm_fits(x.shape[-1], x.dtype, *(getattr(n, "weight", None) for n in (post, pre, ff))))  # fmt: skip
+    if fuse:
+        x2, h = add_norm(
+            out[0], x[0], post.weight, norm_eps(post), mode, None, pre.weight, norm_eps(pre), kl.pdl
+        )
+        x, h = x2[None], h[None]
+    else:
+        x = x + nm(post, out)
+        h = nm(pre, x)
+    m = _mlp(spec, layer.mlp, h, lin_in, kl)
+    if gemma4 and getattr(layer, "enable_moe_block", False):
+        m = nm(layer.post_feedforward_layernorm_1, m) + nm(
+            layer.post_feedforward_layernorm_2, gemma4_moe_forward(layer, x, be.moe_route)
+        )
+    scale = getattr(layer, "layer_scalar", None) if gemma4 else None
+    if fuse and pli is None and (scale is None or (scale.numel() == 1 and scale.dtype == x.dtype)):
+        return add_norm(m[0], x[0], ff.weight, norm_eps(ff), mode, scale, pdl=kl.pdl)[0][None]
+    x = x + nm(ff, m)
+    if pli is not None:
+        g = layer.act_fn(layer.per_layer_input_gate(x)) * pli[:, :, i]
+        x = x + nm(layer.post_per_layer_input_norm, layer.per_layer_projection(g))
+    if gemma4:
+        x = x * layer.layer_scalar
+    return x
 
 
 def family_forward(be, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -305,10 +398,13 @@ def family_forward(be, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     pli = None
     if family == "gemma4_text" and getattr(inner, "hidden_size_per_layer_input", 0):
         pli = inner.project_per_layer_inputs(x, inner.get_per_layer_inputs(ids, x))  # [1, T, L, P]
+    # one buffer each under Inductor: the RoPE kernels load the positions and tables before their
+    # PDL wait past layer 0 (``early``), which a per-call copy made just before them would race
+    (pos,) = realized(pos)
     tables = _rope_tables(be, pos)
     split = uses_kernel(be.attention, t)
     masks = {}
-    if not split or any(s.head_dim > KERNEL_MAX_HEAD_DIM for s in be.family):
+    if not split or not all(kernel_head(s.head_dim) for s in be.family):
         causal = be.key_pos[None, :] <= pos[0, :, None]
         for w in {s.window for s in be.family}:
             masks[w] = (
@@ -317,8 +413,11 @@ def family_forward(be, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     slots: list[torch.Tensor] = [None] * len(be.layer_ids)  # type: ignore[list-item]
     n_layers = len(be.family)
     mode = ONE_PLUS if family == "gemma3_text" else ROUND_ONCE
-    rope = split and be.target_rope  # gpt-oss: RoPE + K/V writes in one kernel
-    lin = t <= LINEAR_MAX_ROWS and be.linear != "torch"  # gpt-oss: o_proj + residual in one kernel
+    rope = split and be.target_rope  # RoPE (Gemma: and the q/k/v norms) + K/V writes in one kernel
+    lin = (
+        t <= LINEAR_MAX_ROWS and be.linear != "torch"
+    )  # o_proj (gpt-oss: + residual) as small_linear
+    lin_in = lin and be.linear in ("auto", "all")  # the qkv and gate+up projections too (and down)
 
     def nm(norm, y):
         return _norm(be, norm, y, kl, mode)
@@ -328,52 +427,31 @@ def family_forward(be, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         hd = spec.head_dim
         cos, sin = tables[spec.rope]
         h = nm(layer.input_layernorm, x)
-        if rope and spec.src == i:  # gpt-oss: RoPE and the cache writes in one kernel
-            raw = F.linear(h[0], spec.qkv.weight, spec.qkv.bias)  # [T, (H + 2 Hkv) D]
+        if (
+            rope and spec.src == i and family == "gpt_oss"
+        ):  # RoPE and the cache writes in one kernel
+            raw = _in_proj_joint(lin_in, spec.qkv, h, kl)  # [T, (H + 2 Hkv) D]
             q = rope_cache(raw, None, None, cos, sin, pos[0], be.k[i], be.v[i], 0, spec.heads, spec.kv_heads,
                            i > 0, kl)  # fmt: skip
             o = _attention(be, spec, q, pos, masks, split, kl)
             x = _out_proj(lin, a.o_proj, o.transpose(1, 2).reshape(1, t, spec.heads * hd), x, kl)
-            x = x + gpt_oss_forward(layer.mlp, nm(layer.post_attention_layernorm, x), be.moe_route)
+            x = gpt_oss_forward(
+                layer.mlp, nm(layer.post_attention_layernorm, x), be.moe_route, residual=x
+            )
             if i < n_layers - 1:
                 for n in be.feature_layers.get(i, ()):
                     slots[n] = x[0]
             continue
-        parts = spec.qkv(h) if spec.qkv is not None else None  # one matmul: q (, k (, v))
-        q = (parts[0] if parts else a.q_proj(h)).view(1, t, spec.heads, hd)
-        if family != "gpt_oss":
-            q = nm(a.q_norm, q)
-        q = _rotate(q.transpose(1, 2), cos, sin)  # [1, H, T, D]
-        if spec.src == i:  # this layer writes its K/V rows (a sharing layer reads its source's)
-            kr = (parts[1] if parts else a.k_proj(h)).view(1, t, spec.kv_heads, hd)
-            if getattr(a, "v_proj", None) is None:  # attention_k_eq_v: v is the raw k projection
-                vr = kr
-            else:
-                vr = (parts[2] if parts else a.v_proj(h)).view(1, t, spec.kv_heads, hd)
-            if family != "gpt_oss":
-                kr = nm(a.k_norm, kr)
-            if family == "gemma4_text":
-                vr = nm(a.v_norm, vr)  # no weight: a weight of ones in the kernel
-            be.k[i].index_copy_(2, pos[0], _rotate(kr.transpose(1, 2), cos, sin))
-            be.v[i].index_copy_(2, pos[0], vr.transpose(1, 2))
+        q = _queries(be, i, h, cos, sin, pos, lin_in, rope, nm, kl)
         o = _attention(be, spec, q, pos, masks, split, kl)
         o = o.transpose(1, 2).reshape(1, t, spec.heads * hd)
         if family == "gpt_oss":
             x = _out_proj(lin, a.o_proj, o, x, kl)
-            x = x + gpt_oss_forward(layer.mlp, nm(layer.post_attention_layernorm, x), be.moe_route)
+            x = gpt_oss_forward(
+                layer.mlp, nm(layer.post_attention_layernorm, x), be.moe_route, residual=x
+            )
         else:
-            x = x + nm(layer.post_attention_layernorm, a.o_proj(o))
-            m = _mlp(spec, layer.mlp, nm(layer.pre_feedforward_layernorm, x))
-            if family == "gemma4_text" and getattr(layer, "enable_moe_block", False):
-                m = nm(layer.post_feedforward_layernorm_1, m) + nm(
-                    layer.post_feedforward_layernorm_2, gemma4_moe_forward(layer, x, be.moe_route)
-                )
-            x = x + nm(layer.post_feedforward_layernorm, m)
-            if pli is not None:
-                g = layer.act_fn(layer.per_layer_input_gate(x)) * pli[:, :, i]
-                x = x + nm(layer.post_per_layer_input_norm, layer.per_layer_projection(g))
-            if family == "gemma4_text":
-                x = x * layer.layer_scalar
+            x = _gemma_rest(be, i, o, x, pli, lin, lin_in, kl, nm, mode)
         if i < n_layers - 1:
             for n in be.feature_layers.get(i, ()):
                 slots[n] = x[0]

@@ -367,7 +367,7 @@ def target_forward_fused(be, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tens
         o = o.transpose(1, 2).reshape(1, t, be.heads * hd)
         x = _out_proj(lin, a.o_proj, o, x, kl)
         if gate_up is None:  # an expert block
-            x = x + moe_forward(layer.mlp, _norm(nk, layer.post_attention_layernorm, x, kl), be.moe_route)
+            x = moe_forward(layer.mlp, _norm(nk, layer.post_attention_layernorm, x, kl), be.moe_route, residual=x)
         elif fuse:
             x = _mlp_rn(lin, fg, layer.mlp.down_proj, layer.mlp.act_fn, layer.post_attention_layernorm, x, glu, kl)
         else:

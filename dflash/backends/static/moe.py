@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from dflash.kernels.moe_gemv import MAX_PAIRS, moe_gemv, moe_glu
+from dflash.kernels.moe_gemv import MAX_EXPERTS, MAX_PAIRS, moe_combine, moe_gemv, moe_glu, moe_topk
 from dflash.kernels.moe_gemv import usable as moe_gemv_usable
 
 # routers without a ``norm_topk_prob`` flag that always divide the top-k weights by their sum
@@ -86,11 +86,20 @@ def moe_route(device: torch.device, dtype: torch.dtype) -> str:
     return "gather"
 
 
-def route(mlp: Any, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _kernel_topk(how: str, logits: torch.Tensor) -> bool:
+    """Whether the ``fused`` route's router kernel (:func:`~dflash.kernels.moe_gemv.moe_topk`)
+    takes these [T, E] logits (the rows a fused expert step runs)."""
+    return how == "fused" and logits.shape[-1] <= MAX_EXPERTS and logits.shape[0] <= MAX_PAIRS
+
+
+def route(mlp: Any, h: torch.Tensor, how: str = "gather") -> tuple[torch.Tensor, torch.Tensor]:
     """The router of ``mlp`` on rows h [T, H]: (weights [T, K] in the logits' dtype, experts
-    [T, K] int64), as transformers' top-k router computes them."""
+    [T, K] int64), as transformers' top-k router computes them (the ``fused`` route: softmax,
+    top-k and the division in one kernel)."""
     gate = mlp.gate
     logits = F.linear(h, gate.weight)  # [T, E]
+    if _kernel_topk(how, logits):
+        return moe_topk(logits, gate.top_k, True, normalizes(gate))
     probs = torch.softmax(logits, dim=-1, dtype=torch.float)
     top, idx = torch.topk(probs, gate.top_k, dim=-1)
     if normalizes(gate):
@@ -98,16 +107,20 @@ def route(mlp: Any, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return top.to(logits.dtype), idx
 
 
-def moe_forward(mlp: Any, h: torch.Tensor, how: str = "gather") -> torch.Tensor:
-    """The expert block's output (no residual) for normed activations h [1, T, H] -> [1, T, H].
+def moe_forward(
+    mlp: Any, h: torch.Tensor, how: str = "gather", residual: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The expert block's output for normed activations h [1, T, H] -> [1, T, H].
 
     Args:
         mlp: a block :func:`moe_block` accepts.
         h: [1, T, H] activations (the post-attention norm's output).
-        how: ``gather`` or ``grouped`` (:func:`moe_route`).
+        how: ``gather``, ``grouped`` or ``fused`` (:func:`moe_route`).
+        residual: [1, T, H] added to the output (``residual + out``, rounded as torch's add of
+            two tensors of its dtype; the ``fused`` route adds it in the slot-sum kernel), or None.
     """
     x = h[0]  # [T, H]
-    weights, experts = route(mlp, x)  # [T, K]
+    weights, experts = route(mlp, x, how)  # [T, K]
     ex = mlp.experts
     act = ex.act_fn
 
@@ -117,16 +130,15 @@ def moe_forward(mlp: Any, h: torch.Tensor, how: str = "gather") -> torch.Tensor:
 
     name = kernel_act(act)
     fused_glu = (name, False, 1.0, 0.0) if name else None
-    y = apply_experts(
-        x, weights, experts, ex.gate_up_proj, ex.down_proj, glu, how, kernel_glu=fused_glu
-    )
-    return y.to(h.dtype)[None]
+    y = apply_experts(x, weights, experts, ex.gate_up_proj, ex.down_proj, glu, how, kernel_glu=fused_glu,
+                      residual=None if residual is None else residual[0])  # fmt: skip
+    return (y if residual is not None else y.to(h.dtype))[None]
 
 
 def apply_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gu_w: torch.Tensor,
                   down_w: torch.Tensor, glu, how: str = "gather", gu_b: torch.Tensor | None = None,
                   down_b: torch.Tensor | None = None, transposed: bool = False,
-                  kernel_glu: tuple | None = None) -> torch.Tensor:  # fmt: skip
+                  kernel_glu: tuple | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """sum_k weights[t, k] * down_e(glu(gate_up_e(x[t]))) over the K experts e = experts[t, k]
     of each row, with fixed shapes (CUDA-graph safe).
 
@@ -140,10 +152,21 @@ def apply_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
         kernel_glu: ``glu`` as the ``fused`` route's gate+up epilogue
             (:func:`~dflash.kernels.moe_gemv.moe_glu`): (act, interleaved, alpha, limit); None:
             ``glu`` runs as torch ops between two GEMV kernels.
+        residual: [T, H] rows to add, or None.
     Returns:
         [T, H] in the product's dtype (float32 when the weights are), the K slots summed in
-        slot order.
+        slot order; with ``residual``, ``residual + that.to(residual.dtype)`` (in the ``fused``
+        route one kernel sums the slots, rounds and adds).
     """
+    y, combined = _experts(x, weights, experts, gu_w, down_w, glu, how, gu_b, down_b, transposed, kernel_glu,
+                           residual)  # fmt: skip
+    return y if residual is None or combined else residual + y.to(residual.dtype)
+
+
+def _experts(
+    x, weights, experts, gu_w, down_w, glu, how, gu_b, down_b, transposed, kernel_glu, residual
+):
+    """:func:`apply_experts`'s body: (rows, whether the residual is already added in)."""
     t, k = experts.shape
     flat = experts.reshape(-1)  # [T*K] expert of each (row, slot)
     gu_t = gu_w if transposed else gu_w.transpose(-2, -1)  # [E, H, 2I] views
@@ -161,7 +184,9 @@ def apply_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
             a = glu(moe_gemv(xs, gu_w, flat, gu_b, transposed))  # [T*K, I]
         # the routing weights in the down kernel's epilogue; float32 out, the K slots summed here
         y = moe_gemv(a, down_w, flat, down_b, transposed, weights.reshape(-1), torch.float32)
-        return y.view(t, k, -1).sum(1)  # [T, H]
+        if residual is not None:  # the slot sum, the cast and the residual add: one kernel
+            return moe_combine(y, k, residual), True
+        return y.view(t, k, -1).sum(1), False  # [T, H]
     elif how in ("grouped", "fused"):
         order = torch.argsort(flat, stable=True)  # pairs grouped by expert
         rows = torch.div(order, k, rounding_mode="floor")
@@ -184,7 +209,7 @@ def apply_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
         y = torch.bmm(glu(gu)[:, None, :], down_t[flat])[:, 0]  # [T*K, H]
         if down_b is not None:
             y = y + down_b[flat]
-    return (y.view(t, k, -1) * weights[..., None]).sum(1)
+    return (y.view(t, k, -1) * weights[..., None]).sum(1), False
 
 
 def kernel_act(act: Any) -> str | None:
@@ -222,17 +247,23 @@ def gpt_oss_block(mlp: Any) -> bool:
             and isinstance(getattr(ex, "limit", None), (int, float)))  # fmt: skip
 
 
-def gpt_oss_forward(mlp: Any, h: torch.Tensor, how: str = "gather") -> torch.Tensor:
+def gpt_oss_forward(
+    mlp: Any, h: torch.Tensor, how: str = "gather", residual: torch.Tensor | None = None
+) -> torch.Tensor:
     """A gpt-oss expert block (:func:`gpt_oss_block`) on normed activations h [1, T, H] ->
     [1, T, H], as transformers computes it: router logits h W^T + b, top-K of the logits, a
     softmax over those K (in the logits' dtype); per expert gate_up = x W + b, gate and up
     interleaved (even and odd columns), gate clamped to <= limit and up to [-limit, limit],
-    (up + 1) * gate * sigmoid(alpha * gate), then down = . W + b."""
+    (up + 1) * gate * sigmoid(alpha * gate), then down = . W + b. ``residual``: as
+    :func:`moe_forward`'s."""
     x = h[0]
     router, ex = mlp.router, mlp.experts
     logits = F.linear(x, router.weight, router.bias)  # [T, E]
-    top, idx = torch.topk(logits, router.top_k, dim=-1)
-    weights = torch.softmax(top, dim=1, dtype=top.dtype)
+    if _kernel_topk(how, logits):  # top-k and the softmax over it: one kernel
+        weights, idx = moe_topk(logits, router.top_k, False)
+    else:
+        top, idx = torch.topk(logits, router.top_k, dim=-1)
+        weights = torch.softmax(top, dim=1, dtype=top.dtype)
     alpha, limit = float(ex.alpha), float(ex.limit)
 
     def glu(gu: torch.Tensor) -> torch.Tensor:
@@ -240,8 +271,9 @@ def gpt_oss_forward(mlp: Any, h: torch.Tensor, how: str = "gather") -> torch.Ten
         return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
     y = apply_experts(x, weights, idx, ex.gate_up_proj, ex.down_proj, glu, how, ex.gate_up_proj_bias,
-                      ex.down_proj_bias, transposed=True, kernel_glu=("gpt_oss", True, alpha, limit))  # fmt: skip
-    return y.to(h.dtype)[None]
+                      ex.down_proj_bias, transposed=True, kernel_glu=("gpt_oss", True, alpha, limit),
+                      residual=None if residual is None else residual[0])  # fmt: skip
+    return (y if residual is not None else y.to(h.dtype))[None]
 
 
 def gemma4_block(layer: Any) -> bool:

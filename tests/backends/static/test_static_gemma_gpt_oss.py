@@ -167,3 +167,37 @@ def test_the_kernels_reference_counts_the_sinks():
             got = split_attention_reference(q, k, v, pos, 0.25, split, one, window, sinks)
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert math.isfinite(float(want.sum()))
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "gemma3_text", "gemma4_k_eq_v", "gemma4_moe"])
+def test_the_kernel_wiring_keeps_greedy_ids(family):
+    """The forward as CUDA runs it in bf16 (split-KV attention with every head dim, Gemma 4's
+    global 32-wide heads included; the projections through small_linear, Gemma's GELU-tanh as
+    the gate+up epilogue; q/k/v norms, RoPE and the cache writes as one kernel; their torch
+    references on CPU, float32): HF generate's ids at
+    blocks 1 and 16, and no position mask is built for a forward the kernel takes."""
+    from dflash.backends.static import families
+
+    model, truth = model_of(family)
+    be = static(model, "split")
+    # the kernels' references on CPU: RoPE, the norms (Gemma: the post-norm + residual + next
+    # norm as one add_norm)
+    be.linear, be.target_rope, be.norm_kernel = "auto", True, True
+    calls = []
+    real = families.small_linear_glu
+
+    def glu(*args, **kwargs):
+        calls.append(args[-1] if len(args) > 4 else kwargs.get("act"))
+        return real(*args, **kwargs)
+
+    families.small_linear_glu = glu
+    try:
+        for block in (1, 16):
+            assert run(be, prompt_ids(), block, N) == truth[:N]
+    finally:
+        families.small_linear_glu = real
+    assert (len(calls) > 0) == family.startswith("gemma")
+    assert set(calls) <= {"gelu_tanh"}
+    with torch.inference_mode():  # a 1-row forward of the kernel's widths: no [T, S] masks
+        be.key_pos = None  # the masks read it; the kernel path never does
+        be._target_forward(torch.tensor([[5]]), torch.tensor([[45]]))
