@@ -47,6 +47,7 @@ class _Req:
     row: int = -1
     last: float = field(default_factory=time.perf_counter)
     queued_step: int = 0
+    need: int = 0  # tokens a batched row must hold: prompt + an explicit max_tokens (+1 else)
 
 
 def default_max_batch(device: Any) -> int:
@@ -141,8 +142,9 @@ class BatchEngine(Engine):
         eos = [] if req.ignore_eos else list(self.pipe.stop_ids)
         stops = eos + [t for t in req.stop_token_ids if t not in eos]
         state = info if info is not None else {"state": "queued"}
+        need = len(ids) + (req.max_tokens or 1)
         item = _Req(list(ids), budget, stops, sampling or req.sampling, cancel, emit, state,
-                    queued_step=self.step_no)  # fmt: skip
+                    queued_step=self.step_no, need=need)  # fmt: skip
         with self.cond:
             self.pending.append(item)
             self.cond.notify()
@@ -177,7 +179,14 @@ class BatchEngine(Engine):
             if self.rows and self.pending and free < spec.refill_min:
                 if self.step_no - self.pending[0].queued_step < ADMIT_WAIT_STEPS:
                     return
+            alone = False  # a request no batched row holds runs alone, once the rows have drained
             while self.pending and len(take) < free:
+                if self.pending[0].need > spec.max_len:
+                    if take or self.rows or self.solo is not None:
+                        break  # first in, first served: the queue behind it waits too
+                    alone = True
+                    take.append(self.pending.popleft())
+                    break
                 take.append(self.pending.popleft())
         ready = []
         for item in take:
@@ -191,7 +200,7 @@ class BatchEngine(Engine):
             ready.append(item)
         if not ready:
             return
-        if len(ready) == 1 and not self.rows and self.solo is None and not self.pending:
+        if len(ready) == 1 and not self.rows and self.solo is None and (alone or not self.pending):
             it = ready[0]  # alone: the one-at-a-time path (fused kernels, the device loop)
             self.solo_runs += 1
             gen = self.pipe.stream(it.ids, block_size=self.stream_block, max_new_tokens=it.budget,

@@ -100,6 +100,27 @@ def test_auto_width_batches_give_the_same_text(pipe, want, monkeypatch, tmp_path
         client.__exit__(None, None, None)
 
 
+def test_requests_past_a_rows_capacity_run_alone(pipe, want, monkeypatch):
+    """A request whose prompt + max_tokens no batched row holds waits for the rows to drain and
+    runs one-at-a-time: its reply and every other's equal the single-request ones (no error)."""
+    import dflash.serve.batch_engine as batch_engine
+
+    needs = [len(pipe.chat_prompt([{"role": "user", "content": q}])) + 6 + 5 * i
+             for i, q in enumerate(QUESTIONS)]  # fmt: skip
+    cap = sorted(needs)[4]  # three of the eight need more than a row holds
+    long = sum(n > cap for n in needs)
+    assert long == 3
+    monkeypatch.setattr(batch_engine, "BATCH_CAPACITY", cap)
+    client = batch_client(pipe, max_batch=4)
+    try:
+        assert client.engine.spec.max_len == cap
+        with ThreadPoolExecutor(8) as pool:
+            got = list(pool.map(lambda i: ask(client, i), range(8)))
+        assert got == want and client.engine.solo_runs >= long
+    finally:
+        client.__exit__(None, None, None)
+
+
 def test_one_row_and_cpu_default_keep_one_at_a_time(pipe):
     client = batch_client(pipe, max_batch=1)
     try:
